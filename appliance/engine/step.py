@@ -1,0 +1,71 @@
+"""What the scheduler tells the workers each step, and what they answer.
+
+Plain ints, floats, strings and lists only, so the runtime's msgpack codec is trivial and nothing is pickled.
+Workers keep per-request state between steps (all token ids, block table, sampling params, RNG), so a step
+carries only what changed: requests that are new to the workers, how many tokens each scheduled request
+computes now, blocks appended to its table, and requests to forget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the workers have not seen (or must rebuild after preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt followed by the tokens generated so far (non-empty after preemption)
+    num_prompt_tokens: int  # token_ids[:num_prompt_tokens] is the prompt; the rest counts as output
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hit)
+    block_ids: list[int]
+    sampling: dict[str, Any]  # SamplingParams.to_dict()
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `num_tokens` tokens starting at the worker's num_computed."""
+
+    request_id: str
+    num_tokens: int
+    new_block_ids: list[int]  # appended to the request's block table before the step runs
+    sample: bool  # sample a token after this chunk (last prefill chunk, or a decode)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # forget these before running the step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprob: float | None = None  # of the sampled token, when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    sampled: list[SampledToken] = field(default_factory=list)
+    # prompt logprobs per request when asked: one entry per prompt position (None for the first)
+    prompt_logprobs: dict[str, list[list[tuple[int, float]] | None]] = field(default_factory=dict)
+
+
+class Executor:
+    """Runs step plans. InProcessExecutor (executor/) and the runtime's remote executor implement it."""
+
+    def execute(self, plan: StepPlan) -> StepResult:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def shutdown(self) -> None:  # pragma: no cover - interface
+        pass

@@ -1,0 +1,12 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from appliance.kernels.registry import register
+
+
+@register("silu_and_mul", "torch")
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,68 @@
+"""Paged KV store and attention over a paged KV cache, in plain torch.
+
+Caches are [num_blocks, block_size, num_kv_heads, head_dim]; a request's tokens live in the blocks its block
+table names, token t in block_table[t // block_size] at offset t % block_size.
+"""
+from __future__ import annotations
+
+import torch
+
+from appliance.kernels.registry import register
+
+
+@register("store_kv", "torch")
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one request: [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Tq,H,D] at positions q_pos; k, v [Tk,Hkv,D] at positions 0..Tk-1; causal; float32 math."""
+    h, hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(h // hkv, dim=1)
+    v = v.repeat_interleave(h // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+
+
+@register("decode_attention", "torch")
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for b, length in enumerate(seq_lens.tolist()):
+        k = _gather(k_cache, block_tables[b], length)
+        v = _gather(v_cache, block_tables[b], length)
+        pos = torch.tensor([length - 1], device=q.device)
+        out[b] = _attend(q[b : b + 1], k, v, pos, scale)[0]
+    return out
+
+
+@register("prefill_attention", "torch")
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        start, end = cu[b], cu[b + 1]
+        if end == start:
+            continue
+        k = _gather(k_cache, block_tables[b], length)
+        v = _gather(v_cache, block_tables[b], length)
+        pos = torch.arange(length - (end - start), length, device=q.device)
+        out[start:end] = _attend(q[start:end], k, v, pos, scale)
+    return out
