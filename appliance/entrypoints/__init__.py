@@ -1,1 +1,2 @@
+"""User-facing entry points: the offline LLM class."""
 from __future__ import annotations

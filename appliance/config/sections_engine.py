@@ -1,0 +1,207 @@
+"""Config sections about the model and how it runs: model, precision, parallelism, scheduler, cache, backends.
+
+Names and defaults follow the seeds (TokenSpeed server parameters; vLLM/SGLang where they agree). Field
+descriptions are user documentation: docs/parameters.md is generated from them.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from appliance.config.fields import param
+
+
+class Section(BaseModel):
+    """Base of every section: immutable, unknown keys are errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    def __hash__(self) -> int:  # dict and list fields defeat pydantic's field hash; the JSON form is stable
+        return hash(json.dumps(self.model_dump(mode="json"), sort_keys=True))
+
+
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+KvCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
+Quantization = Literal[
+    "fp8", "nvfp4", "mxfp4", "w8a8_fp8", "w8a8_int8", "compressed-tensors", "awq", "gptq", "modelopt"
+]
+LoadFormat = Literal["auto", "pt", "safetensors", "npcache", "dummy"]
+AttentionBackend = Literal[
+    "auto", "torch", "triton", "flashinfer", "mha", "fa3", "fa4", "trtllm_mla", "tokenspeed_mla"
+]
+MoeBackend = Literal["auto", "torch", "triton", "deepep", "cutlass", "flashinfer_trtllm", "flashinfer_cutlass"]
+All2AllBackend = Literal["auto", "naive", "allgather_reducescatter", "deepep", "pplx"]
+
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+
+
+class ModelSection(Section):
+    """Which model to serve and how to load it."""
+
+    path: str | None = param(
+        None, "Model directory or Hugging Face repo id. Unset: the small model embedded in the package "
+        "(appliance/assets/default_model), so `appliance run` works with no download.",
+        flags=("--model", "--model-path"))
+    tokenizer: str | None = param(None, "Tokenizer path or repo id when it differs from the model path.")
+    tokenizer_mode: Literal["auto", "slow"] = param(
+        "auto", "Tokenizer behaviour: `auto` uses the fast tokenizer when available, `slow` forces the Python one.")
+    skip_tokenizer_init: bool = param(
+        False, "Do not load a tokenizer; requests must carry token ids and responses carry token ids only.")
+    load_format: LoadFormat = param(
+        "auto", "Weight format: `auto` prefers safetensors, `pt` PyTorch bins, `npcache` a numpy cache, "
+        "`dummy` random weights (benchmarks without a checkpoint).")
+    trust_remote_code: bool = param(False, "Allow model code shipped in the model repository to run.")
+    revision: str | None = param(None, "Model branch, tag or commit to load.")
+    download_dir: str | None = param(None, "Hugging Face download/cache directory.")
+    hf_overrides: dict[str, Any] = param(
+        default_factory=dict, description="Values that replace entries of the model's config.json "
+        "(for example `{max_position_embeddings = 65536}`).", flags=None, json_flag="--hf-overrides")
+    max_model_len: int | None = param(
+        None, "Longest sequence (prompt + output) served. Unset: the model's max_position_embeddings. "
+        "It may not exceed the model's limit; raise that through hf_overrides if you mean to.",
+        flags=("--max-model-len", "--context-length", "--max-seq-len"), gt=0)
+    seed: int = param(0, "Random seed for weight init (dummy weights) and unseeded sampling.", ge=0)
+    device: Literal["auto", "cuda", "cpu"] = param(
+        "auto", "Where the model runs: `auto` is CUDA when a GPU is visible, else CPU.")
+
+
+class PrecisionSection(Section):
+    """Number formats of weights, activations and the KV cache."""
+
+    dtype: Dtype = param(
+        "auto", "Weight and activation dtype. `auto` follows the model's torch_dtype (float32 on CPU when the "
+        "model asks for half precision the CPU path lacks). Aliases: half, bf16, float.")
+    kv_cache_dtype: KvCacheDtype = param(
+        "auto", "KV cache storage dtype. `auto` is the activation dtype; fp8 halves KV memory and may need "
+        "scaling factors (quantization_param_path).")
+    kv_cache_quant_method: str | None = param(None, "KV cache quantization method (for low-precision KV caches).")
+    quantization: Quantization | None = param(None, "Weight quantization of the checkpoint. Unset: none.")
+    quantization_param_path: str | None = param(
+        None, "JSON file with KV cache scaling factors, commonly needed with an fp8 KV cache.")
+
+    @field_validator("dtype", "kv_cache_dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, v: Any) -> Any:
+        return _DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
+
+
+class ParallelismSection(Section):
+    """How the model is split over GPUs and nodes. world size = tp x dp (x nothing else in this build)."""
+
+    tp: int = param(1, "Tensor-parallel size of attention (the familiar --tensor-parallel-size).",
+                    flags=("--tensor-parallel-size", "--tp", "--attn-tp-size", "--tp-size"), ge=1)
+    dense_tp: int | None = param(None, "Tensor-parallel size of dense MLP layers. Unset: same as tp.",
+                                 flags="--dense-tp-size", ge=1)
+    moe_tp: int | None = param(None, "Tensor-parallel size of MoE layers. Unset: same as tp (or 1 with "
+                               "expert parallelism).", flags="--moe-tp-size", ge=1)
+    dp: int = param(1, "Number of data-parallel replicas.", flags=("--data-parallel-size", "--dp-size", "--dp"),
+                    ge=1)
+    enable_expert_parallel: bool = param(
+        False, "Shard MoE experts over the ranks instead of tensor-splitting them. ep defaults to tp x dp.",
+        flags=("--enable-expert-parallel", "--enable-ep-moe"))
+    ep: int | None = param(
+        None, "Expert-parallel size. Unset: tp x dp when enable_expert_parallel, else 1. Must divide world size.",
+        flags=("--expert-parallel-size", "--ep-size", "--ep"), ge=1)
+    world_size: int | None = param(None, "Total worker processes over all nodes. Unset: tp x dp; when set it "
+                                   "must equal that.", ge=1)
+    nprocs_per_node: int | None = param(None, "Worker processes per node. Unset: world_size / nnodes.", ge=1)
+    nnodes: int = param(1, "Number of nodes.", ge=1)
+    node_rank: int = param(0, "Rank of this node (0 is the head).", ge=0)
+    dist_init_addr: str | None = param(None, "host:port for distributed initialisation across nodes.",
+                                       flags=("--dist-init-addr", "--nccl-init-addr"))
+
+    @property
+    def effective_ep(self) -> int:
+        if self.ep is not None:
+            return self.ep
+        return self.tp * self.dp if self.enable_expert_parallel else 1
+
+    @property
+    def effective_world_size(self) -> int:
+        return self.world_size if self.world_size is not None else self.tp * self.dp
+
+
+class SchedulerSection(Section):
+    """Batching and admission: how many requests run together and how much work one step issues."""
+
+    max_num_seqs: int = param(256, "Most sequences the scheduler runs concurrently.",
+                              flags=("--max-num-seqs", "--max-running-requests"), ge=1)
+    chunked_prefill_size: int = param(
+        8192, "Token budget the scheduler issues in one step (decodes first, long prompts split into chunks). "
+        "-1 disables chunked prefill: a prompt is prefilled whole, bounded by max_prefill_tokens.", ge=-1)
+    max_prefill_tokens: int = param(8192, "Prefill token budget of one step when chunked prefill is disabled.",
+                                    ge=1)
+    max_queued_requests: int | None = param(
+        None, "Most requests waiting for admission; further requests get HTTP 503 at once. Unset: no limit.", ge=1)
+    policy: Literal["fcfs", "lpm", "slo"] = param(
+        "fcfs", "Order of waiting requests: `fcfs` first come first served; `lpm` longest cached prefix first; "
+        "`slo` decode-first for sequences near their time-between-tokens deadline, shortest prompt first.",
+        flags=("--scheduling-policy", "--schedule-policy"))
+    slo_tbt_ms: float = param(100.0, "Time-between-tokens deadline in milliseconds for policy `slo`.",
+                              flags=("--slo-tbt-ms", "--tbt-deadline-ms"), gt=0)
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _chunk(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("must be positive, or -1 to disable chunked prefill")
+        return v
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_alias(cls, v: Any) -> Any:
+        return {"fifo": "fcfs", "slai": "slo"}.get(v, v) if isinstance(v, str) else v
+
+
+class CacheSection(Section):
+    """The paged KV cache."""
+
+    block_size: int = param(16, "Tokens per KV cache block (a power of two).", ge=1, le=256)
+    gpu_memory_utilization: float = param(
+        0.9, "Fraction of GPU memory for weights, activations and KV cache; lower it to leave headroom.",
+        flags=("--gpu-memory-utilization", "--mem-fraction-static"), gt=0, le=1)
+    max_total_tokens: int | None = param(
+        None, "Size of the KV token pool. Unset: computed from gpu_memory_utilization (on CPU: enough for "
+        "max_num_seqs full sequences, capped).", ge=1)
+    enable_prefix_caching: bool = param(True, "Reuse KV blocks of identical prompt prefixes across requests.")
+
+    @field_validator("block_size")
+    @classmethod
+    def _pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two, got {v}")
+        return v
+
+
+class BackendsSection(Section):
+    """Kernel and runtime backends. `auto` picks per device; set them explicitly in production."""
+
+    attention: AttentionBackend = param("auto", "Attention kernels: `auto` (triton on GPU, torch on CPU), "
+                                        "`torch` (reference), `triton`, `flashinfer`, ...",
+                                        flags="--attention-backend")
+    drafter_attention: AttentionBackend | None = param(
+        None, "Attention backend of the speculative drafter. Unset: same as attention.",
+        flags="--drafter-attention-backend")
+    moe: MoeBackend = param("auto", "Fused MoE kernels.", flags="--moe-backend")
+    draft_moe: MoeBackend | None = param(None, "MoE backend of the draft model. Unset: same as moe.",
+                                         flags="--draft-moe-backend")
+    all2all: All2AllBackend = param("auto", "All-to-all of MoE tokens under expert parallelism.",
+                                    flags="--all2all-backend")
+    deepep_mode: Literal["auto", "normal", "low_latency"] = param("auto", "DeepEP mode.")
+    sampling: Literal["auto", "torch", "greedy", "flashinfer", "flashinfer_full"] = param(
+        "auto", "Sampling kernels: `torch`, `greedy` (argmax only), `flashinfer`, `flashinfer_full`.",
+        flags="--sampling-backend")
+    dp_sampling: bool = param(False, "Data-parallel sampling: the logits processor plans the logits layout.")
+    enforce_eager: bool = param(False, "Never capture CUDA graphs (eager execution only).")
+    cuda_graph_max_bs: int | None = param(
+        None, "Largest batch captured as a CUDA graph. Unset: min(max_num_seqs, 256).",
+        flags=("--max-cudagraph-capture-size", "--cuda-graph-max-bs"), ge=1)
+    cuda_graph_sizes: list[int] | None = param(
+        None, "Exact batch sizes to capture. Unset: 1, 2, 4, 8 then multiples of 8 up to cuda_graph_max_bs.",
+        flags=("--cudagraph-capture-sizes", "--cuda-graph-bs"))
+    enable_allreduce_fusion: bool = param(False, "Fuse all-reduce with the following RMSNorm.")
+    comm_fusion_max_num_tokens: int | None = param(None, "Most tokens a fused communication kernel handles.", ge=1)
+    mla_chunk_multiplier: int | None = param(None, "Chunk multiplier of MLA prefill attention.", ge=1)
+    enable_mla_l1_5_cache: bool = param(False, "TokenSpeed's MLA L1.5 cache.")

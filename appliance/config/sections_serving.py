@@ -1,0 +1,153 @@
+"""Config sections about serving: speculative decoding, the HTTP API, default sampling, observability."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import field_validator
+
+from appliance.config.fields import param
+from appliance.config.sections_engine import AttentionBackend, Section
+
+SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "NGRAM"]
+ReasoningParser = Literal["base", "qwen3", "deepseek_r1", "deepseek_v31", "kimi_k25", "glm45", "gpt_oss"]
+ToolCallParser = Literal[
+    "json", "passthrough", "qwen", "hermes", "qwen3_coder", "kimik2", "deepseek_v3", "deepseek_v31", "deepseek_v4",
+    "llama3_json", "pythonic", "mistral",
+]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
+class SpeculativeSection(Section):
+    """Speculative decoding. Unset algorithm: off. `--speculative-config` takes the whole section as JSON and also
+    understands vLLM's keys (method, model, num_speculative_tokens, quantization)."""
+
+    algorithm: SpecAlgorithm | None = param(
+        None, "Speculative algorithm: EAGLE, EAGLE3 (need draft_model_path), MTP (the model's own "
+        "multi-token-prediction layers), DFLASH (block-diffusion drafter), NGRAM (prompt lookup).",
+        flags="--speculative-algorithm")
+    draft_model_path: str | None = param(None, "Draft model path or repo id.",
+                                         flags=("--speculative-draft-model-path", "--speculative-draft-model"))
+    draft_model_quantization: str = param("unquant", "Draft model quantization; `unquant` keeps its weights as "
+                                          "stored.", flags="--speculative-draft-model-quantization")
+    num_steps: int = param(3, "Draft model steps per verification.", flags="--speculative-num-steps", ge=1)
+    num_draft_tokens: int | None = param(None, "Draft tokens verified per step. Unset: num_steps + 1.",
+                                         flags="--speculative-num-draft-tokens", ge=1)
+    eagle_topk: int = param(1, "EAGLE tree branching (top-k per step).", flags="--speculative-eagle-topk", ge=1)
+    eagle3_layers_to_capture: list[int] | None = param(
+        None, "Target layers whose hidden states feed an EAGLE3 drafter. Unset: the drafter's default.",
+        flags="--eagle3-layers-to-capture")
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+    @property
+    def effective_num_draft_tokens(self) -> int:
+        return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
+
+
+class ApiCaps(Section):
+    """Upper bounds on what one request may ask for; a request over a cap gets HTTP 400."""
+
+    max_n: int = param(16, "Most choices (n, best_of) per request.", flags=None, ge=1)
+    max_logprobs: int = param(20, "Most top logprobs per token.", flags="--max-logprobs", ge=0)
+    max_tokens: int | None = param(None, "Most generated tokens per request. Unset: bounded by max_model_len.",
+                                   flags=None, ge=1)
+    max_stop: int = param(16, "Most stop strings per request.", flags=None, ge=0)
+    max_body_bytes: int = param(8 * 1024 * 1024, "Largest accepted request body in bytes.", flags=None, ge=1024)
+
+
+class ApiSection(Section):
+    """The OpenAI-compatible HTTP API: binding, authentication, templates, parsers, limits."""
+
+    host: str = param("127.0.0.1", "Address the HTTP server binds. Local-only by default; `0.0.0.0` exposes "
+                      "it to the network (set api_key or api_key_file then).", flags=("--host", "--bind"))
+    port: int = param(8000, "HTTP port.", ge=1, le=65535)
+    served_model_name: str | None = param(None, "Model name shown by /v1/models and in responses. Unset: the "
+                                          "model path.", flags=("--served-model-name", "--model-name"))
+    api_key: str | None = param(None, "Bearer token every inference route requires. Prefer api_key_file: a "
+                                "token on the command line is visible in `ps`.", flags=("--api-key", "--auth-token"))
+    api_key_file: str | None = param(
+        None, "File of accepted bearer tokens, one per line (blank lines and `#` comments ignored); read once "
+        "at start-up. Combined with api_key when both are set.", flags=("--api-key-file", "--auth-tokens-file"))
+    chat_template: str | None = param(None, "Chat template: a file path or an inline Jinja template. Unset: "
+                                      "the tokenizer's own.")
+    stream_interval: int = param(1, "Generated tokens buffered per streamed chunk.", ge=1)
+    stream_output: bool = param(False, "Stream disjoint text segments rather than cumulative text (offline API).")
+    request_timeout: float = param(300.0, "Seconds a request may run before it is aborted with an error; 0: "
+                                   "no timeout.", ge=0)
+    reasoning_parser: ReasoningParser | None = param(
+        None, "Splits reasoning (thinking) text into `reasoning_content`. Unset: no split.")
+    tool_call_parser: ToolCallParser | None = param(
+        None, "Parses tool calls out of model text into OpenAI `tool_calls`. Unset: tool calls are not parsed.")
+    enable_custom_logit_processor: bool = param(False, "Allow requests to carry custom logit processors.")
+    disable_thinking: bool = param(False, "Force thinking off whatever the request asks (chat template "
+                                   "`enable_thinking=False`, reasoning budget 0).", flags=("--disable-thinking",))
+    thinking_budget: int | None = param(None, "Ceiling on reasoning tokens per request; a request's own budget "
+                                        "applies below it. Unset: no ceiling.",
+                                        flags=("--thinking-budget", "--max-thinking-budget"), ge=0)
+    allowed_hosts: list[str] | None = param(None, "Accepted HTTP Host header values. Unset: any.")
+    caps: ApiCaps = param(default_factory=ApiCaps, description="Per-request resource caps.", flags=None)
+
+
+class SamplingSection(Section):
+    """Server-wide sampling defaults, used when a request leaves a parameter out."""
+
+    temperature: float = param(1.0, "Default temperature; 0 is greedy.", flags="--default-temperature", ge=0)
+    top_p: float = param(1.0, "Default nucleus probability mass.", flags="--default-top-p", gt=0, le=1)
+    top_k: int = param(0, "Default top-k; 0 or -1 disables.", flags="--default-top-k", ge=-1)
+    min_p: float = param(0.0, "Default min-p: keep tokens with probability >= min_p x the top one; 0 disables.",
+                         flags="--default-min-p", ge=0, le=1)
+    top_n_sigma: float = param(0.0, "Default top-n-sigma: keep logits >= max - n x std; 0 disables. Robust to "
+                               "temperature drift in agent loops (1.0 is a common choice).",
+                               flags="--default-top-n-sigma", ge=0)
+    repetition_penalty: float = param(1.0, "Default repetition penalty; 1 disables.",
+                                      flags="--default-repetition-penalty", gt=0)
+
+
+class KvEventsConfig(Section):
+    """Publishing of KV cache block stores and removals (the seeds' wire format: topic, 8-byte big-endian
+    sequence number, msgpack KVEventBatch)."""
+
+    enable_kv_cache_events: bool = param(False, "Publish KV cache events.", flags=None)
+    publisher: Literal["null", "zmq"] = param("null", "Publisher: `zmq` publishes, `null` drops.", flags=None)
+    endpoint: str = param("tcp://127.0.0.1:5557", "ZMQ PUB endpoint (bound). Use tcp://*:5557 to publish to "
+                          "other hosts; each attention-DP rank adds its rank to the port.", flags=None)
+    topic: str = param("", "Topic frame sent before each batch.", flags=None)
+    replay_endpoint: str | None = param(None, "ZMQ ROUTER endpoint that replays buffered batches from a "
+                                        "sequence number. Unset: no replay.", flags=None)
+    buffer_steps: int = param(10000, "Batches kept for replay.", flags=None, ge=1)
+    hwm: int = param(100000, "ZMQ send high-water mark.", flags=None, ge=0)
+    max_queue_size: int = param(100000, "Batches queued for the publisher thread before new ones are dropped.",
+                                flags=None, ge=1)
+
+
+class ObservabilitySection(Section):
+    """Logging, metrics, KV events and request dumps."""
+
+    log_level: LogLevel = param("info", "Runtime log level.")
+    log_level_http: LogLevel | None = param(None, "HTTP server log level. Unset: log_level.")
+    enable_log_requests: bool = param(False, "Log request metadata (and payloads at higher levels).")
+    log_requests_level: int = param(0, "Request log verbosity: 0 metadata, 1 + sampling params, 2 + partial "
+                                    "text, 3 + full text.", ge=0, le=3)
+    enable_metrics: bool = param(False, "Serve Prometheus metrics on /metrics.")
+    metrics_reporters: list[Literal["prometheus"]] = param(default_factory=lambda: ["prometheus"],
+                                                           description="Metrics reporters.")
+    decode_log_interval: int = param(40, "Log a decode-batch summary every N steps.", ge=1)
+    enable_cache_report: bool = param(False, "Report cached prompt tokens in usage.prompt_tokens_details.")
+    kv_events: KvEventsConfig = param(default_factory=KvEventsConfig, description="KV cache events publisher.",
+                                      flags=None, json_flag="--kv-events-config")
+    dump_path: str | None = param(None, "Append every chat/completions request and its response as JSON lines "
+                                  "to this file. Unset: no dump.", flags=("--dump-path", "--dump"))
+
+    @field_validator("log_level", "log_level_http", mode="before")
+    @classmethod
+    def _lower(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
+
+__all__ = [
+    "ApiCaps", "ApiSection", "AttentionBackend", "KvEventsConfig", "ObservabilitySection", "SamplingSection",
+    "SpeculativeSection",
+]

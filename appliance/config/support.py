@@ -1,0 +1,99 @@
+"""What this build cannot honour yet: the ONE list. A setting that matches an entry is rejected at start-up
+(`check_supported` -> messages; the runtime refuses to start) and reported as a warning by `appliance validate`.
+
+When a feature lands, delete its entry here, then run `appliance schema` (docs/parameters.md lists these and a
+test fails on drift). Nothing accepted is silently ignored.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from appliance.config.errors import Problem
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    path: str  # the key path the message points at
+    applies: Callable[[ApplianceConfig], bool]
+    message: str
+
+
+UNSUPPORTED: list[Unsupported] = [
+    Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm is not None,
+                "speculative decoding is not implemented in this build"),
+    Unsupported("precision.quantization", lambda c: c.precision.quantization is not None,
+                "quantized checkpoints are not supported in this build"),
+    Unsupported("precision.kv_cache_dtype",
+                lambda c: c.precision.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"),
+                "low-precision (fp8/nvfp4) KV caches are not supported in this build"),
+    Unsupported("precision.kv_cache_quant_method", lambda c: c.precision.kv_cache_quant_method is not None,
+                "KV cache quantization is not supported in this build"),
+    Unsupported("precision.quantization_param_path", lambda c: c.precision.quantization_param_path is not None,
+                "KV cache scaling factors are not supported in this build"),
+    Unsupported("parallelism.dp", lambda c: c.parallelism.dp > 1, "data parallelism is not supported in this build"),
+    Unsupported("parallelism.enable_expert_parallel", lambda c: c.parallelism.enable_expert_parallel,
+                "expert parallelism is not supported in this build"),
+    Unsupported("parallelism.dense_tp", lambda c: c.parallelism.dense_tp not in (None, c.parallelism.tp),
+                "a dense-layer TP size different from tp is not supported in this build"),
+    Unsupported("parallelism.moe_tp", lambda c: c.parallelism.moe_tp not in (None, c.parallelism.tp),
+                "an MoE TP size different from tp is not supported in this build"),
+    Unsupported("parallelism.nnodes", lambda c: c.parallelism.nnodes > 1,
+                "multi-node deployments are not supported in this build"),
+    Unsupported("backends.attention", lambda c: c.backends.attention not in ("auto", "torch", "triton"),
+                "only the auto, torch and triton attention backends exist in this build"),
+    Unsupported("backends.moe", lambda c: c.backends.moe not in ("auto", "torch", "triton"),
+                "only the auto, torch and triton MoE backends exist in this build"),
+    Unsupported("backends.all2all", lambda c: c.backends.all2all != "auto",
+                "MoE all-to-all backends are not supported in this build"),
+    Unsupported("backends.deepep_mode", lambda c: c.backends.deepep_mode != "auto",
+                "DeepEP is not supported in this build"),
+    Unsupported("backends.sampling", lambda c: c.backends.sampling not in ("auto", "torch", "greedy"),
+                "only the auto, torch and greedy sampling backends exist in this build"),
+    Unsupported("backends.dp_sampling", lambda c: c.backends.dp_sampling,
+                "data-parallel sampling is not supported in this build"),
+    Unsupported("backends.enable_allreduce_fusion", lambda c: c.backends.enable_allreduce_fusion,
+                "all-reduce fusion is not supported in this build"),
+    Unsupported("backends.comm_fusion_max_num_tokens", lambda c: c.backends.comm_fusion_max_num_tokens is not None,
+                "communication fusion is not supported in this build"),
+    Unsupported("backends.mla_chunk_multiplier", lambda c: c.backends.mla_chunk_multiplier is not None,
+                "MLA attention is not supported in this build"),
+    Unsupported("backends.enable_mla_l1_5_cache", lambda c: c.backends.enable_mla_l1_5_cache,
+                "MLA attention is not supported in this build"),
+    Unsupported("backends.cuda_graph_max_bs", lambda c: c.backends.cuda_graph_max_bs is not None,
+                "CUDA graph capture is not implemented in this build"),
+    Unsupported("backends.cuda_graph_sizes", lambda c: c.backends.cuda_graph_sizes is not None,
+                "CUDA graph capture is not implemented in this build"),
+    Unsupported("scheduler.policy", lambda c: c.scheduler.policy == "slo",
+                "the slo scheduling policy is not implemented in this build (fcfs and lpm are)"),
+    Unsupported("api.enable_custom_logit_processor", lambda c: c.api.enable_custom_logit_processor,
+                "custom logit processors are not supported in this build"),
+    Unsupported("api.stream_output", lambda c: c.api.stream_output,
+                "disjoint streaming segments (stream_output) are not supported in this build"),
+    Unsupported("observability.dump_path", lambda c: c.observability.dump_path is not None,
+                "request dumps are not implemented in this build"),
+    Unsupported("observability.kv_events.enable_kv_cache_events",
+                lambda c: c.observability.kv_events.enable_kv_cache_events,
+                "KV cache events are not published by this build"),
+    Unsupported("model.load_format", lambda c: c.model.load_format == "npcache",
+                "the npcache load format is not supported in this build"),
+    Unsupported("model.tokenizer_mode", lambda c: c.model.tokenizer_mode == "slow",
+                "slow (Python) tokenizers are not supported in this build"),
+    Unsupported("observability.metrics_reporters",
+                lambda c: c.observability.metrics_reporters != ["prometheus"],
+                "only the prometheus metrics reporter exists in this build"),
+]
+
+
+def unsupported_problems(config: ApplianceConfig) -> list[Problem]:
+    return [Problem(u.path, u.message + " (remove the setting or use its default)", "warning")
+            for u in UNSUPPORTED if u.applies(config)]
+
+
+def check_supported(config: ApplianceConfig) -> list[str]:
+    """Messages for every setting this build cannot honour; the runtime refuses to start when any is returned."""
+    return [f"{p.path}: {p.message}" for p in unsupported_problems(config)]

@@ -1,0 +1,83 @@
+"""The engine's own settings: a small frozen record, built from the appliance config or by hand in tests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+POLICIES = ("fcfs", "lpm")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the scheduler, block pool and prefix cache need to know.
+
+    chunked_prefill_size is the token budget of one step (decodes and prefill chunks together); -1 disables
+    chunking: a prompt is then prefilled whole, prefills of one step share max_prefill_tokens, and a prompt
+    longer than max_prefill_tokens runs alone in its step rather than never.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 8192
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    eos_token_ids: frozenset[int] = frozenset()
+    max_queued_requests: int | None = None
+    policy: str = "fcfs"
+    lpm_scan_limit: int = 128  # lpm compares at most this many waiting requests per admission
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(
+                f"EngineConfig.chunked_prefill_size must be positive or -1 (disabled), "
+                f"got {self.chunked_prefill_size}"
+            )
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"EngineConfig.max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler policy {self.policy!r} is not implemented; the engine supports {POLICIES}")
+        capacity = self.num_blocks * self.block_size
+        if capacity < self.max_model_len:
+            # One sequence of max_model_len must fit alone, or it could preempt itself forever.
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of {self.block_size}), fewer "
+                f"than max_model_len={self.max_model_len}; give the cache more memory or lower max_model_len"
+            )
+
+    @property
+    def chunking(self) -> bool:
+        return self.chunked_prefill_size > 0
+
+    @property
+    def step_token_budget(self) -> int:
+        return self.chunked_prefill_size if self.chunking else self.max_prefill_tokens
+
+    @classmethod
+    def from_appliance(
+        cls, config: Any, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int
+    ) -> EngineConfig:
+        """Read the appliance config's scheduler and cache sections.
+
+        num_blocks comes from the executor's memory profiling, eos_token_ids and max_model_len from the
+        model (max_model_len already resolved against model.max_model_len by the caller).
+        """
+        sched = config.scheduler
+        cache = config.cache
+        return cls(
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            max_num_seqs=sched.max_num_seqs,
+            chunked_prefill_size=sched.chunked_prefill_size,
+            max_prefill_tokens=sched.max_prefill_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            eos_token_ids=frozenset(eos_token_ids),
+            max_queued_requests=sched.max_queued_requests,
+            policy=sched.policy,
+        )

@@ -1,0 +1,132 @@
+"""EngineCore: the synchronous engine loop over a Scheduler and an Executor (pure Python, no torch).
+
+    core = EngineCore(EngineConfig(num_blocks=...), executor)
+    core.add_request("r1", [1, 2, 3], SamplingParams(max_tokens=8))
+    while core.has_work():
+        for delta in core.step(): ...
+
+One step = schedule -> executor.execute(plan) -> update. The scheduler keeps the plan in flight between the
+last two, and advances num_computed_tokens when it plans, so an overlap mode (plan step N+1 while the
+executor runs step N, with placeholders for the tokens step N will sample) can be added here without
+changing the scheduler's bookkeeping; only this synchronous loop exists today.
+
+Parallel sampling (n > 1) is fanned out above the engine: the API layer submits n requests with distinct ids
+(and seeds) and gathers their outputs; prefix caching makes their shared prompt cost one prefill.
+Stop strings are matched on text by the detokenizer, which then calls abort().
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from appliance.engine.block_pool import AccountingReport
+from appliance.engine.config import EngineConfig
+from appliance.engine.delta import RequestDelta
+from appliance.engine.prefix_cache import KVEventSink
+from appliance.engine.request import Request
+from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.scheduler import QueueFull, Scheduler
+from appliance.engine.step import Executor
+
+__all__ = ["EngineCore", "EngineStats", "QueueFull"]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of blocks held by live requests (evictable cache blocks count as free)
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int  # unreferenced blocks kept for prefix hits
+    blocks_owned: int
+    prefix_hit_rate: float  # hit tokens / looked-up prompt tokens, over the engine's life
+    num_preemptions: int
+    num_steps: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        on_kv_event: KVEventSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.scheduler = Scheduler(config, on_kv_event)
+        self._clock = clock
+        self._num_steps = 0
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError for a bad request (empty, too long, duplicate id) and
+        QueueFull when scheduler.max_queued_requests requests are already waiting."""
+        sp = sampling_params if sampling_params is not None else SamplingParams()
+        if sp.n != 1:
+            raise ValueError("EngineCore runs one sequence per request; fan out n > 1 above the engine")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sp,
+            arrival_time=self._clock() if arrival_time is None else arrival_time,
+            eos_token_ids=self.config.eos_token_ids,
+            max_model_len=self.config.max_model_len,
+        )
+        self.scheduler.add(req)
+
+    def can_queue(self) -> bool:
+        """Whether add_request would pass the max_queued_requests check now."""
+        return self.scheduler.can_queue()
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks at once; False if it is unknown or already finished."""
+        return self.scheduler.abort(request_id) is not None
+
+    def step(self) -> list[RequestDelta]:
+        """Run one step; returns a delta for every request that got a token (and possibly finished)."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        result = self.executor.execute(plan)
+        self._num_steps += 1
+        return self.scheduler.update(plan, result)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.scheduler.requests.get(request_id)
+
+    def reset_prefix_cache(self) -> int:
+        return self.scheduler.cache.reset()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        pool = s.pool
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_usage=pool.usage(),
+            blocks_total=pool.num_blocks,
+            blocks_free=pool.num_free,
+            blocks_cached=pool.num_evictable,
+            blocks_owned=pool.num_owned,
+            prefix_hit_rate=s.cache.hit_rate,
+            num_preemptions=s.num_preemptions,
+            num_steps=self._num_steps,
+        )
+
+    def check_accounting(self) -> AccountingReport:
+        """free + cached + owned == total, and every refcount equals the number of live tables holding it."""
+        return self.scheduler.pool.check_accounting(self.scheduler.live_block_refs())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

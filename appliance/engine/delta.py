@@ -1,0 +1,35 @@
+"""What the engine reports per request after a step: the records EngineCore.step() returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of one generated token, with the top alternatives when the request asked for them."""
+
+    token_id: int
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What changed for one request in one step.
+
+    new_logprobs is None unless the request set SamplingParams.logprobs; then it has one entry per new token.
+    prompt_logprobs arrives once, in the delta that carries the first generated token, when asked for.
+    finish_reason is "stop", "length" or None (aborts are the caller's own doing and produce no delta).
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    new_logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,191 @@
+"""A deterministic, pure-Python stand-in for the model workers, for tests of the engine and the runtime.
+
+It keeps per-request state exactly as a real worker must (token ids, num_computed, block table) and applies
+each StepPlan delta, asserting that the plan is consistent with that state: new requests are new, block
+tables are exactly as long as the computed tokens need, sampling happens only at the end of the known tokens,
+and nothing writes into a block another live request reads. It also simulates the KV cache: each slot holds
+(token id, position) of the token written there, and before "attention" every position a request reads is
+checked, which catches wrong prefix-cache hits, lost blocks and blocks shared while being written.
+
+The "model" is `next_token(history) -> token id`, a pure function of the request's tokens, so a request's
+output must not depend on batching, chunking, preemption or prefix caching.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from appliance.engine.step import Executor, SampledToken, StepPlan, StepResult
+
+
+class PlanViolation(AssertionError):
+    """The plan contradicts what a worker holding per-request state knows."""
+
+
+def default_next_token(vocab_size: int) -> Callable[[Sequence[int]], int]:
+    def next_token(history: Sequence[int]) -> int:
+        acc = len(history)
+        for i, t in enumerate(history[-8:]):
+            acc = (acc * 1_000_003 + (i + 1) * (t + 7)) % (1 << 61)
+        return (acc * 2_654_435_761 >> 7) % vocab_size
+
+    return next_token
+
+
+@dataclass
+class _WorkerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_table: list[int]
+    sampling: dict
+    prompt_logprobs: list = field(default_factory=list)
+
+
+class FakeExecutor(Executor):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int = 1000,
+        next_token: Callable[[Sequence[int]], int] | None = None,
+        verify_kv: bool = True,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.next_token = next_token or default_next_token(vocab_size)
+        self.verify_kv = verify_kv
+        self.state: dict[str, _WorkerRequest] = {}
+        self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.plans: list[StepPlan] = []
+        self.shut_down = False
+
+    def _fail(self, msg: str) -> None:
+        raise PlanViolation(msg)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        for rid in plan.finished_ids:
+            if self.state.pop(rid, None) is None:
+                self._fail(f"step {plan.step_id}: told to forget unknown request {rid!r}")
+        for nr in plan.new_requests:
+            if nr.request_id in self.state:
+                self._fail(f"step {plan.step_id}: new request {nr.request_id!r} is already known")
+            if not 0 <= nr.num_computed_tokens < len(nr.token_ids):
+                self._fail(f"{nr.request_id!r}: num_computed {nr.num_computed_tokens} of {len(nr.token_ids)}")
+            if nr.num_computed_tokens % self.block_size:
+                self._fail(f"{nr.request_id!r}: prefix hit of {nr.num_computed_tokens} is not whole blocks")
+            self.state[nr.request_id] = _WorkerRequest(
+                list(nr.token_ids), nr.num_prompt_tokens, nr.num_computed_tokens, list(nr.block_ids), nr.sampling
+            )
+        new_ids = {nr.request_id for nr in plan.new_requests}
+        seen: set[str] = set()
+        for s in plan.scheduled:
+            w = self.state.get(s.request_id)
+            if w is None:
+                self._fail(f"step {plan.step_id}: scheduled unknown request {s.request_id!r}")
+            if s.request_id in seen:
+                self._fail(f"step {plan.step_id}: {s.request_id!r} scheduled twice")
+            seen.add(s.request_id)
+            if s.request_id in new_ids and s.new_block_ids:
+                self._fail(f"{s.request_id!r}: a new request carries its blocks in NewRequestData")
+            w.block_table.extend(s.new_block_ids)
+            end = w.num_computed + s.num_tokens
+            if s.num_tokens < 1 or end > len(w.token_ids):
+                self._fail(f"{s.request_id!r}: computes {s.num_tokens} tokens from {w.num_computed}, "
+                           f"knows {len(w.token_ids)}")
+            if len(w.block_table) != -(-end // self.block_size):
+                self._fail(f"{s.request_id!r}: {len(w.block_table)} blocks for {end} tokens")
+            if s.sample != (end == len(w.token_ids)):
+                self._fail(f"{s.request_id!r}: sample={s.sample} with {end} of {len(w.token_ids)} tokens")
+        self._check_tables(plan)
+        return self._run(plan)
+
+    def _check_tables(self, plan: StepPlan) -> None:
+        owner: dict[int, str] = {}
+        for rid, w in self.state.items():
+            if len(set(w.block_table)) != len(w.block_table):
+                self._fail(f"{rid!r}: block table repeats a block: {w.block_table}")
+            for b in w.block_table:
+                if not 0 <= b < self.num_blocks:
+                    self._fail(f"{rid!r}: block id {b} out of range")
+        # A block written in this step must belong to the writer alone.
+        for s in plan.scheduled:
+            w = self.state[s.request_id]
+            first = w.num_computed // self.block_size
+            last = (w.num_computed + s.num_tokens - 1) // self.block_size
+            for b in w.block_table[first : last + 1]:
+                if b in owner:
+                    self._fail(f"block {b} written by {owner[b]!r} and {s.request_id!r} in one step")
+                owner[b] = s.request_id
+        for rid, w in self.state.items():
+            shared = [b for b in w.block_table if b in owner and owner[b] != rid]
+            if shared:
+                self._fail(f"{rid!r} holds block(s) {shared} that another request writes this step")
+
+    def _run(self, plan: StepPlan) -> StepResult:
+        bs = self.block_size
+        sampled: list[SampledToken] = []
+        prompt_lps: dict[str, list] = {}
+        for s in plan.scheduled:  # all KV writes of the step happen before any read, like store_kv per layer
+            w = self.state[s.request_id]
+            for p in range(w.num_computed, w.num_computed + s.num_tokens):
+                self.kv[w.block_table[p // bs]][p % bs] = (w.token_ids[p], p)
+        for s in plan.scheduled:
+            w = self.state[s.request_id]
+            end = w.num_computed + s.num_tokens
+            if self.verify_kv:
+                for p in range(end):
+                    got = self.kv[w.block_table[p // bs]][p % bs]
+                    if got != (w.token_ids[p], p):
+                        self._fail(f"{s.request_id!r}: KV at position {p} holds {got}, "
+                                   f"expected {(w.token_ids[p], p)}")
+            if w.sampling.get("prompt_logprobs") is not None:
+                lo, hi = w.num_computed, min(end, w.num_prompt_tokens)
+                prompt_lps[s.request_id] = [
+                    None if p == 0 else [(w.token_ids[p], self._logprob(w.token_ids[p]))] for p in range(lo, hi)
+                ]
+            w.num_computed = end
+            if s.sample:
+                tok = self.next_token(w.token_ids)
+                w.token_ids.append(tok)
+                k = w.sampling.get("logprobs")
+                top = [(tok + i, self._logprob(tok + i)) for i in range(k)] if k else None
+                sampled.append(SampledToken(s.request_id, tok, self._logprob(tok) if k is not None else None, top))
+        return StepResult(plan.step_id, sampled, prompt_lps)
+
+    @staticmethod
+    def _logprob(token_id: int) -> float:
+        return -0.125 * (token_id % 13)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+def reference_generation(
+    next_token: Callable[[Sequence[int]], int],
+    prompt: Sequence[int],
+    max_tokens: int | None,
+    max_model_len: int,
+    eos_token_ids: frozenset[int] = frozenset(),
+    stop_token_ids: Sequence[int] = (),
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
+) -> tuple[list[int], str]:
+    """What one request generates when run alone, token by token: the oracle for engine tests.
+
+    Written from the spec (vLLM's stop rules), independently of Request.append_output.
+    """
+    history = list(prompt)
+    out: list[int] = []
+    room = max_model_len - len(prompt)
+    cap = max(1, room if max_tokens is None else min(max_tokens, room))
+    while True:
+        tok = next_token(history)
+        history.append(tok)
+        out.append(tok)
+        stoppable = len(out) >= min_tokens
+        if stoppable and (tok in stop_token_ids or (not ignore_eos and tok in eos_token_ids)):
+            return out, "stop"
+        if len(out) >= cap:
+            return out, "length"

@@ -1,0 +1,170 @@
+"""Prefix caching over full KV blocks, keyed by chained block hashes (pure Python, no torch).
+
+Block i of a token sequence hashes (hash of block i-1, the block's token ids), so equal hashes mean equal
+prefixes up to that block. Hashes are sha256 truncated to 64 bits: stable across processes and runs, which
+matters because they are published as KV events (BlockStored / BlockRemoved) that routers compare. A hit is
+confirmed by comparing token ids (and the parent hash), so a hash collision can cost a miss, never a wrong
+answer. Only full blocks are cached; the partially filled tail block of a request is private to it.
+
+Blocks are shared, not copied: a hit takes a reference on the cached block. Unreferenced cached blocks wait in
+the pool's LRU and are evicted when the free list runs out (see block_pool.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from appliance.engine.block_pool import BlockPool
+from appliance.engine.request import Request
+
+BLOCK_STORED = "BlockStored"
+BLOCK_REMOVED = "BlockRemoved"
+ALL_BLOCKS_CLEARED = "AllBlocksCleared"
+
+
+class KVEventSink(Protocol):
+    """Receives every mutation of the cache, in order; the observability layer publishes them.
+
+    kind is BLOCK_STORED, BLOCK_REMOVED or ALL_BLOCKS_CLEARED; for removals parent_hash is None and
+    token_ids empty, for a clear block_hash is None too.
+    """
+
+    def __call__(
+        self, kind: str, block_hash: int | None, parent_hash: int | None, token_ids: tuple[int, ...]
+    ) -> None: ...
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained 64-bit hash of one block: stable across processes, < 2**64."""
+    h = hashlib.sha256()
+    h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}Q", *token_ids))
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    block_id: int
+    block_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+
+
+class PrefixCache:
+    def __init__(
+        self, pool: BlockPool, block_size: int, enabled: bool = True, on_event: KVEventSink | None = None
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self.enabled = enabled
+        self.on_event = on_event
+        self._by_hash: dict[int, int] = {}
+        self._by_block: dict[int, CachedBlock] = {}
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        pool.on_evict = self._on_evict
+
+    # ---- hashing -----------------------------------------------------------------------------------------
+    def block_hashes(self, req: Request) -> list[int]:
+        """The request's chained hashes for all its full blocks (computed once, extended as it grows)."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        for i in range(len(hashes), req.num_tokens // bs):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
+        return hashes
+
+    # ---- lookup ------------------------------------------------------------------------------------------
+    def match(self, req: Request) -> list[int]:
+        """Block ids of the longest cached prefix of `req` (no references taken).
+
+        At least one token is left uncomputed, because the model must run on the last token to sample.
+        """
+        if not self.enabled:
+            return []
+        bs = self.block_size
+        limit = (req.num_tokens - 1) // bs
+        hashes = self.block_hashes(req)
+        out: list[int] = []
+        for i in range(limit):
+            b = self._by_hash.get(hashes[i])
+            if b is None:
+                break
+            cb = self._by_block[b]
+            if cb.parent_hash != (hashes[i - 1] if i else None):
+                break
+            if cb.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs)):
+                break
+            out.append(b)
+        return out
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        self.queried_tokens += num_queried
+        self.hit_tokens += num_hit
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def cached_block(self, block_id: int) -> CachedBlock | None:
+        return self._by_block.get(block_id)
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    # ---- store / evict -----------------------------------------------------------------------------------
+    def store(self, req: Request) -> None:
+        """Register the request's full, computed blocks that are not registered yet.
+
+        A block whose content is already cached under another block id stays private to the request (two
+        requests computed the same prefix at once); it goes back to the free list when the request ends.
+        """
+        if not self.enabled:
+            return
+        bs = self.block_size
+        n_full = min(-(-req.num_computed_tokens // bs), len(req.block_ids))
+        if n_full <= req.num_stored_blocks:
+            return
+        hashes = self.block_hashes(req)
+        for i in range(req.num_stored_blocks, n_full):
+            b = req.block_ids[i]
+            h = hashes[i]
+            if h in self._by_hash or self.pool.is_cached(b):
+                continue
+            parent = hashes[i - 1] if i else None
+            cb = CachedBlock(b, h, parent, tuple(req.token_slice(i * bs, (i + 1) * bs)))
+            self._by_hash[h] = b
+            self._by_block[b] = cb
+            self.pool.mark_cached(b)
+            self._emit(BLOCK_STORED, h, parent, cb.token_ids)
+        req.num_stored_blocks = n_full
+
+    def reset(self) -> int:
+        """Forget every cached block (blocks held by requests stay theirs); returns how many were dropped."""
+        n = len(self._by_hash)
+        for b in list(self._by_block):
+            if self.pool.refcount(b) > 0:
+                self.pool.uncache_owned(b)
+                del self._by_hash[self._by_block.pop(b).block_hash]
+        self.pool.on_evict = None  # a clear is one event, not one removal per block
+        try:
+            self.pool.evict_all_cached()
+        finally:
+            self.pool.on_evict = self._on_evict
+        self._by_hash.clear()
+        self._by_block.clear()
+        self._emit(ALL_BLOCKS_CLEARED, None, None, ())
+        return n
+
+    def _on_evict(self, block_id: int) -> None:
+        cb = self._by_block.pop(block_id)
+        del self._by_hash[cb.block_hash]
+        self._emit(BLOCK_REMOVED, cb.block_hash, None, ())
+
+    def _emit(self, kind: str, h: int | None, parent: int | None, tokens: tuple[int, ...]) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, h, parent, tokens)

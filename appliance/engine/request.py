@@ -1,0 +1,177 @@
+"""A generation request as an explicit finite-state machine (pure Python, no torch).
+
+States and the only legal moves between them:
+
+    WAITING ----> PREFILLING ----> DECODING ----> FINISHED (stop | length)
+       |             |                |
+       |             +--> PREEMPTED <-+              PREEMPTED --> PREFILLING (recompute)
+       +--> ABORTED  +--> ABORTED     +--> ABORTED   PREEMPTED --> ABORTED
+
+PREEMPTED is a waiting state: the request lost its KV blocks and sits at the front of the queue until it is
+recomputed (prompt and the tokens generated so far). A request enters DECODING when its last prefill chunk
+samples a token, so the first token's finish check happens in DECODING too. FINISHED and ABORTED are
+terminal. Any other move is a bug in the caller and raises `IllegalTransition` instead of being ignored.
+
+One request produces one sequence: parallel sampling (`SamplingParams.n > 1`) is fanned out above the engine
+(the API layer submits n requests with distinct ids and seeds), so the engine never sees n.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from appliance.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    @property
+    def is_running(self) -> bool:
+        return self in (RequestStatus.PREFILLING, RequestStatus.DECODING)
+
+    @property
+    def is_waiting(self) -> bool:
+        return self in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+    @property
+    def is_done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+class FinishReason(str, enum.Enum):
+    """OpenAI's finish_reason values; the string value is what goes on the wire."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_S = RequestStatus
+LEGAL_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    _S.WAITING: frozenset({_S.PREFILLING, _S.ABORTED}),
+    _S.PREFILLING: frozenset({_S.DECODING, _S.PREEMPTED, _S.ABORTED}),
+    _S.DECODING: frozenset({_S.FINISHED, _S.PREEMPTED, _S.ABORTED}),
+    _S.PREEMPTED: frozenset({_S.PREFILLING, _S.ABORTED}),
+    _S.FINISHED: frozenset(),
+    _S.ABORTED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A request was asked to move between two states that the state machine does not connect."""
+
+    def __init__(self, request_id: str, src: RequestStatus, dst: RequestStatus) -> None:
+        super().__init__(f"request {request_id!r}: illegal transition {src.value} -> {dst.value}")
+        self.request_id = request_id
+        self.src = src
+        self.dst = dst
+
+
+@dataclass
+class Request:
+    """One request's engine-side state. Mutated only by the scheduler (and EngineCore through it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 1 << 62
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or being written by the running step)
+    num_cached_tokens: int = 0  # prefix-cache hit of the first admission, reported to the client
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, filled lazily
+    num_stored_blocks: int = 0  # leading blocks of block_ids already offered to the prefix cache
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    known_to_workers: bool = False  # workers hold its state (sent as new, not yet told to forget)
+    prompt_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    prompt_logprobs_done: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 for t in self.prompt_token_ids):
+            raise ValueError(f"request {self.request_id!r}: token ids must be non-negative ints")
+        if self.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {self.request_id!r}: prompt has {self.num_prompt_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+
+    # ---- token views -------------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output without building the whole list."""
+        p = self.num_prompt_tokens
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_output_tokens(self) -> int:
+        """The most tokens this request may generate: max_tokens, capped by what max_model_len leaves."""
+        room = self.max_model_len - self.num_prompt_tokens
+        mt = self.sampling_params.max_tokens
+        return max(1, room if mt is None else min(mt, room))
+
+    # ---- state machine -----------------------------------------------------------------------------------
+    def transition(self, dst: RequestStatus) -> None:
+        if dst not in LEGAL_TRANSITIONS[self.status]:
+            raise IllegalTransition(self.request_id, self.status, dst)
+        self.status = dst
+
+    def finish(self, reason: FinishReason) -> None:
+        dst = RequestStatus.ABORTED if reason is FinishReason.ABORT else RequestStatus.FINISHED
+        self.transition(dst)
+        self.finish_reason = reason
+
+    def append_output(self, token_id: int) -> FinishReason | None:
+        """Record a sampled token; return the finish reason it causes, or None to keep going.
+
+        eos and stop_token_ids count only once min_tokens tokens exist (the sampler is expected to mask them
+        before that; if it does not, the engine still does not stop early). The stop token stays in the
+        output, like vLLM; the detokenizer decides whether to show it.
+        """
+        if self.status is not RequestStatus.DECODING:
+            raise IllegalTransition(self.request_id, self.status, RequestStatus.DECODING)
+        self.output_token_ids.append(token_id)
+        sp = self.sampling_params
+        n_out = self.num_output_tokens
+        if n_out >= sp.min_tokens:
+            if token_id in sp.stop_token_ids:
+                return FinishReason.STOP
+            if not sp.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP
+        if n_out >= self.max_output_tokens or self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

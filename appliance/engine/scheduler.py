@@ -1,0 +1,316 @@
+"""Continuous batching: turns the request queues into one StepPlan per step (pure Python, no torch).
+
+Each step, in this order:
+1. running requests that decode (one token each), then running requests in the middle of a chunked prefill;
+2. waiting requests (preempted ones first, then by policy: fcfs or lpm), while the step has budget, a seat
+   (max_num_seqs) and blocks; a waiting request never preempts a running one, and none is admitted in a step
+   that preempted.
+When a running request needs a block and none is free or evictable, the newest running request not yet
+scheduled in this step is preempted (recompute: blocks freed, state reset, re-queued at the front); in the
+worst case that is the request itself.
+
+The token budget is config.chunked_prefill_size for everything a step issues (decodes included). With
+chunking disabled (-1), decodes are bounded only by max_num_seqs, prompts are never split and prefills share
+max_prefill_tokens, except that a longer prompt may run as the only prefill of its step.
+
+The plan is a delta for workers that keep per-request state (see step.py). Convention for new requests:
+NewRequestData.block_ids is the whole block table for the step and its ScheduledRequest.new_block_ids is
+empty; for known requests new_block_ids are appended. Requests preempted, finished or aborted since the last
+plan are listed in finished_ids (only if workers have seen them).
+
+num_computed_tokens advances when a step is planned, not when it returns, so that a later overlap mode can
+plan step N+1 while step N runs; in the synchronous loop the two are the same.
+"""
+from __future__ import annotations
+
+from collections import deque
+from itertools import islice
+from dataclasses import dataclass, field
+
+from appliance.engine.block_pool import BlockPool
+from appliance.engine.config import EngineConfig
+from appliance.engine.delta import RequestDelta, TokenLogprob
+from appliance.engine.prefix_cache import KVEventSink, PrefixCache
+from appliance.engine.request import FinishReason, Request, RequestStatus
+from appliance.engine.step import NewRequestData, ScheduledRequest, StepPlan, StepResult
+
+
+class QueueFull(RuntimeError):
+    """scheduler.max_queued_requests waiting requests already: the caller should answer 503."""
+
+
+@dataclass
+class _StepBudget:
+    tokens: int  # shared budget (chunking) or prefill budget (no chunking)
+    prefills: int = 0  # prefills scheduled in this step
+    preempted: bool = False
+    plan_new: list[NewRequestData] = field(default_factory=list)
+    plan_sched: list[ScheduledRequest] = field(default_factory=list)
+    scheduled_ids: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, on_kv_event: KVEventSink | None = None) -> None:
+        self.config = config
+        self.pool = BlockPool(config.num_blocks)
+        self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self.requests: dict[str, Request] = {}  # live requests (waiting or running)
+        self.num_preemptions = 0
+        self._forget: list[str] = []  # ids the workers must drop with the next plan
+        self._next_step_id = 0
+        self._in_flight: dict[int, list[ScheduledRequest]] = {}
+
+    # ---- admission ---------------------------------------------------------------------------------------
+    def can_queue(self) -> bool:
+        """True while max_queued_requests (if set) leaves room for one more waiting request."""
+        limit = self.config.max_queued_requests
+        return limit is None or len(self.waiting) < limit
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {req.request_id!r} is {req.status.value}, not waiting")
+        if not self.can_queue():
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (scheduler.max_queued_requests)")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a live request now, blocks included (even mid-prefill); None if it is not live."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status.is_running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._retire(req, FinishReason.ABORT)
+        return req
+
+    # ---- planning ----------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step, or return None when there is nothing to compute (forget-lists wait)."""
+        cfg = self.config
+        st = _StepBudget(tokens=cfg.step_token_budget)
+        self._schedule_running(st)
+        if not st.preempted:
+            self._schedule_waiting(st)
+        if not st.plan_sched:
+            return None
+        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget)
+        self._next_step_id += 1
+        self._forget = []
+        self._in_flight[plan.step_id] = st.plan_sched
+        return plan
+
+    def _schedule_running(self, st: _StepBudget) -> None:
+        decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
+        prefilling = [r for r in self.running if r.status is RequestStatus.PREFILLING]
+        for req in decoding + prefilling:
+            if req.status is RequestStatus.PREEMPTED:  # a victim of an earlier request in this loop
+                continue
+            n = self._chunk(req, st)
+            if n == 0:
+                continue
+            need = self._blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+            while need > self.pool.num_available and req.status is not RequestStatus.PREEMPTED:
+                self._preempt(self._victim(st))
+                st.preempted = True
+            if req.status is RequestStatus.PREEMPTED:
+                continue
+            new_blocks = self.pool.allocate(need)
+            req.block_ids.extend(new_blocks)
+            self._issue(req, n, new_blocks, st)
+
+    def _chunk(self, req: Request, st: _StepBudget) -> int:
+        """Tokens to compute for a running request this step (0: not this step)."""
+        n = req.num_uncomputed_tokens
+        if req.status is RequestStatus.DECODING:
+            if not self.config.chunking:
+                return n  # no chunking: decodes are not charged to the prefill budget
+            return n if n <= st.tokens else 0
+        return self._prefill_size(n, st)
+
+    def _prefill_size(self, n: int, st: _StepBudget) -> int:
+        if self.config.chunking:
+            return min(n, st.tokens)
+        if n <= st.tokens or st.prefills == 0:
+            return n  # whole prompt; an over-budget one only as the step's first prefill
+        return 0
+
+    def _schedule_waiting(self, st: _StepBudget) -> None:
+        cfg = self.config
+        for req in self._waiting_order():
+            if len(self.running) >= cfg.max_num_seqs or (cfg.chunking and st.tokens <= 0):
+                return
+            if not self._admit(req, st):
+                return  # head-of-line: later requests wait too, so big prompts are not starved
+
+    def _waiting_order(self) -> list[Request]:
+        if self.config.policy == "fcfs":
+            # Admission stops at the first request that does not fit, so only the free seats matter.
+            return list(islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running))))
+        preempted = [r for r in self.waiting if r.status is RequestStatus.PREEMPTED]
+        fresh = [r for r in self.waiting if r.status is RequestStatus.WAITING]
+        k = self.config.lpm_scan_limit
+        head = sorted(fresh[:k], key=lambda r: -len(self.cache.match(r)))  # stable: ties stay fcfs
+        return preempted + head + fresh[k:]
+
+    def _admit(self, req: Request, st: _StepBudget) -> bool:
+        bs = self.config.block_size
+        # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
+        hit = self.cache.match(req) if req.sampling_params.prompt_logprobs is None else []
+        num_hit = len(hit) * bs
+        n = self._prefill_size(req.num_tokens - num_hit, st)
+        if n == 0:
+            return False
+        need = self._blocks_for(num_hit + n) - len(hit)
+        revived = sum(1 for b in hit if self.pool.is_evictable(b))
+        if need + revived > self.pool.num_available:
+            return False
+        for b in hit:  # take the hits before allocating, so allocation cannot evict them
+            self.pool.incref(b)
+        req.block_ids = hit + self.pool.allocate(need)
+        req.num_computed_tokens = num_hit
+        req.num_stored_blocks = len(hit)
+        if req.status is RequestStatus.WAITING:
+            req.num_cached_tokens = num_hit
+            self.cache.record_lookup(req.num_tokens, num_hit)
+        self.waiting.remove(req)
+        req.transition(RequestStatus.PREFILLING)
+        self.running.append(req)
+        st.plan_new.append(
+            NewRequestData(
+                request_id=req.request_id,
+                token_ids=req.all_token_ids,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_computed_tokens=num_hit,
+                block_ids=list(req.block_ids),
+                sampling=req.sampling_params.to_dict(),
+            )
+        )
+        req.known_to_workers = True
+        self._issue(req, n, [], st)
+        return True
+
+    def _issue(self, req: Request, n: int, new_blocks: list[int], st: _StepBudget) -> None:
+        sample = req.num_computed_tokens + n == req.num_tokens
+        if req.status is RequestStatus.PREFILLING:
+            st.prefills += 1
+        if self.config.chunking or req.status is RequestStatus.PREFILLING:
+            st.tokens -= n
+        req.num_computed_tokens += n
+        st.plan_sched.append(ScheduledRequest(req.request_id, n, list(new_blocks), sample))
+        st.scheduled_ids.add(req.request_id)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    # ---- preemption and retirement -----------------------------------------------------------------------
+    def _victim(self, st: _StepBudget) -> Request:
+        for req in reversed(self.running):
+            if req.request_id not in st.scheduled_ids:
+                return req
+        raise AssertionError("no preemptable request although the current one is unscheduled")
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release_blocks(req)
+        req.transition(RequestStatus.PREEMPTED)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        if not req.prompt_logprobs_done:
+            req.prompt_logprobs = []
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _retire(self, req: Request, reason: FinishReason) -> None:
+        self._release_blocks(req)
+        req.finish(reason)
+        del self.requests[req.request_id]
+
+    def _release_blocks(self, req: Request) -> None:
+        # Tail first: the pool's LRU then evicts a sequence's last blocks before its shared prefix.
+        self.pool.free(reversed(req.block_ids))
+        req.block_ids = []
+        req.num_stored_blocks = 0
+        if req.known_to_workers:
+            self._forget.append(req.request_id)
+            req.known_to_workers = False
+
+    # ---- results -----------------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
+        """Apply a step's sampled tokens: append, check stops, cache full blocks, retire finished requests."""
+        if result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} given for plan {plan.step_id}")
+        scheduled = self._in_flight.pop(plan.step_id, None)
+        if scheduled is None:
+            raise ValueError(f"step {plan.step_id} is not in flight")
+        sampled = {s.request_id: s for s in result.sampled}
+        expected = {s.request_id for s in scheduled if s.sample}
+        if set(sampled) - expected:
+            raise ValueError(f"executor sampled for unexpected requests {sorted(set(sampled) - expected)}")
+        deltas: list[RequestDelta] = []
+        for s in scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or not req.status.is_running:
+                continue  # aborted (or preempted) after the step was planned
+            self._take_prompt_logprobs(req, result)
+            if not s.sample:
+                self.cache.store(req)
+                continue
+            tok = sampled.get(s.request_id)
+            if tok is None:
+                raise ValueError(f"executor did not sample a token for {s.request_id!r}")
+            deltas.append(self._append(req, tok.token_id, tok.logprob, tok.top_logprobs))
+        return deltas
+
+    def _append(
+        self, req: Request, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None
+    ) -> RequestDelta:
+        first = req.status is RequestStatus.PREFILLING and not req.prompt_logprobs_done
+        if req.status is RequestStatus.PREFILLING:
+            req.transition(RequestStatus.DECODING)
+        reason = req.append_output(token_id)
+        self.cache.store(req)
+        prompt_lp = None
+        if first:
+            req.prompt_logprobs_done = True
+            if req.sampling_params.prompt_logprobs is not None:
+                prompt_lp = tuple(None if e is None else tuple(map(tuple, e)) for e in req.prompt_logprobs)
+        new_lp = None
+        if req.sampling_params.logprobs is not None:
+            new_lp = (TokenLogprob(token_id, logprob, tuple(tuple(t) for t in top or ())),)
+        if reason is not None:
+            self.running.remove(req)
+            self._retire(req, reason)
+        return RequestDelta(
+            request_id=req.request_id,
+            new_token_ids=(token_id,),
+            finish_reason=None if reason is None else reason.value,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            new_logprobs=new_lp,
+            prompt_logprobs=prompt_lp,
+        )
+
+    def _take_prompt_logprobs(self, req: Request, result: StepResult) -> None:
+        entries = result.prompt_logprobs.get(req.request_id)
+        if entries and not req.prompt_logprobs_done:
+            req.prompt_logprobs.extend(entries)
+
+    # ---- introspection -----------------------------------------------------------------------------------
+    @property
+    def pending_forget(self) -> tuple[str, ...]:
+        return tuple(self._forget)
+
+    def live_block_refs(self) -> dict[int, int]:
+        """Block id -> number of live request tables holding it (what the refcounts must equal)."""
+        refs: dict[int, int] = {}
+        for req in self.requests.values():
+            for b in req.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+        return refs

@@ -1,0 +1,66 @@
+"""Sizing and allocating the paged KV cache: one K and one V tensor per layer, [blocks, block_size, Hkv, D]."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CPU_KV_BYTES = 1 << 30  # CPU default when max_total_tokens is unset: at most 1 GiB of KV
+
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int  # on this rank
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_DTYPES:
+        raise ValueError(f"precision.kv_cache_dtype {name!r} is not supported by this executor yet "
+                         f"(supported: auto, {', '.join(_KV_DTYPES)})")
+    return _KV_DTYPES[name]
+
+
+def blocks_from_tokens(max_total_tokens: int, block_size: int) -> int:
+    n = max_total_tokens // block_size
+    if n < 1:
+        raise ValueError(f"cache.max_total_tokens={max_total_tokens} is less than one block of {block_size} tokens")
+    return n
+
+
+def blocks_for_cpu(spec: KVCacheSpec, max_model_len: int, max_num_seqs: int) -> int:
+    """Enough blocks for every sequence at full length, bounded by CPU_KV_BYTES (and at least one sequence)."""
+    per_seq = (max_model_len + spec.block_size - 1) // spec.block_size
+    wanted = per_seq * max_num_seqs
+    affordable = max(CPU_KV_BYTES // spec.bytes_per_block, per_seq)
+    return min(wanted, affordable)
+
+
+def blocks_for_gpu(spec: KVCacheSpec, device: torch.device, utilization: float, peak_bytes: int) -> int:
+    """Blocks that fit in utilization x total memory after the profiled peak of weights and activations."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    free_for_kv = int(total * utilization) - peak_bytes
+    n = free_for_kv // spec.bytes_per_block
+    if n < 1:
+        raise RuntimeError(f"no memory left for the KV cache: {utilization:.0%} of {total / 2**30:.1f} GiB is "
+                           f"{total * utilization / 2**30:.1f} GiB and the model peaks at {peak_bytes / 2**30:.1f} "
+                           f"GiB; raise cache.gpu_memory_utilization or use a smaller model / more parallelism")
+    return int(n)
+
+
+def allocate(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)]

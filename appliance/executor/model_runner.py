@@ -1,0 +1,246 @@
+"""ModelRunner: one worker's model, KV cache and sampler; runs StepPlans (engine/step.py's delta protocol).
+
+The runner remembers every live request (tokens, block table, params) between steps; a plan brings new
+requests, how many tokens each scheduled request computes now, appended blocks, and requests to forget.
+One forward runs decodes and prefill chunks together; logits are computed only for rows that sample (and for
+prompt rows of requests that asked for prompt logprobs).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
+from appliance.executor import kv_cache
+from appliance.executor.input_batch import Chunk, RequestState, StepInputs, build_inputs
+from appliance.executor.model_loader import (init_dummy_weights, load_hf_config, load_weights, resolve_dtype,
+                                             resolve_model_dir)
+from appliance.executor.sampler import Sampler, SamplingRow
+from appliance.models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device = cuda but no CUDA device is visible")
+    return torch.device(name)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """`auto`: triton on a GPU when its kernels are registered, else the torch reference."""
+    from appliance.kernels import registry
+
+    if name != "auto":
+        registry.get("prefill_attention", name)  # a named backend must exist: KeyError/ImportError says why
+        return name
+    if device.type == "cuda":
+        try:
+            registry.get("prefill_attention", "triton")
+            return "triton"
+        except (KeyError, ImportError):
+            pass
+    return "torch"
+
+
+def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # attention here is full attention: beyond the window the model would see more than it was trained to
+        limit = min(limit or window, int(window))
+    if requested is None:
+        if limit is None:
+            raise ValueError("the model config has no max_position_embeddings; set model.max_model_len")
+        return limit
+    if limit is not None and requested > limit:
+        raise ValueError(f"model.max_model_len={requested} exceeds the model's limit {limit} "
+                         f"(max_position_embeddings / sliding_window); raise it through hf_overrides if you mean to")
+    return requested
+
+
+def read_eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
+    """EOS ids from generation_config.json (which may list several) and config.json."""
+    ids: list[int] = []
+    sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
+    gen = model_dir / "generation_config.json" if model_dir else None
+    if gen is not None and gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for src in sources:
+        for t in ([src] if isinstance(src, int) else list(src or [])):
+            if t not in ids:
+                ids.append(int(t))
+    return ids
+
+
+class ModelRunner:
+    def __init__(self, config: Any) -> None:
+        from appliance.config import resolve_model_path
+
+        m = config.model
+        if config.precision.quantization is not None:
+            raise ValueError(f"precision.quantization={config.precision.quantization!r} is not supported by this "
+                             "executor yet")
+        self.config = config
+        self.device = resolve_device(m.device)
+        self.model_dir = resolve_model_dir(resolve_model_path(m.path), m.revision, m.download_dir)
+        self.hf_config = load_hf_config(self.model_dir, m.hf_overrides, m.trust_remote_code)
+        self.dtype = resolve_dtype(config.precision.dtype, self.hf_config, self.device)
+        self.backend = resolve_backend(config.backends.attention, self.device)
+        self.max_model_len = resolve_max_model_len(m.max_model_len, self.hf_config)
+        self.block_size = config.cache.block_size
+        self.model = self._build_model(m.load_format, m.seed)
+        self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
+        layers = self.model.attention_layers()
+        self.kv_spec = kv_cache.KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
+                                            self.block_size, kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype,
+                                                                                     self.dtype))
+        self.num_blocks = self._count_blocks()
+        self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
+        for layer, (k, v) in zip(layers, self.kv_caches):
+            layer.bind_kv_cache(k, v)
+        self.sampler = Sampler(self.eos_token_ids, m.seed)
+        self.requests: dict[str, RequestState] = {}
+
+    # ---- construction ------------------------------------------------------------------------------------
+    def _build_model(self, load_format: str, seed: int) -> torch.nn.Module:
+        cls = model_class(self.hf_config)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.hf_config, backend=self.backend)
+        finally:
+            torch.set_default_dtype(previous)
+        if load_format == "dummy":
+            init_dummy_weights(model, seed)
+        else:
+            load_weights(model, self.model_dir, load_format)
+        return model.eval()
+
+    def _count_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.max_total_tokens is not None:
+            return kv_cache.blocks_from_tokens(cache.max_total_tokens, self.block_size)
+        if self.device.type != "cuda":
+            return kv_cache.blocks_for_cpu(self.kv_spec, self.max_model_len, self.config.scheduler.max_num_seqs)
+        return kv_cache.blocks_for_gpu(self.kv_spec, self.device, cache.gpu_memory_utilization, self._profile())
+
+    def _profile(self) -> int:
+        """Peak GPU memory of the largest step (one full token budget plus max_num_seqs logit rows)."""
+        sched = self.config.scheduler
+        budget = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens
+        tokens = max(1, min(budget, self.max_model_len))
+        blocks = (tokens + self.block_size - 1) // self.block_size
+        temp = kv_cache.allocate(self.kv_spec, blocks, self.device)
+        layers = self.model.attention_layers()
+        for layer, (k, v) in zip(layers, temp):
+            layer.bind_kv_cache(k, v)
+        state = RequestState("profile", [0] * tokens, tokens, 0, list(range(blocks)), SamplingParams())
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.inference_mode():
+            inputs = build_inputs([Chunk(state, 0, tokens, True)], self.block_size, self.device)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            rows = min(sched.max_num_seqs, tokens)
+            self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        for layer in layers:
+            layer.bind_kv_cache(None, None)
+        del temp, hidden
+        torch.cuda.empty_cache()
+        # the temporary cache was part of the peak; the real cache replaces it
+        return peak - blocks * self.kv_spec.bytes_per_block
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        for rid in plan.finished_ids:
+            self.requests.pop(rid, None)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = self._new_state(new)
+        chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
+        if not chunks:
+            return StepResult(plan.step_id)
+        inputs = build_inputs(chunks, self.block_size, self.device)
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            sampled, prompt_lps = self._logits_and_sample(inputs, hidden)
+        for c in inputs.chunks:
+            c.state.num_computed += c.num_tokens
+        order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
+        sampled.sort(key=lambda t: order[t.request_id])
+        return StepResult(plan.step_id, sampled, prompt_lps)
+
+    def _new_state(self, new: NewRequestData) -> RequestState:
+        if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+            raise ValueError(f"request {new.request_id!r}: num_computed_tokens {new.num_computed_tokens} outside "
+                             f"0..{len(new.token_ids)}")
+        return RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
+                            list(new.block_ids), SamplingParams.from_dict(dict(new.sampling)))
+
+    def _chunk(self, rid: str, num_tokens: int, new_blocks: list[int], sample: bool) -> Chunk:
+        state = self.requests.get(rid)
+        if state is None:
+            raise KeyError(f"step schedules request {rid!r}, which the worker does not know")
+        state.block_ids.extend(new_blocks)
+        end = state.num_computed + num_tokens
+        if num_tokens < 1 or end > len(state.token_ids):
+            raise ValueError(f"request {rid!r}: cannot compute {num_tokens} tokens from {state.num_computed}; "
+                             f"it has {len(state.token_ids)}")
+        if sample and end != len(state.token_ids):
+            raise ValueError(f"request {rid!r}: asked to sample after token {end} of {len(state.token_ids)}")
+        return Chunk(state, state.num_computed, num_tokens, sample)
+
+    def _logits_and_sample(self, inputs: StepInputs, hidden: torch.Tensor
+                           ) -> tuple[list[SampledToken], dict[str, list[list[tuple[int, float]] | None]]]:
+        rows: list[int] = []
+        sample_at: list[tuple[Chunk, int]] = []  # chunk, index into rows
+        prompt_at: list[tuple[Chunk, int, int]] = []  # chunk, first index into rows, count
+        for c, first in zip(inputs.chunks, inputs.row_starts):
+            if c.wants_prompt_logprobs:
+                # row of position p scores prompt token p + 1
+                count = min(c.start + c.num_tokens, c.state.num_prompt_tokens - 1) - c.start
+                prompt_at.append((c, len(rows), max(count, 0)))
+                rows.extend(range(first, first + max(count, 0)))
+            if c.sample:
+                sample_at.append((c, len(rows)))
+                rows.append(first + c.num_tokens - 1)
+        if not rows:
+            return [], {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).float()
+        prompt_lps = {c.state.request_id: self._prompt_logprobs(c, logits[i : i + n]) for c, i, n in prompt_at}
+        sampled: list[SampledToken] = []
+        if sample_at:
+            srows = [SamplingRow(c.state.params, c.state.token_ids[: c.state.num_prompt_tokens], c.state.output_ids)
+                     for c, _ in sample_at]
+            results = self.sampler(logits[[i for _, i in sample_at]], srows)
+            for (c, _), r in zip(sample_at, results):
+                c.state.token_ids.append(r.token_id)
+                sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs))
+        return sampled, prompt_lps
+
+    @staticmethod
+    def _prompt_logprobs(c: Chunk, logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
+        """Entries for the prompt positions this chunk scores: (actual token, logprob) then the top k."""
+        out: list[list[tuple[int, float]] | None] = [None] if c.start == 0 else []
+        if logits.shape[0] == 0:
+            return out
+        lps = torch.log_softmax(logits, dim=-1)
+        k = c.state.params.prompt_logprobs or 0
+        targets = c.state.token_ids[c.start + 1 : c.start + 1 + logits.shape[0]]
+        chosen = lps[torch.arange(len(targets)), torch.tensor(targets)].tolist()
+        tops = lps.topk(k, dim=-1) if k > 0 else None
+        for j, (tok, lp) in enumerate(zip(targets, chosen)):
+            entry = [(tok, lp)]
+            if tops is not None:
+                entry += list(zip(tops.indices[j].tolist(), tops.values[j].tolist()))
+            out.append(entry)
+        return out

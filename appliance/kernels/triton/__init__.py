@@ -1,0 +1,8 @@
+"""Triton kernels, one module per op family; importing this package registers every op under "triton".
+
+Importing needs only `triton` (it compiles nothing); running needs a CUDA GPU or TRITON_INTERPRET=1 set before
+triton is first imported (the CPU tests do this in a subprocess).
+"""
+from __future__ import annotations
+
+from appliance.kernels.triton import activation, cache, decode, norm, prefill, rope, sampling  # noqa: F401

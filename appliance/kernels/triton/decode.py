@@ -1,0 +1,157 @@
+"""Paged decode attention: one query token per sequence over its paged KV cache.
+
+One program serves all query heads that share a kv head (GQA: the kv tiles are read once per group, not once per
+query head) over one split of the context. The split count is chosen on the host from the block table's width
+(its capacity), never from seq_lens, so no host sync happens and the launch is CUDA-graph safe; splits that start
+past a sequence's end exit at once. With more than one split a second pass merges the partial results by their
+log-sum-exp.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from appliance.kernels.registry import register
+from appliance.kernels.triton.common import INTERPRET, mma
+
+_LOG2E = 1.4426950408889634
+_SMS_FALLBACK = 132
+# Tuned on the H100 (docs/kernels.md): the tile of kv tokens per loop step, and the split-K heuristic inputs.
+BLOCK_N = 64
+MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the merge than it gains in parallelism
+PROGRAMS_PER_SM = 4
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+                   stride_qb, stride_qh, stride_ob, stride_oh,
+                   stride_cb, stride_cs, stride_ch, stride_bt,
+                   split_tokens, num_splits,
+                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = kvh * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        row = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N], in log2 units
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+
+    out_mask = h_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials: mid_o [B, H, S, D] normalised, mid_lse [B, H, S] in log2 units (-inf for an empty split)
+        base = (b * (GROUP * tl.num_programs(1)) + head) * num_splits + split
+        o = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(mid_o_ptr + base[:, None] * D + offs_d[None, :], o, mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(mid_lse_ptr + base, lse, mask=h_mask)
+
+
+@triton.jit
+def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits, H,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    base = (b * H + h) * num_splits
+    lse = tl.load(mid_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)
+    w = tl.where(s_mask, w, 0.0)
+    o = tl.load(mid_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :],
+                mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS_FALLBACK
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_context: int, sms: int) -> int:
+    """Split-K factor: enough programs to fill the GPU, but no split shorter than MIN_SPLIT_TOKENS."""
+    want = math.ceil(PROGRAMS_PER_SM * sms / max(1, batch * num_kv_heads))
+    cap = max(1, max_context // MIN_SPLIT_TOKENS)
+    return max(1, min(want, cap))
+
+
+@register("decode_attention", "triton")
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """`num_splits` overrides the heuristic (tests and tuning); seq_lens must all be >= 1."""
+    bsz, h, d = q.shape
+    _, page, hkv, dk = k_cache.shape
+    if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
+        raise ValueError("decode_attention: block_tables / seq_lens batch size differs from q")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("decode_attention: the head_dim axis must be contiguous")
+    out = torch.empty_like(q)
+    if bsz == 0:
+        return out
+    group = h // hkv
+    max_context = block_tables.shape[1] * page
+    splits = num_splits or num_splits_for(bsz, hkv, max_context, _sm_count(q.device))
+    split_tokens = triton.cdiv(triton.cdiv(max_context, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(max_context, split_tokens)
+    direct = splits == 1
+    if direct:
+        mid_o = mid_lse = out  # unused
+    else:
+        mid_o = torch.empty(bsz, h, splits, d, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(bsz, h, splits, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(d)
+    _decode_kernel[(bsz, hkv, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        split_tokens, splits,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
+        PAGE=page, BLOCK_N=BLOCK_N, DIRECT=direct, UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if not direct:
+        _merge_kernel[(bsz, h)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, h,
+                                D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+    return out

@@ -1,0 +1,113 @@
+"""Prefill / extend attention: causal, varlen queries over a paged KV cache that already holds the new tokens.
+
+Query tiles never straddle sequences. Which sequence a program serves comes from `cu_tiles` (a prefix sum of
+tiles per sequence, built with torch ops on the device) by binary search in the kernel, so the grid size is an
+upper bound known on the host (T / BLOCK_M + B) and nothing syncs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from appliance.kernels.registry import register
+from appliance.kernels.triton.common import INTERPRET, mma
+
+_LOG2E = 1.4426950408889634
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu_tiles_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_cb, stride_cs, stride_ch, stride_bt, num_seqs,
+                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_SEQS: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    total_tiles = tl.load(cu_tiles_ptr + num_seqs)
+    if tile >= total_tiles:
+        return
+    # binary search: the last b with cu_tiles[b] <= tile
+    lo = num_seqs * 0  # a runtime int32, like hi, so the loop-carried types agree when compiled
+    hi = num_seqs
+    for _ in range(LOG_SEQS):
+        mid = (lo + hi) // 2
+        go_right = tl.load(cu_tiles_ptr + mid) <= tile
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    b = lo
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    seq_len = tl.load(lens_ptr + b)
+    m0 = (tile - tl.load(cu_tiles_ptr + b)) * BLOCK_M
+    kvh = head // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < D
+    q_pos = seq_len - q_len + offs_m
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    kv_end = tl.minimum(seq_len, seq_len - q_len + m0 + BLOCK_M)  # last query row of the tile sees up to here
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < kv_end
+        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        row = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), UPCAST) * qk_scale
+        keep = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@register("prefill_attention", "triton")
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    t, h, d = q.shape
+    _, page, hkv, dk = k_cache.shape
+    bsz = seq_lens.shape[0]
+    if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"prefill_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if cu_seqlens_q.shape != (bsz + 1,) or block_tables.shape[0] != bsz:
+        raise ValueError("prefill_attention: cu_seqlens_q must be [B+1] and block_tables [B, M] for B = len(seq_lens)")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("prefill_attention: the head_dim axis must be contiguous")
+    out = torch.empty_like(q)
+    if t == 0 or bsz == 0:
+        return out
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    cu_tiles = torch.zeros(bsz + 1, dtype=torch.int32, device=q.device)
+    cu_tiles[1:] = torch.cumsum(torch.div(q_lens + (BLOCK_M - 1), BLOCK_M, rounding_mode="floor"), 0)
+    max_tiles = triton.cdiv(t, BLOCK_M) + bsz
+    _prefill_kernel[(max_tiles, h)](
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, cu_tiles, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), bsz,
+        GROUP=h // hkv, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, LOG_SEQS=max(1, (bsz).bit_length()),
+        UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return out

@@ -1,0 +1,211 @@
+"""Token sampling on the GPU without host syncs: greedy, temperature, min-p, top-k, top-p, seeded.
+
+Op "sample": `(logits[B,V], temperature[B] f32, top_k[B] i32, top_p[B] f32, min_p[B] f32, seeds[B] i64,
+steps[B] i64) -> token ids [B] int64`. Every setting is a per-row device tensor, so a batch mixing greedy and
+random requests is one launch and nothing is read back but the ids.
+
+Semantics (vLLM's order): temperature <= 0 means greedy argmax of the raw logits (lowest index on ties).
+Otherwise l = logits / temperature, then min-p keeps tokens with prob >= min_p * max prob, top-k (0, -1 or >= V:
+off) keeps tokens >= the k-th largest value (ties kept), top-p (1: off) keeps the smallest high set whose mass is
+>= top_p of what min-p and top-k kept. The draw is a Gumbel race, argmax(l - log(-log u)), equivalent to sampling
+from softmax over the kept set; u comes from a counter-based hash of (seed, step, token index), so a request with
+a seed gets the same tokens on any batch composition and the torch reference below reproduces the kernel bit for
+bit in its random numbers.
+
+The kernel finds the top-k and top-p thresholds by bisection over the float32 bit patterns of the row (a monotone
+integer key), one pass over the row per step: exact, sort-free, but up to ~32 passes each; rows that use neither
+skip them. This file holds the torch reference too because reference/ is the contract directory.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from appliance.kernels.registry import register
+
+BLOCK = 2048
+_M32 = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------- counter-based random numbers (shared definition)
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2^32 for int64 tensors holding uint32 values, without int64 overflow."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniform_reference(seed: int, step: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The kernel's uniforms in (0, 1) for one row: float32 [n]."""
+    s = _fmix32(torch.tensor([seed & _M32], dtype=torch.int64) ^ _fmix32(torch.tensor([(step + 0x632BE5AB) & _M32])))
+    idx = torch.arange(n, dtype=torch.int64)
+    h = _fmix32(s ^ _fmix32(idx))
+    return (((h >> 8).float() + 0.5) * (1.0 / 16777216.0)).to(device)
+
+
+@triton.jit
+def _fmix32_tl(h):
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+# ---------------------------------------------------------------- torch reference
+@register("sample", "torch")
+def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    bsz, vocab = logits.shape
+    out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
+    for b in range(bsz):
+        x = logits[b].float()
+        t = float(temperature[b])
+        if t <= 0.0:
+            out[b] = torch.argmax(x)
+            continue
+        lv = x * (1.0 / temperature[b : b + 1].float())  # as the kernel: one reciprocal, then multiply
+        keep = torch.ones(vocab, dtype=torch.bool, device=x.device)
+        mp, k, p = float(min_p[b]), int(top_k[b]), float(top_p[b])
+        if mp > 0.0:
+            probs = torch.softmax(lv, 0)
+            keep &= probs >= mp * probs.max()
+        if 0 < k < vocab:
+            keep &= lv >= torch.topk(lv, k).values[-1]
+        if p < 1.0:
+            probs = torch.softmax(lv.masked_fill(~keep, float("-inf")), 0)
+            sorted_p, order = torch.sort(probs, descending=True)
+            mass_above = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly above each token
+            kept_sorted = order[mass_above < p]
+            keep &= lv >= lv[kept_sorted].min()
+        u = uniform_reference(int(seeds[b]), int(steps[b]), vocab, x.device)
+        g = (lv - torch.log(-torch.log(u))).masked_fill(~keep, float("-inf"))
+        out[b] = torch.argmax(g)
+    return out
+
+
+# ---------------------------------------------------------------- triton
+@triton.jit
+def _key(v):
+    """float32 -> int64 key with the same order."""
+    bits = v.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def _unkey(k):
+    bits = k.to(tl.int32)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _count_ge(row_ptr, vocab, inv_t, v, BLOCK: tl.constexpr):
+    n = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        lv = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
+        n += (lv >= v).to(tl.int32)
+    return tl.sum(n, 0)
+
+
+@triton.jit
+def _mass_gt(row_ptr, vocab, inv_t, v, floor, mx, BLOCK: tl.constexpr):
+    """Sum of exp(l - mx) over tokens with l > v and l >= floor."""
+    m = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        lv = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
+        m += tl.where((lv > v) & (lv >= floor), tl.exp(lv - mx), 0.0)
+    return tl.sum(m, 0)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, out_ptr,
+                   BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    row_ptr = logits_ptr + b.to(tl.int64) * stride
+    t = tl.load(temp_ptr + b)
+    # pass 1: max (with its first index) and min of the raw logits
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    low = tl.full([BLOCK], float("inf"), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        better = x > best
+        best_i = tl.where(better, offs, best_i)
+        best = tl.where(better, x, best)
+        low = tl.minimum(low, tl.where(offs < vocab, x, float("inf")))
+    raw_max = tl.max(best, 0)
+    greedy_i = tl.min(tl.where(best == raw_max, best_i, vocab), 0)
+    if t <= 0.0:
+        tl.store(out_ptr + b, greedy_i.to(tl.int64))
+        return
+    inv_t = 1.0 / t
+    mx = raw_max * inv_t
+    mn = tl.min(low, 0) * inv_t
+    thr = mn
+    mp = tl.load(minp_ptr + b)
+    if mp > 0.0:
+        thr = tl.maximum(thr, mx + tl.log(mp))
+    k = tl.load(topk_ptr + b)
+    if (k > 0) & (k < vocab):
+        lo = _key(mn)  # count(l >= lo) = V >= k
+        hi = _key(mx) + 1  # count(l >= hi) = 0 < k
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            ok = _count_ge(row_ptr, vocab, inv_t, _unkey(mid), BLOCK) >= k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        thr = tl.maximum(thr, _unkey(lo))
+    p = tl.load(topp_ptr + b)
+    if p < 1.0:
+        target = p * _mass_gt(row_ptr, vocab, inv_t, float("-inf"), thr, mx, BLOCK)
+        lo = _key(thr) - 1  # mass above it is everything kept: not < target
+        hi = _key(mx)  # mass above the max is 0 < target
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            ok = _mass_gt(row_ptr, vocab, inv_t, _unkey(mid), thr, mx, BLOCK) < target
+            lo = tl.where(ok, lo, mid)
+            hi = tl.where(ok, mid, hi)
+        thr = tl.maximum(thr, _unkey(hi))
+    # the race: argmax of l - log(-log u) over the kept tokens
+    s = _fmix32_tl(tl.load(seed_ptr + b).to(tl.uint32) ^ _fmix32_tl(tl.load(step_ptr + b).to(tl.uint32) + 0x632BE5AB))
+    gbest = tl.full([BLOCK], float("-inf"), tl.float32)
+    gbest_i = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        lv = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
+        h = _fmix32_tl(s ^ _fmix32_tl(offs.to(tl.uint32)))
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        g = tl.where((lv >= thr) & (offs < vocab), lv - tl.log(-tl.log(u)), float("-inf"))
+        better = g > gbest
+        gbest_i = tl.where(better, offs, gbest_i)
+        gbest = tl.where(better, g, gbest)
+    gmax = tl.max(gbest, 0)
+    tl.store(out_ptr + b, tl.min(tl.where(gbest == gmax, gbest_i, vocab), 0).to(tl.int64))
+
+
+@register("sample", "triton")
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    bsz, vocab = logits.shape
+    for name, tensor in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
+                         ("seeds", seeds), ("steps", steps)):
+        if tensor.shape != (bsz,):
+            raise ValueError(f"sample: {name} must be [{bsz}], got {tuple(tensor.shape)}")
+    if logits.stride(-1) != 1:
+        raise ValueError("sample: logits must be contiguous along the vocabulary")
+    out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
+    if bsz:
+        _sample_kernel[(bsz,)](logits, logits.stride(0), vocab, temperature.float(), top_k.to(torch.int32),
+                               top_p.float(), min_p.float(), seeds.to(torch.int64), steps.to(torch.int64), out,
+                               BLOCK=BLOCK, num_warps=8)
+    return out

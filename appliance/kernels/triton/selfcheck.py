@@ -1,0 +1,257 @@
+"""Random inputs for every triton op and their comparison with the torch reference.
+
+Shared by the tests (small shapes, CPU under TRITON_INTERPRET=1) and tools/gpu_suite.py (realistic shapes on the
+GPU), so both check the same thing. Inputs are random normals (never zeros); paged KV uses a random permutation of
+cache blocks so wrong block indexing cannot pass; outputs are compared by ||out - ref|| / ||ref|| in float64.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from appliance.kernels.registry import get
+
+TOL = {torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    op: str
+    case: str
+    err: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.tol  # NaN fails
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Positional args for the op; `nbytes` is the least traffic a kernel must move (for GB/s)."""
+    args: tuple[Any, ...]
+    nbytes: int
+    fast_kwargs: tuple[tuple[str, Any], ...] = ()  # extra keyword args for the triton op only (e.g. num_splits)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.double(), ref.double()
+    return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30))
+
+
+def _paged_kv(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dtype, device: str,
+              gen: torch.Generator, extra_cols: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Caches with a random block layout; block table padded with 0 past each sequence's blocks."""
+    per_seq = [(n + page - 1) // page for n in seq_lens]
+    num_blocks = sum(per_seq) + 1
+    k = torch.randn(num_blocks, page, hkv, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(num_blocks, page, hkv, d, generator=gen).to(dtype).to(device)
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(per_seq) + extra_cols, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(per_seq):
+        table[b, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    return k, v, table.to(device)
+
+
+def decode_inputs(batch: int, heads: int, kv_heads: int, head_dim: int, page: int, seq_lens: list[int],
+                  dtype: torch.dtype, device: str, seed: int = 0, num_splits: int | None = None) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    k, v, table = _paged_kv(seq_lens, page, kv_heads, head_dim, dtype, device, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    kv_bytes = 2 * sum(seq_lens) * kv_heads * head_dim * k.element_size()
+    extra = (("num_splits", num_splits),) if num_splits else ()
+    return Inputs((q, k, v, table, lens, head_dim**-0.5), kv_bytes + 2 * q.numel() * q.element_size(), extra)
+
+
+def prefill_inputs(q_lens: list[int], prefix_lens: list[int], heads: int, kv_heads: int, head_dim: int, page: int,
+                   dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
+    k, v, table = _paged_kv(seq_lens, page, kv_heads, head_dim, dtype, device, gen)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype).to(device)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    kv_bytes = 2 * sum(seq_lens) * kv_heads * head_dim * k.element_size()
+    return Inputs((q, k, v, cu, lens, table, head_dim**-0.5), kv_bytes + 2 * q.numel() * q.element_size())
+
+
+def store_kv_inputs(tokens: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype, device: str,
+                    seed: int = 0) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = (tokens + page - 1) // page + 2
+    key = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    value = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    slots = torch.randperm(num_blocks * page, generator=gen)[:tokens]
+    slots[::7] = -1  # padding tokens are skipped
+    k_cache = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    return Inputs((key, value, k_cache, v_cache, slots.to(device)), 4 * key.numel() * key.element_size())
+
+
+def rms_norm_inputs(rows: int, hidden: int, dtype: torch.dtype, device: str, residual: bool,
+                    seed: int = 0) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
+    r = torch.randn(rows, hidden, generator=gen).to(dtype).to(device) if residual else None
+    passes = 4 if residual else 2
+    return Inputs((x, w, 1e-6, r), passes * x.numel() * x.element_size())
+
+
+def rope_inputs(tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int, is_neox: bool,
+                dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    max_pos = 4 * tokens + 8
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    cache = torch.cat((freqs.cos(), freqs.sin()), -1).to(device)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype).to(device)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    return Inputs((positions, q, k, cache, is_neox), 2 * (q.numel() + k.numel()) * q.element_size())
+
+
+def silu_inputs(tokens: int, inter: int, dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 2 * inter, generator=gen).to(dtype).to(device)
+    return Inputs((x,), 3 * tokens * inter * x.element_size())
+
+
+def sample_inputs(batch: int, vocab: int, dtype: torch.dtype, device: str, mode: str, seed: int = 0) -> Inputs:
+    """mode: greedy, plain (temperature only), filtered (top-k, top-p and min-p mixed per row), mixed."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(batch, vocab, generator=gen)).to(dtype).to(device)
+    temp = 0.5 + torch.rand(batch, generator=gen)
+    top_k = torch.zeros(batch, dtype=torch.int32)
+    top_p = torch.ones(batch)
+    min_p = torch.zeros(batch)
+    if mode == "greedy":
+        temp.zero_()
+    elif mode in ("filtered", "mixed"):
+        top_k = torch.randint(1, min(vocab, 100), (batch,), generator=gen).to(torch.int32)
+        top_p = 0.5 + 0.5 * torch.rand(batch, generator=gen)
+        min_p = 0.05 * torch.rand(batch, generator=gen)
+        top_k[1::3] = 0  # some rows without top-k
+        top_p[2::3] = 1.0  # some without top-p
+        if mode == "mixed":
+            temp[::4] = 0.0
+    seeds = torch.randint(0, 2**40, (batch,), generator=gen)
+    steps = torch.randint(0, 4096, (batch,), generator=gen)
+    args = tuple(t.to(device) for t in (logits, temp, top_k, top_p, min_p, seeds, steps))
+    return Inputs(args, logits.numel() * logits.element_size())
+
+
+def compare(op: str, inputs: Inputs, case: str) -> CheckResult:
+    """Run the triton op and the reference on the same inputs (cloned: some ops write in place)."""
+    fast: Callable[..., Any] = get(op, "triton")
+    ref: Callable[..., Any] = get(op, "torch")
+    a = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs.args)
+    r = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs.args)
+    out, want = fast(*a, **dict(inputs.fast_kwargs)), ref(*r)
+    dtype = inputs.args[0].dtype if op != "rope" else inputs.args[1].dtype
+    if op == "store_kv":
+        err = max(rel_err(a[2], r[2]), rel_err(a[3], r[3]))
+        return CheckResult(op, case, err, 0.0)
+    if op == "sample":
+        mismatch = float((out != want).float().mean())
+        return CheckResult(op, case, mismatch, 0.0)
+    outs = out if isinstance(out, tuple) else (out,)
+    wants = want if isinstance(want, tuple) else (want,)
+    err = max(rel_err(o, w) for o, w in zip(outs, wants))
+    return CheckResult(op, case, err, TOL[dtype])
+
+
+Case = tuple[str, str, Callable[[], Inputs]]
+
+
+def small_cases(device: str = "cpu") -> list[Case]:
+    """Small shapes that cover every branch; fast enough for the CPU interpreter (a few seconds in all)."""
+    bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    d = device
+    return [
+        ("store_kv", "bf16-page16", lambda: store_kv_inputs(20, 2, 64, 16, bf, d)),
+        ("store_kv", "f16-page8-d80", lambda: store_kv_inputs(9, 3, 80, 8, f16, d)),
+        ("decode_attention", "bf16-gqa4-d64-page16", lambda: decode_inputs(3, 8, 2, 64, 16, [1, 37, 100], bf, d)),
+        ("decode_attention", "f16-mha-d128-page8", lambda: decode_inputs(2, 2, 2, 128, 8, [5, 64], f16, d)),
+        ("decode_attention", "f32-gqa8-page32", lambda: decode_inputs(2, 8, 1, 64, 32, [33, 7], f32, d)),
+        ("decode_attention", "bf16-splitk3", lambda: decode_inputs(3, 4, 2, 64, 16, [300, 1, 130], bf, d,
+                                                                 num_splits=3)),
+        ("decode_attention", "f16-splitk5-page64", lambda: decode_inputs(2, 4, 1, 64, 64, [250, 20], f16, d,
+                                                                      num_splits=5)),
+        ("prefill_attention", "bf16-prefix", lambda: prefill_inputs([5, 1, 70], [0, 20, 33], 4, 2, 64, 16, bf, d)),
+        ("prefill_attention", "f16-empty-seq-d128", lambda: prefill_inputs([3, 0, 17], [4, 9, 0], 2, 1, 128, 8,
+                                                                         f16, d)),
+        ("prefill_attention", "f32-page32", lambda: prefill_inputs([40], [50], 2, 2, 64, 32, f32, d)),
+        ("rms_norm", "bf16-residual", lambda: rms_norm_inputs(5, 96, bf, d, True)),
+        ("rms_norm", "f16", lambda: rms_norm_inputs(4, 256, f16, d, False)),
+        ("rms_norm", "f32-residual", lambda: rms_norm_inputs(3, 130, f32, d, True)),
+        ("rope", "bf16-neox", lambda: rope_inputs(5, 4, 2, 64, 64, True, bf, d)),
+        ("rope", "f16-gptj", lambda: rope_inputs(4, 3, 1, 128, 128, False, f16, d)),
+        ("rope", "f32-neox-partial", lambda: rope_inputs(3, 2, 2, 64, 32, True, f32, d)),
+        ("rope", "bf16-gptj-partial", lambda: rope_inputs(3, 2, 1, 80, 64, False, bf, d)),
+        ("silu_and_mul", "bf16", lambda: silu_inputs(3, 1500, bf, d)),
+        ("silu_and_mul", "f16", lambda: silu_inputs(2, 64, f16, d)),
+        ("sample", "greedy-bf16", lambda: sample_inputs(4, 700, bf, d, "greedy")),
+        ("sample", "plain-f32", lambda: sample_inputs(4, 300, f32, d, "plain")),
+        ("sample", "filtered-f32", lambda: sample_inputs(6, 500, f32, d, "filtered")),
+        ("sample", "mixed-f16", lambda: sample_inputs(8, 257, f16, d, "mixed", seed=3)),
+    ]
+
+
+def realistic_cases(device: str = "cuda") -> list[Case]:
+    """Llama-3.1-8B-like shapes (32 q / 8 kv heads, head_dim 128), bf16 and fp16, for the GPU."""
+    bf, f16 = torch.bfloat16, torch.float16
+    g = torch.Generator().manual_seed(1)
+    d = device
+    cases: list[Case] = []
+    for dt in (bf, f16):
+        name = "bf16" if dt is bf else "f16"
+        for bsz, ctx in ((1, 4096), (7, 1000), (64, 1024), (256, 300)):
+            lens = torch.randint(1, ctx + 1, (bsz,), generator=g).tolist()
+            lens[0] = ctx
+            cases.append(("decode_attention", f"{name}-b{bsz}-ctx{ctx}",
+                          lambda lens=lens, bsz=bsz, dt=dt: decode_inputs(bsz, 32, 8, 128, 16, lens, dt, d)))
+        cases += [
+            ("decode_attention", f"{name}-d64-page32-split7", lambda dt=dt: decode_inputs(
+                5, 16, 4, 64, 32, [2000, 1, 77, 1500, 640], dt, d, num_splits=7)),
+            ("prefill_attention", f"{name}-prefix", lambda dt=dt: prefill_inputs(
+                [512, 1, 300, 77], [512, 1000, 0, 3], 32, 8, 128, 16, dt, d)),
+            ("store_kv", name, lambda dt=dt: store_kv_inputs(1000, 8, 128, 16, dt, d)),
+            ("rms_norm", f"{name}-residual", lambda dt=dt: rms_norm_inputs(300, 4096, dt, d, True)),
+            ("rms_norm", name, lambda dt=dt: rms_norm_inputs(64, 4096, dt, d, False)),
+            ("rope", f"{name}-neox", lambda dt=dt: rope_inputs(500, 32, 8, 128, 128, True, dt, d)),
+            ("rope", f"{name}-gptj-partial", lambda dt=dt: rope_inputs(100, 32, 8, 128, 64, False, dt, d)),
+            ("silu_and_mul", name, lambda dt=dt: silu_inputs(300, 14336, dt, d)),
+        ]
+    cases += [
+        ("sample", "mixed-bf16", lambda: sample_inputs(64, 32000, bf, d, "mixed")),
+        ("sample", "greedy-f32", lambda: sample_inputs(16, 128256, torch.float32, d, "greedy")),
+        ("sample", "filtered-bf16-128k", lambda: sample_inputs(8, 128256, bf, d, "filtered")),
+    ]
+    return cases
+
+
+def main() -> None:
+    """Run the small cases; one JSON line per case (the CPU tests run this under TRITON_INTERPRET=1)."""
+    import json
+    import sys
+
+    import appliance.kernels.triton  # noqa: F401  (registers the ops)
+
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    for op, case, build in small_cases(device):
+        try:
+            res = compare(op, build(), case)
+            print(json.dumps({"op": op, "case": case, "err": res.err, "tol": res.tol}), flush=True)
+        except Exception as exc:  # one failing case must not hide the others
+            print(json.dumps({"op": op, "case": case, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

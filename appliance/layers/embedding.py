@@ -1,0 +1,59 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the (padded) vocabulary."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from appliance.layers.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+PAD_TO = 64  # vocab padded to a multiple of PAD_TO * tp so every shard has the same size
+
+
+def _pad_vocab(vocab: int, tp_size: int) -> int:
+    step = PAD_TO * tp_size
+    return (vocab + step - 1) // step * step
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_padded = _pad_vocab(num_embeddings, self.tp_size)
+        self.shard_size = self.num_embeddings_padded // self.tp_size
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
+            raise ValueError(f"embedding of shape {tuple(loaded.shape)} does not match vocab {self.num_embeddings} "
+                             f"x {param.shape[1]}")
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(mine, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projection to vocabulary logits; shares its weight with the embedding when embeddings are tied."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [N, vocab] (gathered across ranks, padding cut off)."""
+        logits = tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+        return logits[..., : self.num_embeddings]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.compute_logits(hidden)

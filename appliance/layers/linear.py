@@ -1,0 +1,142 @@
+"""Tensor-parallel linear layers (Megatron layout) with loaders that cut each rank's shard from a full weight.
+
+Column-parallel layers split the output dimension (no communication); row-parallel layers split the input
+dimension and all-reduce their partial sums. Fused layers (QKV, gate+up) take each checkpoint tensor with a
+shard id and place it at the right offset of this rank's slice.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from appliance.layers.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (outputs) split across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        self.gather_output = gather_output
+        self.weight = _param(self.output_size_per_partition, input_size)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = _param(self.output_size_per_partition)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        _copy(param, loaded.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return tp_all_gather(y, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_proj + up_proj); shard id = index in output_sizes."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = list(output_sizes)
+        for size in self.output_sizes:
+            divide(size, self.tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:  # an already-fused checkpoint tensor: cut each part's shard
+            offset = 0
+            for i, size in enumerate(self.output_sizes):
+                self.weight_loader(param, loaded.narrow(0, offset, size), i)
+                offset += size
+            return
+        shard = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _copy(param.data.narrow(0, offset, shard), loaded.narrow(0, self.tp_rank * shard, shard))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections split by heads; KV heads are replicated when there are fewer than ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False) -> None:
+        tp_size = get_tp_size()
+        self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.kv_replicas = 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_dim
+        super().__init__(hidden_size, output_size, bias)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id is None:  # fused checkpoint tensor laid out [q; k; v] over all heads
+            q_total = self.total_num_heads * self.head_dim
+            kv_total = self.total_num_kv_heads * self.head_dim
+            for sid, start, size in (("q", 0, q_total), ("k", q_total, kv_total), ("v", q_total + kv_total, kv_total)):
+                self.weight_loader(param, loaded.narrow(0, start, size), sid)
+            return
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"unknown qkv shard id {shard_id!r}")
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's columns (inputs) split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.reduce_results = reduce_results
+        self.weight = _param(output_size, self.input_size_per_partition)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = _param(output_size)
+            self.bias.weight_loader = lambda p, w: _copy(p, w)  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[1]
+        _copy(param, loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = tp_all_reduce(y)
+        # the bias is added once, after the sum, not once per rank
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,65 @@
+"""Tensor-parallel group state: rank, size and the collectives the layers need.
+
+At world size 1 (the default, and every CPU test) the collectives are identities; the parallelism work calls
+`init_tensor_parallel` with a torch.distributed group and the same layer code then shards for real.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorParallelState:
+    rank: int = 0
+    size: int = 1
+    group: object | None = None  # a torch.distributed ProcessGroup when size > 1
+
+
+_STATE = TensorParallelState()
+
+
+def init_tensor_parallel(rank: int, size: int, group: object | None = None) -> None:
+    """Set this process's tensor-parallel rank and group (once per worker, before building the model)."""
+    global _STATE
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"invalid tensor-parallel rank {rank} for size {size}")
+    if size > 1 and group is None:
+        raise ValueError("tensor-parallel size > 1 needs a torch.distributed process group")
+    _STATE = TensorParallelState(rank, size, group)
+
+
+def get_tp_rank() -> int:
+    return _STATE.rank
+
+
+def get_tp_size() -> int:
+    return _STATE.size
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the tensor-parallel group (in place when distributed; identity at size 1)."""
+    if _STATE.size == 1:
+        return x
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=_STATE.group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's shard along `dim`, in rank order (identity at size 1)."""
+    if _STATE.size == 1:
+        return x
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(_STATE.size)]
+    dist.all_gather(parts, x.contiguous(), group=_STATE.group)
+    return torch.cat(parts, dim=dim)
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator

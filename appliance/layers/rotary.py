@@ -1,0 +1,71 @@
+"""Rotary position embeddings: a cos/sin cache per position, applied through the kernel registry's `rope` op.
+
+Scaling follows the HF `rope_parameters` / `rope_scaling` dict: default, linear, llama3 (Llama 3.1's
+wavelength-dependent frequency interpolation). Any other rope_type is an error rather than silently unscaled.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from appliance.kernels import registry
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from a transformers config of either the 4.x or 5.x shape."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = None if params.get("rope_type", "default") == "default" else dict(params)
+        return theta, scaling
+    theta = float(getattr(hf_config, "rope_theta", 10000.0))
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return theta, scaling
+
+
+def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    # float32 like transformers, so our cache matches the reference bit for bit
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 scaling: dict[str, Any] | None = None, is_neox: bool = True, backend: str = "torch") -> None:
+        super().__init__()
+        self.head_dim, self.rotary_dim, self.is_neox = head_dim, rotary_dim, is_neox
+        inv_freq = _inv_freq(rotary_dim, base)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            elif kind == "linear":
+                positions = positions / float(scaling["factor"])
+            else:
+                raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        freqs = torch.outer(positions, inv_freq)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self._op = registry.get("rope", backend)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._op(positions, q, k, self.cos_sin_cache, self.is_neox)

@@ -1,0 +1,185 @@
+"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) built from tensor-parallel layers.
+
+The family differs in two switches read from the HF config: a bias on the q/k/v projections (Qwen2) and an
+RMSNorm over each head of q and k before rotary (Qwen3). Parameter names mirror the HF checkpoint except the
+fused `qkv_proj` and `gate_up_proj`, which `load_weights` fills from the separate checkpoint tensors.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from appliance.layers.activation import SiluAndMul
+from appliance.layers.attention import Attention, AttentionMetadata
+from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from appliance.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from appliance.layers.norm import RMSNorm
+from appliance.layers.rotary import RotaryEmbedding, rope_parameters
+
+# checkpoint name fragment -> (our fused parameter fragment, shard id)
+_STACKED = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        n_heads = cfg.num_attention_heads
+        n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // n_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, n_heads, n_kv, bias=qkv_bias)
+        # Llama/Qwen3 put `attention_bias` on o_proj too; Qwen2's q/k/v bias never reaches o_proj
+        self.o_proj = RowParallelLinear(n_heads * self.head_dim, hidden,
+                                        bias=bool(getattr(cfg, "attention_bias", False)))
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        theta, scaling = rope_parameters(cfg)
+        rotary_dim = int(self.head_dim * float(getattr(cfg, "partial_rotary_factor", 1.0)))
+        self.rotary = RotaryEmbedding(self.head_dim, rotary_dim, cfg.max_position_embeddings, theta, scaling,
+                                      is_neox=True, backend=backend)
+        eps = cfg.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, backend) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, backend) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous(), meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, backend: str) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported by the Llama family (only silu)")
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias)
+        self.act = SiluAndMul(backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, backend)
+        self.mlp = LlamaMLP(cfg, backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, qk_norm, backend)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        out, _ = self.norm(x, residual)
+        return out
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False  # class-level switches; subclasses for the other families flip them
+    qk_norm = False
+
+    def __init__(self, hf_config: Any, backend: str = "torch") -> None:
+        super().__init__()
+        self.config = hf_config
+        qkv_bias = self.qkv_bias or bool(getattr(hf_config, "attention_bias", False))
+        self.model = LlamaModel(hf_config, qkv_bias, self.qk_norm, backend)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into this rank's shards; returns the names of parameters that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name.startswith("lm_head.") and self.tie_word_embeddings:
+                continue  # the embedding is the head
+            for ckpt, fused, shard in _STACKED:
+                if f".{ckpt}." in name:
+                    target = name.replace(f".{ckpt}.", f".{fused}.")
+                    self._param(params, target, name).weight_loader(params[target], tensor, shard)
+                    loaded.add(target)
+                    break
+            else:
+                param = self._param(params, name, name)
+                getattr(param, "weight_loader", _default_loader)(param, tensor)
+                loaded.add(name)
+        return loaded
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
+        if target not in params:
+            raise KeyError(f"checkpoint tensor {source!r} has no matching parameter in the model")
+        return params[target]
+
+
+def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

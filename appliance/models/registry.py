@@ -1,0 +1,25 @@
+"""HF `architectures` names -> model classes."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from appliance.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(hf_config: Any) -> type[nn.Module]:
+    """The class for the first supported name in config.architectures; a clear error otherwise."""
+    names = list(getattr(hf_config, "architectures", None) or [])
+    for name in names:
+        if name in MODELS:
+            return MODELS[name]
+    raise ValueError(f"model architectures {names or '(none in config.json)'} are not supported; "
+                     f"supported: {sorted(MODELS)}")

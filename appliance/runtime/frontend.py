@@ -1,0 +1,185 @@
+"""The tokenizer process' EngineClient: talks to the scheduler over ZMQ, routes outputs to per-request queues.
+
+Sends (GenerateRequest, AbortRequest, StatsQuery) go through a plain PUSH socket with NOBLOCK from the event loop
+thread, so an abort can be sent from a `finally` even while the task is being cancelled. Outputs are read by one
+background task. When the supervisor says the pipeline failed, every open request gets an error at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from appliance.engine.sampling_params import SamplingParams
+from appliance.runtime.addresses import Addresses
+from appliance.runtime.messages import (
+    FRONTEND_CODEC, OUTPUT_CODEC, REQUEST_CODEC, AbortRequest, GenerateRequest, OutputBatch, PipelineState,
+    StatsQuery, StatsReply,
+)
+from appliance.server.engine_client import EngineDead, QueueFull, RequestOutput
+
+log = logging.getLogger("appliance.frontend")
+
+_DEAD = object()  # queue sentinel: the pipeline failed
+
+
+class ZmqEngineClient:
+    def __init__(self, addresses: Addresses, max_queued_requests: int | None) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sync_ctx = zmq.Context()
+        self._push = self._sync_ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.connect(addresses.requests)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.connect(addresses.outputs)
+        self._frontend = self._ctx.socket(zmq.PULL)
+        self._frontend.connect(addresses.frontend)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count()
+        self._max_queued = max_queued_requests
+        self._num_waiting = 0  # scheduler's count at its last report
+        self._sent_since_report = 0
+        self._state = "ready"
+        self._error = ""
+        self._tasks: list[asyncio.Task] = []
+
+    # -- EngineClient --------------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def error_message(self) -> str:
+        return self._error
+
+    @property
+    def num_open(self) -> int:
+        return len(self._queues)
+
+    def check_capacity(self, num_requests: int) -> None:
+        if self._state == "failed":
+            raise EngineDead(self._error or "the engine failed")
+        if self._state == "draining":
+            raise EngineDead("the server is shutting down")
+        if self._max_queued is not None:
+            waiting = self._num_waiting + self._sent_since_report
+            if waiting + num_requests > self._max_queued:
+                raise QueueFull(f"{waiting} requests are waiting (scheduler.max_queued_requests="
+                                f"{self._max_queued})")
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self._state == "failed":
+            raise EngineDead(self._error)
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._send(GenerateRequest(request_id, list(prompt_token_ids), sampling.to_dict(), time.time()))
+            self._sent_since_report += 1
+            while True:
+                item = await queue.get()
+                if item is _DEAD:
+                    finished = True
+                    raise EngineDead(self._error or "the engine failed")
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # closed early: client gone, stop string, timeout -> free its blocks now
+                self._send_abort([request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self._send_abort(request_ids)
+
+    async def stats(self) -> dict[str, Any]:
+        if self._state == "failed":
+            raise EngineDead(self._error)
+        qid = next(self._query_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[qid] = fut
+        try:
+            self._send(StatsQuery(qid))
+            return await asyncio.wait_for(fut, timeout=5.0)
+        finally:
+            self._stats_waiters.pop(qid, None)
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._read_frontend())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.fail("the server is shutting down")
+        self._push.close(0)
+        self._pull.close(0)
+        self._frontend.close(0)
+        self._ctx.term()
+        self._sync_ctx.term()
+
+    def fail(self, message: str) -> None:
+        """End every open request with an error; new ones are refused."""
+        if self._state != "failed":
+            self._state = "failed"
+            self._error = message
+        for q in self._queues.values():
+            q.put_nowait(_DEAD)
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(EngineDead(message))
+
+    # -- internals -----------------------------------------------------------------------------------------
+
+    def _send(self, msg: Any) -> None:
+        try:
+            self._push.send(REQUEST_CODEC.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise EngineDead(f"cannot reach the scheduler: {exc}") from None
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        try:
+            self._push.send(REQUEST_CODEC.encode(AbortRequest(list(request_ids))), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the scheduler is gone; nothing is left to free
+
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = OUTPUT_CODEC.decode_or_none(await self._pull.recv())
+            if isinstance(msg, OutputBatch):
+                self._num_waiting = msg.num_waiting
+                self._sent_since_report = 0
+                for out in msg.outputs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:  # else: aborted by us, late output
+                        q.put_nowait(out)
+            elif isinstance(msg, StatsReply):
+                fut = self._stats_waiters.get(msg.query_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(dict(msg.stats))
+            elif msg is None:
+                log.warning("dropped a malformed output frame (%d so far)", OUTPUT_CODEC.num_malformed)
+
+    async def _read_frontend(self) -> None:
+        while True:
+            msg = FRONTEND_CODEC.decode_or_none(await self._frontend.recv())
+            if isinstance(msg, PipelineState):
+                if msg.state == "failed":
+                    log.error("pipeline failed: %s", msg.message)
+                    self.fail(msg.message)
+                elif msg.state == "draining" and self._state == "ready":
+                    self._state = "draining"

@@ -1,0 +1,66 @@
+"""The scheduler's Executor: sends each StepPlan to every worker and waits for all their StepResults.
+
+Every rank runs the same plan (tensor parallelism keeps them in lock step) and samples the same tokens; rank 0's
+result is used and the others' serve as a barrier. A WorkerError is raised here and takes the scheduler down
+(the supervisor then stops the pipeline and names the stage).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import zmq
+
+from appliance.engine.step import Executor, StepPlan, StepResult
+from appliance.runtime.addresses import Addresses
+from appliance.runtime.messages import PLAN_CODEC, RESULT_CODEC, WorkerError
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class RemoteExecutor(Executor):
+    def __init__(self, ctx: zmq.Context, addresses: Addresses, *, alive: Callable[[], bool] = lambda: True) -> None:
+        self._plans = []
+        for addr in addresses.plans:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            self._plans.append(sock)
+        self._results = ctx.socket(zmq.PULL)
+        self._results.setsockopt(zmq.LINGER, 0)
+        self._results.bind(addresses.results)
+        self._alive = alive
+        self.num_malformed = 0
+
+    @property
+    def world_size(self) -> int:
+        return len(self._plans)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        frame = PLAN_CODEC.encode(plan)
+        for sock in self._plans:
+            sock.send(frame)
+        results: dict[int, StepResult] = {}
+        while len(results) < self.world_size:
+            if not self._results.poll(1000):
+                if not self._alive():
+                    raise WorkerFailed("the supervisor is gone")
+                continue
+            parts = self._results.recv_multipart()  # [rank, frame]
+            msg = RESULT_CODEC.decode_or_none(parts[-1]) if len(parts) == 2 else None
+            rank = int(parts[0]) if msg is not None and parts[0].isdigit() else -1
+            if msg is None or not 0 <= rank < self.world_size:
+                self.num_malformed += 1
+                continue
+            if isinstance(msg, WorkerError):
+                raise WorkerFailed(f"worker{msg.rank} failed in step {msg.step_id}: {msg.message}")
+            if msg.step_id != plan.step_id:
+                continue  # a late answer to an older step cannot happen in lock step; drop it
+            results[rank] = msg
+        return results[0]
+
+    def shutdown(self) -> None:
+        for sock in self._plans:
+            sock.close(0)
+        self._results.close(0)

@@ -1,0 +1,145 @@
+"""The scheduler process: EngineCore over a RemoteExecutor, fed by the tokenizer process.
+
+Loop: drain incoming requests/aborts/stats queries; run one engine step when there is work; push the deltas as
+one OutputBatch. When the engine goes idle the KV accounting is checked and a drift is logged with the numbers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import zmq
+
+from appliance.engine.config import EngineConfig
+from appliance.engine.core import EngineCore, QueueFull
+from appliance.engine.delta import RequestDelta
+from appliance.engine.sampling_params import SamplingParams
+from appliance.runtime.bootstrap import Bootstrap
+from appliance.runtime.messages import (
+    CONTROL_CODEC, OUTPUT_CODEC, REQUEST_CODEC, AbortRequest, GenerateRequest, OutputBatch, StageReady,
+    StatsQuery, StatsReply,
+)
+from appliance.runtime.process import parent_alive
+from appliance.runtime.remote_executor import RemoteExecutor
+from appliance.server.engine_client import RequestOutput
+
+log = logging.getLogger("appliance.scheduler")
+
+
+def delta_to_output(d: RequestDelta) -> RequestOutput:
+    logprobs = top = None
+    if d.new_logprobs is not None:
+        logprobs = [lp.logprob if lp.logprob is not None else 0.0 for lp in d.new_logprobs]
+        top = [[(int(t), float(p)) for t, p in lp.top_logprobs] for lp in d.new_logprobs]
+    prompt_lps = None
+    if d.prompt_logprobs is not None:
+        prompt_lps = [None if pos is None else [(int(t), float(p)) for t, p in pos] for pos in d.prompt_logprobs]
+    return RequestOutput(d.request_id, list(d.new_token_ids), logprobs, top, prompt_lps, d.finish_reason,
+                         d.num_prompt_tokens, d.num_cached_tokens)
+
+
+class SchedulerLoop:
+    def __init__(self, core: EngineCore, requests: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.requests = requests
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self.accounting_ok = True
+        self._busy = False
+
+    def run(self) -> None:
+        while parent_alive(self.parent_pid):
+            has_work = self.core.has_work()
+            if self.requests.poll(0 if has_work else 50):
+                self._drain_requests()
+            if self.core.has_work():
+                self._busy = True
+                deltas = self.core.step()
+                if deltas:
+                    self._send([delta_to_output(d) for d in deltas])
+            elif self._busy:
+                self._busy = False
+                self._check_accounting()
+
+    def _drain_requests(self) -> None:
+        rejected: list[RequestOutput] = []
+        while True:
+            try:
+                frame = self.requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = REQUEST_CODEC.decode_or_none(frame)
+            if isinstance(msg, GenerateRequest):
+                err = self._add(msg)
+                if err is not None:
+                    rejected.append(err)
+            elif isinstance(msg, AbortRequest):
+                for rid in msg.request_ids:
+                    self.core.abort(rid)
+            elif isinstance(msg, StatsQuery):
+                self.outputs.send(OUTPUT_CODEC.encode(StatsReply(msg.query_id, self.stats())))
+        if REQUEST_CODEC.num_malformed:
+            log.warning("dropped %d malformed frames so far", REQUEST_CODEC.num_malformed)
+        if rejected:
+            self._send(rejected)
+
+    def _add(self, msg: GenerateRequest) -> RequestOutput | None:
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
+            return None
+        except QueueFull as exc:
+            return RequestOutput(msg.request_id, finish_reason="error", error=str(exc), error_status=429)
+        except (ValueError, TypeError) as exc:  # a bad request fails alone
+            return RequestOutput(msg.request_id, finish_reason="error", error=str(exc), error_status=400)
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        s = self.core.stats()
+        self.outputs.send(OUTPUT_CODEC.encode(OutputBatch(outputs, s.num_running, s.num_waiting)))
+
+    def _check_accounting(self) -> None:
+        report = self.core.check_accounting()
+        self.accounting_ok = report.ok
+        if not report.ok:
+            log.error("KV accounting drift while idle: total=%d free=%d cached=%d owned=%d problems=%s",
+                      report.total, report.free, report.cached, report.owned, "; ".join(report.problems[:10]))
+
+    def stats(self) -> dict[str, Any]:
+        s = self.core.stats()
+        return {
+            "num_running": s.num_running, "num_waiting": s.num_waiting, "kv_blocks_total": s.blocks_total,
+            "kv_blocks_free": s.blocks_free, "kv_blocks_cached": s.blocks_cached, "kv_blocks_owned": s.blocks_owned,
+            "kv_cache_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate, "num_preemptions": s.num_preemptions,
+            "num_steps": s.num_steps, "accounting_ok": self.accounting_ok, "idle": not self.core.has_work(),
+            "malformed_frames": REQUEST_CODEC.num_malformed,
+        }
+
+
+def run_scheduler(boot: Bootstrap) -> None:
+    config = boot.load_config()
+    w0 = boot.peers["worker0"]
+    ecfg = EngineConfig.from_appliance(config, int(w0["num_kv_blocks"]), w0.get("eos_token_ids", []),
+                                       int(w0["max_model_len"]))
+    ctx = zmq.Context()
+    executor = RemoteExecutor(ctx, boot.addresses, alive=lambda: parent_alive(boot.parent_pid))
+    core = EngineCore(ecfg, executor)
+    requests = ctx.socket(zmq.PULL)
+    requests.bind(boot.addresses.requests)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 0)
+    outputs.bind(boot.addresses.outputs)
+    control = ctx.socket(zmq.PUSH)
+    control.connect(boot.addresses.control)
+    info = {"max_model_len": ecfg.max_model_len, "num_kv_blocks": ecfg.num_blocks, "block_size": ecfg.block_size,
+            "max_queued_requests": ecfg.max_queued_requests, "eos_token_ids": sorted(ecfg.eos_token_ids)}
+    control.send(CONTROL_CODEC.encode(StageReady(boot.name, os.getpid(), info)))
+    log.info("scheduler ready: %d KV blocks of %d tokens, max_model_len %d", ecfg.num_blocks, ecfg.block_size,
+             ecfg.max_model_len)
+    started = time.monotonic()
+    try:
+        SchedulerLoop(core, requests, outputs, boot.parent_pid).run()
+    finally:
+        core.shutdown()
+        log.debug("scheduler stopped after %.0f s", time.monotonic() - started)

@@ -1,0 +1,83 @@
+"""The tokenizer process: the HTTP server (uvicorn + the Starlette app) in front of the scheduler.
+
+Reports ready once uvicorn listens; the actual port (api.port may be 0) goes to the supervisor in the info.
+SIGTERM makes uvicorn stop accepting and finish open requests within the supervisor's grace period.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import uvicorn
+import zmq
+
+from appliance.runtime.bootstrap import Bootstrap
+from appliance.runtime.frontend import ZmqEngineClient
+from appliance.runtime.messages import CONTROL_CODEC, StageReady
+from appliance.runtime.process import parent_alive
+
+log = logging.getLogger("appliance.tokenizer")
+
+
+def load_server_tokenizer(config) -> object:
+    from appliance.config import resolve_model_path
+    from appliance.tokenization import load_tokenizer
+
+    m = config.model
+    if m.skip_tokenizer_init:
+        raise ValueError("model.skip_tokenizer_init is not supported by the HTTP server (it needs a tokenizer)")
+    return load_tokenizer(m.tokenizer or resolve_model_path(m.path), mode=m.tokenizer_mode,
+                          trust_remote_code=m.trust_remote_code, revision=m.revision, download_dir=m.download_dir)
+
+
+def prepare_tokenizer(boot: Bootstrap) -> tuple[object, object]:
+    """The slow part (imports, tokenizer files), done while the workers load the model."""
+    import appliance.server.app  # noqa: F401  (import cost paid early)
+
+    config = boot.load_config()
+    return config, load_server_tokenizer(config)
+
+
+def run_tokenizer(boot: Bootstrap, prepared: tuple[object, object]) -> None:
+    config, tokenizer = prepared
+    sched = boot.peers["scheduler"]
+    vocab = int(boot.peers["worker0"].get("vocab_size") or len(tokenizer))
+    asyncio.run(_serve(boot, config, tokenizer, int(sched["max_model_len"]), vocab,
+                       sched.get("max_queued_requests")))
+
+
+async def _serve(boot: Bootstrap, config, tokenizer, max_model_len: int, vocab_size: int,
+                 max_queued: int | None) -> None:
+    from appliance.server.app import build_app
+    from appliance.server.context import make_context
+
+    engine = ZmqEngineClient(boot.addresses, max_queued)
+    engine.start()
+    ctx = make_context(config, tokenizer, engine, max_model_len=max_model_len, vocab_size=vocab_size)
+    app = build_app(ctx)
+    obs = config.observability
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.api.host, port=config.api.port, log_level=(obs.log_level_http or obs.log_level),
+        access_log=obs.enable_log_requests, timeout_graceful_shutdown=5, lifespan="off",
+        limit_concurrency=None, server_header=False))
+    serve = asyncio.create_task(server.serve())
+    while not server.started:
+        if serve.done():
+            serve.result()  # raises the bind error
+            raise RuntimeError(f"HTTP server did not start on {config.api.host}:{config.api.port}")
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    control = zmq.Context.instance().socket(zmq.PUSH)
+    control.setsockopt(zmq.LINGER, 1000)
+    control.connect(boot.addresses.control)
+    control.send(CONTROL_CODEC.encode(StageReady(boot.name, os.getpid(), {"port": port})))
+    log.info("HTTP server on http://%s:%d", config.api.host, port)
+    while not serve.done():
+        if not parent_alive(boot.parent_pid):
+            server.should_exit = True
+            break
+        await asyncio.sleep(0.5)
+    await serve
+    await engine.close()
+    control.close(0)

@@ -1,0 +1,60 @@
+"""A worker process: one ModelRunner (one GPU, or the CPU), executing the scheduler's StepPlans in order.
+
+The worker binds its plan socket before reporting ready, so the scheduler (started after it) can connect at
+once. A failing step is reported as WorkerError and ends the process: the supervisor then names this worker.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import zmq
+
+from appliance.runtime.bootstrap import Bootstrap
+from appliance.runtime.messages import CONTROL_CODEC, PLAN_CODEC, RESULT_CODEC, StageReady, WorkerError
+from appliance.runtime.process import parent_alive
+
+log = logging.getLogger("appliance.worker")
+
+
+def run_worker(boot: Bootstrap) -> None:
+    # the distributed environment of this rank, for the runner's process groups
+    os.environ.setdefault("RANK", str(boot.rank))
+    os.environ.setdefault("LOCAL_RANK", str(boot.rank))
+    os.environ.setdefault("WORLD_SIZE", str(boot.world_size))
+    config = boot.load_config()
+    if boot.world_size > 1:
+        raise NotImplementedError(f"{boot.world_size} workers: the model runner does not shard across processes "
+                                  "yet (parallelism.tp / dp must be 1)")
+    from appliance.executor.model_runner import ModelRunner
+
+    runner = ModelRunner(config)
+    ctx = zmq.Context()
+    plans = ctx.socket(zmq.PULL)
+    plans.bind(boot.addresses.plans[boot.rank])
+    results = ctx.socket(zmq.PUSH)
+    results.setsockopt(zmq.LINGER, 1000)
+    results.connect(boot.addresses.results)
+    control = ctx.socket(zmq.PUSH)
+    control.connect(boot.addresses.control)
+    info = {"num_kv_blocks": runner.num_blocks, "eos_token_ids": list(runner.eos_token_ids),
+            "max_model_len": runner.max_model_len, "block_size": runner.block_size, "device": str(runner.device),
+            "vocab_size": int(getattr(runner.hf_config, "vocab_size", 0) or 0)}
+    control.send(CONTROL_CODEC.encode(StageReady(boot.name, os.getpid(), info)))
+    log.info("worker %d ready on %s: %d KV blocks", boot.rank, runner.device, runner.num_blocks)
+    rank = str(boot.rank).encode()
+    while parent_alive(boot.parent_pid):
+        if not plans.poll(1000):
+            continue
+        plan = PLAN_CODEC.decode_or_none(plans.recv())
+        if plan is None:
+            log.warning("dropped a malformed plan frame (%d so far)", PLAN_CODEC.num_malformed)
+            continue
+        try:
+            result = runner.execute(plan)
+        except Exception as exc:
+            log.error("step %d failed:\n%s", plan.step_id, traceback.format_exc())
+            results.send_multipart([rank, RESULT_CODEC.encode(WorkerError(plan.step_id, boot.rank, str(exc)))])
+            raise
+        results.send_multipart([rank, RESULT_CODEC.encode(result)])

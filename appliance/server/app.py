@@ -1,0 +1,129 @@
+"""The Starlette app: routes, error mapping, auth. Build with `build_app(ctx)`; serve with uvicorn."""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import appliance
+from appliance.server.auth import AuthMiddleware, load_api_keys, warn_if_exposed
+from appliance.server.chat import create_chat_completion, render_prompt
+from appliance.server.context import ServerContext
+from appliance.server.engine_client import EngineDead, QueueFull
+from appliance.server.errors import ApiError, internal_error
+from appliance.server.metrics import CONTENT_TYPE
+from appliance.server.protocol import DetokenizeRequest, TokenizeChatRequest, parse_body, parse_tokenize
+from appliance.server.request_body import read_json
+from appliance.server.completions import create_completion
+from appliance.server.text import token_text
+
+log = logging.getLogger("appliance.server")
+
+Handler = Callable[[ServerContext, Request], Awaitable[Response]]
+
+
+def _guarded(ctx: ServerContext, fn: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """Every failure becomes an OpenAI-shaped error response; nothing internal leaks into the body."""
+
+    @functools.wraps(fn)
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await fn(ctx, request)
+        except ApiError as exc:
+            err = exc
+        except QueueFull as exc:
+            err = ApiError(429, f"server is at capacity: {exc}", code="queue_full", headers={"Retry-After": "1"})
+        except EngineDead as exc:
+            err = ApiError(503, f"the engine is unavailable: {exc}")
+        except Exception as exc:  # a bug: log it, answer a generic 500
+            err = internal_error(exc)
+        ctx.metrics.error(err.status)
+        return err.response()
+
+    return endpoint
+
+
+async def list_models(ctx: ServerContext, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [{
+        "id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "appliance",
+        "root": str(ctx.config.model.path or ctx.model_name), "parent": None,
+        "max_model_len": ctx.limits.max_model_len,
+    }]})
+
+
+async def health(ctx: ServerContext, request: Request) -> Response:
+    state = ctx.engine.state
+    if state == "ready":
+        return Response(status_code=200)
+    return JSONResponse({"status": state, "message": ctx.engine.error_message}, status_code=503)
+
+
+async def version(ctx: ServerContext, request: Request) -> Response:
+    return JSONResponse({"version": getattr(appliance, "__version__", "0.1.0")})
+
+
+async def metrics(ctx: ServerContext, request: Request) -> Response:
+    try:
+        ctx.metrics.update_scheduler(await ctx.engine.stats())
+    except Exception as exc:  # a scrape during a failure still answers with what the server knows
+        log.debug("metrics: no scheduler stats (%s)", type(exc).__name__)
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def stats(ctx: ServerContext, request: Request) -> Response:
+    """Scheduler numbers as JSON (running, waiting, KV blocks, accounting): for tests and operators."""
+    return JSONResponse(await ctx.engine.stats())
+
+
+async def tokenize(ctx: ServerContext, request: Request) -> Response:
+    req = parse_tokenize(await read_json(request, ctx.config.api.caps.max_body_bytes))
+    ctx.check_model(req.model)
+    if isinstance(req, TokenizeChatRequest):
+        ids = render_prompt(ctx, req)
+    else:
+        ids = ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        body["token_strs"] = [token_text(ctx.tokenizer, t) for t in ids]
+    return JSONResponse(body)
+
+
+async def detokenize(ctx: ServerContext, request: Request) -> Response:
+    req: DetokenizeRequest = parse_body(DetokenizeRequest, await read_json(request, ctx.config.api.caps.max_body_bytes))
+    ctx.check_model(req.model)
+    if any(not 0 <= t < ctx.limits.vocab_size for t in req.tokens):
+        raise ApiError(400, f"token ids must be in [0, {ctx.limits.vocab_size})", param="tokens")
+    return JSONResponse({"prompt": ctx.decode(req.tokens, skip_special_tokens=False)})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = {404: "Not Found", 405: "Method Not Allowed"}.get(status, "error")
+    return ApiError(status, message).response()
+
+
+def build_app(ctx: ServerContext) -> Starlette:
+    keys = load_api_keys(ctx.config.api.api_key, ctx.config.api.api_key_file)
+    warn_if_exposed(ctx.config.api.host, keys)
+    routes = [
+        Route("/v1/models", _guarded(ctx, list_models), methods=["GET"]),
+        Route("/v1/completions", _guarded(ctx, create_completion), methods=["POST"]),
+        Route("/v1/chat/completions", _guarded(ctx, create_chat_completion), methods=["POST"]),
+        Route("/tokenize", _guarded(ctx, tokenize), methods=["POST"]),
+        Route("/detokenize", _guarded(ctx, detokenize), methods=["POST"]),
+        Route("/health", _guarded(ctx, health), methods=["GET"]),
+        Route("/version", _guarded(ctx, version), methods=["GET"]),
+        Route("/v1/internal/stats", _guarded(ctx, stats), methods=["GET"]),
+    ]
+    if ctx.config.observability.enable_metrics:
+        routes.append(Route("/metrics", _guarded(ctx, metrics), methods=["GET"]))
+    middleware = [Middleware(AuthMiddleware, keys=keys, allowed_hosts=ctx.config.api.allowed_hosts)]
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={HTTPException: _http_error})

@@ -1,0 +1,62 @@
+"""Everything the routes share: config, tokenizer, engine client, template, limits, metrics."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.server.chat_template import ChatTemplate
+from appliance.server.engine_client import EngineClient
+from appliance.server.errors import ApiError
+from appliance.server.metrics import ServerMetrics
+from appliance.server.sampling import Limits
+
+
+@dataclass
+class ServerContext:
+    config: Any  # ApplianceConfig
+    tokenizer: Any  # a HF-style tokenizer (encode, decode, convert_ids_to_tokens)
+    engine: EngineClient
+    model_name: str
+    limits: Limits
+    chat_template: ChatTemplate | None
+    metrics: ServerMetrics
+    chat_processor_factory: Any = None  # hook for tool-call / reasoning parsers, see chat.py
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    @property
+    def cache_report(self) -> bool:
+        return bool(self.config.observability.enable_cache_report)
+
+    @property
+    def request_timeout(self) -> float | None:
+        t = float(self.config.api.request_timeout or 0)
+        return t if t > 0 else None
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def make_context(config: Any, tokenizer: Any, engine: EngineClient, *, max_model_len: int,
+                 vocab_size: int) -> ServerContext:
+    """Everything resolved once at start-up: a bad chat template or parser setting fails here, not per request."""
+    from appliance.server.chat import build_chat_processor_factory
+    from appliance.server.chat_template import load_template_source
+
+    source = load_template_source(config.api.chat_template, tokenizer)
+    template = None
+    if source is not None:
+        template = ChatTemplate(source, bos_token=getattr(tokenizer, "bos_token", None),
+                                eos_token=getattr(tokenizer, "eos_token", None))
+    name = config.api.served_model_name or config.model.path or "default"
+    return ServerContext(config=config, tokenizer=tokenizer, engine=engine, model_name=str(name),
+                         limits=Limits.from_config(config, max_model_len, vocab_size), chat_template=template,
+                         metrics=ServerMetrics(str(name)),
+                         chat_processor_factory=build_chat_processor_factory(config, tokenizer))

@@ -1,0 +1,193 @@
+"""One API request's generation: n engine requests (one per choice) merged into one stream of ChoiceDeltas.
+
+Each choice is detokenized incrementally (tokenization.Detokenizer: multi-byte characters held back until whole,
+stop strings matched across tokens and cut). A stop string ends the choice here and aborts its engine request,
+which frees its KV blocks; so does closing the stream early (client gone, timeout).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from appliance.engine.sampling_params import SamplingParams
+from appliance.server.engine_client import EngineClient, EngineDead, RequestOutput
+from appliance.server.errors import ApiError
+from appliance.server.sampling import child_sampling
+from appliance.server.text import TextStream, token_text
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    top: list[tuple[str, int, float]]  # (token text, id, logprob), best first
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self, cache_report: bool) -> dict[str, Any]:
+        d: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                             "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if cache_report:
+            d["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return d
+
+
+@dataclass
+class Generation:
+    engine: EngineClient
+    tokenizer: Any
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int
+    index_offset: int = 0  # choices of prompt k of a batched completion start at k * n
+    usage: Usage = field(default_factory=Usage)
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    async def stream(self) -> AsyncIterator[ChoiceDelta]:
+        self.usage.prompt_tokens = len(self.prompt_token_ids)
+        async for delta in merge([self._choice(i) for i in range(self.n)]):
+            yield delta
+
+    async def _choice(self, i: int) -> AsyncIterator[ChoiceDelta]:
+        params = child_sampling(self.params, i)
+        text = TextStream(self.tokenizer, self.prompt_token_ids, params)
+        rid = self.request_id if self.n == 1 else f"{self.request_id}-{i}"
+        index = self.index_offset + i
+        try:
+            async with contextlib.aclosing(self.engine.generate(rid, self.prompt_token_ids, params)) as outputs, \
+                    contextlib.aclosing(self._deltas(outputs, index, i, text)) as deltas:
+                async for delta in deltas:
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return  # a stop string: leaving the `async with` aborts the engine request
+        except EngineDead as exc:
+            raise ApiError(503, f"the engine is unavailable: {exc}") from None
+
+    async def _deltas(self, outputs: AsyncIterator[RequestOutput], index: int, i: int,
+                      text: TextStream) -> AsyncIterator[ChoiceDelta]:
+        first = True
+        async for out in outputs:
+            if out.error is not None:
+                raise ApiError(out.error_status or 500, out.error if 0 < out.error_status < 500 else
+                               "the engine failed to run this request")
+            if first:
+                first = False
+                if i == 0:
+                    self.usage.cached_tokens = out.num_cached_tokens
+                    self.prompt_logprobs = out.prompt_logprobs
+            self.usage.completion_tokens += len(out.new_token_ids)
+            delta = self._delta(index, out, text)
+            if delta is not None:
+                yield delta
+
+    def _delta(self, index: int, out: RequestOutput, text: TextStream) -> ChoiceDelta | None:
+        piece, stop_str = text.add(out.new_token_ids)
+        finish, stop_reason = out.finish_reason, None
+        if stop_str is not None:
+            finish, stop_reason = "stop", stop_str
+        elif finish is not None:
+            piece += text.flush()
+            last = out.new_token_ids[-1] if out.new_token_ids else None
+            if finish == "stop" and last is not None and last in self.params.stop_token_ids:
+                stop_reason = last
+        logprobs = self._logprobs(out) if self.params.logprobs is not None else None
+        if not piece and finish is None and not logprobs:
+            return None
+        return ChoiceDelta(index, piece, list(out.new_token_ids), logprobs, finish, stop_reason)
+
+    def _logprobs(self, out: RequestOutput) -> list[TokenLogprob]:
+        lps = out.logprobs or [0.0] * len(out.new_token_ids)
+        tops = out.top_logprobs or [[] for _ in out.new_token_ids]
+        k = self.params.logprobs or 0
+        result = []
+        for tid, lp, top in zip(out.new_token_ids, lps, tops):
+            top_items = [(token_text(self.tokenizer, t), t, p) for t, p in top[:k]]
+            result.append(TokenLogprob(token_text(self.tokenizer, tid), tid, lp, top_items))
+        return result
+
+
+async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """Interleave several streams as items arrive; an error in one ends all (each is closed, so aborted)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as it:
+            async for item in it:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Any]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as it:
+                async for item in it:
+                    await queue.put((item, None))
+            await queue.put((_END, None))
+        except Exception as exc:  # re-raised in the consumer
+            await queue.put((None, exc))
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        done = 0
+        while done < len(streams):
+            item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is _END:
+                done += 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_END = object()
+
+
+async def with_deadline(stream: AsyncIterator[Any], timeout: float | None) -> AsyncIterator[Any]:
+    """Yield from `stream` until `timeout` seconds have passed since the start; then close it (aborting the
+    engine requests behind it) and raise a 408."""
+    if timeout is None:
+        async with contextlib.aclosing(stream) as it:
+            async for item in it:
+                yield item
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(anext(stream), max(deadline - loop.time(), 0.0))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise ApiError(408, f"request timed out after {timeout:g} s (api.request_timeout)",
+                               code="timeout") from None
+            yield item
+    finally:
+        await stream.aclose()
+
+
+def new_request_id(prefix: str) -> str:
+    import uuid
+
+    return f"{prefix}-{uuid.uuid4().hex}"

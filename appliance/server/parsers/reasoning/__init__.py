@@ -1,0 +1,62 @@
+"""Reasoning parsers, chosen by name (api.reasoning_parser). See appliance/server/parsers/__init__.py for the API."""
+from __future__ import annotations
+
+from appliance.server.parsers.reasoning.budget import (
+    REASONING_EFFORT_BUDGETS,
+    ThinkingBudget,
+    ThinkingDecision,
+    resolve_thinking,
+)
+from appliance.server.parsers.reasoning.parser import ReasoningFormat, ReasoningParser, prompt_opens_reasoning
+
+_FORMATS: dict[str, ReasoningFormat] = {
+    # R1's template ends the prompt with "<think>\n": the output starts inside the block.
+    "deepseek_r1": ReasoningFormat(starts_in_reasoning=True),
+    # Qwen3: the model opens the block itself, or the template does (2507 thinking models); with
+    # enable_thinking=False the template closes an empty block in the prompt and the output is all content.
+    "qwen3": ReasoningFormat(),
+    # DeepSeek V3.1 and Kimi K2: the template opens the block when thinking is on (found from the prompt).
+    "deepseek_v31": ReasoningFormat(),
+    "kimi_k2": ReasoningFormat(),
+    "kimi_k25": ReasoningFormat(),
+    "base": ReasoningFormat(),
+    # Magistral / Mistral v13+ reasoning models use special tokens [THINK]...[/THINK].
+    "mistral": ReasoningFormat(start="[THINK]", end="[/THINK]"),
+}
+
+
+def reasoning_parser_names() -> list[str]:
+    return sorted(_FORMATS)
+
+
+def get_reasoning_format(name: str, *, start: str | None = None, end: str | None = None) -> ReasoningFormat:
+    """The named format; `start` / `end` override its tags (the configurable `base` parser)."""
+    try:
+        fmt = _FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning_parser {name!r}; choose one of {', '.join(reasoning_parser_names())}") from None
+    if start is not None or end is not None:
+        fmt = ReasoningFormat(start=start or fmt.start, end=end or fmt.end, starts_in_reasoning=fmt.starts_in_reasoning)
+    if not fmt.start or not fmt.end:
+        raise ValueError("reasoning tags must be non-empty")
+    return fmt
+
+
+def get_reasoning_parser(
+    name: str, *, thinking_enabled: bool = True, prompt_text: str | None = None, start: str | None = None, end: str | None = None
+) -> ReasoningParser:
+    return ReasoningParser(get_reasoning_format(name, start=start, end=end), thinking_enabled=thinking_enabled, prompt_text=prompt_text)
+
+
+__all__ = [
+    "REASONING_EFFORT_BUDGETS",
+    "ReasoningFormat",
+    "ReasoningParser",
+    "ThinkingBudget",
+    "ThinkingDecision",
+    "get_reasoning_format",
+    "get_reasoning_parser",
+    "prompt_opens_reasoning",
+    "reasoning_parser_names",
+    "resolve_thinking",
+]

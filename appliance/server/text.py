@@ -1,0 +1,30 @@
+"""The text side of one choice: tokenization.Detokenizer (multi-byte safe, stop strings across tokens),
+wrapped to the (text, stop string) shape generation.py uses."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from appliance.engine.sampling_params import SamplingParams
+from appliance.tokenization import Detokenizer, decode_token
+
+
+class TextStream:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self._detok = Detokenizer(
+            tokenizer, prompt_token_ids, stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens, min_tokens=params.min_tokens)
+
+    def add(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
+        """New visible text, and the stop string when one just matched (the choice then ends)."""
+        was_finished = self._detok.finished
+        text = self._detok.update(token_ids)
+        stop = self._detok.stop_reason if self._detok.finished and not was_finished else None
+        return text, stop
+
+    def flush(self) -> str:
+        return self._detok.flush()
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return decode_token(tokenizer, token_id)

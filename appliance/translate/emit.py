@@ -1,0 +1,116 @@
+"""Translation -> TOML text with comments.
+
+A small emitter of our own rather than tomli-w: the output's value is in its comments (where each setting came
+from, what changed, what was not carried over) and tomli-w cannot write comments. It is deterministic: sections
+and keys in schema order, one `key = value` per line, nested keys dotted (`caps.max_logprobs = 20`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import textwrap
+from typing import Any
+
+from appliance.translate import schema_view
+from appliance.translate.result import Translation
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_WIDTH = 110
+
+
+def toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else json.dumps(key)
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        text = repr(value)
+        return text if any(c in text for c in ".eE") else text + ".0"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        return "{ " + ", ".join(f"{toml_key(str(k))} = {toml_value(v)}" for k, v in value.items()) + " }"
+    if value is None:
+        raise ValueError("TOML has no null; leave the key out")
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def _comment(text: str, bullet: str = "") -> list[str]:
+    """Comment lines wrapped to the width; with a bullet, continuation lines are indented under it."""
+    wrapped = textwrap.wrap(text, _WIDTH - 2 - len(bullet), break_on_hyphens=False) or [""]
+    pad = " " * len(bullet)
+    return [f"# {bullet if i == 0 else pad}{line}".rstrip() for i, line in enumerate(wrapped)]
+
+
+def _header(tr: Translation, origin: str) -> list[str]:
+    lines = [f"# Translated by `appliance translate` from a {tr.title} command ({origin} line {tr.line}):"]
+    cmd = shlex.join(tr.command)
+    lines += [f"#   {chunk}" for chunk in textwrap.wrap(cmd, _WIDTH - 4, break_on_hyphens=False)]
+    unmapped = [f for f in tr.findings if f.level == "warning"]
+    notes = [f for f in tr.findings if f.level == "note"]
+    if unmapped:
+        lines.append("#")
+        lines.append("# Not carried over (review these):")
+        for f in unmapped:
+            lines += _comment(f"{f.subject}: {f.message}", "  - ")
+    if notes:
+        lines.append("#")
+        lines.append("# Notes:")
+        for f in notes:
+            lines += _comment(f"{f.subject}: {f.message}", "  - ")
+    if tr.context:
+        lines.append("#")
+        lines.append("# Environment:")
+        for c in tr.context:
+            lines += _comment(c, "  - ")
+    if tr.problems:
+        lines.append("#")
+        lines.append("# Validation problems (fix before use):")
+        for p in tr.problems:
+            lines += _comment(p, "  - ")
+    return lines
+
+
+def _order(path: str) -> tuple[int, int, str]:
+    section, _, key = path.partition(".")
+    sections = schema_view.sections()
+    keys = schema_view.keys(section)
+    s = sections.index(section) if section in sections else len(sections)
+    k = keys.index(key) if key in keys else len(keys)
+    return s, k, key
+
+
+def to_toml(tr: Translation, origin: str = "input") -> str:
+    lines = _header(tr, origin)
+    entries: dict[str, list[tuple[str, list[str]]]] = {}
+    said: set[str] = set()  # a note shared by several keys (one JSON flag) is written once, above the first
+    for s in sorted(tr.settings.values(), key=lambda s: _order(s.path)):
+        section, _, key = s.path.partition(".")
+        block = _comment(s.note) if s.note and s.note not in said else []
+        said.add(s.note)
+        block.append(f"{'.'.join(toml_key(k) for k in key.split('.'))} = {toml_value(s.value)}  # {s.source}")
+        entries.setdefault(section, []).append((key, block))
+    for p in sorted(tr.pending, key=lambda p: _order(p.path)):
+        section, _, key = p.path.partition(".")
+        block = [f"# {key} = {json.dumps(p.raw)}  # {p.source}: {p.reason}, fill in before use"]
+        entries.setdefault(section, []).append((key, block))
+    for section in sorted(entries, key=lambda sec: _order(sec + ".")):
+        lines.append("")
+        lines.append(f"[{section}]")
+        for _, block in entries[section]:
+            lines.extend(line.rstrip() for line in block)
+    return "\n".join(lines) + "\n"

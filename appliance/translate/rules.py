@@ -1,0 +1,138 @@
+"""Rules that need more than one flag: they run after every flag use has been applied.
+
+Kept to what no single table row can say: host + port pairs, vLLM's per-node data-parallel layout, chunked
+prefill switched off, an EP size that implies expert parallelism, the visible devices, engine defaults.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.translate import schema_view
+from appliance.translate.apply import Applier
+from appliance.translate.argv import FlagUse
+from appliance.translate.result import Pending, Translation
+from appliance.translate.spec import EngineTable
+
+
+def finish(out: Translation, applier: Applier, uses: list[FlagUse], table: EngineTable,
+           env: dict[str, str], devices: list[str] | None) -> None:
+    scratch = applier.scratch
+    _chunked_prefill(out, scratch)
+    _dist_addr(out, scratch)
+    _dp_layout(out, scratch)
+    _expert_parallel(out)
+    _deepep_mode(out, uses)
+    _mtp(out)
+    _devices(out, env, devices)
+    _engine_defaults(out, table)
+
+
+def _chunked_prefill(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None:
+    if "@chunked_prefill" not in scratch:
+        return
+    on, source = scratch["@chunked_prefill"]
+    if on is True:
+        out.note(source, "chunked prefill is on by default here")
+        return
+    budget = out.settings.get("scheduler.chunked_prefill_size")
+    if budget is not None:
+        out.set("scheduler.max_prefill_tokens", budget.value, budget.source,
+                "with chunked prefill off, vLLM's --max-num-batched-tokens bounds whole-prompt prefills")
+    out.set("scheduler.chunked_prefill_size", -1, source, "-1 turns chunked prefill off")
+
+
+def _dist_addr(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None:
+    host, port = scratch.get("@dist_host"), scratch.get("@dist_port")
+    if host is None and port is None:
+        return
+    if host is None or port is None:
+        given = host or port
+        assert given is not None
+        missing = "port" if port is None else "host"
+        addr = f"{host[0] if host else '?'}:{port[0] if port else '?'}"
+        out.pending.append(Pending("parallelism.dist_init_addr", addr, given[1], f"no {missing} given"))
+        out.warn(given[1], f"parallelism.dist_init_addr needs host:port and the {missing} is not given; "
+                 "left commented out")
+        return
+    out.set("parallelism.dist_init_addr", f"{host[0]}:{port[0]}", f"{host[1]} {port[1]}",
+            "host and port of the rank-0 node, one setting here")
+
+
+def _int(scratch: dict[str, tuple[Any, str]], key: str, out: Translation) -> int | None:
+    if key not in scratch:
+        return None
+    try:
+        return int(scratch[key][0])
+    except (TypeError, ValueError):
+        out.warn(scratch[key][1], "not an integer; ignored", unmapped=True)
+        return None
+
+
+def _dp_layout(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None:
+    local, start = _int(scratch, "@dp_local", out), _int(scratch, "@dp_start_rank", out)
+    if local is None:
+        if start is not None:
+            out.warn(scratch["@dp_start_rank"][1], "needs --data-parallel-size-local to find the node rank",
+                     unmapped=True)
+        return
+    src = scratch["@dp_local"][1]
+    tp, dp = out.get("parallelism.tp", 1), out.get("parallelism.dp", 1)
+    if not isinstance(tp, int) or not isinstance(dp, int) or local < 1:
+        return
+    out.set("parallelism.nprocs_per_node", local * tp, src, f"{local} DP replicas x tp {tp} on this node")
+    if dp % local == 0:
+        out.set("parallelism.nnodes", dp // local, src, f"dp {dp} / {local} replicas per node")
+    if start is not None:
+        out.set("parallelism.node_rank", start // local, scratch["@dp_start_rank"][1],
+                f"first DP rank {start} / {local} replicas per node")
+
+
+def _expert_parallel(out: Translation) -> None:
+    ep = out.settings.get("parallelism.ep")
+    if ep is not None and isinstance(ep.value, int) and ep.value > 1 and \
+            "parallelism.enable_expert_parallel" not in out.settings:
+        out.set("parallelism.enable_expert_parallel", True, ep.source, "an EP size above 1 means expert parallelism")
+
+
+def _deepep_mode(out: Translation, uses: list[FlagUse]) -> None:
+    for use in uses:
+        if use.flag is not None and use.flag.canonical == "--all2all-backend" and isinstance(use.value, str):
+            mode = {"deepep_low_latency": "low_latency", "deepep_high_throughput": "normal"}.get(use.value.lower())
+            if mode and "backends.deepep_mode" not in out.settings:
+                out.set("backends.deepep_mode", mode, use.display, "the DeepEP mode vLLM's backend name carries")
+
+
+def _mtp(out: Translation) -> None:
+    if out.get("speculative.algorithm") in ("MTP", "NGRAM") and "speculative.draft_model_path" in out.settings:
+        dropped = out.settings.pop("speculative.draft_model_path")
+        out.note(dropped.source, f"{out.get('speculative.algorithm')} uses no separate draft model; the model "
+                 f"{dropped.value!r} is not needed here")
+
+
+def _devices(out: Translation, env: dict[str, str], devices: list[str] | None) -> None:
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and not visible.startswith("$"):
+        devices = [d for d in visible.split(",") if d.strip()]
+        origin = f"CUDA_VISIBLE_DEVICES={visible}"
+    elif devices is not None:
+        origin = "docker --gpus"
+    else:
+        return
+    out.context.append(f"devices {devices} (from {origin}); the config has no device-list key: keep "
+                       f"CUDA_VISIBLE_DEVICES={','.join(devices)} in the environment that starts the appliance")
+    tp, dp = out.get("parallelism.tp", 1), out.get("parallelism.dp", 1)
+    per_node = out.get("parallelism.nprocs_per_node")
+    want = per_node if isinstance(per_node, int) else (tp * dp if isinstance(tp, int) and isinstance(dp, int)
+                                                       else None)
+    nnodes = out.get("parallelism.nnodes", 1)
+    if want is not None and isinstance(nnodes, int) and nnodes == 1 and want != len(devices):
+        out.warn(origin, f"{len(devices)} devices are visible but the deployment uses {want} (tp x dp)")
+
+
+def _engine_defaults(out: Translation, table: EngineTable) -> None:
+    for path, value, why in table.defaults:
+        if path in out.settings or any(p.path == path for p in out.pending):
+            continue
+        info = schema_view.key_info(path)
+        if info is not None and info.default != value:
+            out.set(path, value, "(default)", f"{why}; kept so the deployment behaves as before")

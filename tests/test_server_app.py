@@ -1,0 +1,238 @@
+"""The HTTP layer against an in-memory engine: OpenAI shapes, errors, auth, templates, stop strings."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from appliance.config import ApplianceConfig
+from appliance.server.app import build_app
+from appliance.server.context import make_context
+from appliance.tokenization import load_tokenizer
+from server_fakes import FakeEngine
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}{% if greeting %}{{ greeting }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer_dir: Path) -> Any:
+    return load_tokenizer(str(tiny_tokenizer_dir))
+
+
+def make_config(**api: Any) -> ApplianceConfig:
+    return ApplianceConfig.model_validate({
+        "model": {"path": "tiny", "device": "cpu"}, "api": {"chat_template": CHAT_TEMPLATE, **api},
+        "observability": {"enable_metrics": True, "enable_cache_report": True},
+    })
+
+
+def client_for(tokenizer: Any, engine: FakeEngine, **api: Any) -> httpx.AsyncClient:
+    ctx = make_context(make_config(**api), tokenizer, engine, max_model_len=64, vocab_size=384)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://127.0.0.1")
+
+
+def script_for(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sse_events(body: str) -> list[Any]:
+    events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+async def test_completion_text_and_usage(tokenizer: Any) -> None:
+    script = script_for(tokenizer, "Hello world! Hello there")
+    engine = FakeEngine(script, cached_tokens=3)
+    async with client_for(tokenizer, engine) as c:
+        r = await c.post("/v1/completions", json={"prompt": "The quick", "max_tokens": len(script)})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    assert body["choices"][0]["text"] == "Hello world! Hello there"
+    assert body["choices"][0]["finish_reason"] == "length"
+    prompt_len = len(tokenizer.encode("The quick"))
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": len(script),
+                             "total_tokens": prompt_len + len(script), "prompt_tokens_details": {"cached_tokens": 3}}
+    assert engine.submitted[0][1] == tokenizer.encode("The quick")
+
+
+async def test_stop_string_spanning_tokens_is_cut_and_aborts(tokenizer: Any) -> None:
+    engine = FakeEngine(script_for(tokenizer, "Hello world! Hello there"))
+    async with client_for(tokenizer, engine) as c:
+        r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 30, "stop": ["ld! He"]})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "Hello wor"
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == "ld! He"
+    assert engine.aborted == [engine.submitted[0][0]]  # the engine request was stopped, its blocks freed
+
+
+async def test_streaming_chunks_join_to_text_with_usage(tokenizer: Any) -> None:
+    engine = FakeEngine(script_for(tokenizer, "Café, naïve 🙂 done"))
+    async with client_for(tokenizer, engine) as c:
+        r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 40, "stream": True,
+                                                  "stream_options": {"include_usage": True}, "stop": "done"})
+    events = sse_events(r.text)
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "Café, naïve 🙂 "
+    assert all("\ufffd" not in e["choices"][0]["text"] for e in events if e["choices"])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_n_choices_get_distinct_seeds(tokenizer: Any) -> None:
+    engine = FakeEngine(script_for(tokenizer, "Hello"))
+    async with client_for(tokenizer, engine) as c:
+        r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 3, "seed": 7})
+    assert sorted(ch["index"] for ch in r.json()["choices"]) == [0, 1, 2]
+    assert sorted(s.seed for _, _, s in engine.submitted) == [7, 8, 9]
+    assert len({rid for rid, _, _ in engine.submitted}) == 3
+
+
+async def test_completion_logprobs_and_echo(tokenizer: Any) -> None:
+    engine = FakeEngine(script_for(tokenizer, "Hello world"))
+    async with client_for(tokenizer, engine) as c:
+        r = await c.post("/v1/completions", json={"prompt": "The", "max_tokens": 2, "logprobs": 2, "echo": True})
+    choice = r.json()["choices"][0]
+    prompt_ids = tokenizer.encode("The")
+    assert choice["text"].startswith(tokenizer.decode(prompt_ids))
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt_ids) + 2 == len(lp["token_logprobs"]) == len(lp["text_offset"])
+    assert lp["token_logprobs"][-1] == -0.5 and len(lp["top_logprobs"][-1]) == 2
+    assert engine.submitted[0][2].prompt_logprobs == 2
+
+
+async def test_chat_template_kwargs_and_streaming_roles(tokenizer: Any) -> None:
+    engine = FakeEngine(script_for(tokenizer, "Hello"))
+    async with client_for(tokenizer, engine) as c:
+        r = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3, "stream": True,
+            "chat_template_kwargs": {"greeting": "Hey"}, "logprobs": True, "top_logprobs": 1})
+        plain = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 1})
+    events = sse_events(r.text)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "HelloHelloHello"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[1]["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.5
+    rendered = tokenizer.decode(engine.submitted[0][1])
+    assert rendered == "<s>user: hi</s><s>assistant:Hey"
+    body = plain.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+
+
+async def test_chat_continue_final_message(tokenizer: Any) -> None:
+    engine = FakeEngine(script_for(tokenizer, "Hello"))
+    async with client_for(tokenizer, engine) as c:
+        r = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The quick"}],
+            "max_tokens": 1, "add_generation_prompt": False, "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    assert tokenizer.decode(engine.submitted[0][1]) == "<s>user: hi</s><s>assistant: The quick"
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "x", "max_tokens": "3"}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "n": 99}, 400, "n"),
+    ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "x " * 80}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": 64}, 400, "max_tokens"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"prompt": "x", "stop": ["a"] * 40}, 400, "stop"),
+    ({"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ([1, 2], 400, None),
+])
+async def test_bad_requests_get_openai_errors(tokenizer: Any, body: Any, status: int, param: str | None) -> None:
+    engine = FakeEngine([5])
+    async with client_for(tokenizer, engine) as c:
+        r = await c.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert "Traceback" not in r.text and engine.submitted == []
+
+
+async def test_malformed_json_and_body_cap(tokenizer: Any) -> None:
+    async with client_for(tokenizer, FakeEngine([5]), caps={"max_body_bytes": 2048}) as c:
+        bad = await c.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        big = await c.post("/v1/completions", json={"prompt": "x" * 5000})
+        missing = await c.get("/v1/nothing")
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    assert big.status_code == 413
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+
+
+async def test_queue_full_is_429_before_tokenizing(tokenizer: Any) -> None:
+    engine = FakeEngine([5], max_queued=2)
+    async with client_for(tokenizer, engine) as c:
+        r = await c.post("/v1/completions", json={"prompt": "x", "n": 3})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert engine.submitted == []
+
+
+async def test_auth_guards_inference_routes_only(tokenizer: Any, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# team tokens\nsecret-a\n\nsecret-b  # ci\n")
+    async with client_for(tokenizer, FakeEngine([5]), api_key="k0", api_key_file=str(keys)) as c:
+        for path, method in [("/v1/models", "GET"), ("/v1/completions", "POST"), ("/tokenize", "POST"),
+                             ("/detokenize", "POST"), ("/v1/chat/completions", "POST")]:
+            r = await c.request(method, path, json={})
+            assert r.status_code == 401, path
+            assert r.json()["error"]["type"] == "AuthenticationError"
+            wrong = await c.request(method, path, json={}, headers={"Authorization": "Bearer secret-"})
+            assert wrong.status_code == 401, path
+        for key in ("k0", "secret-a", "secret-b"):
+            r = await c.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
+        assert (await c.get("/version")).status_code == 200
+
+
+async def test_tokenize_detokenize_shapes(tokenizer: Any) -> None:
+    async with client_for(tokenizer, FakeEngine([5])) as c:
+        t = await c.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+        chat = await c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        d = await c.post("/detokenize", json={"tokens": t.json()["tokens"]})
+        bad = await c.post("/detokenize", json={"tokens": [-1]})
+    body = t.json()
+    assert body["tokens"] == tokenizer.encode("Hello world") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 64 and len(body["token_strs"]) == body["count"]
+    assert tokenizer.decode(chat.json()["tokens"]) == "<s>user: hi</s><s>assistant:"
+    assert d.json() == {"prompt": tokenizer.decode(body["tokens"])}
+    assert bad.status_code == 400
+
+
+async def test_failed_engine_gives_503_and_unhealthy(tokenizer: Any) -> None:
+    engine = FakeEngine([5], state="failed", error_message="stage worker0 exited")
+    async with client_for(tokenizer, engine) as c:
+        h = await c.get("/health")
+        r = await c.post("/v1/completions", json={"prompt": "x"})
+    assert h.status_code == 503
+    assert r.status_code == 503 and "worker0" in r.json()["error"]["message"]
+
+
+async def test_request_timeout_aborts(tokenizer: Any) -> None:
+    engine = FakeEngine([5], delay=0.2)
+    async with client_for(tokenizer, engine, request_timeout=0.3) as c:
+        r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
+        s = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stream": True})
+    assert r.status_code == 408
+    assert "timed out" in sse_events(s.text)[-1]["error"]["message"]
+    assert len(engine.aborted) == 2 and not engine.open

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Downloads into .whl/ the cp312 wheels the GPU box lacks (its Python 3.12 has torch, triton, transformers, httpx,
+# anyio, click, h11 but not the appliance's server/config dependencies), then prints the line to install them there.
+# Versions follow this machine's environment (what CI tests), so the box runs the same code paths.
+#   tools/device_wheels.sh            # server + config + test deps
+#   WITH_XGRAMMAR=1 tools/device_wheels.sh   # also xgrammar (structured output)
+# On the box (the device tool: carry ".whl"), start the command with the printed line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NAMES=(pydantic pydantic_core annotated-types typing-inspection typing_extensions pydantic-settings python-dotenv
+       starlette uvicorn h11 click anyio sniffio pyzmq omegaconf antlr4-python3-runtime tomli
+       openai distro jiter httpx2 httpcore2 truststore)
+[[ "${WITH_XGRAMMAR:-0}" == 1 ]] && NAMES+=(xgrammar)
+
+version_of() {  # the version installed here; empty when absent
+  python3 - "$1" <<'PY'
+import importlib.metadata as m, sys
+try:
+    print(m.version(sys.argv[1]))
+except m.PackageNotFoundError:
+    pass
+PY
+}
+
+SPECS=()
+for name in "${NAMES[@]}"; do
+  v="$(version_of "$name")"
+  if [[ -z "$v" ]]; then
+    echo "device_wheels: $name is not installed here; fetching the newest" >&2
+    SPECS+=("$name")
+  else
+    SPECS+=("$name==$v")
+  fi
+done
+
+grep -qs '^/.whl/' .gitignore || echo "device_wheels: warning: /.whl/ is not in .gitignore" >&2
+mkdir -p .whl
+PLATFORMS=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 \
+         manylinux_2_24_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64; do
+  PLATFORMS+=(--platform "$p")
+done
+for spec in "${SPECS[@]}"; do  # one at a time so a missing one names itself
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${PLATFORMS[@]}" -d .whl "$spec" || { echo "device_wheels: could not fetch $spec" >&2; exit 1; }
+done
+
+# Keep one version per project: two stop the whole install on the box.
+python3 - <<'PY'
+import collections, pathlib, re
+seen = collections.defaultdict(list)
+for w in pathlib.Path(".whl").glob("*.whl"):
+    seen[re.split(r"-\d", w.name, maxsplit=1)[0].lower().replace("_", "-")].append(w.name)
+dups = {k: v for k, v in seen.items() if len(v) > 1}
+if dups:
+    raise SystemExit(f"device_wheels: several versions in .whl/, delete the stale ones: {dups}")
+PY
+du -sh .whl
+echo "On the box (carry .whl), begin the command with:"
+echo 'python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;'

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""One command for the H100: check every triton kernel against its torch reference, then time them.
+
+    python3 tools/gpu_suite.py [--quick] [--sweep] [--json PATH]
+
+Correctness runs appliance.kernels.triton.selfcheck.realistic_cases (bf16 and fp16, Llama-3.1-8B heads). Timing
+uses triton.testing.do_bench (median of the repeats, CUDA events) on random inputs; achieved GB/s counts the least
+bytes each kernel must move (selfcheck.Inputs.nbytes). --sweep also tries decode/prefill tile and warp settings
+and split-K factors and prints the best per shape. JSON goes to --json, or $OUT/gpu_suite.json when OUT is set.
+Needs only torch and triton: the appliance's server dependencies are not imported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import appliance.kernels.triton  # noqa: E402,F401  (registers the ops)
+from appliance.kernels.registry import get  # noqa: E402
+from appliance.kernels.triton import decode, prefill  # noqa: E402
+from appliance.kernels.triton import selfcheck as sc  # noqa: E402
+
+# Published on this box (docs/../shared/notes/gpu-box.md), flashinfer 0.6.14, median of 50.
+FLASHINFER_US = {"decode b64 kv1024": 144.7, "prefill 8x512 over 512": 167.2, "rms_norm 256x4096": 17.1,
+                 "sample 256x128256 k50 p0.9": 224.6}
+BF = torch.bfloat16
+
+
+REP_MS = {"full": (25, 100), "sweep": (10, 30)}
+MODE = "full"
+
+
+def bench(fn: Callable[[], Any]) -> float:
+    """Median microseconds (do_bench's warm-up and repeat arguments are milliseconds)."""
+    warmup, rep = REP_MS[MODE]
+    return 1000.0 * float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def check(rows: list[dict[str, Any]]) -> bool:
+    ok_all = True
+    for op, case, build in sc.realistic_cases("cuda"):
+        try:
+            res = sc.compare(op, build(), case)
+            tol = 0.05 if op == "sample" else res.tol  # GPU log/exp vs CPU: a rare near-tie may flip a token
+            ok = res.err <= tol
+            rows.append({"op": op, "case": case, "err": res.err, "tol": tol, "ok": ok})
+        except Exception as exc:  # report and go on: one broken op must not hide the rest
+            ok = False
+            rows.append({"op": op, "case": case, "error": f"{type(exc).__name__}: {exc}", "ok": False})
+        ok_all &= ok
+        r = rows[-1]
+        print(f"check {op:18s} {case:28s} {'ok ' if ok else 'FAIL'} err={r.get('err', r.get('error'))}",
+              flush=True)
+    torch.cuda.synchronize()
+    return ok_all
+
+
+def timed(name: str, op: str, inputs: sc.Inputs, flops: float = 0.0, ref_fn: bool = False,
+          peer: str | None = None, **kwargs: Any) -> dict[str, Any]:
+    fn = get(op, "triton")
+    us = bench(lambda: fn(*inputs.args, **kwargs))
+    row: dict[str, Any] = {"name": name, "op": op, "us": us, "GB/s": inputs.nbytes / us / 1e3}
+    if flops:
+        row["TFLOP/s"] = flops / us / 1e6
+    if ref_fn:
+        ref = get(op, "torch")
+        row["torch_us"] = bench(lambda: ref(*inputs.args))
+    if peer:
+        row["flashinfer_us"] = FLASHINFER_US[peer]
+    return row
+
+
+def attn_flops(q_lens: list[int], prefix: list[int], heads: int, dim: int) -> float:
+    visible = sum(sum(p + j + 1 for j in range(n)) for n, p in zip(q_lens, prefix))
+    return 4.0 * heads * dim * visible
+
+
+def timings(quick: bool) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    dev = "cuda"
+    batches = (1, 16, 64, 256) if quick else (1, 8, 16, 32, 64, 128, 256)
+    for ctx in (1024, 4096):
+        for bsz in batches:
+            if bsz * ctx > 256 * 4096:
+                continue
+            inputs = sc.decode_inputs(bsz, 32, 8, 128, 16, [ctx] * bsz, BF, dev)
+            peer = "decode b64 kv1024" if (bsz, ctx) == (64, 1024) else None
+            rows.append(timed(f"decode b{bsz} kv{ctx}", "decode_attention", inputs, peer=peer))
+            del inputs
+    for q_lens, pre, label, peer in (([512] * 8, [512] * 8, "prefill 8x512 over 512", "prefill 8x512 over 512"),
+                                     ([4096], [0], "prefill 1x4096", None),
+                                     ([1024] * 4, [0] * 4, "prefill 4x1024", None),
+                                     ([128] * 16, [2048] * 16, "extend 16x128 over 2048", None)):
+        inputs = sc.prefill_inputs(q_lens, pre, 32, 8, 128, 16, BF, dev)
+        rows.append(timed(label, "prefill_attention", inputs, flops=attn_flops(q_lens, pre, 32, 128), peer=peer))
+    for t in (256, 4096):
+        rows.append(timed(f"rms_norm {t}x4096", "rms_norm", sc.rms_norm_inputs(t, 4096, BF, dev, False),
+                          ref_fn=True, peer="rms_norm 256x4096" if t == 256 else None))
+        rows.append(timed(f"rms_norm+res {t}x4096", "rms_norm", sc.rms_norm_inputs(t, 4096, BF, dev, True),
+                          ref_fn=True))
+        rows.append(timed(f"rope neox {t} tok", "rope", sc.rope_inputs(t, 32, 8, 128, 128, True, BF, dev),
+                          ref_fn=True))
+        rows.append(timed(f"silu_and_mul {t}x14336", "silu_and_mul", sc.silu_inputs(t, 14336, BF, dev),
+                          ref_fn=True))
+        rows.append(timed(f"store_kv {t} tok", "store_kv", sc.store_kv_inputs(t, 8, 128, 16, BF, dev), ref_fn=True))
+    greedy = sc.sample_inputs(256, 128256, BF, dev, "greedy")
+    rows.append(timed("sample greedy 256x128256", "sample", greedy))
+    plain = sc.sample_inputs(256, 128256, BF, dev, "plain")
+    rows.append(timed("sample temp-only 256x128256", "sample", plain))
+    filt = list(sc.sample_inputs(256, 128256, BF, dev, "plain").args)
+    filt[2] = torch.full((256,), 50, dtype=torch.int32, device=dev)
+    filt[3] = torch.full((256,), 0.9, device=dev)
+    rows.append(timed("sample k50 p0.9 256x128256", "sample", sc.Inputs(tuple(filt), greedy.nbytes),
+                      peer="sample 256x128256 k50 p0.9"))
+    return rows
+
+
+def sweep() -> list[dict[str, Any]]:
+    """Decode: tile x warps x stages x split factor; prefill: tiles x warps x stages. Restores the defaults."""
+    global MODE
+    MODE = "sweep"
+    rows: list[dict[str, Any]] = []
+    saved = (decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES)
+    for bsz, ctx in ((1, 4096), (8, 4096), (64, 1024), (256, 1024)):
+        inputs = sc.decode_inputs(bsz, 32, 8, 128, 16, [ctx] * bsz, BF, "cuda")
+        best: dict[str, Any] | None = None
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = bn, warps, stages
+                    for splits in (None, 1, 2, 4, 8, 16):
+                        try:
+                            r = timed(f"decode b{bsz} kv{ctx}", "decode_attention", inputs, num_splits=splits)
+                        except Exception as exc:  # e.g. out of shared memory
+                            print(f"sweep skip bn={bn} w={warps} s={stages}: {type(exc).__name__}", flush=True)
+                            break
+                        r.update(block_n=bn, warps=warps, stages=stages, splits=splits or "auto")
+                        rows.append(r)
+                        if best is None or r["us"] < best["us"]:
+                            best = r
+        print(f"sweep best {best}", flush=True)
+    decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = saved
+    saved_p = (prefill.BLOCK_M, prefill.BLOCK_N, prefill.NUM_WARPS, prefill.NUM_STAGES)
+    for q_lens, pre in (([512] * 8, [512] * 8), ([4096], [0])):
+        inputs = sc.prefill_inputs(q_lens, pre, 32, 8, 128, 16, BF, "cuda")
+        best = None
+        for bm, bn in ((64, 64), (128, 64), (128, 32), (64, 32), (128, 128)):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    prefill.BLOCK_M, prefill.BLOCK_N, prefill.NUM_WARPS, prefill.NUM_STAGES = bm, bn, warps, stages
+                    try:
+                        r = timed(f"prefill {len(q_lens)}x{q_lens[0]} over {pre[0]}", "prefill_attention", inputs,
+                                  flops=attn_flops(q_lens, pre, 32, 128))
+                    except Exception as exc:
+                        print(f"sweep skip bm={bm} bn={bn} w={warps} s={stages}: {type(exc).__name__}", flush=True)
+                        continue
+                    r.update(block_m=bm, block_n=bn, warps=warps, stages=stages)
+                    rows.append(r)
+                    if best is None or r["us"] < best["us"]:
+                        best = r
+        print(f"sweep best {best}", flush=True)
+    prefill.BLOCK_M, prefill.BLOCK_N, prefill.NUM_WARPS, prefill.NUM_STAGES = saved_p
+    MODE = "full"
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cols = ["name", "us", "GB/s", "TFLOP/s", "torch_us", "flashinfer_us"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            cells.append(f"{v:.1f}" if isinstance(v, float) else str(v))
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--quick", action="store_true", help="fewer decode batch sizes")
+    ap.add_argument("--sweep", action="store_true", help="also sweep decode/prefill tuning knobs")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_suite: no CUDA GPU", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "decode": {"BLOCK_N": decode.BLOCK_N, "warps": decode.NUM_WARPS, "stages": decode.NUM_STAGES},
+            "prefill": {"BLOCK_M": prefill.BLOCK_M, "BLOCK_N": prefill.BLOCK_N, "warps": prefill.NUM_WARPS,
+                        "stages": prefill.NUM_STAGES}}
+    print(json.dumps(info), flush=True)
+    result: dict[str, Any] = {"info": info, "checks": [], "timings": [], "sweep": []}
+    ok = True if args.no_check else check(result["checks"])
+    t0 = time.time()
+    if args.sweep:
+        result["sweep"] = sweep()
+        print(f"sweep took {time.time() - t0:.0f} s", flush=True)
+    result["timings"] = timings(args.quick)
+    path = args.json or (os.path.join(os.environ["OUT"], "gpu_suite.json") if os.environ.get("OUT") else None)
+    if path:
+        Path(path).write_text(json.dumps(result, indent=1))
+    print_table(result["timings"])
+    print("correctness:", "all ok" if ok else "FAILURES (see above)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
