@@ -124,9 +124,9 @@ def test_samples_mostly_parse(hf_model, hf_tokenizer) -> None:
 
     prompt = "def fibonacci(n):"
     ids = hf_tokenizer(prompt, return_tensors="pt").input_ids
-    ok = 0
-    for i in range(8):
-        torch.manual_seed(1000 + i)
-        out = hf_model.generate(ids, max_new_tokens=96, do_sample=True, temperature=0.8, top_k=0)
-        ok += parses(first_block(prompt + hf_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)))
-    assert ok >= 4
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = hf_model.generate(ids, max_new_tokens=96, do_sample=True, temperature=0.8, top_k=0,
+                                num_return_sequences=8)
+    texts = [prompt + hf_tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in out]
+    assert sum(parses(first_block(t)) for t in texts) >= 5, texts

@@ -140,6 +140,8 @@ def test_bad_requests_are_rejected_with_clear_errors() -> None:
         core.add_request("long", [1] * 65)
     with pytest.raises(ValueError, match="n > 1"):
         core.add_request("n2", [1], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="integers"):
+        core.add_request("float", [1, 2.5])
     core.add_request("ok", [1])
     with pytest.raises(ValueError, match="already in use"):
         core.add_request("ok", [1])

@@ -1,6 +1,8 @@
 """Scheduler: token budget, chunked prefill, decode-first ordering, seats, preemption, admission, policies."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from appliance.engine.config import EngineConfig
@@ -185,3 +187,19 @@ def test_abort_of_a_never_scheduled_request_tells_workers_nothing() -> None:
     h.add("a", 3)
     h.sched.abort("a")
     assert h.sched.pending_forget == () and h.sched.schedule() is None
+
+
+def test_decodes_beyond_the_budget_take_turns() -> None:
+    h = Harness(chunked_prefill_size=16, max_num_seqs=8)
+    for i in range(5):
+        h.add(f"r{i}", 1, max_tokens=100)
+    h.step()
+    assert all(r.status is RequestStatus.DECODING for r in h.sched.requests.values())
+    h.sched.config = dataclasses.replace(h.cfg, chunked_prefill_size=3)  # now 5 decodes share 3 tokens
+    counts = {f"r{i}": 0 for i in range(5)}
+    for _ in range(10):
+        p = h.step()
+        assert p.num_tokens == 3
+        for rid in tokens(p):
+            counts[rid] += 1
+    assert set(counts.values()) == {6}  # 30 decode slots shared evenly, nobody starves

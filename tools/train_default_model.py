@@ -243,13 +243,15 @@ def train_model(args: argparse.Namespace, config: dict, train_ids, val_ids, log:
     total = args.max_steps or 10**9
     budget = args.minutes * 60
     best = (float("inf"), -1, None)
-    start = time.time()
+    start = warm = time.time()
     step = 0
     while step < total:
-        if args.max_steps is None and step == 30:
-            per_step = (time.time() - start) / 30
+        if args.max_steps is None and step == 10:
+            warm = time.time()  # the first steps pay for CUDA initialisation and would inflate the estimate
+        if args.max_steps is None and step == 40:
+            per_step = (time.time() - warm) / 30
             epoch_cap = int(args.max_epochs * len(data) / (args.batch * args.seq_len))
-            total = max(args.warmup + 30, min(int(budget / per_step * 0.93), epoch_cap))
+            total = max(args.warmup + 40, min(int(budget / per_step * 0.93), epoch_cap))
             print(f"measured {per_step * 1000:.1f} ms/step; epoch cap {epoch_cap} steps -> total_steps={total} "
                   f"(pass --max-steps {total} to repeat)", flush=True)
         lr = lr_at(step, total, args.lr, args.warmup)

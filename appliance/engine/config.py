@@ -13,7 +13,8 @@ class EngineConfig:
 
     chunked_prefill_size is the token budget of one step (decodes and prefill chunks together); -1 disables
     chunking: a prompt is then prefilled whole, prefills of one step share max_prefill_tokens, and a prompt
-    longer than max_prefill_tokens runs alone in its step rather than never.
+    longer than max_prefill_tokens runs alone in its step rather than never. When more requests decode than
+    the budget holds, they take turns (least recently scheduled first).
     """
 
     num_blocks: int

@@ -16,6 +16,7 @@ Stop strings are matched on text by the detokenizer, which then calls abort().
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -42,6 +43,8 @@ class EngineStats:
     blocks_cached: int  # unreferenced blocks kept for prefix hits
     blocks_owned: int
     prefix_hit_rate: float  # hit tokens / looked-up prompt tokens, over the engine's life
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
 
@@ -72,9 +75,13 @@ class EngineCore:
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if sp.n != 1:
             raise ValueError("EngineCore runs one sequence per request; fan out n > 1 above the engine")
+        try:  # accepts numpy ints, refuses floats and strings instead of truncating them
+            prompt = [operator.index(t) for t in prompt_token_ids]
+        except TypeError as e:
+            raise ValueError(f"request {request_id!r}: prompt token ids must be integers ({e})") from None
         req = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt,
             sampling_params=sp,
             arrival_time=self._clock() if arrival_time is None else arrival_time,
             eos_token_ids=self.config.eos_token_ids,
@@ -120,6 +127,8 @@ class EngineCore:
             blocks_cached=pool.num_evictable,
             blocks_owned=pool.num_owned,
             prefix_hit_rate=s.cache.hit_rate,
+            prefix_queried_tokens=s.cache.queried_tokens,
+            prefix_hit_tokens=s.cache.hit_tokens,
             num_preemptions=s.num_preemptions,
             num_steps=self._num_steps,
         )

@@ -92,6 +92,7 @@ class Request:
     num_stored_blocks: int = 0  # leading blocks of block_ids already offered to the prefix cache
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    last_issue_seq: int = -1  # when it was last scheduled (a scheduler counter): round-robin of decodes
     known_to_workers: bool = False  # workers hold its state (sent as new, not yet told to forget)
     prompt_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_logprobs_done: bool = False

@@ -24,8 +24,8 @@ plan step N+1 while step N runs; in the synchronous loop the two are the same.
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 
 from appliance.engine.block_pool import BlockPool
 from appliance.engine.config import EngineConfig
@@ -60,6 +60,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._forget: list[str] = []  # ids the workers must drop with the next plan
         self._next_step_id = 0
+        self._issue_seq = 0
         self._in_flight: dict[int, list[ScheduledRequest]] = {}
 
     # ---- admission ---------------------------------------------------------------------------------------
@@ -108,6 +109,9 @@ class Scheduler:
 
     def _schedule_running(self, st: _StepBudget) -> None:
         decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
+        if self.config.chunking and len(decoding) > st.tokens:
+            # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves.
+            decoding.sort(key=lambda r: r.last_issue_seq)
         prefilling = [r for r in self.running if r.status is RequestStatus.PREFILLING]
         for req in decoding + prefilling:
             if req.status is RequestStatus.PREEMPTED:  # a victim of an earlier request in this loop
@@ -203,6 +207,8 @@ class Scheduler:
         if self.config.chunking or req.status is RequestStatus.PREFILLING:
             st.tokens -= n
         req.num_computed_tokens += n
+        req.last_issue_seq = self._issue_seq
+        self._issue_seq += 1
         st.plan_sched.append(ScheduledRequest(req.request_id, n, list(new_blocks), sample))
         st.scheduled_ids.add(req.request_id)
 

@@ -39,11 +39,16 @@ def resolve_backend(name: str, device: torch.device) -> str:
     from appliance.kernels import registry
 
     if name != "auto":
-        registry.get("prefill_attention", name)  # a named backend must exist: KeyError/ImportError says why
+        try:
+            for op in ("store_kv", "decode_attention", "prefill_attention"):
+                registry.get(op, name)
+        except (KeyError, ImportError) as exc:
+            raise ValueError(f"backends.attention = {name!r} is not available here: {exc}") from exc
         return name
     if device.type == "cuda":
         try:
-            registry.get("prefill_attention", "triton")
+            for op in ("store_kv", "decode_attention", "prefill_attention"):
+                registry.get(op, "triton")
             return "triton"
         except (KeyError, ImportError):
             pass

@@ -16,6 +16,7 @@ import torch
 from appliance.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+_GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows), as in vLLM
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,13 @@ def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 class Sampler:
     def __init__(self, eos_token_ids: Sequence[int] = (), seed: int = 0) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)  # for rows without their own seed
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # per device, for rows without a seed
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
         if logits.shape[0] != len(rows):
@@ -132,7 +139,7 @@ class Sampler:
         return logits
 
     def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        greedy = [r.params.temperature == 0.0 for r in rows]
+        greedy = [r.params.temperature < _GREEDY_EPS for r in rows]
         tokens = logits.argmax(dim=-1).tolist()
         rand = [i for i, g in enumerate(greedy) if not g]
         if not rand:
@@ -151,12 +158,13 @@ class Sampler:
             sub = apply_top_p(sub, col("top_p"))
         probs = torch.softmax(sub, dim=-1)
         # Gumbel-style draw: argmax(p / E) with E ~ Exp(1) samples from p; each seeded row has its own noise
-        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=self.generator)
+        noise = torch.empty(probs.shape, dtype=torch.float32, device=dev).exponential_(generator=self._generator(dev))
         for j, i in enumerate(rand):
             seed = rows[i].params.seed
-            if seed is not None:
-                noise[j].exponential_(generator=row_generator(seed, len(rows[i].output_ids)))
-        drawn = (probs / noise.to(dev)).argmax(dim=-1).tolist()
+            if seed is not None:  # drawn on the CPU so a seed means the same tokens on any device
+                own = torch.empty(probs.shape[-1], dtype=torch.float32)
+                noise[j] = own.exponential_(generator=row_generator(seed, len(rows[i].output_ids))).to(dev)
+        drawn = (probs / noise).argmax(dim=-1).tolist()
         for j, i in enumerate(rand):
             tokens[i] = drawn[j]
         return tokens

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from appliance.kernels import registry
+from appliance.layers.kernels import kernel
 
 
 class SiluAndMul(nn.Module):
@@ -11,7 +11,7 @@ class SiluAndMul(nn.Module):
 
     def __init__(self, backend: str = "torch") -> None:
         super().__init__()
-        self._op = registry.get("silu_and_mul", backend)
+        self._op = kernel("silu_and_mul", backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from appliance.kernels import registry
+from appliance.layers.kernels import kernel
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,9 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: str = "torch") -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
-        self._store = registry.get("store_kv", backend)
-        self._decode = registry.get("decode_attention", backend)
-        self._prefill = registry.get("prefill_attention", backend)
+        self._store = kernel("store_kv", backend)
+        self._decode = kernel("decode_attention", backend)
+        self._prefill = kernel("prefill_attention", backend)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 

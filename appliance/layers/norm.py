@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from appliance.kernels import registry
+from appliance.layers.kernels import kernel
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +13,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
-        self._op = registry.get("rms_norm", backend)
+        self._op = kernel("rms_norm", backend)
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

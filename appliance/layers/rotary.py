@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from appliance.kernels import registry
+from appliance.layers.kernels import kernel
 
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -64,7 +64,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self._op = registry.get("rope", backend)
+        self._op = kernel("rope", backend)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -154,7 +154,7 @@ class Supervisor:
     def _spawn(self, kind: str, name: str, rank: int, world: int) -> StageProc:
         boot = Bootstrap(kind, name, rank, world, os.getpid(), self.addresses, self.config.to_dict())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "appliance.runtime.stage"],
+            [sys.executable, "-m", "appliance.runtime.stage", name],  # the name is for `ps` only
             stdin=subprocess.PIPE, text=True, process_group=0, close_fds=True,
         )
         assert proc.stdin is not None

@@ -14,7 +14,7 @@ from __future__ import annotations
 from appliance.structured.backend import require_xgrammar, xgrammar_available
 from appliance.structured.compiler import CacheInfo, CompiledGrammar, GrammarCompiler, choice_ebnf
 from appliance.structured.errors import StructuredOutputError, StructuredOutputUnavailable
-from appliance.structured.matcher import GrammarMatcher
+from appliance.structured.matcher import GrammarMatcher, apply_batch
 from appliance.structured.spec import StructuredSpec, spec_from_request
 from appliance.structured.tool_choice import named_function, tool_choice_schema, tool_choice_spec
 
@@ -26,6 +26,7 @@ __all__ = [
     "StructuredOutputError",
     "StructuredOutputUnavailable",
     "StructuredSpec",
+    "apply_batch",
     "choice_ebnf",
     "named_function",
     "require_xgrammar",

@@ -69,12 +69,17 @@ class GrammarCompiler:
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: Any, *, vocab_size: int | None = None, stop_token_ids: Sequence[int] | None = None, **kwargs: Any
+        cls,
+        tokenizer: Any,
+        *,
+        vocab_size: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        **kwargs: Any,
     ) -> GrammarCompiler:
         """From a Hugging Face tokenizer. `vocab_size` is the model's logits width (may exceed the tokenizer's)."""
         xgr = require_xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) if stop_token_ids is not None else None
+            tokenizer, vocab_size=vocab_size, stop_token_ids=None if stop_token_ids is None else list(stop_token_ids)
         )
         return cls(info, **kwargs)
 

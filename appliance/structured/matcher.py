@@ -1,7 +1,7 @@
 """Per-request grammar state: which tokens may come next, and advancing on the sampled token."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from appliance.structured.backend import require_xgrammar
 from appliance.structured.compiler import CompiledGrammar
@@ -16,11 +16,11 @@ class GrammarMatcher:
     When `is_terminated()` the grammar is complete and a stop token was accepted: the request is finished.
     """
 
-    def __init__(self, compiled: CompiledGrammar, *, max_rollback_tokens: int = 0) -> None:
+    def __init__(self, compiled: CompiledGrammar) -> None:
         self._xgr = require_xgrammar()
         self.compiled = compiled
         self.vocab_size = compiled.vocab_size
-        self._matcher: Any = self._xgr.GrammarMatcher(compiled.handle, max_rollback_tokens=max_rollback_tokens)
+        self._matcher: Any = self._xgr.GrammarMatcher(compiled.handle)
         self._bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
 
     def allowed_token_bitmask(self) -> torch.Tensor:
@@ -59,5 +59,32 @@ class GrammarMatcher:
         return bool(self._matcher.is_terminated())
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last accepted tokens (speculative decoding; needs max_rollback_tokens at construction)."""
+        """Undo the last accepted tokens (speculative decoding: rejected draft tokens)."""
         self._matcher.rollback(num_tokens)
+
+
+def apply_batch(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:
+    """Mask a [batch, vocab] logits tensor in place: row i follows matchers[i]; rows with None are untouched.
+
+    One bitmask for the whole batch and one masking call, which is what a sampler wants per step.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(matchers):
+        raise ValueError(f"expected logits [{len(matchers)}, vocab], got {tuple(logits.shape)}")
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    xgr = require_xgrammar()
+    vocab = {matchers[i].vocab_size for i in rows}  # type: ignore[union-attr]
+    if len(vocab) != 1:
+        raise ValueError("all matchers of one batch must share a tokenizer")
+    vocab_size = vocab.pop()
+    if logits.shape[1] < vocab_size:
+        raise ValueError(f"logits have {logits.shape[1]} columns but the tokenizer has {vocab_size} tokens")
+    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+    for i in rows:
+        matchers[i]._matcher.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
+    xgr.apply_token_bitmask_inplace(
+        logits[:, :vocab_size], bitmask.to(logits.device), vocab_size=vocab_size, indices=rows
+    )
+    if logits.shape[1] > vocab_size:
+        logits[rows, vocab_size:] = float("-inf")

@@ -125,7 +125,9 @@ def _from_structured_outputs(so: Any) -> StructuredSpec:
         raise StructuredOutputError("structured_outputs must be an object")
     keys = [k for k, v in so.items() if v is not None and v is not False]
     if len(keys) != 1:
-        raise StructuredOutputError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got {keys}")
+        raise StructuredOutputError(
+            f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got {keys}"
+        )
     key = keys[0]
     if key == "json_object":
         return StructuredSpec.json_object()

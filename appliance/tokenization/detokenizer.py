@@ -59,7 +59,12 @@ class Detokenizer:
         return self._take(final=self.finished)
 
     def flush(self) -> str:
-        """The held-back tail, when the request ends for another reason (EOS, length, abort)."""
+        """The held-back tail, when the request ends for another reason (EOS, length, abort); tokens of an
+        incomplete character are decoded as they are, since nothing will complete them now."""
+        if not self.finished and self._read < len(self._ids):
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            self.text += self._decode(self._ids[self._prefix :])[len(prefix_text) :]
+            self._prefix = self._read = len(self._ids)
         return self._take(final=True)
 
     def _advance(self) -> None:

@@ -179,12 +179,14 @@ class Applier:
         try:
             if info.kind == "section":
                 value = convert(raw, "dict", None)
+                flag_name = source.split(" ", 1)[0]
                 for key, sub in value.items():
-                    self.store(f"{target}.{key}", sub, source, note)
+                    self.store(f"{target}.{key}", sub, f"{flag_name} {key}={json.dumps(sub)}", note)
                 return
             if info.kind == "str" and isinstance(raw, list):
                 if len(raw) > 1:
-                    out.warn(source, f"only the first of {len(raw)} values is kept ({target} takes one)")
+                    out.warn(source, f"only the first of {len(raw)} values is kept ({target} takes one)",
+                             unmapped=True)
                 raw = raw[0]
             value = convert(raw, info.kind, info.choices)
         except BadValue as exc:

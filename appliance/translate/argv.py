@@ -134,7 +134,7 @@ class ArgvReader:
                 vals.append(words[i])
                 i += 1
             return vals, i, "" if vals else "expects at least one value"
-        if i < len(words) and (not _is_option(words[i]) or arity == "json"):
+        if i < len(words) and not _is_option(words[i]):
             return words[i], i + 1, ""
         return NO_VALUE, i, "expects a value"
 

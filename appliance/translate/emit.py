@@ -20,8 +20,21 @@ _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 _WIDTH = 110
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _one_line(text: str) -> str:
+    """Comment-safe text: TOML comments may not hold control characters (a newline would end the comment)."""
+    return _CONTROL.sub(lambda m: " " if m.group() in "\n\r" else repr(m.group())[1:-1], text)
+
+
 def toml_key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else json.dumps(key)
+    return key if _BARE_KEY.match(key) else _string(key)
+
+
+def _string(text: str) -> str:
+    # JSON string escapes are valid TOML basic-string escapes; TOML also forbids a raw DEL
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def toml_value(value: Any) -> str:
@@ -37,7 +50,7 @@ def toml_value(value: Any) -> str:
         text = repr(value)
         return text if any(c in text for c in ".eE") else text + ".0"
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
+        return _string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
@@ -51,14 +64,14 @@ def toml_value(value: Any) -> str:
 
 def _comment(text: str, bullet: str = "") -> list[str]:
     """Comment lines wrapped to the width; with a bullet, continuation lines are indented under it."""
-    wrapped = textwrap.wrap(text, _WIDTH - 2 - len(bullet), break_on_hyphens=False) or [""]
+    wrapped = textwrap.wrap(_one_line(text), _WIDTH - 2 - len(bullet), break_on_hyphens=False) or [""]
     pad = " " * len(bullet)
     return [f"# {bullet if i == 0 else pad}{line}".rstrip() for i, line in enumerate(wrapped)]
 
 
 def _header(tr: Translation, origin: str) -> list[str]:
-    lines = [f"# Translated by `appliance translate` from a {tr.title} command ({origin} line {tr.line}):"]
-    cmd = shlex.join(tr.command)
+    lines = [f"# Translated by `appliance translate` from the {tr.title} command at {origin} line {tr.line}:"]
+    cmd = _one_line(shlex.join(tr.command))
     lines += [f"#   {chunk}" for chunk in textwrap.wrap(cmd, _WIDTH - 4, break_on_hyphens=False)]
     unmapped = [f for f in tr.findings if f.level == "warning"]
     notes = [f for f in tr.findings if f.level == "note"]
@@ -102,11 +115,12 @@ def to_toml(tr: Translation, origin: str = "input") -> str:
         section, _, key = s.path.partition(".")
         block = _comment(s.note) if s.note and s.note not in said else []
         said.add(s.note)
-        block.append(f"{'.'.join(toml_key(k) for k in key.split('.'))} = {toml_value(s.value)}  # {s.source}")
+        block.append(f"{'.'.join(toml_key(k) for k in key.split('.'))} = {toml_value(s.value)}  "
+                     f"# {_one_line(s.source)}")
         entries.setdefault(section, []).append((key, block))
     for p in sorted(tr.pending, key=lambda p: _order(p.path)):
         section, _, key = p.path.partition(".")
-        block = [f"# {key} = {json.dumps(p.raw)}  # {p.source}: {p.reason}, fill in before use"]
+        block = [f"# {key} = {json.dumps(p.raw)}  # {_one_line(p.source)}: {p.reason}, fill in before use"]
         entries.setdefault(section, []).append((key, block))
     for section in sorted(entries, key=lambda sec: _order(sec + ".")):
         lines.append("")

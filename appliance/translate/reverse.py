@@ -117,6 +117,8 @@ def _flag_words(flag: Flag, value: Any) -> list[str] | None:
         return [name] if value == flag.const else None
     if flag.target and flag.target.startswith("@"):
         return None
+    if flag.closed and value not in [dest for _, dest in flag.values]:
+        return None  # the engine has no name for this value
     value = _source_value(flag, value)
     if flag.arity == "list":
         items = value if isinstance(value, list) else [value]

@@ -19,6 +19,7 @@ SEPARATORS = {";", "&&", "||", "|", "&", ";;", "|&"}
 _KEYWORDS = {"then", "do", "else", "elif", "if", "while", "until", "!", "{", "(", "time"}
 _ENDERS = {"fi", "done", "}", ")", "esac"}
 _REDIRECT = re.compile(r"(\d*|&)(>>|>\||>&|<<<|<<|<&|>|<)")
+_PLACEHOLDER = re.compile(r"<[A-Za-z_][^<>\s]*>")  # `<MODEL>` in docs-style commands, not a redirection
 _REF = re.compile(r"([$\x02])(\{([A-Za-z_]\w*)([^}]*)\}|([A-Za-z_]\w*)|([0-9@*#?$!]))")
 _ASSIGN = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
 UNRESOLVED = re.compile(r"\$(\{[^}]*\}|[A-Za-z_]\w*|\([^)]*\)+|[0-9@*#?$!])")
@@ -93,7 +94,8 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
             buf, line, start, continued = [], line + 1, line + 1, False
             i += 1
             continue
-        elif (m := _REDIRECT.match(text, i)) and (not buf or buf[-1] in " \t;&|"):
+        elif (m := _REDIRECT.match(text, i)) and (not buf or buf[-1] in " \t;&|") \
+                and not _PLACEHOLDER.match(text, i):
             j = m.end()
             while j < n and text[j] in " \t":
                 j += 1

@@ -11,8 +11,10 @@ from appliance.translate.argv import ArgvReader, FlagUse, config_file_words
 from appliance.translate.launcher import Launch, detect
 from appliance.translate.result import Translation
 from appliance.translate.shell import ShellCommand, ShellSyntaxError, parse_script, restore, unresolved_refs
+from appliance.translate.spec import EngineTable, Flag, same
 from appliance.translate.tables import TABLES
 
+POSITIONAL_MODEL = same("MODEL", "model.path", "Model")  # engines whose model is only positional (Atlas)
 _SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL", re.I)
 _MAX_DEPTH = 4
 
@@ -60,7 +62,7 @@ def translate_launch(launch: Launch, env: dict[str, str], cmd: ShellCommand, bas
     out = Translation(launch.engine, table.title, cmd.line, [restore(w) for w in cmd.argv])
     reader = ArgvReader(table, allow_abbrev=launch.engine != "atlas")  # clap (Atlas) has no abbreviations
     cli_uses, positionals = reader.read(launch.args)
-    model_flag = table.lookup.get("--model") or table.lookup.get("--model-path")
+    model_flag = table.lookup.get("--model") or table.lookup.get("--model-path") or POSITIONAL_MODEL
     for i, word in enumerate(positionals):
         if i == 0 and launch.positional_model and model_flag is not None:
             cli_uses.insert(0, FlagUse(model_flag, "MODEL", word))
@@ -93,7 +95,7 @@ def _config_file_uses(reader: ArgvReader, uses: list[FlagUse], base_dir: Path | 
                      unmapped=True)
             continue
         path = Path(name)
-        candidates = [path] if path.is_absolute() else [*(base_dir / path,) * bool(base_dir), path]
+        candidates = [path] if path.is_absolute() or base_dir is None else [base_dir / path, path]
         target = next((p for p in candidates if p.is_file()), None)
         if target is None:
             out.warn(use.display, f"config file {name} not found; its settings are not translated", unmapped=True)
@@ -110,12 +112,13 @@ def _config_file_uses(reader: ArgvReader, uses: list[FlagUse], base_dir: Path | 
     return found
 
 
-def _env_uses(env_flags: tuple[tuple[str, str], ...], env: dict[str, str], lookup: dict) -> list[FlagUse]:
+def _env_uses(env_flags: tuple[tuple[str, str], ...], env: dict[str, str],
+              lookup: dict[str, Flag]) -> list[FlagUse]:
     return [FlagUse(lookup[flag], f"{name}=", env[name], origin="environment")
             for name, flag in env_flags if name in env and flag in lookup]
 
 
-def _report_env(out: Translation, env: dict[str, str], table) -> None:
+def _report_env(out: Translation, env: dict[str, str], table: EngineTable) -> None:
     used = {name for name, _ in table.env_flags} | {"CUDA_VISIBLE_DEVICES"}
     for name, value in env.items():
         if name in used:

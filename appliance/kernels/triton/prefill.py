@@ -21,6 +21,44 @@ NUM_STAGES = 2
 
 
 @triton.jit
+def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end, q_pos,
+             m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step over kv positions n0 .. n0 + BLOCK_N; MASKED applies the causal and end masks."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    if MASKED:
+        n_mask = pos < kv_end
+        blk = tl.load(bt_ptr + kv_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        blk = tl.load(bt_ptr + kv_row + pos // PAGE).to(tl.int64)
+        kv_mask = (pos >= 0)[:, None] & d_mask[None, :]
+    row = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
+    if MASKED or BLOCK_D != D:
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :])
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :])
+    s = mma(q, tl.trans(k), UPCAST) * qk_scale
+    if MASKED:
+        keep = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet stays empty
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu_tiles_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt, num_seqs,
@@ -57,26 +95,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
+    kv_row = b * stride_bt
+    # kv tiles wholly at or before the tile's first query position are visible to every row: no masks there
+    full_end = ((seq_len - q_len + m0 + 1) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(seq_len, seq_len - q_len + m0 + BLOCK_M)  # last query row of the tile sees up to here
-    for n0 in range(0, kv_end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < kv_end
-        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = mma(q, tl.trans(k), UPCAST) * qk_scale
-        keep = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see nothing yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end,
+                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, PAGE, BLOCK_N, False, UPCAST)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end,
+                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, PAGE, BLOCK_N, True, UPCAST)
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],

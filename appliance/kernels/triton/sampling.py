@@ -12,9 +12,11 @@ from softmax over the kept set; u comes from a counter-based hash of (seed, step
 a seed gets the same tokens on any batch composition and the torch reference below reproduces the kernel bit for
 bit in its random numbers.
 
-The kernel finds the top-k and top-p thresholds by bisection over the float32 bit patterns of the row (a monotone
-integer key), one pass over the row per step: exact, sort-free, but up to ~32 passes each; rows that use neither
-skip them. This file holds the torch reference too because reference/ is the contract directory.
+Thresholds, exactly: with top-k <= BLOCK (2048) the k-th largest of the per-lane maxima of the first pass is a
+lower bound of the k-th largest value, so one more pass compacts the few tokens above it (<= CAP) into a scratch
+row that is sorted in registers, and top-k and top-p are read off it. Otherwise (top-p or large top-k without a
+small top-k, or too many candidates) the thresholds come from bisection over the float32 bit patterns of the
+row (a monotone integer key), one pass over the row per step, up to ~32 passes each. Rows using neither skip both. This file holds the torch reference too because reference/ is the contract directory.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import triton.language as tl
 from appliance.kernels.registry import register
 
 BLOCK = 2048
+CAP = 4096  # top-k candidates kept for the sort-based fast path
 _M32 = 0xFFFFFFFF
 
 
@@ -128,7 +131,7 @@ def _mass_gt(row_ptr, vocab, inv_t, v, floor, mx, BLOCK: tl.constexpr):
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, out_ptr,
-                   BLOCK: tl.constexpr):
+                   scratch_ptr, BLOCK: tl.constexpr, CAP: tl.constexpr):
     b = tl.program_id(0)
     row_ptr = logits_ptr + b.to(tl.int64) * stride
     t = tl.load(temp_ptr + b)
@@ -156,7 +159,37 @@ def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp
     if mp > 0.0:
         thr = tl.maximum(thr, mx + tl.log(mp))
     k = tl.load(topk_ptr + b)
-    if (k > 0) & (k < vocab):
+    p = tl.load(topp_ptr + b)
+    done = vocab * 0  # runtime int32 0: the fast path has not decided yet
+    if (k > 0) & (k <= BLOCK) & (k < vocab):
+        # Fast path: the k-th largest lane maximum bounds the k-th largest value from below (the lanes hold
+        # distinct elements), so the few tokens above it are compacted into scratch, sorted, and top-k / top-p
+        # are read off the sorted candidates. Falls through to bisection when they overflow CAP.
+        offs_l = tl.arange(0, BLOCK)
+        lanes = tl.sort(best, descending=True)
+        lb = tl.maximum(tl.sum(tl.where(offs_l == k - 1, lanes, 0.0), 0) * inv_t, thr)
+        count = vocab * 0
+        scratch = scratch_ptr + b.to(tl.int64) * CAP
+        for start in range(0, vocab, BLOCK):
+            offs = start + offs_l
+            lv = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
+            hit = (lv >= lb) & (offs < vocab)
+            dst = count + tl.cumsum(hit.to(tl.int32), 0) - 1
+            tl.store(scratch + dst, lv, mask=hit & (dst < CAP))
+            count += tl.sum(hit.to(tl.int32), 0)
+        tl.debug_barrier()  # the stores above come from other threads of this program
+        if count <= CAP:
+            offs_c = tl.arange(0, CAP)
+            cand = tl.sort(tl.load(scratch + offs_c, mask=offs_c < count, other=float("-inf")), descending=True)
+            kth = tl.sum(tl.where(offs_c == k - 1, cand, 0.0), 0)
+            thr = tl.where(count >= k, tl.maximum(thr, kth), thr)  # fewer than k left after min-p: no-op
+            if p < 1.0:
+                probs = tl.where(cand >= thr, tl.exp(cand - mx), 0.0)
+                above = tl.cumsum(probs, 0) - probs
+                keep = (cand >= thr) & (above < p * tl.sum(probs, 0))
+                thr = tl.maximum(thr, tl.min(tl.where(keep, cand, float("inf")), 0))
+            done = count * 0 + 1
+    if (k > 0) & (k < vocab) & (done == 0):
         lo = _key(mn)  # count(l >= lo) = V >= k
         hi = _key(mx) + 1  # count(l >= hi) = 0 < k
         while hi - lo > 1:
@@ -165,8 +198,7 @@ def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid)
         thr = tl.maximum(thr, _unkey(lo))
-    p = tl.load(topp_ptr + b)
-    if p < 1.0:
+    if (p < 1.0) & (done == 0):
         target = p * _mass_gt(row_ptr, vocab, inv_t, float("-inf"), thr, mx, BLOCK)
         lo = _key(thr) - 1  # mass above it is everything kept: not < target
         hi = _key(mx)  # mass above the max is 0 < target
@@ -205,7 +237,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         raise ValueError("sample: logits must be contiguous along the vocabulary")
     out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
     if bsz:
+        scratch = torch.empty(bsz, CAP, dtype=torch.float32, device=logits.device)
         _sample_kernel[(bsz,)](logits, logits.stride(0), vocab, temperature.float(), top_k.to(torch.int32),
                                top_p.float(), min_p.float(), seeds.to(torch.int64), steps.to(torch.int64), out,
-                               BLOCK=BLOCK, num_warps=8)
+                               scratch, BLOCK=BLOCK, CAP=CAP, num_warps=8)
     return out

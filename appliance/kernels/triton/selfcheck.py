@@ -14,6 +14,7 @@ import torch
 
 from appliance.kernels.registry import get
 
+BIGK_MIN = 2100  # above sampling.BLOCK
 TOL = {torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
@@ -133,6 +134,9 @@ def sample_inputs(batch: int, vocab: int, dtype: torch.dtype, device: str, mode:
     min_p = torch.zeros(batch)
     if mode == "greedy":
         temp.zero_()
+    elif mode == "bigk":  # top-k beyond the sort fast path: bisection
+        top_k = torch.randint(BIGK_MIN, vocab, (batch,), generator=gen).to(torch.int32)
+        top_p[::2] = 0.9
     elif mode in ("filtered", "mixed"):
         top_k = torch.randint(1, min(vocab, 100), (batch,), generator=gen).to(torch.int32)
         top_p = 0.5 + 0.5 * torch.rand(batch, generator=gen)
@@ -187,6 +191,8 @@ def small_cases(device: str = "cpu") -> list[Case]:
         ("prefill_attention", "bf16-prefix", lambda: prefill_inputs([5, 1, 70], [0, 20, 33], 4, 2, 64, 16, bf, d)),
         ("prefill_attention", "f16-empty-seq-d128", lambda: prefill_inputs([3, 0, 17], [4, 9, 0], 2, 1, 128, 8,
                                                                          f16, d)),
+        ("prefill_attention", "bf16-long-prefix-unmasked-tiles", lambda: prefill_inputs(
+            [20, 70], [130, 64], 2, 1, 64, 16, bf, d)),
         ("prefill_attention", "f32-page32", lambda: prefill_inputs([40], [50], 2, 2, 64, 32, f32, d)),
         ("rms_norm", "bf16-residual", lambda: rms_norm_inputs(5, 96, bf, d, True)),
         ("rms_norm", "f16", lambda: rms_norm_inputs(4, 256, f16, d, False)),
@@ -201,6 +207,7 @@ def small_cases(device: str = "cpu") -> list[Case]:
         ("sample", "plain-f32", lambda: sample_inputs(4, 300, f32, d, "plain")),
         ("sample", "filtered-f32", lambda: sample_inputs(6, 500, f32, d, "filtered")),
         ("sample", "mixed-f16", lambda: sample_inputs(8, 257, f16, d, "mixed", seed=3)),
+        ("sample", "bigk-bisection-f32", lambda: sample_inputs(3, 4500, f32, d, "bigk")),
     ]
 
 
@@ -233,6 +240,7 @@ def realistic_cases(device: str = "cuda") -> list[Case]:
         ("sample", "mixed-bf16", lambda: sample_inputs(64, 32000, bf, d, "mixed")),
         ("sample", "greedy-f32", lambda: sample_inputs(16, 128256, torch.float32, d, "greedy")),
         ("sample", "filtered-bf16-128k", lambda: sample_inputs(8, 128256, bf, d, "filtered")),
+        ("sample", "bigk-bisection-bf16-128k", lambda: sample_inputs(4, 128256, bf, d, "bigk")),
     ]
     return cases
 

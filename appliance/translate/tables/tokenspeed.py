@@ -5,8 +5,6 @@ schema took its names from these pages, so almost every flag maps one to one.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from appliance.translate.spec import EngineTable, same, similar
 from appliance.translate.tables.vllm import SPEC_METHODS
 
@@ -109,7 +107,7 @@ FLAGS = (
 TABLE = EngineTable(
     name="tokenspeed",
     title="TokenSpeed",
-    flags=tuple(replace(f, negatable=f.negatable) for f in FLAGS),
+    flags=FLAGS,
     families=(("--kvstore-", "TokenSpeed's host / storage KV store is not available"),
               ("--disaggregation-", "prefill/decode disaggregation is not available")),
     source="TokenSpeed Server Parameters and Compatible Parameters (seeds 000, 001)",

@@ -64,6 +64,8 @@ _FLAGS = (
     no("--ignore-patterns", "weights are read with safetensors' defaults", LD, arity="list"),
     switches(LD, "progress bars are not configurable", "--use-tqdm-on-load")[0],
     same(("--tensor-parallel-size", "-tp"), "parallelism.tp", P),
+    similar("--tp", "parallelism.tp", "not a vLLM option (vLLM spells it -tp); read as --tensor-parallel-size, "
+            "as other engines mean it", P),
     same(("--data-parallel-size", "-dp"), "parallelism.dp", P),
     same(("--enable-expert-parallel", "-ep"), "parallelism.enable_expert_parallel", P, arity="flag"),
     similar(("--data-parallel-size-local", "-dpl"), "@dp_local",
@@ -98,9 +100,8 @@ _FLAGS = (
     same("--gpu-memory-utilization", "cache.gpu_memory_utilization", C),
     same("--kv-cache-dtype", "precision.kv_cache_dtype", C),
     same("--enable-prefix-caching", "cache.enable_prefix_caching", C, arity="flag"),
-    similar("--calculate-kv-scales", "precision.kv_cache_quant_method",
-            "vLLM computes fp8 KV scales on the fly; here that is the `dynamic` KV quantization method", C,
-            arity="flag", const="dynamic"),
+    no("--calculate-kv-scales", "KV scales are not computed on the fly; give them with "
+       "precision.quantization_param_path", C, arity="flag"),
     no("--kv-cache-memory-bytes", "size the KV pool with cache.max_total_tokens or cache.gpu_memory_utilization",
        C),
     no("--swap-space", "preempted requests are recomputed, not swapped to host memory", C),
@@ -160,10 +161,9 @@ _FLAGS = (
     same("--reasoning-parser", "api.reasoning_parser", SO),
     similar("--uvicorn-log-level", "observability.log_level_http", "`trace` becomes debug", F,
             values=(("trace", "debug"),)),
-    similar("--enable-log-requests", "observability.enable_log_requests", "request logging", OB, arity="flag"),
+    same("--enable-log-requests", "observability.enable_log_requests", OB, arity="flag"),
     similar("--disable-log-requests", "observability.enable_log_requests", "deprecated in vLLM (request logs are "
             "off by default)", OB, arity="flag", const=False),
-    same("--allowed-hosts", "api.allowed_hosts", F, arity="list"),
     no("--disable-log-stats", "periodic stats logging follows observability.decode_log_interval", OB,
        arity="flag"),
     no("--max-log-len", "request logs are not truncated by length", OB),
@@ -212,6 +212,11 @@ _FLAGS = (
     removed("--enable-prompt-adapter", "removed from vLLM", LO, arity="flag"),
     removed("--worker-use-ray", "removed from vLLM; was --distributed-executor-backend ray", P, arity="flag"),
     removed("--disable-mm-preprocessor-cache", "removed from vLLM", MM, arity="flag"),
+    removed("--num-lookahead-slots", "removed from vLLM V1", S),
+    removed("--tokenizer-pool-extra-config", "removed from vLLM", M),
+    removed("--enable-lora-bias", "removed from vLLM", LO, arity="flag"),
+    removed("--lora-extra-vocab-size", "removed from vLLM", LO),
+    removed("--long-lora-scaling-factors", "removed from vLLM", LO),
 )
 
 TABLE = EngineTable(

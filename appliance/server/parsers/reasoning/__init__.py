@@ -34,7 +34,8 @@ def get_reasoning_format(name: str, *, start: str | None = None, end: str | None
     try:
         fmt = _FORMATS[name]
     except KeyError:
-        raise ValueError(f"unknown reasoning_parser {name!r}; choose one of {', '.join(reasoning_parser_names())}") from None
+        choices = ", ".join(reasoning_parser_names())
+        raise ValueError(f"unknown reasoning_parser {name!r}; choose one of {choices}") from None
     if start is not None or end is not None:
         fmt = ReasoningFormat(start=start or fmt.start, end=end or fmt.end, starts_in_reasoning=fmt.starts_in_reasoning)
     if not fmt.start or not fmt.end:
@@ -43,9 +44,15 @@ def get_reasoning_format(name: str, *, start: str | None = None, end: str | None
 
 
 def get_reasoning_parser(
-    name: str, *, thinking_enabled: bool = True, prompt_text: str | None = None, start: str | None = None, end: str | None = None
+    name: str,
+    *,
+    thinking_enabled: bool = True,
+    prompt_text: str | None = None,
+    start: str | None = None,
+    end: str | None = None,
 ) -> ReasoningParser:
-    return ReasoningParser(get_reasoning_format(name, start=start, end=end), thinking_enabled=thinking_enabled, prompt_text=prompt_text)
+    fmt = get_reasoning_format(name, start=start, end=end)
+    return ReasoningParser(fmt, thinking_enabled=thinking_enabled, prompt_text=prompt_text)
 
 
 __all__ = [

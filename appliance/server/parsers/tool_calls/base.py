@@ -55,6 +55,7 @@ class ToolParser(ABC):
         self._new_id: IdFactory = id_factory or self.default_call_id
         self._buf = ""
         self._block: BlockSyntax | None = None
+        self._end_scan_from = 0  # in a block, where the search for its end marker resumes (no rescans)
         self._output_started = False  # non-whitespace text seen (at-start openers no longer apply)
         self._pending_ws = ""
         self._content_emitted = False
@@ -126,9 +127,11 @@ class ToolParser(ABC):
         assert syntax is not None
         if syntax.end is None:
             return False  # runs to the end of the output: decided in finish()
-        end = self._buf.find(syntax.end, len(syntax.start))
+        end = self._buf.find(syntax.end, max(len(syntax.start), self._end_scan_from))
         if end < 0:
+            self._end_scan_from = max(0, len(self._buf) - len(syntax.end) + 1)
             return False
+        self._end_scan_from = 0
         cut = end + len(syntax.end)
         block, self._buf = self._buf[:cut], self._buf[cut:]
         self._block = None
@@ -186,7 +189,8 @@ class ToolParser(ABC):
             index = self._calls_emitted
             self._calls_emitted += 1
             out.append(Delta(tool_call=ToolCallDelta(index=index, id=call.id or self._new_id(), name=call.name)))
-            out.append(Delta(tool_call=ToolCallDelta(index=index, arguments=json.dumps(call.arguments, ensure_ascii=False))))
+            arguments = json.dumps(call.arguments, ensure_ascii=False)
+            out.append(Delta(tool_call=ToolCallDelta(index=index, arguments=arguments)))
         self._emit_content(parsed.trailing_content, out)
 
     def _emit_content(self, text: str, out: list[Delta]) -> None:

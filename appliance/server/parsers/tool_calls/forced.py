@@ -44,7 +44,9 @@ def parse_forced_output(
     problems = [p for fn, args in raw for p in tools.check_arguments(str(fn), args)]
     if problems:
         return ParsedTools(content=text or None, errors=tuple(problems))
-    calls = tuple(ToolCall(id=id_factory(), name=str(fn), arguments=json.dumps(args, ensure_ascii=False)) for fn, args in raw)
+    calls = tuple(
+        ToolCall(id=id_factory(), name=str(fn), arguments=json.dumps(args, ensure_ascii=False)) for fn, args in raw
+    )
     return ParsedTools(content=None, tool_calls=calls)
 
 

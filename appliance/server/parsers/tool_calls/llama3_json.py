@@ -1,7 +1,8 @@
 """Llama 3.1/3.2 JSON tool calls: `{"name": ..., "parameters": {...}}`, several joined by `;`.
 
 The calls are the whole output, optionally after `<|python_tag|>`; a `{` counts as an opener only as the first
-non-whitespace text of the output (mid-sentence JSON is content).
+non-whitespace text of the output (mid-sentence JSON is content). The block has no closing marker, so
+streamed calls (and output that merely starts with `{`) come out when the output ends.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
 - v11 (Mistral-Small-3.2): `[TOOL_CALLS]name[CALL_ID]abcDEF123[ARGS]{...}` repeated, one marker per call
 - v13+ (Magistral-2509, Ministral-3, Devstral-2): `[TOOL_CALLS]name[ARGS]{...}` repeated
 - the compact `[TOOL_CALLS]name{...}` form some renderers produce (no [ARGS])
-Text after the last call's JSON is content. Ids follow Mistral's rule (9 alphanumerics) because Mistral
+Text after the last call's JSON is content. There is no closing marker, so streamed calls come out when the
+output ends. Ids follow Mistral's rule (9 alphanumerics) because Mistral
 templates reject any other id when the call comes back in the conversation.
 """
 from __future__ import annotations

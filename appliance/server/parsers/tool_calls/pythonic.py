@@ -2,7 +2,8 @@
 
 The list is the whole output, or sits between `<|python_start|>` and `<|python_end|>` (Llama 4). It is read
 with `ast` and only literals are accepted (strings, numbers, booleans, None, lists, tuples, dicts; JSON's
-true/false/null too): nothing is evaluated.
+true/false/null too): nothing is evaluated. A bare list has no closing marker, so output that starts with `[`
+is held until the output ends (it may be calls) and is content if it does not parse.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from appliance.server.parsers.tool_calls.records import BlockError, BlockParse, 
 
 BARE_LIST = BlockSyntax("[", None, at_start_only=True)
 PYTHON_START = BlockSyntax("<|python_start|>", "<|python_end|>")
-_NAMED_CONSTANTS: dict[str, Any] = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+_NAMED_CONSTANTS: dict[str, Any] = {
+    "true": True, "false": False, "null": None, "True": True, "False": False, "None": None,
+}
 
 
 class PythonicToolParser(ToolParser):

@@ -119,6 +119,6 @@ def assemble(deltas: list[Delta], *, errors: tuple[str, ...] = ()) -> ParsedTool
     text = "".join(content)
     return ParsedTools(
         content=text or None,
-        tool_calls=tuple(ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"]) for _, c in sorted(calls.items())),
+        tool_calls=tuple(ToolCall(**c) for _, c in sorted(calls.items())),
         errors=errors,
     )

@@ -35,6 +35,20 @@ def _is_type(value: Any, name: str) -> bool:
     return isinstance(value, kinds)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: true is not 1, 1 is 1.0, containers compare element by element."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    numeric_a, numeric_b = isinstance(a, (int, float)), isinstance(b, (int, float))
+    if numeric_a or numeric_b:
+        return numeric_a and numeric_b and a == b
+    return type(a) is type(b) and a == b
+
+
 def _resolve(ref: str, root: dict[str, Any]) -> dict[str, Any]:
     if not ref.startswith("#/"):
         raise ValueError(f"only local $ref ('#/...') is supported, got {ref!r}")
@@ -57,7 +71,9 @@ def validate(value: Any, schema: dict[str, Any] | bool) -> list[str]:
     return errors
 
 
-def _check(value: Any, schema: dict[str, Any] | bool, root: dict[str, Any], path: str, errors: list[str], depth: int) -> None:
+def _check(
+    value: Any, schema: dict[str, Any] | bool, root: dict[str, Any], path: str, errors: list[str], depth: int
+) -> None:
     if depth > _MAX_DEPTH:
         errors.append(f"{path}: schema nesting deeper than {_MAX_DEPTH}")
         return
@@ -71,9 +87,9 @@ def _check(value: Any, schema: dict[str, Any] | bool, root: dict[str, Any], path
     if "$ref" in schema:
         _check(value, _resolve(schema["$ref"], root), root, path, errors, depth + 1)
     _check_type(value, schema, path, errors)
-    if "enum" in schema and value not in schema["enum"]:
+    if "enum" in schema and not any(_same(value, option) for option in schema["enum"]):
         errors.append(f"{path}: {value!r} is not one of {schema['enum']!r}")
-    if "const" in schema and value != schema["const"]:
+    if "const" in schema and not _same(value, schema["const"]):
         errors.append(f"{path}: {value!r} is not {schema['const']!r}")
     _check_combinators(value, schema, root, path, errors, depth)
     if isinstance(value, dict):
@@ -95,7 +111,9 @@ def _check_type(value: Any, schema: dict[str, Any], path: str, errors: list[str]
         errors.append(f"{path}: expected {' or '.join(names)}, got {type(value).__name__}")
 
 
-def _check_combinators(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str, errors: list[str], depth: int) -> None:
+def _check_combinators(
+    value: Any, schema: dict[str, Any], root: dict[str, Any], path: str, errors: list[str], depth: int
+) -> None:
     def ok(sub: Any) -> bool:
         found: list[str] = []
         _check(value, sub, root, path, found, depth + 1)
@@ -113,7 +131,9 @@ def _check_combinators(value: Any, schema: dict[str, Any], root: dict[str, Any],
         errors.append(f"{path}: matches a schema it must not match")
 
 
-def _check_object(value: dict[str, Any], schema: dict[str, Any], root: dict[str, Any], path: str, errors: list[str], depth: int) -> None:
+def _check_object(
+    value: dict[str, Any], schema: dict[str, Any], root: dict[str, Any], path: str, errors: list[str], depth: int
+) -> None:
     props: dict[str, Any] = schema.get("properties", {})
     for key in schema.get("required", ()):
         if key not in value:
@@ -129,7 +149,9 @@ def _check_object(value: dict[str, Any], schema: dict[str, Any], root: dict[str,
             _check(item, extra_schema, root, sub_path, errors, depth + 1)
 
 
-def _check_array(value: list[Any], schema: dict[str, Any], root: dict[str, Any], path: str, errors: list[str], depth: int) -> None:
+def _check_array(
+    value: list[Any], schema: dict[str, Any], root: dict[str, Any], path: str, errors: list[str], depth: int
+) -> None:
     _check_bounds(len(value), schema, "minItems", "maxItems", "item count", path, errors)
     items = schema.get("items")
     if isinstance(items, (dict, bool)):
@@ -144,7 +166,8 @@ def _check_bounds(n: int, schema: dict[str, Any], lo: str, hi: str, what: str, p
         errors.append(f"{path}: {what} {n} is above {hi} {schema[hi]}")
 
 
-def _check_number(value: float, schema: dict[str, Any], path: str, errors: list[str]) -> None:
+def _check_number(
+    value: float, schema: dict[str, Any], path: str, errors: list[str]) -> None:
     if "minimum" in schema and value < schema["minimum"]:
         errors.append(f"{path}: {value} < minimum {schema['minimum']}")
     if "maximum" in schema and value > schema["maximum"]:

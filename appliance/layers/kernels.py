@@ -1,0 +1,19 @@
+"""Kernel lookup for the layers: `backends.attention` picks the attention kernels (never substituted); the
+other ops (norm, rope, activation) use that backend's version when it has one, else the torch reference."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from appliance.kernels import registry
+
+ATTENTION_OPS = ("store_kv", "decode_attention", "prefill_attention")
+
+
+def kernel(op: str, backend: str) -> Callable[..., Any]:
+    try:
+        return registry.get(op, backend)
+    except KeyError:
+        if op in ATTENTION_OPS or backend == "torch":
+            raise
+        return registry.get(op, "torch")

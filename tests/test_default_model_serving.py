@@ -1,0 +1,93 @@
+"""`appliance run` with no file serves the embedded default model: one completion and one chat request through
+the official openai client, with the completion checked against transformers' greedy output."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import appliance  # noqa: E402
+
+MODEL_DIR = Path(appliance.__file__).resolve().parent / "assets" / "default_model"
+READY_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(proc: subprocess.Popen, base: str) -> None:
+    deadline = time.time() + READY_TIMEOUT_S
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"appliance run exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"appliance run was not ready within {READY_TIMEOUT_S}s")
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", "--set", f"api.port={port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, base)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_completion_matches_transformers_greedy(server: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model_id = client.models.list().data[0].id
+    prompt = "def fibonacci(n):"
+    resp = client.completions.create(model=model_id, prompt=prompt, max_tokens=16, temperature=0)
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    hf = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=16, do_sample=False)
+    expected = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert resp.choices[0].text == expected
+    assert resp.usage.prompt_tokens == ids.shape[1] and 0 < resp.usage.completion_tokens <= 16
+
+
+@pytest.mark.slow
+def test_chat_answers(server: str) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model_id = client.models.list().data[0].id
+    resp = client.chat.completions.create(
+        model=model_id, max_tokens=48, temperature=0,
+        messages=[{"role": "user", "content": "Write a Python function `is_prime(n)`."}])
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content.strip()
+    assert "<|im_end|>" not in choice.message.content and "<|im_start|>" not in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens <= 48

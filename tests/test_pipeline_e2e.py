@@ -1,0 +1,260 @@
+"""The real pipeline on the CPU: supervisor -> worker, scheduler, tokenizer processes, driven by the official
+openai client (and raw httpx for errors). One server per module; the last test kills its worker."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """pid -> stage name of the supervisor's children (names are in their command lines)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"appliance.runtime.stage" in cmd:
+            found[int(entry)] = cmd[cmd.index(b"appliance.runtime.stage") + 1].decode()
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int) -> None:
+        self.proc = proc
+        self.base = f"http://127.0.0.1:{port}"
+        self.stages = children_of(proc.pid)
+
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(f"{self.base}/v1/internal/stats", timeout=10).json()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if (s["num_running"], s["num_waiting"], s["kv_blocks_owned"]) == (0, 0, 0) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def server(make_tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = make_tiny_model("llama")
+    port = _free_port()
+    cfg = tmp_path_factory.mktemp("e2e") / "serve.toml"
+    cfg.write_text(f'''
+[model]
+path = "{model}"
+device = "cpu"
+[cache]
+max_total_tokens = 4096
+[api]
+port = {port}
+served_model_name = "tiny"
+chat_template = {TEMPLATE!r}
+[observability]
+enable_metrics = true
+enable_cache_report = true
+log_level = "warning"
+''')
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", str(cfg)], env=env)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, "the supervisor exited during start-up"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "not ready in 120 s"
+        time.sleep(0.2)
+    srv = Server(proc, port)
+    yield srv
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert not any(alive(pid) for pid in srv.stages)
+
+
+@pytest.fixture(autouse=True)
+def idle_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "server" in request.fixturenames and not request.node.name.startswith("test_killing"):
+        srv: Server = request.getfixturevalue("server")
+        s = srv.wait_idle()
+        assert (s["num_running"], s["num_waiting"], s["kv_blocks_owned"]) == (0, 0, 0), s
+        assert s["kv_blocks_free"] + s["kv_blocks_cached"] == s["kv_blocks_total"] and s["accounting_ok"], s
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_stage_processes_and_health(server: Server) -> None:
+    assert sorted(server.stages.values()) == ["scheduler", "tokenizer", "worker0"]
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    assert [m.id for m in client(server).models.list().data] == ["tiny"]
+
+
+def test_completions_greedy_is_deterministic_and_streams_match(server: Server) -> None:
+    c = client(server)
+    a = c.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0,
+                             extra_body={"ignore_eos": True})
+    b = c.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 12
+    assert a.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(c.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == a.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_streaming_and_not(server: Server) -> None:
+    c = client(server)
+    msgs = [{"role": "user", "content": "Hello there"}]
+    full = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.choices[0].message.role == "assistant" and full.choices[0].finish_reason == "length"
+    stream = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == full.choices[0].message.content
+    n3 = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=3, seed=1, logprobs=True,
+                                   top_logprobs=2)
+    assert sorted(ch.index for ch in n3.choices) == [0, 1, 2]
+    assert all(len(ch.logprobs.content[0].top_logprobs) == 2 for ch in n3.choices)
+
+
+def test_many_concurrent_clients(server: Server) -> None:
+    async def run() -> list[Any]:
+        c = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="x", max_retries=0, timeout=120)
+
+        async def one(i: int) -> int:
+            if i % 2:
+                r = await c.completions.create(model="tiny", prompt=f"Number {i}", max_tokens=6 + i % 5,
+                                               extra_body={"ignore_eos": True})
+                return r.usage.completion_tokens
+            stream = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": str(i)}],
+                                                     max_tokens=6 + i % 5, stream=True,
+                                                     stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True})
+            usage = None
+            async for ch in stream:
+                usage = ch.usage or usage
+            return usage.completion_tokens
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(24)))
+        finally:
+            await c.close()
+
+    assert asyncio.run(run()) == [6 + i % 5 for i in range(24)]
+
+
+def test_abort_mid_stream_frees_the_request(server: Server) -> None:
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", f"{server.base}/v1/completions",
+                      json={"prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: {") for line in got)
+            assert server.stats()["num_running"] == 1
+        # leaving the block closes the connection mid-stream
+    s = server.wait_idle(timeout=5)
+    assert s["num_running"] == 0 and s["kv_blocks_owned"] == 0
+
+
+def test_error_cases_raw_http(server: Server) -> None:
+    with httpx.Client(base_url=server.base, timeout=10) as h:
+        cases = [
+            h.post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"}),
+            h.post("/v1/completions", json={"prompt": "x", "max_tokens": "many"}),
+            h.post("/v1/completions", json={"prompt": "x", "top_p": 0}),
+            h.post("/v1/completions", json={"prompt": "word " * 600}),
+            h.post("/v1/chat/completions", json={"messages": [], "max_tokens": 2}),
+            h.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+        ]
+    assert [r.status_code for r in cases] == [400, 400, 400, 400, 400, 404]
+    for r in cases:
+        err = r.json()["error"]
+        assert err["message"] and "Traceback" not in err["message"] and "/" not in err["type"]
+
+
+def test_bench_serving_against_the_pipeline(server: Server, make_tiny_model: Any) -> None:
+    from test_server_bench import bench
+
+    args = bench.build_parser().parse_args([
+        "--model", "tiny", "--base-url", server.base, "--num-prompts", "8", "--random-input-len", "24",
+        "--random-output-len", "6", "--max-concurrency", "4", "--ignore-eos", "--tokenizer",
+        str(make_tiny_model("llama"))])
+    from appliance.tokenization import load_tokenizer
+
+    reqs = bench.random_requests(8, 24, 6, 0.0, 0, load_tokenizer(args.tokenizer), seed=0)
+    results, duration = asyncio.run(bench.run_benchmark(args, reqs))
+    m = bench.compute_metrics(results, duration, [99])
+    assert m["completed"] == 8 and m["total_output_tokens"] == 48, m["errors"]
+    assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"] and m["mean_itl_ms"] > 0 and m["mean_tpot_ms"] > 0
+
+
+def test_killing_the_worker_stops_everything(server: Server) -> None:
+    worker = next(pid for pid, name in server.stages.items() if name == "worker0")
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", f"{server.base}/v1/completions",
+                      json={"prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(worker, signal.SIGKILL)
+            t0 = time.monotonic()
+            rest = []
+            try:
+                for line in lines:
+                    rest.append(line)
+            except httpx.HTTPError:
+                pass  # the connection may close instead of carrying the error event
+    assert time.monotonic() - t0 < 8
+    assert any('"error"' in line for line in rest), rest[-3:]  # in-flight request ends with an error event
+    code = server.proc.wait(timeout=15)
+    assert code != 0
+    assert time.monotonic() - t0 < 15
+    assert not any(alive(pid) for pid in server.stages)

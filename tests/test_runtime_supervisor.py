@@ -1,0 +1,63 @@
+"""The supervisor's failure paths with real processes: a stage that cannot start, a supervisor killed by
+SIGKILL (its children notice and exit), SIGTERM (ordered, clean exit)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from test_pipeline_e2e import _free_port, alive, children_of
+
+pytestmark = pytest.mark.slow
+
+
+def _start(model: Path | str, port: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "serve", str(model), "--device", "cpu",
+                             "--port", str(port), "--max-total-tokens", "2048", "--log-level", "warning", *extra],
+                            env=env, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("not ready")
+
+
+def test_a_stage_that_cannot_start_is_named_and_nothing_is_left(tmp_path: Path) -> None:
+    proc = _start(tmp_path / "no-such-model", _free_port())
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "stage worker0 failed" in err and "no-such-model" in err
+
+
+def test_sigkill_of_the_supervisor_takes_the_children_down(make_tiny_model: Any) -> None:
+    port = _free_port()
+    proc = _start(make_tiny_model("llama"), port)
+    try:
+        _wait_ready(proc, port)
+        kids = children_of(proc.pid)
+        assert sorted(kids.values()) == ["scheduler", "tokenizer", "worker0"]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in kids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(p) for p in kids), {p: n for p, n in kids.items() if alive(p)}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
