@@ -129,3 +129,18 @@ def test_bad_prompts(llm):
         llm.generate([], GREEDY)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate({"text": "x"}, GREEDY)
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_masks_it(tiny_model):
+    free = LLM(model=str(tiny_model), dtype="float32", max_total_tokens=512)
+    ref = free.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    eos = ref.token_ids[2]
+    first = ref.token_ids.index(eos)
+    llm = LLM(model=str(tiny_model), dtype="float32", max_total_tokens=512, hf_overrides={"eos_token_id": eos})
+    assert eos in llm.executor.eos_token_ids
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == eos and len(out.token_ids) == first + 1
+    ignored = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    assert ignored.token_ids == ref.token_ids and ignored.finish_reason == "length"
+    held = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10, min_tokens=first + 2))[0].outputs[0]
+    assert eos not in held.token_ids[: first + 2] and held.token_ids[:first] == ref.token_ids[:first]

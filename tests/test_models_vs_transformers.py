@@ -8,8 +8,9 @@ from appliance import LLM, SamplingParams
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 SHARED = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41]  # a 10-token prefix shared by two prompts (prefix-cache hits)
+# one-token and 17-token prompts give one-token prefill chunks, which take the decode-attention path
 PROMPTS = [[5, 6, 7, 8, 9], SHARED + [50, 51, 52, 53, 54, 55, 56, 57, 58], [90] * 3 + list(range(100, 126)),
-           SHARED + [60, 61]]
+           SHARED + [60, 61], [77], list(range(200, 217))]
 NEW = 10
 
 # (name, overrides): caching on with one big chunk; off with 16-token chunks; on with 16-token chunks and a

@@ -91,7 +91,14 @@ def test_bad_request_events() -> None:
     with pytest.raises(ValueError):
         reg.on_tokens("a", -1)
     reg.on_tokens("ghost", 3)  # finished / unknown: ignored, not counted
-    assert val(scrape(reg), "appliance:generation_tokens_total") == 0
+    reg.on_request_finished("ghost", "stop")
+    reg.on_request_finished("a", "stop", now=1.0)
+    reg.on_request_finished("a", "abort", now=2.0)  # an abort racing the last output: counted once
+    s = scrape(reg)
+    assert val(s, "appliance:generation_tokens_total") == 0
+    assert val(s, "appliance:request_success_total", finished_reason="stop") == 1
+    assert ("appliance:request_success_total", (("finished_reason", "abort"), ("model_name", M))) not in s
+    assert val(s, "appliance:e2e_request_latency_seconds_count") == 1
     reg.on_http_error(429)
     assert val(scrape(reg), "appliance:request_errors_total", status="429") == 1
 
@@ -151,6 +158,9 @@ def test_snapshot_dict_roundtrip_and_validation() -> None:
     assert StatsSnapshot.from_dict(s.to_dict()) == s
     import msgpack
     assert StatsSnapshot.from_dict(msgpack.unpackb(msgpack.packb(s.to_dict()))) == s
+    from appliance.runtime.wire import Codec  # the pipeline's typed wire carries it as is
+    codec = Codec(StatsSnapshot)
+    assert codec.decode(codec.encode(s)) == s
     with pytest.raises(ValueError):
         StatsSnapshot.from_dict({"timestamp": 1.0, "bogus": 1})
     with pytest.raises(ValueError):
@@ -177,6 +187,13 @@ def test_snapshot_from_a_real_engine_run_feeds_the_registry() -> None:
     assert (s1.prefix_cache_queries, s1.prefix_cache_hits) == (26, 12)
     assert s1.kv_accounting_drift == 0
     assert s1.kv_blocks_free + s1.kv_blocks_cached + s1.kv_blocks_owned == 16
+    cheap = snapshot_from_core(core, timestamp=2.0, verify_accounting=False)
+    assert cheap == s1
+    # a pool whose lists and refcounts disagree shows up as drift (simulated corruption: a block both owned
+    # and on the free list)
+    core.scheduler.pool._free.append(core.get_request("b").block_ids[-1])
+    assert snapshot_from_core(core, timestamp=3.0).kv_accounting_drift == -1
+    core.scheduler.pool._free.pop()
     reg = MetricsRegistry(M)
     reg.update_from_snapshot(s0)
     reg.update_from_snapshot(s1)
@@ -189,3 +206,13 @@ def test_token_buckets() -> None:
     assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     with pytest.raises(ValueError):
         build_1_2_5_buckets(0)
+
+
+def test_every_metric_is_documented() -> None:
+    import pathlib
+
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "observability.md").read_text()
+    reg = MetricsRegistry(M, spec_decode=True)
+    for fam in reg.registry.collect():
+        suffix = "_total" if fam.type == "counter" else ""
+        assert f"`{fam.name}{suffix}`" in doc, f"{fam.name} is not in docs/observability.md"

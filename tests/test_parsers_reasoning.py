@@ -110,6 +110,7 @@ def test_prompt_detection_and_formats() -> None:
         ({"budget_tokens": 5000, "max_tokens": 1000}, ThinkingDecision(True, 900)),  # max_tokens * 9 / 10
         ({"max_tokens": 100, "max_thinking_budget": 50}, ThinkingDecision(True, 50)),
         ({"default_enabled": False}, ThinkingDecision(False, None)),
+        ({"structured_output": True, "enable_thinking": True}, ThinkingDecision(False, None)),
     ],
 )
 def test_resolve_thinking(kwargs: dict, expected: ThinkingDecision) -> None:
@@ -163,3 +164,14 @@ def test_zero_budget_closes_an_open_block_at_once_and_disobedience_is_an_error()
         budget.observe(5)
     with pytest.raises(ValueError):
         ThinkingBudget(-1, end_token_ids=[END_THINK])
+
+
+def test_unlimited_budget_only_tracks_the_block() -> None:
+    budget = ThinkingBudget(None, end_token_ids=[END_THINK], start_tag_ids=[THINK])
+    states = []
+    for token in [5, THINK, *range(1000, 1200), END_THINK, 6]:
+        assert budget.forced_token() is None
+        budget.observe(token)
+        states.append(budget.in_reasoning)
+    assert states[0] is False and states[1] is True and states[-2] is False and states[-1] is False
+    assert budget.reasoning_tokens == 201 and not budget.exhausted

@@ -205,6 +205,20 @@ def test_abort_mid_stream_frees_the_request(server: Server) -> None:
     assert s["num_running"] == 0 and s["kv_blocks_owned"] == 0
 
 
+def test_disconnect_of_a_non_streaming_request_frees_it(server: Server) -> None:
+    body = b'{"prompt": "Hello", "max_tokens": 400, "ignore_eos": true}'
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while server.stats()["num_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.stats()["num_running"] == 1
+    s = server.wait_idle(timeout=5)
+    assert s["num_running"] == 0 and s["kv_blocks_owned"] == 0
+
+
 def test_error_cases_raw_http(server: Server) -> None:
     with httpx.Client(base_url=server.base, timeout=10) as h:
         cases = [

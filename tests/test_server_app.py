@@ -236,3 +236,15 @@ async def test_request_timeout_aborts(tokenizer: Any) -> None:
     assert r.status_code == 408
     assert "timed out" in sse_events(s.text)[-1]["error"]["message"]
     assert len(engine.aborted) == 2 and not engine.open
+
+
+async def test_starting_gate_answers_503_until_opened(tokenizer: Any) -> None:
+    from appliance.server.app import StartingGate
+
+    gate = StartingGate()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://127.0.0.1") as c:
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the server is starting"
+        ctx = make_context(make_config(), tokenizer, FakeEngine([5]), max_model_len=64, vocab_size=384)
+        gate.open(build_app(ctx))
+        assert (await c.get("/health")).status_code == 200

@@ -226,3 +226,47 @@ def test_inconsistent_source_is_reported_by_validation() -> None:
 def test_unreadable_inputs(text: str) -> None:
     with pytest.raises(TranslateError):
         translate(text)
+
+
+def test_random_flag_soup_never_crashes() -> None:
+    """Any mix of real flags and odd values gives TOML that parses (or a TranslateError), never a crash."""
+    import random
+
+    from appliance.translate.tables import TABLES
+
+    rng = random.Random(7)
+    launch = {"vllm": "vllm serve org/m", "sglang": "python -m sglang.launch_server --model-path m",
+              "tokenspeed": "ts serve m", "atlas": "spark serve m"}
+    values = ["1", "2", "0.5", "true", "auto", "fp8", "'{\"a\": 1}'", "'{\"method\": \"mtp\"}'", "$X", "<M>", "-1",
+              "1 2 4"]
+    for _ in range(300):
+        engine = rng.choice(list(TABLES))
+        names = [n for f in TABLES[engine].flags for n in f.names]
+        words = [launch[engine]]
+        for _ in range(rng.randint(0, 6)):
+            words.append(rng.choice(names) + rng.choice(["", "=1"]))
+            if rng.random() < 0.7:
+                words.append(rng.choice(values))
+        for tr in translate(" ".join(words) + "\n"):
+            parsed = {k: v for k, v in tomllib.loads(to_toml(tr)).items() if v}
+            assert parsed == tr.document()
+
+
+def test_settings_this_build_cannot_honour_are_surfaced(tmp_path: Path) -> None:
+    from appliance.config import check_supported
+
+    (tr,) = fixture("vllm_short_forms.sh")
+    path = tmp_path / "o.toml"
+    path.write_text(to_toml(tr))
+    assert tr.unsupported == check_supported(build_config(path, env={}))
+    for message in tr.unsupported:
+        assert message.split(":")[0] in to_toml(tr).split("\n\n")[0]  # listed in the header comments
+
+
+def test_dotted_json_forms_merge_into_the_json_value(tmp_path: Path) -> None:
+    (tr,) = translate("vllm serve m --hf-overrides '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 2}}' "
+                      "--hf-overrides.rope_scaling.factor 4 --rope-theta 1e6 --kv-events-config.publisher zmq "
+                      "--kv-events-config.enable_kv_cache_events true\n")
+    doc = assert_valid(tr, tmp_path)
+    assert doc["model"]["hf_overrides"] == {"rope_scaling": {"rope_type": "yarn", "factor": 4}, "rope_theta": 1e6}
+    assert doc["observability"]["kv_events"] == {"publisher": "zmq", "enable_kv_cache_events": True}

@@ -51,14 +51,21 @@ def _write(text: str, dest: str | None) -> None:
 
 
 def _reverse(args: argparse.Namespace) -> int:
+    """The config as the appliance resolves it (`extends` included, defaults left out) -> an engine command."""
+    from appliance.config import ConfigError, build_config
+
     try:
-        text, _ = _read(args.input)
-        document = tomllib.loads(text)
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        print(f"error: cannot read {args.input}: {exc}", file=sys.stderr)
+        if args.input == "-":
+            document = tomllib.loads(sys.stdin.read())
+            problems = schema_view.validate(document)
+            if problems:
+                raise ValueError("; ".join(problems))
+        else:
+            config = build_config(args.input, env={})
+            document = config.model_dump(mode="json", exclude_defaults=True)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ConfigError, ValueError) as exc:
+        print(f"error: cannot read {args.input} as an appliance config: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    for problem in schema_view.validate(document):
-        print(f"warning: {args.input}: {problem}", file=sys.stderr)
     command = to_command(document, args.to)
     for path, value in command.inexpressible.items():
         print(f"warning: {path} = {value!r} has no {args.to} equivalent", file=sys.stderr)
@@ -73,7 +80,7 @@ def _reverse(args: argparse.Namespace) -> int:
 def _outputs(translations: list[Translation], dest: str | None) -> list[str | None]:
     if dest is None or len(translations) == 1:
         return [dest] * len(translations)
-    ranks = [t.get("parallelism.node_rank") for t in translations]
+    ranks = [t.get("parallelism.node_rank", 0) for t in translations]
     labels = [f"node{r}" for r in ranks] if len(set(map(str, ranks))) == len(ranks) and None not in ranks \
         else [str(i) for i in range(len(translations))]
     base = Path(dest)
@@ -100,6 +107,8 @@ def main(args: argparse.Namespace) -> int:
         for f in tr.findings:
             if f.level == "warning":
                 print(f"warning: {origin}:{tr.line}: {f.subject}: {f.message}", file=sys.stderr)
+        for message in tr.unsupported:
+            print(f"note: {origin}:{tr.line}: not available in this build yet: {message}", file=sys.stderr)
         for problem in tr.problems:
             print(f"warning: {origin}:{tr.line}: the result does not validate: {problem}", file=sys.stderr)
         unmapped += len(tr.unmapped)

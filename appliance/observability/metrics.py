@@ -195,15 +195,15 @@ class MetricsRegistry:
             self.generation_tokens.inc(num_new_tokens)
 
     def on_request_finished(self, request_id: str, finish_reason: str | None, now: float | None = None) -> None:
-        """The request ended (stop / length / abort / error). Unknown ids only count the finish reason."""
+        """The request ended (stop / length / abort / error). Counted once: a second finish of the same id
+        (an abort racing the last output) and unknown ids are ignored."""
         t = time.monotonic() if now is None else now
-        reason = finish_reason or "unknown"
         with self._lock:
-            self.request_success.labels(self.model_name, reason).inc()
             tl = self._live.pop(request_id, None)
-            self.requests_in_flight.set(len(self._live))
             if tl is None:
                 return
+            self.requests_in_flight.set(len(self._live))
+            self.request_success.labels(self.model_name, finish_reason or "unknown").inc()
             self._observe_finished(tl, t)
 
     def _observe_finished(self, tl: _Timeline, t: float) -> None:

@@ -43,9 +43,7 @@ def main() -> int:
         elif boot.stage == "tokenizer":
             from appliance.runtime.tokenizer_proc import prepare_tokenizer, run_tokenizer
 
-            prepared = prepare_tokenizer(boot)
-            boot.wait_peers(sys.stdin)
-            run_tokenizer(boot, prepared)
+            run_tokenizer(boot, prepare_tokenizer(boot), sys.stdin)  # binds HTTP (503) before its turn
         else:
             raise ValueError(f"unknown stage {boot.stage!r}")
     except EOFError:

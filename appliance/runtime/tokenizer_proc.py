@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from typing import IO
 
 import uvicorn
 import zmq
@@ -39,28 +40,20 @@ def prepare_tokenizer(boot: Bootstrap) -> tuple[object, object]:
     return config, load_server_tokenizer(config)
 
 
-def run_tokenizer(boot: Bootstrap, prepared: tuple[object, object]) -> None:
+def run_tokenizer(boot: Bootstrap, prepared: tuple[object, object], stdin: IO[str]) -> None:
     config, tokenizer = prepared
-    sched = boot.peers["scheduler"]
-    vocab = int(boot.peers["worker0"].get("vocab_size") or len(tokenizer))
-    asyncio.run(_serve(boot, config, tokenizer, int(sched["max_model_len"]), vocab,
-                       sched.get("max_queued_requests")))
+    asyncio.run(_serve(boot, config, tokenizer, stdin))
 
 
-async def _serve(boot: Bootstrap, config, tokenizer, max_model_len: int, vocab_size: int,
-                 max_queued: int | None) -> None:
-    from appliance.server.app import build_app
+async def _serve(boot: Bootstrap, config, tokenizer, stdin: IO[str]) -> None:
+    from appliance.server.app import StartingGate, build_app
     from appliance.server.context import make_context
 
-    engine = ZmqEngineClient(boot.addresses, max_queued)
-    engine.start()
-    ctx = make_context(config, tokenizer, engine, max_model_len=max_model_len, vocab_size=vocab_size)
-    app = build_app(ctx)
+    gate = StartingGate()
     obs = config.observability
     server = uvicorn.Server(uvicorn.Config(
-        app, host=config.api.host, port=config.api.port, log_level=(obs.log_level_http or obs.log_level),
-        access_log=obs.enable_log_requests, timeout_graceful_shutdown=5, lifespan="off",
-        limit_concurrency=None, server_header=False))
+        gate, host=config.api.host, port=config.api.port, log_level=(obs.log_level_http or obs.log_level),
+        access_log=obs.enable_log_requests, timeout_graceful_shutdown=5, lifespan="off", server_header=False))
     serve = asyncio.create_task(server.serve())
     while not server.started:
         if serve.done():
@@ -68,6 +61,14 @@ async def _serve(boot: Bootstrap, config, tokenizer, max_model_len: int, vocab_s
             raise RuntimeError(f"HTTP server did not start on {config.api.host}:{config.api.port}")
         await asyncio.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
+    # the port answers 503 while the workers and the scheduler get ready
+    await asyncio.to_thread(boot.wait_peers, stdin)
+    sched = boot.peers["scheduler"]
+    vocab = int(boot.peers["worker0"].get("vocab_size") or len(tokenizer))
+    engine = ZmqEngineClient(boot.addresses, sched.get("max_queued_requests"))
+    engine.start()
+    ctx = make_context(config, tokenizer, engine, max_model_len=int(sched["max_model_len"]), vocab_size=vocab)
+    gate.open(build_app(ctx))
     control = zmq.Context.instance().socket(zmq.PUSH)
     control.setsockopt(zmq.LINGER, 1000)
     control.connect(boot.addresses.control)

@@ -86,7 +86,7 @@ async def tokenize(ctx: ServerContext, request: Request) -> Response:
     req = parse_tokenize(await read_json(request, ctx.config.api.caps.max_body_bytes))
     ctx.check_model(req.model)
     if isinstance(req, TokenizeChatRequest):
-        ids = render_prompt(ctx, req)
+        _, ids = render_prompt(ctx, req)
     else:
         ids = ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids}
@@ -107,6 +107,24 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     message = {404: "Not Found", 405: "Method Not Allowed"}.get(status, "error")
     return ApiError(status, message).response()
+
+
+class StartingGate:
+    """The ASGI app while the stages behind the HTTP server load: every route (/health included) answers 503,
+    so probes see the port early; `open(app)` hands over to the real app once the pipeline is ready."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    def open(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await ApiError(503, "the server is starting", headers={"Retry-After": "1"}).response()(
+                scope, receive, send)
 
 
 def build_app(ctx: ServerContext) -> Starlette:

@@ -1,17 +1,19 @@
 """POST /v1/chat/completions.
 
-Parser hook: `ServerContext.chat_processor_factory(request) -> ChatOutputProcessor` turns the model's text into
-message fields (content, reasoning_content, tool_calls). The default passes text through as `content`; the
-tool-call / reasoning parsers (appliance/server/parsers/) plug in there, see `build_chat_processor_factory`.
+The model's text becomes message fields through a ChatOutputProcessor per choice: PlainText (content only), or
+ParsedOutput over appliance.server.parsers (reasoning_content split by api.reasoning_parser, then tool calls by
+api.tool_call_parser when the request has tools). New output formats plug in as processors.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, AsyncIterator, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from appliance.engine.sampling_params import SamplingParams
 from appliance.server.chat_template import normalize_messages
 from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError
@@ -21,10 +23,15 @@ from appliance.server.request_body import read_json
 from appliance.server.sampling import build_sampling
 from appliance.server.sse import DONE, SSEResponse, run_until_disconnect, sse
 
+log = logging.getLogger("appliance.server")
+
 
 class ChatOutputProcessor(Protocol):
     def delta(self, text: str) -> dict[str, Any]:
         """Fields of a streamed `delta` for this new text ({} when nothing is ready to show yet)."""
+
+    def end(self) -> dict[str, Any]:
+        """Fields of the last streamed `delta` (text the parser held back), {} when none."""
 
     def final(self, text: str) -> dict[str, Any]:
         """Fields of the non-streamed `message` for the whole text."""
@@ -37,6 +44,9 @@ class PlainText:
     def delta(self, text: str) -> dict[str, Any]:
         return {"content": text} if text else {}
 
+    def end(self) -> dict[str, Any]:
+        return {}
+
     def final(self, text: str) -> dict[str, Any]:
         return {"content": text}
 
@@ -44,31 +54,103 @@ class PlainText:
         return reason
 
 
-def build_chat_processor_factory(config: Any, tokenizer: Any) -> Any:
-    """PlainText unless api.tool_call_parser / api.reasoning_parser is set; then the parsers package must
-    provide `make_chat_processor(config, tokenizer, request)` (a configured parser is never silently ignored)."""
-    if not (config.api.tool_call_parser or config.api.reasoning_parser):
-        return lambda request: PlainText()
+class ParsedOutput:
+    """appliance.server.parsers' MessageParser (reasoning split, then tool calls) as a ChatOutputProcessor."""
+
+    def __init__(self, parser: Any) -> None:
+        self.parser = parser
+        self.called_tools = False
+
+    def _fields(self, md: Any) -> dict[str, Any]:
+        if md is None:
+            return {}
+        self.called_tools |= bool(md.tool_calls)
+        return md.to_openai()
+
+    def delta(self, text: str) -> dict[str, Any]:
+        return self._fields(self.parser.feed(text)) if text else {}
+
+    def end(self) -> dict[str, Any]:
+        return self._fields(self.parser.finish())
+
+    def final(self, text: str) -> dict[str, Any]:
+        parsed = self.parser.parse(text)
+        for err in parsed.errors:
+            log.info("tool call kept as content: %s", err)
+        self.called_tools = bool(parsed.tool_calls)
+        out: dict[str, Any] = {"content": parsed.content}
+        if parsed.reasoning_content is not None:
+            out["reasoning_content"] = parsed.reasoning_content
+        if parsed.tool_calls:
+            out["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.called_tools and reason in ("stop", None) else reason
+
+
+def uses_parsers(config: Any, req: Any) -> bool:
+    return bool(config.api.reasoning_parser or req.tools)
+
+
+def thinking_decision(ctx: ServerContext, req: Any) -> Any:
+    """Whether this request thinks (api.disable_thinking, chat_template_kwargs.enable_thinking,
+    reasoning_effort); used with a reasoning parser."""
+    from appliance.server.parsers import resolve_thinking
+
+    enable = (req.chat_template_kwargs or {}).get("enable_thinking")
     try:
-        from appliance.server.parsers import make_chat_processor  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise ValueError("api.tool_call_parser / api.reasoning_parser are set but the parsers are not available "
-                         f"({exc})") from None
-    return lambda request: make_chat_processor(config, tokenizer, request)
+        return resolve_thinking(disable_thinking=ctx.config.api.disable_thinking,
+                                enable_thinking=enable if isinstance(enable, bool) else None,
+                                reasoning_effort=getattr(req, "reasoning_effort", None),
+                                max_thinking_budget=ctx.config.api.thinking_budget,
+                                max_tokens=getattr(req, "effective_max_tokens", None))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="reasoning_effort") from None
 
 
-def render_prompt(ctx: ServerContext, req: Any) -> list[int]:
+def build_processors(ctx: ServerContext, req: ChatCompletionRequest, prompt_text: str,
+                     thinking_enabled: bool) -> list[ChatOutputProcessor]:
+    if not uses_parsers(ctx.config, req):
+        return [PlainText() for _ in range(req.n)]
+    from appliance.server.parsers.message import build_message_parser
+
+    if req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
+        raise ApiError(400, 'tool_choice "required" or a named function needs structured output, which this '
+                       'server does not run yet; use "auto"', param="tool_choice")
+    out: list[ChatOutputProcessor] = []
+    for _ in range(req.n):
+        try:
+            parser = build_message_parser(
+                reasoning_parser=ctx.config.api.reasoning_parser, tool_call_parser=ctx.config.api.tool_call_parser,
+                tools=req.tools, tool_choice=req.tool_choice, thinking_enabled=thinking_enabled,
+                prompt_text=prompt_text)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="tools") from None
+        out.append(ParsedOutput(parser))
+    return out
+
+
+def needs_special_tokens(processors: list[ChatOutputProcessor]) -> bool:
+    """Tool formats whose markers are special tokens must see them in the detokenized text."""
+    return any(getattr(getattr(getattr(p, "parser", None), "tools", None), "needs_special_tokens", False)
+               for p in processors)
+
+
+def render_prompt(ctx: ServerContext, req: Any, thinking_enabled: bool | None = None) -> tuple[str, list[int]]:
     if ctx.chat_template is None:
         raise ApiError(400, "this model has no chat template; set api.chat_template or use /v1/completions",
                        param="messages")
     kwargs = dict(req.chat_template_kwargs or {})
     if ctx.config.api.disable_thinking:
         kwargs["enable_thinking"] = False
+    elif thinking_enabled is not None:
+        kwargs["enable_thinking"] = thinking_enabled
     text = ctx.chat_template.render(
         normalize_messages(req.messages), add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, tools=req.tools, template_kwargs=kwargs)
     # the template writes BOS itself where the model wants it
-    return ctx.encode(text, add_special_tokens=False)
+    return text, ctx.encode(text, add_special_tokens=getattr(req, "add_special_tokens", False))
 
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
@@ -76,12 +158,15 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     ctx.check_model(req.model)
     ctx.engine.check_capacity(req.n)  # before any template / tokenization work
-    ids = render_prompt(ctx, req)
+    thinking = thinking_decision(ctx, req).enabled if ctx.config.api.reasoning_parser else None
+    text, ids = render_prompt(ctx, req, thinking)
+    processors = build_processors(ctx, req, text, thinking if thinking is not None else True)
     params = build_sampling(req, ctx.config.sampling, ctx.limits, len(ids))
+    if needs_special_tokens(processors) and params.skip_special_tokens:
+        params = SamplingParams.from_dict({**params.to_dict(), "skip_special_tokens": False})
     rid = new_request_id("chatcmpl")
     gen = Generation(ctx.engine, ctx.tokenizer, rid, ids, params, req.n)
-    factory = ctx.chat_processor_factory or (lambda r: PlainText())
-    shaper = _ChatShaper(ctx, req, rid, gen, [factory(req) for _ in range(req.n)])
+    shaper = _ChatShaper(ctx, req, rid, gen, processors)
     if req.stream:
         return SSEResponse(shaper.events())
     result = await run_until_disconnect(request.receive, shaper.collect)
@@ -149,6 +234,7 @@ class _ChatShaper:
                 if d.logprobs is not None and self.req.logprobs:
                     choice["logprobs"] = {"content": [_logprob_entry(lp) for lp in d.logprobs]}
                 if d.finish_reason is not None:
+                    delta.update(proc.end())
                     choice["finish_reason"] = proc.finish_reason(d.finish_reason)
                     choice["stop_reason"] = d.stop_reason
                     self.ctx.metrics.finished(d.finish_reason)

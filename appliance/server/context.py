@@ -21,7 +21,6 @@ class ServerContext:
     limits: Limits
     chat_template: ChatTemplate | None
     metrics: ServerMetrics
-    chat_processor_factory: Any = None  # hook for tool-call / reasoning parsers, see chat.py
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, name: str | None) -> None:
@@ -46,8 +45,7 @@ class ServerContext:
 
 def make_context(config: Any, tokenizer: Any, engine: EngineClient, *, max_model_len: int,
                  vocab_size: int) -> ServerContext:
-    """Everything resolved once at start-up: a bad chat template or parser setting fails here, not per request."""
-    from appliance.server.chat import build_chat_processor_factory
+    """Everything resolved once at start-up: a bad chat template fails here, not per request."""
     from appliance.server.chat_template import load_template_source
 
     source = load_template_source(config.api.chat_template, tokenizer)
@@ -58,5 +56,4 @@ def make_context(config: Any, tokenizer: Any, engine: EngineClient, *, max_model
     name = config.api.served_model_name or config.model.path or "default"
     return ServerContext(config=config, tokenizer=tokenizer, engine=engine, model_name=str(name),
                          limits=Limits.from_config(config, max_model_len, vocab_size), chat_template=template,
-                         metrics=ServerMetrics(str(name)),
-                         chat_processor_factory=build_chat_processor_factory(config, tokenizer))
+                         metrics=ServerMetrics(str(name)))

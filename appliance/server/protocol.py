@@ -110,6 +110,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:

@@ -15,6 +15,12 @@ from appliance.translate.spec import NO_VALUE, Flag
 PLACEHOLDER = re.compile(r"^<[^<>]+>$|^\{\{.*\}\}$|^YOUR[_-][A-Z0-9_-]+$|/path/to/|^\.\.\.$|^xxx+$", re.I)
 
 
+# where a scratch value (combined by rules.py) ends up, for values that have to be left to the user
+SCRATCH_KEYS = {"@dist_host": "parallelism.dist_init_addr", "@dist_port": "parallelism.dist_init_addr",
+                "@dp_local": "parallelism.nprocs_per_node", "@dp_start_rank": "parallelism.node_rank",
+                "@chunked_prefill": "scheduler.chunked_prefill_size"}
+
+
 class BadValue(ValueError):
     pass
 
@@ -80,6 +86,15 @@ def convert(raw: Any, kind: str, choices: tuple[Any, ...] | None) -> Any:
     if choices and value not in choices:
         raise BadValue(f"{value!r} is not available here (choices: {', '.join(map(str, choices))})")
     return value
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`--hf-overrides '{...}' --hf-overrides.a.b 1`: later keys win, nested objects are merged."""
+    merged = dict(base)
+    for key, value in extra.items():
+        old = merged.get(key)
+        merged[key] = _merge(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+    return merged
 
 
 class Applier:
@@ -153,8 +168,9 @@ class Applier:
         for w in words:
             why = undecided(w)
             if why:
-                out.pending.append(Pending(target, restore(" ".join(words)), source, why))
-                out.warn(source, f"{why}: {target} is left commented out; fill it in")
+                key = SCRATCH_KEYS.get(target, target)
+                out.pending.append(Pending(key, restore(" ".join(words)), source, why))
+                out.warn(source, f"{why}: {key} is left commented out; fill it in")
                 return
         if from_word and isinstance(raw, str):
             mapped = flag.value_map().get(restore(raw).lower(), NO_VALUE)
@@ -198,7 +214,7 @@ class Applier:
             out.set(parent, merged, source, note)
             return
         if info.kind == "dict" and isinstance(out.get(target), dict):
-            value = {**out.get(target), **value}
+            value = _merge(out.get(target), value)
         out.set(target, value, source, note)
 
     def _json(self, flag: Flag, use: FlagUse) -> None:

@@ -29,7 +29,7 @@ def _one_line(text: str) -> str:
 
 
 def toml_key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else _string(key)
+    return key if _BARE_KEY.fullmatch(key) else _string(key)
 
 
 def _string(text: str) -> str:
@@ -90,6 +90,11 @@ def _header(tr: Translation, origin: str) -> list[str]:
         lines.append("# Environment:")
         for c in tr.context:
             lines += _comment(c, "  - ")
+    if tr.unsupported:
+        lines.append("#")
+        lines.append("# Valid, but not available in this build yet:")
+        for u in tr.unsupported:
+            lines += _comment(u, "  - ")
     if tr.problems:
         lines.append("#")
         lines.append("# Validation problems (fix before use):")

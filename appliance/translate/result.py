@@ -43,6 +43,7 @@ class Translation:
     findings: list[Finding] = field(default_factory=list)
     context: list[str] = field(default_factory=list)  # docker / environment facts worth keeping as comments
     problems: list[str] = field(default_factory=list)  # validation problems of the result
+    unsupported: list[str] = field(default_factory=list)  # valid, but not honoured by this build yet
 
     def set(self, path: str, value: Any, source: str, note: str = "") -> None:
         self.settings.pop(path, None)  # re-insert: a later source (command line over --config) wins

@@ -46,6 +46,8 @@ def _dist_addr(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None:
     if host is None and port is None:
         return
     if host is None or port is None:
+        if any(p.path == "parallelism.dist_init_addr" for p in out.pending):
+            return  # the other half is unresolved: already reported
         given = host or port
         assert given is not None
         missing = "port" if port is None else "host"

@@ -108,3 +108,14 @@ def validate(document: dict[str, Any]) -> list[str]:
     except ValidationError as exc:
         return [f"{'.'.join(str(p) for p in err['loc']) or '(config)'}: {err['msg']}" for err in exc.errors()]
     return []
+
+
+def unsupported(document: dict[str, Any]) -> list[str]:
+    """Settings of a valid document that this build cannot honour yet (appliance.config's one list)."""
+    from appliance.config import check_supported
+
+    try:
+        config = _root().model_validate(document)
+    except ValidationError:
+        return []
+    return check_supported(config)

@@ -79,6 +79,7 @@ def translate_launch(launch: Launch, env: dict[str, str], cmd: ShellCommand, bas
     _report_env(out, env, table)
     out.context[:0] = [f"docker: {line}" for line in launch.docker]
     out.problems = schema_view.validate(out.document())
+    out.unsupported = schema_view.unsupported(out.document())
     return out
 
 

@@ -1,6 +1,22 @@
 """Output parsers of the chat route: tool calls and reasoning. Pure text in, records out; no HTTP, no torch.
 
-How the chat route uses them (one parser instance per request and per choice; none is shared):
+How the chat route uses them (one parser instance per request and per choice; none is shared). The short path:
+
+    decision = resolve_thinking(disable_thinking=api.disable_thinking, enable_thinking=kwargs.get("enable_thinking"),
+                                reasoning_effort=..., budget_tokens=..., max_thinking_budget=api.thinking_budget,
+                                max_tokens=max_tokens, structured_output=<a grammar constrains this request>)
+    spec = forced_tool_spec(ToolSet(body.tools), body.tool_choice)      # tool_choice "required" / named, else None
+    spec = spec or appliance.structured.spec_from_request(body)          # a request giving both is a 400
+    # render the template with enable_thinking=decision.enabled; generate (under `spec` when it is not None)
+    mp = build_message_parser(reasoning_parser=api.reasoning_parser, tool_call_parser=api.tool_call_parser,
+                              tools=body.tools, tool_choice=body.tool_choice,
+                              thinking_enabled=decision.enabled, prompt_text=prompt)    # ValueError -> 400
+    message = mp.parse(text)        # ParsedMessage(reasoning_content, content, tool_calls, errors, finish_reason)
+    delta = mp.feed(text_delta)     # MessageDelta | None; delta.to_openai() is the choices[i].delta body
+    delta = mp.finish()             # once, at the end of the choice
+    (finish_reason: "tool_calls" when any call was emitted, else the engine's)
+
+The pieces, for finer control:
 
 Reasoning (api.reasoning_parser; skip when it is unset)
     decision = resolve_thinking(disable_thinking=api.disable_thinking,
@@ -32,7 +48,8 @@ Tool calls (api.tool_call_parser; skip when the request has no tools or tool_cho
     `assemble(deltas)` folds streamed deltas into the non-streaming ParsedTools.
     finish_reason is "tool_calls" when parsed.tool_calls is non-empty.
     Parsers whose markers are special tokens have `needs_special_tokens = True` (llama3_json, mistral,
-    deepseek_v3): detokenize their requests with skip_special_tokens=False or the markers are lost.
+    deepseek_v3; reasoning: mistral; MessageParser.needs_special_tokens combines them): detokenize their
+    requests with skip_special_tokens=False or the markers are lost.
 
 Rule for calls that fail: a tool-call block is all or nothing. If it does not follow the format, names a
 function not in `tools`, or has arguments that fail the tool's JSON schema (appliance/server/parsers/
@@ -46,6 +63,7 @@ pythonic, qwen3_coder; reasoning parsers deepseek_r1, qwen3, deepseek_v31, kimi_
 """
 from __future__ import annotations
 
+from appliance.server.parsers.message import MessageDelta, MessageParser, ParsedMessage, build_message_parser
 from appliance.server.parsers.reasoning import (
     ReasoningFormat,
     ReasoningParser,
@@ -73,6 +91,9 @@ from appliance.server.parsers.tool_calls import (
 __all__ = [
     "Delta",
     "ForcedToolStream",
+    "MessageDelta",
+    "MessageParser",
+    "ParsedMessage",
     "ParsedTools",
     "ReasoningFormat",
     "ReasoningParser",
@@ -83,6 +104,7 @@ __all__ = [
     "ToolParser",
     "ToolSet",
     "assemble",
+    "build_message_parser",
     "forced_tool_spec",
     "get_reasoning_parser",
     "get_tool_parser",

@@ -1,6 +1,8 @@
 """Reasoning parsers, chosen by name (api.reasoning_parser). See appliance/server/parsers/__init__.py for the API."""
 from __future__ import annotations
 
+import dataclasses
+
 from appliance.server.parsers.reasoning.budget import (
     REASONING_EFFORT_BUDGETS,
     ThinkingBudget,
@@ -21,7 +23,7 @@ _FORMATS: dict[str, ReasoningFormat] = {
     "kimi_k25": ReasoningFormat(),
     "base": ReasoningFormat(),
     # Magistral / Mistral v13+ reasoning models use special tokens [THINK]...[/THINK].
-    "mistral": ReasoningFormat(start="[THINK]", end="[/THINK]"),
+    "mistral": ReasoningFormat(start="[THINK]", end="[/THINK]", needs_special_tokens=True),
 }
 
 
@@ -37,7 +39,7 @@ def get_reasoning_format(name: str, *, start: str | None = None, end: str | None
         choices = ", ".join(reasoning_parser_names())
         raise ValueError(f"unknown reasoning_parser {name!r}; choose one of {choices}") from None
     if start is not None or end is not None:
-        fmt = ReasoningFormat(start=start or fmt.start, end=end or fmt.end, starts_in_reasoning=fmt.starts_in_reasoning)
+        fmt = dataclasses.replace(fmt, start=start or fmt.start, end=end or fmt.end)
     if not fmt.start or not fmt.end:
         raise ValueError("reasoning tags must be non-empty")
     return fmt

@@ -7,6 +7,10 @@ Semantics (003_a3610789dfec711d.txt, Atlas `--disable-thinking` / `--max-thinkin
 - The budget in tokens: the request's own (thinking.budget_tokens, else reasoning_effort mapped by
   REASONING_EFFORT_BUDGETS) wins below the server ceiling api.thinking_budget; with no request budget the
   ceiling applies. A safety cap of max_tokens * 9 // 10 is always enforced, so an answer always has room.
+- A request whose output a grammar constrains from its first token (response_format, regex, choice, grammar,
+  tool_choice "required" or named) does not think: pass structured_output=True. The grammar leaves no room for
+  a reasoning block, and the template must then render the no-thinking prompt. (When the executor learns to
+  apply grammars only after the reasoning, this rule can go.)
 - Enforcement: once the request has produced `budget` tokens inside the reasoning block, the sampler is made
   to emit the end-of-thinking token sequence (ThinkingBudget.forced_token), after which it samples freely.
 """
@@ -41,6 +45,7 @@ def resolve_thinking(
     max_thinking_budget: int | None = None,
     max_tokens: int | None = None,
     default_enabled: bool = True,
+    structured_output: bool = False,
 ) -> ThinkingDecision:
     """Combine the server settings and one request's fields into a decision (ValueError on bad input)."""
     if reasoning_effort is not None and reasoning_effort != "none" and reasoning_effort not in REASONING_EFFORT_BUDGETS:
@@ -50,7 +55,7 @@ def resolve_thinking(
     for label, value in (("budget_tokens", budget_tokens), ("thinking_budget", max_thinking_budget)):
         if value is not None and value < 0:
             raise ValueError(f"{label} must be >= 0, got {value}")
-    if disable_thinking:
+    if disable_thinking or structured_output:
         return ThinkingDecision(enabled=False, budget=None)
     if enable_thinking is not None:
         enabled = enable_thinking
@@ -75,18 +80,20 @@ class ThinkingBudget:
     Tags are matched as token-id sequences (in Qwen3, DeepSeek R1 and Kimi `<think>` and `</think>` are single
     special tokens). `end_token_ids` is what is forced when the budget is spent: at least the end tag, e.g.
     tokenizer.encode("\n</think>\n\n"); `end_tag_ids` (default: end_token_ids) is what marks a natural end.
+    With budget None nothing is forced and the object only tracks `in_reasoning`, e.g. so that a structured-output
+    grammar is applied only to the answer after the reasoning.
     """
 
     def __init__(
         self,
-        budget: int,
+        budget: int | None,
         *,
         end_token_ids: Sequence[int],
         start_tag_ids: Sequence[int] = (),
         end_tag_ids: Sequence[int] | None = None,
         in_reasoning: bool = False,
     ) -> None:
-        if budget < 0:
+        if budget is not None and budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
         if not end_token_ids:
             raise ValueError("end_token_ids must not be empty")
@@ -115,7 +122,8 @@ class ThinkingBudget:
 
     def forced_token(self) -> int | None:
         """The token the sampler must produce next, or None to sample freely."""
-        if not self._forcing and self._in_reasoning and not self._exhausted and self._count >= self.budget:
+        spent = self.budget is not None and self._count >= self.budget
+        if spent and not self._forcing and self._in_reasoning and not self._exhausted:
             self._exhausted = True
             self._forcing.extend(self._forced_sequence)
         return self._forcing[0] if self._forcing else None

@@ -22,6 +22,7 @@ class ReasoningFormat:
     start: str = "<think>"
     end: str = "</think>"
     starts_in_reasoning: bool = False  # the chat template always opens the block at the end of the prompt
+    needs_special_tokens: bool = False  # the tags are special tokens a detokenizer skipping them would drop
 
 
 def prompt_opens_reasoning(prompt_text: str | None, fmt: ReasoningFormat) -> bool:
