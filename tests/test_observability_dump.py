@@ -52,7 +52,8 @@ def test_write_read_back_pairs_and_seq_continue_after_reopen(tmp_path) -> None:
     records = read_dump(path)
     assert [r.seq for r in records] == [0, 1, 1, 0, 2]
     pairs = pair_records(records)
-    assert [(q.seq, q.endpoint, p.seq if p else None) for q, p in pairs] == [(0, CHAT, 0), (1, COMPL, 1), (2, CHAT, None)]
+    got = [(q.seq, q.endpoint, p.seq if p else None) for q, p in pairs]
+    assert got == [(0, CHAT, 0), (1, COMPL, 1), (2, CHAT, None)]
     assert pairs[0][1].body["choices"][0]["message"]["content"] == "hello"
 
 

@@ -14,7 +14,13 @@ from appliance.engine.prefix_cache import PrefixCache
 from appliance.engine.request import Request
 from appliance.engine.sampling_params import SamplingParams
 from appliance.observability.kv_events import (
-    END_SEQ, KVEventCollector, NullKVEventPublisher, ZmqKVEventPublisher, decode_batch, make_kv_event_publisher, offset_endpoint,
+    END_SEQ,
+    KVEventCollector,
+    NullKVEventPublisher,
+    ZmqKVEventPublisher,
+    decode_batch,
+    make_kv_event_publisher,
+    offset_endpoint,
 )
 
 BS = 4
@@ -35,6 +41,34 @@ def recv_batch(sub: zmq.Socket, timeout_ms: int = 3000) -> tuple[list[bytes], An
     return frames, msgpack.unpackb(frames[2], raw=False)
 
 
+def drain_probes(pub: ZmqKVEventPublisher, sub: zmq.Socket, probe) -> None:
+    """PUB drops messages sent before a subscription has propagated ("slow joiner"): publish probe batches
+    until one arrives, wait until the publisher thread has sent all of them, then drain them."""
+    deadline = time.monotonic() + 5
+    sent = 0
+    while not sub.poll(50):
+        assert time.monotonic() < deadline, "subscriber never connected"
+        probe()
+        pub.flush()
+        sent += 1
+    while pub.num_published < sent:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    while sub.poll(200):
+        sub.recv_multipart()
+
+
+@pytest.fixture
+def ipc_dir():
+    """A short directory for ipc:// endpoints (socket paths are limited to ~107 bytes; tmp_path can be longer)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="obs-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture
 def ctx() -> zmq.Context:
     c = zmq.Context()
@@ -43,26 +77,18 @@ def ctx() -> zmq.Context:
 
 
 @pytest.fixture
-def rig(ctx: zmq.Context, tmp_path):
+def rig(ctx: zmq.Context, ipc_dir):
     """A publisher on ipc endpoints (no port clashes with parallel test runs), a connected subscriber, and a
     prefix cache whose sink is the publisher."""
-    ep = f"ipc://{tmp_path}/kv"
-    pub = ZmqKVEventPublisher(BS, ep, topic=TOPIC, replay_endpoint=f"ipc://{tmp_path}/replay", buffer_steps=3,
+    ep = f"ipc://{ipc_dir}/kv"
+    pub = ZmqKVEventPublisher(BS, ep, topic=TOPIC, replay_endpoint=f"ipc://{ipc_dir}/replay", buffer_steps=3,
                               ctx=ctx)
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
     sub.connect(ep)
     cache = PrefixCache(BlockPool(6), BS, on_event=pub)
-    # PUB drops messages sent before a subscription has propagated ("slow joiner"): probe until one arrives.
-    deadline = time.monotonic() + 5
-    while not sub.poll(50):
-        assert time.monotonic() < deadline, "subscriber never connected"
-        pub(  # a clear of an empty cache: harmless, and it lets the probe go through the real path
-            "AllBlocksCleared", None, None, ())
-        pub.flush()
-    while sub.poll(100):
-        sub.recv_multipart()
+    drain_probes(pub, sub, lambda: pub("AllBlocksCleared", None, None, ()))  # a clear of an empty cache
     yield pub, sub, cache
     sub.close()
     pub.close()
@@ -173,12 +199,12 @@ def test_offset_endpoint_per_dp_rank() -> None:
         offset_endpoint("udp://x:1", 1)
 
 
-def test_dp_rank_is_in_the_batch_and_the_port(ctx: zmq.Context, tmp_path) -> None:
-    pub = ZmqKVEventPublisher(BS, f"ipc://{tmp_path}/kv", dp_rank=2, ctx=ctx)
+def test_dp_rank_is_in_the_batch_and_the_port(ctx: zmq.Context, ipc_dir) -> None:
+    pub = ZmqKVEventPublisher(BS, f"ipc://{ipc_dir}/kv", dp_rank=2, ctx=ctx)
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"ipc://{tmp_path}/kv_dp2")
+    sub.connect(f"ipc://{ipc_dir}/kv_dp2")
     try:
         deadline = time.monotonic() + 5
         while not sub.poll(50):
@@ -193,16 +219,16 @@ def test_dp_rank_is_in_the_batch_and_the_port(ctx: zmq.Context, tmp_path) -> Non
         pub.close()
 
 
-def test_factory_follows_the_config(ctx: zmq.Context, tmp_path) -> None:
+def test_factory_follows_the_config(ctx: zmq.Context, ipc_dir) -> None:
     assert isinstance(make_kv_event_publisher(KvEventsConfig(), BS), NullKVEventPublisher)
     off = KvEventsConfig(enable_kv_cache_events=True, publisher="null")
     assert isinstance(make_kv_event_publisher(off, BS), NullKVEventPublisher)
-    on = KvEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{tmp_path}/f",
+    on = KvEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{ipc_dir}/f",
                         topic="t", buffer_steps=5)
     pub = make_kv_event_publisher(on, BS, dp_rank=1)
     try:
         assert isinstance(pub, ZmqKVEventPublisher)
-        assert pub.endpoint == f"ipc://{tmp_path}/f_dp1"
+        assert pub.endpoint == f"ipc://{ipc_dir}/f_dp1"
         assert pub._buffer.maxlen == 5
     finally:
         pub.close()
@@ -221,7 +247,7 @@ def test_bad_events_and_payloads_are_rejected() -> None:
         decode_batch(msgpack.packb({"ts": 1}))
 
 
-def test_subscriber_tool_replays_then_follows_live(ctx: zmq.Context, tmp_path, capsys) -> None:
+def test_subscriber_tool_replays_then_follows_live(ctx: zmq.Context, ipc_dir, capsys) -> None:
     import importlib.util
     import json
     import pathlib
@@ -231,7 +257,7 @@ def test_subscriber_tool_replays_then_follows_live(ctx: zmq.Context, tmp_path, c
         "kv_events_subscriber", pathlib.Path(__file__).parents[1] / "tools" / "kv_events_subscriber.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    ep, rep = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/rep"
+    ep, rep = f"ipc://{ipc_dir}/kv", f"ipc://{ipc_dir}/rep"
     pub = ZmqKVEventPublisher(BS, ep, replay_endpoint=rep, ctx=ctx)
     try:
         for h in (11, 12):

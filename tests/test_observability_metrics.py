@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.engine.config import EngineConfig
+from appliance.engine.core import EngineCore
 from appliance.engine.fake_executor import FakeExecutor
 from appliance.engine.sampling_params import SamplingParams
-from appliance.engine.core import EngineCore
-from appliance.engine.config import EngineConfig
 from appliance.observability.metrics import MetricsRegistry, build_1_2_5_buckets
 from appliance.observability.stats import StatsSnapshot, snapshot_from_core
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import msgpack
+import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
@@ -26,8 +27,19 @@ BS = 4
 PROMPT = list(range(1, 14))  # 3 full blocks + 1 token
 
 
-def test_requests_move_metrics_and_kv_events_match_the_cache(tmp_path) -> None:
-    ep = f"ipc://{tmp_path}/kv"
+@pytest.fixture
+def ipc_dir():
+    """A short directory for ipc:// endpoints (socket paths are limited to ~107 bytes; tmp_path can be longer)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="obs-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_requests_move_metrics_and_kv_events_match_the_cache(ipc_dir) -> None:
+    ep = f"ipc://{ipc_dir}/kv"
     cfg = ApplianceConfig.model_validate({"observability": {
         "enable_metrics": True, "decode_log_interval": 1,
         "kv_events": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ep, "topic": "kv"}}})
@@ -43,11 +55,16 @@ def test_requests_move_metrics_and_kv_events_match_the_cache(tmp_path) -> None:
     sub.connect(ep)
     try:
         deadline = time.monotonic() + 5
+        sent = 0
         while not sub.poll(50):  # wait out the PUB slow-joiner with harmless clears of the empty cache
             assert time.monotonic() < deadline
             core.reset_prefix_cache()
             sched.after_step(core, [])
-        while sub.poll(100):
+            sent += 1
+        while sched.kv_events.num_published < sent:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while sub.poll(200):
             sub.recv_multipart()
 
         for rid in ("a", "b"):  # b repeats a's prompt: a prefix hit of 3 blocks

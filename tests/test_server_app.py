@@ -38,8 +38,8 @@ def make_config(**api: Any) -> ApplianceConfig:
     })
 
 
-def client_for(tokenizer: Any, engine: FakeEngine, **api: Any) -> httpx.AsyncClient:
-    ctx = make_context(make_config(**api), tokenizer, engine, max_model_len=64, vocab_size=384)
+def client_for(tokenizer: Any, engine: FakeEngine, max_model_len: int = 64, **api: Any) -> httpx.AsyncClient:
+    ctx = make_context(make_config(**api), tokenizer, engine, max_model_len=max_model_len, vocab_size=384)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://127.0.0.1")
 
 
@@ -248,3 +248,34 @@ async def test_starting_gate_answers_503_until_opened(tokenizer: Any) -> None:
         ctx = make_context(make_config(), tokenizer, FakeEngine([5]), max_model_len=64, vocab_size=384)
         gate.open(build_app(ctx))
         assert (await c.get("/health")).status_code == 200
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_OUTPUT = '<think>Need weather.</think>Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+async def test_reasoning_and_tool_call_parsers(tokenizer: Any) -> None:
+    script = script_for(tokenizer, TOOL_OUTPUT)
+    engine = FakeEngine(script + [1], eos=1)
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "max_tokens": 200}
+    async with client_for(tokenizer, engine, 512, reasoning_parser="qwen3", tool_call_parser="hermes") as c:
+        r = await c.post("/v1/chat/completions", json=body)
+        s = await c.post("/v1/chat/completions", json={**body, "stream": True})
+        forced = await c.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]
+    assert msg["finish_reason"] == "tool_calls", msg
+    assert msg["message"]["reasoning_content"] == "Need weather."
+    assert msg["message"]["content"] == "Let me check."
+    call = msg["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    events = sse_events(s.text)
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Need weather."
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+    streamed_calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert streamed_calls[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(tc["function"]["arguments"] for tc in streamed_calls)) == {"city": "Paris"}
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"

@@ -109,3 +109,18 @@ def test_round_trip_from_a_translated_command() -> None:
     assert command.inexpressible == {}
     (second,) = translate_text(command.render()).translations
     assert second.document() == first.document()
+
+
+def test_reverse_resolves_extends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "base.toml").write_text('[model]\npath = "org/base"\n\n[parallelism]\ntp = 2\n')
+    (tmp_path / "child.toml").write_text('extends = "base.toml"\n\n[scheduler]\nmax_num_seqs = 32\n')
+    assert translate_cmd.run(["--to", "vllm", str(tmp_path / "child.toml")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("vllm serve org/base") and "--tensor-parallel-size 2" in out
+    assert "--max-num-seqs 32" in out and "extends" not in out
+
+
+def test_reverse_rejects_an_invalid_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bad.toml").write_text("[parallelism]\ntp = 0\n")
+    assert translate_cmd.run(["--to", "sglang", str(tmp_path / "bad.toml")]) == 2
+    assert "parallelism.tp" in capsys.readouterr().err

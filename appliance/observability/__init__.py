@@ -47,7 +47,11 @@ from __future__ import annotations
 from appliance.observability.dump import RequestDump, StreamAggregator, open_dump, read_dump
 from appliance.observability.hooks import FrontendObservability, SchedulerObservability
 from appliance.observability.kv_events import (
-    NullKVEventPublisher, ZmqKVEventPublisher, decode_batch, make_kv_event_publisher, offset_endpoint,
+    NullKVEventPublisher,
+    ZmqKVEventPublisher,
+    decode_batch,
+    make_kv_event_publisher,
+    offset_endpoint,
 )
 from appliance.observability.metrics import MetricsRegistry
 from appliance.observability.request_log import DecodeProgressLog, RequestLogger

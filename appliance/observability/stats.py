@@ -9,6 +9,7 @@ engine's life rather than deltas, so a lost or duplicated snapshot never double 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -81,10 +82,9 @@ def snapshot_from_core(core: Any, dp_rank: int = 0, timestamp: float | None = No
     With `verify_accounting`, `owned` is counted from the refcounts (BlockPool.check_accounting), not derived as
     total - free - cached, so the drift gauge can show a pool whose lists and refcounts disagree. That walk is
     O(num_blocks) (about 12 ms per 100k blocks): build such snapshots on a timer (about once a second), not
-    every step. Without it the counts are the pool's O(1) counters and the drift is 0 by construction. `spec` is (drafts, draft tokens, accepted tokens), cumulative, when the engine
-    runs speculative decoding.
+    every step. Without it the counts are the pool's O(1) counters and the drift is 0 by construction.
+    `spec` is (drafts, draft tokens, accepted tokens), cumulative, when the engine runs speculative decoding.
     """
-    import time
 
     sched = core.scheduler
     pool = sched.pool

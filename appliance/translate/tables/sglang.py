@@ -243,7 +243,6 @@ TABLE = EngineTable(
     name="sglang",
     title="SGLang",
     flags=FLAGS,
-    defaults=(("api.port", 30000, "SGLang's default port"),
-              ("cache.enable_prefix_caching", True, "SGLang's radix cache is on by default")),
+    defaults=(("api.port", 30000, "SGLang's default port"),),
     source="python/sglang/srt/server_args.py; SGLang server-arguments docs (seed 002)",
 )

@@ -1,0 +1,44 @@
+"""Plain-torch fused MoE: a loop over the experts that were hit (the oracle and the CPU path)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from appliance.kernels.registry import register
+
+
+def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
+    """w [..., N, K] (fp8) times its per-tile scale [..., ceil(N/bn), ceil(K/bk)] -> float32 [..., N, K]."""
+    bn, bk = block_shape
+    n, k = w.shape[-2:]
+    s = scale.float().repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., :n, :k]
+    return w.float() * s
+
+
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int,
+                   block_shape: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return w[e]
+    if block_shape is None:
+        raise ValueError("fp8 expert weights need block_shape")
+    return dequantize_blocks(w[e], scale[e], block_shape).to(dtype)
+
+
+@register("fused_moe", "torch")
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} do not match")
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        if not 0 <= e < w13.shape[0]:
+            raise ValueError(f"fused_moe: expert id {e} outside 0..{w13.shape[0] - 1}")
+        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        h = F.linear(x[token], _expert_weight(w13, w13_scale, e, block_shape, x.dtype))
+        gate, up = h.chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, _expert_weight(w2, w2_scale, e, block_shape, x.dtype))
+        out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
+    return out.to(x.dtype)
