@@ -70,10 +70,10 @@ def build_tiny_model(arch: str, out_dir: Path, tokenizer_dir: Path | None = None
     import transformers
 
     cfg_cls, model_cls, extra = TINY_ARCHS[arch]
-    kwargs: dict[str, Any] = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
-                                  bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    kwargs: dict[str, Any] = {"vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "initializer_range": 0.1,
+                                  "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "tie_word_embeddings": False}
     kwargs.update(extra)
     kwargs.update(overrides)
     config = getattr(transformers, cfg_cls)(**kwargs)

@@ -115,7 +115,7 @@ def test_skip_tokenizer_init(tiny_model):
 def test_config_object_and_conflicts(tiny_model):
     from appliance.config import build_config
 
-    cfg = build_config(flat=dict(model=str(tiny_model), dtype="float32", max_total_tokens=512), env={})
+    cfg = build_config(flat={"model": str(tiny_model), "dtype": "float32", "max_total_tokens": 512}, env={})
     llm = LLM(config=cfg)
     assert llm.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="either"):

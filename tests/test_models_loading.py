@@ -97,7 +97,7 @@ def test_kv_cache_sizing(tiny_model):
     assert r.num_blocks == 256 // 8
     k, v = r.kv_caches[0]
     assert k.shape == (32, 8, 2, 16) and v.shape == k.shape
-    cpu_default = ModelRunner(build_config(flat=dict(model=str(tiny_model), max_num_seqs=4), env={}))
+    cpu_default = ModelRunner(build_config(flat={"model": str(tiny_model), "max_num_seqs": 4}, env={}))
     assert cpu_default.num_blocks == 4 * (512 // 16)  # every sequence at full length fits under the CPU bound
 
 

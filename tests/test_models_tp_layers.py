@@ -7,8 +7,12 @@ import torch.nn.functional as F
 
 from appliance.layers import parallel_state
 from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from appliance.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                     RowParallelLinear)
+from appliance.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 
 TP = 2
 g = torch.Generator().manual_seed(0)

@@ -11,15 +11,15 @@ SHARED = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41]  # a 10-token prefix shared by 
 # one-token and 17-token prompts give one-token prefill chunks, which take the decode-attention path
 PROMPTS = [[5, 6, 7, 8, 9], SHARED + [50, 51, 52, 53, 54, 55, 56, 57, 58], [90] * 3 + list(range(100, 126)),
            SHARED + [60, 61], [77], list(range(200, 217))]
-NEW = 10
+NEW = 8
 
 # (name, overrides): caching on with one big chunk; off with 16-token chunks; on with 16-token chunks and a
 # cache of 64 tokens, smaller than the batch needs, so requests are preempted and recomputed
 SETUPS = [
-    ("prefix_on_big_chunks", dict(enable_prefix_caching=True, chunked_prefill_size=8192)),
-    ("prefix_off_chunk16", dict(enable_prefix_caching=False, chunked_prefill_size=16)),
-    ("preempt_chunk16", dict(enable_prefix_caching=True, chunked_prefill_size=16, max_total_tokens=64,
-                             max_model_len=64)),
+    ("prefix_on_big_chunks", {"enable_prefix_caching": True, "chunked_prefill_size": 8192}),
+    ("prefix_off_chunk16", {"enable_prefix_caching": False, "chunked_prefill_size": 16}),
+    ("preempt_chunk16", {"enable_prefix_caching": True, "chunked_prefill_size": 16, "max_total_tokens": 64,
+                             "max_model_len": 64}),
 ]
 
 

@@ -285,3 +285,13 @@ def test_subscriber_tool_replays_then_follows_live(ctx: zmq.Context, ipc_dir, ca
             "BlockStored hash=0x00000000000000ff parent=- block_size=4 tokens=[0,1,2,3,4,5,6,7,...]")
     finally:
         pub.close()
+
+
+def test_a_taken_port_is_a_clear_error(ctx: zmq.Context) -> None:
+    first = ZmqKVEventPublisher(BS, "tcp://127.0.0.1:*", ctx=ctx)  # zmq picks a free port
+    try:
+        taken = first.bound_endpoint
+        with pytest.raises(ValueError, match="cannot bind"):
+            ZmqKVEventPublisher(BS, taken, ctx=ctx)
+    finally:
+        first.close()

@@ -81,6 +81,10 @@ def test_queue_and_prefill_are_not_observed_without_a_scheduled_time() -> None:
     assert val(s, "appliance:request_prefill_time_seconds_count") == 0
     assert val(s, "appliance:request_time_per_output_token_seconds_count") == 0  # one token: no TPOT
     assert val(s, "appliance:e2e_request_latency_seconds_count") == 1
+    reg.on_request_arrived("z", 1, now=0.0)  # a clock reading of 0.0 is a time like any other
+    reg.on_tokens("z", 1, now=0.0)
+    reg.on_tokens("z", 1, now=0.25)
+    assert val(scrape(reg), "appliance:inter_token_latency_seconds_sum") == pytest.approx(0.25)
 
 
 def test_bad_request_events() -> None:

@@ -134,6 +134,9 @@ def test_stage_processes_and_health(server: Server) -> None:
     assert sorted(server.stages.values()) == ["scheduler", "tokenizer", "worker0"]
     assert httpx.get(f"{server.base}/health").status_code == 200
     assert [m.id for m in client(server).models.list().data] == ["tiny"]
+    metrics = httpx.get(f"{server.base}/metrics").text
+    assert 'appliance:num_requests_running{model_name="tiny"} 0.0' in metrics
+    assert 'appliance:kv_blocks_total{model_name="tiny"} 256.0' in metrics  # cache.max_total_tokens / block_size
 
 
 def test_completions_greedy_is_deterministic_and_streams_match(server: Server) -> None:

@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
-from appliance.executor.sampler import (Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k,
-                                        apply_top_n_sigma, apply_top_p)
+from appliance.executor.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_n_sigma,
+    apply_top_p,
+)
 
 NEG = float("-inf")
 

@@ -12,7 +12,7 @@ from appliance.config import ApplianceConfig
 from appliance.server.app import build_app
 from appliance.server.context import make_context
 from appliance.tokenization import load_tokenizer
-from server_fakes import FakeEngine
+from test_server_fakes import FakeEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -279,3 +279,31 @@ async def test_reasoning_and_tool_call_parsers(tokenizer: Any) -> None:
     assert json.loads("".join(tc["function"]["arguments"] for tc in streamed_calls)) == {"city": "Paris"}
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"
+
+
+async def test_stream_interval_batches_tokens(tokenizer: Any) -> None:
+    script = script_for(tokenizer, "Numbers 0123456789 and symbols")
+    n = len(script)
+    assert n > 4 and n % 3
+    engine = FakeEngine(script)
+    async with client_for(tokenizer, engine, stream_interval=3) as c:
+        r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": n, "stream": True, "logprobs": 0})
+    chunks = [e["choices"][0] for e in sse_events(r.text)]
+    assert [len(ch["logprobs"]["tokens"]) for ch in chunks] == [3] * (n // 3) + [n % 3]
+    assert "".join(ch["text"] for ch in chunks) == "Numbers 0123456789 and symbols"
+
+
+async def test_host_header_must_be_allowed(tokenizer: Any) -> None:
+    async with client_for(tokenizer, FakeEngine([5]), allowed_hosts=["localhost"]) as c:
+        bad = await c.get("/health", headers={"Host": "evil.example:8000"})
+        good = await c.get("/health", headers={"Host": "localhost:8000"})
+    assert bad.status_code == 421 and good.status_code == 200
+
+
+async def test_metrics_exposition(tokenizer: Any) -> None:
+    async with client_for(tokenizer, FakeEngine([5])) as c:
+        await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        text = (await c.get("/metrics")).text
+    assert 'appliance:request_success_total{finished_reason="length",model_name="tiny"} 1.0' in text
+    assert 'appliance:num_requests_running{model_name="tiny"} 0.0' in text
+    assert 'appliance:kv_blocks_total{model_name="tiny"} 10.0' in text

@@ -14,7 +14,7 @@ from appliance.config import ApplianceConfig
 from appliance.server.app import build_app
 from appliance.server.context import make_context
 from appliance.tokenization import load_tokenizer
-from server_fakes import FakeEngine
+from test_server_fakes import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 

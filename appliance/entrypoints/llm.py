@@ -10,14 +10,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from appliance.engine.delta import RequestDelta
 from appliance.engine.sampling_params import SamplingParams
-from appliance.entrypoints.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from appliance.entrypoints.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from appliance.tokenization.detokenizer import Detokenizer
 
-PromptInput = Union[str, Sequence[int], Mapping[str, Any]]
+PromptInput = str | Sequence[int] | Mapping[str, Any]
 
 
 @dataclass
@@ -53,6 +59,7 @@ class LLM:
         self._build_engine()
         self.tokenizer = None if config.model.skip_tokenizer_init else self._load_tokenizer()
         self._counter = 0
+        self._prompt_lps: dict[str, PromptLogprobs] = {}  # of the generate() call in progress
 
     def _build_engine(self) -> None:
         from appliance.engine.config import EngineConfig
@@ -89,15 +96,13 @@ class LLM:
                 child = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
                 self._counter += 1
                 seqs.append(_Sequence(f"{self._counter}", i, j, child, self._detokenizer(ids, child)))
-        self._run(seqs, {s.request_id: ids for s, (_, ids) in
-                         ((s, inputs[s.prompt_index]) for s in seqs)})
+        self._prompt_lps = {}
+        self._run(seqs, {s.request_id: inputs[s.prompt_index][1] for s in seqs})
         return self._collect(inputs, seqs)
 
     def _run(self, seqs: list[_Sequence], prompt_ids: dict[str, list[int]]) -> None:
         by_id = {s.request_id: s for s in seqs}
         pending = list(seqs)
-        prompt_lps: dict[str, PromptLogprobs] = {}
-        self._prompt_lps = prompt_lps
         while pending or self.engine.has_work():
             while pending and self.engine.can_queue():
                 s = pending.pop(0)

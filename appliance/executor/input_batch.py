@@ -86,7 +86,7 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device) -> 
     cu = [0]
     for c in prefills:
         cu.append(cu[-1] + c.num_tokens)
-    i32 = dict(dtype=torch.int32, device=device)
+    i32 = {"dtype": torch.int32, "device": device}
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         num_decode_tokens=len(decodes),

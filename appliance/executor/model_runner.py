@@ -18,8 +18,13 @@ from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import kv_cache
 from appliance.executor.input_batch import Chunk, RequestState, StepInputs, build_inputs
-from appliance.executor.model_loader import (init_dummy_weights, load_hf_config, load_weights, resolve_dtype,
-                                             resolve_model_dir)
+from appliance.executor.model_loader import (
+    init_dummy_weights,
+    load_hf_config,
+    load_weights,
+    resolve_dtype,
+    resolve_model_dir,
+)
 from appliance.executor.sampler import Sampler, SamplingRow
 from appliance.models.registry import model_class
 

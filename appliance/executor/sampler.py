@@ -124,7 +124,7 @@ class Sampler:
             if r.output_ids:
                 out = torch.tensor(list(r.output_ids), device=dev)
                 counts[i].index_add_(0, out, torch.ones(len(out), dtype=logits.dtype, device=dev))
-        tensor = lambda xs: torch.tensor(xs, dtype=logits.dtype, device=dev)  # noqa: E731
+        tensor = lambda xs: torch.tensor(xs, dtype=logits.dtype, device=dev)
         return apply_penalties(logits, prompt_mask, counts, tensor([r.params.repetition_penalty for r in rows]),
                                tensor([r.params.presence_penalty for r in rows]),
                                tensor([r.params.frequency_penalty for r in rows]))
@@ -146,7 +146,7 @@ class Sampler:
             return tokens
         sub = logits[rand]
         dev, dtype = logits.device, logits.dtype
-        col = lambda name: torch.tensor([getattr(rows[i].params, name) for i in rand], dtype=dtype, device=dev)  # noqa: E731
+        col = lambda name: torch.tensor([getattr(rows[i].params, name) for i in rand], dtype=dtype, device=dev)
         sub = sub / col("temperature")[:, None]
         if any(rows[i].params.top_n_sigma > 0 for i in rand):
             sub = apply_top_n_sigma(sub, col("top_n_sigma"))

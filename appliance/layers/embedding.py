@@ -5,7 +5,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from appliance.layers.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from appliance.layers.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    tp_all_gather,
+    tp_all_reduce,
+)
 
 PAD_TO = 64  # vocab padded to a multiple of PAD_TO * tp so every shard has the same size
 

@@ -10,7 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from appliance.layers.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from appliance.layers.parallel_state import (
+    divide,
+    get_tp_rank,
+    get_tp_size,
+    tp_all_gather,
+    tp_all_reduce,
+)
 
 
 def _param(*shape: int) -> nn.Parameter:

@@ -15,7 +15,11 @@ from torch import nn
 from appliance.layers.activation import SiluAndMul
 from appliance.layers.attention import Attention, AttentionMetadata
 from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from appliance.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from appliance.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import RotaryEmbedding, rope_parameters
 

@@ -27,7 +27,8 @@ Tokenizer process (runtime/tokenizer_proc.py, runtime/frontend.py, server/):
   3. frontend.py output loop, for each RequestOutput of an OutputBatch: fobs.on_output(out)
      for a StatsSnapshot message:                                       fobs.on_snapshot(msg)
      when a request is aborted by the client and no final output will be routed: fobs.request_aborted(rid)
-  4. server/app.py /metrics: body, ctype = fobs.render()  (replaces server/metrics.ServerMetrics; its
+  4. server/app.py /metrics (404 when fobs.metrics is None, i.e. enable_metrics is false; optionally send a
+     StatsQuery first for a fresh snapshot): body, ctype = fobs.render()  (replaces server/metrics.ServerMetrics; its
      request_errors counter is MetricsRegistry.on_http_error(status))
   5. server handlers (chat.py / completions.py) when fobs.dump is not None:
          seq = fobs.dump.record_request(request.url.path, body_json)

@@ -14,10 +14,10 @@ publisher is the prefix cache's event sink (`PrefixCache(on_event=publisher)`): 
 scheduler mutates the cache and `flush()` (once per scheduler step) turns them into one batch, so events keep
 the cache's order and a batch never mixes steps.
 
-Replay (optional `replay_endpoint`, a ROUTER socket, the protocol of vLLM's ZmqEventPublisher): a DEALER / REQ
-client sends `[b"", start_seq (8 bytes big-endian)]`; the publisher answers with one `[b"", seq, payload]` message
-per buffered batch with seq >= start_seq, then `[b"", -1 (8 bytes big-endian, signed), b""]`. The buffer keeps
-the last `buffer_steps` batches.
+Replay (optional `replay_endpoint`, a ROUTER socket, the protocol of vLLM's ZmqEventPublisher): a DEALER
+client sends `[b"", start_seq (8 bytes big-endian)]`; the publisher answers with one `[b"", seq, payload]`
+message per buffered batch with seq >= start_seq, then `[b"", -1 (8 bytes big-endian, signed), b""]` (a REQ
+socket would see only the first answer). The buffer keeps the last `buffer_steps` batches.
 
 Sockets live in one publisher thread (ZMQ sockets are not thread safe), so a slow subscriber never stalls the
 scheduler: `flush()` only encodes and enqueues. A full queue drops the batch and counts it (`num_dropped`);
@@ -158,6 +158,7 @@ class ZmqKVEventPublisher(KVEventCollector):
         self._replay: zmq.Socket | None = None
         try:
             self._pub.bind(self.endpoint)
+            self.bound_endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()  # wildcard ports resolved
             if self.replay_endpoint is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
@@ -202,14 +203,21 @@ class ZmqKVEventPublisher(KVEventCollector):
         try:
             while True:
                 if self._replay is not None and self._replay.poll(0):
-                    self._serve_replay()
+                    try:
+                        self._serve_replay()
+                    except zmq.ZMQError:  # a client that went away must not stop publishing
+                        log.exception("KV events: replay failed")
                 try:
                     item = self._queue.get(timeout=self.POLL_S)
                 except queue.Empty:
                     continue
                 if item is _STOP:
                     break
-                self._send(item)
+                try:
+                    self._send(item)
+                except zmq.ZMQError:
+                    self.num_dropped += 1
+                    log.exception("KV events: send failed, batch dropped")
         finally:
             self._pub.close()
             if self._replay is not None:
@@ -217,8 +225,8 @@ class ZmqKVEventPublisher(KVEventCollector):
 
     def _send(self, payload: bytes) -> None:
         seq = self._next_seq
-        self._next_seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._next_seq += 1  # only after a send, so a failed one leaves no gap
         self._buffer.append((seq, payload))
         self.num_published += 1
 

@@ -188,8 +188,8 @@ class MetricsRegistry:
                 tl.first_token = t
                 self.ttft.observe(max(0.0, t - tl.arrival))
                 self.prompt_tokens.inc(tl.num_prompt_tokens)
-            else:
-                self.itl.observe(max(0.0, t - (tl.last_token or t)))
+            elif tl.last_token is not None:
+                self.itl.observe(max(0.0, t - tl.last_token))
             tl.last_token = t
             tl.num_generated += num_new_tokens
             self.generation_tokens.inc(num_new_tokens)

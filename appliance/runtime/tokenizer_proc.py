@@ -20,6 +20,9 @@ from appliance.runtime.process import parent_alive
 
 log = logging.getLogger("appliance.tokenizer")
 
+# open requests get this long to finish after SIGTERM; below the supervisor's grace period (5 s) before SIGKILL
+GRACEFUL_SHUTDOWN_S = 4
+
 
 def load_server_tokenizer(config) -> object:
     from appliance.config import resolve_model_path
@@ -53,7 +56,7 @@ async def _serve(boot: Bootstrap, config, tokenizer, stdin: IO[str]) -> None:
     obs = config.observability
     server = uvicorn.Server(uvicorn.Config(
         gate, host=config.api.host, port=config.api.port, log_level=(obs.log_level_http or obs.log_level),
-        access_log=obs.enable_log_requests, timeout_graceful_shutdown=5, lifespan="off", server_header=False))
+        access_log=obs.enable_log_requests, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off", server_header=False))
     serve = asyncio.create_task(server.serve())
     while not server.started:
         if serve.done():

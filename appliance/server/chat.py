@@ -165,7 +165,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     if needs_special_tokens(processors) and params.skip_special_tokens:
         params = SamplingParams.from_dict({**params.to_dict(), "skip_special_tokens": False})
     rid = new_request_id("chatcmpl")
-    gen = Generation(ctx.engine, ctx.tokenizer, rid, ids, params, req.n)
+    gen = Generation(ctx.engine, ctx.tokenizer, rid, ids, params, req.n,
+                     stream_interval=ctx.config.api.stream_interval)
     shaper = _ChatShaper(ctx, req, rid, gen, processors)
     if req.stream:
         return SSEResponse(shaper.events())

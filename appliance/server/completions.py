@@ -51,7 +51,8 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
         if req.echo and req.logprobs is not None:
             params = params.__class__.from_dict({**params.to_dict(), "prompt_logprobs": req.logprobs})
         gens.append(Generation(ctx.engine, ctx.tokenizer, f"{rid}-p{k}" if len(prompts) > 1 else rid, ids,
-                               params, req.n, index_offset=k * req.n))
+                               params, req.n, index_offset=k * req.n,
+                               stream_interval=ctx.config.api.stream_interval))
     shaper = _Shaper(ctx, req, rid, gens)
     if req.stream:
         return SSEResponse(shaper.events())

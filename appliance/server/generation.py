@@ -61,6 +61,7 @@ class Generation:
     index_offset: int = 0  # choices of prompt k of a batched completion start at k * n
     usage: Usage = field(default_factory=Usage)
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    stream_interval: int = 1
 
     async def stream(self) -> AsyncIterator[ChoiceDelta]:
         self.usage.prompt_tokens = len(self.prompt_token_ids)
@@ -85,6 +86,7 @@ class Generation:
     async def _deltas(self, outputs: AsyncIterator[RequestOutput], index: int, i: int,
                       text: TextStream) -> AsyncIterator[ChoiceDelta]:
         first = True
+        pending: ChoiceDelta | None = None
         async for out in outputs:
             if out.error is not None:
                 raise ApiError(out.error_status or 500, out.error if 0 < out.error_status < 500 else
@@ -96,8 +98,15 @@ class Generation:
                     self.prompt_logprobs = out.prompt_logprobs
             self.usage.completion_tokens += len(out.new_token_ids)
             delta = self._delta(index, out, text)
-            if delta is not None:
-                yield delta
+            if delta is None:
+                continue
+            pending = delta if pending is None else _combine(pending, delta)
+            # api.stream_interval: hold deltas until that many tokens are ready (or the choice ends)
+            if len(pending.token_ids) >= self.stream_interval or pending.finish_reason is not None:
+                yield pending
+                pending = None
+        if pending is not None:
+            yield pending
 
     def _delta(self, index: int, out: RequestOutput, text: TextStream) -> ChoiceDelta | None:
         piece, stop_str = text.add(out.new_token_ids)
@@ -123,6 +132,11 @@ class Generation:
             top_items = [(token_text(self.tokenizer, t), t, p) for t, p in top[:k]]
             result.append(TokenLogprob(token_text(self.tokenizer, tid), tid, lp, top_items))
         return result
+
+
+def _combine(a: ChoiceDelta, b: ChoiceDelta) -> ChoiceDelta:
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return ChoiceDelta(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason, b.stop_reason)
 
 
 async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:

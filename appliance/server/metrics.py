@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # the *_created series only double the scrape size
 
 _SCHED_GAUGES = {
     "num_running": ("num_requests_running", "Requests in the running batch."),

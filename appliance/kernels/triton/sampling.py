@@ -14,7 +14,8 @@ bit in its random numbers.
 
 Thresholds, exactly: with top-k <= BLOCK (2048) the k-th largest of the per-lane maxima of the first pass is a
 lower bound of the k-th largest value, so one more pass compacts the few tokens above it (<= CAP) into a scratch
-row that is sorted in registers, and top-k and top-p are read off it. Otherwise (top-p or large top-k without a
+row that is loaded into registers, where the top-k and top-p thresholds are found by bisection without further
+passes over the row (tl.sort would do too, but compiles slowly and crawls in the CPU interpreter). Otherwise (top-p or large top-k without a
 small top-k, or too many candidates) the thresholds come from bisection over the float32 bit patterns of the
 row (a monotone integer key), one pass over the row per step, up to ~32 passes each. Rows using neither skip both. This file holds the torch reference too because reference/ is the contract directory.
 """
@@ -27,7 +28,7 @@ import triton.language as tl
 from appliance.kernels.registry import register
 
 BLOCK = 2048
-CAP = 4096  # top-k candidates kept for the sort-based fast path
+CAP = 2048  # top-k candidates kept in registers for the fast path
 _M32 = 0xFFFFFFFF
 
 
@@ -130,6 +131,34 @@ def _mass_gt(row_ptr, vocab, inv_t, v, floor, mx, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _kth_largest(vals, k):
+    """The k-th largest of a register vector (-inf = empty slot; needs >= k real values): key bisection."""
+    lo = _key(tl.min(tl.where(vals > float("-inf"), vals, float("inf")), 0))
+    hi = _key(tl.max(vals, 0)) + 1
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum((vals >= _unkey(mid)).to(tl.int32), 0) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return _unkey(lo)
+
+
+@triton.jit
+def _top_p_floor(vals, thr, mx, p):
+    """Smallest kept value of the top-p set among vals >= thr (a register vector): key bisection on the mass."""
+    w = tl.where(vals >= thr, tl.exp(vals - mx), 0.0)
+    target = p * tl.sum(w, 0)
+    lo = _key(thr) - 1
+    hi = _key(tl.max(vals, 0))
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum(tl.where(vals > _unkey(mid), w, 0.0), 0) < target
+        lo = tl.where(ok, lo, mid)
+        hi = tl.where(ok, mid, hi)
+    return _unkey(hi)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, out_ptr,
                    scratch_ptr, BLOCK: tl.constexpr, CAP: tl.constexpr):
     b = tl.program_id(0)
@@ -166,8 +195,7 @@ def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp
         # distinct elements), so the few tokens above it are compacted into scratch, sorted, and top-k / top-p
         # are read off the sorted candidates. Falls through to bisection when they overflow CAP.
         offs_l = tl.arange(0, BLOCK)
-        lanes = tl.sort(best, descending=True)
-        lb = tl.maximum(tl.sum(tl.where(offs_l == k - 1, lanes, 0.0), 0) * inv_t, thr)
+        lb = tl.maximum(_kth_largest(best, k) * inv_t, thr)
         count = vocab * 0
         scratch = scratch_ptr + b.to(tl.int64) * CAP
         for start in range(0, vocab, BLOCK):
@@ -180,14 +208,10 @@ def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp
         tl.debug_barrier()  # the stores above come from other threads of this program
         if count <= CAP:
             offs_c = tl.arange(0, CAP)
-            cand = tl.sort(tl.load(scratch + offs_c, mask=offs_c < count, other=float("-inf")), descending=True)
-            kth = tl.sum(tl.where(offs_c == k - 1, cand, 0.0), 0)
-            thr = tl.where(count >= k, tl.maximum(thr, kth), thr)  # fewer than k left after min-p: no-op
+            cand = tl.load(scratch + offs_c, mask=offs_c < count, other=float("-inf"))
+            thr = tl.where(count >= k, tl.maximum(thr, _kth_largest(cand, k)), thr)  # < k left after min-p: no-op
             if p < 1.0:
-                probs = tl.where(cand >= thr, tl.exp(cand - mx), 0.0)
-                above = tl.cumsum(probs, 0) - probs
-                keep = (cand >= thr) & (above < p * tl.sum(probs, 0))
-                thr = tl.maximum(thr, tl.min(tl.where(keep, cand, float("inf")), 0))
+                thr = tl.maximum(thr, _top_p_floor(cand, thr, mx, p))
             done = count * 0 + 1
     if (k > 0) & (k < vocab) & (done == 0):
         lo = _key(mn)  # count(l >= lo) = V >= k

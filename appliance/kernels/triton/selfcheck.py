@@ -207,7 +207,7 @@ def small_cases(device: str = "cpu") -> list[Case]:
         ("sample", "plain-f32", lambda: sample_inputs(4, 300, f32, d, "plain")),
         ("sample", "filtered-f32", lambda: sample_inputs(6, 500, f32, d, "filtered")),
         ("sample", "mixed-f16", lambda: sample_inputs(8, 257, f16, d, "mixed", seed=3)),
-        ("sample", "bigk-bisection-f32", lambda: sample_inputs(3, 4500, f32, d, "bigk")),
+        ("sample", "bigk-bisection-f32", lambda: sample_inputs(2, 2200, f32, d, "bigk")),
     ]
 
 

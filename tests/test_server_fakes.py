@@ -1,4 +1,4 @@
-"""An in-memory EngineClient for HTTP-layer tests: generates a fixed token script, one token per output."""
+"""An in-memory EngineClient for HTTP-layer tests (no tests here): a fixed token script, one token per output."""
 from __future__ import annotations
 
 import asyncio

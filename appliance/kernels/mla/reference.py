@@ -1,0 +1,57 @@
+"""Plain-torch MLA kernels (the oracle and the CPU path); see the package docstring for the contracts."""
+from __future__ import annotations
+
+import torch
+
+from appliance.kernels.registry import register
+
+
+@register("mla_store", "torch")
+def mla_store(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    keep = slot_mapping >= 0
+    rows = cache.view(-1, cache.shape[-1])
+    rows[slot_mapping[keep]] = latent[keep].to(cache.dtype)
+
+
+def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` latent rows of one request: [length, R+dr]."""
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:n_blocks].long()].reshape(-1, cache.shape[-1])[:length]
+
+
+def _softmax_attend(scores: torch.Tensor, values: torch.Tensor, equation: str) -> torch.Tensor:
+    return torch.einsum(equation, torch.softmax(scores, dim=-1), values)
+
+
+@register("mla_decode", "torch")
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float, kv_lora_rank: int) -> torch.Tensor:
+    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    for b, length in enumerate(seq_lens.tolist()):
+        lat = gather_latents(cache, block_tables[b], length).float()  # [L, R+dr]
+        scores = torch.einsum("hd,ld->hl", q[b].float(), lat) * scale
+        out[b] = _softmax_attend(scores, lat[:, :kv_lora_rank], "hl,lr->hr").to(q.dtype)
+    return out
+
+
+@register("mla_prefill", "torch")
+def mla_prefill(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                block_tables: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    heads, nope, rank = w_uk.shape
+    out = q.new_empty(q.shape[0], heads, w_uv.shape[1])
+    cu = cu_seqlens_q.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        lo, hi = cu[b], cu[b + 1]
+        lat = gather_latents(cache, block_tables[b], length).float()
+        kv_c, k_pe = lat[:, :rank], lat[:, rank:]
+        k_nope = torch.einsum("lr,hdr->hld", kv_c, w_uk.float())
+        v = torch.einsum("lr,hvr->hlv", kv_c, w_uv.float())
+        qb = q[lo:hi].float()
+        scores = (torch.einsum("qhd,hld->hql", qb[..., :nope], k_nope)
+                  + torch.einsum("qhd,ld->hql", qb[..., nope:], k_pe)) * scale
+        q_pos = torch.arange(length - (hi - lo), length, device=q.device)
+        k_pos = torch.arange(length, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[lo:hi] = _softmax_attend(scores, v, "hql,hlv->qhv").to(q.dtype)
+    return out

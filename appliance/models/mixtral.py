@@ -1,0 +1,131 @@
+"""Mixtral, and the mixture-of-experts decoder skeleton the other MoE families (qwen_moe, deepseek) build on.
+
+A MoE decoder is the Llama decoder with a per-layer choice of feed-forward (a sparse expert block or a dense
+MLP) and, for DeepSeek, a different attention. The skeleton reuses llama.py's forward passes and loader; this
+module adds routing of per-expert checkpoint tensors (`...experts.{e}.{w1,w2,w3 | gate_proj,up_proj,down_proj}`
+and transformers' fused 3-D `experts.gate_up_proj` / `experts.down_proj`) into the stacked expert weights.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from appliance.layers.moe import (
+    EXPERT_NAME,
+    EXPERT_SHARDS,
+    FUSED_EXPERT_NAME,
+    FusedMoE,
+    RouterConfig,
+    SparseMoeBlock,
+)
+from appliance.layers.norm import RMSNorm
+from appliance.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm residual layer around any attention and any feed-forward (`mlp`)."""
+
+    def __init__(self, cfg: Any, attn: nn.Module, mlp: nn.Module, backend: str) -> None:
+        nn.Module.__init__(self)
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+
+class MoEModel(LlamaModel):
+    def __init__(self, cfg: Any, layers: list[nn.Module], backend: str) -> None:
+        nn.Module.__init__(self)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+
+class MoECausalLM(LlamaForCausalLM):
+    """Base of the MoE families: subclasses say how layer i is built and how checkpoint names map onto ours."""
+
+    renames: tuple[tuple[str, str], ...] = ()  # checkpoint name fragment -> ours
+
+    def __init__(self, hf_config: Any, backend: str = "torch") -> None:
+        nn.Module.__init__(self)
+        self.config = hf_config
+        self.backend = backend
+        layers = [self.make_layer(i, backend) for i in range(hf_config.num_hidden_layers)]
+        self.model = MoEModel(hf_config, layers, backend)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def make_layer(self, index: int, backend: str) -> nn.Module:
+        raise NotImplementedError
+
+    def rename(self, name: str) -> str | None:
+        """Our parameter name for a checkpoint name; None skips the tensor."""
+        for src, dst in self.renames:
+            name = name.replace(src, dst)
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        loaded |= super().load_weights(self._route_experts(weights, loaded))
+        return loaded
+
+    def _route_experts(self, weights: Iterable[tuple[str, torch.Tensor]],
+                       loaded: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Load expert tensors into the stacked weights (noting them in `loaded`); yield everything else."""
+        for ckpt_name, tensor in weights:
+            name = self.rename(ckpt_name)
+            if name is None:
+                continue
+            m = EXPERT_NAME.match(name)
+            if m is not None:
+                moe = self._experts(m["prefix"], ckpt_name)
+                stacked, shard = EXPERT_SHARDS[m["proj"]]
+                target = f"{stacked}_{m['kind']}"
+                param = getattr(moe, target, None)
+                if param is None:
+                    raise KeyError(f"checkpoint tensor {ckpt_name!r} has no matching parameter (is the model fp8?)")
+                moe.load_expert(param, tensor, int(m["expert"]), shard)
+                loaded.add(f"{m['prefix']}.{target}")
+                continue
+            m = FUSED_EXPERT_NAME.match(name)
+            if m is not None:
+                self._experts(m["prefix"], ckpt_name).load_fused(m["proj"], tensor)
+                loaded.add(f"{m['prefix']}.{'w2' if m['proj'] == 'down_proj' else 'w13'}_weight")
+                continue
+            yield name, tensor
+
+    def _experts(self, prefix: str, source: str) -> FusedMoE:
+        try:
+            module = self.get_submodule(prefix)
+        except AttributeError as exc:
+            raise KeyError(f"checkpoint tensor {source!r} has no matching expert layer in the model") from exc
+        if not isinstance(module, FusedMoE):
+            raise KeyError(f"checkpoint tensor {source!r} names experts, but {prefix} is not an expert layer")
+        return module
+
+
+class MixtralForCausalLM(MoECausalLM):
+    renames = ((".block_sparse_moe.", ".mlp."),)
+
+    def make_layer(self, index: int, backend: str) -> nn.Module:
+        cfg = self.config
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        router = RouterConfig(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok, renormalize=True)
+        mlp = SparseMoeBlock(cfg.hidden_size, cfg.intermediate_size, router, backend=backend)
+        return MoEDecoderLayer(cfg, LlamaAttention(cfg, False, False, backend), mlp, backend)
+
+
+MODELS: dict[str, type[nn.Module]] = {"MixtralForCausalLM": MixtralForCausalLM}
