@@ -144,3 +144,25 @@ def test_eos_stops_unless_ignored_and_min_tokens_masks_it(tiny_model):
     assert ignored.token_ids == ref.token_ids and ignored.finish_reason == "length"
     held = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10, min_tokens=first + 2))[0].outputs[0]
     assert eos not in held.token_ids[: first + 2] and held.token_ids[:first] == ref.token_ids[:first]
+
+
+def test_failed_generate_leaves_the_engine_clean(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5, 6], [7] * 10_000], GREEDY)  # the second prompt is too long for the model
+    assert not llm.engine.has_work() and llm.engine.check_accounting().ok
+    assert llm.generate([[5, 6]], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_repetition_penalty_matches_transformers(llm, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    prompt = [5, 6, 7, 5, 6, 7]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, repetition_penalty=1.8,
+                          eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
+    plain = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                 repetition_penalty=1.8))[0].outputs[0].token_ids
+    assert ours == ref
+    assert ours != plain  # the penalty changed something, so the comparison means something

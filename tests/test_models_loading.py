@@ -123,3 +123,14 @@ def test_unsupported_architecture(tiny_model, tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="not supported"):
         _runner(out)
+
+
+@pytest.mark.parametrize("flat, match", [
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"quantization": "fp8"}, "quantization"),
+    ({"sampling_backend": "flashinfer"}, "sampling"),
+    ({"attention_backend": "flashinfer"}, "attention"),
+])
+def test_settings_this_executor_cannot_honour_are_errors(tiny_model, flat, match):
+    with pytest.raises(ValueError, match=match):
+        _runner(tiny_model, **flat)

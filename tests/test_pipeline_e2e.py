@@ -109,6 +109,7 @@ log_level = "warning"
         assert time.monotonic() < deadline, "not ready in 120 s"
         time.sleep(0.2)
     srv = Server(proc, port)
+    print(f"pipeline ready {120 - (deadline - time.monotonic()):.1f} s after start")
     yield srv
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

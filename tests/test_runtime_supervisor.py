@@ -61,3 +61,15 @@ def test_sigkill_of_the_supervisor_takes_the_children_down(make_tiny_model: Any)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_port_in_use_fails_fast_with_the_reason(tiny_model: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        proc = _start(tiny_model, s.getsockname()[1])
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "stage tokenizer failed" in err and "Address already in use" in err

@@ -302,8 +302,45 @@ async def test_host_header_must_be_allowed(tokenizer: Any) -> None:
 
 async def test_metrics_exposition(tokenizer: Any) -> None:
     async with client_for(tokenizer, FakeEngine([5])) as c:
-        await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        await c.post("/v1/completions", json={"prompt": "x", "model": "other"})
         text = (await c.get("/metrics")).text
-    assert 'appliance:request_success_total{finished_reason="length",model_name="tiny"} 1.0' in text
-    assert 'appliance:num_requests_running{model_name="tiny"} 0.0' in text
-    assert 'appliance:kv_blocks_total{model_name="tiny"} 10.0' in text
+    assert 'appliance:request_errors_total{model_name="tiny",status="404"} 1.0' in text
+    config = ApplianceConfig.model_validate({"model": {"path": "tiny"}})  # enable_metrics off: no route
+    ctx = make_context(config, tokenizer, FakeEngine([5]), max_model_len=64, vocab_size=384)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://x") as c:
+        assert (await c.get("/metrics")).status_code == 404
+
+
+async def test_request_dump_and_log(tokenizer: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from appliance.observability import read_dump
+
+    dump = tmp_path / "dump.jsonl"
+    config = ApplianceConfig.model_validate({
+        "model": {"path": "tiny"}, "api": {"chat_template": CHAT_TEMPLATE},
+        "observability": {"dump_path": str(dump), "enable_log_requests": True}})
+    ctx = make_context(config, tokenizer, FakeEngine(script_for(tokenizer, "Hello")), max_model_len=64, vocab_size=384)
+    with caplog.at_level("INFO", logger="appliance.requests"):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://x") as c:
+            await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 2, "stream": True})
+            await c.post("/v1/completions", json={"prompt": "x", "max_tokens": "2"})
+    ctx.obs.close()
+    records = list(read_dump(str(dump)))
+    assert [r["kind"] for r in records] == ["request", "response"] * 3
+    assert records[1]["body"]["choices"][0]["text"] == "HelloHello"
+    assert records[3]["stream"] and records[3]["body"]["choices"][0]["message"]["content"] == "HelloHello"
+    assert records[5]["body"]["error"]["param"] == "max_tokens"
+    lines = [r.getMessage() for r in caplog.records if r.name == "appliance.requests"]
+    assert sum(line.startswith("received") for line in lines) == 2
+    assert sum(line.startswith("finished") for line in lines) == 2
+async def test_stop_token_ids_end_the_choice_with_the_id_as_stop_reason(tokenizer: Any) -> None:
+    script = script_for(tokenizer, "Hello world! Hello there")
+    engine = FakeEngine(script)
+    async with client_for(tokenizer, engine) as c:
+        r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 30, "stop_token_ids": [script[2]]})
+        bad = await c.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [100000]})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == script[2]
+    assert choice["text"] == tokenizer.decode(script[:3])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"

@@ -4,9 +4,10 @@
     python3 tools/gpu_suite.py [--quick] [--sweep] [--json PATH]
 
 Correctness runs appliance.kernels.triton.selfcheck.realistic_cases (bf16 and fp16, Llama-3.1-8B heads). Timing
-uses triton.testing.do_bench (median of the repeats, CUDA events) on random inputs; achieved GB/s counts the least
-bytes each kernel must move (selfcheck.Inputs.nbytes). --sweep also tries decode/prefill tile and warp settings
-and split-K factors and prints the best per shape. JSON goes to --json, or $OUT/gpu_suite.json when OUT is set.
+uses triton.testing (median of the repeats, CUDA events) on random inputs: "us" is per call replayed from a CUDA
+graph (GPU time, as the model runner's graphs see it), "eager_us" per plain launch (includes Python launch cost);
+achieved GB/s counts the least bytes each kernel must move (selfcheck.Inputs.nbytes). --sweep also times decode
+split-K factors and prefill tile / warp / stage settings. JSON goes to --json, or $OUT/gpu_suite.json when OUT is set.
 Needs only torch and triton: the appliance's server dependencies are not imported.
 """
 from __future__ import annotations
@@ -22,14 +23,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
 
-import appliance.kernels.triton  # noqa: E402,F401  (registers the ops)
-from appliance.kernels.registry import get  # noqa: E402
-from appliance.kernels.triton import decode, prefill  # noqa: E402
-from appliance.kernels.triton import selfcheck as sc  # noqa: E402
+import appliance.kernels.triton  # noqa: F401  (registers the ops)
+from appliance.kernels.registry import get
+from appliance.kernels.triton import decode, prefill
+from appliance.kernels.triton import selfcheck as sc
 
 # Published on this box (docs/../shared/notes/gpu-box.md), flashinfer 0.6.14, median of 50.
 FLASHINFER_US = {"decode b64 kv1024": 144.7, "prefill 8x512 over 512": 167.2, "rms_norm 256x4096": 17.1,
@@ -42,9 +43,17 @@ MODE = "full"
 
 
 def bench(fn: Callable[[], Any]) -> float:
-    """Median microseconds (do_bench's warm-up and repeat arguments are milliseconds)."""
+    """Median microseconds of eager launches (do_bench's warm-up and repeat arguments are milliseconds)."""
     warmup, rep = REP_MS[MODE]
     return 1000.0 * float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def bench_graph(fn: Callable[[], Any]) -> float:
+    """Median microseconds per call replayed from a CUDA graph: the GPU time without Python launch overhead,
+    which is how the model runner calls these ops (decode under CUDA graphs)."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    return 1000.0 * float(do_bench_cudagraph(fn, rep=REP_MS[MODE][1], return_mode="median"))
 
 
 def check(rows: list[dict[str, Any]]) -> bool:
@@ -55,7 +64,7 @@ def check(rows: list[dict[str, Any]]) -> bool:
             tol = 0.05 if op == "sample" else res.tol  # GPU log/exp vs CPU: a rare near-tie may flip a token
             ok = res.err <= tol
             rows.append({"op": op, "case": case, "err": res.err, "tol": tol, "ok": ok})
-        except Exception as exc:  # report and go on: one broken op must not hide the rest
+        except Exception as exc:  # noqa: BLE001  (report and go on: one broken op must not hide the rest)
             ok = False
             rows.append({"op": op, "case": case, "error": f"{type(exc).__name__}: {exc}", "ok": False})
         ok_all &= ok
@@ -69,8 +78,14 @@ def check(rows: list[dict[str, Any]]) -> bool:
 def timed(name: str, op: str, inputs: sc.Inputs, flops: float = 0.0, ref_fn: bool = False,
           peer: str | None = None, **kwargs: Any) -> dict[str, Any]:
     fn = get(op, "triton")
-    us = bench(lambda: fn(*inputs.args, **kwargs))
-    row: dict[str, Any] = {"name": name, "op": op, "us": us, "GB/s": inputs.nbytes / us / 1e3}
+    call = lambda: fn(*inputs.args, **kwargs)
+    eager = bench(call)
+    try:
+        us = bench_graph(call)
+    except Exception as exc:  # noqa: BLE001  (capture failed: report eager time and say so)
+        print(f"graph capture failed for {name}: {type(exc).__name__}: {exc}", flush=True)
+        us = eager
+    row: dict[str, Any] = {"name": name, "op": op, "us": us, "eager_us": eager, "GB/s": inputs.nbytes / us / 1e3}
     if flops:
         row["TFLOP/s"] = flops / us / 1e6
     if ref_fn:
@@ -123,60 +138,48 @@ def timings(quick: bool) -> list[dict[str, Any]]:
     filt[3] = torch.full((256,), 0.9, device=dev)
     rows.append(timed("sample k50 p0.9 256x128256", "sample", sc.Inputs(tuple(filt), greedy.nbytes),
                       peer="sample 256x128256 k50 p0.9"))
+    filt[2] = torch.zeros(256, dtype=torch.int32, device=dev)  # top-p alone: the bisection path
+    rows.append(timed("sample p0.9 only 256x128256", "sample", sc.Inputs(tuple(filt), greedy.nbytes)))
     return rows
 
 
 def sweep() -> list[dict[str, Any]]:
-    """Decode: tile x warps x stages x split factor; prefill: tiles x warps x stages. Restores the defaults."""
+    """Decode: split factors at the default tile; prefill: tile shapes x warps x stages. Restores the defaults."""
     global MODE
     MODE = "sweep"
     rows: list[dict[str, Any]] = []
-    saved = (decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES)
-    for bsz, ctx in ((1, 4096), (8, 4096), (64, 1024), (256, 1024)):
+    for bsz, ctx in ((1, 4096), (8, 4096), (16, 1024), (64, 1024), (32, 4096)):
         inputs = sc.decode_inputs(bsz, 32, 8, 128, 16, [ctx] * bsz, BF, "cuda")
-        best: dict[str, Any] | None = None
-        for bn in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (1, 2, 3):
-                    decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = bn, warps, stages
-                    for splits in (None, 1, 2, 4, 8, 16):
-                        try:
-                            r = timed(f"decode b{bsz} kv{ctx}", "decode_attention", inputs, num_splits=splits)
-                        except Exception as exc:  # e.g. out of shared memory
-                            print(f"sweep skip bn={bn} w={warps} s={stages}: {type(exc).__name__}", flush=True)
-                            break
-                        r.update(block_n=bn, warps=warps, stages=stages, splits=splits or "auto")
-                        rows.append(r)
-                        if best is None or r["us"] < best["us"]:
-                            best = r
-        print(f"sweep best {best}", flush=True)
-    decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = saved
+        auto = decode.num_splits_for(bsz, 8, ctx + 16, 132)
+        for splits in (None, 1, 2, 4, 8, 16):
+            r = timed(f"decode b{bsz} kv{ctx}", "decode_attention", inputs, num_splits=splits)
+            r.update(splits=splits or f"auto({auto})")
+            rows.append(r)
+            print(f"sweep decode b{bsz} kv{ctx} splits={r['splits']}: {r['us']:.1f} us", flush=True)
     saved_p = (prefill.BLOCK_M, prefill.BLOCK_N, prefill.NUM_WARPS, prefill.NUM_STAGES)
-    for q_lens, pre in (([512] * 8, [512] * 8), ([4096], [0])):
+    for q_lens, pre in (([512] * 8, [512] * 8), ([4096], [0]), ([128] * 16, [2048] * 16)):
         inputs = sc.prefill_inputs(q_lens, pre, 32, 8, 128, 16, BF, "cuda")
-        best = None
-        for bm, bn in ((64, 64), (128, 64), (128, 32), (64, 32), (128, 128)):
-            for warps in (4, 8):
-                for stages in (1, 2, 3):
-                    prefill.BLOCK_M, prefill.BLOCK_N, prefill.NUM_WARPS, prefill.NUM_STAGES = bm, bn, warps, stages
-                    try:
-                        r = timed(f"prefill {len(q_lens)}x{q_lens[0]} over {pre[0]}", "prefill_attention", inputs,
-                                  flops=attn_flops(q_lens, pre, 32, 128))
-                    except Exception as exc:
-                        print(f"sweep skip bm={bm} bn={bn} w={warps} s={stages}: {type(exc).__name__}", flush=True)
-                        continue
-                    r.update(block_m=bm, block_n=bn, warps=warps, stages=stages)
-                    rows.append(r)
-                    if best is None or r["us"] < best["us"]:
-                        best = r
-        print(f"sweep best {best}", flush=True)
+        for bm, bn, warps, stages in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2),
+                                      (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3),
+                                      (128, 64, 4, 3)):
+            prefill.BLOCK_M, prefill.BLOCK_N, prefill.NUM_WARPS, prefill.NUM_STAGES = bm, bn, warps, stages
+            name = f"prefill {len(q_lens)}x{q_lens[0]} over {pre[0]}"
+            try:
+                r = timed(name, "prefill_attention", inputs, flops=attn_flops(q_lens, pre, 32, 128))
+            except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: skip the config)
+                print(f"sweep skip bm={bm} bn={bn} w={warps} s={stages}: {type(exc).__name__}", flush=True)
+                continue
+            r.update(block_m=bm, block_n=bn, warps=warps, stages=stages)
+            rows.append(r)
+            print(f"sweep {name} bm={bm} bn={bn} w={warps} s={stages}: {r['us']:.1f} us "
+                  f"{r['TFLOP/s']:.0f} TFLOP/s", flush=True)
     prefill.BLOCK_M, prefill.BLOCK_N, prefill.NUM_WARPS, prefill.NUM_STAGES = saved_p
     MODE = "full"
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    cols = ["name", "us", "GB/s", "TFLOP/s", "torch_us", "flashinfer_us"]
+    cols = ["name", "us", "eager_us", "GB/s", "TFLOP/s", "torch_us", "flashinfer_us"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

@@ -8,6 +8,7 @@ request.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,9 +84,16 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine and drop the executor's request state (the model stays loaded until garbage)."""
+        self.engine.shutdown()
+
     # ---- generate ----------------------------------------------------------------------------------------
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (a string, a list of token ids, or a dict with `prompt_token_ids` or
+        `prompt`); params are one for all or one per prompt. use_tqdm shows a progress bar of finished sequences."""
         items = self._prompt_list(prompts)
         params = self._params_list(sampling_params, len(items))
         inputs = [self._tokenize(p) for p in items]
@@ -97,22 +105,38 @@ class LLM:
                 self._counter += 1
                 seqs.append(_Sequence(f"{self._counter}", i, j, child, self._detokenizer(ids, child)))
         self._prompt_lps = {}
-        self._run(seqs, {s.request_id: inputs[s.prompt_index][1] for s in seqs})
+        self._run(seqs, {s.request_id: inputs[s.prompt_index][1] for s in seqs}, use_tqdm)
         return self._collect(inputs, seqs)
 
-    def _run(self, seqs: list[_Sequence], prompt_ids: dict[str, list[int]]) -> None:
+    def _run(self, seqs: list[_Sequence], prompt_ids: dict[str, list[int]], use_tqdm: bool = False) -> None:
         by_id = {s.request_id: s for s in seqs}
-        pending = list(seqs)
-        while pending or self.engine.has_work():
-            while pending and self.engine.can_queue():
-                s = pending.pop(0)
-                self.engine.add_request(s.request_id, prompt_ids[s.request_id], s.params)
-            steps_before = self.engine.stats().num_steps
-            deltas = self.engine.step()
-            if not deltas and self.engine.stats().num_steps == steps_before and self.engine.has_work():
-                raise RuntimeError("the engine has requests but scheduled nothing (KV cache too small?)")
-            for d in deltas:
-                self._apply(by_id[d.request_id], d)
+        pending = deque(seqs)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(seqs), desc="generate", unit="seq")
+        try:
+            while pending or self.engine.has_work():
+                while pending and self.engine.can_queue():
+                    s = pending.popleft()
+                    self.engine.add_request(s.request_id, prompt_ids[s.request_id], s.params)
+                steps_before = self.engine.stats().num_steps
+                deltas = self.engine.step()
+                if not deltas and self.engine.stats().num_steps == steps_before and self.engine.has_work():
+                    raise RuntimeError("the engine has requests but scheduled nothing (KV cache too small?)")
+                for d in deltas:
+                    s = by_id[d.request_id]
+                    self._apply(s, d)
+                    if bar is not None and s.finish_reason is not None:
+                        bar.update(1)
+        except BaseException:
+            for s in seqs:  # leave the engine empty for the next call (errors, KeyboardInterrupt)
+                self.engine.abort(s.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
 
     def _apply(self, s: _Sequence, d: RequestDelta) -> None:
         s.token_ids.extend(d.new_token_ids)
@@ -120,7 +144,8 @@ class LLM:
         if d.new_logprobs is not None:
             s.logprobs = s.logprobs or []
             for tl in d.new_logprobs:
-                s.logprobs.append(self._logprob_dict(tl.token_id, tl.logprob, tl.top_logprobs))
+                s.logprobs.append(self._logprob_dict(tl.token_id, tl.logprob, tl.top_logprobs,
+                                                     getattr(tl, "rank", None)))
                 if tl.logprob is not None:
                     s.cumulative_logprob = (s.cumulative_logprob or 0.0) + tl.logprob
         if d.prompt_logprobs is not None:
@@ -143,11 +168,14 @@ class LLM:
             if d.finish_reason == "stop" and last in s.params.stop_token_ids:
                 s.stop_reason = last
 
-    def _logprob_dict(self, token: int, logprob: float | None,
-                      top: Sequence[tuple[int, float]]) -> dict[int, Logprob]:
-        """The chosen token first, then the top alternatives (best first, so their rank is their position)."""
+    def _logprob_dict(self, token: int, logprob: float | None, top: Sequence[tuple[int, float]],
+                      rank: int | None = None) -> dict[int, Logprob]:
+        """The chosen token first, then the top alternatives (best first, so their rank is their position).
+        The chosen token's rank comes from the engine when it carries one (TokenLogprob.rank), else from its
+        place in the top list, else it is None."""
         ranks = {t: r for r, (t, _) in enumerate(top, start=1)}
-        out = {token: Logprob(float("nan") if logprob is None else logprob, ranks.get(token), self._decode1(token))}
+        rank = rank if rank is not None else ranks.get(token)
+        out = {token: Logprob(float("nan") if logprob is None else logprob, rank, self._decode1(token))}
         for t, lp in top:
             if t not in out:
                 out[t] = Logprob(lp, ranks[t], self._decode1(t))

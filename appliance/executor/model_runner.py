@@ -7,6 +7,7 @@ prompt rows of requests that asked for prompt logprobs).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -29,6 +30,9 @@ from appliance.executor.sampler import Sampler, SamplingRow
 from appliance.models.registry import model_class
 
 log = logging.getLogger(__name__)
+
+# step.py's SampledToken has no rank field yet; pass the sampler's rank once it has one
+_SAMPLED_HAS_RANK = "rank" in {f.name for f in dataclasses.fields(SampledToken)}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,16 +94,29 @@ def read_eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
     return ids
 
 
+def _check_supported(config: Any, device: torch.device) -> None:
+    """Settings this executor cannot honour are errors (or, for CUDA graphs, a warning), never silently dropped."""
+    if config.precision.quantization is not None:
+        raise ValueError(f"precision.quantization={config.precision.quantization!r} is not supported by this "
+                         "executor yet")
+    if config.backends.sampling not in ("auto", "torch"):
+        raise ValueError(f"backends.sampling={config.backends.sampling!r} is not supported by this executor yet "
+                         "(supported: auto, torch)")
+    if config.speculative.algorithm is not None:
+        raise ValueError(f"speculative.algorithm={config.speculative.algorithm!r} is not supported by this "
+                         "executor yet")
+    if device.type == "cuda" and not config.backends.enforce_eager:
+        log.warning("CUDA graphs are not implemented yet: running eagerly (set backends.enforce_eager to silence)")
+
+
 class ModelRunner:
     def __init__(self, config: Any) -> None:
         from appliance.config import resolve_model_path
 
         m = config.model
-        if config.precision.quantization is not None:
-            raise ValueError(f"precision.quantization={config.precision.quantization!r} is not supported by this "
-                             "executor yet")
         self.config = config
         self.device = resolve_device(m.device)
+        _check_supported(config, self.device)
         self.model_dir = resolve_model_dir(resolve_model_path(m.path), m.revision, m.download_dir)
         self.hf_config = load_hf_config(self.model_dir, m.hf_overrides, m.trust_remote_code)
         self.dtype = resolve_dtype(config.precision.dtype, self.hf_config, self.device)
@@ -229,13 +246,19 @@ class ModelRunner:
         prompt_lps = {c.state.request_id: self._prompt_logprobs(c, logits[i : i + n]) for c, i, n in prompt_at}
         sampled: list[SampledToken] = []
         if sample_at:
-            srows = [SamplingRow(c.state.params, c.state.token_ids[: c.state.num_prompt_tokens], c.state.output_ids)
-                     for c, _ in sample_at]
+            srows = [self._sampling_row(c.state) for c, _ in sample_at]
             results = self.sampler(logits[[i for _, i in sample_at]], srows)
             for (c, _), r in zip(sample_at, results):
                 c.state.token_ids.append(r.token_id)
-                sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs))
+                extra = {"rank": r.rank} if _SAMPLED_HAS_RANK else {}
+                sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs, **extra))
         return sampled, prompt_lps
+
+    @staticmethod
+    def _sampling_row(state: RequestState) -> SamplingRow:
+        # only the repetition penalty reads the prompt: skip copying long prompts every step otherwise
+        prompt = state.token_ids[: state.num_prompt_tokens] if state.params.repetition_penalty != 1.0 else ()
+        return SamplingRow(state.params, prompt, state.output_ids)
 
     @staticmethod
     def _prompt_logprobs(c: Chunk, logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:

@@ -21,6 +21,7 @@ from appliance.runtime.messages import (
     FRONTEND_CODEC, OUTPUT_CODEC, REQUEST_CODEC, AbortRequest, GenerateRequest, OutputBatch, PipelineState,
     StatsQuery, StatsReply,
 )
+from appliance.observability.stats import StatsSnapshot
 from appliance.server.engine_client import EngineDead, QueueFull, RequestOutput
 
 log = logging.getLogger("appliance.frontend")
@@ -29,7 +30,8 @@ _DEAD = object()  # queue sentinel: the pipeline failed
 
 
 class ZmqEngineClient:
-    def __init__(self, addresses: Addresses, max_queued_requests: int | None) -> None:
+    def __init__(self, addresses: Addresses, max_queued_requests: int | None, obs: Any = None) -> None:
+        self._obs = obs  # observability.FrontendObservability: request-level metrics, scheduler snapshots
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
         self._push = self._sync_ctx.socket(zmq.PUSH)
@@ -87,10 +89,14 @@ class ZmqEngineClient:
         try:
             self._send(GenerateRequest(request_id, list(prompt_token_ids), sampling.to_dict(), time.time()))
             self._sent_since_report += 1
+            if self._obs is not None:
+                self._obs.request_arrived(request_id, len(prompt_token_ids), sampling.max_tokens)
             while True:
                 item = await queue.get()
                 if item is _DEAD:
                     finished = True
+                    if self._obs is not None and self._obs.metrics is not None:
+                        self._obs.metrics.on_request_finished(request_id, "error")
                     raise EngineDead(self._error or "the engine failed")
                 if item.finish_reason is not None:
                     finished = True
@@ -101,6 +107,8 @@ class ZmqEngineClient:
             self._queues.pop(request_id, None)
             if not finished:  # closed early: client gone, stop string, timeout -> free its blocks now
                 self._send_abort([request_id])
+                if self._obs is not None:
+                    self._obs.request_aborted(request_id)
 
     async def abort(self, request_ids: list[str]) -> None:
         self._send_abort(request_ids)
@@ -158,6 +166,15 @@ class ZmqEngineClient:
             pass  # the scheduler is gone; nothing is left to free
 
     async def _read_outputs(self) -> None:
+        try:
+            await self._route_outputs()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here would leave every request hanging: fail them loudly instead
+            log.exception("the output reader crashed")
+            self.fail("internal error in the output reader")
+
+    async def _route_outputs(self) -> None:
         while True:
             msg = OUTPUT_CODEC.decode_or_none(await self._pull.recv())
             if isinstance(msg, OutputBatch):
@@ -167,6 +184,11 @@ class ZmqEngineClient:
                     q = self._queues.get(out.request_id)
                     if q is not None:  # else: aborted by us, late output
                         q.put_nowait(out)
+                        if self._obs is not None:
+                            self._obs.on_output(out)
+            elif isinstance(msg, StatsSnapshot):
+                if self._obs is not None:
+                    self._obs.on_snapshot(msg)
             elif isinstance(msg, StatsReply):
                 fut = self._stats_waiters.get(msg.query_id)
                 if fut is not None and not fut.done():

@@ -4,7 +4,7 @@ Sockets (all `ipc://` paths in a private directory the supervisor creates, see `
   control   children -> supervisor   StageReady, StageFailed
   frontend  supervisor -> tokenizer  PipelineState (failed / draining), so in-flight requests end with an error
   requests  tokenizer -> scheduler   GenerateRequest, AbortRequest, StatsQuery
-  outputs   scheduler -> tokenizer   OutputBatch, StatsReply
+  outputs   scheduler -> tokenizer   OutputBatch, StatsReply, StatsSnapshot (observability, ~1/s)
   plans     scheduler -> worker i    StepPlan (engine/step.py)
   results   workers -> scheduler     StepResult, WorkerError
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.engine.step import StepPlan, StepResult
+from appliance.observability.stats import StatsSnapshot
 from appliance.runtime.wire import Codec
 from appliance.server.engine_client import RequestOutput
 
@@ -78,6 +79,6 @@ class WorkerError:
 CONTROL_CODEC = Codec(StageReady, StageFailed)
 FRONTEND_CODEC = Codec(PipelineState)
 REQUEST_CODEC = Codec(GenerateRequest, AbortRequest, StatsQuery)
-OUTPUT_CODEC = Codec(OutputBatch, StatsReply)
+OUTPUT_CODEC = Codec(OutputBatch, StatsReply, StatsSnapshot)
 PLAN_CODEC = Codec(StepPlan)
 RESULT_CODEC = Codec(StepResult, WorkerError)

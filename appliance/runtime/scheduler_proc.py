@@ -16,6 +16,7 @@ from appliance.engine.config import EngineConfig
 from appliance.engine.core import EngineCore, QueueFull
 from appliance.engine.delta import RequestDelta
 from appliance.engine.sampling_params import SamplingParams
+from appliance.observability import SchedulerObservability
 from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.messages import (
     CONTROL_CODEC, OUTPUT_CODEC, REQUEST_CODEC, AbortRequest, GenerateRequest, OutputBatch, StageReady,
@@ -41,8 +42,10 @@ def delta_to_output(d: RequestDelta) -> RequestOutput:
 
 
 class SchedulerLoop:
-    def __init__(self, core: EngineCore, requests: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, core: EngineCore, requests: zmq.Socket, outputs: zmq.Socket, parent_pid: int,
+                 obs: SchedulerObservability) -> None:
         self.core = core
+        self.obs = obs
         self.requests = requests
         self.outputs = outputs
         self.parent_pid = parent_pid
@@ -57,11 +60,15 @@ class SchedulerLoop:
             if self.core.has_work():
                 self._busy = True
                 deltas = self.core.step()
+                self.obs.after_step(self.core, deltas)
                 if deltas:
                     self._send([delta_to_output(d) for d in deltas])
             elif self._busy:
                 self._busy = False
                 self._check_accounting()
+            snap = self.obs.due_snapshot(self.core)
+            if snap is not None:
+                self.outputs.send(OUTPUT_CODEC.encode(snap))
 
     def _drain_requests(self) -> None:
         rejected: list[RequestOutput] = []
@@ -78,7 +85,8 @@ class SchedulerLoop:
             elif isinstance(msg, AbortRequest):
                 for rid in msg.request_ids:
                     self.core.abort(rid)
-            elif isinstance(msg, StatsQuery):
+            elif isinstance(msg, StatsQuery):  # a fresh snapshot first: a /metrics scrape waits for the reply
+                self.outputs.send(OUTPUT_CODEC.encode(self.obs.snapshot(self.core)))
                 self.outputs.send(OUTPUT_CODEC.encode(StatsReply(msg.query_id, self.stats())))
         if REQUEST_CODEC.num_malformed:
             log.warning("dropped %d malformed frames so far", REQUEST_CODEC.num_malformed)
@@ -124,7 +132,8 @@ def run_scheduler(boot: Bootstrap) -> None:
                                        int(w0["max_model_len"]))
     ctx = zmq.Context()
     executor = RemoteExecutor(ctx, boot.addresses, alive=lambda: parent_alive(boot.parent_pid))
-    core = EngineCore(ecfg, executor)
+    obs = SchedulerObservability(config.observability, ecfg.block_size, dp_rank=0)
+    core = EngineCore(ecfg, executor, on_kv_event=obs.kv_event_sink)
     requests = ctx.socket(zmq.PULL)
     requests.bind(boot.addresses.requests)
     outputs = ctx.socket(zmq.PUSH)
@@ -139,7 +148,8 @@ def run_scheduler(boot: Bootstrap) -> None:
              ecfg.max_model_len)
     started = time.monotonic()
     try:
-        SchedulerLoop(core, requests, outputs, boot.parent_pid).run()
+        SchedulerLoop(core, requests, outputs, boot.parent_pid, obs).run()
     finally:
+        obs.close()
         core.shutdown()
         log.debug("scheduler stopped after %.0f s", time.monotonic() - started)

@@ -174,7 +174,8 @@ class Supervisor:
             pass  # it died; _await_ready reports it
 
     def _await_ready(self, st: StageProc) -> None:
-        deadline = time.monotonic() + self.ready_timeout
+        started = time.monotonic()
+        deadline = started + self.ready_timeout
         while not st.info:
             if self._stop_signal is not None:
                 raise StageError(f"interrupted while {st.name} was starting")
@@ -183,6 +184,7 @@ class Supervisor:
             failure = self._poll_failure(timeout_ms=100)
             if failure is not None:
                 raise StageError(failure)
+        log.info("stage %s ready (pid %d, %.1f s)", st.name, st.proc.pid, time.monotonic() - started)
 
     def _poll_failure(self, timeout_ms: int) -> str | None:
         if self._control.poll(timeout_ms):

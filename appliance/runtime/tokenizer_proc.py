@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from typing import IO
 
 import uvicorn
@@ -35,42 +36,61 @@ def load_server_tokenizer(config) -> object:
                           trust_remote_code=m.trust_remote_code, revision=m.revision, download_dir=m.download_dir)
 
 
-def prepare_tokenizer(boot: Bootstrap) -> tuple[object, object]:
-    """The slow part (imports, tokenizer files), done while the workers load the model."""
+def bind_http(host: str, port: int) -> socket.socket:
+    """Bind the HTTP port first thing, so a port in use fails the start-up at once with a clear message."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def prepare_tokenizer(boot: Bootstrap) -> tuple[object, object, socket.socket]:
+    """The slow part (imports, tokenizer files), done while the workers load the model; the port is bound
+    before it."""
+    config = boot.load_config()
+    sock = bind_http(config.api.host, config.api.port)
     import appliance.server.app  # noqa: F401  (import cost paid early)
 
-    config = boot.load_config()
-    return config, load_server_tokenizer(config)
+    return config, load_server_tokenizer(config), sock
 
 
-def run_tokenizer(boot: Bootstrap, prepared: tuple[object, object], stdin: IO[str]) -> None:
-    config, tokenizer = prepared
-    asyncio.run(_serve(boot, config, tokenizer, stdin))
+def run_tokenizer(boot: Bootstrap, prepared: tuple[object, object, socket.socket], stdin: IO[str]) -> None:
+    config, tokenizer, sock = prepared
+    asyncio.run(_serve(boot, config, tokenizer, sock, stdin))
 
 
-async def _serve(boot: Bootstrap, config, tokenizer, stdin: IO[str]) -> None:
+async def _serve(boot: Bootstrap, config, tokenizer, sock: socket.socket, stdin: IO[str]) -> None:
     from appliance.server.app import StartingGate, build_app
-    from appliance.server.context import make_context
+    from appliance.observability import FrontendObservability
+    from appliance.server.context import make_context, served_model_name
 
     gate = StartingGate()
     obs = config.observability
     server = uvicorn.Server(uvicorn.Config(
         gate, host=config.api.host, port=config.api.port, log_level=(obs.log_level_http or obs.log_level),
         access_log=obs.enable_log_requests, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off", server_header=False))
-    serve = asyncio.create_task(server.serve())
+    serve = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if serve.done():
             serve.result()  # raises the bind error
             raise RuntimeError(f"HTTP server did not start on {config.api.host}:{config.api.port}")
         await asyncio.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    port = sock.getsockname()[1]
     # the port answers 503 while the workers and the scheduler get ready
     await asyncio.to_thread(boot.wait_peers, stdin)
     sched = boot.peers["scheduler"]
     vocab = int(boot.peers["worker0"].get("vocab_size") or len(tokenizer))
-    engine = ZmqEngineClient(boot.addresses, sched.get("max_queued_requests"))
+    max_model_len = int(sched["max_model_len"])
+    obs = FrontendObservability(config, served_model_name(config), max_model_len)
+    engine = ZmqEngineClient(boot.addresses, sched.get("max_queued_requests"), obs)
     engine.start()
-    ctx = make_context(config, tokenizer, engine, max_model_len=int(sched["max_model_len"]), vocab_size=vocab)
+    ctx = make_context(config, tokenizer, engine, max_model_len=max_model_len, vocab_size=vocab, obs=obs)
     gate.open(build_app(ctx))
     control = zmq.Context.instance().socket(zmq.PUSH)
     control.setsockopt(zmq.LINGER, 1000)
@@ -84,4 +104,5 @@ async def _serve(boot: Bootstrap, config, tokenizer, stdin: IO[str]) -> None:
         await asyncio.sleep(0.5)
     await serve
     await engine.close()
+    obs.close()
     control.close(0)

@@ -18,7 +18,6 @@ from appliance.server.chat import create_chat_completion, render_prompt
 from appliance.server.context import ServerContext
 from appliance.server.engine_client import EngineDead, QueueFull
 from appliance.server.errors import ApiError, internal_error
-from appliance.server.metrics import CONTENT_TYPE
 from appliance.server.protocol import DetokenizeRequest, TokenizeChatRequest, parse_body, parse_tokenize
 from appliance.server.request_body import read_json
 from appliance.server.completions import create_completion
@@ -44,7 +43,7 @@ def _guarded(ctx: ServerContext, fn: Handler) -> Callable[[Request], Awaitable[R
             err = ApiError(503, f"the engine is unavailable: {exc}")
         except Exception as exc:  # a bug: log it, answer a generic 500
             err = internal_error(exc)
-        ctx.metrics.error(err.status)
+        ctx.http_error(err.status)
         return err.response()
 
     return endpoint
@@ -70,11 +69,12 @@ async def version(ctx: ServerContext, request: Request) -> Response:
 
 
 async def metrics(ctx: ServerContext, request: Request) -> Response:
-    try:
-        ctx.metrics.update_scheduler(await ctx.engine.stats())
+    try:  # the scheduler answers a stats query with a fresh snapshot first
+        await ctx.engine.stats()
     except Exception as exc:  # a scrape during a failure still answers with what the server knows
-        log.debug("metrics: no scheduler stats (%s)", type(exc).__name__)
-    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+        log.debug("metrics: no fresh scheduler snapshot (%s)", type(exc).__name__)
+    body, content_type = ctx.obs.render()
+    return Response(body, headers={"content-type": content_type})
 
 
 async def stats(ctx: ServerContext, request: Request) -> Response:
@@ -140,7 +140,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         Route("/version", _guarded(ctx, version), methods=["GET"]),
         Route("/v1/internal/stats", _guarded(ctx, stats), methods=["GET"]),
     ]
-    if ctx.config.observability.enable_metrics:
+    if ctx.obs is not None and ctx.obs.metrics is not None:  # observability.enable_metrics
         routes.append(Route("/metrics", _guarded(ctx, metrics), methods=["GET"]))
     middleware = [Middleware(AuthMiddleware, keys=keys, allowed_hosts=ctx.config.api.allowed_hosts)]
     return Starlette(routes=routes, middleware=middleware,

@@ -17,6 +17,7 @@ from appliance.engine.sampling_params import SamplingParams
 from appliance.server.chat_template import normalize_messages
 from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError
+from appliance.server.exchange import Exchange
 from appliance.server.generation import ChoiceDelta, Generation, TokenLogprob, new_request_id, with_deadline
 from appliance.server.protocol import ChatCompletionRequest, parse_body
 from appliance.server.request_body import read_json
@@ -155,6 +156,15 @@ def render_prompt(ctx: ServerContext, req: Any, thinking_enabled: bool | None = 
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     body = await read_json(request, ctx.config.api.caps.max_body_bytes)
+    exchange = Exchange(ctx.obs, request.url.path, body)
+    try:
+        return await _create(ctx, request, body, exchange)
+    except ApiError as exc:
+        exchange.failed(exc.body(), exc.message)
+        raise
+
+
+async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exchange) -> Response:
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     ctx.check_model(req.model)
     ctx.engine.check_capacity(req.n)  # before any template / tokenization work
@@ -167,7 +177,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     rid = new_request_id("chatcmpl")
     gen = Generation(ctx.engine, ctx.tokenizer, rid, ids, params, req.n,
                      stream_interval=ctx.config.api.stream_interval)
-    shaper = _ChatShaper(ctx, req, rid, gen, processors)
+    exchange.accepted(rid, len(ids), params.to_dict(), text)
+    shaper = _ChatShaper(ctx, req, rid, gen, processors, exchange)
     if req.stream:
         return SSEResponse(shaper.events())
     result = await run_until_disconnect(request.receive, shaper.collect)
@@ -181,8 +192,9 @@ def _logprob_entry(lp: TokenLogprob) -> dict[str, Any]:
 
 class _ChatShaper:
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest, rid: str, gen: Generation,
-                 processors: list[ChatOutputProcessor]) -> None:
+                 processors: list[ChatOutputProcessor], exchange: Exchange) -> None:
         self.ctx, self.req, self.rid, self.gen, self.processors = ctx, req, rid, gen, processors
+        self.exchange = exchange
         self.created = int(time.time())
 
     def _stream(self) -> AsyncIterator[ChoiceDelta]:
@@ -208,22 +220,25 @@ class _ChatShaper:
                 "logprobs": {"content": [_logprob_entry(lp) for lp in lps.get(i, [])]} if self.req.logprobs else None,
                 "finish_reason": proc.finish_reason(reason), "stop_reason": stop_reason,
             })
-            self.ctx.metrics.finished(reason)
         usage = self.gen.usage.as_dict(self.ctx.cache_report)
-        self.ctx.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"])
-        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.ctx.model_name,
+        body = {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.ctx.model_name,
                 "choices": choices, "usage": usage}
+        self.exchange.done(usage, choices[0]["finish_reason"], "".join(texts.get(0, [])), body)
+        return body
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         obj: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
                                "model": self.ctx.model_name, "choices": choices}
         if usage is not None:
             obj["usage"] = usage
+        self.exchange.chunk(obj)
         return sse(obj)
 
     async def events(self) -> AsyncIterator[str]:
         opts = self.req.stream_options
         include_usage = bool(opts and opts.include_usage)
+        texts: list[str] = []
+        finish: str | None = None
         try:
             for i in range(self.req.n):  # the role comes first, as OpenAI sends it
                 yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -238,15 +253,19 @@ class _ChatShaper:
                     delta.update(proc.end())
                     choice["finish_reason"] = proc.finish_reason(d.finish_reason)
                     choice["stop_reason"] = d.stop_reason
-                    self.ctx.metrics.finished(d.finish_reason)
+                    if d.index == 0:
+                        finish = choice["finish_reason"]
                 elif not delta and choice["logprobs"] is None:
                     continue
+                if d.index == 0:
+                    texts.append(d.text)
                 yield self._chunk([choice])
             usage = self.gen.usage.as_dict(self.ctx.cache_report)
-            self.ctx.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"])
             if include_usage:
                 yield self._chunk([], usage)
+            self.exchange.done(usage, finish, "".join(texts))
         except ApiError as exc:
-            self.ctx.metrics.error(exc.status)
+            self.ctx.http_error(exc.status)
+            self.exchange.failed(exc.body(), exc.message, stream=True)
             yield exc.sse_data()
         yield DONE

@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError, bad_request
+from appliance.server.exchange import Exchange
 from appliance.server.generation import ChoiceDelta, Generation, TokenLogprob, merge, new_request_id, with_deadline
 from appliance.server.protocol import CompletionRequest, parse_body
 from appliance.server.request_body import read_json
@@ -40,6 +41,15 @@ def num_prompts(prompt: Any) -> int:
 
 async def create_completion(ctx: ServerContext, request: Request) -> Response:
     body = await read_json(request, ctx.config.api.caps.max_body_bytes)
+    exchange = Exchange(ctx.obs, request.url.path, body)
+    try:
+        return await _create(ctx, request, body, exchange)
+    except ApiError as exc:
+        exchange.failed(exc.body(), exc.message)
+        raise
+
+
+async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exchange) -> Response:
     req: CompletionRequest = parse_body(CompletionRequest, body)
     ctx.check_model(req.model)
     ctx.engine.check_capacity(num_prompts(req.prompt) * req.n)  # before any tokenization work
@@ -53,7 +63,8 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
         gens.append(Generation(ctx.engine, ctx.tokenizer, f"{rid}-p{k}" if len(prompts) > 1 else rid, ids,
                                params, req.n, index_offset=k * req.n,
                                stream_interval=ctx.config.api.stream_interval))
-    shaper = _Shaper(ctx, req, rid, gens)
+    exchange.accepted(rid, sum(len(p) for p in prompts), gens[0].params.to_dict(), req.prompt)
+    shaper = _Shaper(ctx, req, rid, gens, exchange)
     if req.stream:
         return SSEResponse(shaper.events())
     result = await run_until_disconnect(request.receive, shaper.collect)
@@ -61,8 +72,9 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
 
 
 class _Shaper:
-    def __init__(self, ctx: ServerContext, req: CompletionRequest, rid: str, gens: list[Generation]) -> None:
-        self.ctx, self.req, self.rid, self.gens = ctx, req, rid, gens
+    def __init__(self, ctx: ServerContext, req: CompletionRequest, rid: str, gens: list[Generation],
+                 exchange: Exchange) -> None:
+        self.ctx, self.req, self.rid, self.gens, self.exchange = ctx, req, rid, gens, exchange
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # text_offset per choice
 
@@ -135,23 +147,26 @@ class _Shaper:
                     choice_lps = self._echo_logprobs(index) + (choice_lps or [])
             reason, stop_reason = finish.get(index, ("abort", None))
             choices.append(self._choice(index, text, choice_lps, reason, stop_reason))
-            self.ctx.metrics.finished(reason)
         usage = self._usage()
-        self.ctx.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"])
-        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,
+        body = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,
                 "choices": choices, "usage": usage}
+        self.exchange.done(usage, choices[0]["finish_reason"], choices[0]["text"], body)
+        return body
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         obj: dict[str, Any] = {"id": self.rid, "object": "text_completion", "created": self.created,
                                "model": self.ctx.model_name, "choices": choices}
         if usage is not None:
             obj["usage"] = usage
+        self.exchange.chunk(obj)
         return sse(obj)
 
     async def events(self) -> AsyncIterator[str]:
         opts = self.req.stream_options
         include_usage = bool(opts and opts.include_usage)
         started: set[int] = set()
+        texts: list[str] = []
+        finish: str | None = None
         try:
             async for d in self._stream():
                 text, lps = d.text, d.logprobs
@@ -160,14 +175,16 @@ class _Shaper:
                     if lps is not None:
                         lps = self._echo_logprobs(d.index) + lps
                 started.add(d.index)
+                if d.index == 0:
+                    texts.append(text)
+                    finish = d.finish_reason or finish
                 yield self._chunk([self._choice(d.index, text, lps, d.finish_reason, d.stop_reason)])
-                if d.finish_reason is not None:
-                    self.ctx.metrics.finished(d.finish_reason)
             usage = self._usage()
-            self.ctx.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"])
             if include_usage:
                 yield self._chunk([], usage)
+            self.exchange.done(usage, finish, "".join(texts))
         except ApiError as exc:
-            self.ctx.metrics.error(exc.status)
+            self.ctx.http_error(exc.status)
+            self.exchange.failed(exc.body(), exc.message, stream=True)
             yield exc.sse_data()
         yield DONE

@@ -8,7 +8,6 @@ from typing import Any
 from appliance.server.chat_template import ChatTemplate
 from appliance.server.engine_client import EngineClient
 from appliance.server.errors import ApiError
-from appliance.server.metrics import ServerMetrics
 from appliance.server.sampling import Limits
 
 
@@ -20,8 +19,12 @@ class ServerContext:
     model_name: str
     limits: Limits
     chat_template: ChatTemplate | None
-    metrics: ServerMetrics
+    obs: Any  # observability.FrontendObservability: /metrics registry, request log, request dump
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def http_error(self, status: int) -> None:
+        if self.obs is not None and self.obs.metrics is not None:
+            self.obs.metrics.on_http_error(status)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -44,7 +47,7 @@ class ServerContext:
 
 
 def make_context(config: Any, tokenizer: Any, engine: EngineClient, *, max_model_len: int,
-                 vocab_size: int) -> ServerContext:
+                 vocab_size: int, obs: Any = None) -> ServerContext:
     """Everything resolved once at start-up: a bad chat template fails here, not per request."""
     from appliance.server.chat_template import load_template_source
 
@@ -53,7 +56,15 @@ def make_context(config: Any, tokenizer: Any, engine: EngineClient, *, max_model
     if source is not None:
         template = ChatTemplate(source, bos_token=getattr(tokenizer, "bos_token", None),
                                 eos_token=getattr(tokenizer, "eos_token", None))
-    name = config.api.served_model_name or config.model.path or "default"
+    name = served_model_name(config)
+    if obs is None:
+        from appliance.observability import FrontendObservability
+
+        obs = FrontendObservability(config, name, max_model_len)
     return ServerContext(config=config, tokenizer=tokenizer, engine=engine, model_name=str(name),
                          limits=Limits.from_config(config, max_model_len, vocab_size), chat_template=template,
-                         metrics=ServerMetrics(str(name)))
+                         obs=obs)
+
+
+def served_model_name(config: Any) -> str:
+    return str(config.api.served_model_name or config.model.path or "default")

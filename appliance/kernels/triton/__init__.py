@@ -5,4 +5,12 @@ triton is first imported (the CPU tests do this in a subprocess).
 """
 from __future__ import annotations
 
-from appliance.kernels.triton import activation, cache, decode, norm, prefill, rope, sampling  # noqa: F401
+from appliance.kernels.triton import (  # noqa: F401
+    activation,
+    cache,
+    decode,
+    norm,
+    prefill,
+    rope,
+    sampling,
+)

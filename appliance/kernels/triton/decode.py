@@ -72,7 +72,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mi
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     if DIRECT:
-        o = acc / l_i[:, None]
+        o = acc / tl.maximum(l_i, 1e-30)[:, None]  # seq_len 0 (a padding row) gives zeros, like the reference
         tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -95,11 +95,11 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_spl
     base = (b * H + h) * num_splits
     lse = tl.load(mid_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)
-    w = tl.where(s_mask, w, 0.0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len 0): zeros, not NaN
+    w = tl.where(s_mask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
     o = tl.load(mid_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :],
                 mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0)
-    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
@@ -119,7 +119,7 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, sms: int) ->
 @register("decode_attention", "triton")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """`num_splits` overrides the heuristic (tests and tuning); seq_lens must all be >= 1."""
+    """`num_splits` overrides the heuristic (tests and tuning). A row with seq_len 0 (padding) gets zeros."""
     bsz, h, d = q.shape
     _, page, hkv, dk = k_cache.shape
     if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():

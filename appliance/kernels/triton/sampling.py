@@ -15,9 +15,10 @@ bit in its random numbers.
 Thresholds, exactly: with top-k <= BLOCK (2048) the k-th largest of the per-lane maxima of the first pass is a
 lower bound of the k-th largest value, so one more pass compacts the few tokens above it (<= CAP) into a scratch
 row that is loaded into registers, where the top-k and top-p thresholds are found by bisection without further
-passes over the row (tl.sort would do too, but compiles slowly and crawls in the CPU interpreter). Otherwise (top-p or large top-k without a
-small top-k, or too many candidates) the thresholds come from bisection over the float32 bit patterns of the
-row (a monotone integer key), one pass over the row per step, up to ~32 passes each. Rows using neither skip both. This file holds the torch reference too because reference/ is the contract directory.
+passes over the row (tl.sort would do too, but compiles slowly and crawls in the CPU interpreter). Otherwise
+(top-p without a small top-k, or too many candidates) the thresholds come from bisection over the float32 bit
+patterns of the row (a monotone integer key), one pass over the row per step, up to ~32 passes each. Rows using
+neither skip both. The torch reference lives in kernels/reference/sampling.py.
 """
 from __future__ import annotations
 
@@ -25,33 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from appliance.kernels.reference.sampling import _M32, sample_reference, uniform_reference  # noqa: F401
 from appliance.kernels.registry import register
 
 BLOCK = 2048
 CAP = 2048  # top-k candidates kept in registers for the fast path
-_M32 = 0xFFFFFFFF
-
-
-# ---------------------------------------------------------------- counter-based random numbers (shared definition)
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """(h * c) mod 2^32 for int64 tensors holding uint32 values, without int64 overflow."""
-    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def uniform_reference(seed: int, step: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The kernel's uniforms in (0, 1) for one row: float32 [n]."""
-    s = _fmix32(torch.tensor([seed & _M32], dtype=torch.int64) ^ _fmix32(torch.tensor([(step + 0x632BE5AB) & _M32])))
-    idx = torch.arange(n, dtype=torch.int64)
-    h = _fmix32(s ^ _fmix32(idx))
-    return (((h >> 8).float() + 0.5) * (1.0 / 16777216.0)).to(device)
 
 
 @triton.jit
@@ -61,38 +40,6 @@ def _fmix32_tl(h):
     h = h ^ (h >> 13)
     h = h * 0xC2B2AE35
     return h ^ (h >> 16)
-
-
-# ---------------------------------------------------------------- torch reference
-@register("sample", "torch")
-def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    bsz, vocab = logits.shape
-    out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
-    for b in range(bsz):
-        x = logits[b].float()
-        t = float(temperature[b])
-        if t <= 0.0:
-            out[b] = torch.argmax(x)
-            continue
-        lv = x * (1.0 / temperature[b : b + 1].float())  # as the kernel: one reciprocal, then multiply
-        keep = torch.ones(vocab, dtype=torch.bool, device=x.device)
-        mp, k, p = float(min_p[b]), int(top_k[b]), float(top_p[b])
-        if mp > 0.0:
-            probs = torch.softmax(lv, 0)
-            keep &= probs >= mp * probs.max()
-        if 0 < k < vocab:
-            keep &= lv >= torch.topk(lv, k).values[-1]
-        if p < 1.0:
-            probs = torch.softmax(lv.masked_fill(~keep, float("-inf")), 0)
-            sorted_p, order = torch.sort(probs, descending=True)
-            mass_above = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly above each token
-            kept_sorted = order[mass_above < p]
-            keep &= lv >= lv[kept_sorted].min()
-        u = uniform_reference(int(seeds[b]), int(steps[b]), vocab, x.device)
-        g = (lv - torch.log(-torch.log(u))).masked_fill(~keep, float("-inf"))
-        out[b] = torch.argmax(g)
-    return out
 
 
 # ---------------------------------------------------------------- triton
@@ -192,8 +139,8 @@ def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp
     done = vocab * 0  # runtime int32 0: the fast path has not decided yet
     if (k > 0) & (k <= BLOCK) & (k < vocab):
         # Fast path: the k-th largest lane maximum bounds the k-th largest value from below (the lanes hold
-        # distinct elements), so the few tokens above it are compacted into scratch, sorted, and top-k / top-p
-        # are read off the sorted candidates. Falls through to bisection when they overflow CAP.
+        # distinct elements), so the few tokens above it are compacted into scratch and top-k / top-p are found
+        # among them in registers. Falls through to the full-row bisection when they overflow CAP.
         offs_l = tl.arange(0, BLOCK)
         lb = tl.maximum(_kth_largest(best, k) * inv_t, thr)
         count = vocab * 0

@@ -186,6 +186,9 @@ def small_cases(device: str = "cpu") -> list[Case]:
         ("decode_attention", "f32-gqa8-page32", lambda: decode_inputs(2, 8, 1, 64, 32, [33, 7], f32, d)),
         ("decode_attention", "bf16-splitk3", lambda: decode_inputs(3, 4, 2, 64, 16, [300, 1, 130], bf, d,
                                                                  num_splits=3)),
+        ("decode_attention", "f32-padding-row-len0", lambda: decode_inputs(3, 4, 2, 64, 16, [0, 40, 0], f32, d)),
+        ("decode_attention", "f32-padding-row-len0-split", lambda: decode_inputs(2, 4, 2, 64, 16, [0, 300], f32, d,
+                                                                               num_splits=2)),
         ("decode_attention", "f16-splitk5-page64", lambda: decode_inputs(2, 4, 1, 64, 64, [250, 20], f16, d,
                                                                       num_splits=5)),
         ("prefill_attention", "bf16-prefix", lambda: prefill_inputs([5, 1, 70], [0, 20, 33], 4, 2, 64, 16, bf, d)),
@@ -257,7 +260,7 @@ def main() -> None:
         try:
             res = compare(op, build(), case)
             print(json.dumps({"op": op, "case": case, "err": res.err, "tol": res.tol}), flush=True)
-        except Exception as exc:  # one failing case must not hide the others
+        except Exception as exc:  # noqa: BLE001  (one failing case must not hide the others)
             print(json.dumps({"op": op, "case": case, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
 
 

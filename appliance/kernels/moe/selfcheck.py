@@ -1,0 +1,121 @@
+"""The Triton fused MoE against the torch reference on random shapes; one JSON line per case.
+
+    TRITON_INTERPRET=1 python -m appliance.kernels.moe.selfcheck cpu     # small shapes, CPU interpreter
+    python -m appliance.kernels.moe.selfcheck cuda                       # realistic shapes on a GPU
+"""
+from __future__ import annotations
+
+import json
+import sys
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tokens: int
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    dtype: torch.dtype
+    fp8_block: tuple[int, int] | None = None
+    tol: float = 2e-3
+
+
+def small_cases() -> list[Case]:
+    return [
+        Case("one_token", 1, 64, 32, 4, 2, torch.float32),
+        Case("ragged", 37, 96, 80, 8, 3, torch.float32),  # sizes off the tile grid, experts unhit
+        Case("bf16", 20, 64, 64, 6, 2, torch.bfloat16, tol=3e-2),
+        Case("fp8_blocks", 19, 64, 64, 4, 2, torch.float32, fp8_block=(32, 32), tol=2e-3),
+    ]
+
+
+def gpu_cases() -> list[Case]:
+    return [
+        Case("qwen3_30b_decode", 64, 2048, 768, 128, 8, torch.bfloat16, tol=3e-2),
+        Case("deepseek_v2_lite_prefill", 2048, 2048, 1408, 64, 6, torch.bfloat16, tol=3e-2),
+        Case("deepseek_v3_fp8", 256, 7168, 2048, 32, 8, torch.bfloat16, fp8_block=(128, 128), tol=3e-2),
+    ]
+
+
+def run_case(case: Case, device: str) -> dict[str, object]:
+    from appliance.kernels import registry
+    from appliance.kernels import moe  # noqa: F401
+    from appliance.layers.fp8 import block_quantize
+
+    gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    x = torch.randn(case.tokens, case.hidden, generator=gen)
+    w13 = torch.randn(case.experts, 2 * case.inter, case.hidden, generator=gen) / case.hidden**0.5
+    w2 = torch.randn(case.experts, case.hidden, case.inter, generator=gen) / case.inter**0.5
+    logits = torch.randn(case.tokens, case.experts, generator=gen)
+    weights, ids = logits.softmax(-1).topk(case.top_k, dim=-1)
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if case.fp8_block is not None:
+        (w13, s13), (w2, s2) = block_quantize(w13, case.fp8_block), block_quantize(w2, case.fp8_block)
+        scales = (s13.to(device), s2.to(device))
+    else:
+        w13, w2 = w13.to(case.dtype), w2.to(case.dtype)
+    args = (x.to(case.dtype).to(device), w13.to(device), w2.to(device), weights.to(device), ids.to(device))
+    ref = registry.get("fused_moe", "torch")(*args, *scales, case.fp8_block).float()
+    got = registry.get("fused_moe", "triton")(*args, *scales, case.fp8_block).float()
+    err = ((got - ref).norm() / ref.norm().clamp(min=1e-6)).item()
+    return {"op": "fused_moe", "case": case.name, "err": err, "tol": case.tol}
+
+
+@dataclass(frozen=True)
+class GemmCase:
+    name: str
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    block: tuple[int, int]
+    tol: float = 2e-3
+
+
+def small_gemm_cases() -> list[GemmCase]:
+    return [GemmCase("fp8_gemm_ragged", 5, 72, 96, torch.float32, (32, 32)),
+            GemmCase("fp8_gemm_bf16", 17, 64, 64, torch.bfloat16, (32, 32), tol=3e-2)]
+
+
+def gpu_gemm_cases() -> list[GemmCase]:
+    return [GemmCase("fp8_gemm_v3_q_b", 256, 24576, 1536, torch.bfloat16, (128, 128), tol=3e-2),
+            GemmCase("fp8_gemm_v3_o", 7, 7168, 16384, torch.bfloat16, (128, 128), tol=3e-2)]
+
+
+def run_gemm_case(case: GemmCase, device: str) -> dict[str, object]:
+    from appliance.kernels import moe  # noqa: F401
+    from appliance.kernels import registry
+    from appliance.layers.fp8 import block_quantize
+
+    gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    x = torch.randn(case.m, case.k, generator=gen).to(case.dtype).to(device)
+    w, s = block_quantize(torch.randn(case.n, case.k, generator=gen), case.block)
+    args = (x, w.to(device), s.to(device), case.block)
+    ref = registry.get("fp8_block_matmul", "torch")(*args).float()
+    got = registry.get("fp8_block_matmul", "triton")(*args).float()
+    err = ((got - ref).norm() / ref.norm().clamp(min=1e-6)).item()
+    return {"op": "fp8_block_matmul", "case": case.name, "err": err, "tol": case.tol}
+
+
+def run(cases: list[Case | GemmCase], device: str) -> Iterator[dict[str, object]]:
+    for case in cases:
+        op = "fused_moe" if isinstance(case, Case) else "fp8_block_matmul"
+        try:
+            yield run_case(case, device) if isinstance(case, Case) else run_gemm_case(case, device)
+        except Exception as exc:  # noqa: BLE001 - report every case, the test names the failure
+            yield {"op": op, "case": case.name, "error": f"{type(exc).__name__}: {exc}"}
+
+
+if __name__ == "__main__":
+    where = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    cases: list[Case | GemmCase] = ([*small_cases(), *small_gemm_cases()] if where == "cpu"
+                                    else [*gpu_cases(), *gpu_gemm_cases()])
+    for row in run(cases, where):
+        print(json.dumps(row), flush=True)

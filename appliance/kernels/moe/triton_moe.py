@@ -1,0 +1,166 @@
+"""Fused MoE in Triton: tokens sorted by expert and padded to whole BLOCK_M tiles, then two grouped GEMMs.
+
+1. `align_blocks` (torch, no host sync): the T*K (token, slot) pairs are sorted by expert; each expert's run is
+   padded to a multiple of BLOCK_M with a sentinel id, and every BLOCK_M tile gets the expert it belongs to
+   (-1 past the end). Buffers are sized for the worst case so the launch shape depends only on T, K and E.
+2. `_gate_up_kernel`: per tile, x rows @ w13[e]^T computing the gate and up halves side by side and writing
+   silu(gate) * up (the activation is fused: the [T*K, 2I] intermediate never exists).
+3. `_down_kernel`: that [T*K, I] activation @ w2[e]^T, times the routing weight, into [T*K, H]; the K slots of
+   each token are summed in torch.
+fp8 weights (block scales) are dequantized tile by tile inside both GEMMs (weight-only; activations stay in
+the model dtype).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from appliance.kernels.registry import register
+from appliance.kernels.triton.common import INTERPRET, mma
+
+BLOCK_M = 16 if INTERPRET else 64
+BLOCK_N = 32 if INTERPRET else 64
+BLOCK_K = 32 if INTERPRET else 64
+
+
+def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_ids [cap] int32: flat (token*K + slot) indices grouped by expert, sentinel T*K as padding;
+    block_experts [cap / block_m] int32: each tile's expert, -1 for tiles past the used length)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    m = flat.numel()
+    cap = m + num_experts * (block_m - 1)
+    cap = (cap + block_m - 1) // block_m * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    experts_sorted = flat[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(m, device=flat.device) - first_of_expert[experts_sorted]
+    dest = (ends - padded)[experts_sorted] + rank
+    sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=flat.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    tile_start = torch.arange(0, cap, block_m, device=flat.device)
+    block_experts = torch.searchsorted(ends, tile_start, right=True).to(torch.int32)
+    block_experts = torch.where(tile_start < ends[-1], block_experts, torch.full_like(block_experts, -1))
+    return sorted_ids, block_experts
+
+
+@triton.jit
+def _load_w(w_ptr, s_ptr, e, offs_n, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
+            stride_se, stride_sn, stride_sk, k0, BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of w[e]^T (w is [N, K]); fp8 tiles come back scaled, in float32."""
+    w = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+    if FP8:
+        s = tl.load(s_ptr + e * stride_se + (offs_n // BN_Q) * stride_sn + (k0 // BK_Q) * stride_sk,
+                    mask=n_mask, other=0.0)
+        w = w.to(tl.float32) * s[None, :]
+    return w
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pairs, inter, hidden,
+                    stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(experts_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    pair = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_mask = pair < num_pairs
+    row = pair // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < hidden
+        a = tl.load(x_ptr + row[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        g = _load_w(w_ptr, s_ptr, e, offs_n, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
+                    stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
+        u = _load_w(w_ptr, s_ptr, e, offs_n + inter, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
+                    stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
+        acc_g += mma(a, g.to(a.dtype), UPCAST)
+        acc_u += mma(a, u.to(a.dtype), UPCAST)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr, num_pairs, hidden, inter,
+                 stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(experts_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    pair = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_mask = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < inter
+        a = tl.load(a_ptr + pair[:, None] * stride_am + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = _load_w(w_ptr, s_ptr, e, offs_n, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
+                    stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
+        acc += mma(a, w.to(a.dtype), UPCAST)
+    route = tl.load(weights_ptr + pair, mask=m_mask, other=0.0)
+    acc = acc * route[:, None]
+    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    if scale is None:
+        return w, 0, 0, 0  # never read (FP8 is off)
+    return scale, scale.stride(0), scale.stride(1), scale.stride(2)
+
+
+@register("fused_moe", "triton")
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+    t, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    fp8 = w13_scale is not None
+    if fp8 and (block_shape is None or w2_scale is None):
+        raise ValueError("fp8 fused_moe needs both scales and block_shape")
+    bn_q, bk_q = block_shape if fp8 else (1, 1)  # type: ignore[misc]
+    if fp8 and (bk_q % BLOCK_K or bn_q % BLOCK_N):
+        raise ValueError(f"fp8 block {block_shape} must be a multiple of the kernel tile ({BLOCK_N}, {BLOCK_K})")
+    x = x.contiguous()
+    sorted_ids, block_experts = align_blocks(topk_ids, num_experts, BLOCK_M)
+    pairs = t * top_k
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    upcast = INTERPRET or x.dtype == torch.float32
+    s13, s13e, s13n, s13k = _scale_args(w13_scale, w13)
+    grid = (block_experts.numel(), triton.cdiv(inter, BLOCK_N))
+    _gate_up_kernel[grid](x, w13, s13, act, sorted_ids, block_experts, pairs, inter, hidden,
+                          x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), s13e, s13n, s13k, act.stride(0),
+                          TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BN_Q=bn_q, BK_Q=bk_q,
+                          FP8=fp8, UPCAST=upcast)
+    out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
+    s2, s2e, s2n, s2k = _scale_args(w2_scale, w2)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    grid = (block_experts.numel(), triton.cdiv(hidden, BLOCK_N))
+    _down_kernel[grid](act, w2, s2, out, sorted_ids, block_experts, weights, pairs, hidden, inter,
+                       act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), s2e, s2n, s2k, out.stride(0),
+                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BN_Q=bn_q, BK_Q=bk_q, FP8=fp8,
+                       UPCAST=upcast)
+    return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -1,0 +1,55 @@
+"""One chat / completions HTTP exchange as the request log and the request dump see it
+(observability.enable_log_requests, observability.dump_path): request in, response or error out."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from appliance.observability import StreamAggregator
+
+
+class Exchange:
+    def __init__(self, obs: Any, endpoint: str, body: Any) -> None:
+        self.obs = obs
+        self.endpoint = endpoint
+        self.started = time.monotonic()
+        self.request_id: str | None = None
+        self.num_prompt_tokens = 0
+        self.seq = obs.dump.record_request(endpoint, body) if obs is not None and obs.dump is not None else None
+        self.agg = StreamAggregator() if self.seq is not None else None
+        self.closed = False
+
+    def accepted(self, request_id: str, num_prompt_tokens: int, params: dict[str, Any], prompt: Any) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        if self.obs is not None:
+            self.obs.request_log.received(request_id, self.endpoint, num_prompt_tokens, params, prompt)
+
+    def chunk(self, obj: dict[str, Any]) -> None:
+        if self.agg is not None:
+            self.agg.add(obj)
+
+    def done(self, usage: dict[str, Any], finish_reason: str | None, output: str,
+             body: dict[str, Any] | None = None) -> None:
+        """`body` for a non-streamed response; None when the chunks went through `chunk`."""
+        if self.closed or self.obs is None:
+            return
+        self.closed = True
+        if self.seq is not None:
+            stream = body is None
+            self.obs.dump.record_response(self.seq, self.endpoint, self.agg.result() if stream else body, stream)
+        if self.request_id is not None:
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            self.obs.request_log.finished(self.request_id, finish_reason, usage.get("prompt_tokens", 0),
+                                          usage.get("completion_tokens", 0), cached,
+                                          e2e_s=time.monotonic() - self.started, output=output)
+
+    def failed(self, error_body: dict[str, Any], message: str, stream: bool = False) -> None:
+        if self.closed or self.obs is None:
+            return
+        self.closed = True
+        if self.seq is not None:
+            self.obs.dump.record_response(self.seq, self.endpoint, error_body, stream)
+        if self.request_id is not None:
+            self.obs.request_log.finished(self.request_id, "error", self.num_prompt_tokens, 0,
+                                          e2e_s=time.monotonic() - self.started, error=message)

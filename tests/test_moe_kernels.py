@@ -1,0 +1,181 @@
+"""Expert routing against transformers' routers, the torch fused_moe against a dense per-token loop, the Triton
+fused MoE (and the fp8 block GEMM) against the torch reference under TRITON_INTERPRET=1, GPU shapes on a GPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from appliance.kernels import registry
+from appliance.layers.moe import FusedMoE, RouterConfig, select_experts
+
+ROOT = Path(__file__).resolve().parents[1]
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _sorted(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+def _hf_router(kind: str, **cfg):
+    import transformers
+
+    if kind == "v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+        config = transformers.DeepseekV3Config(hidden_size=32, **cfg)
+        return DeepseekV3TopkRouter(config)
+    if kind == "v2":
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+        return DeepseekV2TopkRouter(transformers.DeepseekV2Config(hidden_size=32, **cfg))
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    return Qwen3MoeTopKRouter(transformers.Qwen3MoeConfig(hidden_size=32, **cfg))
+
+
+ROUTERS = [
+    ("qwen_softmax", "qwen", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+     RouterConfig(8, 2)),
+    ("qwen_renorm", "qwen", dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=True),
+     RouterConfig(8, 3, renormalize=True)),
+    ("v2_greedy", "v2", dict(n_routed_experts=8, num_experts_per_tok=2, routed_scaling_factor=1.7),
+     RouterConfig(8, 2, routed_scaling_factor=1.7)),
+    ("v2_group_limited", "v2", dict(n_routed_experts=16, num_experts_per_tok=3, topk_method="group_limited_greedy",
+                                    n_group=4, topk_group=2, routed_scaling_factor=2.0),
+     RouterConfig(16, 3, num_groups=4, topk_groups=2, routed_scaling_factor=2.0)),
+    ("v3_noaux", "v3", dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                            routed_scaling_factor=2.5, norm_topk_prob=True),
+     RouterConfig(16, 4, scoring="sigmoid", renormalize=True, num_groups=4, topk_groups=2,
+                  routed_scaling_factor=2.5)),
+]
+
+
+@pytest.mark.parametrize(("name", "kind", "hf_cfg", "ours"), ROUTERS, ids=[r[0] for r in ROUTERS])
+def test_select_experts_matches_transformers(name: str, kind: str, hf_cfg: dict, ours: RouterConfig) -> None:
+    torch.manual_seed(0)
+    router = _hf_router(kind, **hf_cfg)
+    with torch.no_grad():
+        router.weight.normal_()
+        bias = None
+        if kind == "v3":
+            router.e_score_correction_bias.normal_(0, 0.5)
+            bias = router.e_score_correction_bias
+        x = torch.randn(50, 32)
+        _, ref_w, ref_ids = router(x)
+        w, ids = select_experts(F.linear(x, router.weight), ours, bias)
+    ref_w, ref_ids = _sorted(ref_w.float(), ref_ids)
+    w, ids = _sorted(w, ids)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_group_limited_routing_never_leaves_the_chosen_groups() -> None:
+    cfg = RouterConfig(16, 4, scoring="sigmoid", num_groups=4, topk_groups=1)
+    logits = torch.randn(200, 16)
+    _, ids = select_experts(logits, cfg, torch.zeros(16))
+    groups = ids // 4
+    assert bool((groups == groups[:, :1]).all())
+
+
+def test_router_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        RouterConfig(4, 5)
+    with pytest.raises(ValueError, match="groups"):
+        RouterConfig(10, 2, num_groups=4, topk_groups=2)
+    with pytest.raises(ValueError, match="scoring"):
+        RouterConfig(4, 2, scoring="relu")
+
+
+def test_torch_fused_moe_equals_a_dense_loop() -> None:
+    torch.manual_seed(1)
+    t, h, i, e, k = 9, 16, 12, 5, 2
+    x, w13, w2 = torch.randn(t, h), torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    weights, ids = torch.rand(t, k), torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    got = registry.get("fused_moe", "torch")(x, w13, w2, weights, ids)
+    for row in range(t):
+        want = torch.zeros(h)
+        for slot in range(k):
+            gate, up = (w13[ids[row, slot]] @ x[row]).chunk(2)
+            want += weights[row, slot] * (w2[ids[row, slot]] @ (F.silu(gate) * up))
+        torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_loader_shards_gate_up_down_into_the_stack() -> None:
+    moe = FusedMoE(num_experts=3, hidden_size=8, intermediate_size=6)
+    gate, up, down = torch.randn(6, 8), torch.randn(6, 8), torch.randn(8, 6)
+    moe.load_expert(moe.w13_weight, gate, 2, 0)
+    moe.load_expert(moe.w13_weight, up, 2, 1)
+    moe.load_expert(moe.w2_weight, down, 2, None)
+    assert torch.equal(moe.w13_weight[2], torch.cat((gate, up)))
+    assert torch.equal(moe.w2_weight[2], down)
+    with pytest.raises(ValueError, match="does not fit"):
+        moe.load_expert(moe.w2_weight, torch.randn(8, 5), 0, None)
+    with pytest.raises(ValueError, match="expert 3"):
+        moe.load_expert(moe.w2_weight, down, 3, None)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[tuple[str, str], dict]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "appliance.kernels.moe.selfcheck", "cpu"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {(r["op"], r["case"]): r for r in rows}
+
+
+def _cases() -> list[tuple[str, str]]:
+    from appliance.kernels.moe import selfcheck as sc
+
+    return [("fused_moe", c.name) for c in sc.small_cases()] + [("fp8_block_matmul", c.name)
+                                                                for c in sc.small_gemm_cases()]
+
+
+@pytest.mark.parametrize(("op", "case"), _cases(), ids=[f"{o}-{c}" for o, c in _cases()])
+def test_triton_interpreted_matches_reference(interpreted: dict, op: str, case: str) -> None:
+    row = interpreted.get((op, case))
+    assert row is not None, f"{op}/{case} produced no result"
+    assert "error" not in row, row.get("error")
+    assert row["err"] <= row["tol"], f"{op}/{case}: relative error {row['err']:.3g} > {row['tol']:.3g}"
+
+
+def test_align_blocks_groups_pairs_by_expert() -> None:
+    pytest.importorskip("triton")
+    from appliance.kernels.moe.triton_moe import align_blocks
+
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    sorted_ids, experts = align_blocks(ids, num_experts=4, block_m=4)
+    flat = ids.reshape(-1)
+    for tile, e in enumerate(experts.tolist()):
+        pairs = [p for p in sorted_ids[tile * 4 : tile * 4 + 4].tolist() if p < flat.numel()]
+        if e < 0:
+            assert pairs == []
+        else:
+            assert all(int(flat[p]) == e for p in pairs)
+    real = sorted(p for p in sorted_ids.tolist() if p < flat.numel())
+    assert real == list(range(flat.numel()))  # every (token, slot) pair exactly once
+
+
+@pytest.mark.parametrize("case_index", range(3))
+@pytest.mark.usefixtures()
+def test_triton_fused_moe_gpu_shapes(case_index: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from appliance.kernels.moe import selfcheck as sc
+
+    row = sc.run_case(sc.gpu_cases()[case_index], "cuda")
+    assert row["err"] <= row["tol"], row
+
+
+for _mark in gpu:
+    test_triton_fused_moe_gpu_shapes = _mark(test_triton_fused_moe_gpu_shapes)
