@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import appliance  # noqa: E402
+import appliance
 
 MODEL_DIR = Path(appliance.__file__).resolve().parent / "assets" / "default_model"
 READY_TIMEOUT_S = 180
@@ -42,7 +43,7 @@ def _wait_ready(proc: subprocess.Popen, base: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server() -> Iterator[str]:
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="2")
     proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", "--set", f"api.port={port}"],

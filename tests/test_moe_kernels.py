@@ -16,7 +16,6 @@ from appliance.kernels import registry
 from appliance.layers.moe import FusedMoE, RouterConfig, select_experts
 
 ROOT = Path(__file__).resolve().parents[1]
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _sorted(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,16 +165,17 @@ def test_align_blocks_groups_pairs_by_expert() -> None:
     assert real == list(range(flat.numel()))  # every (token, slot) pair exactly once
 
 
-@pytest.mark.parametrize("case_index", range(3))
-@pytest.mark.usefixtures()
-def test_triton_fused_moe_gpu_shapes(case_index: int) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+def _gpu_cases() -> list:
     from appliance.kernels.moe import selfcheck as sc
 
-    row = sc.run_case(sc.gpu_cases()[case_index], "cuda")
+    return [*sc.gpu_cases(), *sc.gpu_gemm_cases()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", _gpu_cases(), ids=lambda c: c.name)
+def test_triton_gpu_shapes(case) -> None:
+    from appliance.kernels.moe import selfcheck as sc
+
+    row = sc.run_case(case, "cuda") if isinstance(case, sc.Case) else sc.run_gemm_case(case, "cuda")
     assert row["err"] <= row["tol"], row
-
-
-for _mark in gpu:
-    test_triton_fused_moe_gpu_shapes = _mark(test_triton_fused_moe_gpu_shapes)

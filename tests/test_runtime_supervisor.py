@@ -3,7 +3,6 @@ SIGKILL (its children notice and exit), SIGTERM (ordered, clean exit)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from test_pipeline_e2e import _free_port, alive, children_of
 
 pytestmark = pytest.mark.slow

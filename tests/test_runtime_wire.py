@@ -8,9 +8,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.engine.step import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
+from appliance.engine.step import (
+    NewRequestData,
+    SampledToken,
+    ScheduledRequest,
+    StepPlan,
+    StepResult,
+)
 from appliance.runtime.messages import (
-    OUTPUT_CODEC, PLAN_CODEC, REQUEST_CODEC, RESULT_CODEC, AbortRequest, GenerateRequest, OutputBatch, StatsQuery,
+    OUTPUT_CODEC,
+    PLAN_CODEC,
+    REQUEST_CODEC,
+    RESULT_CODEC,
+    AbortRequest,
+    GenerateRequest,
+    OutputBatch,
+    StatsQuery,
 )
 from appliance.runtime.wire import Codec, WireError
 from appliance.server.engine_client import RequestOutput

@@ -7,12 +7,12 @@ from typing import Any
 
 import httpx
 import pytest
+from test_server_fakes import FakeEngine
 
 from appliance.config import ApplianceConfig
 from appliance.server.app import build_app
 from appliance.server.context import make_context
 from appliance.tokenization import load_tokenizer
-from test_server_fakes import FakeEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -327,10 +327,10 @@ async def test_request_dump_and_log(tokenizer: Any, tmp_path: Path, caplog: pyte
             await c.post("/v1/completions", json={"prompt": "x", "max_tokens": "2"})
     ctx.obs.close()
     records = list(read_dump(str(dump)))
-    assert [r["kind"] for r in records] == ["request", "response"] * 3
-    assert records[1]["body"]["choices"][0]["text"] == "HelloHello"
-    assert records[3]["stream"] and records[3]["body"]["choices"][0]["message"]["content"] == "HelloHello"
-    assert records[5]["body"]["error"]["param"] == "max_tokens"
+    assert [r.kind for r in records] == ["request", "response"] * 3
+    assert records[1].body["choices"][0]["text"] == "HelloHello"
+    assert records[3].stream and records[3].body["choices"][0]["message"]["content"] == "HelloHello"
+    assert records[5].body["error"]["param"] == "max_tokens"
     lines = [r.getMessage() for r in caplog.records if r.name == "appliance.requests"]
     assert sum(line.startswith("received") for line in lines) == 2
     assert sum(line.startswith("finished") for line in lines) == 2

@@ -9,12 +9,12 @@ from typing import Any
 
 import httpx
 import pytest
+from test_server_fakes import FakeEngine
 
 from appliance.config import ApplianceConfig
 from appliance.server.app import build_app
 from appliance.server.context import make_context
 from appliance.tokenization import load_tokenizer
-from test_server_fakes import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 

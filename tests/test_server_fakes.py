@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.server.engine_client import EngineDead, QueueFull, RequestOutput

@@ -24,10 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-_WORDS = ("the of and to in is was for on that with as by at from his her an be this which have are not "
-          "they one all were had but their been has more when who will no would there can its if so what "
-          "time year about people into only new some could them other than then now look also back after "
-          "use two how our work first well way even want because any these give day most us").split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "her", "an", "be", "this", "which", "have", "are", "not", "they", "one", "all", "were", "had", "but", "their", "been", "has", "more", "when", "who", "will", "no", "would", "there", "can", "its", "if", "so", "what", "time", "year", "about", "people", "into", "only", "new", "some", "could", "them", "other", "than", "then", "now", "look", "also", "back", "after", "use", "two", "how", "our", "work", "first", "well", "way", "even", "want", "because", "any", "these", "give", "day", "most", "us"]
 
 
 @dataclass(frozen=True)

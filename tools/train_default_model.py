@@ -34,6 +34,11 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from tokenizers import Tokenizer
 
 PAD, BOS, EOS, IM_START, IM_END = "<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # ids 0..4, in this order
@@ -133,8 +138,15 @@ def collect_corpus(max_files: int | None, extra_roots: list[Path]) -> Corpus:
     return Corpus(train, val, stats)
 
 
-def train_tokenizer(docs: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -150,7 +162,7 @@ def train_tokenizer(docs: list[str], vocab_size: int):
     return tok
 
 
-def write_tokenizer(tok, out: Path, max_len: int) -> None:
+def write_tokenizer(tok: Tokenizer, out: Path, max_len: int) -> None:
     tok.save(str(out / "tokenizer.json"))
     added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
                       "special": True} for i, t in enumerate(SPECIAL_TOKENS)}
@@ -161,7 +173,7 @@ def write_tokenizer(tok, out: Path, max_len: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def encode_stream(tok, docs: list[str]):
+def encode_stream(tok: Tokenizer, docs: list[str]) -> torch.Tensor:
     import torch
 
     ids: list[int] = []
@@ -172,7 +184,7 @@ def encode_stream(tok, docs: list[str]):
     return torch.tensor(ids, dtype=torch.int32)
 
 
-def model_config(args: argparse.Namespace, vocab_size: int) -> dict:
+def model_config(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
         "hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
@@ -186,12 +198,12 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> dict:
     }
 
 
-def add_residual_dropout(model, p: float) -> None:
+def add_residual_dropout(model: torch.nn.Module, p: float) -> None:
     """Dropout on each block's two residual branches (HF Llama has only attention dropout); training only,
     so the saved model is plain LlamaForCausalLM. The corpus is small and repeated, so this matters."""
     import torch
 
-    def hook(module, inputs, output):
+    def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.dropout(output, p, module.training)
 
     for layer in model.model.layers:
@@ -207,7 +219,8 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def evaluate(model, val, seq_len: int, batch: int, device: str, max_windows: int = 256) -> float:
+def evaluate(model: torch.nn.Module, val: torch.Tensor, seq_len: int, batch: int, device: str,
+             max_windows: int = 256) -> float:
     import torch
 
     n = min(max_windows, (len(val) - 1) // seq_len)
@@ -225,7 +238,9 @@ def evaluate(model, val, seq_len: int, batch: int, device: str, max_windows: int
     return total / (n * seq_len)
 
 
-def train_model(args: argparse.Namespace, config: dict, train_ids, val_ids, log: list[dict]):
+def train_model(args: argparse.Namespace, config: dict[str, Any], train_ids: torch.Tensor, val_ids: torch.Tensor,
+                log: list[dict[str, Any]]) -> tuple[tuple[float, int, dict[str, torch.Tensor]], int, float]:
+    """Returns ((best val loss, its step, its float32 state dict on the CPU), steps run, training seconds)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -285,7 +300,7 @@ def train_model(args: argparse.Namespace, config: dict, train_ids, val_ids, log:
     return best, step, time.time() - start
 
 
-def save_weights(state: dict, out: Path, max_file_mb: float | None) -> None:
+def save_weights(state: dict[str, torch.Tensor], out: Path, max_file_mb: float | None) -> None:
     from safetensors.torch import save_file
 
     tensors = {k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}  # tied to embed_tokens
@@ -295,7 +310,7 @@ def save_weights(state: dict, out: Path, max_file_mb: float | None) -> None:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600; the file ships in a package
         return
-    shards: list[dict] = [{}]
+    shards: list[dict[str, torch.Tensor]] = [{}]
     used = 0
     for name in sorted(tensors):
         nbytes = tensors[name].numel() * tensors[name].element_size()
@@ -348,7 +363,7 @@ def parses(code: str) -> bool:
         return False
 
 
-def sample_report(out: Path, n_parse: int, seed: int) -> dict:
+def sample_report(out: Path, n_parse: int, seed: int) -> dict[str, Any]:
     """Samples and the parse fraction, from the saved files through transformers (the shipped artefact)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -163,8 +163,10 @@ class ModelRunner:
     def _profile(self) -> int:
         """Peak GPU memory of the largest step (one full token budget plus max_num_seqs logit rows)."""
         sched = self.config.scheduler
-        budget = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens
-        tokens = max(1, min(budget, self.max_model_len))
+        if sched.chunked_prefill_size > 0:
+            tokens = min(sched.chunked_prefill_size, self.max_model_len)
+        else:  # unchunked, a prompt longer than max_prefill_tokens runs whole, alone in its step
+            tokens = max(sched.max_prefill_tokens, self.max_model_len)
         blocks = (tokens + self.block_size - 1) // self.block_size
         temp = kv_cache.allocate(self.kv_spec, blocks, self.device)
         layers = self.model.attention_layers()

@@ -142,23 +142,26 @@ class FusedMoE(nn.Module):
         self._op = kernel("fused_moe", backend)
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, shard: int | None) -> None:
-        """One checkpoint tensor of one expert (a gate/up/down weight or its fp8 scale) into this rank's slice."""
+        """One checkpoint tensor of one expert (a gate/up/down weight or its fp8 scale) into this rank's slice.
+
+        shard 0 / 1: gate / up, [I, H] split along I into that half of w13; None: down, [H, I] split along I.
+        Scales are split the same way in units of their tiles.
+        """
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} outside 0..{self.num_experts - 1}")
-        is_scale = param is self.w13_weight_scale_inv or param is self.w2_weight_scale_inv
-        unit = self.quant.block_n if is_scale and shard is not None else 1  # type: ignore[union-attr]
-        if is_scale and shard is None:
-            unit = self.quant.block_k  # type: ignore[union-attr]
+        dim = 1 if shard is None else 0
+        unit = 1
+        if param is self.w13_weight_scale_inv or param is self.w2_weight_scale_inv:
+            unit = self.quant.block_k if shard is None else self.quant.block_n  # type: ignore[union-attr]
         size = self.intermediate // unit
         dst = param.data[expert]
-        if shard is None:  # down: [H, I] split along I
-            src = loaded.narrow(1, self.tp_rank * size, size)
-        else:  # gate (0) / up (1): [I, H] split along I, placed in its half of w13
-            src = loaded.narrow(0, self.tp_rank * size, size)
+        if shard is not None:
             dst = dst.narrow(0, shard * size, size)
-        if src.shape != dst.shape:
-            raise ValueError(f"expert tensor of shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)}")
-        dst.copy_(src)
+        expected = list(dst.shape)
+        expected[dim] = size * self.tp_size
+        if list(loaded.shape) != expected:
+            raise ValueError(f"expert tensor of shape {tuple(loaded.shape)} does not fit {tuple(expected)}")
+        dst.copy_(loaded.narrow(dim, self.tp_rank * size, size))
 
     def load_fused(self, proj: str, loaded: torch.Tensor) -> None:
         """transformers' 3-D layout: gate_up_proj [E, 2I, H] or down_proj [E, H, I] (full, unsharded)."""

@@ -10,18 +10,26 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from appliance.engine.sampling_params import SamplingParams
+from appliance.observability.stats import StatsSnapshot
 from appliance.runtime.addresses import Addresses
 from appliance.runtime.messages import (
-    FRONTEND_CODEC, OUTPUT_CODEC, REQUEST_CODEC, AbortRequest, GenerateRequest, OutputBatch, PipelineState,
-    StatsQuery, StatsReply,
+    FRONTEND_CODEC,
+    OUTPUT_CODEC,
+    REQUEST_CODEC,
+    AbortRequest,
+    GenerateRequest,
+    OutputBatch,
+    PipelineState,
+    StatsQuery,
+    StatsReply,
 )
-from appliance.observability.stats import StatsSnapshot
 from appliance.server.engine_client import EngineDead, QueueFull, RequestOutput
 
 log = logging.getLogger("appliance.frontend")

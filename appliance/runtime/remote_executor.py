@@ -6,7 +6,7 @@ result is used and the others' serve as a barrier. A WorkerError is raised here 
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 

@@ -19,8 +19,15 @@ from appliance.engine.sampling_params import SamplingParams
 from appliance.observability import SchedulerObservability
 from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.messages import (
-    CONTROL_CODEC, OUTPUT_CODEC, REQUEST_CODEC, AbortRequest, GenerateRequest, OutputBatch, StageReady,
-    StatsQuery, StatsReply,
+    CONTROL_CODEC,
+    OUTPUT_CODEC,
+    REQUEST_CODEC,
+    AbortRequest,
+    GenerateRequest,
+    OutputBatch,
+    StageReady,
+    StatsQuery,
+    StatsReply,
 )
 from appliance.runtime.process import parent_alive
 from appliance.runtime.remote_executor import RemoteExecutor

@@ -41,14 +41,17 @@ def main() -> int:
             boot.wait_peers(sys.stdin)
             run_scheduler(boot)
         elif boot.stage == "tokenizer":
-            from appliance.runtime.tokenizer_proc import prepare_tokenizer, run_tokenizer
+            from appliance.runtime.tokenizer_proc import (
+                prepare_tokenizer,
+                run_tokenizer,
+            )
 
             run_tokenizer(boot, prepare_tokenizer(boot), sys.stdin)  # binds HTTP (503) before its turn
         else:
             raise ValueError(f"unknown stage {boot.stage!r}")
     except EOFError:
         return 1  # the supervisor went away while this stage waited for its turn
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any start-up failure is reported to the supervisor by name
         logging.getLogger("appliance.runtime").error("stage %s failed:\n%s", boot.name, traceback.format_exc())
         report_failure(boot, f"{type(exc).__name__}: {exc}")
         return 1

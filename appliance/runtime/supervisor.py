@@ -22,7 +22,13 @@ import zmq
 
 from appliance.runtime.addresses import Addresses, remove_dir
 from appliance.runtime.bootstrap import Bootstrap
-from appliance.runtime.messages import CONTROL_CODEC, FRONTEND_CODEC, PipelineState, StageFailed, StageReady
+from appliance.runtime.messages import (
+    CONTROL_CODEC,
+    FRONTEND_CODEC,
+    PipelineState,
+    StageFailed,
+    StageReady,
+)
 
 log = logging.getLogger("appliance.runtime")
 
@@ -48,7 +54,7 @@ def num_workers(config: Any) -> int:
     if device == "cpu":
         return 1
     try:  # the supervisor must not initialise CUDA itself (children could not fork-share it anyway)
-        has_gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10).returncode == 0
+        has_gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10, check=False).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         has_gpu = False
     return max(1, int(world)) if has_gpu or device == "cuda" else 1

@@ -66,8 +66,8 @@ def run_tokenizer(boot: Bootstrap, prepared: tuple[object, object, socket.socket
 
 
 async def _serve(boot: Bootstrap, config, tokenizer, sock: socket.socket, stdin: IO[str]) -> None:
-    from appliance.server.app import StartingGate, build_app
     from appliance.observability import FrontendObservability
+    from appliance.server.app import StartingGate, build_app
     from appliance.server.context import make_context, served_model_name
 
     gate = StartingGate()

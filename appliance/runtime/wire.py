@@ -62,7 +62,7 @@ class Codec:
     def decode(self, frame: bytes) -> Any:
         try:
             obj = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-        except Exception as exc:  # msgpack raises several unrelated types on garbage
+        except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types on garbage
             raise WireError(f"not msgpack: {type(exc).__name__}") from None
         if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], str) and isinstance(obj[1], dict)):
             raise WireError("frame is not [tag, fields]")

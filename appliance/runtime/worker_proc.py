@@ -12,7 +12,13 @@ import traceback
 import zmq
 
 from appliance.runtime.bootstrap import Bootstrap
-from appliance.runtime.messages import CONTROL_CODEC, PLAN_CODEC, RESULT_CODEC, StageReady, WorkerError
+from appliance.runtime.messages import (
+    CONTROL_CODEC,
+    PLAN_CODEC,
+    RESULT_CODEC,
+    StageReady,
+    WorkerError,
+)
 from appliance.runtime.process import parent_alive
 
 log = logging.getLogger("appliance.worker")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -15,12 +16,17 @@ from starlette.routing import Route
 import appliance
 from appliance.server.auth import AuthMiddleware, load_api_keys, warn_if_exposed
 from appliance.server.chat import create_chat_completion, render_prompt
+from appliance.server.completions import create_completion
 from appliance.server.context import ServerContext
 from appliance.server.engine_client import EngineDead, QueueFull
 from appliance.server.errors import ApiError, internal_error
-from appliance.server.protocol import DetokenizeRequest, TokenizeChatRequest, parse_body, parse_tokenize
+from appliance.server.protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    parse_body,
+    parse_tokenize,
+)
 from appliance.server.request_body import read_json
-from appliance.server.completions import create_completion
 from appliance.server.text import token_text
 
 log = logging.getLogger("appliance.server")
@@ -41,7 +47,7 @@ def _guarded(ctx: ServerContext, fn: Handler) -> Callable[[Request], Awaitable[R
             err = ApiError(429, f"server is at capacity: {exc}", code="queue_full", headers={"Retry-After": "1"})
         except EngineDead as exc:
             err = ApiError(503, f"the engine is unavailable: {exc}")
-        except Exception as exc:  # a bug: log it, answer a generic 500
+        except Exception as exc:  # noqa: BLE001 - a bug: log it, answer a generic 500
             err = internal_error(exc)
         ctx.http_error(err.status)
         return err.response()
@@ -71,7 +77,7 @@ async def version(ctx: ServerContext, request: Request) -> Response:
 async def metrics(ctx: ServerContext, request: Request) -> Response:
     try:  # the scheduler answers a stats query with a fresh snapshot first
         await ctx.engine.stats()
-    except Exception as exc:  # a scrape during a failure still answers with what the server knows
+    except Exception as exc:  # noqa: BLE001 - a scrape during a failure still answers what it knows
         log.debug("metrics: no fresh scheduler snapshot (%s)", type(exc).__name__)
     body, content_type = ctx.obs.render()
     return Response(body, headers={"content-type": content_type})

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 

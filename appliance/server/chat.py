@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, AsyncIterator, Protocol
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,7 +19,13 @@ from appliance.server.chat_template import normalize_messages
 from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError
 from appliance.server.exchange import Exchange
-from appliance.server.generation import ChoiceDelta, Generation, TokenLogprob, new_request_id, with_deadline
+from appliance.server.generation import (
+    ChoiceDelta,
+    Generation,
+    TokenLogprob,
+    new_request_id,
+    with_deadline,
+)
 from appliance.server.protocol import ChatCompletionRequest, parse_body
 from appliance.server.request_body import read_json
 from appliance.server.sampling import build_sampling

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -10,7 +11,14 @@ from starlette.responses import JSONResponse, Response
 from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError, bad_request
 from appliance.server.exchange import Exchange
-from appliance.server.generation import ChoiceDelta, Generation, TokenLogprob, merge, new_request_id, with_deadline
+from appliance.server.generation import (
+    ChoiceDelta,
+    Generation,
+    TokenLogprob,
+    merge,
+    new_request_id,
+    with_deadline,
+)
 from appliance.server.protocol import CompletionRequest, parse_body
 from appliance.server.request_body import read_json
 from appliance.server.sampling import build_sampling

@@ -4,8 +4,9 @@
 """
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, Protocol
 
 from appliance.engine.sampling_params import SamplingParams
 

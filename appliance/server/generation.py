@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.server.engine_client import EngineClient, EngineDead, RequestOutput
@@ -154,7 +155,7 @@ async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
                 async for item in it:
                     await queue.put((item, None))
             await queue.put((_END, None))
-        except Exception as exc:  # re-raised in the consumer
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
             await queue.put((None, exc))
 
     tasks = [asyncio.create_task(pump(s)) for s in streams]

@@ -5,7 +5,7 @@ depend on the deployment (caps, max_model_len) happen in `sampling.py`, where th
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -65,7 +65,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
@@ -83,7 +83,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)  # tool_calls, name, tool_call_id... go to the template
 
     role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: str | list[dict[str, Any]] | None = None
 
     @field_validator("role")
     @classmethod
@@ -107,7 +107,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     reasoning_effort: str | None = None

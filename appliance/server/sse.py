@@ -7,7 +7,8 @@ blocks within a step. Starlette's StreamingResponse does this only for some ASGI
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 from starlette.types import Receive, Scope, Send
@@ -70,7 +71,7 @@ async def run_until_disconnect(receive: Receive, coro_fn: Any) -> Any:
         async def work() -> None:
             try:
                 result.append(await coro_fn())
-            except Exception as exc:  # re-raised below, outside the task group's exception group
+            except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
                 error.append(exc)
             tg.cancel_scope.cancel()
 

@@ -2,7 +2,8 @@
 wrapped to the (text, stop string) shape generation.py uses."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.tokenization import Detokenizer, decode_token
