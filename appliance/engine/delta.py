@@ -11,6 +11,7 @@ class TokenLogprob:
     token_id: int
     logprob: float | None
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    rank: int | None = None  # 1-based rank of the token in the raw distribution (vLLM's Logprob.rank)
 
 
 @dataclass(frozen=True)

@@ -271,11 +271,12 @@ class Scheduler:
             tok = sampled.get(s.request_id)
             if tok is None:
                 raise ValueError(f"executor did not sample a token for {s.request_id!r}")
-            deltas.append(self._append(req, tok.token_id, tok.logprob, tok.top_logprobs))
+            deltas.append(self._append(req, tok.token_id, tok.logprob, tok.top_logprobs, tok.rank))
         return deltas
 
     def _append(
-        self, req: Request, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None
+        self, req: Request, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None,
+        rank: int | None = None,
     ) -> RequestDelta:
         first = req.status is RequestStatus.PREFILLING and not req.prompt_logprobs_done
         if req.status is RequestStatus.PREFILLING:
@@ -289,7 +290,7 @@ class Scheduler:
                 prompt_lp = tuple(None if e is None else tuple(map(tuple, e)) for e in req.prompt_logprobs)
         new_lp = None
         if req.sampling_params.logprobs is not None:
-            new_lp = (TokenLogprob(token_id, logprob, tuple(tuple(t) for t in top or ())),)
+            new_lp = (TokenLogprob(token_id, logprob, tuple(tuple(t) for t in top or ()), rank),)
         if reason is not None:
             self.running.remove(req)
             self._retire(req, reason)

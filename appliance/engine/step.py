@@ -51,6 +51,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # of the sampled token, when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    rank: int | None = None  # 1-based rank of the sampled token in the raw distribution, when logprobs are asked
 
 
 @dataclass(frozen=True)
