@@ -17,7 +17,8 @@ from appliance.kernels.moe.reference import dequantize_blocks
 from appliance.layers.fp8 import (FP8_DTYPE, FP8_MAX, Fp8BlockConfig, Fp8MergedColumnParallelLinear, block_quantize,
                                   make_linear)
 from appliance.layers.moe import FusedMoE
-from tests.test_moe_models import PROMPTS, build_family, register_moe_models
+from test_moe_models import PROMPTS, build_family, register_moe_models
+from test_moe_models import one_thread  # noqa: F401  (autouse: one torch thread in this module)
 
 BLOCK = (32, 32)
 

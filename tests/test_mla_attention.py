@@ -15,7 +15,8 @@ from appliance import LLM, SamplingParams
 from appliance.kernels import registry
 from appliance.layers.attention import AttentionMetadata
 from appliance.layers.mla import MLAAttention, rope_cache_and_mscale
-from tests.test_moe_models import PROMPTS, YARN_V2, build_family, register_moe_models
+from test_moe_models import PROMPTS, YARN_V2, build_family, register_moe_models
+from test_moe_models import one_thread  # noqa: F401  (autouse: one torch thread in this module)
 
 H, R, DN, DR, DV, BS = 4, 16, 8, 4, 6, 4
 

@@ -18,6 +18,14 @@ from appliance.layers.moe import FusedMoE, RouterConfig, select_experts
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny shapes: OpenMP spin-waiting on a busy CI box costs more than it gains
+    yield
+    torch.set_num_threads(before)
+
+
 def _sorted(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     order = ids.argsort(dim=-1)
     return weights.gather(1, order), ids.gather(1, order)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -344,3 +345,38 @@ async def test_stop_token_ids_end_the_choice_with_the_id_as_stop_reason(tokenize
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == script[2]
     assert choice["text"] == tokenizer.decode(script[:3])
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
+
+
+async def test_a_bug_mid_stream_ends_with_an_error_event() -> None:
+    from appliance.server.sse import SSEResponse
+
+    async def events() -> Any:
+        yield "data: {}\n\n"
+        raise RuntimeError("/secret/path 0xdeadbeef")
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await SSEResponse(events())(scope, receive, send)
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as c:
+        r = await c.get("/")
+    assert sse_events(r.text)[-1]["error"]["code"] == 500
+    assert "secret" not in r.text and "0xdeadbeef" not in r.text
+
+
+def test_chat_template_sandbox_and_time_bound() -> None:
+    from appliance.server.chat_template import RENDER_TIME_LIMIT_S, ChatTemplate
+    from appliance.server.errors import ApiError
+
+    msgs = [{"role": "user", "content": "x"}]
+    slow = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    t0 = time.monotonic()
+    with pytest.raises(ApiError) as exc:
+        slow.render(msgs)
+    assert exc.value.status == 400 and time.monotonic() - t0 < RENDER_TIME_LIMIT_S + 1
+    unsafe = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ApiError) as exc:
+        unsafe.render(msgs)
+    assert exc.value.status == 400
+    raising = ChatTemplate("{{ raise_exception('only user and assistant roles') }}")
+    with pytest.raises(ApiError, match="only user and assistant roles"):
+        raising.render(msgs)

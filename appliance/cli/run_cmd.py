@@ -28,7 +28,8 @@ def resolve_config(args: argparse.Namespace) -> Any:
         from appliance.cli.serve_flags import config_from_namespace
 
         return config_from_namespace(args).config
-    return cfg.build_config(args.file, dotlist=args.dotlist)
+    # no file: the embedded default recipe (recipes/default.toml), as its header promises
+    return cfg.build_config(args.file or cfg.default_recipe_path(), dotlist=args.dotlist)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -3,11 +3,17 @@
 Rows of one step: every one-token request first (decode attention), then the multi-token chunks (prefill
 attention over the paged cache, including any cached prefix). Token t of a request lives in cache slot
 block_ids[t // block_size] * block_size + t % block_size.
+
+Host cost matters here (it is paid every step, before the GPU can start): inputs are built with numpy into
+one int64 array, staged in pinned memory and sent with a single non-blocking copy; the int32 fields (sequence
+lengths, block tables) are cast on the device in one launch. `build_decode_arrays` fills the fixed-shape,
+padded layout that a captured CUDA graph reads (executor/cuda_graph.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
@@ -25,10 +31,22 @@ class RequestState:
     block_ids: list[int]
     params: SamplingParams
     prompt_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    noise_seed: int = 0  # the GPU sampler's per-request stream for unseeded random rows
+    _blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
 
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def block_array(self) -> np.ndarray:
+        """block_ids as numpy, re-converted only when the table grew (every block_size tokens)."""
+        if self._blocks.shape[0] != len(self.block_ids):
+            self._blocks = np.asarray(self.block_ids, dtype=np.int64)
+        return self._blocks
 
 
 @dataclass(frozen=True)
@@ -54,47 +72,133 @@ class StepInputs:
     row_starts: list[int]  # first row of each chunk
 
 
-def _block_table(chunks: list[Chunk], device: torch.device) -> torch.Tensor:
-    width = max((len(c.state.block_ids) for c in chunks), default=0) or 1
-    table = torch.zeros(len(chunks), width, dtype=torch.int32)
+def order_chunks(chunks: list[Chunk]) -> tuple[list[Chunk], list[Chunk]]:
+    return [c for c in chunks if c.num_tokens == 1], [c for c in chunks if c.num_tokens > 1]
+
+
+def _check_blocks(c: Chunk, block_size: int) -> None:
+    end = c.start + c.num_tokens
+    need = (end + block_size - 1) // block_size
+    if len(c.state.block_ids) < need:
+        raise RuntimeError(f"request {c.state.request_id!r}: {end} tokens need {need} blocks, its table has "
+                           f"{len(c.state.block_ids)}")
+
+
+def table_width(chunks: list[Chunk], minimum: int = 1) -> int:
+    return max([minimum] + [len(c.state.block_ids) for c in chunks])
+
+
+def fill_block_table(out: np.ndarray, chunks: list[Chunk]) -> None:
+    """Rows of `out` ([>= len(chunks), W]) get each chunk's table; the rest of a row is left as it was."""
     for i, c in enumerate(chunks):
-        if c.state.block_ids:
-            table[i, : len(c.state.block_ids)] = torch.tensor(c.state.block_ids, dtype=torch.int32)
-    return table.to(device)
+        blocks = c.state.block_array()
+        out[i, : blocks.shape[0]] = blocks
 
 
-def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device) -> StepInputs:
-    """Order chunks decode-first and flatten them into one batch of rows."""
-    decodes = [c for c in chunks if c.num_tokens == 1]
-    prefills = [c for c in chunks if c.num_tokens > 1]
+def decode_rows(decodes: list[Chunk], block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token ids, positions, slots) of one-token rows, vectorised over the batch."""
+    for c in decodes:
+        _check_blocks(c, block_size)
+    pos = np.fromiter((c.start for c in decodes), np.int64, len(decodes))
+    ids = np.fromiter((c.state.token_ids[c.start] for c in decodes), np.int64, len(decodes))
+    blk = np.fromiter((c.state.block_ids[c.start // block_size] for c in decodes), np.int64, len(decodes))
+    return ids, pos, blk * block_size + pos % block_size
+
+
+def build_decode_arrays(decodes: list[Chunk], block_size: int, batch: int, width: int,
+                        out64: np.ndarray, out32: np.ndarray) -> None:
+    """Fill a CUDA graph's padded layout: out64 = [ids | positions | slots] (3 x batch), out32 = [seq_lens |
+    block table] (batch + batch x width). Pad rows: token 0 at position 0, slot -1 (not stored), seq_len 0
+    (the decode kernel writes zeros and reads no block)."""
+    n = len(decodes)
+    if n > batch or table_width(decodes) > width:
+        raise ValueError(f"{n} decode rows / width {table_width(decodes)} do not fit a graph of {batch} x {width}")
+    ids, pos, slots = decode_rows(decodes, block_size)
+    v64 = out64[: 3 * batch].reshape(3, batch)
+    v64[0, :n], v64[1, :n], v64[2, :n] = ids, pos, slots
+    v64[0:2, n:] = 0
+    v64[2, n:] = -1
+    lens = out32[:batch]
+    lens[:n] = pos + 1
+    lens[n:] = 0
+    fill_block_table(out32[batch : batch + batch * width].reshape(batch, width), decodes)
+
+
+def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, decode_width: int = 1,
+                 stager: Stager | None = None) -> StepInputs:
+    """Order chunks decode-first and flatten them into one batch of rows.
+
+    decode_width: least width of the decode block table (the split-K factor of decode attention follows the
+    table's width, so the runner pads eager tables like its graphs to keep both numerically identical).
+    stager: the runner's pinned staging buffer (default: a plain copy).
+    """
+    decodes, prefills = order_chunks(chunks)
     ordered = decodes + prefills
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    row_starts: list[int] = []
-    for c in ordered:
-        end = c.start + c.num_tokens
-        need = (end + block_size - 1) // block_size
-        if len(c.state.block_ids) < need:
-            raise RuntimeError(f"request {c.state.request_id!r}: {end} tokens need {need} blocks, its table has "
-                               f"{len(c.state.block_ids)}")
-        row_starts.append(len(ids))
-        ids.extend(c.state.token_ids[c.start : end])
-        positions = range(c.start, end)
-        pos.extend(positions)
-        slots.extend(c.state.block_ids[p // block_size] * block_size + p % block_size for p in positions)
+    nd, npf = len(decodes), len(prefills)
+    ids_d, pos_d, slots_d = decode_rows(decodes, block_size)
+    ids_l, pos_l, slots_l = [ids_d], [pos_d], [slots_d]
+    row_starts = list(range(nd))
     cu = [0]
     for c in prefills:
+        _check_blocks(c, block_size)
+        end = c.start + c.num_tokens
+        row_starts.append(nd + cu[-1])
         cu.append(cu[-1] + c.num_tokens)
-    i32 = {"dtype": torch.int32, "device": device}
+        pos = np.arange(c.start, end, dtype=np.int64)
+        ids_l.append(np.asarray(c.state.token_ids[c.start : end], dtype=np.int64))
+        pos_l.append(pos)
+        slots_l.append(c.state.block_array()[pos // block_size] * block_size + pos % block_size)
+    t = nd + cu[-1]
+    wd = table_width(decodes, decode_width) if nd else 1
+    wp = table_width(prefills)
+    # int64 head: ids, positions, slots; int32 tail (cast on the device): seq lens, cu, tables
+    sizes = [t, t, t, nd, npf + 1, npf, nd * wd, npf * wp]
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    flat = np.zeros(int(offs[-1]), dtype=np.int64)
+    flat[offs[0] : offs[1]] = np.concatenate(ids_l)
+    flat[offs[1] : offs[2]] = np.concatenate(pos_l)
+    flat[offs[2] : offs[3]] = np.concatenate(slots_l)
+    flat[offs[3] : offs[4]] = pos_d + 1
+    flat[offs[4] : offs[5]] = cu
+    flat[offs[5] : offs[6]] = [c.start + c.num_tokens for c in prefills]
+    fill_block_table(flat[offs[6] : offs[7]].reshape(nd, wd), decodes)
+    fill_block_table(flat[offs[7] : offs[8]].reshape(npf, wp), prefills)
+    dev = (stager or Stager(device)).send(flat) if device.type == "cuda" else torch.from_numpy(flat).to(device)
+    head = dev[: offs[3]]
+    tail = dev[offs[3] :].to(torch.int32)
+    o = [int(x - offs[3]) for x in offs[3:]]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        num_decode_tokens=len(decodes),
-        decode_block_tables=_block_table(decodes, device),
-        decode_seq_lens=torch.tensor([c.start + 1 for c in decodes], **i32),
-        prefill_cu_seqlens=torch.tensor(cu, **i32),
-        prefill_seq_lens=torch.tensor([c.start + c.num_tokens for c in prefills], **i32),
-        prefill_block_tables=_block_table(prefills, device),
+        slot_mapping=head[2 * t : 3 * t],
+        num_decode_tokens=nd,
+        decode_block_tables=tail[o[3] : o[4]].view(nd, wd),
+        decode_seq_lens=tail[o[0] : o[1]],
+        prefill_cu_seqlens=tail[o[1] : o[2]],
+        prefill_seq_lens=tail[o[2] : o[3]],
+        prefill_block_tables=tail[o[4] : o[5]].view(npf, wp),
     )
-    return StepInputs(torch.tensor(ids, dtype=torch.int64, device=device),
-                      torch.tensor(pos, dtype=torch.int64, device=device), meta, ordered, row_starts)
+    return StepInputs(head[:t], head[t : 2 * t], meta, ordered, row_starts)
+
+
+class Stager:
+    """Host -> device copies through a reused pinned buffer: one non-blocking copy per call. Before the buffer
+    is overwritten, the event of the previous copy is awaited (normally long done: steps read results back)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buf: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def send(self, flat: np.ndarray) -> torch.Tensor:
+        src = torch.from_numpy(flat)
+        if self.device.type != "cuda":
+            return src.to(self.device)
+        if self._event is not None:
+            self._event.synchronize()
+        if self._buf is None or self._buf.numel() < flat.size or self._buf.dtype != src.dtype:
+            self._buf = torch.empty(max(flat.size, 1 << 16), dtype=src.dtype).pin_memory()
+        staged = self._buf[: flat.size].view(src.shape)
+        staged.copy_(src)
+        out = staged.to(self.device, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import random
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ import torch
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import kv_cache
-from appliance.executor.input_batch import Chunk, RequestState, StepInputs, build_inputs
+from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
+from appliance.executor.cuda_graph import DecodeGraphs, graph_settings, width_bucket
+from appliance.executor.input_batch import Chunk, RequestState, Stager, build_inputs, table_width
 from appliance.executor.model_loader import (
     init_dummy_weights,
     load_hf_config,
@@ -26,7 +29,7 @@ from appliance.executor.model_loader import (
     resolve_dtype,
     resolve_model_dir,
 )
-from appliance.executor.sampler import Sampler, SamplingRow
+from appliance.executor.sampler import Sampler
 from appliance.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -105,8 +108,6 @@ def _check_supported(config: Any, device: torch.device) -> None:
     if config.speculative.algorithm is not None:
         raise ValueError(f"speculative.algorithm={config.speculative.algorithm!r} is not supported by this "
                          "executor yet")
-    if device.type == "cuda" and not config.backends.enforce_eager:
-        log.warning("CUDA graphs are not implemented yet: running eagerly (set backends.enforce_eager to silence)")
 
 
 class ModelRunner:
@@ -134,7 +135,20 @@ class ModelRunner:
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
         self.sampler = Sampler(self.eos_token_ids, m.seed)
+        self.batch_sampler = BatchSampler(self.sampler, self.device, gpu_sample_op(self.device))
         self.requests: dict[str, RequestState] = {}
+        self._noise_seeds = random.Random(m.seed)  # per-request streams of the GPU sampler
+        self._stager = Stager(self.device)
+        self.max_blocks = -(-self.max_model_len // self.block_size)
+        self.graphs = self._make_graphs()
+        self.use_graphs = self.graphs is not None  # benchmarks flip it to compare with eager on one model
+
+    def _make_graphs(self) -> DecodeGraphs | None:
+        sizes = graph_settings(self.config, self.model, self.device)
+        if sizes is None:
+            return None
+        hidden = int(self.hf_config.hidden_size)
+        return DecodeGraphs(self.model, hidden, self.dtype, self.device, sizes, self.max_blocks, self.block_size)
 
     # ---- construction ------------------------------------------------------------------------------------
     def _build_model(self, load_format: str, seed: int) -> torch.nn.Module:
@@ -198,22 +212,43 @@ class ModelRunner:
         chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
             return StepResult(plan.step_id)
-        inputs = build_inputs(chunks, self.block_size, self.device)
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            sampled, prompt_lps = self._logits_and_sample(inputs, hidden)
-        for c in inputs.chunks:
+            ordered, row_starts, hidden = self._forward(chunks)
+            sampled, prompt_lps = self._logits_and_sample(ordered, row_starts, hidden)
+        for c in ordered:
             c.state.num_computed += c.num_tokens
         order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         sampled.sort(key=lambda t: order[t.request_id])
         return StepResult(plan.step_id, sampled, prompt_lps)
+
+    def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
+        """Rows in order, each chunk's first row, hidden states: a decode-only step replays a CUDA graph."""
+        if self.graphs is not None and self.use_graphs and all(c.num_tokens == 1 and not c.wants_prompt_logprobs
+                                                                for c in chunks):
+            key = self.graphs.key_for(chunks)
+            if key is not None:
+                return chunks, list(range(len(chunks))), self.graphs.run(chunks, key)
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        # decode tables padded like the graphs' (the split-K factor follows the width): same numerics either way
+        width = width_bucket(table_width(decodes), self.max_blocks) if decodes else 1
+        inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager)
+        return inputs.chunks, inputs.row_starts, self.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    def capture_graphs(self, max_context: int) -> int:
+        """Capture every decode graph a run up to max_context tokens can use (else they are captured on first
+        use); returns how many graphs exist."""
+        if self.graphs is None:
+            return 0
+        with torch.inference_mode():
+            return self.graphs.capture_all(min(max_context, self.max_model_len))
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         if not 0 <= new.num_computed_tokens <= len(new.token_ids):
             raise ValueError(f"request {new.request_id!r}: num_computed_tokens {new.num_computed_tokens} outside "
                              f"0..{len(new.token_ids)}")
         return RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                            list(new.block_ids), SamplingParams.from_dict(dict(new.sampling)))
+                            list(new.block_ids), SamplingParams.from_dict(dict(new.sampling)),
+                            noise_seed=self._noise_seeds.getrandbits(63))
 
     def _chunk(self, rid: str, num_tokens: int, new_blocks: list[int], sample: bool) -> Chunk:
         state = self.requests.get(rid)
@@ -228,12 +263,12 @@ class ModelRunner:
             raise ValueError(f"request {rid!r}: asked to sample after token {end} of {len(state.token_ids)}")
         return Chunk(state, state.num_computed, num_tokens, sample)
 
-    def _logits_and_sample(self, inputs: StepInputs, hidden: torch.Tensor
+    def _logits_and_sample(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor
                            ) -> tuple[list[SampledToken], dict[str, list[list[tuple[int, float]] | None]]]:
         rows: list[int] = []
         sample_at: list[tuple[Chunk, int]] = []  # chunk, index into rows
         prompt_at: list[tuple[Chunk, int, int]] = []  # chunk, first index into rows, count
-        for c, first in zip(inputs.chunks, inputs.row_starts):
+        for c, first in zip(chunks, row_starts):
             if c.wants_prompt_logprobs:
                 # row of position p scores prompt token p + 1
                 count = min(c.start + c.num_tokens, c.state.num_prompt_tokens - 1) - c.start
@@ -244,23 +279,22 @@ class ModelRunner:
                 rows.append(first + c.num_tokens - 1)
         if not rows:
             return [], {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).float()
-        prompt_lps = {c.state.request_id: self._prompt_logprobs(c, logits[i : i + n]) for c, i, n in prompt_at}
+        if rows == list(range(len(rows))):  # the usual decode step: no gather
+            logits = self.model.compute_logits(hidden[: len(rows)])
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        prompt_lps = {c.state.request_id: self._prompt_logprobs(c, logits[i : i + n].float())
+                      for c, i, n in prompt_at}
         sampled: list[SampledToken] = []
         if sample_at:
-            srows = [self._sampling_row(c.state) for c, _ in sample_at]
-            results = self.sampler(logits[[i for _, i in sample_at]], srows)
+            at = [i for _, i in sample_at]
+            sub = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at, device=logits.device)]
+            results = self.batch_sampler(sub, [c.state for c, _ in sample_at])
             for (c, _), r in zip(sample_at, results):
                 c.state.token_ids.append(r.token_id)
                 extra = {"rank": r.rank} if _SAMPLED_HAS_RANK else {}
                 sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs, **extra))
         return sampled, prompt_lps
-
-    @staticmethod
-    def _sampling_row(state: RequestState) -> SamplingRow:
-        # only the repetition penalty reads the prompt: skip copying long prompts every step otherwise
-        prompt = state.token_ids[: state.num_prompt_tokens] if state.params.repetition_penalty != 1.0 else ()
-        return SamplingRow(state.params, prompt, state.output_ids)
 
     @staticmethod
     def _prompt_logprobs(c: Chunk, logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:

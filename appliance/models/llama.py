@@ -123,6 +123,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False  # class-level switches; subclasses for the other families flip them
     qk_norm = False
+    supports_cuda_graphs = True  # the forward never syncs with the host (executor/cuda_graph.py)
 
     def __init__(self, hf_config: Any, backend: str = "torch") -> None:
         super().__init__()

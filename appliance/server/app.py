@@ -92,9 +92,9 @@ async def tokenize(ctx: ServerContext, request: Request) -> Response:
     req = parse_tokenize(await read_json(request, ctx.config.api.caps.max_body_bytes))
     ctx.check_model(req.model)
     if isinstance(req, TokenizeChatRequest):
-        _, ids = render_prompt(ctx, req)
+        _, ids = await ctx.off_loop(render_prompt, ctx, req)
     else:
-        ids = ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await ctx.off_loop(ctx.encode, req.prompt, req.add_special_tokens)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids}
     if req.return_token_strs:
         body["token_strs"] = [token_text(ctx.tokenizer, t) for t in ids]
@@ -106,7 +106,7 @@ async def detokenize(ctx: ServerContext, request: Request) -> Response:
     ctx.check_model(req.model)
     if any(not 0 <= t < ctx.limits.vocab_size for t in req.tokens):
         raise ApiError(400, f"token ids must be in [0, {ctx.limits.vocab_size})", param="tokens")
-    return JSONResponse({"prompt": ctx.decode(req.tokens, skip_special_tokens=False)})
+    return JSONResponse({"prompt": await ctx.off_loop(ctx.decode_off_loop, req.tokens, False)})
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -176,7 +176,7 @@ async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exc
     ctx.check_model(req.model)
     ctx.engine.check_capacity(req.n)  # before any template / tokenization work
     thinking = thinking_decision(ctx, req).enabled if ctx.config.api.reasoning_parser else None
-    text, ids = render_prompt(ctx, req, thinking)
+    text, ids = await ctx.off_loop(render_prompt, ctx, req, thinking)
     processors = build_processors(ctx, req, text, thinking if thinking is not None else True)
     params = build_sampling(req, ctx.config.sampling, ctx.limits, len(ids))
     if needs_special_tokens(processors) and params.skip_special_tokens:

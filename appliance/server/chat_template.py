@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
+import time
 from typing import Any
 
 import jinja2
@@ -14,6 +16,35 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from appliance.server.errors import ApiError
 
 MAX_RENDERED_CHARS = 4 * 1024 * 1024  # a template that balloons its output is refused, not served
+RENDER_TIME_LIMIT_S = 2.0  # a template that loops for longer is stopped (hostile messages, nested loops)
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _time_bounded(fn: Any, limit_s: float) -> Any:
+    """Run `fn` with a line tracer on the compiled template's frames that stops it after `limit_s`.
+
+    Jinja compiles templates to Python code (file name "<template>"), so a per-line deadline check there bounds
+    any loop the template runs, without a subprocess; frames of other code run untraced, at full speed.
+    """
+    deadline = time.monotonic() + limit_s
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise _Timeout
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        return fn()
+    finally:
+        sys.settrace(previous)
 
 
 class TemplateError(ValueError):
@@ -74,7 +105,10 @@ class ChatTemplate:
         context.update(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                        bos_token=self.bos_token, eos_token=self.eos_token)
         try:
-            text = self._template.render(**context)
+            text = _time_bounded(lambda: self._template.render(**context), RENDER_TIME_LIMIT_S)
+        except _Timeout:
+            raise ApiError(400, f"chat template rendering exceeded {RENDER_TIME_LIMIT_S:g} s",
+                           param="messages") from None
         except TemplateError as exc:
             raise ApiError(400, f"chat template: {exc}", param="messages") from None
         except jinja2.exceptions.SecurityError:

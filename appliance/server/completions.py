@@ -61,7 +61,7 @@ async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exc
     req: CompletionRequest = parse_body(CompletionRequest, body)
     ctx.check_model(req.model)
     ctx.engine.check_capacity(num_prompts(req.prompt) * req.n)  # before any tokenization work
-    prompts = prompt_token_lists(ctx, req.prompt)
+    prompts = await ctx.off_loop(prompt_token_lists, ctx, req.prompt)
     rid = new_request_id("cmpl")
     gens = []
     for k, ids in enumerate(prompts):

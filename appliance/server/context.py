@@ -1,14 +1,21 @@
 """Everything the routes share: config, tokenizer, engine client, template, limits, metrics."""
 from __future__ import annotations
 
+import asyncio
+import copy
+import functools
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from appliance.server.chat_template import ChatTemplate
 from appliance.server.engine_client import EngineClient
 from appliance.server.errors import ApiError
 from appliance.server.sampling import Limits
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -21,6 +28,18 @@ class ServerContext:
     chat_template: ChatTemplate | None
     obs: Any  # observability.FrontendObservability: /metrics registry, request log, request dump
     created: int = field(default_factory=lambda: int(time.time()))
+    # Tokenization and template rendering run on one thread, off the event loop (so /health and streams stay
+    # responsive), with their own copy of the tokenizer: a HF fast tokenizer used from two threads at once can
+    # fail with "Already borrowed". The event loop keeps `tokenizer` for incremental detokenization.
+    _tok_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenize"))
+    _thread_tokenizer: Any = None
+
+    def __post_init__(self) -> None:
+        self._thread_tokenizer = copy.deepcopy(self.tokenizer)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer / template work on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tok_thread, functools.partial(fn, *args))
 
     def http_error(self, status: int) -> None:
         if self.obs is not None and self.obs.metrics is not None:
@@ -40,9 +59,15 @@ class ServerContext:
         return t if t > 0 else None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        """On the tokenizer thread only (see off_loop)."""
+        return list(self._thread_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode_off_loop(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """On the tokenizer thread only (see off_loop)."""
+        return self._thread_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """On the event loop (short texts: echo of a prompt)."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 

@@ -7,6 +7,7 @@ blocks within a step. Starlette's StreamingResponse does this only for some ASGI
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import anyio
 from starlette.types import Receive, Scope, Send
 
 DONE = "data: [DONE]\n\n"
+log = logging.getLogger("appliance.server")
 
 
 def sse(obj: Any) -> str:
@@ -39,6 +41,11 @@ class SSEResponse:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except OSError:
                     pass  # the connection broke under us: same as a disconnect
+                except Exception:
+                    log.exception("stream failed")
+                    err = b'data: {"error": {"message": "internal server error", "type": "InternalServerError", ' \
+                          b'"param": null, "code": 500}}\n\n' + DONE.encode()
+                    await send({"type": "http.response.body", "body": err, "more_body": False})
                 finally:
                     await _aclose(self.events)
                     tg.cancel_scope.cancel()
