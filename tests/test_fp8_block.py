@@ -17,7 +17,7 @@ from appliance.kernels.moe.reference import dequantize_blocks
 from appliance.layers.fp8 import (FP8_DTYPE, FP8_MAX, Fp8BlockConfig, Fp8MergedColumnParallelLinear, block_quantize,
                                   make_linear)
 from appliance.layers.moe import FusedMoE
-from test_moe_models import PROMPTS, build_family, register_moe_models
+from test_moe_models import PROMPTS, build_family
 from test_moe_models import one_thread  # noqa: F401  (autouse: one torch thread in this module)
 
 BLOCK = (32, 32)
@@ -131,9 +131,7 @@ def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     return fp8_dir, deq_dir
 
 
-def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_checkpoint, hf_greedy,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    register_moe_models(monkeypatch)
+def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_checkpoint, hf_greedy) -> None:
     fp8_dir, deq_dir = fp8_checkpoint
     refs = hf_greedy(deq_dir, PROMPTS, 6)
     llm = LLM(model=str(fp8_dir), dtype="float32", block_size=4, skip_tokenizer_init=True)
@@ -146,11 +144,7 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_checkpoi
     assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]
 
 
-@pytest.mark.xfail(raises=NotImplementedError, strict=False,
-                   reason="executor/model_loader.init_dummy_weights calls uniform_ on fp8 parameters, which torch "
-                          "does not implement; it needs to draw in float32 and cast (see the MoE report)")
-def test_dummy_weights_keep_the_fp8_layout(fp8_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    register_moe_models(monkeypatch)
+def test_dummy_weights_keep_the_fp8_layout(fp8_checkpoint) -> None:
     fp8_dir, _ = fp8_checkpoint
     real = LLM(model=str(fp8_dir), dtype="float32", block_size=4, skip_tokenizer_init=True)
     dummy = LLM(model=str(fp8_dir), dtype="float32", block_size=4, skip_tokenizer_init=True, load_format="dummy")

@@ -15,7 +15,7 @@ from appliance import LLM, SamplingParams
 from appliance.kernels import registry
 from appliance.layers.attention import AttentionMetadata
 from appliance.layers.mla import MLAAttention, rope_cache_and_mscale
-from test_moe_models import PROMPTS, YARN_V2, build_family, register_moe_models
+from test_moe_models import PROMPTS, YARN_V2, build_family
 from test_moe_models import one_thread  # noqa: F401  (autouse: one torch thread in this module)
 
 H, R, DN, DR, DV, BS = 4, 16, 8, 4, 6, 4
@@ -122,8 +122,7 @@ def _with_mtp(src: Path, out: Path, num_layers: int) -> dict[str, torch.Tensor]:
     return mtp
 
 
-def test_v3_mtp_layer_loads_and_leaves_generation_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    register_moe_models(monkeypatch)
+def test_v3_mtp_layer_loads_and_leaves_generation_alone(tmp_path: Path) -> None:
     src = build_family("deepseek_v3", tmp_path / "src")
     (tmp_path / "mtp").mkdir()
     mtp = _with_mtp(src, tmp_path / "mtp", num_layers=3)

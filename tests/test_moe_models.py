@@ -54,20 +54,6 @@ SETUPS = [
 ]
 
 
-def register_moe_models(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until models/registry.py lists the MoE families, tests add them to its table for their duration."""
-    from appliance.models import deepseek, mixtral, qwen_moe
-
-    for module in (mixtral, qwen_moe, deepseek):
-        for name, cls in module.MODELS.items():
-            monkeypatch.setitem(registry.MODELS, name, cls)
-
-
-@pytest.fixture(autouse=True)
-def _moe_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    register_moe_models(monkeypatch)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny models run much faster on one thread (two spin-waiting OpenMP threads on a busy 2-core CI box
@@ -142,9 +128,15 @@ def test_mla_cache_holds_latents_only(family_dir) -> None:
     layers = runner.model.attention_layers()
     assert {(a.num_kv_heads, a.head_dim) for a in layers} == {(1, MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"])}
     assert all(a.k_cache is not None and a.k_cache.shape[-2:] == (1, 40) for a in layers)
+    assert runner.kv_spec.num_tensors == 1 and all(v is None for _, v in runner.kv_caches)  # no V cache at all
 
 
-def test_unsupported_router_method_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_registry_lists_every_family() -> None:
+    for _, model_cls, _ in FAMILIES.values():
+        assert registry.MODELS[model_cls].__name__ == model_cls
+
+
+def test_unsupported_router_method_is_an_error(tmp_path: Path) -> None:
     path = build_family("deepseek_v2", tmp_path / "m")
     with pytest.raises(ValueError, match="topk_method"):
         LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, hf_overrides={"topk_method": "bogus"})

@@ -8,6 +8,8 @@ the width is bucketed to a power of two of blocks, which keeps the split factor 
 needs instead of what max_model_len allows. Graphs are captured lazily on first use (or all at once by
 `capture_all`) into one shared memory pool; every graph reads the same static input buffers and writes its
 hidden states into one static output, so only the final hidden states stay allocated.
+On a CPU (tests) the same class runs the forward over the same padded static buffers without capturing, so
+the padding and bucketing logic is exercised against the torch reference kernels.
 
 The model's forward inside a graph must not synchronise with the host nor allocate outside the pool: models
 declare this with a class attribute `supports_cuda_graphs = True` (the Llama family does).
@@ -81,14 +83,15 @@ class DecodeGraphs:
         self.forward, self.device, self.sizes = forward, device, sizes
         self.max_blocks, self.block_size = max_blocks, block_size
         top = sizes[-1]
+        self.cuda = device.type == "cuda"
         self.buf64 = torch.zeros(3 * top, dtype=torch.int64, device=device)
         self.buf32 = torch.zeros(top + top * max_blocks, dtype=torch.int32, device=device)
-        self.host64 = torch.zeros(3 * top, dtype=torch.int64).pin_memory()
-        self.host32 = torch.zeros(top + top * max_blocks, dtype=torch.int32).pin_memory()
+        self.host64 = torch.zeros(3 * top, dtype=torch.int64, pin_memory=self.cuda)
+        self.host32 = torch.zeros(top + top * max_blocks, dtype=torch.int32, pin_memory=self.cuda)
         self.hidden = torch.zeros(top, hidden_size, dtype=dtype, device=device)
         self._no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
-        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[GraphKey, Callable[[], None]] = {}  # replay functions
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._copied: torch.cuda.Event | None = None
 
     def key_for(self, decodes: list[Chunk]) -> GraphKey | None:
@@ -108,10 +111,11 @@ class DecodeGraphs:
 
     def _upload(self, key: GraphKey) -> None:
         n64, n32 = 3 * key.batch, key.batch + key.batch * key.width
-        self.buf64[:n64].copy_(self.host64[:n64], non_blocking=True)
-        self.buf32[:n32].copy_(self.host32[:n32], non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        self.buf64[:n64].copy_(self.host64[:n64], non_blocking=self.cuda)
+        self.buf32[:n32].copy_(self.host32[:n32], non_blocking=self.cuda)
+        if self.cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _fill(self, decodes: list[Chunk], key: GraphKey) -> None:
         if self._copied is not None:
@@ -123,14 +127,18 @@ class DecodeGraphs:
     def capture(self, key: GraphKey) -> None:
         if key in self.graphs:
             return
-        self._fill([], key)  # all padding: the warm-up and the capture store nothing in the KV cache
         ids, pos, meta = self._views(key)
+        if not self.cuda:
+            self.graphs[key] = lambda: self.hidden[: key.batch].copy_(self.forward(ids, pos, meta))
+            return
+        self._fill([], key)  # all padding: the warm-up and the capture store nothing in the KV cache
         self.forward(ids, pos, meta)  # compiles kernels and settles the allocator outside the capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.hidden[: key.batch].copy_(self.forward(ids, pos, meta))
-        self.graphs[key] = graph
+        self.graphs[key] = graph.replay
+        log.debug("captured decode graph batch=%d width=%d", key.batch, key.width)
 
     def capture_all(self, max_context: int) -> int:
         """Capture every size for every width bucket up to max_context tokens, largest first (pool reuse)."""
@@ -146,7 +154,7 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.capture(key)
         self._fill(decodes, key)
-        self.graphs[key].replay()
+        self.graphs[key]()
         return self.hidden[: len(decodes)]
 
 

@@ -17,11 +17,12 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    num_tensors: int = 2  # K and V; 1 for MLA's latent cache (layers that declare uses_v_cache = False)
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.num_tensors * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -60,7 +61,10 @@ def blocks_for_gpu(spec: KVCacheSpec, device: torch.device, utilization: float, 
     return int(n)
 
 
-def allocate(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate(spec: KVCacheSpec, num_blocks: int,
+             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(K, V) per layer; V is None for a one-tensor (MLA latent) cache."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
+             torch.zeros(shape, dtype=spec.dtype, device=device) if spec.num_tensors == 2 else None)
             for _ in range(spec.num_layers)]

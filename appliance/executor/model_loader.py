@@ -105,4 +105,10 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     generators: dict[torch.device, torch.Generator] = {}
     for _, param in model.named_parameters():
         gen = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-        param.data.uniform_(-1e-3, 1e-3, generator=gen)
+        if param.element_size() == 1:  # fp8 (layers/fp8.py): torch draws no random numbers in it; draw, then cast
+            flat = param.data.view(-1)  # in slabs: a float32 copy of a whole expert stack would not fit
+            for start in range(0, flat.numel(), 1 << 26):
+                part = flat[start : start + (1 << 26)]
+                part.copy_(torch.empty(part.shape, device=param.device).uniform_(-1e-3, 1e-3, generator=gen))
+        else:
+            param.data.uniform_(-1e-3, 1e-3, generator=gen)

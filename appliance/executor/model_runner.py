@@ -129,7 +129,8 @@ class ModelRunner:
         layers = self.model.attention_layers()
         self.kv_spec = kv_cache.KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
                                             self.block_size, kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype,
-                                                                                     self.dtype))
+                                                                                     self.dtype),
+                                            num_tensors=2 if getattr(layers[0], "uses_v_cache", True) else 1)
         self.num_blocks = self._count_blocks()
         self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         for layer, (k, v) in zip(layers, self.kv_caches):

@@ -54,6 +54,9 @@ class MoECausalLM(LlamaForCausalLM):
     """Base of the MoE families: subclasses say how layer i is built and how checkpoint names map onto ours."""
 
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint name fragment -> ours
+    # the MoE kernels read expert counts on the host (torch: the experts hit; Triton: the sort's bincount) and
+    # MLA's reference kernels loop over sequences, so these forwards cannot be captured in a CUDA graph yet
+    supports_cuda_graphs = False
 
     def __init__(self, hf_config: Any, backend: str = "torch") -> None:
         nn.Module.__init__(self)

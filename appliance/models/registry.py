@@ -5,18 +5,24 @@ from typing import Any
 
 from torch import nn
 
+from appliance.models.deepseek import MODELS as DEEPSEEK_MODELS
 from appliance.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from appliance.models.mixtral import MODELS as MIXTRAL_MODELS
+from appliance.models.qwen_moe import MODELS as QWEN_MOE_MODELS
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    **MIXTRAL_MODELS,  # MixtralForCausalLM
+    **QWEN_MOE_MODELS,  # Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+    **DEEPSEEK_MODELS,  # DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 }
 
 

@@ -1,0 +1,103 @@
+"""CUDA graph sizes, padding and width buckets; the padded decode path against eager (CPU: no capture)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from appliance import LLM, SamplingParams
+from appliance.executor.cuda_graph import (
+    DecodeGraphs,
+    GraphKey,
+    capture_sizes,
+    graph_settings,
+    padded_batch,
+    width_bucket,
+)
+
+
+def test_default_sizes_follow_max_num_seqs() -> None:
+    assert capture_sizes(None, None, 512) == [1, 2, 4, 8] + list(range(16, 257, 8))
+    assert capture_sizes(None, None, 20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(None, 3, 256) == [1, 2, 3]
+    assert capture_sizes(None, 40, 256) == [1, 2, 4, 8, 16, 24, 32, 40]
+
+
+def test_explicit_sizes_win_and_are_checked() -> None:
+    assert capture_sizes([8, 1, 8, 4], None, 256) == [1, 4, 8]
+    assert capture_sizes([1, 4, 64], 16, 256) == [1, 4]
+    with pytest.raises(ValueError, match="positive ints"):
+        capture_sizes([0, 4], None, 256)
+    with pytest.raises(ValueError, match="positive ints"):
+        capture_sizes([], None, 256)
+    with pytest.raises(ValueError, match=">= 1"):
+        capture_sizes(None, 0, 256)
+
+
+def test_padded_batch_and_width_bucket() -> None:
+    sizes = [1, 2, 4, 8, 16]
+    assert [padded_batch(sizes, n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, None]
+    assert [width_bucket(n, 1000) for n in (1, 16, 17, 100, 600)] == [16, 16, 32, 128, 1000]
+    assert width_bucket(5, 8) == 8
+    with pytest.raises(ValueError, match="exceeds"):
+        width_bucket(9, 8)
+
+
+def _config(enforce_eager: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(backends=SimpleNamespace(enforce_eager=enforce_eager, cuda_graph_sizes=None,
+                                                    cuda_graph_max_bs=16),
+                           scheduler=SimpleNamespace(max_num_seqs=64))
+
+
+def test_graph_settings_switches() -> None:
+    llama = SimpleNamespace(supports_cuda_graphs=True)
+    cuda = torch.device("cuda")
+    assert graph_settings(_config(), llama, cuda) == [1, 2, 4, 8, 16]
+    assert graph_settings(_config(enforce_eager=True), llama, cuda) is None
+    assert graph_settings(_config(), SimpleNamespace(), cuda) is None  # a model that does not declare support
+    assert graph_settings(_config(), llama, torch.device("cpu")) is None
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+def _with_graphs(llm: LLM) -> DecodeGraphs:
+    r = llm.executor.runner
+    graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, [1, 2, 4, 8], r.max_blocks,
+                          r.block_size)
+    r.graphs, r.use_graphs = graphs, True
+    return graphs
+
+
+def test_padded_decode_path_matches_eager_on_cpu(tiny_model) -> None:
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=2048,
+              skip_tokenizer_init=True)
+    prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21]  # 3 rows -> padded to 4; tables of 1..20 blocks
+    eager = _greedy(llm, prompts, 12)
+    graphs = _with_graphs(llm)
+    runs: list[GraphKey] = []
+    run = graphs.run
+    graphs.run = lambda decodes, key: (runs.append(key), run(decodes, key))[1]  # type: ignore[method-assign]
+    assert _greedy(llm, prompts, 12) == eager
+    assert runs and {k.batch for k in runs} <= {1, 2, 4} and GraphKey(4, 32) in runs
+    # a batch above every capture size runs eagerly
+    runs.clear()
+    assert _greedy(llm, prompts * 3, 3)[:3] == [e[:3] for e in eager]
+    assert runs == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_match_eager_on_gpu(tiny_model) -> None:
+    llm = LLM(model=str(tiny_model), dtype="bfloat16", block_size=16, max_total_tokens=8192,
+              skip_tokenizer_init=True, cuda_graph_max_bs=8)
+    runner = llm.executor.runner
+    assert runner.graphs is not None
+    prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21, [3] * 300]
+    with_graphs = _greedy(llm, prompts, 16)
+    assert runner.graphs.graphs  # something was captured and replayed
+    runner.use_graphs = False
+    assert _greedy(llm, prompts, 16) == with_graphs

@@ -1,0 +1,87 @@
+"""Step input building: the numpy/pinned path against a plain per-row reference, and the graphs' padded layout."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from appliance.engine.sampling_params import SamplingParams
+from appliance.executor.input_batch import Chunk, RequestState, build_decode_arrays, build_inputs
+
+BS = 4
+
+
+def _state(rng: random.Random, rid: str, length: int, computed: int) -> RequestState:
+    blocks = rng.sample(range(1000), (length + BS - 1) // BS)
+    return RequestState(rid, [rng.randrange(5000) for _ in range(length)], max(1, length - 3), computed, blocks,
+                        SamplingParams())
+
+
+def _random_chunks(seed: int) -> list[Chunk]:
+    rng = random.Random(seed)
+    chunks = []
+    for i in range(rng.randint(1, 7)):
+        length = rng.randint(1, 40)
+        if rng.random() < 0.5:  # a decode: one token at the end
+            chunks.append(Chunk(_state(rng, f"d{i}", length, length - 1), length - 1, 1, True))
+        else:
+            start = rng.randint(0, length - 2) if length > 1 else 0
+            n = length - start
+            chunks.append(Chunk(_state(rng, f"p{i}", length, start), start, n, True))
+    rng.shuffle(chunks)
+    return chunks
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_build_inputs_matches_per_row_reference(seed: int) -> None:
+    chunks = _random_chunks(seed)
+    inp = build_inputs(chunks, BS, torch.device("cpu"), decode_width=3)
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    prefills = [c for c in chunks if c.num_tokens > 1]
+    assert inp.chunks == decodes + prefills
+    ids, pos, slots, starts = [], [], [], []
+    for c in decodes + prefills:
+        starts.append(len(ids))
+        for p in range(c.start, c.start + c.num_tokens):
+            ids.append(c.state.token_ids[p])
+            pos.append(p)
+            slots.append(c.state.block_ids[p // BS] * BS + p % BS)
+    assert inp.row_starts == starts
+    assert inp.input_ids.tolist() == ids and inp.positions.tolist() == pos
+    m = inp.meta
+    assert m.slot_mapping.tolist() == slots and m.num_decode_tokens == len(decodes)
+    assert m.decode_seq_lens.dtype == torch.int32 and m.decode_seq_lens.tolist() == [c.start + 1 for c in decodes]
+    assert m.prefill_seq_lens.tolist() == [c.start + c.num_tokens for c in prefills]
+    assert m.prefill_cu_seqlens.tolist() == list(np.cumsum([0] + [c.num_tokens for c in prefills]))
+    assert not decodes or m.decode_block_tables.shape[1] >= 3  # padded to the requested width
+    for table, group in ((m.decode_block_tables, decodes), (m.prefill_block_tables, prefills)):
+        assert table.dtype == torch.int32 and table.shape[0] == len(group)
+        for row, c in zip(table.tolist(), group):
+            assert row[: len(c.state.block_ids)] == c.state.block_ids
+
+
+def test_build_inputs_refuses_a_short_block_table() -> None:
+    st = RequestState("r", list(range(9)), 9, 8, [3, 4], SamplingParams())  # 9 tokens need 3 blocks of 4
+    with pytest.raises(RuntimeError, match="need 3 blocks"):
+        build_inputs([Chunk(st, 8, 1, True)], BS, torch.device("cpu"))
+
+
+def test_decode_arrays_pad_rows_store_nothing_and_read_nothing() -> None:
+    rng = random.Random(3)
+    decodes = [Chunk(s, s.num_computed, 1, True) for s in (_state(rng, "a", 9, 8), _state(rng, "b", 3, 2))]
+    batch, width = 4, 8
+    out64 = np.full(3 * 8, 77, np.int64)
+    out32 = np.full(8 + 8 * width, 77, np.int32)
+    build_decode_arrays(decodes, BS, batch, width, out64, out32)
+    ids, pos, slots = out64[: 3 * batch].reshape(3, batch)
+    assert ids.tolist() == [decodes[0].state.token_ids[8], decodes[1].state.token_ids[2], 0, 0]
+    assert pos.tolist() == [8, 2, 0, 0]
+    a, b = decodes[0].state.block_ids, decodes[1].state.block_ids
+    assert slots.tolist() == [a[2] * BS, b[0] * BS + 2, -1, -1]
+    assert out32[:batch].tolist() == [9, 3, 0, 0]
+    table = out32[batch : batch + batch * width].reshape(batch, width)
+    assert table[0, :3].tolist() == a and table[1, :1].tolist() == b
+    with pytest.raises(ValueError, match="do not fit"):
+        build_decode_arrays(decodes * 3, BS, batch, width, out64, out32)
