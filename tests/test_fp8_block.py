@@ -10,15 +10,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from test_moe_models import (
+    PROMPTS,
+    build_family,
+    one_thread,  # noqa: F401  (autouse: one torch thread in this module)
+)
 
 from appliance import LLM, SamplingParams
 from appliance.kernels import registry
 from appliance.kernels.moe.reference import dequantize_blocks
-from appliance.layers.fp8 import (FP8_DTYPE, FP8_MAX, Fp8BlockConfig, Fp8MergedColumnParallelLinear, block_quantize,
-                                  make_linear)
+from appliance.layers.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8BlockConfig,
+    Fp8MergedColumnParallelLinear,
+    block_quantize,
+    make_linear,
+)
 from appliance.layers.moe import FusedMoE
-from test_moe_models import PROMPTS, build_family
-from test_moe_models import one_thread  # noqa: F401  (autouse: one torch thread in this module)
 
 BLOCK = (32, 32)
 
@@ -90,21 +99,21 @@ def test_fp8_experts_load_scales_per_tile() -> None:
 
 
 def test_quantization_config_is_validated() -> None:
-    class Cfg:
-        quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                               "weight_block_size": [128, 128]}
+    from types import SimpleNamespace
 
-    assert Fp8BlockConfig.from_hf(Cfg()) == Fp8BlockConfig(128, 128)
-    Cfg.quantization_config = {"quant_method": "awq"}
+    v3 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert Fp8BlockConfig.from_hf(SimpleNamespace(quantization_config=v3)) == Fp8BlockConfig(128, 128)
+    assert Fp8BlockConfig.from_hf(SimpleNamespace()) is None
     with pytest.raises(ValueError, match="awq"):
-        Fp8BlockConfig.from_hf(Cfg())
-    Cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+        Fp8BlockConfig.from_hf(SimpleNamespace(quantization_config={"quant_method": "awq"}))
     with pytest.raises(ValueError, match="weight_block_size"):
-        Fp8BlockConfig.from_hf(Cfg())
+        Fp8BlockConfig.from_hf(SimpleNamespace(quantization_config={"quant_method": "fp8"}))
+    with pytest.raises(ValueError, match="static"):
+        Fp8BlockConfig.from_hf(SimpleNamespace(quantization_config={**v3, "activation_scheme": "static"}))
 
 
 def _quantizable(name: str) -> bool:
-    return name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight")
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +163,12 @@ def test_dummy_weights_keep_the_fp8_layout(fp8_checkpoint) -> None:
     out = dummy.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0.0, max_tokens=3,
                                                                              ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_fp8_checkpoint_of_a_family_without_fp8_support_is_refused(tmp_path: Path) -> None:
+    path = build_family("qwen3_moe", tmp_path / "q")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized checkpoints are not supported"):
+        LLM(model=str(path), dtype="float32", skip_tokenizer_init=True)

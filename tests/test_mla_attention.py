@@ -5,24 +5,32 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_moe_models import (
+    PROMPTS,
+    YARN_V2,
+    build_family,
+    one_thread,  # noqa: F401  (autouse: one torch thread in this module)
+)
 
 from appliance import LLM, SamplingParams
 from appliance.kernels import registry
 from appliance.layers.attention import AttentionMetadata
 from appliance.layers.mla import MLAAttention, rope_cache_and_mscale
-from test_moe_models import PROMPTS, YARN_V2, build_family
-from test_moe_models import one_thread  # noqa: F401  (autouse: one torch thread in this module)
 
 H, R, DN, DR, DV, BS = 4, 16, 8, 4, 6, 4
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _meta(num_decode: int, lens: list[int], q_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
-    i32 = dict(dtype=torch.int32)
+    i32 = {"dtype": torch.int32}
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
@@ -48,7 +56,7 @@ def latent_setup():
 
 
 def test_absorbed_decode_equals_expanded_prefill(latent_setup) -> None:
-    layer, cache, tables, lens, w_kv_b = latent_setup
+    layer, _cache, tables, lens, w_kv_b = latent_setup
     q_nope, q_pe = torch.randn(2, H, DN), torch.randn(2, H, DR)
     # the token is already in the cache (slot -1 keeps it untouched); decode it, then treat it as a 1-row chunk
     empty_c, empty_pe = torch.zeros(2, R), torch.zeros(2, DR)
@@ -143,3 +151,38 @@ def test_v3_mtp_layer_loads_and_leaves_generation_alone(tmp_path: Path) -> None:
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     assert ([o.outputs[0].token_ids for o in with_mtp.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in without.generate(prompts, params)])
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "appliance.kernels.mla.selfcheck", "cpu"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["case"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+
+
+def _case_names(cases: str) -> list[str]:
+    from appliance.kernels.mla import selfcheck as sc
+
+    return [c.name for c in getattr(sc, cases)()]
+
+
+@pytest.mark.parametrize("case", _case_names("small_cases"))
+def test_triton_mla_decode_interpreted_matches_reference(interpreted: dict, case: str) -> None:
+    row = interpreted.get(case)
+    assert row is not None, f"{case} produced no result"
+    assert "error" not in row, row.get("error")
+    assert row["err"] <= row["tol"], f"{case}: relative error {row['err']:.3g} > {row['tol']:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", _case_names("gpu_cases"))
+def test_triton_mla_decode_gpu_shapes(case: str) -> None:
+    from appliance.kernels.mla import selfcheck as sc
+
+    row = sc.run_case(next(c for c in sc.gpu_cases() if c.name == case), "cuda")
+    assert row["err"] <= row["tol"], row

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from appliance import LLM, SamplingParams
+from appliance.kernels import registry as kernel_registry
 from appliance.models import registry
 
-TINY: dict[str, Any] = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                            num_attention_heads=4, max_position_embeddings=512, tie_word_embeddings=False,
-                            initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-MLA: dict[str, Any] = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                           moe_intermediate_size=32)
+TINY: dict[str, Any] = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+                            "num_attention_heads": 4, "max_position_embeddings": 512, "tie_word_embeddings": False,
+                            "initializer_range": 0.1, "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+MLA: dict[str, Any] = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                           "moe_intermediate_size": 32}
 # DeepSeek-V2-Lite's and V3's YaRN settings (mscale differs), on a short original context
 YARN_V2 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
@@ -26,13 +27,13 @@ YARN_V3 = {**YARN_V2, "mscale": 1.0, "mscale_all_dim": 1.0}
 # name -> (config class, model class, config overrides)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+                {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                       shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+                  {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                       "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                       head_dim=32, norm_topk_prob=True)),
+                  {"num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                       "head_dim": 32, "norm_topk_prob": True}),
     # V2: plain q_proj, greedy routing, YaRN, one leading dense layer, routed_scaling_factor
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
                     dict(MLA, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
@@ -49,8 +50,8 @@ PROMPTS = [[5, 6, 7, 8, 9], SHARED + [50, 51, 52, 53, 54, 55, 56, 57, 58], [90] 
            SHARED + [60, 61]]
 NEW = 6
 SETUPS = [
-    ("prefix_on", dict(enable_prefix_caching=True, chunked_prefill_size=8192)),
-    ("prefix_off_chunk16", dict(enable_prefix_caching=False, chunked_prefill_size=16)),
+    ("prefix_on", {"enable_prefix_caching": True, "chunked_prefill_size": 8192}),
+    ("prefix_off_chunk16", {"enable_prefix_caching": False, "chunked_prefill_size": 16}),
 ]
 
 
@@ -129,6 +130,21 @@ def test_mla_cache_holds_latents_only(family_dir) -> None:
     assert {(a.num_kv_heads, a.head_dim) for a in layers} == {(1, MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"])}
     assert all(a.k_cache is not None and a.k_cache.shape[-2:] == (1, 40) for a in layers)
     assert runner.kv_spec.num_tensors == 1 and all(v is None for _, v in runner.kv_caches)  # no V cache at all
+
+
+def test_moe_backend_setting_reaches_the_experts(family_dir) -> None:
+    from appliance.layers.moe import FusedMoE, resolve_moe_backend
+
+    assert resolve_moe_backend("auto", "torch") == "torch"
+    with pytest.raises(ValueError, match="backends.moe"):
+        resolve_moe_backend("bogus", "torch")
+    pytest.importorskip("triton")
+    llm = LLM(model=str(family_dir("qwen3_moe")), dtype="float32", skip_tokenizer_init=True, moe_backend="triton")
+    experts = [m for m in llm.executor.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m._op is kernel_registry.get("fused_moe", "triton") for m in experts)
+    assert llm.executor.runner.model.supports_cuda_graphs  # the Triton MoE path never syncs with the host
+    torch_moe = LLM(model=str(family_dir("deepseek_v3")), dtype="float32", skip_tokenizer_init=True)
+    assert not torch_moe.executor.runner.model.supports_cuda_graphs  # the torch references do
 
 
 def test_registry_lists_every_family() -> None:

@@ -64,13 +64,13 @@ def _mla_cfg() -> SimpleNamespace:
 
 
 def _meta_prefill(n: int) -> AttentionMetadata:
-    i32 = dict(dtype=torch.int32)
+    i32 = {"dtype": torch.int32}
     return AttentionMetadata(torch.arange(n, dtype=torch.int64), 0, torch.zeros(0, 1, **i32), torch.zeros(0, **i32),
                              torch.tensor([0, n], **i32), torch.tensor([n], **i32), torch.tensor([[0, 1]], **i32))
 
 
 def _meta_decode(pos: int) -> AttentionMetadata:
-    i32 = dict(dtype=torch.int32)
+    i32 = {"dtype": torch.int32}
     return AttentionMetadata(torch.tensor([pos]), 1, torch.tensor([[0, 1]], **i32), torch.tensor([pos + 1], **i32),
                              torch.zeros(1, **i32), torch.zeros(0, **i32), torch.zeros(0, 1, **i32))
 

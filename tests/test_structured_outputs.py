@@ -65,10 +65,13 @@ def test_spec_from_request(body: dict, expected: StructuredSpec | None) -> None:
         assert hash(spec) == hash(expected)
 
 
-def test_schema_key_ignores_key_order() -> None:
-    reordered = json.loads(json.dumps(SCHEMA))
-    reordered = {k: reordered[k] for k in reversed(list(reordered))}
-    assert StructuredSpec.json_schema(reordered) == StructuredSpec.json_schema(SCHEMA)
+def test_schema_keeps_property_order() -> None:
+    # the grammar generates properties in the schema's order, so the order is part of the spec
+    props = {"zeta": {"type": "integer"}, "alpha": {"type": "string"}}
+    spec = StructuredSpec.json_schema({"type": "object", "properties": props})
+    assert list(spec.schema["properties"]) == ["zeta", "alpha"]
+    reversed_props = {"type": "object", "properties": dict(reversed(list(props.items())))}
+    assert StructuredSpec.json_schema(reversed_props) != spec
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,12 @@ def _parallel(cfg: ApplianceConfig) -> list[Problem]:
         out.append(Problem("parallelism.nnodes", f"world size {world} is not divisible by nnodes {p.nnodes}"))
     if p.nnodes > 1 and not p.dist_init_addr:
         out.append(Problem("parallelism.dist_init_addr", "a multi-node deployment needs dist_init_addr"))
+    per_node = p.nprocs_per_node or world // p.nnodes
+    if p.devices is not None and len(p.devices) != per_node:
+        out.append(Problem("parallelism.devices", f"{len(p.devices)} devices listed for {per_node} workers on this "
+                           "node (tp x dp / nnodes): list one device per worker"))
+    if p.devices is not None and cfg.model.device == "cpu":
+        out.append(Problem("parallelism.devices", "devices are GPU indices; model.device is cpu"))
     return out
 
 
@@ -97,6 +103,9 @@ def _api(cfg: ApplianceConfig) -> list[Problem]:
     out: list[Problem] = []
     if cfg.api.api_key is not None and not cfg.api.api_key.strip():
         out.append(Problem("api.api_key", "is empty; unset it or give a token"))
+    if cfg.api.thinking_budget is not None and cfg.api.reasoning_parser is None:
+        out.append(Problem("api.thinking_budget", "needs api.reasoning_parser: the budget is enforced on the "
+                           "reasoning block, whose tags the parser names"))
     return out
 
 

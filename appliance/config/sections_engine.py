@@ -111,6 +111,17 @@ class ParallelismSection(Section):
     node_rank: int = param(0, "Rank of this node (0 is the head).", ge=0)
     dist_init_addr: str | None = param(None, "host:port for distributed initialisation across nodes.",
                                        flags=("--dist-init-addr", "--nccl-init-addr"))
+    devices: list[int] | None = param(
+        None, "GPU indices of this node's workers, one per worker in rank order (worker d x tp + t of replica d), "
+        "each given to its worker as CUDA_VISIBLE_DEVICES. Unset: worker i uses visible device i.",
+        flags="--devices")
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(d < 0 for d in v) or len(set(v)) != len(v)):
+            raise ValueError("must be a non-empty list of distinct device indices >= 0")
+        return v
 
     @property
     def effective_ep(self) -> int:
@@ -134,7 +145,8 @@ class SchedulerSection(Section):
     max_prefill_tokens: int = param(8192, "Prefill token budget of one step when chunked prefill is disabled.",
                                     ge=1)
     max_queued_requests: int | None = param(
-        None, "Most requests waiting for admission; further requests get HTTP 503 at once. Unset: no limit.", ge=1)
+        None, "Most requests waiting for admission; further requests get HTTP 429 (Retry-After) at once, before "
+        "tokenization. Unset: no limit.", ge=1)
     policy: Literal["fcfs", "lpm", "slo"] = param(
         "fcfs", "Order of waiting requests: `fcfs` first come first served; `lpm` longest cached prefix first; "
         "`slo` decode-first for sequences near their time-between-tokens deadline, shortest prompt first.",

@@ -77,6 +77,8 @@ class ApiSection(Section):
     stream_output: bool = param(False, "Stream disjoint text segments rather than cumulative text (offline API).")
     request_timeout: float = param(300.0, "Seconds a request may run before it is aborted with an error; 0: "
                                    "no timeout.", ge=0)
+    shutdown_grace_period: float = param(5.0, "Seconds open requests get to finish after SIGTERM (new ones are "
+                                         "refused meanwhile); then the pipeline is stopped.", ge=0)
     reasoning_parser: ReasoningParser | None = param(
         None, "Splits reasoning (thinking) text into `reasoning_content`. Unset: no split.")
     tool_call_parser: ToolCallParser | None = param(

@@ -236,6 +236,15 @@ class LLM:
     def _check_params(self, sp: SamplingParams) -> None:
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; skip_tokenizer_init is set (use stop_token_ids)")
+        from appliance.structured import structured_spec_of
+        from appliance.structured.validate import check_spec
+
+        spec = structured_spec_of(sp.extra)  # StructuredOutputError is a ValueError
+        if spec is not None:
+            check_spec(spec)
+            if sp.ignore_eos or sp.min_tokens:
+                raise ValueError("ignore_eos and min_tokens cannot be combined with structured outputs (the "
+                                 "grammar ends the output with EOS)")
 
     def _detokenizer(self, prompt_ids: list[int], sp: SamplingParams) -> Detokenizer | None:
         if self.tokenizer is None:

@@ -93,6 +93,7 @@ class DecodeGraphs:
         self.graphs: dict[GraphKey, Callable[[], None]] = {}  # replay functions
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._copied: torch.cuda.Event | None = None
+        self.last_key: GraphKey | None = None
 
     def key_for(self, decodes: list[Chunk]) -> GraphKey | None:
         batch = padded_batch(self.sizes, len(decodes))
@@ -155,6 +156,7 @@ class DecodeGraphs:
             self.capture(key)
         self._fill(decodes, key)
         self.graphs[key]()
+        self.last_key = key  # benchmarks replay it to time the GPU side alone
         return self.hidden[: len(decodes)]
 
 

@@ -163,9 +163,12 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
     flat[offs[5] : offs[6]] = [c.start + c.num_tokens for c in prefills]
     fill_block_table(flat[offs[6] : offs[7]].reshape(nd, wd), decodes)
     fill_block_table(flat[offs[7] : offs[8]].reshape(npf, wp), prefills)
-    dev = (stager or Stager(device)).send(flat) if device.type == "cuda" else torch.from_numpy(flat).to(device)
-    head = dev[: offs[3]]
-    tail = dev[offs[3] :].to(torch.int32)
+    if device.type == "cuda":  # one copy, then one cast launch for the int32 tail
+        dev = (stager or Stager(device)).send(flat)
+        head, tail = dev[: offs[3]], dev[offs[3] :].to(torch.int32)
+    else:
+        head = torch.from_numpy(flat[: offs[3]]).to(device)
+        tail = torch.from_numpy(flat[offs[3] :].astype(np.int32)).to(device)
     o = [int(x - offs[3]) for x in offs[3:]]
     meta = AttentionMetadata(
         slot_mapping=head[2 * t : 3 * t],

@@ -74,10 +74,12 @@ def iterate_weights(model_dir: Path, load_format: str) -> Iterator[tuple[str, to
     if st:
         from safetensors import safe_open
 
+        from appliance.executor.distributed import checkpoint_tensor
+
         for f in st:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118  (a safetensors handle, not a dict)
-                    yield name, handle.get_tensor(name)
+                    yield name, checkpoint_tensor(handle, name)  # with tp > 1, read only this rank's slices
         return
     if load_format == "safetensors":
         raise ModelNotFound(f"load_format safetensors: no *.safetensors files in {model_dir}")

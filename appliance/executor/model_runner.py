@@ -18,7 +18,7 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
-from appliance.executor import kv_cache
+from appliance.executor import kv_cache, logits_processors
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
 from appliance.executor.cuda_graph import DecodeGraphs, graph_settings, width_bucket
 from appliance.executor.input_batch import Chunk, RequestState, Stager, build_inputs, table_width
@@ -158,7 +158,12 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.hf_config, backend=self.backend)
+                extra = {}
+                if getattr(cls, "is_moe", False):  # backends.moe picks the fused_moe kernels (models/mixtral.py)
+                    from appliance.layers.moe import resolve_moe_backend
+
+                    extra["moe_backend"] = resolve_moe_backend(self.config.backends.moe, self.backend)
+                model = cls(self.hf_config, backend=self.backend, **extra)
         finally:
             torch.set_default_dtype(previous)
         if load_format == "dummy":
@@ -218,8 +223,9 @@ class ModelRunner:
             sampled, prompt_lps = self._logits_and_sample(ordered, row_starts, hidden)
         for c in ordered:
             c.state.num_computed += c.num_tokens
-        order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
-        sampled.sort(key=lambda t: order[t.request_id])
+        if ordered is not chunks:  # decodes were moved first: back to the plan's order
+            order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
+            sampled.sort(key=lambda t: order[t.request_id])
         return StepResult(plan.step_id, sampled, prompt_lps)
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
@@ -269,6 +275,11 @@ class ModelRunner:
         rows: list[int] = []
         sample_at: list[tuple[Chunk, int]] = []  # chunk, index into rows
         prompt_at: list[tuple[Chunk, int, int]] = []  # chunk, first index into rows, count
+        if len(row_starts) == hidden.shape[0] and all(c.sample and c.state.params.prompt_logprobs is None
+                                                       for c in chunks):
+            # a decode step: one row per chunk, each samples, nothing else is scored
+            rows, sample_at = list(range(len(chunks))), [(c, i) for i, c in enumerate(chunks)]
+            chunks = []
         for c, first in zip(chunks, row_starts):
             if c.wants_prompt_logprobs:
                 # row of position p scores prompt token p + 1
@@ -290,7 +301,8 @@ class ModelRunner:
         if sample_at:
             at = [i for _, i in sample_at]
             sub = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at, device=logits.device)]
-            results = self.batch_sampler(sub, [c.state for c, _ in sample_at])
+            # grammar / thinking-budget rows are masked first (executor/logits_processors.py)
+            results = logits_processors.sample(self, sub, [c.state for c, _ in sample_at])
             for (c, _), r in zip(sample_at, results):
                 c.state.token_ids.append(r.token_id)
                 extra = {"rank": r.rank} if _SAMPLED_HAS_RANK else {}

@@ -50,8 +50,15 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         self._store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         nd = meta.num_decode_tokens
+        # one kind of row (every decode step, most prefill steps): the kernel's output is the answer, no copy
+        if nd == t:
+            return self._decode(q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                self.scale).view(t, self.num_heads * self.head_dim)
+        if nd == 0:
+            return self._prefill(q, self.k_cache, self.v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
+                                 meta.prefill_block_tables, self.scale).view(t, self.num_heads * self.head_dim)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], self.k_cache, self.v_cache, meta.decode_block_tables,
                                     meta.decode_seq_lens, self.scale)

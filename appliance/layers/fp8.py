@@ -16,7 +16,11 @@ from torch import nn
 
 from appliance.kernels import registry
 from appliance.kernels.moe.reference import dequantize_blocks
-from appliance.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from appliance.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from appliance.layers.parallel_state import tp_all_gather, tp_all_reduce
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -119,10 +119,10 @@ class MLAAttention(nn.Module):
         out = q_nope.new_empty(t, self.num_heads, self.v_head_dim)
         nd = meta.num_decode_tokens
         if nd:
-            q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:nd], w_uk.to(q_nope.dtype))
+            q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:nd], w_uk)
             o_lat = self._decode(torch.cat((q_lat, q_pe[:nd]), dim=-1), self.k_cache, meta.decode_block_tables,
                                  meta.decode_seq_lens, self.scale, self.kv_lora_rank)
-            out[:nd] = torch.einsum("bhr,hvr->bhv", o_lat, w_uv.to(o_lat.dtype))
+            out[:nd] = torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
         if nd < t:
             q = torch.cat((q_nope[nd:], q_pe[nd:]), dim=-1)
             out[nd:] = self._prefill(q, self.k_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
@@ -173,14 +173,14 @@ class MultiHeadLatentAttention(nn.Module):
         self._rope = kernel("rope", backend)
         self.attn = MLAAttention(self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
                                  self.v_head_dim, qk_head_dim**-0.5 * softmax_mult, backend)
-        self._w_kv_b: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._w_kv_b: tuple[tuple[int, int, torch.dtype], torch.Tensor] | None = None
 
-    def kv_b_weight(self) -> torch.Tensor:
-        """kv_b_proj's weight in float form; fp8 weights are dequantized once and kept until they change."""
+    def kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b_proj's weight in `dtype`; fp8 weights are dequantized once and kept until they change."""
         w = self.kv_b_proj.weight
-        key = (w.data_ptr(), w._version)
+        key = (w.data_ptr(), w._version, dtype)
         if self._w_kv_b is None or self._w_kv_b[0] != key:
-            self._w_kv_b = (key, dense_weight(self.kv_b_proj))
+            self._w_kv_b = (key, dense_weight(self.kv_b_proj).to(dtype))
         return self._w_kv_b[1]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -195,5 +195,5 @@ class MultiHeadLatentAttention(nn.Module):
         kv_c = self.kv_a_layernorm(kv_c.contiguous())
         q_pe, k_pe = self._rope(positions, q_pe.contiguous(), k_pe.reshape(t, 1, -1), self.cos_sin_cache,
                                 self.is_neox)
-        out = self.attn(q_nope, q_pe, kv_c, k_pe.reshape(t, -1), self.kv_b_weight(), meta)
+        out = self.attn(q_nope, q_pe, kv_c, k_pe.reshape(t, -1), self.kv_b_weight(x.dtype), meta)
         return self.o_proj(out)

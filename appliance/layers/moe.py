@@ -18,10 +18,28 @@ import torch.nn.functional as F
 from torch import nn
 
 import appliance.kernels.moe  # noqa: F401  (registers the fused_moe kernels)
+from appliance.kernels import registry
 from appliance.layers.activation import SiluAndMul
 from appliance.layers.fp8 import FP8_DTYPE, Fp8BlockConfig, make_linear
 from appliance.layers.kernels import kernel
-from appliance.layers.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from appliance.layers.parallel_state import (
+    divide,
+    get_tp_rank,
+    get_tp_size,
+    tp_all_reduce,
+)
+
+
+def resolve_moe_backend(name: str, attention_backend: str) -> str:
+    """backends.moe: `auto` follows the resolved attention backend where it has fused_moe (else torch); a named
+    backend must have it."""
+    if name == "auto":
+        return attention_backend if attention_backend in registry.backends("fused_moe") else "torch"
+    try:
+        registry.get("fused_moe", name)
+    except (KeyError, ImportError) as exc:
+        raise ValueError(f"backends.moe = {name!r} is not available here: {exc}") from exc
+    return name
 
 
 @dataclass(frozen=True)
@@ -209,11 +227,12 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, router: RouterConfig, *,
                  correction_bias: bool = False, shared: GatedMLP | None = None, shared_name: str = "shared_experts",
-                 shared_gate: bool = False, quant: Fp8BlockConfig | None = None, backend: str = "torch") -> None:
+                 shared_gate: bool = False, quant: Fp8BlockConfig | None = None, backend: str = "torch",
+                 moe_backend: str | None = None) -> None:
         super().__init__()
         self.gate = Router(hidden_size, router, correction_bias)
         # one all-reduce for routed + shared partial sums
-        self.experts = FusedMoE(router.num_experts, hidden_size, intermediate_size, quant, backend,
+        self.experts = FusedMoE(router.num_experts, hidden_size, intermediate_size, quant, moe_backend or backend,
                                 reduce_results=False)
         self.shared_name = shared_name if shared is not None else None
         if shared is not None:

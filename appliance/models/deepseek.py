@@ -60,13 +60,19 @@ class DeepseekMTPLayer(MoEDecoderLayer):
 
 class DeepseekV2ForCausalLM(MoECausalLM):
     version = 2
+    supports_fp8 = True
 
-    def __init__(self, hf_config: Any, backend: str = "torch") -> None:
+    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
         self.quant = Fp8BlockConfig.from_hf(hf_config)  # plain attribute: set before nn.Module init is fine
-        super().__init__(hf_config, backend)
+        super().__init__(hf_config, backend, moe_backend)
         n_mtp = num_mtp_layers(hf_config) if self.version == 3 else 0
         first = hf_config.num_hidden_layers
         self.mtp = nn.ModuleList(self._mtp_layer(first + i, backend) for i in range(n_mtp))
+
+    @property
+    def supports_cuda_graphs(self) -> bool:  # type: ignore[override]
+        """Also needs the Triton MLA store and decode (the torch ones loop over sequences on the host)."""
+        return self.moe_backend == "triton" and self.backend == "triton"
 
     # ---- construction ------------------------------------------------------------------------------------
     def _router(self) -> RouterConfig:
@@ -98,7 +104,8 @@ class DeepseekV2ForCausalLM(MoECausalLM):
                            f"{prefix}.mlp.shared_experts", backend) if n_shared else None)
         router = self._router()
         mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, router,
-                             correction_bias=router.scoring == "sigmoid", shared=shared, quant=quant, backend=backend)
+                             correction_bias=router.scoring == "sigmoid", shared=shared, quant=quant, backend=backend,
+                             moe_backend=self.moe_backend)
         return attn, mlp
 
     def make_layer(self, index: int, backend: str) -> nn.Module:

@@ -54,20 +54,29 @@ class MoECausalLM(LlamaForCausalLM):
     """Base of the MoE families: subclasses say how layer i is built and how checkpoint names map onto ours."""
 
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint name fragment -> ours
-    # the MoE kernels read expert counts on the host (torch: the experts hit; Triton: the sort's bincount) and
-    # MLA's reference kernels loop over sequences, so these forwards cannot be captured in a CUDA graph yet
-    supports_cuda_graphs = False
+    is_moe = True  # the model runner passes moe_backend (backends.moe) to these
+    supports_fp8 = False  # block-fp8 checkpoints: DeepSeek only so far (its layers are built through fp8.py)
 
-    def __init__(self, hf_config: Any, backend: str = "torch") -> None:
+    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
         nn.Module.__init__(self)
+        if not self.supports_fp8 and getattr(hf_config, "quantization_config", None):
+            raise ValueError(f"{type(self).__name__}: quantized checkpoints are not supported for this family yet "
+                             "(block fp8 works for DeepSeek-V2/V3)")
         self.config = hf_config
         self.backend = backend
+        self.moe_backend = moe_backend or backend  # the fused_moe kernels
         layers = [self.make_layer(i, backend) for i in range(hf_config.num_hidden_layers)]
         self.model = MoEModel(hf_config, layers, backend)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    @property
+    def supports_cuda_graphs(self) -> bool:  # type: ignore[override]
+        """Decode is capturable with the Triton fused MoE (its expert sort never syncs with the host); the torch
+        reference loops over the experts it finds on the host."""
+        return self.moe_backend == "triton"
 
     def make_layer(self, index: int, backend: str) -> nn.Module:
         raise NotImplementedError
@@ -127,7 +136,8 @@ class MixtralForCausalLM(MoECausalLM):
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         router = RouterConfig(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok, renormalize=True)
-        mlp = SparseMoeBlock(cfg.hidden_size, cfg.intermediate_size, router, backend=backend)
+        mlp = SparseMoeBlock(cfg.hidden_size, cfg.intermediate_size, router, backend=backend,
+                             moe_backend=self.moe_backend)
         return MoEDecoderLayer(cfg, LlamaAttention(cfg, False, False, backend), mlp, backend)
 
 

@@ -44,7 +44,8 @@ class Qwen2MoeForCausalLM(MoECausalLM):
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, router, shared=shared,
-                             shared_name="shared_expert", shared_gate=shared is not None, backend=backend)
+                             shared_name="shared_expert", shared_gate=shared is not None, backend=backend,
+                             moe_backend=self.moe_backend)
         return MoEDecoderLayer(cfg, attn, mlp, backend)
 
 

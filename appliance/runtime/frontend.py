@@ -59,6 +59,7 @@ class ZmqEngineClient:
         self._state = "ready"
         self._error = ""
         self._tasks: list[asyncio.Task] = []
+        self._stopped_by_text: set[str] = set()  # ended by a stop string: counted as "stop", not "abort"
 
     # -- EngineClient --------------------------------------------------------------------------------------
 
@@ -113,13 +114,22 @@ class ZmqEngineClient:
                     return
         finally:
             self._queues.pop(request_id, None)
+            by_text = request_id in self._stopped_by_text
+            self._stopped_by_text.discard(request_id)
             if not finished:  # closed early: client gone, stop string, timeout -> free its blocks now
                 self._send_abort([request_id])
-                if self._obs is not None:
+                if self._obs is not None and by_text and self._obs.metrics is not None:
+                    self._obs.metrics.on_request_finished(request_id, "stop")
+                elif self._obs is not None:
                     self._obs.request_aborted(request_id)
 
     async def abort(self, request_ids: list[str]) -> None:
         self._send_abort(request_ids)
+
+    def note_stop_string(self, request_id: str) -> None:
+        """The detokenizer matched a stop string: the request closes early but finished with "stop"."""
+        if request_id in self._queues:
+            self._stopped_by_text.add(request_id)
 
     async def stats(self) -> dict[str, Any]:
         if self._state == "failed":

@@ -1,8 +1,8 @@
 """The scheduler's Executor: sends each StepPlan to every worker and waits for all their StepResults.
 
 Every rank runs the same plan (tensor parallelism keeps them in lock step) and samples the same tokens; rank 0's
-result is used and the others' serve as a barrier. A WorkerError is raised here and takes the scheduler down
-(the supervisor then stops the pipeline and names the stage).
+result is used, the others' serve as a barrier and are checked to agree with it. A WorkerError is raised here
+and takes the scheduler down (the supervisor then stops the pipeline and names the stage).
 """
 from __future__ import annotations
 
@@ -58,9 +58,23 @@ class RemoteExecutor(Executor):
             if msg.step_id != plan.step_id:
                 continue  # a late answer to an older step cannot happen in lock step; drop it
             results[rank] = msg
+        _check_agreement(results)
         return results[0]
 
     def shutdown(self) -> None:
         for sock in self._plans:
             sock.close(0)
         self._results.close(0)
+
+
+def _check_agreement(results: dict[int, StepResult]) -> None:
+    """Tensor-parallel ranks see identical logits and keep identical sampler seeds, so they sample the same
+    tokens, and each appends its own sample to its copy of the sequence; a disagreement would silently feed the
+    ranks different inputs from the next step on, so it stops the pipeline instead."""
+    if len(results) < 2:
+        return
+    first = [(t.request_id, t.token_id) for t in results[0].sampled]
+    for rank, res in results.items():
+        if rank and [(t.request_id, t.token_id) for t in res.sampled] != first:
+            raise WorkerFailed(f"tensor-parallel ranks 0 and {rank} sampled different tokens in step "
+                               f"{res.step_id}; their states would diverge")

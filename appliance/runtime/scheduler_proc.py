@@ -36,7 +36,7 @@ from appliance.server.engine_client import RequestOutput
 log = logging.getLogger("appliance.scheduler")
 
 
-def delta_to_output(d: RequestDelta) -> RequestOutput:
+def delta_to_output(d: RequestDelta, first_scheduled_time: float | None = None) -> RequestOutput:
     logprobs = top = None
     if d.new_logprobs is not None:
         logprobs = [lp.logprob if lp.logprob is not None else 0.0 for lp in d.new_logprobs]
@@ -45,19 +45,50 @@ def delta_to_output(d: RequestDelta) -> RequestOutput:
     if d.prompt_logprobs is not None:
         prompt_lps = [None if pos is None else [(int(t), float(p)) for t, p in pos] for pos in d.prompt_logprobs]
     return RequestOutput(d.request_id, list(d.new_token_ids), logprobs, top, prompt_lps, d.finish_reason,
-                         d.num_prompt_tokens, d.num_cached_tokens)
+                         d.num_prompt_tokens, d.num_cached_tokens, first_scheduled_time=first_scheduled_time)
+
+
+class FirstScheduled:
+    """When each live request was first put in a batch (time.monotonic(), system wide on Linux), reported once
+    with its first output so the tokenizer process can fill the queue / prefill / inference-time histograms."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, float] = {}  # scheduled, not yet reported
+        self._reported: set[str] = set()
+
+    def after_step(self, core: EngineCore, step_started: float, deltas: list[RequestDelta]) -> None:
+        for rid in [r.request_id for r in core.scheduler.running] + [d.request_id for d in deltas]:
+            if rid not in self._reported and rid not in self._pending:
+                self._pending[rid] = step_started
+
+    def outputs(self, deltas: list[RequestDelta]) -> list[RequestOutput]:
+        out = []
+        for d in deltas:
+            t = self._pending.pop(d.request_id, None)
+            if d.finished:
+                self._reported.discard(d.request_id)
+            elif t is not None:
+                self._reported.add(d.request_id)
+            out.append(delta_to_output(d, t))
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self._reported.discard(request_id)
 
 
 class SchedulerLoop:
     def __init__(self, core: EngineCore, requests: zmq.Socket, outputs: zmq.Socket, parent_pid: int,
-                 obs: SchedulerObservability) -> None:
+                 obs: SchedulerObservability, vocab_size: int = 0) -> None:
         self.core = core
+        self.vocab_size = vocab_size  # > 0: token ids are checked here too, so a bad one never reaches a worker
         self.obs = obs
         self.requests = requests
         self.outputs = outputs
         self.parent_pid = parent_pid
         self.accounting_ok = True
         self._busy = False
+        self.first_scheduled = FirstScheduled()
 
     def run(self) -> None:
         while parent_alive(self.parent_pid):
@@ -66,10 +97,12 @@ class SchedulerLoop:
                 self._drain_requests()
             if self.core.has_work():
                 self._busy = True
+                started = time.monotonic()
                 deltas = self.core.step()
                 self.obs.after_step(self.core, deltas)
+                self.first_scheduled.after_step(self.core, started, deltas)
                 if deltas:
-                    self._send([delta_to_output(d) for d in deltas])
+                    self._send(self.first_scheduled.outputs(deltas))
             elif self._busy:
                 self._busy = False
                 self._check_accounting()
@@ -92,6 +125,7 @@ class SchedulerLoop:
             elif isinstance(msg, AbortRequest):
                 for rid in msg.request_ids:
                     self.core.abort(rid)
+                    self.first_scheduled.forget(rid)
             elif isinstance(msg, StatsQuery):  # a fresh snapshot first: a /metrics scrape waits for the reply
                 self.outputs.send(OUTPUT_CODEC.encode(self.obs.snapshot(self.core)))
                 self.outputs.send(OUTPUT_CODEC.encode(StatsReply(msg.query_id, self.stats())))
@@ -103,6 +137,10 @@ class SchedulerLoop:
     def _add(self, msg: GenerateRequest) -> RequestOutput | None:
         try:
             params = SamplingParams.from_dict(msg.sampling)
+            if self.vocab_size > 0:
+                for what, ids in (("prompt", msg.prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
+                    if any(not 0 <= t < self.vocab_size for t in ids):
+                        raise ValueError(f"{what} token ids must be in [0, {self.vocab_size})")
             self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
             return None
         except QueueFull as exc:
@@ -139,7 +177,7 @@ def run_scheduler(boot: Bootstrap) -> None:
                                        int(w0["max_model_len"]))
     ctx = zmq.Context()
     executor = RemoteExecutor(ctx, boot.addresses, alive=lambda: parent_alive(boot.parent_pid))
-    obs = SchedulerObservability(config.observability, ecfg.block_size, dp_rank=0)
+    obs = SchedulerObservability(config.observability, ecfg.block_size, dp_rank=boot.rank)  # rank = replica
     core = EngineCore(ecfg, executor, on_kv_event=obs.kv_event_sink)
     requests = ctx.socket(zmq.PULL)
     requests.bind(boot.addresses.requests)
@@ -155,7 +193,7 @@ def run_scheduler(boot: Bootstrap) -> None:
              ecfg.max_model_len)
     started = time.monotonic()
     try:
-        SchedulerLoop(core, requests, outputs, boot.parent_pid, obs).run()
+        SchedulerLoop(core, requests, outputs, boot.parent_pid, obs, vocab_size=int(w0.get("vocab_size") or 0)).run()
     finally:
         obs.close()
         core.shutdown()

@@ -5,6 +5,9 @@ Shutdown: SIGINT/SIGTERM -> the tokenizer is told to drain, then every stage, fr
 grace period before SIGKILL. Failure: a child that exits or reports StageFailed -> the tokenizer is told, so
 requests in flight end with an error, the rest is stopped and `run` returns 1 with a message naming the stage.
 Only the supervisor's own children are signalled and reaped.
+
+Parallelism (runtime/topology.py): tp x dp workers, one per rank; each data-parallel replica has its own
+scheduler and tensor-parallel group; the one tokenizer process routes requests across the replicas.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from appliance.runtime.messages import (
     StageFailed,
     StageReady,
 )
+from appliance.runtime.topology import Topology, replica_peers
 
 log = logging.getLogger("appliance.runtime")
 
@@ -47,28 +51,21 @@ class StageProc:
 
 
 def num_workers(config: Any) -> int:
-    """One worker per GPU of the tensor/data-parallel world; one CPU worker without a GPU."""
-    par = config.parallelism
-    world = getattr(par, "world_size", None) or (getattr(par, "tp", 1) or 1) * (getattr(par, "dp", 1) or 1)
-    device = getattr(config.model, "device", "auto")
-    if device == "cpu":
-        return 1
-    try:  # the supervisor must not initialise CUDA itself (children could not fork-share it anyway)
-        has_gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10, check=False).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        has_gpu = False
-    return max(1, int(world)) if has_gpu or device == "cuda" else 1
+    """One worker process per rank of the tensor x data-parallel world, on GPUs or (gloo) on the CPU."""
+    return Topology.from_config(config).num_workers
 
 
 class Supervisor:
-    def __init__(self, config: Any, *, ready_timeout: float = 900.0, grace_period: float = 5.0) -> None:
+    def __init__(self, config: Any, *, ready_timeout: float = 900.0, grace_period: float | None = None) -> None:
         self.config = config
         self.ready_timeout = ready_timeout
-        self.grace_period = grace_period
+        # api.shutdown_grace_period: how long the HTTP process may drain open requests after SIGTERM
+        self.grace_period = float(config.api.shutdown_grace_period if grace_period is None else grace_period)
         self.stages: list[StageProc] = []
         self._stop_signal: int | None = None
         self._ctx = zmq.Context()
-        self.addresses, self._dir = Addresses.in_new_dir(num_workers(config))
+        self.topology = Topology.from_config(config)
+        self.addresses, self._dir = Addresses.in_new_dir(self.topology.num_workers)
         self._control = self._ctx.socket(zmq.PULL)
         self._control.bind(self.addresses.control)
         self._frontend = self._ctx.socket(zmq.PUSH)
@@ -111,19 +108,30 @@ class Supervisor:
     def start(self) -> None:
         """All stages are spawned at once (they warm up in parallel); each is released only when the stages
         before it are ready, so readiness follows the pipeline order: workers, scheduler, tokenizer."""
-        n = len(self.addresses.plans)
-        workers = [self._spawn("worker", f"worker{r}", r, n) for r in range(n)]
-        sched = self._spawn("scheduler", "scheduler", 0, n)
-        tok = self._spawn("tokenizer", "tokenizer", 0, n)
-        peers: dict[str, dict[str, Any]] = {}
-        for st in workers:
-            self._release(st, peers)
-        for st in workers:
+        topo = self.topology
+        groups: list[list[StageProc]] = []  # the workers of each data-parallel replica, in tp-rank order
+        scheds: list[StageProc] = []
+        for d in range(topo.dp):
+            addrs, port = topo.replica_addresses(self.addresses, d), topo.master_port(d)
+            groups.append([self._spawn("worker", w.name, w.tp_rank, topo.tp, addrs, topo.worker_env(w, port))
+                           for w in topo.workers(d)])
+        for d in range(topo.dp):
+            scheds.append(self._spawn("scheduler", topo.scheduler_name(d), d, topo.dp,
+                                      topo.replica_addresses(self.addresses, d)))
+        tok = self._spawn("tokenizer", "tokenizer", 0, topo.dp)
+        for st in (w for g in groups for w in g):
+            self._release(st, {})
+        for st in (w for g in groups for w in g):
             self._await_ready(st)
-            peers[st.name] = st.info
-        self._release(sched, peers)
-        self._await_ready(sched)
-        peers["scheduler"] = sched.info
+        peers: dict[str, dict[str, Any]] = {}
+        for group, sched in zip(groups, scheds):
+            # a scheduler sees its own replica's workers, under the single-replica names
+            self._release(sched, {"worker0": replica_peers([w.info for w in group])})
+        for d, sched in enumerate(scheds):
+            self._await_ready(sched)
+            peers[topo.scheduler_name(d)] = sched.info
+        peers["worker0"] = replica_peers([w.info for w in groups[0]])
+        peers["scheduler"] = scheds[0].info
         self._release(tok, peers)
         self._await_ready(tok)
 
@@ -139,7 +147,8 @@ class Supervisor:
     def stop(self) -> None:
         """Front to back: tokenizer, scheduler, workers. SIGTERM, grace period, SIGKILL; reap each."""
         for st in sorted(self.stages, key=lambda s: {"tokenizer": 0, "scheduler": 1}.get(s.kind, 2)):
-            _terminate(st.proc, self.grace_period)
+            # the tokenizer drains for grace_period itself; the slack covers its own shut-down after that
+            _terminate(st.proc, self.grace_period + 3.0 if st.kind == "tokenizer" else 5.0)
 
     def close(self) -> None:
         for st in self.stages:  # never leave a child behind, whatever path got us here
@@ -157,11 +166,13 @@ class Supervisor:
             raise KeyboardInterrupt  # second Ctrl-C: stop waiting for graceful exits
         self._stop_signal = signum
 
-    def _spawn(self, kind: str, name: str, rank: int, world: int) -> StageProc:
-        boot = Bootstrap(kind, name, rank, world, os.getpid(), self.addresses, self.config.to_dict())
+    def _spawn(self, kind: str, name: str, rank: int, world: int, addresses: Addresses | None = None,
+               env: dict[str, str] | None = None) -> StageProc:
+        boot = Bootstrap(kind, name, rank, world, os.getpid(), addresses or self.addresses, self.config.to_dict())
         proc = subprocess.Popen(
             [sys.executable, "-m", "appliance.runtime.stage", name],  # the name is for `ps` only
             stdin=subprocess.PIPE, text=True, process_group=0, close_fds=True,
+            env={**os.environ, **env} if env else None,
         )
         assert proc.stdin is not None
         proc.stdin.write(boot.dumps())

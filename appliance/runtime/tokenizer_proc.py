@@ -1,7 +1,7 @@
 """The tokenizer process: the HTTP server (uvicorn + the Starlette app) in front of the scheduler.
 
 Reports ready once uvicorn listens; the actual port (api.port may be 0) goes to the supervisor in the info.
-SIGTERM makes uvicorn stop accepting and finish open requests within the supervisor's grace period.
+SIGTERM makes uvicorn stop accepting and finish open requests within api.shutdown_grace_period.
 """
 from __future__ import annotations
 
@@ -15,14 +15,11 @@ import uvicorn
 import zmq
 
 from appliance.runtime.bootstrap import Bootstrap
-from appliance.runtime.frontend import ZmqEngineClient
+from appliance.runtime.dp_router import make_engine_client
 from appliance.runtime.messages import CONTROL_CODEC, StageReady
 from appliance.runtime.process import parent_alive
 
 log = logging.getLogger("appliance.tokenizer")
-
-# open requests get this long to finish after SIGTERM; below the supervisor's grace period (5 s) before SIGKILL
-GRACEFUL_SHUTDOWN_S = 4
 
 
 def load_server_tokenizer(config) -> object:
@@ -74,7 +71,8 @@ async def _serve(boot: Bootstrap, config, tokenizer, sock: socket.socket, stdin:
     obs = config.observability
     server = uvicorn.Server(uvicorn.Config(
         gate, host=config.api.host, port=config.api.port, log_level=(obs.log_level_http or obs.log_level),
-        access_log=obs.enable_log_requests, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off", server_header=False))
+        access_log=obs.enable_log_requests, timeout_graceful_shutdown=config.api.shutdown_grace_period,
+        lifespan="off", server_header=False))
     serve = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if serve.done():
@@ -88,7 +86,7 @@ async def _serve(boot: Bootstrap, config, tokenizer, sock: socket.socket, stdin:
     vocab = int(boot.peers["worker0"].get("vocab_size") or len(tokenizer))
     max_model_len = int(sched["max_model_len"])
     obs = FrontendObservability(config, served_model_name(config), max_model_len)
-    engine = ZmqEngineClient(boot.addresses, sched.get("max_queued_requests"), obs)
+    engine = make_engine_client(boot.addresses, config, sched.get("max_queued_requests"), obs)  # dp: a router
     engine.start()
     ctx = make_context(config, tokenizer, engine, max_model_len=max_model_len, vocab_size=vocab, obs=obs)
     gate.open(build_app(ctx))
@@ -98,7 +96,8 @@ async def _serve(boot: Bootstrap, config, tokenizer, sock: socket.socket, stdin:
     control.send(CONTROL_CODEC.encode(StageReady(boot.name, os.getpid(), {"port": port})))
     log.info("HTTP server on http://%s:%d", config.api.host, port)
     while not serve.done():
-        if not parent_alive(boot.parent_pid):
+        if not parent_alive(boot.parent_pid):  # the supervisor was killed: end open requests with an error now
+            engine.fail("the supervisor exited")
             server.should_exit = True
             break
         await asyncio.sleep(0.5)

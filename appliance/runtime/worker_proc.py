@@ -1,5 +1,8 @@
 """A worker process: one ModelRunner (one GPU, or the CPU), executing the scheduler's StepPlans in order.
 
+With tp > 1 it is one rank of its replica's tensor-parallel group (torch.distributed from the environment the
+supervisor sets, see executor/distributed.py); every rank gets every plan and runs it in lock step.
+
 The worker binds its plan socket before reporting ready, so the scheduler (started after it) can connect at
 once. A failing step is reported as WorkerError and ends the process: the supervisor then names this worker.
 """
@@ -30,11 +33,11 @@ def run_worker(boot: Bootstrap) -> None:
     os.environ.setdefault("LOCAL_RANK", str(boot.rank))
     os.environ.setdefault("WORLD_SIZE", str(boot.world_size))
     config = boot.load_config()
-    if boot.world_size > 1:
-        raise NotImplementedError(f"{boot.world_size} workers: the model runner does not shard across processes "
-                                  "yet (parallelism.tp / dp must be 1)")
+    from appliance.executor.distributed import init_distributed
     from appliance.executor.model_runner import ModelRunner
 
+    # boot.rank / world_size: this worker's tensor-parallel rank within its data-parallel replica
+    init_distributed(config.model.device)
     runner = ModelRunner(config)
     ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)

@@ -2,7 +2,9 @@
 
 The model's text becomes message fields through a ChatOutputProcessor per choice: PlainText (content only), or
 ParsedOutput over appliance.server.parsers (reasoning_content split by api.reasoning_parser, then tool calls by
-api.tool_call_parser when the request has tools). New output formats plug in as processors.
+api.tool_call_parser when the request has tools; tool_choice "required" / named is generated under a grammar and
+read back by ForcedToolStream). New output formats plug in as processors. Output constraints and the thinking
+budget go to the workers in SamplingParams.extra (server/constraints.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.server.chat_template import normalize_messages
+from appliance.server.constraints import check_compatible, output_spec, thinking_budget_extra, with_extra
 from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError
 from appliance.server.exchange import Exchange
@@ -101,18 +104,22 @@ def uses_parsers(config: Any, req: Any) -> bool:
     return bool(config.api.reasoning_parser or req.tools)
 
 
-def thinking_decision(ctx: ServerContext, req: Any) -> Any:
-    """Whether this request thinks (api.disable_thinking, chat_template_kwargs.enable_thinking,
-    reasoning_effort); used with a reasoning parser."""
+def thinking_decision(ctx: ServerContext, req: Any, structured: bool = False) -> Any:
+    """Whether this request thinks and for how long (api.disable_thinking, api.thinking_budget,
+    chat_template_kwargs.enable_thinking, reasoning_effort, thinking.budget_tokens; a grammar-constrained
+    request does not think); used with a reasoning parser."""
     from appliance.server.parsers import resolve_thinking
 
     enable = (req.chat_template_kwargs or {}).get("enable_thinking")
+    thinking = getattr(req, "thinking", None)
     try:
         return resolve_thinking(disable_thinking=ctx.config.api.disable_thinking,
                                 enable_thinking=enable if isinstance(enable, bool) else None,
                                 reasoning_effort=getattr(req, "reasoning_effort", None),
+                                budget_tokens=thinking.budget_tokens if thinking is not None else None,
                                 max_thinking_budget=ctx.config.api.thinking_budget,
-                                max_tokens=getattr(req, "effective_max_tokens", None))
+                                max_tokens=getattr(req, "effective_max_tokens", None),
+                                structured_output=structured)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="reasoning_effort") from None
 
@@ -123,9 +130,6 @@ def build_processors(ctx: ServerContext, req: ChatCompletionRequest, prompt_text
         return [PlainText() for _ in range(req.n)]
     from appliance.server.parsers.message import build_message_parser
 
-    if req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
-        raise ApiError(400, 'tool_choice "required" or a named function needs structured output, which this '
-                       'server does not run yet; use "auto"', param="tool_choice")
     out: list[ChatOutputProcessor] = []
     for _ in range(req.n):
         try:
@@ -174,11 +178,24 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
 async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exchange) -> Response:
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     ctx.check_model(req.model)
+    ctx.limits.check_n(req.n)
     ctx.engine.check_capacity(req.n)  # before any template / tokenization work
-    thinking = thinking_decision(ctx, req).enabled if ctx.config.api.reasoning_parser else None
+    spec = output_spec(body, tools=req.tools, tool_choice=req.tool_choice,
+                       parallel_tool_calls=req.parallel_tool_calls)
+    if req.thinking is not None and req.thinking.budget_tokens is not None and not ctx.config.api.reasoning_parser:
+        raise ApiError(400, "thinking.budget_tokens needs a reasoning model: this server has no api.reasoning_parser",
+                       param="thinking")
+    decision = thinking_decision(ctx, req, spec is not None) if ctx.config.api.reasoning_parser else None
+    # a grammar leaves no room for a reasoning block: render the prompt that does not open one
+    thinking = decision.enabled if decision is not None else (False if spec is not None else None)
     text, ids = await ctx.off_loop(render_prompt, ctx, req, thinking)
     processors = build_processors(ctx, req, text, thinking if thinking is not None else True)
     params = build_sampling(req, ctx.config.sampling, ctx.limits, len(ids))
+    check_compatible(params, spec)
+    budget = None
+    if decision is not None and decision.enabled and decision.budget is not None:
+        budget = await ctx.off_loop(thinking_budget_extra, ctx, decision.budget, text)
+    params = with_extra(params, structured=spec.to_dict() if spec is not None else None, thinking_budget=budget)
     if needs_special_tokens(processors) and params.skip_special_tokens:
         params = SamplingParams.from_dict({**params.to_dict(), "skip_special_tokens": False})
     rid = new_request_id("chatcmpl")

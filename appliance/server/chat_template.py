@@ -152,5 +152,23 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
                                    param=f"messages.{i}.content")
                 texts.append(part["text"])
             d["content"] = "\n".join(texts)
+        if d.get("tool_calls"):
+            d["tool_calls"] = [_template_tool_call(c, i) for c in d["tool_calls"]]
         out.append(d)
     return out
+
+
+def _template_tool_call(call: Any, i: int) -> Any:
+    """OpenAI sends a call's arguments as a JSON string; chat templates (Qwen, Llama 3, Mistral, DeepSeek) expect
+    the object, as vLLM and SGLang pass it. Arguments that are not a JSON object stay as they are."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ApiError(400, f"messages.{i}.tool_calls: each call needs a function object", param=f"messages.{i}")
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except json.JSONDecodeError:
+            return call
+        if isinstance(parsed, dict):
+            return {**call, "function": {**call["function"], "arguments": parsed}}
+    return call

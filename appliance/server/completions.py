@@ -1,4 +1,4 @@
-"""POST /v1/completions."""
+"""POST /v1/completions (output constraints as on chat: server/constraints.py)."""
 from __future__ import annotations
 
 import time
@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from appliance.server.constraints import check_compatible, output_spec, with_extra
 from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError, bad_request
 from appliance.server.exchange import Exchange
@@ -60,12 +61,16 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
 async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exchange) -> Response:
     req: CompletionRequest = parse_body(CompletionRequest, body)
     ctx.check_model(req.model)
+    ctx.limits.check_n(req.n)
     ctx.engine.check_capacity(num_prompts(req.prompt) * req.n)  # before any tokenization work
+    spec = output_spec(body)
     prompts = await ctx.off_loop(prompt_token_lists, ctx, req.prompt)
     rid = new_request_id("cmpl")
     gens = []
     for k, ids in enumerate(prompts):
         params = build_sampling(req, ctx.config.sampling, ctx.limits, len(ids))
+        check_compatible(params, spec)
+        params = with_extra(params, structured=spec.to_dict() if spec is not None else None)
         if req.echo and req.logprobs is not None:
             params = params.__class__.from_dict({**params.to_dict(), "prompt_logprobs": req.logprobs})
         gens.append(Generation(ctx.engine, ctx.tokenizer, f"{rid}-p{k}" if len(prompts) > 1 else rid, ids,

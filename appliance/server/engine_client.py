@@ -25,6 +25,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # per-request failure, finish_reason is then "error"
     error_status: int = 0  # the HTTP status that failure maps to (400 invalid, 429 queue full, 500)
+    # the scheduler's time.monotonic() (system wide on Linux) when it first put the request in a batch; on the
+    # first output only: queue / prefill / inference-time histograms
+    first_scheduled_time: float | None = None
 
 
 class EngineDead(RuntimeError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from starlette.responses import JSONResponse
 
@@ -32,7 +33,9 @@ class ApiError(Exception):
         return _TYPES.get(self.status, "BadRequestError" if self.status < 500 else "InternalServerError")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+        # 5xx messages can carry text from deeper layers (a stage's failure, a socket error): scrub it
+        message = scrub(self.message) if self.status >= 500 else self.message
+        return {"error": {"message": message, "type": self.type, "param": self.param,
                           "code": self.code if self.code is not None else self.status}}
 
     def response(self) -> JSONResponse:
@@ -40,6 +43,15 @@ class ApiError(Exception):
 
     def sse_data(self) -> str:
         return f"data: {json.dumps(self.body())}\n\n"
+
+
+_PATH = re.compile(r"(?:[a-z]+://)?(?:/[\w.@+-]+){2,}/?|[A-Za-z]:\\[\w\\ .-]+")
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
+
+
+def scrub(message: str) -> str:
+    """Drop file paths, socket addresses and memory addresses from a message meant for clients."""
+    return _ADDRESS.sub("<address>", _PATH.sub("<path>", message)).split("Traceback", 1)[0].rstrip()
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

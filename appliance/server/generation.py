@@ -80,6 +80,9 @@ class Generation:
                 async for delta in deltas:
                     yield delta
                     if delta.finish_reason is not None:
+                        note = getattr(self.engine, "note_stop_string", None)  # metrics: "stop", not "abort"
+                        if note is not None and delta.stop_reason is not None and isinstance(delta.stop_reason, str):
+                            note(rid)
                         return  # a stop string: leaving the `async with` aborts the engine request
         except EngineDead as exc:
             raise ApiError(503, f"the engine is unavailable: {exc}") from None

@@ -5,7 +5,7 @@ depend on the deployment (caps, max_model_len) happen in `sampling.py`, where th
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -70,6 +70,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # read from the raw body (server/constraints.py)
 
     @field_validator("suffix")
     @classmethod
@@ -93,8 +94,10 @@ class ChatMessage(BaseModel):
         return v
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"] = "text"  # json_object / json_schema need structured output (not yet served)
+class ThinkingOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)  # "type": "enabled" etc. are accepted
+
+    budget_tokens: int | None = Field(None, ge=0)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -109,8 +112,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
+    # response_format and the other output constraints are read from the raw body (server/constraints.py)
+    response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    thinking: ThinkingOptions | None = None  # Anthropic-style {"budget_tokens": N} (see parsers/reasoning/budget.py)
 
     @property
     def effective_max_tokens(self) -> int | None:

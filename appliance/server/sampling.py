@@ -19,6 +19,11 @@ class Limits:
     max_tokens: int | None = None
     max_stop: int = 16
 
+    def check_n(self, n: int) -> None:
+        """api.caps.max_n, checked before the queue check: an n that can never be served is a 400, not a 429."""
+        if n > self.max_n:
+            raise bad_request(f"n must be at most {self.max_n}, got {n}", "n")
+
     @classmethod
     def from_config(cls, config: Any, max_model_len: int, vocab_size: int) -> Limits:
         caps = config.api.caps

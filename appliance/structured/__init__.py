@@ -6,6 +6,10 @@
     each step:  matcher.apply_to_logits(logits_row); ...sample...; matcher.accept_token(token_id)
                 finished when matcher.is_terminated()
 
+The serving path: the server checks the spec (validate.check_spec) and sends it in SamplingParams.extra
+["structured"]; each worker compiles it once and masks that request's logits (executor/logits_processors.py).
+Offline: SamplingParams(extra=StructuredOutputsParams(json=schema).to_extra()).
+
 xgrammar is optional (`pip install 'appliance[xgrammar]'`); without it, building a compiler or a matcher
 raises StructuredOutputUnavailable (a StructuredOutputError, so a 400 for the request that asked).
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 from appliance.structured.backend import require_xgrammar, xgrammar_available
 from appliance.structured.compiler import CacheInfo, CompiledGrammar, GrammarCompiler, choice_ebnf
 from appliance.structured.errors import StructuredOutputError, StructuredOutputUnavailable
+from appliance.structured.guided import GuidedDecodingParams, StructuredOutputsParams, structured_spec_of
 from appliance.structured.matcher import GrammarMatcher, apply_batch
 from appliance.structured.spec import StructuredSpec, spec_from_request
 from appliance.structured.tool_choice import named_function, tool_choice_schema, tool_choice_spec
@@ -23,14 +28,17 @@ __all__ = [
     "CompiledGrammar",
     "GrammarCompiler",
     "GrammarMatcher",
+    "GuidedDecodingParams",
     "StructuredOutputError",
     "StructuredOutputUnavailable",
+    "StructuredOutputsParams",
     "StructuredSpec",
     "apply_batch",
     "choice_ebnf",
     "named_function",
     "require_xgrammar",
     "spec_from_request",
+    "structured_spec_of",
     "tool_choice_schema",
     "tool_choice_spec",
     "xgrammar_available",

@@ -23,7 +23,9 @@ KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "gram
 @dataclass(frozen=True)
 class StructuredSpec:
     kind: Kind
-    value: str = ""  # canonical text: schema JSON with sorted keys, the regex, the choices as a JSON list, EBNF
+    # canonical text: compact schema JSON, the regex, the choices as a JSON list, EBNF. Schema keys keep their
+    # order: it is the order the grammar generates properties in (models expect the declared order).
+    value: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -42,7 +44,7 @@ class StructuredSpec:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {e.msg}") from None
         if not isinstance(schema, (Mapping, bool)):
             raise StructuredOutputError("a JSON schema must be an object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+        return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
     @classmethod
     def regex(cls, pattern: str) -> StructuredSpec:

@@ -120,8 +120,7 @@ def _devices(out: Translation, env: dict[str, str], devices: list[str] | None) -
         origin = "docker --gpus"
     else:
         return
-    out.context.append(f"devices {devices} (from {origin}); the config has no device-list key: keep "
-                       f"CUDA_VISIBLE_DEVICES={','.join(devices)} in the environment that starts the appliance")
+    out.context.append(f"devices {devices} (from {origin})")
     tp, dp = out.get("parallelism.tp", 1), out.get("parallelism.dp", 1)
     per_node = out.get("parallelism.nprocs_per_node")
     want = per_node if isinstance(per_node, int) else (tp * dp if isinstance(tp, int) and isinstance(dp, int)
@@ -129,6 +128,17 @@ def _devices(out: Translation, env: dict[str, str], devices: list[str] | None) -
     nnodes = out.get("parallelism.nnodes", 1)
     if want is not None and isinstance(nnodes, int) and nnodes == 1 and want != len(devices):
         out.warn(origin, f"{len(devices)} devices are visible but the deployment uses {want} (tp x dp)")
+    indices = [d.strip() for d in devices]
+    # docker --gpus names host devices that the container sees renumbered from 0: only the variable maps
+    if (visible is not None and want is not None and all(d.isdigit() for d in indices)
+            and len(set(indices)) == len(indices) and len(indices) >= want):
+        # the first `want` visible devices are the ones the engine's workers used
+        out.set("parallelism.devices", [int(d) for d in indices[:want]], origin,
+                "one device per worker, as each worker's CUDA_VISIBLE_DEVICES")
+    else:
+        out.context.append(f"devices {devices} are not mapped (docker --gpus, device UUIDs or an unknown worker count): "
+                           f"keep CUDA_VISIBLE_DEVICES={','.join(devices)} in the environment that starts the "
+                           "appliance (or set parallelism.devices)")
 
 
 def _engine_defaults(out: Translation, table: EngineTable) -> None:

@@ -16,3 +16,8 @@ so it is an ordinary one-head paged cache.
 from __future__ import annotations
 
 from appliance.kernels.mla import reference  # noqa: F401  (registers "torch")
+
+try:  # the Triton decode needs only `triton` to import; it runs on a GPU or under TRITON_INTERPRET=1
+    from appliance.kernels.mla import triton_mla
+except ImportError:  # pragma: no cover - triton missing: the torch reference still serves
+    triton_mla = None  # type: ignore[assignment]

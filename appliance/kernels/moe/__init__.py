@@ -13,6 +13,6 @@ from __future__ import annotations
 from appliance.kernels.moe import reference  # noqa: F401  (registers "torch")
 
 try:  # the Triton version needs only `triton` to import; it runs on a GPU or under TRITON_INTERPRET=1
-    from appliance.kernels.moe import triton_fp8, triton_moe  # noqa: F401
+    from appliance.kernels.moe import triton_fp8, triton_moe
 except ImportError:  # pragma: no cover - triton missing: the torch reference still serves
     triton_moe = triton_fp8 = None  # type: ignore[assignment]

@@ -33,6 +33,7 @@ def small_cases() -> list[Case]:
         Case("ragged", 37, 96, 80, 8, 3, torch.float32),  # sizes off the tile grid, experts unhit
         Case("bf16", 20, 64, 64, 6, 2, torch.bfloat16, tol=3e-2),
         Case("fp8_blocks", 19, 64, 64, 4, 2, torch.float32, fp8_block=(32, 32), tol=2e-3),
+        Case("fp8_fine_blocks", 11, 64, 48, 4, 2, torch.float32, fp8_block=(16, 16), tol=2e-3),  # tiles shrink
     ]
 
 
@@ -45,8 +46,10 @@ def gpu_cases() -> list[Case]:
 
 
 def run_case(case: Case, device: str) -> dict[str, object]:
-    from appliance.kernels import registry
-    from appliance.kernels import moe  # noqa: F401
+    from appliance.kernels import (
+        moe,  # noqa: F401
+        registry,
+    )
     from appliance.layers.fp8 import block_quantize
 
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
@@ -81,7 +84,8 @@ class GemmCase:
 
 def small_gemm_cases() -> list[GemmCase]:
     return [GemmCase("fp8_gemm_ragged", 5, 72, 96, torch.float32, (32, 32)),
-            GemmCase("fp8_gemm_bf16", 17, 64, 64, torch.bfloat16, (32, 32), tol=3e-2)]
+            GemmCase("fp8_gemm_bf16", 17, 64, 64, torch.bfloat16, (32, 32), tol=3e-2),
+            GemmCase("fp8_gemm_fine_blocks", 3, 48, 80, torch.float32, (16, 16))]
 
 
 def gpu_gemm_cases() -> list[GemmCase]:
@@ -90,8 +94,10 @@ def gpu_gemm_cases() -> list[GemmCase]:
 
 
 def run_gemm_case(case: GemmCase, device: str) -> dict[str, object]:
-    from appliance.kernels import moe  # noqa: F401
-    from appliance.kernels import registry
+    from appliance.kernels import (
+        moe,  # noqa: F401
+        registry,
+    )
     from appliance.layers.fp8 import block_quantize
 
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))

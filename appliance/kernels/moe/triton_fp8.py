@@ -3,6 +3,8 @@ is loaded, so the dequantized weight never exists in memory. Shared by the dense
 the expert GEMMs in triton_moe.py scale their tiles the same way."""
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -42,15 +44,16 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, m, n, k, stride_xm, stride_wn, 
 def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      block_shape: tuple[int, int]) -> torch.Tensor:
     bn, bk = block_shape
-    if bn % BLOCK_N or bk % BLOCK_K:
-        raise ValueError(f"fp8 block {block_shape} must be a multiple of the kernel tile ({BLOCK_N}, {BLOCK_K})")
+    tile_n, tile_k = math.gcd(BLOCK_N, bn), math.gcd(BLOCK_K, bk)  # a tile never straddles two scales
+    if min(tile_n, tile_k) < 16:
+        raise ValueError(f"fp8 block {block_shape} is too fine for the Triton GEMM (tiles of at least 16)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     n, k = weight.shape
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(x2.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(x2.shape[0], BLOCK_M), triton.cdiv(n, tile_n))
     _fp8_gemm_kernel[grid](x2, weight, scale_inv.contiguous(), y, x2.shape[0], n, k, x2.stride(0),
                            weight.stride(0), scale_inv.contiguous().stride(0), y.stride(0), BN_Q=bn, BK_Q=bk,
-                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                           BLOCK_M=BLOCK_M, BLOCK_N=tile_n, BLOCK_K=tile_k,
                            UPCAST=INTERPRET or x.dtype == torch.float32)
     return y.reshape(*lead, n)

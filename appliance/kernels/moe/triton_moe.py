@@ -1,6 +1,6 @@
 """Fused MoE in Triton: tokens sorted by expert and padded to whole BLOCK_M tiles, then two grouped GEMMs.
 
-1. `align_blocks` (torch, no host sync): the T*K (token, slot) pairs are sorted by expert; each expert's run is
+1. `align_blocks` (torch ops that never sync with the host): the T*K (token, slot) pairs are sorted by expert; each expert's run is
    padded to a multiple of BLOCK_M with a sentinel id, and every BLOCK_M tile gets the expert it belongs to
    (-1 past the end). Buffers are sized for the worst case so the launch shape depends only on T, K and E.
 2. `_gate_up_kernel`: per tile, x rows @ w13[e]^T computing the gate and up halves side by side and writing
@@ -11,6 +11,8 @@ fp8 weights (block scales) are dequantized tile by tile inside both GEMMs (weigh
 the model dtype).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -31,7 +33,8 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     m = flat.numel()
     cap = m + num_experts * (block_m - 1)
     cap = (cap + block_m - 1) // block_m * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the largest id on the host (a sync a CUDA graph cannot hold)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
@@ -142,25 +145,27 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if fp8 and (block_shape is None or w2_scale is None):
         raise ValueError("fp8 fused_moe needs both scales and block_shape")
     bn_q, bk_q = block_shape if fp8 else (1, 1)  # type: ignore[misc]
-    if fp8 and (bk_q % BLOCK_K or bn_q % BLOCK_N):
-        raise ValueError(f"fp8 block {block_shape} must be a multiple of the kernel tile ({BLOCK_N}, {BLOCK_K})")
+    # with fp8 a tile never straddles two scales: tiles shrink to divide the scale blocks
+    tile_n, tile_k = (math.gcd(BLOCK_N, bn_q), math.gcd(BLOCK_K, bk_q)) if fp8 else (BLOCK_N, BLOCK_K)
+    if min(tile_n, tile_k) < 16:
+        raise ValueError(f"fp8 block {block_shape} is too fine for the Triton fused MoE (tiles of at least 16)")
     x = x.contiguous()
     sorted_ids, block_experts = align_blocks(topk_ids, num_experts, BLOCK_M)
     pairs = t * top_k
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     upcast = INTERPRET or x.dtype == torch.float32
     s13, s13e, s13n, s13k = _scale_args(w13_scale, w13)
-    grid = (block_experts.numel(), triton.cdiv(inter, BLOCK_N))
+    grid = (block_experts.numel(), triton.cdiv(inter, tile_n))
     _gate_up_kernel[grid](x, w13, s13, act, sorted_ids, block_experts, pairs, inter, hidden,
                           x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), s13e, s13n, s13k, act.stride(0),
-                          TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BN_Q=bn_q, BK_Q=bk_q,
+                          TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=tile_n, BLOCK_K=tile_k, BN_Q=bn_q, BK_Q=bk_q,
                           FP8=fp8, UPCAST=upcast)
     out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
     s2, s2e, s2n, s2k = _scale_args(w2_scale, w2)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    grid = (block_experts.numel(), triton.cdiv(hidden, BLOCK_N))
+    grid = (block_experts.numel(), triton.cdiv(hidden, tile_n))
     _down_kernel[grid](act, w2, s2, out, sorted_ids, block_experts, weights, pairs, hidden, inter,
                        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), s2e, s2n, s2k, out.stride(0),
-                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BN_Q=bn_q, BK_Q=bk_q, FP8=fp8,
+                       BLOCK_M=BLOCK_M, BLOCK_N=tile_n, BLOCK_K=tile_k, BN_Q=bn_q, BK_Q=bk_q, FP8=fp8,
                        UPCAST=upcast)
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -1,0 +1,175 @@
+"""The real pipeline on the CPU with tensor parallelism (2 worker processes, gloo) and data parallelism (2
+replicas behind one HTTP front): greedy tokens equal the single-process engine's, KV pools are whole afterwards,
+and killing one tensor-parallel worker ends the pipeline non-zero with no process left behind."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The quick brown fox", "Hello world! Hello there,", "def main():\n", "Numbers 0123", "Emoji time"]
+MAX_TOKENS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stage_children(pid: int) -> dict[int, str]:
+    """pid -> stage name of the supervisor's children (the name is in each command line)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"appliance.runtime.stage" in cmd:
+            found[int(entry)] = cmd[cmd.index(b"appliance.runtime.stage") + 1].decode()
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Pipeline:
+    def __init__(self, model: Path, tmp: Path, device: str = "cpu", **parallelism: Any) -> None:
+        port = _free_port()
+        cfg = tmp / "serve.toml"
+        par = "\n".join(f"{k} = {v}" for k, v in parallelism.items())
+        cfg.write_text(f'[model]\npath = "{model}"\ndevice = "{device}"\n[parallelism]\n{par}\n'
+                       f'[cache]\nmax_total_tokens = 2048\n[api]\nport = {port}\nserved_model_name = "tiny"\n'
+                       '[observability]\nlog_level = "warning"\n')
+        self.proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", str(cfg)],
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, "the supervisor exited during start-up"
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "not ready in 120 s"
+            time.sleep(0.2)
+        self.stages = stage_children(self.proc.pid)
+
+    def complete(self, prompt: str) -> str:
+        r = httpx.post(f"{self.base}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    def complete_all(self) -> list[str]:
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: the replicas share them
+            return list(pool.map(self.complete, PROMPTS))
+
+    def idle_stats(self) -> dict[str, Any]:
+        deadline = time.monotonic() + 10
+        while True:
+            s = httpx.get(f"{self.base}/v1/internal/stats", timeout=10).json()
+            if (s["num_running"], s["kv_blocks_owned"]) == (0, 0) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        assert not [n for pid, n in self.stages.items() if alive(pid)], "a stage outlived the supervisor"
+        return code
+
+
+@pytest.fixture(scope="module")
+def reference(make_tiny_model: Any) -> list[str]:
+    """Greedy texts of the single-process engine (tp = 1) on the CPU, the oracle."""
+    return _single_process_texts(make_tiny_model("llama"), "cpu")
+
+
+def _single_process_texts(model: Path, device: str) -> list[str]:
+    from appliance.engine.sampling_params import SamplingParams
+    from appliance.entrypoints.llm import LLM
+
+    llm = LLM(model=str(model), max_total_tokens=2048, device=device)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    texts = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+    llm.shutdown()
+    return texts
+
+
+def _assert_pools_whole(s: dict[str, Any]) -> None:
+    assert (s["num_running"], s["num_waiting"], s["kv_blocks_owned"]) == (0, 0, 0), s
+    assert s["kv_blocks_free"] + s["kv_blocks_cached"] == s["kv_blocks_total"] and s["accounting_ok"], s
+
+
+def test_tp2_matches_tp1_and_dies_cleanly(make_tiny_model: Any, reference: list[str], tmp_path: Path) -> None:
+    pipe = Pipeline(make_tiny_model("llama"), tmp_path, tp=2)
+    try:
+        assert sorted(pipe.stages.values()) == ["scheduler", "tokenizer", "worker0", "worker1"]
+        assert pipe.complete_all() == reference
+        _assert_pools_whole(pipe.idle_stats())
+        worker1 = next(pid for pid, name in pipe.stages.items() if name == "worker1")
+        os.kill(worker1, signal.SIGKILL)  # rank 0 is left waiting in a collective: it must be stopped too
+        code = pipe.proc.wait(timeout=30)
+        assert code != 0
+    finally:
+        if pipe.proc.poll() is None:
+            pipe.proc.kill()
+        pipe.proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pipe.stages) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [n for pid, n in pipe.stages.items() if alive(pid)], "orphaned stages"
+
+
+def test_dp2_matches_tp1_and_balances(make_tiny_model: Any, reference: list[str], tmp_path: Path) -> None:
+    pipe = Pipeline(make_tiny_model("llama"), tmp_path, dp=2)
+    try:
+        assert sorted(pipe.stages.values()) == ["dp0.worker0", "dp1.worker0", "scheduler0", "scheduler1",
+                                                "tokenizer"]
+        assert pipe.complete_all() == reference
+        assert [pipe.complete(p) for p in PROMPTS[:2]] == reference[:2]  # sequential requests alternate too
+        s = pipe.idle_stats()
+        _assert_pools_whole(s)
+        steps = [r["num_steps"] for r in s["replicas"]]
+        assert len(steps) == 2 and all(n > 0 for n in steps), s  # both replicas served requests
+        assert s["kv_blocks_total"] == sum(r["kv_blocks_total"] for r in s["replicas"])
+    finally:
+        assert pipe.stop() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_on_two_gpus_with_nccl(make_tiny_model: Any, tmp_path: Path) -> None:
+    model = make_tiny_model("llama")
+    expected = _single_process_texts(model, "cuda")
+    pipe = Pipeline(model, tmp_path, device="cuda", tp=2, devices=[1, 0])  # devices: rank 0 on GPU 1
+    try:
+        assert pipe.complete_all() == expected
+        _assert_pools_whole(pipe.idle_stats())
+    finally:
+        assert pipe.stop() == 0

@@ -1,0 +1,362 @@
+#!/usr/bin/env python3
+"""The GPU-speed benchmark of issue 6: CUDA-graph correctness, then the three target workloads, one table.
+
+    python3 tools/bench_gpu.py [--quick] [--budget-s 430] [--json PATH]
+
+Sections run in subprocesses (a crash or a time-out loses one section, and each model's memory is freed):
+  copy     device-to-device copy bandwidth (bytes read + written), for the weight-read floor
+  tiny     greedy tokens with CUDA graphs == eager on a tiny random Llama (realistic-scale random weights)
+  qwen     the same check on qwen3-0.6b (dummy weights), then 256 seqs, in/out uniform [100, 1024], seed 0:
+           output tok/s with graphs and (budget allowing) eager
+  llama    Llama-3.1-8B (dummy): batch 1, 1024 in / 256 out, mean time per output token (graphs and eager, and
+           the weight-read floor = weight bytes read per step / copy bandwidth); then N x 1024 in / 1024 out,
+           ignore_eos, output tok/s (N = 1000, or --tput-prompts; --quick uses 256 and the table says so)
+Sampling as in `vllm bench`: temperature 1.0, top_p 1.0, ignore_eos. Each section writes its JSON as it goes,
+so a section cut by its time limit still reports what it measured. JSON: --json, or $OUT/bench_gpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 4096,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+SECTION_CAPS = {"copy": 60, "tiny": 90, "qwen": 170, "llama": 300}
+
+
+# ---- helpers used inside sections -----------------------------------------------------------------------------
+class Recorder:
+    """Accumulates a section's results and rewrites its JSON file after every entry."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.data = path, {}
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.path.write_text(json.dumps(self.data, indent=1))
+        print(f"  {key}: {value}", flush=True)
+
+
+def _llm(cfg: dict[str, Any], tmp: Path, **overrides: Any) -> Any:
+    from appliance import LLM
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    return LLM(model=str(tmp), load_format="dummy", dtype="bfloat16", seed=0, skip_tokenizer_init=True,
+               **overrides)
+
+
+def _prompts(rng: random.Random, vocab: int, lens: list[int]) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lens]
+
+
+def _greedy_equal(llm: Any, rng: random.Random, vocab: int, n: int, lens: list[int]) -> dict[str, Any]:
+    """Greedy tokens with graphs, then eagerly on the same model (prefix cache off so both compute alike)."""
+    from appliance import SamplingParams
+
+    runner = llm.executor.runner
+    prompts = _prompts(rng, vocab, lens)
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    runner.use_graphs = True
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    graphs = len(runner.graphs.graphs) if runner.graphs is not None else 0
+    runner.use_graphs = False
+    b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    runner.use_graphs = True
+    same = sum(x == y for x, y in zip(a, b))
+    first_diff = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None) for x, y in zip(a, b)]
+    return {"sequences_identical": f"{same}/{len(a)}", "ok": same == len(a), "graphs_captured": graphs,
+            "first_mismatch_positions": first_diff, "tokens_per_seq": n}
+
+
+def _throughput(llm: Any, prompts: list[dict[str, list[int]]], out_lens: list[int]) -> dict[str, float]:
+    from appliance import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"elapsed_s": round(elapsed, 2), "output_tokens": n_out, "output_tok_s": round(n_out / elapsed, 1)}
+
+
+def _tpot(llm: Any, prompt: list[int], out_len: int) -> dict[str, float]:
+    """Mean wall time of the decode steps of one request alone (each step ends with reading its token back)."""
+    from appliance import SamplingParams
+
+    eng = llm.engine
+    rid = f"b1-{time.monotonic_ns()}"
+    eng.add_request(rid, prompt, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=out_len, ignore_eos=True))
+    times = []
+    while eng.has_work():
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    decode = times[1:]
+    return {"ttft_ms": round(times[0] * 1e3, 2), "tpot_ms": round(statistics.mean(decode) * 1e3, 3),
+            "tpot_p50_ms": round(statistics.median(decode) * 1e3, 3), "steps": len(times)}
+
+
+def _replay_ms(runner: Any) -> Any:
+    """GPU time of the last decode graph replayed, on its last inputs (median of 20, CUDA events): the step
+    time without the host's share (input building, sampling, scheduling)."""
+    import torch
+
+    graphs = runner.graphs
+    if graphs is None or graphs.last_key is None or not torch.cuda.is_available():
+        return None
+    replay = graphs.graphs[graphs.last_key]
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return {"key": str(graphs.last_key), "ms": round(statistics.median(times), 3)}
+
+
+def _weight_bytes(model: Any) -> int:
+    """Bytes one decode step reads: every parameter, except an untied input embedding (only rows are read)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not getattr(model, "tie_word_embeddings", False):
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+# ---- sections ------------------------------------------------------------------------------------------------
+def section_copy(rec: Recorder, args: argparse.Namespace) -> None:
+    import torch
+
+    n = 1 << (20 if args.smoke else 30)  # 1 GiB per buffer
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        if dev == "cpu":
+            t = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    rec["device"] = torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)"
+    rec["torch"] = torch.__version__
+    rec["copy_GBps"] = round(2 * n / statistics.median(times) / 1e9, 1)
+
+
+def section_tiny(rec: Recorder, args: argparse.Namespace) -> None:
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = _llm(TINY, Path(tmp), enable_prefix_caching=False, max_num_seqs=16)
+    model = llm.executor.runner.model
+    gen = torch.Generator(device=llm.executor.runner.device).manual_seed(1)
+    with torch.no_grad():  # realistic-scale weights: logits far from ties, so any numeric drift would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.05, generator=gen)
+    rng = random.Random(0)
+    k = 8 if args.smoke else 1
+    rec["tiny_b8"] = _greedy_equal(llm, rng, TINY["vocab_size"], 48 // k,
+                                   [rng.randint(5, 300 // k) for _ in range(8)])
+    rec["tiny_b13_padded"] = _greedy_equal(llm, rng, TINY["vocab_size"], 32 // k,
+                                           [rng.randint(5, 700 // k) for _ in range(13)])
+
+
+def section_qwen(rec: Recorder, args: argparse.Namespace) -> None:
+    from bench_offline import PRESETS
+
+    cfg = TINY if args.smoke else PRESETS["qwen3-0.6b"]
+    k = 16 if args.smoke else 1
+    deadline = time.monotonic() + args.section_budget
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        llm = _llm(cfg, Path(tmp), enable_prefix_caching=False)
+        rec["init_s"] = round(time.perf_counter() - t, 1)
+    rng = random.Random(1)
+    rec["greedy_b8_graphs_vs_eager"] = _greedy_equal(llm, rng, cfg["vocab_size"], 32,
+                                                     [rng.randint(16, 600 // k) for _ in range(8)])
+    t = time.perf_counter()
+    rec["graphs_captured_upfront"] = llm.executor.runner.capture_graphs(2048)
+    rec["capture_s"] = round(time.perf_counter() - t, 1)
+    rng = random.Random(0)
+    n = 256 // k
+    in_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
+    out_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
+    prompts = _prompts(rng, cfg["vocab_size"], in_lens)
+    warm = _throughput(llm, prompts[:16], [8] * 16)  # compiles any kernel variant not met yet
+    rec["warmup_s"] = warm["elapsed_s"]
+    g = _throughput(llm, prompts, out_lens)
+    rec["tput_graphs"] = g
+    if time.monotonic() + 3 * g["elapsed_s"] + 10 < deadline:
+        llm.executor.runner.use_graphs = False
+        rec["tput_eager"] = _throughput(llm, prompts, out_lens)
+    else:
+        rec["tput_eager"] = "skipped (section budget)"
+
+
+def section_llama(rec: Recorder, args: argparse.Namespace) -> None:
+    from bench_offline import PRESETS
+
+    cfg = TINY if args.smoke else PRESETS["llama-3.1-8b"]
+    k = 16 if args.smoke else 1
+    deadline = time.monotonic() + args.section_budget
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        llm = _llm(cfg, Path(tmp))
+        rec["init_s"] = round(time.perf_counter() - t, 1)
+    runner = llm.executor.runner
+    rec["num_kv_blocks"] = runner.num_blocks
+    rec["weight_bytes_per_step"] = _weight_bytes(runner.model)
+    t = time.perf_counter()
+    rec["graphs_captured_upfront"] = runner.capture_graphs(2048)
+    rec["capture_s"] = round(time.perf_counter() - t, 1)
+    rng = random.Random(2)
+    vocab = cfg["vocab_size"]
+    _tpot(llm, [rng.randrange(vocab) for _ in range(1024 // k)], 8)  # warm-up
+    for mode in ("graphs", "eager"):
+        runner.use_graphs = mode == "graphs"
+        runs = [_tpot(llm, [rng.randrange(vocab) for _ in range(1024 // k)], 256 // k) for _ in range(3)]
+        rec[f"b1_{mode}"] = {"tpot_ms": round(statistics.median(r["tpot_ms"] for r in runs), 3),
+                             "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 2), "runs": runs}
+    rec["b1_graph_replay_ms"] = _replay_ms(runner)
+    runner.use_graphs = True
+    n = args.tput_prompts or (256 if args.quick else 1000) // k
+    rec["tput_prompts"] = n
+    left = deadline - time.monotonic()
+    if left < 45:
+        rec["tput_graphs"] = f"skipped ({left:.0f} s left)"
+        return
+    # fewer prompts when the budget is short (assumes >= 4,000 tok/s; the table names the count)
+    n = max(16, min(n, int((left - 25) * 4000 / (1024 // k) / 1.3)))
+    rec["tput_prompts"] = n
+    rng = random.Random(0)
+    rec["tput_graphs"] = _throughput(llm, _prompts(rng, vocab, [1024 // k] * n), [1024 // k] * n)
+
+
+SECTIONS = {"copy": section_copy, "tiny": section_tiny, "qwen": section_qwen, "llama": section_llama}
+
+
+# ---- driver --------------------------------------------------------------------------------------------------
+def _run_section(name: str, args: argparse.Namespace, budget: float, workdir: Path) -> dict[str, Any]:
+    out = workdir / f"{name}.json"
+    cmd = [sys.executable, __file__, "--section", name, "--section-json", str(out), "--section-budget",
+           str(max(budget - 15, 10))] + (["--quick"] if args.quick else []) + (["--smoke"] if args.smoke else []) + \
+          (["--tput-prompts", str(args.tput_prompts)] if args.tput_prompts else [])
+    print(f"== {name} (limit {budget:.0f} s)", flush=True)
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, timeout=budget, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        status = "timed out"
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data["status"], data["wall_s"] = status, round(time.perf_counter() - t, 1)
+    return data
+
+
+def _fmt(v: Any, key: str) -> str:
+    return str(v.get(key, "-")) if isinstance(v, dict) else str(v if v is not None else "-")
+
+
+def table(res: dict[str, dict[str, Any]]) -> str:
+    copy, tiny, qwen, llama = (res.get(k, {}) for k in ("copy", "tiny", "qwen", "llama"))
+    bw = copy.get("copy_GBps")
+    wbytes = llama.get("weight_bytes_per_step")
+    floor = wbytes / (bw * 1e9) * 1e3 if bw and wbytes else None
+    rows = [("device", copy.get("device", "-"), "", ""),
+            ("copy bandwidth (read + write)", f"{bw} GB/s", "", ""),
+            ("graphs == eager, tiny Llama b8 (greedy)", _fmt(tiny.get("tiny_b8"), "sequences_identical"), "", ""),
+            ("graphs == eager, tiny Llama b13 -> 16 padded",
+             _fmt(tiny.get("tiny_b13_padded"), "sequences_identical"), "", ""),
+            ("graphs == eager, qwen3-0.6b dummy b8",
+             _fmt(qwen.get("greedy_b8_graphs_vs_eager"), "sequences_identical"), "", "")]
+    b1g, b1e = llama.get("b1_graphs"), llama.get("b1_eager")
+    g_ms = b1g.get("tpot_ms") if isinstance(b1g, dict) else None
+    rows.append(("Llama-3.1-8B b1 1024/256: ms per output token", _fmt(b1g, "tpot_ms"), _fmt(b1e, "tpot_ms"),
+                 "<= 5.45 (vLLM 6.52)"))
+    replay = llama.get("b1_graph_replay_ms")
+    if isinstance(replay, dict):
+        rows.append(("  of which GPU: decode graph replay alone", f"{replay['ms']} ms", "", replay["key"]))
+    if floor:
+        ratio = f"{g_ms / floor:.3f}x" if g_ms else "-"
+        rows.append(("  weight-read floor (weights / copy bw)", f"{floor:.3f} ms ({wbytes / 1e9:.2f} GB)",
+                     f"graphs = {ratio} floor", "<= 1.10x"))
+    n = llama.get("tput_prompts", "?")
+    note = "" if n == 1000 else f" (REDUCED to {n} prompts)"
+    rows.append((f"Llama-3.1-8B {n} x 1024/1024 output tok/s{note}", _fmt(llama.get("tput_graphs"), "output_tok_s"),
+                 "not run", ">= 8,050 (vLLM 6,993)"))
+    rows.append(("Qwen3-0.6B 256 seqs [100,1024] output tok/s", _fmt(qwen.get("tput_graphs"), "output_tok_s"),
+                 _fmt(qwen.get("tput_eager"), "output_tok_s"), ">= 20,100 (vLLM 17,514)"))
+    lines = ["| measure | CUDA graphs | eager | target |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    status = ", ".join(f"{k}: {v.get('status')} {v.get('wall_s')} s" for k, v in res.items())
+    return "\n".join(lines) + f"\n\nsections: {status}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="256 prompts instead of 1000 for the 8B throughput run")
+    p.add_argument("--budget-s", type=float, default=430.0, help="wall budget of the whole run")
+    p.add_argument("--tput-prompts", type=int, default=0)
+    p.add_argument("--only", default="copy,tiny,qwen,llama")
+    p.add_argument("--json", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks this script, not speed")
+    p.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)
+    p.add_argument("--section-json", help=argparse.SUPPRESS)
+    p.add_argument("--section-budget", type=float, default=300.0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.section:
+        SECTIONS[args.section](Recorder(Path(args.section_json)), args)
+        return
+    start = time.monotonic()
+    names = [n for n in args.only.split(",") if n]
+    res: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as work:
+        for i, name in enumerate(names):
+            left = args.budget_s - (time.monotonic() - start)
+            later = sum(min(SECTION_CAPS[n], 60) for n in names[i + 1 :])  # keep a little for what follows
+            budget = min(SECTION_CAPS[name] + (0 if name != "llama" else max(0, left - SECTION_CAPS[name])),
+                         left - later)
+            if budget < 20:
+                res[name] = {"status": f"skipped ({left:.0f} s left)"}
+                continue
+            res[name] = _run_section(name, args, budget, Path(work))
+    dest = Path(args.json) if args.json else (Path(os.environ["OUT"]) / "bench_gpu.json" if os.environ.get("OUT")
+                                              else None)
+    if dest:
+        dest.write_text(json.dumps(res, indent=1))
+    print("\n" + table(res))
+
+
+if __name__ == "__main__":
+    main()
