@@ -90,11 +90,39 @@ def _throughput(llm: Any, prompts: list[dict[str, list[int]]], out_lens: list[in
     from appliance import SamplingParams
 
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    # time inside executor.execute (runner host work + GPU) vs the rest of engine.step (scheduler only: the GPU
+    # idles then, the loop being synchronous)
+    execute, step = llm.executor.execute, llm.engine.step
+    acc = {"execute": 0.0, "step": 0.0, "steps": 0}
+
+    def timed_execute(plan: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return execute(plan)
+        finally:
+            acc["execute"] += time.perf_counter() - t
+
+    def timed_step() -> Any:
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            acc["step"] += time.perf_counter() - t
+            acc["steps"] += 1
+
+    llm.executor.execute, llm.engine.step = timed_execute, timed_step
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.executor.execute, llm.engine.step = execute, step
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"elapsed_s": round(elapsed, 2), "output_tokens": n_out, "output_tok_s": round(n_out / elapsed, 1)}
+    steps = max(acc["steps"], 1)
+    return {"elapsed_s": round(elapsed, 2), "output_tokens": n_out, "output_tok_s": round(n_out / elapsed, 1),
+            "steps": acc["steps"], "ms_per_step": round(elapsed / steps * 1e3, 3),
+            "scheduler_ms_per_step": round((acc["step"] - acc["execute"]) / steps * 1e3, 3),
+            "outside_engine_ms_per_step": round((elapsed - acc["step"]) / steps * 1e3, 3)}
 
 
 def _tpot(llm: Any, prompt: list[int], out_len: int) -> dict[str, float]:
@@ -132,6 +160,43 @@ def _replay_ms(runner: Any) -> Any:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return {"key": str(graphs.last_key), "ms": round(statistics.median(times), 3)}
+
+
+def _gemv_ms(model: Any) -> Any:
+    """Batch-1 time of the weight matrices alone (torch linear, i.e. cuBLAS, replayed from a CUDA graph): how
+    much of a decode step the GEMVs take versus the weight-read floor."""
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        return None
+    layer = model.model.layers[0]
+    mats = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight]
+    n_layers = len(model.model.layers)
+    x = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in mats}
+    head = model.lm_head.weight
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode():
+        for w in mats:
+            F.linear(x[w.shape[1]], w)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            for _ in range(n_layers):
+                for w in mats:
+                    F.linear(x[w.shape[1]], w)
+            F.linear(x[head.shape[1]] if head.shape[1] in x else torch.randn(1, head.shape[1], dtype=head.dtype,
+                                                                              device=head.device), head)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    # one layer's matrices (8B: ~320 MB) re-read n_layers times: larger than the 50 MB L2, so HBM-bound too
+    return {"ms": round(statistics.median(times), 3), "note": "layer 0 matrices x n_layers + lm_head"}
 
 
 def _weight_bytes(model: Any) -> int:
@@ -249,6 +314,7 @@ def section_llama(rec: Recorder, args: argparse.Namespace) -> None:
         rec[f"b1_{mode}"] = {"tpot_ms": round(statistics.median(r["tpot_ms"] for r in runs), 3),
                              "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 2), "runs": runs}
     rec["b1_graph_replay_ms"] = _replay_ms(runner)
+    rec["b1_gemv_ms"] = _gemv_ms(runner.model)
     runner.use_graphs = True
     n = args.tput_prompts or (256 if args.quick else 1000) // k
     rec["tput_prompts"] = n
@@ -304,6 +370,9 @@ def table(res: dict[str, dict[str, Any]]) -> str:
     g_ms = b1g.get("tpot_ms") if isinstance(b1g, dict) else None
     rows.append(("Llama-3.1-8B b1 1024/256: ms per output token", _fmt(b1g, "tpot_ms"), _fmt(b1e, "tpot_ms"),
                  "<= 5.45 (vLLM 6.52)"))
+    gemv = llama.get("b1_gemv_ms")
+    if isinstance(gemv, dict):
+        rows.append(("  of which GPU: the batch-1 GEMVs alone (cuBLAS)", f"{gemv['ms']} ms", "", gemv["note"]))
     replay = llama.get("b1_graph_replay_ms")
     if isinstance(replay, dict):
         rows.append(("  of which GPU: decode graph replay alone", f"{replay['ms']} ms", "", replay["key"]))
@@ -317,6 +386,13 @@ def table(res: dict[str, dict[str, Any]]) -> str:
                  "not run", ">= 8,050 (vLLM 6,993)"))
     rows.append(("Qwen3-0.6B 256 seqs [100,1024] output tok/s", _fmt(qwen.get("tput_graphs"), "output_tok_s"),
                  _fmt(qwen.get("tput_eager"), "output_tok_s"), ">= 20,100 (vLLM 17,514)"))
+    for name, sec in (("Qwen3-0.6B", qwen), (f"Llama-3.1-8B x{n}", llama)):
+        g, e = sec.get("tput_graphs"), sec.get("tput_eager")
+        if isinstance(g, dict):
+            rows.append((f"  {name}: ms per step / of which scheduler (GPU idle)",
+                         f"{g['ms_per_step']} / {g['scheduler_ms_per_step']}",
+                         f"{e['ms_per_step']} / {e['scheduler_ms_per_step']}" if isinstance(e, dict) else "",
+                         f"{g['steps']} steps"))
     lines = ["| measure | CUDA graphs | eager | target |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     status = ", ".join(f"{k}: {v.get('status')} {v.get('wall_s')} s" for k, v in res.items())

@@ -38,10 +38,9 @@ class LogitsProcessor(Protocol):
 
 
 def force_token(row: torch.Tensor, token_id: int) -> None:
-    """Only `token_id` may come next."""
-    keep = row[token_id].clone()
+    """Only `token_id` may come next (its logit becomes 0: probability 1 after the mask)."""
     row.fill_(_NEG_INF)
-    row[token_id] = keep if torch.isfinite(keep) else 0.0
+    row[token_id] = 0.0
 
 
 def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -236,6 +235,9 @@ def sample(runner: Any, logits: torch.Tensor, states: Sequence[RequestState]) ->
     """The runner's batch sampler, with constrained rows masked and drawn by the torch Sampler."""
     batch_sampler = runner.batch_sampler
     if not any(wants_processors(s.params.extra) for s in states):
+        idle = getattr(runner, "_logits_processors", None)
+        if idle is not None and idle._entries:  # drop the processors of requests that finished meanwhile
+            idle._forget_finished()
         return batch_sampler(logits, states)
     rows = processors_for(runner).mask(logits, states)
     if batch_sampler.gpu_op is None:  # on the CPU every path (argmax or the torch Sampler) honours the mask

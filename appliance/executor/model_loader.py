@@ -105,12 +105,17 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights with the real shapes (benchmarks): small uniform values keep activations finite.
     Drawn on the parameters' own device, so an 8B dummy model starts in seconds."""
     generators: dict[torch.device, torch.Generator] = {}
-    for _, param in model.named_parameters():
+    for name, param in model.named_parameters():
         gen = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
         if param.element_size() == 1:  # fp8 (layers/fp8.py): torch draws no random numbers in it; draw, then cast
+            # Use the whole e4m3 range, as real quantised weights do (each tile's amax maps to 448): values drawn
+            # near zero would round to zeros, which run faster than real data. The scales below bring the
+            # effective weights back to the same small magnitude as the other dummy weights.
             flat = param.data.view(-1)  # in slabs: a float32 copy of a whole expert stack would not fit
             for start in range(0, flat.numel(), 1 << 26):
                 part = flat[start : start + (1 << 26)]
-                part.copy_(torch.empty(part.shape, device=param.device).uniform_(-1e-3, 1e-3, generator=gen))
+                part.copy_(torch.empty(part.shape, device=param.device).uniform_(-448.0, 448.0, generator=gen))
+        elif name.endswith("weight_scale_inv"):
+            param.data.uniform_(0.5e-3 / 448.0, 1e-3 / 448.0, generator=gen)
         else:
             param.data.uniform_(-1e-3, 1e-3, generator=gen)

@@ -30,7 +30,8 @@ Reasoning (api.reasoning_parser; skip when it is unset)
     r_delta, c_delta = rp.feed(delta); ...; rp.finish()      # streaming: strings or None
     ThinkingBudget(decision.budget, end_token_ids=tok.encode("\n</think>\n\n"), start_tag_ids=[think_id],
                    in_reasoning=rp.in_reasoning) is the per-request state for the sampler (forced_token/observe)
-    when decision.budget is not None; the executor integration is not written yet.
+    when decision.budget is not None. The chat route sends it to the workers as SamplingParams.extra
+    ["thinking_budget"] (server/constraints.py); executor/logits_processors.py enforces it.
 
 Tool calls (api.tool_call_parser; skip when the request has no tools or tool_choice is "none")
     tools = ToolSet(body.tools)                              # ValueError -> 400 (bad tool definitions)
