@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-
 from agentic_fixtures import TEMPLATE, build_think_model, free_port, served
+
 from appliance.server.parsers.tool_calls.schema_check import validate
 
 pytest.importorskip("xgrammar")

@@ -12,10 +12,19 @@ import torch
 from appliance.config import ConfigError, build_config
 from appliance.engine.sampling_params import SamplingParams
 from appliance.server.chat_template import normalize_messages
-from appliance.server.constraints import check_compatible, output_spec, thinking_budget_extra, with_extra
+from appliance.server.constraints import (
+    check_compatible,
+    output_spec,
+    thinking_budget_extra,
+    with_extra,
+)
 from appliance.server.errors import ApiError
 from appliance.server.protocol import ChatMessage
-from appliance.structured import StructuredOutputsParams, StructuredOutputUnavailable, StructuredSpec
+from appliance.structured import (
+    StructuredOutputsParams,
+    StructuredOutputUnavailable,
+    StructuredSpec,
+)
 
 pytest.importorskip("xgrammar")
 
@@ -36,7 +45,7 @@ def test_forced_tool_choice_specs() -> None:
 
 
 def test_missing_xgrammar_is_a_400_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    import appliance.structured.validate as validate
+    from appliance.structured import validate
 
     def missing() -> None:
         raise StructuredOutputUnavailable()

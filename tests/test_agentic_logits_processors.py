@@ -137,17 +137,18 @@ def test_registry_observes_lazily_rebuilds_after_preemption_and_forgets(registry
     live = {"a": state("a", {"thinking_budget": tb}), "b": state("b", {})}
     reg = registry_factory(live)
     states = [live["a"], live["b"]]
-    forced = []
+    forced, masked = [], []
     for step in range(4):
         logits = torch.zeros(2, VOCAB)
         logits[:, 7] = 1.0
-        assert reg.mask(logits, states) == [0]
+        masked.append(reg.mask(logits, states))
         assert torch.equal(logits[1], torch.eye(VOCAB)[7] * 1.0)  # row b untouched
         token = int(logits[0].argmax())
         forced.append(token)
         for s, t in zip(states, (token, 7)):
             s.token_ids.append(t)
     assert forced == [7, 7, 30, 7]  # two reasoning tokens, then the forced end, then free
+    assert masked == [[], [], [0], []]  # only the forcing step constrains the row
     # preemption: the scheduler sends the request again with its tokens; the worker builds a new state
     again = state("a", {"thinking_budget": tb}, prompt=live["a"].token_ids[:3])
     again.token_ids.extend(live["a"].output_ids)
@@ -180,12 +181,14 @@ def test_constrained_rows_skip_the_gpu_fast_path(registry_factory: Any) -> None:
         return torch.full((logits.shape[0],), 3, dtype=torch.int64)
 
     spec = StructuredSpec.choice(["ab"]).to_dict()
-    live = {"c": state("c", {"structured": spec}, temperature=1.0), "f": state("f", {}, temperature=1.0)}
+    thinking = {"budget": 5, "end_token_ids": [30], "in_reasoning": True}  # not forcing yet
+    live = {"c": state("c", {"structured": spec}, temperature=1.0), "f": state("f", {}, temperature=1.0),
+            "t": state("t", {"thinking_budget": thinking}, temperature=1.0)}
     runner = type("Runner", (), {})()
     runner.batch_sampler = BatchSampler(Sampler([EOS], seed=0), torch.device("cpu"), fake_gpu_op)
     runner._logits_processors = registry_factory(live)
-    results = sample(runner, torch.randn(2, VOCAB), [live["c"], live["f"]])
-    assert calls == [1]  # only the free row went to the fast path
-    assert results[1].token_id == 3
+    results = sample(runner, torch.randn(3, VOCAB), [live["c"], live["f"], live["t"]])
+    assert calls == [2]  # the free row and the unconstrained step of the thinking row took the fast path
+    assert results[1].token_id == 3 and results[2].token_id == 3
     allowed = runner._logits_processors._entries["c"].processors[0].matcher.allowed_token_ids()
     assert results[0].token_id in allowed

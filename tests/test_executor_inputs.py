@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
-from appliance.executor.input_batch import Chunk, RequestState, build_decode_arrays, build_inputs
+from appliance.executor.input_batch import (
+    Chunk,
+    RequestState,
+    build_decode_arrays,
+    build_inputs,
+)
 
 BS = 4
 

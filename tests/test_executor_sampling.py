@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
-from appliance.executor.batch_sampler import FAST, GREEDY, TORCH, BatchSampler, route, sampling_row
+from appliance.executor.batch_sampler import (
+    FAST,
+    GREEDY,
+    TORCH,
+    BatchSampler,
+    route,
+    sampling_row,
+)
 from appliance.executor.input_batch import RequestState
 from appliance.executor.sampler import Sampler
 

@@ -5,11 +5,6 @@ be set before triton is imported, so not in this process). GPU (@pytest.mark.gpu
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,20 +13,15 @@ pytest.importorskip("triton")
 
 from appliance.kernels.registry import get
 from appliance.kernels.triton import selfcheck as sc
+from selfcheck_runner import interpreted_rows
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = [(op, case) for op, case, _ in sc.small_cases()]
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[tuple[str, str], dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "appliance.kernels.triton.selfcheck", "cpu"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = interpreted_rows("appliance.kernels.triton.selfcheck", timeout=240)
     return {(r["op"], r["case"]): r for r in rows}
 
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from selfcheck_runner import interpreted_rows
 from test_moe_models import (
     PROMPTS,
     YARN_V2,
@@ -26,7 +24,6 @@ from appliance.layers.attention import AttentionMetadata
 from appliance.layers.mla import MLAAttention, rope_cache_and_mscale
 
 H, R, DN, DR, DV, BS = 4, 16, 8, 4, 6, 4
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _meta(num_decode: int, lens: list[int], q_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
@@ -156,12 +153,7 @@ def test_v3_mtp_layer_loads_and_leaves_generation_alone(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "appliance.kernels.mla.selfcheck", "cpu"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["case"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    return {r["case"]: r for r in interpreted_rows("appliance.kernels.mla.selfcheck", timeout=120, threads=1)}
 
 
 def _case_names(cases: str) -> list[str]:

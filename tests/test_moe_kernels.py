@@ -2,11 +2,6 @@
 fused MoE (and the fp8 block GEMM) against the torch reference under TRITON_INTERPRET=1, GPU shapes on a GPU."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +9,8 @@ import torch.nn.functional as F
 
 from appliance.kernels import registry
 from appliance.layers.moe import FusedMoE, RouterConfig, select_experts
+from selfcheck_runner import interpreted_rows
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -136,12 +131,7 @@ def test_expert_loader_shards_gate_up_down_into_the_stack() -> None:
 @pytest.fixture(scope="module")
 def interpreted() -> dict[tuple[str, str], dict]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "appliance.kernels.moe.selfcheck", "cpu"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = interpreted_rows("appliance.kernels.moe.selfcheck", timeout=120)
     return {(r["op"], r["case"]): r for r in rows}
 
 

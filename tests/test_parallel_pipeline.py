@@ -56,16 +56,22 @@ def alive(pid: int) -> bool:
 
 
 class Pipeline:
-    def __init__(self, model: Path, tmp: Path, device: str = "cpu", **parallelism: Any) -> None:
-        port = _free_port()
-        cfg = tmp / "serve.toml"
-        par = "\n".join(f"{k} = {v}" for k, v in parallelism.items())
+    def __init__(self, model: Path, tmp: Path, device: str = "cpu", port: int | None = None, wait: bool = True,
+                 **parallelism: Any) -> None:
+        port = port or _free_port()
+        cfg = tmp / f"serve{parallelism.get('node_rank', '')}.toml"
+        par = "\n".join(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}" for k, v in parallelism.items())
         cfg.write_text(f'[model]\npath = "{model}"\ndevice = "{device}"\n[parallelism]\n{par}\n'
                        f'[cache]\nmax_total_tokens = 2048\n[api]\nport = {port}\nserved_model_name = "tiny"\n'
                        '[observability]\nlog_level = "warning"\n')
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", str(cfg)],
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.base = f"http://127.0.0.1:{port}"
+        self.stages: dict[int, str] = {}
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + 120
         while True:
             assert self.proc.poll() is None, "the supervisor exited during start-up"
@@ -173,3 +179,27 @@ def test_tp2_on_two_gpus_with_nccl(make_tiny_model: Any, tmp_path: Path) -> None
         _assert_pools_whole(pipe.idle_stats())
     finally:
         assert pipe.stop() == 0
+
+
+def test_two_nodes_over_loopback(make_tiny_model: Any, reference: list[str], tmp_path: Path) -> None:
+    """tp = 2 over two "nodes" (two supervisors, one worker each, tcp between them): node 0 serves HTTP; when
+    the head stops, the other node's worker loses its scheduler and that node ends non-zero, leaving nothing."""
+    model, port, rendezvous = make_tiny_model("llama"), _free_port(), _free_port()
+    common = {"tp": 2, "nnodes": 2, "dist_init_addr": f"127.0.0.1:{rendezvous}"}
+    other = Pipeline(model, tmp_path, port=port, wait=False, node_rank=1, **common)
+    head = Pipeline(model, tmp_path, port=port, wait=False, node_rank=0, **common)
+    try:
+        head.wait_ready()
+        other.stages = stage_children(other.proc.pid)
+        assert sorted(head.stages.values()) == ["scheduler", "tokenizer", "worker0"]
+        assert sorted(other.stages.values()) == ["worker1"]
+        assert head.complete_all() == reference
+        _assert_pools_whole(head.idle_stats())
+        assert head.stop() == 0
+        assert other.proc.wait(timeout=30) != 0
+    finally:
+        for p in (head, other):
+            if p.proc.poll() is None:
+                p.proc.kill()
+            p.proc.wait(timeout=30)
+    assert not [n for pid, n in other.stages.items() if alive(pid)], "orphaned stages"

@@ -50,8 +50,22 @@ def test_sigkill_of_the_supervisor_takes_the_children_down(make_tiny_model: Any)
         _wait_ready(proc, port)
         kids = children_of(proc.pid)
         assert sorted(kids.values()) == ["scheduler", "tokenizer", "worker0"]
-        proc.kill()
-        proc.wait()
+        body = {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as h, h.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                                                     json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.kill()  # with a request in flight: it must end with an error, not hang
+            proc.wait()
+            t0 = time.monotonic()
+            rest: list[str] = []
+            try:
+                rest.extend(lines)
+            except httpx.HTTPError:
+                rest.append("connection broken")
+            assert time.monotonic() - t0 < 5
+            assert rest and ('"error"' in " ".join(rest) or rest[-1] == "connection broken"), rest[-3:]
+            assert "data: [DONE]" not in rest or '"error"' in " ".join(rest)
         deadline = time.monotonic() + 5
         while any(alive(p) for p in kids) and time.monotonic() < deadline:
             time.sleep(0.05)

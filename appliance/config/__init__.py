@@ -37,7 +37,7 @@ def __getattr__(name: str):  # loading machinery imported on first use, the sche
 
         return getattr(loader, name)
     if name == "parse_serve_args":
-        from appliance.config.flags import parse_serve_args
+        from appliance.config.serve_args import parse_serve_args
 
         return parse_serve_args
     if name in ("recipe_path", "default_recipe_path"):

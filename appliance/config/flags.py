@@ -187,10 +187,3 @@ def unknown_flag_problems(unknown: Sequence[str]) -> list[Problem]:
         else:
             problems.append(Problem("", f"unknown flag {flag}{did_you_mean(flag, names)}", where="command line"))
     return problems
-
-
-def parse_serve_args(argv: Sequence[str], env: Any = None) -> Any:
-    """`appliance serve [MODEL] [--config FILE] [--set k=v] [familiar flags]` -> ApplianceConfig."""
-    from appliance.config.serve_args import parse_serve_args as _parse
-
-    return _parse(argv, env=env)

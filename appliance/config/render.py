@@ -2,38 +2,14 @@
 value as a trailing comment. TOML has no null: unset values are written as comments."""
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
-from typing import Any
 
 from pydantic import BaseModel
 
 from appliance.config.schema import ApplianceConfig
+from appliance.config.toml_text import toml_key, toml_value
 
 _SECRET_KEYS = ("api.api_key",)
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return "nan" if math.isnan(value) else repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
-
-
-def _key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
 
 
 def render_toml(config: ApplianceConfig, provenance: Mapping[str, str] | None = None,
@@ -63,7 +39,7 @@ def _section(model: BaseModel, prefix: tuple[str, ...], lines: list[str],
         elif path in _SECRET_KEYS and not show_secrets:
             lines.append(f'{key} = "***"{note}')
         else:
-            lines.append(f"{_key(key)} = {toml_value(dumped)}{note}")
+            lines.append(f"{toml_key(key)} = {toml_value(dumped)}{note}")
     for key, sub in nested:
         lines.append("")
         lines.append(f"[{'.'.join(prefix + (key,))}]")

@@ -22,7 +22,7 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.input_batch import RequestState, Stager
-from appliance.executor.sampler import _GREEDY_EPS, SampleResult, Sampler, SamplingRow
+from appliance.executor.sampler import _GREEDY_EPS, Sampler, SampleResult, SamplingRow
 
 GREEDY, FAST, TORCH = "greedy", "fast", "torch"
 
@@ -99,8 +99,8 @@ def gpu_sample_op(device: torch.device) -> Callable[..., Any] | None:
     if device.type != "cuda":
         return None
     try:
-        from appliance.kernels import registry
         import appliance.kernels.triton  # noqa: F401  (registers the triton ops)
+        from appliance.kernels import registry
 
         return registry.get("sample", "triton")
     except (ImportError, KeyError):

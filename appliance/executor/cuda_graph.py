@@ -21,7 +21,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from appliance.executor.input_batch import Chunk, build_decode_arrays, table_width

@@ -70,6 +70,18 @@ def init_distributed(device_name: str, env: DistributedEnv | None = None) -> Dis
     return d
 
 
+def min_over_ranks(value: int) -> int:
+    """The smallest `value` of all ranks of this worker's group (itself at world size 1)."""
+    if get_tp_size() == 1:
+        return value
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def shutdown_distributed() -> None:
     import torch.distributed as dist
 

@@ -6,9 +6,10 @@ A request asks for them through SamplingParams.extra (set by the server or the o
 - extra["thinking_budget"]: {"budget", "end_token_ids", "start_tag_ids", "end_tag_ids", "in_reasoning"} ->
   ThinkingBudgetProcessor (forces the end-of-thinking sequence once `budget` reasoning tokens exist).
 
-Each step the runner calls `sample(runner, logits, states)` instead of its batch sampler: rows of requests
-with processors are masked in place and drawn by the torch Sampler (whose filters all honour -inf; the Triton
-fast path is kept for unconstrained rows), the others go through the batch sampler unchanged.
+Each step the runner calls `sample(runner, logits, states)` instead of its batch sampler: rows whose processors
+constrain this step are masked in place and drawn by the torch Sampler (whose filters all honour -inf; the
+Triton fast path is kept for the others), the others go through the batch sampler unchanged. A thinking budget
+constrains only the steps that force the end of thinking.
 Processors observe sampled tokens lazily: before masking a row they catch up with the tokens the request
 gained since (state.token_ids), so a preempted request rebuilt from its tokens replays them the same way.
 """
@@ -30,8 +31,9 @@ _NEG_INF = float("-inf")
 
 
 class LogitsProcessor(Protocol):
-    def mask_row(self, row: torch.Tensor) -> None:
-        """Set the logits of tokens that may not come next to -inf, in place (row: [vocab])."""
+    def mask_row(self, row: torch.Tensor) -> bool:
+        """Set the logits of tokens that may not come next to -inf, in place (row: [vocab]); False when this
+        step leaves the row alone (the row may then take the batch sampler's fast paths)."""
 
     def observe(self, token_id: int) -> None:
         """The token this request sampled (always after a mask_row of the same step)."""
@@ -58,14 +60,15 @@ class GrammarProcessor:
         self.eos_token_id = eos_token_id
         self.broken = False
 
-    def mask_row(self, row: torch.Tensor) -> None:
+    def mask_row(self, row: torch.Tensor) -> bool:
         if self.broken or self.matcher.is_terminated():
             force_token(row, self.eos_token_id)
-            return
+            return True
         width = min(row.shape[0], self.matcher.vocab_size)
         allowed = unpack_bitmask(self.matcher.allowed_token_bitmask().to(row.device), width)
         row[:width].masked_fill_(~allowed, _NEG_INF)
         row[width:] = _NEG_INF
+        return True
 
     def observe(self, token_id: int) -> None:
         if self.broken or self.matcher.is_terminated():
@@ -82,10 +85,12 @@ class ThinkingBudgetProcessor:
     def __init__(self, budget: Any) -> None:
         self.budget = budget
 
-    def mask_row(self, row: torch.Tensor) -> None:
+    def mask_row(self, row: torch.Tensor) -> bool:
         forced = self.budget.forced_token()
-        if forced is not None and 0 <= forced < row.shape[0]:
-            force_token(row, forced)
+        if forced is None or not 0 <= forced < row.shape[0]:
+            return False
+        force_token(row, forced)
+        return True
 
     def observe(self, token_id: int) -> None:
         self.budget.observe(token_id)
@@ -98,8 +103,9 @@ class FinishNow:
         self.eos_token_id = eos_token_id
         self.reason = reason
 
-    def mask_row(self, row: torch.Tensor) -> None:
+    def mask_row(self, row: torch.Tensor) -> bool:
         force_token(row, self.eos_token_id)
+        return True
 
     def observe(self, token_id: int) -> None:
         pass
@@ -204,7 +210,7 @@ class LogitsProcessors:
             del self._entries[rid]
 
     def mask(self, logits: torch.Tensor, states: Sequence[RequestState]) -> list[int]:
-        """Mask the rows whose requests have processors (in place); returns those row indices."""
+        """Mask the rows whose requests' processors constrain this step (in place); returns those rows."""
         if self._entries:
             self._forget_finished()
         rows: list[int] = []
@@ -217,9 +223,9 @@ class LogitsProcessors:
                 for p in entry.processors:
                     p.observe(token)
             entry.seen = len(state.token_ids) - state.num_prompt_tokens
-            for p in entry.processors:
-                p.mask_row(logits[i])
-            rows.append(i)
+            masked = [p.mask_row(logits[i]) for p in entry.processors]
+            if any(masked):
+                rows.append(i)
         return rows
 
 
@@ -240,7 +246,7 @@ def sample(runner: Any, logits: torch.Tensor, states: Sequence[RequestState]) ->
             idle._forget_finished()
         return batch_sampler(logits, states)
     rows = processors_for(runner).mask(logits, states)
-    if batch_sampler.gpu_op is None:  # on the CPU every path (argmax or the torch Sampler) honours the mask
+    if not rows or batch_sampler.gpu_op is None:  # on the CPU every path (argmax, torch Sampler) honours masks
         return batch_sampler(logits, states)
     from appliance.executor.batch_sampler import sampling_row
 

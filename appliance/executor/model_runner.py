@@ -21,7 +21,13 @@ from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepRe
 from appliance.executor import kv_cache, logits_processors
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
 from appliance.executor.cuda_graph import DecodeGraphs, graph_settings, width_bucket
-from appliance.executor.input_batch import Chunk, RequestState, Stager, build_inputs, table_width
+from appliance.executor.input_batch import (
+    Chunk,
+    RequestState,
+    Stager,
+    build_inputs,
+    table_width,
+)
 from appliance.executor.model_loader import (
     init_dummy_weights,
     load_hf_config,

@@ -24,6 +24,8 @@ from appliance.layers.fp8 import FP8_DTYPE, Fp8BlockConfig, make_linear
 from appliance.layers.kernels import kernel
 from appliance.layers.parallel_state import (
     divide,
+    get_ep_rank,
+    get_ep_size,
     get_tp_rank,
     get_tp_size,
     tp_all_reduce,
@@ -134,14 +136,20 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant: Fp8BlockConfig | None = None,
                  backend: str = "torch", reduce_results: bool = True) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        # expert parallelism (ep = tp): this rank holds experts [expert_start, +num_local) whole, computes only
+        # their share of each token and the block's all-reduce sums the ranks; else every expert, tensor-split
+        self.ep_rank, self.ep_size = get_ep_rank(), get_ep_size()
+        self.tp_rank, self.tp_size = (0, 1) if self.ep_size > 1 else (get_tp_rank(), get_tp_size())
         self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.num_local = divide(num_experts, self.ep_size)
+        self.expert_start = self.ep_rank * self.num_local
         self.intermediate = divide(intermediate_size, self.tp_size)
         self.reduce_results, self.quant = reduce_results, quant
         dtype = FP8_DTYPE if quant is not None else None
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size, dtype=dtype),
+        n = self.num_local
+        self.w13_weight = nn.Parameter(torch.empty(n, 2 * self.intermediate, hidden_size, dtype=dtype),
                                        requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate, dtype=dtype),
+        self.w2_weight = nn.Parameter(torch.empty(n, hidden_size, self.intermediate, dtype=dtype),
                                       requires_grad=False)
         if quant is not None:
             bn, bk = quant.block_shape
@@ -149,10 +157,10 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"fp8 experts: intermediate size {self.intermediate} per rank is not a multiple of "
                                  f"the {bn}x{bk} scale tiles")
             self.w13_weight_scale_inv = nn.Parameter(
-                torch.empty(num_experts, 2 * self.intermediate // bn, -(-hidden_size // bk), dtype=torch.float32),
+                torch.empty(n, 2 * self.intermediate // bn, -(-hidden_size // bk), dtype=torch.float32),
                 requires_grad=False)
             self.w2_weight_scale_inv = nn.Parameter(
-                torch.empty(num_experts, -(-hidden_size // bn), self.intermediate // bk, dtype=torch.float32),
+                torch.empty(n, -(-hidden_size // bn), self.intermediate // bk, dtype=torch.float32),
                 requires_grad=False)
         else:
             self.register_parameter("w13_weight_scale_inv", None)
@@ -167,6 +175,9 @@ class FusedMoE(nn.Module):
         """
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} outside 0..{self.num_experts - 1}")
+        expert -= self.expert_start
+        if not 0 <= expert < self.num_local:
+            return  # another expert-parallel rank's expert
         dim = 1 if shard is None else 0
         unit = 1
         if param is self.w13_weight_scale_inv or param is self.w2_weight_scale_inv:
@@ -183,7 +194,7 @@ class FusedMoE(nn.Module):
 
     def load_fused(self, proj: str, loaded: torch.Tensor) -> None:
         """transformers' 3-D layout: gate_up_proj [E, 2I, H] or down_proj [E, H, I] (full, unsharded)."""
-        for e in range(self.num_experts):
+        for e in range(self.expert_start, self.expert_start + self.num_local):
             if proj == "down_proj":
                 self.load_expert(self.w2_weight, loaded[e], e, None)
             else:
@@ -193,6 +204,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         block = self.quant.block_shape if self.quant is not None else None
+        if self.ep_size > 1:  # other ranks' experts weigh 0 here (computed on local expert 0, then dropped)
+            local = topk_ids - self.expert_start
+            mine = (local >= 0) & (local < self.num_local)
+            topk_ids = torch.where(mine, local, torch.zeros_like(local))
+            topk_weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
         out = self._op(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                        self.w13_weight_scale_inv, self.w2_weight_scale_inv, block)
         return tp_all_reduce(out) if self.reduce_results else out

@@ -18,6 +18,22 @@ class TensorParallelState:
 
 
 _STATE = TensorParallelState()
+_EXPERT_PARALLEL = False  # experts split whole over the tensor-parallel group instead of tensor-split
+
+
+def init_expert_parallel(enabled: bool) -> None:
+    """parallelism.enable_expert_parallel: the tensor-parallel ranks are also the expert-parallel ranks (ep = tp);
+    set once per worker, before building the model."""
+    global _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = bool(enabled)
+
+
+def get_ep_rank() -> int:
+    return _STATE.rank if _EXPERT_PARALLEL else 0
+
+
+def get_ep_size() -> int:
+    return _STATE.size if _EXPERT_PARALLEL else 1
 
 
 def init_tensor_parallel(rank: int, size: int, group: object | None = None) -> None:

@@ -38,10 +38,10 @@ Tokenizer process (runtime/tokenizer_proc.py, runtime/frontend.py, server/):
      and fobs.request_log.received(...) / .finished(...) where the request is accepted / completed.
   6. shutdown: fobs.close()
 
-Optional, for queue / prefill / inference time histograms: the scheduler's first-scheduled time per request
-(time.monotonic(), system wide on Linux) as `RequestOutput.first_scheduled_time: float | None` on the first
-output of a request; `on_output` reads it when present. Without it those three histograms stay empty (TTFT,
-ITL, TPOT, e2e and decode time do not need it).
+Queue / prefill / inference time histograms: the scheduler's first-scheduled time per request
+(time.monotonic(), system wide on Linux) travels as `RequestOutput.first_scheduled_time` on the first output of a
+request (runtime/scheduler_proc.py `FirstScheduled`); `on_output` reads it. Without it those three histograms
+stay empty (TTFT, ITL, TPOT, e2e and decode time do not need it).
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import zmq
 from appliance.engine.step import Executor, StepPlan, StepResult
 from appliance.runtime.addresses import Addresses
 from appliance.runtime.messages import PLAN_CODEC, RESULT_CODEC, WorkerError
+from appliance.runtime.topology import scheduler_binds
 
 
 class WorkerFailed(RuntimeError):
@@ -25,7 +26,7 @@ class RemoteExecutor(Executor):
         for addr in addresses.plans:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(addr)
+            sock.bind(addr) if scheduler_binds(addr) else sock.connect(addr)  # tcp: workers on other nodes
             self._plans.append(sock)
         self._results = ctx.socket(zmq.PULL)
         self._results.setsockopt(zmq.LINGER, 0)

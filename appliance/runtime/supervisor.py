@@ -81,7 +81,10 @@ class Supervisor:
         try:
             try:
                 self.start()
-                log.info("appliance ready on http://%s:%s", self.config.api.host, self.port)
+                if self.topology.is_head:
+                    log.info("appliance ready on http://%s:%s", self.config.api.host, self.port)
+                else:
+                    log.info("node %d ready: its workers joined the head's groups", self.topology.node_rank)
                 failure = self.monitor()
             except StageError as exc:
                 failure = str(exc)
@@ -114,7 +117,13 @@ class Supervisor:
         for d in range(topo.dp):
             addrs, port = topo.replica_addresses(self.addresses, d), topo.master_port(d)
             groups.append([self._spawn("worker", w.name, w.tp_rank, topo.tp, addrs, topo.worker_env(w, port))
-                           for w in topo.workers(d)])
+                           for w in topo.local_workers(d)])
+        if not topo.is_head:  # a worker-only node: its ranks join the head's groups; nothing else runs here
+            for st in (w for g in groups for w in g):
+                self._release(st, {})
+            for st in (w for g in groups for w in g):
+                self._await_ready(st)
+            return
         for d in range(topo.dp):
             scheds.append(self._spawn("scheduler", topo.scheduler_name(d), d, topo.dp,
                                       topo.replica_addresses(self.addresses, d)))

@@ -23,6 +23,7 @@ from appliance.runtime.messages import (
     WorkerError,
 )
 from appliance.runtime.process import parent_alive
+from appliance.runtime.topology import scheduler_binds
 
 log = logging.getLogger("appliance.worker")
 
@@ -33,27 +34,39 @@ def run_worker(boot: Bootstrap) -> None:
     os.environ.setdefault("LOCAL_RANK", str(boot.rank))
     os.environ.setdefault("WORLD_SIZE", str(boot.world_size))
     config = boot.load_config()
-    from appliance.executor.distributed import init_distributed
+    from appliance.executor.distributed import init_distributed, min_over_ranks
     from appliance.executor.model_runner import ModelRunner
+    from appliance.layers.parallel_state import init_expert_parallel
 
     # boot.rank / world_size: this worker's tensor-parallel rank within its data-parallel replica
     init_distributed(config.model.device)
+    init_expert_parallel(config.parallelism.enable_expert_parallel)  # ep = tp: experts split over the group
     runner = ModelRunner(config)
     ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)
-    plans.bind(boot.addresses.plans[boot.rank])
+    plan_addr = boot.addresses.plans[boot.rank]
+    head = None  # on several nodes: watches the connection to the head's scheduler
+    if scheduler_binds(plan_addr):
+        if config.parallelism.node_rank > 0:  # on the head, the supervisor sees the scheduler itself
+            head = HeadWatch(plans)
+        plans.connect(plan_addr)
+    else:
+        plans.bind(plan_addr)
     results = ctx.socket(zmq.PUSH)
     results.setsockopt(zmq.LINGER, 1000)
     results.connect(boot.addresses.results)
     control = ctx.socket(zmq.PUSH)
     control.connect(boot.addresses.control)
-    info = {"num_kv_blocks": runner.num_blocks, "eos_token_ids": list(runner.eos_token_ids),
+    # every rank sized its own pool; the scheduler may use only what all of them have (ranks may be on other nodes)
+    info = {"num_kv_blocks": min_over_ranks(runner.num_blocks), "eos_token_ids": list(runner.eos_token_ids),
             "max_model_len": runner.max_model_len, "block_size": runner.block_size, "device": str(runner.device),
             "vocab_size": int(getattr(runner.hf_config, "vocab_size", 0) or 0)}
     control.send(CONTROL_CODEC.encode(StageReady(boot.name, os.getpid(), info)))
     log.info("worker %d ready on %s: %d KV blocks", boot.rank, runner.device, runner.num_blocks)
     rank = str(boot.rank).encode()
     while parent_alive(boot.parent_pid):
+        if head is not None and head.lost():
+            raise ConnectionError(f"lost the connection to the scheduler on the head node ({plan_addr})")
         if not plans.poll(1000):
             continue
         plan = PLAN_CODEC.decode_or_none(plans.recv())
@@ -67,3 +80,23 @@ def run_worker(boot: Bootstrap) -> None:
             results.send_multipart([rank, RESULT_CODEC.encode(WorkerError(plan.step_id, boot.rank, str(exc)))])
             raise
         results.send_multipart([rank, RESULT_CODEC.encode(result)])
+
+
+class HeadWatch:
+    """Socket events of a plan socket that connects to the head node: a disconnect after a connect means the
+    head's scheduler is gone (this node's supervisor cannot see the head's processes)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._events = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._connected = False
+
+    def lost(self) -> bool:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._events.poll(0):
+            event = recv_monitor_message(self._events)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self._connected:
+                return True
+        return False

@@ -18,7 +18,12 @@ from starlette.responses import JSONResponse, Response
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.server.chat_template import normalize_messages
-from appliance.server.constraints import check_compatible, output_spec, thinking_budget_extra, with_extra
+from appliance.server.constraints import (
+    check_compatible,
+    output_spec,
+    thinking_budget_extra,
+    with_extra,
+)
 from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError
 from appliance.server.exchange import Exchange
@@ -104,7 +109,7 @@ def uses_parsers(config: Any, req: Any) -> bool:
     return bool(config.api.reasoning_parser or req.tools)
 
 
-def thinking_decision(ctx: ServerContext, req: Any, structured: bool = False) -> Any:
+def thinking_decision(ctx: ServerContext, req: Any, structured: bool = False, max_tokens: int | None = None) -> Any:
     """Whether this request thinks and for how long (api.disable_thinking, api.thinking_budget,
     chat_template_kwargs.enable_thinking, reasoning_effort, thinking.budget_tokens; a grammar-constrained
     request does not think); used with a reasoning parser."""
@@ -118,7 +123,8 @@ def thinking_decision(ctx: ServerContext, req: Any, structured: bool = False) ->
                                 reasoning_effort=getattr(req, "reasoning_effort", None),
                                 budget_tokens=thinking.budget_tokens if thinking is not None else None,
                                 max_thinking_budget=ctx.config.api.thinking_budget,
-                                max_tokens=getattr(req, "effective_max_tokens", None),
+                                max_tokens=max_tokens if max_tokens is not None
+                                else getattr(req, "effective_max_tokens", None),
                                 structured_output=structured)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="reasoning_effort") from None
@@ -193,7 +199,9 @@ async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exc
     params = build_sampling(req, ctx.config.sampling, ctx.limits, len(ids))
     check_compatible(params, spec)
     budget = None
-    if decision is not None and decision.enabled and decision.budget is not None:
+    if decision is not None and decision.enabled:
+        # the budget's safety cap (9/10 of max_tokens) holds for the max_tokens actually granted
+        decision = thinking_decision(ctx, req, False, params.max_tokens)
         budget = await ctx.off_loop(thinking_budget_extra, ctx, decision.budget, text)
     params = with_extra(params, structured=spec.to_dict() if spec is not None else None, thinking_budget=budget)
     if needs_special_tokens(processors) and params.skip_special_tokens:

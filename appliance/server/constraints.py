@@ -10,11 +10,16 @@ The workers apply both in executor/logits_processors.py.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.server.errors import ApiError
-from appliance.structured import StructuredOutputError, StructuredSpec, spec_from_request
+from appliance.structured import (
+    StructuredOutputError,
+    StructuredSpec,
+    spec_from_request,
+)
 from appliance.structured.tool_choice import named_function, tool_choice_schema
 
 _TOOL_CHOICE_FORCES = ("required",)
@@ -96,10 +101,16 @@ def thinking_budget_extra(ctx: Any, budget: int | None, prompt_text: str) -> dic
     """extra["thinking_budget"] for a thinking request with a budget (on the tokenizer thread: it encodes)."""
     if budget is None or not ctx.config.api.reasoning_parser:
         return None
-    from appliance.server.parsers.reasoning import get_reasoning_format, prompt_opens_reasoning
+    from appliance.server.parsers.reasoning import (
+        get_reasoning_format,
+        prompt_opens_reasoning,
+    )
 
     fmt = get_reasoning_format(ctx.config.api.reasoning_parser)
-    encode = lambda s: ctx.encode(s, add_special_tokens=False)  # noqa: E731
+
+    def encode(text: str) -> list[int]:
+        return list(ctx.encode(text, add_special_tokens=False))
+
     return {"budget": int(budget), "end_token_ids": encode(f"\n{fmt.end}\n\n"),
             "start_tag_ids": encode(fmt.start), "end_tag_ids": encode(fmt.end),
             "in_reasoning": bool(fmt.starts_in_reasoning or prompt_opens_reasoning(prompt_text, fmt))}

@@ -16,12 +16,28 @@ raises StructuredOutputUnavailable (a StructuredOutputError, so a 400 for the re
 from __future__ import annotations
 
 from appliance.structured.backend import require_xgrammar, xgrammar_available
-from appliance.structured.compiler import CacheInfo, CompiledGrammar, GrammarCompiler, choice_ebnf
-from appliance.structured.errors import StructuredOutputError, StructuredOutputUnavailable
-from appliance.structured.guided import GuidedDecodingParams, StructuredOutputsParams, structured_spec_of
+from appliance.structured.compiler import (
+    CacheInfo,
+    CompiledGrammar,
+    GrammarCompiler,
+    choice_ebnf,
+)
+from appliance.structured.errors import (
+    StructuredOutputError,
+    StructuredOutputUnavailable,
+)
+from appliance.structured.guided import (
+    GuidedDecodingParams,
+    StructuredOutputsParams,
+    structured_spec_of,
+)
 from appliance.structured.matcher import GrammarMatcher, apply_batch
 from appliance.structured.spec import StructuredSpec, spec_from_request
-from appliance.structured.tool_choice import named_function, tool_choice_schema, tool_choice_spec
+from appliance.structured.tool_choice import (
+    named_function,
+    tool_choice_schema,
+    tool_choice_spec,
+)
 
 __all__ = [
     "CacheInfo",

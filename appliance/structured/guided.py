@@ -9,8 +9,9 @@ Exactly one of json (a schema), regex, choice, grammar (EBNF) or json_object=Tru
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from appliance.structured.errors import StructuredOutputError
 from appliance.structured.spec import StructuredSpec, spec_from_request

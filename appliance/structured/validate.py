@@ -37,7 +37,7 @@ def _check(spec: StructuredSpec) -> None:
             xgr.Grammar.from_ebnf(choice_ebnf(spec.choices))
         else:
             xgr.Grammar.from_ebnf(spec.value)
-    except Exception as e:  # xgrammar reports bad input with several exception types
+    except Exception as e:  # noqa: BLE001 - xgrammar reports bad input with several exception types
         lines = str(e).strip().splitlines()
         detail = _LOG_PREFIX.sub("", lines[0])[:300] if lines else type(e).__name__
         raise StructuredOutputError(f"cannot compile the {spec.kind.replace('_', ' ')}: {detail}") from None

@@ -7,59 +7,21 @@ and keys in schema order, one `key = value` per line, nested keys dotted (`caps.
 from __future__ import annotations
 
 import json
-import math
 import re
 import shlex
 import textwrap
-from typing import Any
 
+from appliance.config.toml_text import toml_key, toml_value
 from appliance.translate import schema_view
 from appliance.translate.result import Translation
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 _WIDTH = 110
-
-
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def _one_line(text: str) -> str:
     """Comment-safe text: TOML comments may not hold control characters (a newline would end the comment)."""
     return _CONTROL.sub(lambda m: " " if m.group() in "\n\r" else repr(m.group())[1:-1], text)
-
-
-def toml_key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else _string(key)
-
-
-def _string(text: str) -> str:
-    # JSON string escapes are valid TOML basic-string escapes; TOML also forbids a raw DEL
-    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        text = repr(value)
-        return text if any(c in text for c in ".eE") else text + ".0"
-    if isinstance(value, str):
-        return _string(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        if not value:
-            return "{}"
-        return "{ " + ", ".join(f"{toml_key(str(k))} = {toml_value(v)}" for k, v in value.items()) + " }"
-    if value is None:
-        raise ValueError("TOML has no null; leave the key out")
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 
 def _comment(text: str, bullet: str = "") -> list[str]:

@@ -12,12 +12,11 @@ the model dtype).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from appliance.kernels.moe.triton_fp8 import load_weight_tile, scale_aligned_tiles
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import INTERPRET, mma
 
@@ -51,19 +50,6 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
 
 
 @triton.jit
-def _load_w(w_ptr, s_ptr, e, offs_n, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
-            stride_se, stride_sn, stride_sk, k0, BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] tile of w[e]^T (w is [N, K]); fp8 tiles come back scaled, in float32."""
-    w = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-    if FP8:
-        s = tl.load(s_ptr + e * stride_se + (offs_n // BN_Q) * stride_sn + (k0 // BK_Q) * stride_sk,
-                    mask=n_mask, other=0.0)
-        w = w.to(tl.float32) * s[None, :]
-    return w
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pairs, inter, hidden,
                     stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -86,10 +72,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
         k_mask = offs_k < hidden
         a = tl.load(x_ptr + row[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        g = _load_w(w_ptr, s_ptr, e, offs_n, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
-                    stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
-        u = _load_w(w_ptr, s_ptr, e, offs_n + inter, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
-                    stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
+        g = load_weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
+                             stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
+        u = load_weight_tile(w_ptr, s_ptr, e, offs_n + inter, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
+                             stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
         acc_g += mma(a, g.to(a.dtype), UPCAST)
         acc_u += mma(a, u.to(a.dtype), UPCAST)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -118,8 +104,8 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
         k_mask = offs_k < inter
         a = tl.load(a_ptr + pair[:, None] * stride_am + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        w = _load_w(w_ptr, s_ptr, e, offs_n, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
-                    stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
+        w = load_weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
+                             stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
         acc += mma(a, w.to(a.dtype), UPCAST)
     route = tl.load(weights_ptr + pair, mask=m_mask, other=0.0)
     acc = acc * route[:, None]
@@ -145,10 +131,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if fp8 and (block_shape is None or w2_scale is None):
         raise ValueError("fp8 fused_moe needs both scales and block_shape")
     bn_q, bk_q = block_shape if fp8 else (1, 1)  # type: ignore[misc]
-    # with fp8 a tile never straddles two scales: tiles shrink to divide the scale blocks
-    tile_n, tile_k = (math.gcd(BLOCK_N, bn_q), math.gcd(BLOCK_K, bk_q)) if fp8 else (BLOCK_N, BLOCK_K)
-    if min(tile_n, tile_k) < 16:
-        raise ValueError(f"fp8 block {block_shape} is too fine for the Triton fused MoE (tiles of at least 16)")
+    tile_n, tile_k = (scale_aligned_tiles((bn_q, bk_q), BLOCK_N, BLOCK_K, "Triton fused MoE") if fp8
+                      else (BLOCK_N, BLOCK_K))
     x = x.contiguous()
     sorted_ids, block_experts = align_blocks(topk_ids, num_experts, BLOCK_M)
     pairs = t * top_k

@@ -41,6 +41,14 @@ class BlockSyntax:
     end: str | None  # None: the block runs to the end of the output
     at_start_only: bool = False  # the opener counts only as the first non-whitespace text of the output
 
+    def body(self, block: str) -> str:
+        """A whole block without its opener and, when present, its closer (a block cut off by the end of the
+        output has none)."""
+        inner = block[len(self.start) :]
+        if self.end and inner.endswith(self.end):
+            inner = inner[: -len(self.end)]
+        return inner
+
 
 class ToolParser(ABC):
     """One instance per request and choice: `feed` deltas, then `finish` once; or call `parse` on whole text."""

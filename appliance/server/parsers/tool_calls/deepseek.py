@@ -28,9 +28,7 @@ class DeepSeekV3ToolParser(ToolParser):
     needs_special_tokens = True  # the markers are special tokens of the DeepSeek tokenizer
 
     def parse_block(self, block: str, syntax: BlockSyntax) -> BlockParse:
-        body = block[len(syntax.start) :]
-        if body.endswith(CALLS_END):
-            body = body[: -len(CALLS_END)]
+        body = syntax.body(block)
         calls: list[RawCall] = []
         rest = body
         while rest.strip():

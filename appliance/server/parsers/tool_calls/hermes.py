@@ -13,7 +13,5 @@ class HermesToolParser(ToolParser):
     blocks = (TOOL_CALL,)
 
     def parse_block(self, block: str, syntax: BlockSyntax) -> BlockParse:
-        body = block[len(syntax.start) :]
-        if syntax.end and body.endswith(syntax.end):
-            body = body[: -len(syntax.end)]
+        body = syntax.body(block)
         return BlockParse(calls=(call_from_object(decode_whole(body)),))

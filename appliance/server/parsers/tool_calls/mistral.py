@@ -30,7 +30,7 @@ class MistralToolParser(ToolParser):
         return mistral_call_id()
 
     def parse_block(self, block: str, syntax: BlockSyntax) -> BlockParse:
-        body = block[len(syntax.start) :]
+        body = syntax.body(block)
         if body.lstrip().startswith("["):
             return self._json_array(body)
         segments = body.split(syntax.start)

@@ -25,11 +25,7 @@ class PythonicToolParser(ToolParser):
     blocks = (BARE_LIST, PYTHON_START)
 
     def parse_block(self, block: str, syntax: BlockSyntax) -> BlockParse:
-        text = block
-        if syntax is PYTHON_START:
-            text = text[len(PYTHON_START.start) :]
-            if text.endswith(PYTHON_START.end or ""):
-                text = text[: -len(PYTHON_START.end or "")]
+        text = syntax.body(block) if syntax is PYTHON_START else block  # the bare list's "[" is part of it
         try:
             tree = ast.parse(text.strip(), mode="eval")
         except SyntaxError as e:

@@ -33,9 +33,7 @@ class Qwen3CoderToolParser(ToolParser):
     blocks = (TOOL_CALL,)
 
     def parse_block(self, block: str, syntax: BlockSyntax) -> BlockParse:
-        body = block[len(syntax.start) :]
-        if syntax.end and body.endswith(syntax.end):
-            body = body[: -len(syntax.end)]
+        body = syntax.body(block)
         calls: list[RawCall] = []
         last = 0
         for match in _FUNCTION.finditer(body):
