@@ -90,3 +90,29 @@ def test_decode_arrays_pad_rows_store_nothing_and_read_nothing() -> None:
     assert table[0, :3].tolist() == a and table[1, :1].tolist() == b
     with pytest.raises(ValueError, match="do not fit"):
         build_decode_arrays(decodes * 3, BS, batch, width, out64, out32)
+
+
+def test_padded_prefills_add_empty_sequences_and_round_the_width() -> None:
+    chunks = [c for c in _random_chunks(4) if c.num_tokens > 1][:3]
+    assert len(chunks) == 3
+    inp = build_inputs(chunks, BS, torch.device("cpu"), pad_prefills=True)
+    m = inp.meta
+    real = [c.start + c.num_tokens for c in chunks]
+    assert m.prefill_seq_lens.tolist() == real + [0]  # 3 -> 4 sequences
+    cu = m.prefill_cu_seqlens.tolist()
+    assert len(cu) == 5 and cu[-1] == cu[-2] == sum(c.num_tokens for c in chunks)
+    assert m.prefill_block_tables.shape == (4, 16) and m.prefill_block_tables[3].tolist() == [0] * 16
+    plain = build_inputs(chunks, BS, torch.device("cpu"))
+    assert inp.input_ids.tolist() == plain.input_ids.tolist() and inp.row_starts == plain.row_starts
+
+
+def test_padded_prefills_give_the_same_tokens(tiny_model) -> None:
+    from appliance import LLM
+
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=2048, skip_tokenizer_init=True,
+              enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 9)]
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    llm.executor.runner._pad_prefills = True
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == plain

@@ -251,11 +251,11 @@ def test_overload_answers_429_at_once_and_health_stays_up(server: Server) -> Non
         took = time.monotonic() - t0
         assert r.status_code == 429, r.text[:200]
         assert r.headers["retry-after"].isdigit() and r.json()["error"]["code"] == "queue_full"
-        assert took < 0.5, took
+        assert took < 1.0, took  # no tokenization, no queueing: a shared 2-core CI box still answers fast
     for _ in range(5):
         t0 = time.monotonic()
         assert httpx.get(f"{server.base}/health", timeout=5).status_code == 200
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 1.0
     m = httpx.get(f"{server.base}/metrics", timeout=5).text
     assert re.search(r'^appliance:request_errors_total\{[^}]*status="429"[^}]*\} [1-9]', m, re.M)
     leave.set()

@@ -166,3 +166,9 @@ def test_repetition_penalty_matches_transformers(llm, tiny_model):
                                                  repetition_penalty=1.8))[0].outputs[0].token_ids
     assert ours == ref
     assert ours != plain  # the penalty changed something, so the comparison means something
+
+
+def test_a_setting_this_build_cannot_honour_is_refused_at_start(tiny_model):
+    # the offline API applies the same gate as `appliance run`: accepted-but-ignored settings are defects
+    with pytest.raises(ValueError, match=r"scheduler\.policy.*slo"):
+        LLM(model=str(tiny_model), dtype="float32", scheduling_policy="slo")

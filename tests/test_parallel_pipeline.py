@@ -29,6 +29,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_port_block(n: int) -> int:
+    """A port P with P .. P + n - 1 all free now (multi-node derives its socket ports from P)."""
+    for _ in range(50):
+        base = _free_port()
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
 def stage_children(pid: int) -> dict[int, str]:
     """pid -> stage name of the supervisor's children (the name is in each command line)."""
     found = {}
@@ -84,11 +103,14 @@ class Pipeline:
             time.sleep(0.2)
         self.stages = stage_children(self.proc.pid)
 
-    def complete(self, prompt: str) -> str:
-        r = httpx.post(f"{self.base}/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    def post(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = httpx.post(f"{self.base}/v1/completions", timeout=60, json={"model": "tiny", **body})
         assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
+        return r.json()
+
+    def complete(self, prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        return self.post(body)["choices"][0]["text"]
 
     def complete_all(self) -> list[str]:
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: the replicas share them
@@ -137,6 +159,10 @@ def test_tp2_matches_tp1_and_dies_cleanly(make_tiny_model: Any, reference: list[
     try:
         assert sorted(pipe.stages.values()) == ["scheduler", "tokenizer", "worker0", "worker1"]
         assert pipe.complete_all() == reference
+        # random sampling: the ranks keep identical sampler seeds, so they agree (the scheduler checks every step)
+        sampled = [pipe.post({"prompt": p, "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "n": 2})
+                   for p in PROMPTS[:3]]
+        assert all(len(r["choices"]) == 2 for r in sampled)
         _assert_pools_whole(pipe.idle_stats())
         worker1 = next(pid for pid, name in pipe.stages.items() if name == "worker1")
         os.kill(worker1, signal.SIGKILL)  # rank 0 is left waiting in a collective: it must be stopped too
@@ -184,7 +210,8 @@ def test_tp2_on_two_gpus_with_nccl(make_tiny_model: Any, tmp_path: Path) -> None
 def test_two_nodes_over_loopback(make_tiny_model: Any, reference: list[str], tmp_path: Path) -> None:
     """tp = 2 over two "nodes" (two supervisors, one worker each, tcp between them): node 0 serves HTTP; when
     the head stops, the other node's worker loses its scheduler and that node ends non-zero, leaving nothing."""
-    model, port, rendezvous = make_tiny_model("llama"), _free_port(), _free_port()
+    model, port = make_tiny_model("llama"), _free_port()
+    rendezvous = _free_port_block(5)  # P: torch rendezvous, P+1, P+2: plan sockets, P+3: results
     common = {"tp": 2, "nnodes": 2, "dist_init_addr": f"127.0.0.1:{rendezvous}"}
     other = Pipeline(model, tmp_path, port=port, wait=False, node_rank=1, **common)
     head = Pipeline(model, tmp_path, port=port, wait=False, node_rank=0, **common)

@@ -176,3 +176,26 @@ def test_checkpoint_reads_are_lazy_only_with_shards(tiny_model: Path, monkeypatc
     monkeypatch.setattr(parallel_state, "_STATE", parallel_state.TensorParallelState(0, 2, None))
     for _, t in iterate_weights(tiny_model, "auto"):
         assert isinstance(t, LazyCheckpointTensor)
+
+
+def test_two_node_topology_uses_the_heads_tcp_ports() -> None:
+    from appliance.runtime.topology import scheduler_binds
+
+    base = Addresses("c", "f", "req", "out", "res", ("p0", "p1", "p2", "p3"))
+    head = Topology.from_config(_config(tp=4, nnodes=2, node_rank=0, dist_init_addr="10.1.1.1:5000"))
+    other = Topology.from_config(_config(tp=4, nnodes=2, node_rank=1, dist_init_addr="10.1.1.1:5000"))
+    assert [w.name for w in head.local_workers(0)] == ["worker0", "worker1"] and head.is_head
+    assert [(w.name, w.local) for w in other.local_workers(0)] == [("worker2", 0), ("worker3", 1)]
+    a = other.replica_addresses(base, 0)
+    assert a == head.replica_addresses(base, 0)  # every node derives the same sockets
+    assert a.plans == tuple(f"tcp://10.1.1.1:{5001 + g}" for g in range(4)) and a.results == "tcp://10.1.1.1:5005"
+    assert scheduler_binds(a.plans[0]) and not scheduler_binds("ipc:///tmp/x/plan0")
+    assert other.worker_env(other.local_workers(0)[1], other.master_port(0))["LOCAL_RANK"] == "1"
+
+
+def test_multi_node_data_parallelism_is_refused() -> None:
+    from appliance.config.support import check_supported
+
+    cfg = _config(tp=2, dp=2, nnodes=2, dist_init_addr="10.1.1.1:5000")
+    assert any("parallelism.nnodes" in m for m in check_supported(cfg))
+    assert check_supported(_config(tp=2, nnodes=2, dist_init_addr="10.1.1.1:5000")) == []

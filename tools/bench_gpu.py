@@ -38,7 +38,7 @@ TINY = {
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "rope_theta": 10000.0,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
-SECTION_CAPS = {"copy": 60, "tiny": 90, "qwen": 170, "llama": 300}
+SECTION_CAPS = {"copy": 60, "tiny": 90, "qwen": 170, "llama": 300, "profile": 120}
 
 
 # ---- helpers used inside sections -----------------------------------------------------------------------------
@@ -329,7 +329,51 @@ def section_llama(rec: Recorder, args: argparse.Namespace) -> None:
     rec["tput_graphs"] = _throughput(llm, _prompts(rng, vocab, [1024 // k] * n), [1024 // k] * n)
 
 
-SECTIONS = {"copy": section_copy, "tiny": section_tiny, "qwen": section_qwen, "llama": section_llama}
+def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
+    """Where a large-batch decode step goes: qwen3-0.6b, 256 running requests (512 in), torch.profiler over
+    20 decode-only steps after the prefills; kernel and host tables go to profile.txt beside the JSON."""
+    import torch
+    from bench_offline import PRESETS
+    from torch.profiler import ProfilerActivity, profile
+
+    from appliance import SamplingParams
+
+    cfg = TINY if args.smoke else PRESETS["qwen3-0.6b"]
+    k = 16 if args.smoke else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = _llm(cfg, Path(tmp), enable_prefix_caching=False)
+    eng = llm.engine
+    rng = random.Random(3)
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=80 if args.smoke else 400, ignore_eos=True)
+    for i in range(256 // k):
+        eng.add_request(f"p{i}", [rng.randrange(cfg["vocab_size"]) for _ in range(512 // k)], sp)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    steps = 20
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+    rec["ms_per_step_profiled"] = round((time.perf_counter() - t) / steps * 1e3, 3)
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    rec["ms_per_step"] = round((time.perf_counter() - t) / steps * 1e3, 3)
+    rec["running"] = len(eng.scheduler.running)
+    ka = prof.key_averages()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    text = ka.table(sort_by=sort, row_limit=30) + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30)
+    Path(args.section_json).with_name("profile.txt").write_text(text)
+    dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka)
+    rec["device_ms_per_step"] = round(dev_us / steps / 1e3, 3)
+    print(ka.table(sort_by=sort, row_limit=15), flush=True)
+
+
+SECTIONS = {"copy": section_copy, "tiny": section_tiny, "qwen": section_qwen, "llama": section_llama,
+            "profile": section_profile}
 
 
 # ---- driver --------------------------------------------------------------------------------------------------
@@ -395,6 +439,10 @@ def table(res: dict[str, dict[str, Any]]) -> str:
                          f"{e['ms_per_step']} / {idle(e)}" if isinstance(e, dict) else "", f"{g['steps']} steps"))
     lines = ["| measure | CUDA graphs | eager | target |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    prof = res.get("profile", {})
+    if "device_ms_per_step" in prof:
+        lines.append(f"| qwen3-0.6b decode step, {prof.get('running')} running: wall ms / device ms (profiled) | "
+                     f"{prof.get('ms_per_step')} | {prof.get('device_ms_per_step')} | profile.txt |")
     status = ", ".join(f"{k}: {v.get('status')} {v.get('wall_s')} s" for k, v in res.items())
     return "\n".join(lines) + f"\n\nsections: {status}"
 
@@ -404,7 +452,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="256 prompts instead of 1000 for the 8B throughput run")
     p.add_argument("--budget-s", type=float, default=430.0, help="wall budget of the whole run")
     p.add_argument("--tput-prompts", type=int, default=0)
-    p.add_argument("--only", default="copy,tiny,qwen,llama")
+    p.add_argument("--only", default="copy,tiny,qwen,llama", help="sections, comma-separated (also: profile)")
     p.add_argument("--json", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks this script, not speed")
     p.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)
@@ -427,8 +475,11 @@ def main() -> None:
                 res[name] = {"status": f"skipped ({left:.0f} s left)"}
                 continue
             res[name] = _run_section(name, args, budget, Path(work))
-    dest = Path(args.json) if args.json else (Path(os.environ["OUT"]) / "bench_gpu.json" if os.environ.get("OUT")
-                                              else None)
+        dest = Path(args.json) if args.json else (Path(os.environ["OUT"]) / "bench_gpu.json"
+                                                  if os.environ.get("OUT") else None)
+        prof = Path(work) / "profile.txt"
+        if prof.exists() and dest is not None:
+            (dest.parent / "profile.txt").write_text(prof.read_text())
     if dest:
         dest.write_text(json.dumps(res, indent=1))
     print("\n" + table(res))

@@ -35,7 +35,7 @@ UNSUPPORTED: list[Unsupported] = [
                 "KV cache quantization is not supported in this build"),
     Unsupported("precision.quantization_param_path", lambda c: c.precision.quantization_param_path is not None,
                 "KV cache scaling factors are not supported in this build"),
-    Unsupported("parallelism.ep",
+    Unsupported("parallelism.enable_expert_parallel",
                 lambda c: c.parallelism.enable_expert_parallel and c.parallelism.effective_ep != c.parallelism.tp,
                 "expert parallelism spans one tensor-parallel group in this build: ep must equal tp (not tp x dp)"),
     Unsupported("parallelism.dense_tp", lambda c: c.parallelism.dense_tp not in (None, c.parallelism.tp),

@@ -47,7 +47,7 @@ class _Sequence:
 
 class LLM:
     def __init__(self, model: str | None = None, *, config: Any | None = None, **overrides: Any) -> None:
-        from appliance.config import build_config
+        from appliance.config import build_config, check_supported
 
         if config is not None and (model is not None or overrides):
             raise ValueError("pass either config= or model=/overrides, not both")
@@ -56,6 +56,9 @@ class LLM:
             if model is not None:
                 flat["model"] = model
             config = build_config(flat=flat)
+        problems = check_supported(config)
+        if problems:  # the same gate as `appliance run`: nothing accepted is silently ignored
+            raise ValueError("this build cannot honour these settings:\n  " + "\n  ".join(problems))
         self.config = config
         self._build_engine()
         self.tokenizer = None if config.model.skip_tokenizer_init else self._load_tokenizer()

@@ -124,17 +124,26 @@ def build_decode_arrays(decodes: list[Chunk], block_size: int, batch: int, width
     fill_block_table(out32[batch : batch + batch * width].reshape(batch, width), decodes)
 
 
+def padded_count(n: int) -> int:
+    """Prefill sequences are padded to a power of two (empty sequences): the Triton prefill kernel compiles one
+    variant per bit length of the count, so the variants are few and all met by the runner's warm-up."""
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
 def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, decode_width: int = 1,
-                 stager: Stager | None = None) -> StepInputs:
+                 stager: Stager | None = None, pad_prefills: bool = False) -> StepInputs:
     """Order chunks decode-first and flatten them into one batch of rows.
 
     decode_width: least width of the decode block table (the split-K factor of decode attention follows the
     table's width, so the runner pads eager tables like its graphs to keep both numerically identical).
     stager: the runner's pinned staging buffer (default: a plain copy).
+    pad_prefills: pad the prefill sequence count to a power of two with empty sequences (cu_seqlens repeated,
+    seq_len 0) and the prefill table width to a multiple of 16, so kernel specialisations recur (GPU runner).
     """
     decodes, prefills = order_chunks(chunks)
     ordered = decodes + prefills
     nd, npf = len(decodes), len(prefills)
+    npad = padded_count(npf) - npf if pad_prefills else 0
     ids_d, pos_d, slots_d = decode_rows(decodes, block_size)
     ids_l, pos_l, slots_l = [ids_d], [pos_d], [slots_d]
     row_starts = list(range(nd))
@@ -150,7 +159,9 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         slots_l.append(c.state.block_array()[pos // block_size] * block_size + pos % block_size)
     t = nd + cu[-1]
     wd = table_width(decodes, decode_width) if nd else 1
-    wp = table_width(prefills)
+    wp = -(-table_width(prefills) // 16) * 16 if pad_prefills else table_width(prefills)
+    cu += [cu[-1]] * npad
+    npf += npad
     # int64 head: ids, positions, slots; int32 tail (cast on the device): seq lens, cu, tables
     sizes = [t, t, t, nd, npf + 1, npf, nd * wd, npf * wp]
     offs = np.concatenate([[0], np.cumsum(sizes)])
@@ -160,7 +171,7 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
     flat[offs[2] : offs[3]] = np.concatenate(slots_l)
     flat[offs[3] : offs[4]] = pos_d + 1
     flat[offs[4] : offs[5]] = cu
-    flat[offs[5] : offs[6]] = [c.start + c.num_tokens for c in prefills]
+    flat[offs[5] : offs[6]] = [c.start + c.num_tokens for c in prefills] + [0] * npad
     fill_block_table(flat[offs[6] : offs[7]].reshape(nd, wd), decodes)
     fill_block_table(flat[offs[7] : offs[8]].reshape(npf, wp), prefills)
     if device.type == "cuda":  # one copy, then one cast launch for the int32 tail

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,39 @@ class ModelRunner:
         self.max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = self._make_graphs()
         self.use_graphs = self.graphs is not None  # benchmarks flip it to compare with eager on one model
+        # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
+        self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
+        self.warmup_s = self.warmup() if self.graphs is not None else 0.0
+
+    def warmup(self, graph_context: int = 2048) -> float:
+        """Compile the kernel variants a run meets (prefill for every padded sequence count, sampling) and
+        capture the decode graphs for contexts up to graph_context tokens, so that no served step pays a JIT
+        compile or a capture; longer contexts capture their graphs on first use. Returns the seconds taken."""
+        start = time.perf_counter()
+        sched = self.config.scheduler
+        budget = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens
+        most = max(1, min(sched.max_num_seqs, budget // 2))
+        with torch.inference_mode():
+            n = 1
+            while True:  # two tokens per sequence, all in block 0: no request holds it yet
+                states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams()) for i in range(n)]
+                inputs = build_inputs([Chunk(st, 0, 2, False) for st in states], self.block_size, self.device, 1,
+                                      self._stager, self._pad_prefills)
+                self.model(inputs.input_ids, inputs.positions, inputs.meta)
+                if n >= most:
+                    break
+                n = min(2 * n, most)
+            op = self.batch_sampler.gpu_op
+            if op is not None:
+                logits = torch.zeros(2, int(self.hf_config.vocab_size), dtype=self.dtype, device=self.device)
+                f = torch.tensor([0.0, 1.0], device=self.device)
+                i = torch.zeros(2, dtype=torch.int64, device=self.device)
+                op(logits, f, i, torch.ones(2, device=self.device), torch.zeros(2, device=self.device), i, i)
+            count = self.capture_graphs(graph_context)
+        torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - start
+        log.info("warm-up: kernels compiled and %d decode graphs captured in %.1f s", count, took)
+        return took
 
     def _make_graphs(self) -> DecodeGraphs | None:
         sizes = graph_settings(self.config, self.model, self.device)
@@ -244,7 +278,7 @@ class ModelRunner:
         decodes = [c for c in chunks if c.num_tokens == 1]
         # decode tables padded like the graphs' (the split-K factor follows the width): same numerics either way
         width = width_bucket(table_width(decodes), self.max_blocks) if decodes else 1
-        inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager)
+        inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager, self._pad_prefills)
         return inputs.chunks, inputs.row_starts, self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     def capture_graphs(self, max_context: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from typing import Any
 
 import zmq
@@ -89,6 +90,7 @@ class SchedulerLoop:
         self.accounting_ok = True
         self._busy = False
         self.first_scheduled = FirstScheduled()
+        self._ended_since_check: deque[str] = deque(maxlen=64)  # named in a drift report: the likely culprits
 
     def run(self) -> None:
         while parent_alive(self.parent_pid):
@@ -101,6 +103,7 @@ class SchedulerLoop:
                 deltas = self.core.step()
                 self.obs.after_step(self.core, deltas)
                 self.first_scheduled.after_step(self.core, started, deltas)
+                self._ended_since_check.extend(d.request_id for d in deltas if d.finished)
                 if deltas:
                     self._send(self.first_scheduled.outputs(deltas))
             elif self._busy:
@@ -126,6 +129,7 @@ class SchedulerLoop:
                 for rid in msg.request_ids:
                     self.core.abort(rid)
                     self.first_scheduled.forget(rid)
+                    self._ended_since_check.append(rid)
             elif isinstance(msg, StatsQuery):  # a fresh snapshot first: a /metrics scrape waits for the reply
                 self.outputs.send(OUTPUT_CODEC.encode(self.obs.snapshot(self.core)))
                 self.outputs.send(OUTPUT_CODEC.encode(StatsReply(msg.query_id, self.stats())))
@@ -156,8 +160,10 @@ class SchedulerLoop:
         report = self.core.check_accounting()
         self.accounting_ok = report.ok
         if not report.ok:
-            log.error("KV accounting drift while idle: total=%d free=%d cached=%d owned=%d problems=%s",
-                      report.total, report.free, report.cached, report.owned, "; ".join(report.problems[:10]))
+            log.error("KV accounting drift while idle: total=%d free=%d cached=%d owned=%d problems=%s; requests "
+                      "ended since the last check: %s", report.total, report.free, report.cached, report.owned,
+                      "; ".join(report.problems[:10]), ", ".join(self._ended_since_check) or "none")
+        self._ended_since_check.clear()
 
     def stats(self) -> dict[str, Any]:
         s = self.core.stats()
