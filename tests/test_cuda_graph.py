@@ -57,6 +57,15 @@ def test_graph_settings_switches() -> None:
     assert graph_settings(_config(enforce_eager=True), llama, cuda) is None
     assert graph_settings(_config(), SimpleNamespace(), cuda) is None  # a model that does not declare support
     assert graph_settings(_config(), llama, torch.device("cpu")) is None
+    import appliance.layers.parallel_state as ps
+
+    saved = ps._STATE
+    ps._STATE = ps.TensorParallelState(0, 2, object())  # a stand-in group: nothing communicates here
+    try:
+        assert graph_settings(_config(), llama, cuda) is None  # tensor parallel: eager for now
+    finally:
+        ps._STATE = saved
+    assert graph_settings(_config(), llama, cuda) == [1, 2, 4, 8, 16]
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -87,6 +96,20 @@ def test_padded_decode_path_matches_eager_on_cpu(tiny_model) -> None:
     runs.clear()
     assert _greedy(llm, prompts * 3, 3)[:3] == [e[:3] for e in eager]
     assert runs == []
+
+
+def test_warmup_leaves_results_unchanged(tiny_model) -> None:
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=2048,
+              skip_tokenizer_init=True, max_num_seqs=8)
+    prompts = [[5, 6, 7], list(range(10, 40))]
+    before = _greedy(llm, prompts, 6)
+    runner = llm.executor.runner
+    graphs = _with_graphs(llm)
+    runner._pad_prefills = True
+    llm.engine.reset_prefix_cache()  # warm-up writes block 0: only before serving, or with nothing cached
+    assert runner.warmup(graph_context=64) >= 0.0
+    assert {k.width for k in graphs.graphs} == {16} and {k.batch for k in graphs.graphs} == {1, 2, 4, 8}
+    assert _greedy(llm, prompts, 6) == before  # warm-up wrote only block 0 and no request state
 
 
 @pytest.mark.gpu

@@ -93,8 +93,8 @@ def test_decode_arrays_pad_rows_store_nothing_and_read_nothing() -> None:
 
 
 def test_padded_prefills_add_empty_sequences_and_round_the_width() -> None:
-    chunks = [c for c in _random_chunks(4) if c.num_tokens > 1][:3]
-    assert len(chunks) == 3
+    rng = random.Random(5)
+    chunks = [Chunk(s, 0, len(s.token_ids), True) for s in (_state(rng, f"p{n}", n, 0) for n in (7, 30, 12))]
     inp = build_inputs(chunks, BS, torch.device("cpu"), pad_prefills=True)
     m = inp.meta
     real = [c.start + c.num_tokens for c in chunks]

@@ -5,7 +5,6 @@ test_pipeline_e2e.py; SIGKILL of the supervisor: test_runtime_supervisor.py.) Th
 pipelines."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading

@@ -93,7 +93,7 @@ def assert_healthy_and_accounted(srv: Server) -> None:
     assert (s["num_running"], s["num_waiting"], s["kv_blocks_owned"]) == (0, 0, 0), s
     assert s["kv_blocks_free"] + s["kv_blocks_cached"] == s["kv_blocks_total"] and s["accounting_ok"], s
     m = httpx.get(f"{srv.base}/metrics", timeout=5).text
-    assert re.search(r'^appliance:kv_accounting_drift_blocks\{[^}]*\} 0\.0$', m, re.M), "drift on /metrics"
+    assert re.search(r'^appliance:kv_accounting_drift_blocks\{[^}]*\} 0\.0$', m, re.MULTILINE), "drift on /metrics"
 
 
 def post(srv: Server, path: str, body: Any = None, *, raw: bytes | None = None, headers: dict | None = None,
@@ -257,7 +257,7 @@ def test_overload_answers_429_at_once_and_health_stays_up(server: Server) -> Non
         assert httpx.get(f"{server.base}/health", timeout=5).status_code == 200
         assert time.monotonic() - t0 < 1.0
     m = httpx.get(f"{server.base}/metrics", timeout=5).text
-    assert re.search(r'^appliance:request_errors_total\{[^}]*status="429"[^}]*\} [1-9]', m, re.M)
+    assert re.search(r'^appliance:request_errors_total\{[^}]*status="429"[^}]*\} [1-9]', m, re.MULTILINE)
     leave.set()
     for t in threads:
         t.join(timeout=60)
@@ -275,7 +275,7 @@ def _raw_request(srv: Server, body: dict[str, Any]) -> socket.socket:
 
 def _abort_count(srv: Server) -> float:
     m = httpx.get(f"{srv.base}/metrics", timeout=5).text
-    found = re.search(r'^appliance:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)', m, re.M)
+    found = re.search(r'^appliance:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)', m, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
 
 

@@ -261,6 +261,6 @@ def test_the_dump_replays_to_the_same_requests(server: Server, ipc_dir: str) -> 
     bad = [(o.request.seq, o.status, o.differences) for o in outcomes if not o.ok]
     assert not bad, bad
     tool = subprocess.run([sys.executable, "tools/replay_dump.py", f"{ipc_dir}/dump.jsonl", "--base-url",
-                           server.base, "--seq", str(greedy[0].seq)], capture_output=True, text=True, timeout=60,
+                           server.base, "--seq", str(greedy[0].seq)], capture_output=True, text=True, timeout=60, check=False,
                           cwd=Path(__file__).resolve().parents[1])
     assert tool.returncode == 0, tool.stdout + tool.stderr

@@ -230,3 +230,45 @@ def test_two_nodes_over_loopback(make_tiny_model: Any, reference: list[str], tmp
                 p.proc.kill()
             p.proc.wait(timeout=30)
     assert not [n for pid, n in other.stages.items() if alive(pid)], "orphaned stages"
+
+
+def test_offline_llm_with_two_tensor_parallel_workers(make_tiny_model: Any, reference: list[str]) -> None:
+    from appliance.engine.sampling_params import SamplingParams
+    from appliance.entrypoints.llm import LLM
+
+    llm = LLM(model=str(make_tiny_model("llama")), max_total_tokens=2048, tensor_parallel_size=2)
+    procs = list(llm.executor._procs)
+    try:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert [o.outputs[0].text for o in llm.generate(PROMPTS, params)] == reference
+        os.kill(procs[1].pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="worker"):  # a dead rank fails the call, it does not hang
+            llm.generate(PROMPTS[:1], params)
+    finally:
+        llm.shutdown()
+    assert not [p.pid for p in procs if alive(p.pid)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_offline_moe_tp2_on_two_gpus(tmp_path: Path, expert_parallel: bool) -> None:
+    """Mixtral with its experts tensor-split, or whole on their rank (ep = tp), over NCCL: same greedy tokens."""
+    from test_moe_models import build_family
+
+    from appliance.engine.sampling_params import SamplingParams
+    from appliance.entrypoints.llm import LLM
+
+    model = build_family("mixtral", tmp_path / "mixtral")
+    prompts = [{"prompt_token_ids": [5 + i, 6 + i, 7 + i, 8]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def tokens(**kw: Any) -> list[list[int]]:
+        llm = LLM(model=str(model), max_total_tokens=2048, device="cuda", skip_tokenizer_init=True, **kw)
+        try:
+            return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+
+    assert tokens(tensor_parallel_size=2, enable_expert_parallel=expert_parallel) == tokens()

@@ -86,6 +86,9 @@ class _FakeReplica:
         yield SimpleNamespace(request_id=request_id, finish_reason="stop")
         self.num_open -= 1
 
+    def note_stop_string(self, request_id: str) -> None:
+        self.noted = request_id
+
 
 def test_router_prefers_the_least_loaded_replica_then_alternates() -> None:
     a, b = _FakeReplica(3), _FakeReplica(1)
@@ -96,14 +99,15 @@ def test_router_prefers_the_least_loaded_replica_then_alternates() -> None:
     assert router.pick() == 1  # same load: the emptier KV pool
 
     async def run(rid: str) -> None:
-        async for _ in router.generate(rid, [1], None):  # type: ignore[arg-type]
-            pass
+        async for out in router.generate(rid, [1], None):  # type: ignore[arg-type]
+            router.note_stop_string(out.request_id)  # reaches the replica that owns the request
 
     a.num_open = b.num_open = 0
     router._kv_usage = [0.0, 0.0]
     for i in range(4):
         asyncio.run(run(f"r{i}"))
     assert router.num_routed == [2, 2]  # sequential traffic alternates
+    assert (a.noted, b.noted) == ("r2", "r3")
     b.fail("boom")
     assert router.state == "failed" and router.error_message == "boom"
     router.fail("all down")

@@ -267,6 +267,7 @@ def section_qwen(rec: Recorder, args: argparse.Namespace) -> None:
         t = time.perf_counter()
         llm = _llm(cfg, Path(tmp), enable_prefix_caching=False)
         rec["init_s"] = round(time.perf_counter() - t, 1)
+    rec["runner_warmup_s"] = round(llm.executor.runner.warmup_s, 1)
     rng = random.Random(1)
     rec["greedy_b8_graphs_vs_eager"] = _greedy_equal(llm, rng, cfg["vocab_size"], 32,
                                                      [rng.randint(16, 600 // k) for _ in range(8)])
@@ -299,6 +300,7 @@ def section_llama(rec: Recorder, args: argparse.Namespace) -> None:
         t = time.perf_counter()
         llm = _llm(cfg, Path(tmp))
         rec["init_s"] = round(time.perf_counter() - t, 1)
+    rec["runner_warmup_s"] = round(llm.executor.runner.warmup_s, 1)
     runner = llm.executor.runner
     rec["num_kv_blocks"] = runner.num_blocks
     rec["weight_bytes_per_step"] = _weight_bytes(runner.model)

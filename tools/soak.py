@@ -28,9 +28,7 @@ from typing import Any
 
 import httpx
 
-WORDS = ("the of and to in is for on that with as by this from it be are or at an was which def return class "
-         "import self if else while for try except with yield lambda none true false data value list dict set "
-         "tuple string number model server token cache block request stream chunk error retry timeout").split()
+WORDS = ["the", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "by", "this", "from", "it", "be", "are", "or", "at", "an", "was", "which", "def", "return", "class", "import", "self", "if", "else", "while", "for", "try", "except", "with", "yield", "lambda", "none", "true", "false", "data", "value", "list", "dict", "set", "tuple", "string", "number", "model", "server", "token", "cache", "block", "request", "stream", "chunk", "error", "retry", "timeout"]
 
 
 @dataclass
@@ -185,7 +183,7 @@ async def run_load(args: argparse.Namespace, model: str, tally: Tally, on_progre
                 return
             try:
                 await asyncio.wait_for(one(client, path, body, abort_after, tally), args.hang_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 tally.hangs += 1
             except httpx.HTTPError as exc:
                 tally.errors[f"transport {type(exc).__name__}"] += 1

@@ -1,7 +1,8 @@
 """The offline API: `LLM(model=PATH, **overrides).generate(prompts, params)`, shaped like vLLM's.
 
-LLM builds the config (flat familiar names, or a ready ApplianceConfig), an InProcessExecutor and an
-EngineCore, then drives the engine to completion. Fan-out of n > 1, stop strings (through the Detokenizer,
+LLM builds the config (flat familiar names, or a ready ApplianceConfig), an InProcessExecutor (or, with
+tensor_parallel_size > 1, a WorkerGroupExecutor of one worker process per rank) and an EngineCore, then drives
+the engine to completion. Fan-out of n > 1, stop strings (through the Detokenizer,
 which aborts the request in the engine) and the result records live here; the engine sees one sequence per
 request.
 """
@@ -70,7 +71,13 @@ class LLM:
         from appliance.engine.core import EngineCore
         from appliance.executor.in_process import InProcessExecutor
 
-        self.executor = InProcessExecutor(self.config)
+        p = self.config.parallelism
+        if p.tp * p.dp > 1:  # one worker process per rank, driven from here (runtime/worker_group.py)
+            from appliance.runtime.worker_group import WorkerGroupExecutor
+
+            self.executor = WorkerGroupExecutor(self.config)
+        else:
+            self.executor = InProcessExecutor(self.config)
         engine_config = EngineConfig.from_appliance(self.config, self.executor.num_blocks,
                                                     self.executor.eos_token_ids, self.executor.max_model_len)
         self.engine = EngineCore(engine_config, self.executor)

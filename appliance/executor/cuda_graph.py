@@ -174,5 +174,10 @@ def graph_settings(config: object, model: torch.nn.Module, device: torch.device)
     if not getattr(model, "supports_cuda_graphs", False):
         log.info("%s does not declare CUDA graph support: decode runs eagerly", type(model).__name__)
         return None
+    from appliance.layers.parallel_state import get_ep_size, get_tp_size
+
+    if get_tp_size() > 1 or get_ep_size() > 1:  # collectives inside a capture are not verified yet
+        log.info("tensor / expert parallelism: decode runs eagerly (CUDA graphs are single-GPU for now)")
+        return None
     return capture_sizes(b.cuda_graph_sizes, b.cuda_graph_max_bs,
                          config.scheduler.max_num_seqs)  # type: ignore[attr-defined]

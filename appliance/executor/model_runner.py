@@ -157,7 +157,8 @@ class ModelRunner:
     def warmup(self, graph_context: int = 2048) -> float:
         """Compile the kernel variants a run meets (prefill for every padded sequence count, sampling) and
         capture the decode graphs for contexts up to graph_context tokens, so that no served step pays a JIT
-        compile or a capture; longer contexts capture their graphs on first use. Returns the seconds taken."""
+        compile or a capture; longer contexts capture their graphs on first use. Returns the seconds taken.
+        It writes KV into block 0: call it before serving (the constructor does), never with blocks cached."""
         start = time.perf_counter()
         sched = self.config.scheduler
         budget = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens
@@ -179,7 +180,8 @@ class ModelRunner:
                 i = torch.zeros(2, dtype=torch.int64, device=self.device)
                 op(logits, f, i, torch.ones(2, device=self.device), torch.zeros(2, device=self.device), i, i)
             count = self.capture_graphs(graph_context)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         took = time.perf_counter() - start
         log.info("warm-up: kernels compiled and %d decode graphs captured in %.1f s", count, took)
         return took

@@ -101,6 +101,11 @@ class DataParallelClient:
         finally:
             self._owner.pop(request_id, None)
 
+    def note_stop_string(self, request_id: str) -> None:
+        d = self._owner.get(request_id)
+        if d is not None:
+            self.replicas[d].note_stop_string(request_id)
+
     async def abort(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
         for rid in request_ids:

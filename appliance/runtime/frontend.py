@@ -96,10 +96,17 @@ class ZmqEngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._send(GenerateRequest(request_id, list(prompt_token_ids), sampling.to_dict(), time.time()))
-            self._sent_since_report += 1
+            # arrival first: the scheduler may put it in a batch before this thread runs again (GIL switches)
             if self._obs is not None:
                 self._obs.request_arrived(request_id, len(prompt_token_ids), sampling.max_tokens)
+            try:
+                self._send(GenerateRequest(request_id, list(prompt_token_ids), sampling.to_dict(), time.time()))
+            except EngineDead:
+                finished = True
+                if self._obs is not None and self._obs.metrics is not None:
+                    self._obs.metrics.on_request_finished(request_id, "error")
+                raise
+            self._sent_since_report += 1
             while True:
                 item = await queue.get()
                 if item is _DEAD:

@@ -46,7 +46,7 @@ class RemoteExecutor(Executor):
         while len(results) < self.world_size:
             if not self._results.poll(1000):
                 if not self._alive():
-                    raise WorkerFailed("the supervisor is gone")
+                    raise WorkerFailed("a worker process (or the supervisor) is gone")
                 continue
             parts = self._results.recv_multipart()  # [rank, frame]
             msg = RESULT_CODEC.decode_or_none(parts[-1]) if len(parts) == 2 else None

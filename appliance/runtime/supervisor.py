@@ -50,11 +50,6 @@ class StageProc:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def num_workers(config: Any) -> int:
-    """One worker process per rank of the tensor x data-parallel world, on GPUs or (gloo) on the CPU."""
-    return Topology.from_config(config).num_workers
-
-
 class Supervisor:
     def __init__(self, config: Any, *, ready_timeout: float = 900.0, grace_period: float | None = None) -> None:
         self.config = config
