@@ -61,6 +61,10 @@ def test_build_inputs_matches_per_row_reference(seed: int) -> None:
     assert m.prefill_seq_lens.tolist() == [c.start + c.num_tokens for c in prefills]
     assert m.prefill_cu_seqlens.tolist() == list(np.cumsum([0] + [c.num_tokens for c in prefills]))
     assert not decodes or m.decode_block_tables.shape[1] >= 3  # padded to the requested width
+    # every tensor handed to a kernel starts 16-byte aligned (Triton specialises pointers on it)
+    for x in (inp.input_ids, inp.positions, m.slot_mapping, m.decode_seq_lens, m.decode_block_tables,
+              m.prefill_cu_seqlens, m.prefill_seq_lens, m.prefill_block_tables):
+        assert (x.storage_offset() * x.element_size()) % 16 == 0
     for table, group in ((m.decode_block_tables, decodes), (m.prefill_block_tables, prefills)):
         assert table.dtype == torch.int32 and table.shape[0] == len(group)
         for row, c in zip(table.tolist(), group):

@@ -47,6 +47,8 @@ class FakeOp:
         self.calls: list[dict[str, list]] = []
 
     def __call__(self, logits, temperature, top_k, top_p, min_p, seeds, steps) -> torch.Tensor:
+        for x in (temperature, top_k, top_p, min_p, seeds, steps):  # 16-byte aligned parameter vectors
+            assert (x.storage_offset() * x.element_size()) % 16 == 0
         self.calls.append({"rows": logits.shape[0], "temperature": temperature.tolist(), "top_k": top_k.tolist(),
                            "top_p": top_p.tolist(), "min_p": min_p.tolist(), "seeds": seeds.tolist(),
                            "steps": steps.tolist()})

@@ -203,3 +203,22 @@ def test_multi_node_data_parallelism_is_refused() -> None:
     cfg = _config(tp=2, dp=2, nnodes=2, dist_init_addr="10.1.1.1:5000")
     assert any("parallelism.nnodes" in m for m in check_supported(cfg))
     assert check_supported(_config(tp=2, nnodes=2, dist_init_addr="10.1.1.1:5000")) == []
+
+
+def test_snapshots_feed_the_routers_kv_usage(tmp_path: Path) -> None:
+    from appliance.observability.stats import StatsSnapshot
+    from appliance.runtime.dp_router import make_engine_client
+
+    seen = []
+    obs = SimpleNamespace(on_snapshot=seen.append, metrics=None)
+    addrs = Addresses(*(f"ipc://{tmp_path}/{n}" for n in ("c", "f", "rq", "o", "rs")), ("p0", "p1"))
+    router = make_engine_client(addrs, _config(dp=2), None, obs)
+    try:
+        assert isinstance(router, DataParallelClient)
+        assert router.replicas[1]._obs.metrics is None  # everything else reaches the shared observability
+        snap = StatsSnapshot(0.0, dp_rank=1, kv_blocks_total=10, kv_blocks_owned=4)
+        router.replicas[1]._obs.on_snapshot(snap)
+        assert router._kv_usage == [0.0, 0.4] and seen == [snap]
+        assert router.pick() == 0
+    finally:
+        asyncio.run(router.close())

@@ -81,16 +81,19 @@ class BatchSampler:
     def _gpu_sample(self, logits: torch.Tensor, states: list[RequestState], kinds: list[str]) -> torch.Tensor:
         assert self.gpu_op is not None
         m = len(states)
-        f = np.empty((3, m), dtype=np.float32)
-        f[0] = [0.0 if k == GREEDY else s.params.temperature for s, k in zip(states, kinds)]
-        f[1] = [s.params.top_p for s in states]
-        f[2] = [s.params.min_p for s in states]
-        n = np.empty((3, m), dtype=np.int64)
-        n[0] = [s.params.top_k for s in states]
-        n[1] = [s.noise_seed for s in states]
-        n[2] = [s.num_generated for s in states]
-        fd = self._f32.send(f.reshape(-1)).view(3, m)
-        nd = self._i64.send(n.reshape(-1)).view(3, m)
+        # rows padded to 4 columns: each parameter vector starts 16-byte aligned, as Triton specialises pointer
+        # arguments on alignment (unaligned views would compile new variants as the batch size changes)
+        w = 4 * -(-m // 4)
+        f = np.zeros((3, w), dtype=np.float32)
+        f[0, :m] = [0.0 if k == GREEDY else s.params.temperature for s, k in zip(states, kinds)]
+        f[1, :m] = [s.params.top_p for s in states]
+        f[2, :m] = [s.params.min_p for s in states]
+        n = np.zeros((3, w), dtype=np.int64)
+        n[0, :m] = [s.params.top_k for s in states]
+        n[1, :m] = [s.noise_seed for s in states]
+        n[2, :m] = [s.num_generated for s in states]
+        fd = self._f32.send(f.reshape(-1)).view(3, w)[:, :m]
+        nd = self._i64.send(n.reshape(-1)).view(3, w)[:, :m]
         return self.gpu_op(logits, fd[0], nd[0], fd[1], fd[2], nd[1], nd[2])
 
 

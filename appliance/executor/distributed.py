@@ -61,7 +61,11 @@ def init_distributed(device_name: str, env: DistributedEnv | None = None) -> Dis
 
     cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
     if cuda:  # one visible device per worker (parallelism.devices) or device LOCAL_RANK of the node's list
-        torch.cuda.set_device(d.local_rank % max(torch.cuda.device_count(), 1))
+        count = torch.cuda.device_count()
+        if d.local_rank >= count:  # two ranks on one GPU would fail later inside NCCL, less clearly
+            raise RuntimeError(f"worker with local rank {d.local_rank} but {count} CUDA device(s) visible: this node "
+                               "runs more workers than it has GPUs (see parallelism.tp / dp / devices)")
+        torch.cuda.set_device(d.local_rank)
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{d.master_addr}:{d.master_port}", rank=d.rank,
                             world_size=d.world_size, timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))

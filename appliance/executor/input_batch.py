@@ -124,6 +124,9 @@ def build_decode_arrays(decodes: list[Chunk], block_size: int, batch: int, width
     fill_block_table(out32[batch : batch + batch * width].reshape(batch, width), decodes)
 
 
+_ALIGN = 4  # elements: 16 bytes of int32 (and 32 of int64)
+
+
 def padded_count(n: int) -> int:
     """Prefill sequences are padded to a power of two (empty sequences): the Triton prefill kernel compiles one
     variant per bit length of the count, so the variants are few and all met by the runner's warm-up."""
@@ -162,35 +165,39 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
     wp = -(-table_width(prefills) // 16) * 16 if pad_prefills else table_width(prefills)
     cu += [cu[-1]] * npad
     npf += npad
-    # int64 head: ids, positions, slots; int32 tail (cast on the device): seq lens, cu, tables
-    sizes = [t, t, t, nd, npf + 1, npf, nd * wd, npf * wp]
-    offs = np.concatenate([[0], np.cumsum(sizes)])
+    # int64 head: ids, positions, slots; int32 tail (cast on the device): seq lens, cu, tables. Every segment
+    # starts on a 16-byte boundary: Triton specialises pointer arguments on 16-byte alignment, so unaligned
+    # views would compile new kernel variants in the middle of a run, depending on the batch's row counts.
+    lens = [t, t, t, nd, npf + 1, npf, nd * wd, npf * wp]
+    offs = np.concatenate([[0], np.cumsum([_ALIGN * -(-n // _ALIGN) for n in lens])])
+    seg = [slice(int(offs[i]), int(offs[i]) + n) for i, n in enumerate(lens)]
     flat = np.zeros(int(offs[-1]), dtype=np.int64)
-    flat[offs[0] : offs[1]] = np.concatenate(ids_l)
-    flat[offs[1] : offs[2]] = np.concatenate(pos_l)
-    flat[offs[2] : offs[3]] = np.concatenate(slots_l)
-    flat[offs[3] : offs[4]] = pos_d + 1
-    flat[offs[4] : offs[5]] = cu
-    flat[offs[5] : offs[6]] = [c.start + c.num_tokens for c in prefills] + [0] * npad
-    fill_block_table(flat[offs[6] : offs[7]].reshape(nd, wd), decodes)
-    fill_block_table(flat[offs[7] : offs[8]].reshape(npf, wp), prefills)
+    flat[seg[0]] = np.concatenate(ids_l)
+    flat[seg[1]] = np.concatenate(pos_l)
+    flat[seg[2]] = np.concatenate(slots_l)
+    flat[seg[3]] = pos_d + 1
+    flat[seg[4]] = cu
+    flat[seg[5]] = [c.start + c.num_tokens for c in prefills] + [0] * npad
+    fill_block_table(flat[seg[6]].reshape(nd, wd), decodes)
+    fill_block_table(flat[seg[7]].reshape(npf, wp), prefills)
+    split = int(offs[3])
     if device.type == "cuda":  # one copy, then one cast launch for the int32 tail
         dev = (stager or Stager(device)).send(flat)
-        head, tail = dev[: offs[3]], dev[offs[3] :].to(torch.int32)
+        head, tail = dev[:split], dev[split:].to(torch.int32)
     else:
-        head = torch.from_numpy(flat[: offs[3]]).to(device)
-        tail = torch.from_numpy(flat[offs[3] :].astype(np.int32)).to(device)
-    o = [int(x - offs[3]) for x in offs[3:]]
+        head = torch.from_numpy(flat[:split]).to(device)
+        tail = torch.from_numpy(flat[split:].astype(np.int32)).to(device)
+    o = [slice(x.start - split, x.stop - split) for x in seg[3:]]
     meta = AttentionMetadata(
-        slot_mapping=head[2 * t : 3 * t],
+        slot_mapping=head[seg[2]],
         num_decode_tokens=nd,
-        decode_block_tables=tail[o[3] : o[4]].view(nd, wd),
-        decode_seq_lens=tail[o[0] : o[1]],
-        prefill_cu_seqlens=tail[o[1] : o[2]],
-        prefill_seq_lens=tail[o[2] : o[3]],
-        prefill_block_tables=tail[o[4] : o[5]].view(npf, wp),
+        decode_block_tables=tail[o[3]].view(nd, wd),
+        decode_seq_lens=tail[o[0]],
+        prefill_cu_seqlens=tail[o[1]],
+        prefill_seq_lens=tail[o[2]],
+        prefill_block_tables=tail[o[4]].view(npf, wp),
     )
-    return StepInputs(head[:t], head[t : 2 * t], meta, ordered, row_starts)
+    return StepInputs(head[seg[0]], head[seg[1]], meta, ordered, row_starts)
 
 
 class Stager:

@@ -1,8 +1,9 @@
 """The tokenizer process' EngineClient with data parallelism: one ZmqEngineClient per replica behind one front.
 
 Routing: each new request goes to the replica with the fewest requests open from this front (ties: the lower
-reported KV usage, then the fewer requests sent so far, so sequential traffic alternates), and stays there (sticky): its outputs, its abort and its KV blocks all
-live in that one replica. The supervisor's PipelineState reaches replica 0's client only (a PUSH socket has one
+KV usage, from the replicas' ~1/s StatsSnapshots with metrics on or else the last stats query, then the fewer
+requests sent so far, so sequential traffic alternates), and stays there (sticky): its outputs, its abort and
+its KV blocks all live in that one replica. The supervisor's PipelineState reaches replica 0's client only (a PUSH socket has one
 reader); the router mirrors a failure of any replica onto all of them, so every open request ends with an error.
 """
 from __future__ import annotations
@@ -31,22 +32,40 @@ def make_engine_client(addresses: Addresses, config: Any, max_queued_requests: i
     from appliance.runtime.topology import Topology
 
     topo = Topology.from_config(config)
+    kv_usage = [0.0] * dp
     clients = []
     for d in range(dp):
         addrs = topo.replica_addresses(addresses, d)
         if d:  # only replica 0's client reads the supervisor's PipelineState (see module doc)
             addrs = dataclasses.replace(addrs, frontend=f"{addresses.frontend}.unused{d}")
-        clients.append(ZmqEngineClient(addrs, max_queued_requests, obs))
-    return DataParallelClient(clients)
+        clients.append(ZmqEngineClient(addrs, max_queued_requests, None if obs is None else _SnapshotTap(obs, kv_usage)))
+    return DataParallelClient(clients, kv_usage)
+
+
+class _SnapshotTap:
+    """The shared frontend observability, plus a note of each replica's KV usage from its ~1/s StatsSnapshot
+    (sent when metrics are enabled), for routing."""
+
+    def __init__(self, obs: Any, kv_usage: list[float]) -> None:
+        self._obs, self._kv_usage = obs, kv_usage
+
+    def on_snapshot(self, snap: Any) -> None:
+        if 0 <= snap.dp_rank < len(self._kv_usage) and snap.kv_blocks_total:
+            self._kv_usage[snap.dp_rank] = snap.kv_blocks_owned / snap.kv_blocks_total
+        self._obs.on_snapshot(snap)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._obs, name)
 
 
 class DataParallelClient:
-    def __init__(self, replicas: list[ZmqEngineClient]) -> None:
+    def __init__(self, replicas: list[ZmqEngineClient], kv_usage: list[float] | None = None) -> None:
         if not replicas:
             raise ValueError("no replicas")
         self.replicas = replicas
         self._owner: dict[str, int] = {}  # request id -> replica, while it is open
-        self._kv_usage = [0.0] * len(replicas)  # from the last stats() of each replica
+        # each replica's KV usage from its last snapshot or stats() reply (shared with the snapshot taps)
+        self._kv_usage = kv_usage if kv_usage is not None else [0.0] * len(replicas)
         self.num_routed = [0] * len(replicas)
         self._watch: asyncio.Task | None = None
 
