@@ -235,13 +235,16 @@ def _unix_socket_of(pid: int, name: str) -> str:
 
 def test_overload_answers_429_at_once_and_health_stays_up(server: Server) -> None:
     leave = threading.Event()
-    threads = [long_stream(server, 400, {}, prompt_ids(i, 8), leave) for i in range(2 + MAX_QUEUED)]
+    outs = [{} for _ in range(2 + MAX_QUEUED)]
+    threads = [long_stream(server, 400, outs[i], prompt_ids(i, 8), leave) for i in range(2 + MAX_QUEUED)]
     deadline = time.monotonic() + 15
+    seen = []
     while True:
         s = stats(server)
+        seen.append((round(time.monotonic() - deadline, 2), s["num_running"], s["num_waiting"], s["num_steps"]))
         if (s["num_running"], s["num_waiting"]) == (2, MAX_QUEUED):
             break
-        assert time.monotonic() < deadline, s
+        assert time.monotonic() < deadline, (s, seen[::10], [{k: v for k, v in o.items() if k != "lines"} | {"n": len(o.get("lines", []))} for o in outs])
         time.sleep(0.02)
     huge = {"prompt": "hello world " * 5000, "max_tokens": 2}  # tokenizing this would take a while
     for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}), ("/v1/completions", huge),
