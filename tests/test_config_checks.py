@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from appliance.config import UNSUPPORTED, ConfigError, build_config, check_supported
 from appliance.config.loader import resolve
@@ -99,3 +100,20 @@ def test_unsupported_settings_are_warnings_and_start_up_errors(tmp_path: Path) -
     assert check_supported(build_config(env={})) == []
     paths = [u.path for u in UNSUPPORTED]
     assert "precision.quantization" in paths and "parallelism.enable_expert_parallel" in paths
+
+
+@pytest.mark.parametrize("backend, refused", [("auto", False), ("torch", False), ("greedy", True),
+                                              ("flashinfer", True), ("flashinfer_full", True)])
+def test_sampling_backends_the_executor_cannot_run_are_refused_at_start_up(backend: str, refused: bool) -> None:
+    """The start-up check and the executor's own check agree on which sampling backends exist."""
+    from appliance.executor.model_runner import _check_supported
+
+    cfg = build_config(flat={"sampling_backend": backend}, env={})
+    assert cfg.backends.sampling == backend
+    assert any(m.startswith("backends.sampling:") for m in check_supported(cfg)) == refused
+    if refused:
+        with pytest.raises(ValueError, match="backends.sampling"):
+            _check_supported(cfg, torch.device("cpu"))
+    else:
+        _check_supported(cfg, torch.device("cpu"))
+

@@ -10,6 +10,7 @@ from appliance.executor.batch_sampler import (
     GREEDY,
     TORCH,
     BatchSampler,
+    gpu_sample_op,
     route,
     sampling_row,
 )
@@ -106,3 +107,10 @@ def test_seeded_rows_are_the_same_with_and_without_the_gpu_op() -> None:
 def test_row_count_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError, match="2 logit rows for 1"):
         BatchSampler(Sampler(), CPU, None)(torch.zeros(2, 5), [_state(0, SamplingParams())])
+
+
+def test_the_torch_backend_never_takes_the_gpu_op() -> None:
+    """backends.sampling = torch: random rows go through the torch Sampler even on a GPU."""
+    assert gpu_sample_op(torch.device("cuda"), "torch") is None
+    assert gpu_sample_op(CPU, "auto") is None
+

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """The GPU-speed benchmark of issue 6: CUDA-graph correctness, then the three target workloads, one table.
 
-    python3 tools/bench_gpu.py [--quick] [--budget-s 430] [--json PATH]
+    python3 tools/bench_gpu.py [--quick] [--overlap] [--budget-s 430] [--json PATH]
+
+--overlap runs every model with scheduler.enable_overlap (step N+1 planned while step N runs); compare its table
+with a run without it.
 
 Sections run in subprocesses (a crash or a time-out loses one section, and each model's memory is freed):
   copy     device-to-device copy bandwidth (bytes read + written), for the weight-read floor
@@ -38,6 +41,7 @@ TINY = {
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "rope_theta": 10000.0,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
+OVERLAP = False  # --overlap: every LLM built here runs with scheduler.enable_overlap
 SECTION_CAPS = {"copy": 60, "tiny": 90, "qwen": 170, "llama": 300, "profile": 120}
 
 
@@ -59,6 +63,7 @@ def _llm(cfg: dict[str, Any], tmp: Path, **overrides: Any) -> Any:
 
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps(cfg))
+    overrides.setdefault("enable_overlap_schedule", OVERLAP)
     return LLM(model=str(tmp), load_format="dummy", dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                **overrides)
 
@@ -91,7 +96,8 @@ def _throughput(llm: Any, prompts: list[dict[str, list[int]]], out_lens: list[in
 
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
     # time inside executor.execute (runner host work + GPU) vs the rest of engine.step (scheduler only: the GPU
-    # idles then, the loop being synchronous)
+    # idles then, the loop being synchronous); with overlap, execute runs on the step thread beside the scheduler,
+    # so the difference means nothing and is left out
     execute, step = llm.executor.execute, llm.engine.step
     acc = {"execute": 0.0, "step": 0.0, "steps": 0}
 
@@ -121,7 +127,9 @@ def _throughput(llm: Any, prompts: list[dict[str, list[int]]], out_lens: list[in
     steps = max(acc["steps"], 1)
     return {"elapsed_s": round(elapsed, 2), "output_tokens": n_out, "output_tok_s": round(n_out / elapsed, 1),
             "steps": acc["steps"], "ms_per_step": round(elapsed / steps * 1e3, 3),
-            "scheduler_ms_per_step": round((acc["step"] - acc["execute"]) / steps * 1e3, 3),
+            "overlap": bool(llm.engine.overlap),
+            "scheduler_ms_per_step": None if llm.engine.overlap else round((acc["step"] - acc["execute"]) / steps * 1e3,
+                                                                           3),
             "outside_engine_ms_per_step": round((elapsed - acc["step"]) / steps * 1e3, 3)}
 
 
@@ -383,7 +391,8 @@ def _run_section(name: str, args: argparse.Namespace, budget: float, workdir: Pa
     out = workdir / f"{name}.json"
     cmd = [sys.executable, __file__, "--section", name, "--section-json", str(out), "--section-budget",
            str(max(budget - 15, 10))] + (["--quick"] if args.quick else []) + (["--smoke"] if args.smoke else []) + \
-          (["--tput-prompts", str(args.tput_prompts)] if args.tput_prompts else [])
+          (["--tput-prompts", str(args.tput_prompts)] if args.tput_prompts else []) + \
+          (["--overlap"] if args.overlap else [])
     print(f"== {name} (limit {budget:.0f} s)", flush=True)
     t = time.perf_counter()
     try:
@@ -435,7 +444,8 @@ def table(res: dict[str, dict[str, Any]]) -> str:
     for name, sec in (("Qwen3-0.6B", qwen), (f"Llama-3.1-8B x{n}", llama)):
         g, e = sec.get("tput_graphs"), sec.get("tput_eager")
         if isinstance(g, dict):
-            idle = lambda r: round(r["scheduler_ms_per_step"] + r["outside_engine_ms_per_step"], 3)
+            idle = lambda r: ("overlapped" if r["scheduler_ms_per_step"] is None
+                              else round(r["scheduler_ms_per_step"] + r["outside_engine_ms_per_step"], 3))
             rows.append((f"  {name}: ms per step / of which outside the runner (GPU idle)",
                          f"{g['ms_per_step']} / {idle(g)}",
                          f"{e['ms_per_step']} / {idle(e)}" if isinstance(e, dict) else "", f"{g['steps']} steps"))
@@ -446,7 +456,8 @@ def table(res: dict[str, dict[str, Any]]) -> str:
         lines.append(f"| qwen3-0.6b decode step, {prof.get('running')} running: wall ms / device ms (profiled) | "
                      f"{prof.get('ms_per_step')} | {prof.get('device_ms_per_step')} | profile.txt |")
     status = ", ".join(f"{k}: {v.get('status')} {v.get('wall_s')} s" for k, v in res.items())
-    return "\n".join(lines) + f"\n\nsections: {status}"
+    mode = "overlap scheduling (scheduler.enable_overlap)" if OVERLAP else "synchronous scheduling"
+    return "\n".join(lines) + f"\n\nsections: {status}\nmode: {mode}"
 
 
 def main() -> None:
@@ -456,11 +467,14 @@ def main() -> None:
     p.add_argument("--tput-prompts", type=int, default=0)
     p.add_argument("--only", default="copy,tiny,qwen,llama", help="sections, comma-separated (also: profile)")
     p.add_argument("--json", default=None)
+    p.add_argument("--overlap", action="store_true", help="scheduler.enable_overlap on (compare with a run without)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks this script, not speed")
     p.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)
     p.add_argument("--section-json", help=argparse.SUPPRESS)
     p.add_argument("--section-budget", type=float, default=300.0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    global OVERLAP
+    OVERLAP = args.overlap
     if args.section:
         SECTIONS[args.section](Recorder(Path(args.section_json)), args)
         return

@@ -153,6 +153,10 @@ class SchedulerSection(Section):
         flags=("--scheduling-policy", "--schedule-policy"))
     slo_tbt_ms: float = param(100.0, "Time-between-tokens deadline in milliseconds for policy `slo`.",
                               flags=("--slo-tbt-ms", "--tbt-deadline-ms"), gt=0)
+    enable_overlap: bool = param(
+        False, "Overlap scheduling: plan and submit step N+1 while step N runs, so the host's scheduling hides "
+        "behind the device's compute. Outputs are identical; a request that stops wastes one step's slot.",
+        flags=("--enable-overlap-schedule", "--async-scheduling"))
 
     @field_validator("chunked_prefill_size")
     @classmethod
@@ -203,7 +207,9 @@ class BackendsSection(Section):
                                     flags="--all2all-backend")
     deepep_mode: Literal["auto", "normal", "low_latency"] = param("auto", "DeepEP mode.")
     sampling: Literal["auto", "torch", "greedy", "flashinfer", "flashinfer_full"] = param(
-        "auto", "Sampling kernels: `torch`, `greedy` (argmax only), `flashinfer`, `flashinfer_full`.",
+        "auto", "Sampling kernels: `auto` (argmax for temperature-0 rows, the Triton sampler for plain random "
+        "rows on a GPU, torch for the rest), `torch` (the torch sampler for every random row), `greedy` "
+        "(TokenSpeed's argmax-only backend: every request decoded greedily), `flashinfer`, `flashinfer_full`.",
         flags="--sampling-backend")
     dp_sampling: bool = param(False, "Data-parallel sampling: the logits processor plans the logits layout.")
     enforce_eager: bool = param(False, "Never capture CUDA graphs (eager execution only).")

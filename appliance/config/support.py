@@ -54,8 +54,11 @@ UNSUPPORTED: list[Unsupported] = [
                 "MoE all-to-all backends are not supported in this build"),
     Unsupported("backends.deepep_mode", lambda c: c.backends.deepep_mode != "auto",
                 "DeepEP is not supported in this build"),
-    Unsupported("backends.sampling", lambda c: c.backends.sampling not in ("auto", "torch", "greedy"),
-                "only the auto, torch and greedy sampling backends exist in this build"),
+    # greedy is TokenSpeed's argmax-only backend: honouring it would mean ignoring (or refusing) every request's
+    # temperature; auto and torch already decode temperature-0 rows with a plain argmax
+    Unsupported("backends.sampling", lambda c: c.backends.sampling not in ("auto", "torch"),
+                "only the auto and torch sampling backends exist in this build (greedy requests, temperature 0, "
+                "take an argmax path with either)"),
     Unsupported("backends.dp_sampling", lambda c: c.backends.dp_sampling,
                 "data-parallel sampling is not supported in this build"),
     # tp all-reduces are torch.distributed's (gloo on the CPU, nccl on GPUs); no custom CUDA-IPC one-shot kernel

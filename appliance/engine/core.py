@@ -5,10 +5,12 @@
     while core.has_work():
         for delta in core.step(): ...
 
-One step = schedule -> executor.execute(plan) -> update. The scheduler keeps the plan in flight between the
-last two, and advances num_computed_tokens when it plans, so an overlap mode (plan step N+1 while the
-executor runs step N, with placeholders for the tokens step N will sample) can be added here without
-changing the scheduler's bookkeeping; only this synchronous loop exists today.
+One step = schedule -> executor.execute(plan) -> update. With overlap=True (scheduler.enable_overlap) one step
+stays in flight: step() plans step N+1 assuming every running request continues (its sample from step N counts
+as a pending token), submits it, and only then collects step N's result and applies it. Stops therefore take
+effect one step late on the device, never in the output: a request that step N finishes (EOS, stop token) or
+that is aborted meanwhile has its step N+1 result dropped, and one that its pending tokens finish by length is
+not scheduled again, so max_tokens is exact and the outputs equal the synchronous loop's.
 
 Parallel sampling (n > 1) is fanned out above the engine: the API layer submits n requests with distinct ids
 (and seeds) and gathers their outputs; prefix caching makes their shared prompt cost one prefill.
@@ -28,7 +30,7 @@ from appliance.engine.prefix_cache import KVEventSink
 from appliance.engine.request import Request
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import QueueFull, Scheduler
-from appliance.engine.step import Executor
+from appliance.engine.step import Executor, StepPlan
 
 __all__ = ["EngineCore", "EngineStats", "QueueFull"]
 
@@ -56,12 +58,15 @@ class EngineCore:
         executor: Executor,
         on_kv_event: KVEventSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        overlap: bool = False,
     ) -> None:
         self.config = config
         self.executor = executor
         self.scheduler = Scheduler(config, on_kv_event)
         self._clock = clock
         self._num_steps = 0
+        self.overlap = overlap
+        self._pending: tuple[StepPlan, object] | None = None  # the step in flight (overlap mode)
 
     def add_request(
         self,
@@ -99,6 +104,8 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """Run one step; returns a delta for every request that got a token (and possibly finished)."""
+        if self.overlap:
+            return self._step_overlapped()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
@@ -106,8 +113,20 @@ class EngineCore:
         self._num_steps += 1
         return self.scheduler.update(plan, result)
 
+    def _step_overlapped(self) -> list[RequestDelta]:
+        """Submit step N+1, then collect and apply step N: the host plans while the device computes."""
+        plan = self.scheduler.schedule()
+        previous, self._pending = self._pending, None
+        if plan is not None:
+            self._pending = (plan, self.executor.submit(plan))
+            self._num_steps += 1  # counted when submitted, like the synchronous loop counts the steps it runs
+        if previous is None:
+            return []
+        result = self.executor.collect(previous[1])
+        return self.scheduler.update(previous[0], result)
+
     def has_work(self) -> bool:
-        return bool(self.scheduler.requests)
+        return bool(self.scheduler.requests) or self._pending is not None
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)
@@ -138,4 +157,9 @@ class EngineCore:
         return self.scheduler.pool.check_accounting(self.scheduler.live_block_refs())
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None:  # let the device finish the step in flight before tearing down
+                self.executor.collect(pending[1])
+        finally:
+            self.executor.shutdown()

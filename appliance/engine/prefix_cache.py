@@ -126,7 +126,8 @@ class PrefixCache:
         if not self.enabled:
             return
         bs = self.block_size
-        n_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        # min: in overlap mode num_computed counts positions whose token is still being sampled
+        n_full = min(min(req.num_computed_tokens, req.num_tokens) // bs, len(req.block_ids))
         if n_full <= req.num_stored_blocks:
             return
         hashes = self.block_hashes(req)

@@ -94,6 +94,7 @@ class Request:
     num_preemptions: int = 0
     last_issue_seq: int = -1  # when it was last scheduled (a scheduler counter): round-robin of decodes
     known_to_workers: bool = False  # workers hold its state (sent as new, not yet told to forget)
+    num_pending: int = 0  # tokens sampled by steps in flight, not yet appended (overlap mode; 0 when synchronous)
     prompt_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_logprobs_done: bool = False
 
@@ -136,7 +137,15 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens the workers know (pending samples included) whose KV is not computed or being computed."""
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
+
+    @property
+    def will_reach_length(self) -> bool:
+        """The pending samples alone finish it by length: a further step would compute past the end."""
+        n = self.num_pending
+        return bool(n) and (self.num_output_tokens + n >= self.max_output_tokens
+                            or self.num_tokens + n >= self.max_model_len)
 
     @property
     def max_output_tokens(self) -> int:

@@ -18,8 +18,12 @@ NewRequestData.block_ids is the whole block table for the step and its Scheduled
 empty; for known requests new_block_ids are appended. Requests preempted, finished or aborted since the last
 plan are listed in finished_ids (only if workers have seen them).
 
-num_computed_tokens advances when a step is planned, not when it returns, so that a later overlap mode can
-plan step N+1 while step N runs; in the synchronous loop the two are the same.
+num_computed_tokens advances when a step is planned, not when it returns, so that the overlap mode can plan
+step N+1 while step N runs; in the synchronous loop the two are the same. In overlap mode a request whose
+sample is still in flight counts it as a pending token (Request.num_pending): it decodes that token next,
+which the workers append themselves. A request the pending tokens finish by length is not scheduled again;
+one that stops on EOS or a stop token, is aborted or preempted meanwhile has its in-flight result dropped
+(recognised by request object and preemption count, so a re-added id never gets a stale token).
 """
 from __future__ import annotations
 
@@ -39,6 +43,15 @@ class QueueFull(RuntimeError):
     """scheduler.max_queued_requests waiting requests already: the caller should answer 503."""
 
 
+@dataclass(frozen=True)
+class _Issued:
+    """A scheduled request of a step in flight, with the incarnation its result belongs to."""
+
+    sched: ScheduledRequest
+    req: Request
+    num_preemptions: int
+
+
 @dataclass
 class _StepBudget:
     tokens: int  # shared budget (chunking) or prefill budget (no chunking)
@@ -46,6 +59,7 @@ class _StepBudget:
     preempted: bool = False
     plan_new: list[NewRequestData] = field(default_factory=list)
     plan_sched: list[ScheduledRequest] = field(default_factory=list)
+    issued: list[_Issued] = field(default_factory=list)
     scheduled_ids: set[str] = field(default_factory=set)
 
 
@@ -61,7 +75,7 @@ class Scheduler:
         self._forget: list[str] = []  # ids the workers must drop with the next plan
         self._next_step_id = 0
         self._issue_seq = 0
-        self._in_flight: dict[int, list[ScheduledRequest]] = {}
+        self._in_flight: dict[int, list[_Issued]] = {}
 
     # ---- admission ---------------------------------------------------------------------------------------
     def can_queue(self) -> bool:
@@ -104,15 +118,15 @@ class Scheduler:
         plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget)
         self._next_step_id += 1
         self._forget = []
-        self._in_flight[plan.step_id] = st.plan_sched
+        self._in_flight[plan.step_id] = st.issued
         return plan
 
     def _schedule_running(self, st: _StepBudget) -> None:
-        decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
+        decoding = [r for r in self.running if _decodes(r)]
         if self.config.chunking and len(decoding) > st.tokens:
             # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves.
             decoding.sort(key=lambda r: r.last_issue_seq)
-        prefilling = [r for r in self.running if r.status is RequestStatus.PREFILLING]
+        prefilling = [r for r in self.running if not _decodes(r)]
         for req in decoding + prefilling:
             if req.status is RequestStatus.PREEMPTED:  # a victim of an earlier request in this loop
                 continue
@@ -132,7 +146,9 @@ class Scheduler:
     def _chunk(self, req: Request, st: _StepBudget) -> int:
         """Tokens to compute for a running request this step (0: not this step)."""
         n = req.num_uncomputed_tokens
-        if req.status is RequestStatus.DECODING:
+        if req.will_reach_length:
+            return 0  # its in-flight sample is its last token
+        if _decodes(req):
             if not self.config.chunking:
                 return n  # no chunking: decodes are not charged to the prefill budget
             return n if n <= st.tokens else 0
@@ -201,15 +217,19 @@ class Scheduler:
         return True
 
     def _issue(self, req: Request, n: int, new_blocks: list[int], st: _StepBudget) -> None:
-        sample = req.num_computed_tokens + n == req.num_tokens
-        if req.status is RequestStatus.PREFILLING:
+        sample = req.num_computed_tokens + n == req.num_tokens + req.num_pending
+        if not _decodes(req):
             st.prefills += 1
-        if self.config.chunking or req.status is RequestStatus.PREFILLING:
+        if self.config.chunking or not _decodes(req):
             st.tokens -= n
         req.num_computed_tokens += n
         req.last_issue_seq = self._issue_seq
         self._issue_seq += 1
-        st.plan_sched.append(ScheduledRequest(req.request_id, n, list(new_blocks), sample))
+        if sample:
+            req.num_pending += 1
+        sched = ScheduledRequest(req.request_id, n, list(new_blocks), sample)
+        st.plan_sched.append(sched)
+        st.issued.append(_Issued(sched, req, req.num_preemptions))
         st.scheduled_ids.add(req.request_id)
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -227,6 +247,7 @@ class Scheduler:
         self._release_blocks(req)
         req.transition(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
+        req.num_pending = 0  # an in-flight sample is dropped; recompute samples it again
         req.num_preemptions += 1
         if not req.prompt_logprobs_done:
             req.prompt_logprobs = []
@@ -256,14 +277,17 @@ class Scheduler:
         if scheduled is None:
             raise ValueError(f"step {plan.step_id} is not in flight")
         sampled = {s.request_id: s for s in result.sampled}
-        expected = {s.request_id for s in scheduled if s.sample}
+        expected = {i.sched.request_id for i in scheduled if i.sched.sample}
         if set(sampled) - expected:
             raise ValueError(f"executor sampled for unexpected requests {sorted(set(sampled) - expected)}")
         deltas: list[RequestDelta] = []
-        for s in scheduled:
-            req = self.requests.get(s.request_id)
-            if req is None or not req.status.is_running:
-                continue  # aborted (or preempted) after the step was planned
+        for issued in scheduled:
+            s, req = issued.sched, issued.req
+            if (self.requests.get(s.request_id) is not req or not req.status.is_running
+                    or req.num_preemptions != issued.num_preemptions):
+                continue  # finished, aborted or preempted after the step was planned: its result is dropped
+            if s.sample:
+                req.num_pending -= 1
             self._take_prompt_logprobs(req, result)
             if not s.sample:
                 self.cache.store(req)
@@ -304,6 +328,11 @@ class Scheduler:
             prompt_logprobs=prompt_lp,
         )
 
+    @property
+    def num_in_flight(self) -> int:
+        """Steps planned whose results have not been applied yet."""
+        return len(self._in_flight)
+
     def _take_prompt_logprobs(self, req: Request, result: StepResult) -> None:
         entries = result.prompt_logprobs.get(req.request_id)
         if entries and not req.prompt_logprobs_done:
@@ -321,3 +350,10 @@ class Scheduler:
             for b in req.block_ids:
                 refs[b] = refs.get(b, 0) + 1
         return refs
+
+
+def _decodes(req: Request) -> bool:
+    """It decodes next: DECODING, or a prefill whose last chunk's sample is still in flight (overlap mode)."""
+    return req.status is RequestStatus.DECODING or (
+        req.status is RequestStatus.PREFILLING and req.num_pending > 0 and req.num_uncomputed_tokens <= req.num_pending
+    )

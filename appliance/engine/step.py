@@ -63,10 +63,24 @@ class StepResult:
 
 
 class Executor:
-    """Runs step plans. InProcessExecutor (executor/) and the runtime's remote executor implement it."""
+    """Runs step plans. InProcessExecutor (executor/) and the runtime's remote executor implement it.
+
+    The overlap mode uses the asynchronous pair: submit(plan) starts a step and returns a handle, collect(handle)
+    waits for its result. Steps run in submission order, so a worker applies plan N+1 after step N (appending
+    step N's sampled tokens itself). The defaults run the step inside submit; an executor whose device or
+    workers run asynchronously overrides both, and execute stays collect(submit(plan)).
+    """
 
     def execute(self, plan: StepPlan) -> StepResult:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def submit(self, plan: StepPlan) -> object:
+        return self.execute(plan)
+
+    def collect(self, handle: object) -> StepResult:
+        if not isinstance(handle, StepResult):
+            raise TypeError(f"collect() got {type(handle).__name__}, not a handle of this executor's submit()")
+        return handle
 
     def shutdown(self) -> None:  # pragma: no cover - interface
         pass

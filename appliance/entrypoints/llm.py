@@ -80,7 +80,7 @@ class LLM:
             self.executor = InProcessExecutor(self.config)
         engine_config = EngineConfig.from_appliance(self.config, self.executor.num_blocks,
                                                     self.executor.eos_token_ids, self.executor.max_model_len)
-        self.engine = EngineCore(engine_config, self.executor)
+        self.engine = EngineCore(engine_config, self.executor, overlap=self.config.scheduler.enable_overlap)
 
     def _load_tokenizer(self) -> Any:
         from appliance.config import resolve_model_path

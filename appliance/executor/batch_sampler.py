@@ -97,9 +97,9 @@ class BatchSampler:
         return self.gpu_op(logits, fd[0], nd[0], fd[1], fd[2], nd[1], nd[2])
 
 
-def gpu_sample_op(device: torch.device) -> Callable[..., Any] | None:
-    """The Triton sampling op when this device can run it."""
-    if device.type != "cuda":
+def gpu_sample_op(device: torch.device, backend: str) -> Callable[..., Any] | None:
+    """The Triton sampling op when this device can run it and backends.sampling (auto or torch) allows it."""
+    if backend == "torch" or device.type != "cuda":
         return None
     try:
         import appliance.kernels.triton  # noqa: F401  (registers the triton ops)

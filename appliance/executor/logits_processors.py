@@ -24,6 +24,7 @@ import torch
 
 from appliance.executor.input_batch import RequestState
 from appliance.executor.sampler import SampleResult
+from appliance.structured.thinking_budget import ThinkingBudget
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class GrammarProcessor:
 class ThinkingBudgetProcessor:
     """Applies a ThinkingBudget: while it forces the end of thinking, only the forced token may come."""
 
-    def __init__(self, budget: Any) -> None:
+    def __init__(self, budget: ThinkingBudget) -> None:
         self.budget = budget
 
     def mask_row(self, row: torch.Tensor) -> bool:
@@ -115,10 +116,8 @@ def wants_processors(extra: Mapping[str, Any]) -> bool:
     return bool(extra) and ("structured" in extra or "thinking_budget" in extra)
 
 
-def thinking_budget_from_dict(d: Mapping[str, Any], prompt_ids: Sequence[int]) -> Any:
+def thinking_budget_from_dict(d: Mapping[str, Any], prompt_ids: Sequence[int]) -> ThinkingBudget:
     """The ThinkingBudget for extra["thinking_budget"]; `in_reasoning` defaults to what the prompt's tail says."""
-    from appliance.server.parsers.reasoning.budget import ThinkingBudget
-
     start, end = tuple(d.get("start_tag_ids") or ()), tuple(d.get("end_tag_ids") or d["end_token_ids"])
     in_reasoning = d.get("in_reasoning")
     if in_reasoning is None:

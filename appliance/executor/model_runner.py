@@ -143,7 +143,8 @@ class ModelRunner:
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
         self.sampler = Sampler(self.eos_token_ids, m.seed)
-        self.batch_sampler = BatchSampler(self.sampler, self.device, gpu_sample_op(self.device))
+        self.batch_sampler = BatchSampler(self.sampler, self.device,
+                                          gpu_sample_op(self.device, config.backends.sampling))
         self.requests: dict[str, RequestState] = {}
         self._noise_seeds = random.Random(m.seed)  # per-request streams of the GPU sampler
         self._stager = Stager(self.device)

@@ -16,6 +16,7 @@ from typing import Any
 from appliance.engine.sampling_params import SamplingParams
 from appliance.runtime.addresses import Addresses
 from appliance.runtime.frontend import ZmqEngineClient
+from appliance.runtime.pipeline_client import PipelineClient
 from appliance.server.engine_client import EngineDead, QueueFull, RequestOutput
 
 # stats keys that add up over replicas; the rest are combined below
@@ -24,7 +25,7 @@ _SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "k
 
 
 def make_engine_client(addresses: Addresses, config: Any, max_queued_requests: int | None,
-                       obs: Any = None) -> Any:
+                       obs: Any = None) -> PipelineClient:
     """A plain ZmqEngineClient for one replica, a DataParallelClient for several."""
     dp = int(config.parallelism.dp)
     if dp == 1:
@@ -58,8 +59,8 @@ class _SnapshotTap:
         return getattr(self._obs, name)
 
 
-class DataParallelClient:
-    def __init__(self, replicas: list[ZmqEngineClient], kv_usage: list[float] | None = None) -> None:
+class DataParallelClient(PipelineClient):
+    def __init__(self, replicas: list[PipelineClient], kv_usage: list[float] | None = None) -> None:
         if not replicas:
             raise ValueError("no replicas")
         self.replicas = replicas

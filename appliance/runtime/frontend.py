@@ -30,6 +30,7 @@ from appliance.runtime.messages import (
     StatsQuery,
     StatsReply,
 )
+from appliance.runtime.pipeline_client import PipelineClient
 from appliance.server.engine_client import EngineDead, QueueFull, RequestOutput
 
 log = logging.getLogger("appliance.frontend")
@@ -37,7 +38,7 @@ log = logging.getLogger("appliance.frontend")
 _DEAD = object()  # queue sentinel: the pipeline failed
 
 
-class ZmqEngineClient:
+class ZmqEngineClient(PipelineClient):
     def __init__(self, addresses: Addresses, max_queued_requests: int | None, obs: Any = None) -> None:
         self._obs = obs  # observability.FrontendObservability: request-level metrics, scheduler snapshots
         self._ctx = zmq.asyncio.Context()

@@ -1,6 +1,7 @@
 """The scheduler's Executor: sends each StepPlan to every worker and waits for all their StepResults.
 
-Every rank runs the same plan (tensor parallelism keeps them in lock step) and samples the same tokens; rank 0's
+submit() sends a plan and collect() waits for its results, so in overlap mode the workers already hold plan N+1
+in their sockets while they compute step N (they run plans in the order sent). Every rank runs the same plan (tensor parallelism keeps them in lock step) and samples the same tokens; rank 0's
 result is used, the others' serve as a barrier and are checked to agree with it. A WorkerError is raised here
 and takes the scheduler down (the supervisor then stops the pipeline and names the stage).
 """
@@ -33,16 +34,27 @@ class RemoteExecutor(Executor):
         self._results.bind(addresses.results)
         self._alive = alive
         self.num_malformed = 0
+        self._early: dict[int, dict[int, StepResult]] = {}  # step id -> rank -> result collected ahead of time
 
     @property
     def world_size(self) -> int:
         return len(self._plans)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.collect(self.submit(plan))
+
+    def submit(self, plan: StepPlan) -> object:
         frame = PLAN_CODEC.encode(plan)
         for sock in self._plans:
             sock.send(frame)
-        results: dict[int, StepResult] = {}
+        return plan.step_id
+
+    def collect(self, handle: object) -> StepResult:
+        if not isinstance(handle, int):
+            raise TypeError(f"collect() got {type(handle).__name__}, not a step id from submit()")
+        step_id = handle
+        # a fast rank may already have answered the next step (overlap mode): keep those for its collect
+        results = self._early.pop(step_id, {})
         while len(results) < self.world_size:
             if not self._results.poll(1000):
                 if not self._alive():
@@ -56,8 +68,11 @@ class RemoteExecutor(Executor):
                 continue
             if isinstance(msg, WorkerError):
                 raise WorkerFailed(f"worker{msg.rank} failed in step {msg.step_id}: {msg.message}")
-            if msg.step_id != plan.step_id:
-                continue  # a late answer to an older step cannot happen in lock step; drop it
+            if msg.step_id < step_id:
+                continue  # an older step nobody waits for any more
+            if msg.step_id > step_id:
+                self._early.setdefault(msg.step_id, {})[rank] = msg
+                continue
             results[rank] = msg
         _check_agreement(results)
         return results[0]

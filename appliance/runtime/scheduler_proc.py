@@ -184,7 +184,7 @@ def run_scheduler(boot: Bootstrap) -> None:
     ctx = zmq.Context()
     executor = RemoteExecutor(ctx, boot.addresses, alive=lambda: parent_alive(boot.parent_pid))
     obs = SchedulerObservability(config.observability, ecfg.block_size, dp_rank=boot.rank)  # rank = replica
-    core = EngineCore(ecfg, executor, on_kv_event=obs.kv_event_sink)
+    core = EngineCore(ecfg, executor, on_kv_event=obs.kv_event_sink, overlap=config.scheduler.enable_overlap)
     requests = ctx.socket(zmq.PULL)
     requests.bind(boot.addresses.requests)
     outputs = ctx.socket(zmq.PUSH)

@@ -54,6 +54,14 @@ class WorkerGroupExecutor(Executor):
         assert self._remote is not None
         return self._remote.execute(plan)
 
+    def submit(self, plan: StepPlan) -> object:
+        assert self._remote is not None
+        return self._remote.submit(plan)
+
+    def collect(self, handle: object) -> StepResult:
+        assert self._remote is not None
+        return self._remote.collect(handle)
+
     def shutdown(self) -> None:
         for p in self._procs:
             if p.poll() is None:

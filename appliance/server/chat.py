@@ -9,7 +9,6 @@ budget go to the workers in SamplingParams.extra (server/constraints.py).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -26,18 +25,19 @@ from appliance.server.constraints import (
 )
 from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError
-from appliance.server.exchange import Exchange
+from appliance.server.exchange import Exchange, run_exchange
 from appliance.server.generation import (
     ChoiceDelta,
     Generation,
     TokenLogprob,
+    collect_choices,
     new_request_id,
     with_deadline,
 )
 from appliance.server.protocol import ChatCompletionRequest, parse_body
-from appliance.server.request_body import read_json
 from appliance.server.sampling import build_sampling
-from appliance.server.sse import DONE, SSEResponse, run_until_disconnect, sse
+from appliance.server.shaping import AnswerShaper, StreamTail
+from appliance.server.sse import SSEResponse, run_until_disconnect
 
 log = logging.getLogger("appliance.server")
 
@@ -172,20 +172,12 @@ def render_prompt(ctx: ServerContext, req: Any, thinking_enabled: bool | None = 
 
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
-    body = await read_json(request, ctx.config.api.caps.max_body_bytes)
-    exchange = Exchange(ctx.obs, request.url.path, body)
-    try:
-        return await _create(ctx, request, body, exchange)
-    except ApiError as exc:
-        exchange.failed(exc.body(), exc.message)
-        raise
+    return await run_exchange(ctx, request, _create)
 
 
 async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exchange) -> Response:
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
-    ctx.check_model(req.model)
-    ctx.limits.check_n(req.n)
-    ctx.engine.check_capacity(req.n)  # before any template / tokenization work
+    ctx.admit(req.model, req.n, req.n)  # before any template / tokenization work
     spec = output_spec(body, tools=req.tools, tool_choice=req.tool_choice,
                        parallel_tool_calls=req.parallel_tool_calls)
     if req.thinking is not None and req.thinking.budget_tokens is not None and not ctx.config.api.reasoning_parser:
@@ -222,82 +214,56 @@ def _logprob_entry(lp: TokenLogprob) -> dict[str, Any]:
             "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode("utf-8"))} for t, _, p in lp.top]}
 
 
-class _ChatShaper:
+class _ChatShaper(AnswerShaper):
+    chunk_object = "chat.completion.chunk"
+
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest, rid: str, gen: Generation,
                  processors: list[ChatOutputProcessor], exchange: Exchange) -> None:
-        self.ctx, self.req, self.rid, self.gen, self.processors = ctx, req, rid, gen, processors
-        self.exchange = exchange
-        self.created = int(time.time())
+        super().__init__(ctx, rid, exchange, bool(req.stream_options and req.stream_options.include_usage))
+        self.req, self.gen, self.processors = req, gen, processors
+
+    def usage(self) -> dict[str, Any]:
+        return self.gen.usage.as_dict(self.ctx.cache_report)
 
     def _stream(self) -> AsyncIterator[ChoiceDelta]:
         return with_deadline(self.gen.stream(), self.ctx.request_timeout)
 
     async def collect(self) -> dict[str, Any]:
-        texts: dict[int, list[str]] = {}
-        lps: dict[int, list[TokenLogprob]] = {}
-        finish: dict[int, tuple[str | None, Any]] = {}
-        async for d in self._stream():
-            texts.setdefault(d.index, []).append(d.text)
-            if d.logprobs is not None:
-                lps.setdefault(d.index, []).extend(d.logprobs)
-            if d.finish_reason is not None:
-                finish[d.index] = (d.finish_reason, d.stop_reason)
+        got = await collect_choices(self._stream())
         choices = []
         for i in range(self.req.n):
             proc = self.processors[i]
-            reason, stop_reason = finish.get(i, ("abort", None))
-            message = {"role": "assistant", **proc.final("".join(texts.get(i, [])))}
+            reason, stop_reason = got.reasons(i)
+            message = {"role": "assistant", **proc.final(got.text(i))}
+            lps = got.logprobs.get(i, [])
             choices.append({
                 "index": i, "message": message,
-                "logprobs": {"content": [_logprob_entry(lp) for lp in lps.get(i, [])]} if self.req.logprobs else None,
+                "logprobs": {"content": [_logprob_entry(lp) for lp in lps]} if self.req.logprobs else None,
                 "finish_reason": proc.finish_reason(reason), "stop_reason": stop_reason,
             })
-        usage = self.gen.usage.as_dict(self.ctx.cache_report)
-        body = {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.ctx.model_name,
-                "choices": choices, "usage": usage}
-        self.exchange.done(usage, choices[0]["finish_reason"], "".join(texts.get(0, [])), body)
+        usage = self.usage()
+        body = self.envelope("chat.completion", choices=choices, usage=usage)
+        self.exchange.done(usage, choices[0]["finish_reason"], got.text(0), body)
         return body
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        obj: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                               "model": self.ctx.model_name, "choices": choices}
-        if usage is not None:
-            obj["usage"] = usage
-        self.exchange.chunk(obj)
-        return sse(obj)
-
-    async def events(self) -> AsyncIterator[str]:
-        opts = self.req.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        texts: list[str] = []
-        finish: str | None = None
-        try:
-            for i in range(self.req.n):  # the role comes first, as OpenAI sends it
-                yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}])
-            async for d in self._stream():
-                proc = self.processors[d.index]
-                delta = proc.delta(d.text)
-                choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": None}
-                if d.logprobs is not None and self.req.logprobs:
-                    choice["logprobs"] = {"content": [_logprob_entry(lp) for lp in d.logprobs]}
-                if d.finish_reason is not None:
-                    delta.update(proc.end())
-                    choice["finish_reason"] = proc.finish_reason(d.finish_reason)
-                    choice["stop_reason"] = d.stop_reason
-                    if d.index == 0:
-                        finish = choice["finish_reason"]
-                elif not delta and choice["logprobs"] is None:
-                    continue
+    async def chunks(self, tail: StreamTail) -> AsyncIterator[str]:
+        for i in range(self.req.n):  # the role comes first, as OpenAI sends it
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])
+        async for d in self._stream():
+            proc = self.processors[d.index]
+            delta = proc.delta(d.text)
+            choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": None}
+            if d.logprobs is not None and self.req.logprobs:
+                choice["logprobs"] = {"content": [_logprob_entry(lp) for lp in d.logprobs]}
+            if d.finish_reason is not None:
+                delta.update(proc.end())
+                choice["finish_reason"] = proc.finish_reason(d.finish_reason)
+                choice["stop_reason"] = d.stop_reason
                 if d.index == 0:
-                    texts.append(d.text)
-                yield self._chunk([choice])
-            usage = self.gen.usage.as_dict(self.ctx.cache_report)
-            if include_usage:
-                yield self._chunk([], usage)
-            self.exchange.done(usage, finish, "".join(texts))
-        except ApiError as exc:
-            self.ctx.http_error(exc.status)
-            self.exchange.failed(exc.body(), exc.message, stream=True)
-            yield exc.sse_data()
-        yield DONE
+                    tail.finish = choice["finish_reason"]
+            elif not delta and choice["logprobs"] is None:
+                continue
+            if d.index == 0:
+                tail.texts.append(d.text)
+            yield self._chunk([choice])

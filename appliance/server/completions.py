@@ -1,7 +1,6 @@
 """POST /v1/completions (output constraints as on chat: server/constraints.py)."""
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,20 +9,22 @@ from starlette.responses import JSONResponse, Response
 
 from appliance.server.constraints import check_compatible, output_spec, with_extra
 from appliance.server.context import ServerContext
-from appliance.server.errors import ApiError, bad_request
-from appliance.server.exchange import Exchange
+from appliance.server.errors import bad_request
+from appliance.server.exchange import Exchange, run_exchange
 from appliance.server.generation import (
     ChoiceDelta,
     Generation,
     TokenLogprob,
+    Usage,
+    collect_choices,
     merge,
     new_request_id,
     with_deadline,
 )
 from appliance.server.protocol import CompletionRequest, parse_body
-from appliance.server.request_body import read_json
 from appliance.server.sampling import build_sampling
-from appliance.server.sse import DONE, SSEResponse, run_until_disconnect, sse
+from appliance.server.shaping import AnswerShaper, StreamTail
+from appliance.server.sse import SSEResponse, run_until_disconnect
 from appliance.server.text import token_text
 
 
@@ -49,20 +50,12 @@ def num_prompts(prompt: Any) -> int:
 
 
 async def create_completion(ctx: ServerContext, request: Request) -> Response:
-    body = await read_json(request, ctx.config.api.caps.max_body_bytes)
-    exchange = Exchange(ctx.obs, request.url.path, body)
-    try:
-        return await _create(ctx, request, body, exchange)
-    except ApiError as exc:
-        exchange.failed(exc.body(), exc.message)
-        raise
+    return await run_exchange(ctx, request, _create)
 
 
 async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exchange) -> Response:
     req: CompletionRequest = parse_body(CompletionRequest, body)
-    ctx.check_model(req.model)
-    ctx.limits.check_n(req.n)
-    ctx.engine.check_capacity(num_prompts(req.prompt) * req.n)  # before any tokenization work
+    ctx.admit(req.model, req.n, num_prompts(req.prompt) * req.n)  # before any tokenization work
     spec = output_spec(body)
     prompts = await ctx.off_loop(prompt_token_lists, ctx, req.prompt)
     rid = new_request_id("cmpl")
@@ -84,27 +77,25 @@ async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exc
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
-class _Shaper:
+class _Shaper(AnswerShaper):
+    chunk_object = "text_completion"
+
     def __init__(self, ctx: ServerContext, req: CompletionRequest, rid: str, gens: list[Generation],
                  exchange: Exchange) -> None:
-        self.ctx, self.req, self.rid, self.gens, self.exchange = ctx, req, rid, gens, exchange
-        self.created = int(time.time())
+        super().__init__(ctx, rid, exchange, bool(req.stream_options and req.stream_options.include_usage))
+        self.req, self.gens = req, gens
         self.offsets: dict[int, int] = {}  # text_offset per choice
 
     def _stream(self) -> AsyncIterator[ChoiceDelta]:
         return with_deadline(merge([g.stream() for g in self.gens]), self.ctx.request_timeout)
 
-    def _usage(self) -> dict[str, Any]:
-        total = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    def usage(self) -> dict[str, Any]:
+        total = Usage()
         for g in self.gens:
-            total["prompt_tokens"] += g.usage.prompt_tokens
-            total["completion_tokens"] += g.usage.completion_tokens
-            total["cached_tokens"] += g.usage.cached_tokens
-        d = {"prompt_tokens": total["prompt_tokens"], "completion_tokens": total["completion_tokens"],
-             "total_tokens": total["prompt_tokens"] + total["completion_tokens"]}
-        if self.ctx.cache_report:
-            d["prompt_tokens_details"] = {"cached_tokens": total["cached_tokens"]}
-        return d
+            total.prompt_tokens += g.usage.prompt_tokens
+            total.completion_tokens += g.usage.completion_tokens
+            total.cached_tokens += g.usage.cached_tokens
+        return total.as_dict(self.ctx.cache_report)
 
     def _echo(self, index: int) -> str:
         g = self.gens[index // self.req.n]
@@ -140,64 +131,33 @@ class _Shaper:
                 "finish_reason": finish, "stop_reason": stop_reason}
 
     async def collect(self) -> dict[str, Any]:
-        texts: dict[int, list[str]] = {}
-        lps: dict[int, list[TokenLogprob]] = {}
-        finish: dict[int, tuple[str | None, Any]] = {}
-        async for d in self._stream():
-            texts.setdefault(d.index, []).append(d.text)
-            if d.logprobs is not None:
-                lps.setdefault(d.index, []).extend(d.logprobs)
-            if d.finish_reason is not None:
-                finish[d.index] = (d.finish_reason, d.stop_reason)
+        got = await collect_choices(self._stream())
         choices = []
         want_lps = self.req.logprobs is not None
         for index in range(len(self.gens) * self.req.n):
-            text = "".join(texts.get(index, []))
-            choice_lps = lps.get(index, []) if want_lps else None
+            text = got.text(index)
+            choice_lps = got.logprobs.get(index, []) if want_lps else None
             if self.req.echo:
                 text = self._echo(index) + text
                 if want_lps:
                     choice_lps = self._echo_logprobs(index) + (choice_lps or [])
-            reason, stop_reason = finish.get(index, ("abort", None))
+            reason, stop_reason = got.reasons(index)
             choices.append(self._choice(index, text, choice_lps, reason, stop_reason))
-        usage = self._usage()
-        body = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,
-                "choices": choices, "usage": usage}
+        usage = self.usage()
+        body = self.envelope("text_completion", choices=choices, usage=usage)
         self.exchange.done(usage, choices[0]["finish_reason"], choices[0]["text"], body)
         return body
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        obj: dict[str, Any] = {"id": self.rid, "object": "text_completion", "created": self.created,
-                               "model": self.ctx.model_name, "choices": choices}
-        if usage is not None:
-            obj["usage"] = usage
-        self.exchange.chunk(obj)
-        return sse(obj)
-
-    async def events(self) -> AsyncIterator[str]:
-        opts = self.req.stream_options
-        include_usage = bool(opts and opts.include_usage)
+    async def chunks(self, tail: StreamTail) -> AsyncIterator[str]:
         started: set[int] = set()
-        texts: list[str] = []
-        finish: str | None = None
-        try:
-            async for d in self._stream():
-                text, lps = d.text, d.logprobs
-                if self.req.echo and d.index not in started:
-                    text = self._echo(d.index) + text
-                    if lps is not None:
-                        lps = self._echo_logprobs(d.index) + lps
-                started.add(d.index)
-                if d.index == 0:
-                    texts.append(text)
-                    finish = d.finish_reason or finish
-                yield self._chunk([self._choice(d.index, text, lps, d.finish_reason, d.stop_reason)])
-            usage = self._usage()
-            if include_usage:
-                yield self._chunk([], usage)
-            self.exchange.done(usage, finish, "".join(texts))
-        except ApiError as exc:
-            self.ctx.http_error(exc.status)
-            self.exchange.failed(exc.body(), exc.message, stream=True)
-            yield exc.sse_data()
-        yield DONE
+        async for d in self._stream():
+            text, lps = d.text, d.logprobs
+            if self.req.echo and d.index not in started:
+                text = self._echo(d.index) + text
+                if lps is not None:
+                    lps = self._echo_logprobs(d.index) + lps
+            started.add(d.index)
+            if d.index == 0:
+                tail.texts.append(text)
+                tail.finish = d.finish_reason or tail.finish
+            yield self._chunk([self._choice(d.index, text, lps, d.finish_reason, d.stop_reason)])

@@ -49,6 +49,13 @@ class ServerContext:
         if name is not None and name != self.model_name:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
+    def admit(self, model: str | None, n: int, num_requests: int) -> None:
+        """A generation request's checks before any template or tokenization work: the model, `n` within its cap
+        (a 400 ahead of the 429), then room in the queue for its `num_requests` engine requests."""
+        self.check_model(model)
+        self.limits.check_n(n)
+        self.engine.check_capacity(num_requests)
+
     @property
     def cache_report(self) -> bool:
         return bool(self.config.observability.enable_cache_report)

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
 
 from appliance.observability import StreamAggregator
+from appliance.server.errors import ApiError
+from appliance.server.request_body import read_json
+
+if TYPE_CHECKING:
+    from appliance.server.context import ServerContext
 
 
 class Exchange:
@@ -53,3 +62,16 @@ class Exchange:
         if self.request_id is not None:
             self.obs.request_log.finished(self.request_id, "error", self.num_prompt_tokens, 0,
                                           e2e_s=time.monotonic() - self.started, error=message)
+
+
+async def run_exchange(ctx: ServerContext, request: Request,
+                       create: Callable[[ServerContext, Request, Any, Exchange], Awaitable[Response]]) -> Response:
+    """The chat and completions routes alike: read the body, open its Exchange, let `create` answer; an ApiError
+    on the way is recorded as the exchange's failure, then answered by the app's error handler."""
+    body = await read_json(request, ctx.config.api.caps.max_body_bytes)
+    exchange = Exchange(ctx.obs, request.url.path, body)
+    try:
+        return await create(ctx, request, body, exchange)
+    except ApiError as exc:
+        exchange.failed(exc.body(), exc.message)
+        raise

@@ -209,3 +209,31 @@ def new_request_id(prefix: str) -> str:
     import uuid
 
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Collected:
+    """A whole non-streamed answer, per choice index: its text pieces, logprobs and (finish, stop) reasons."""
+
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    finish: dict[int, tuple[str | None, Any]] = field(default_factory=dict)
+
+    def text(self, index: int) -> str:
+        return "".join(self.texts.get(index, []))
+
+    def reasons(self, index: int) -> tuple[str | None, Any]:
+        """(finish_reason, stop_reason); a choice that never finished was aborted."""
+        return self.finish.get(index, ("abort", None))
+
+
+async def collect_choices(stream: AsyncIterator[ChoiceDelta]) -> Collected:
+    out = Collected()
+    async for d in stream:
+        out.texts.setdefault(d.index, []).append(d.text)
+        if d.logprobs is not None:
+            out.logprobs.setdefault(d.index, []).extend(d.logprobs)
+        if d.finish_reason is not None:
+            out.finish[d.index] = (d.finish_reason, d.stop_reason)
+    return out
+

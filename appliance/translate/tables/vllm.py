@@ -119,7 +119,7 @@ _FLAGS = (
             "step budget becomes scheduler.max_prefill_tokens", S, arity="flag"),
     similar("--scheduling-policy", "scheduler.policy", "vLLM's `priority` policy has no equivalent", S,
             values=(("fcfs", "fcfs"),), closed=True),
-    implied("--async-scheduling", "the scheduler always plans the next step while the GPU runs", S, arity="flag"),
+    same("--async-scheduling", "scheduler.enable_overlap", S, arity="flag"),
     same("--stream-interval", "api.stream_interval", S),
     similar("--cuda-graph-sizes", "backends.cuda_graph_sizes", "deprecated in vLLM for "
             "--cudagraph-capture-sizes", S, arity="list"),
