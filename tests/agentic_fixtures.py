@@ -8,17 +8,11 @@
 """
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
+from pipeline_server import start_run, terminate, wait_healthy
 
 THINK_TAGS = ["<think>", "</think>"]
 
@@ -46,36 +40,14 @@ def build_think_model(root: Path) -> Path:
     return build_tiny_model("llama", root / "model", tok_dir)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def served(config_toml: str, cfg_path: Path, port: int, timeout_s: float = 120.0) -> Iterator[str]:
     """Run `appliance run` on this config until the block ends; yields the base URL."""
     cfg_path.write_text(config_toml)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", str(cfg_path)], env=env)
+    proc = start_run(cfg_path)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert proc.poll() is None, "the supervisor exited during start-up"
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"not ready in {timeout_s:.0f} s"
-            time.sleep(0.2)
+        wait_healthy(proc, base, timeout_s)
         yield base
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc)

@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from agentic_fixtures import TEMPLATE, build_think_model, free_port, served
+from agentic_fixtures import TEMPLATE, build_think_model, served
+from pipeline_server import free_port
 
 from appliance.server.parsers.tool_calls.schema_check import validate
 

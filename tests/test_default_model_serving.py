@@ -3,10 +3,8 @@ the official openai client, with the completion checked against transformers' gr
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,49 +14,26 @@ torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from pipeline_server import free_port, terminate, wait_healthy
+
 import appliance
 
 MODEL_DIR = Path(appliance.__file__).resolve().parent / "assets" / "default_model"
 READY_TIMEOUT_S = 180
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(proc: subprocess.Popen, base: str) -> None:
-    deadline = time.time() + READY_TIMEOUT_S
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"appliance run exited with {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"appliance run was not ready within {READY_TIMEOUT_S}s")
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="2")
     proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", "--set", f"api.port={port}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, base)
+        wait_healthy(proc, base, READY_TIMEOUT_S, probe_timeout_s=2)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
 
 @pytest.mark.slow

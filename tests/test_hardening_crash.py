@@ -5,17 +5,15 @@ test_pipeline_e2e.py; SIGKILL of the supervisor: test_runtime_supervisor.py.) Th
 pipelines."""
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
-from test_observability_e2e import launch
-from test_pipeline_e2e import Server, _free_port, alive
+from pipeline_server import Server, free_port, kill_stage, launch, stop, survivors
 
 pytestmark = pytest.mark.slow
 
@@ -44,25 +42,10 @@ log_level = "error"
 
 @pytest.fixture(scope="module")
 def server(make_tiny_model: Any) -> Iterator[Server]:
-    port = _free_port()
-    srv = launch(config(make_tiny_model("llama"), port, timeout=TIMEOUT), port)
+    port = free_port()
+    srv = launch(config(make_tiny_model("llama"), port, timeout=TIMEOUT), port, headers=AUTH)
     yield srv
-    if srv.proc.poll() is None:
-        srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(timeout=30) == 0
-
-
-def stats(srv: Server) -> dict[str, Any]:
-    return httpx.get(f"{srv.base}/v1/internal/stats", headers=AUTH, timeout=10).json()
-
-
-def wait_idle(srv: Server, timeout: float = 5.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = stats(srv)
-        if (s["num_running"], s["num_waiting"], s["kv_blocks_owned"]) == (0, 0, 0) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.05)
+    stop(srv)
 
 
 def in_flight(srv: Server, stream: bool, out: dict[str, Any]) -> threading.Thread:
@@ -94,13 +77,13 @@ def test_request_timeout_ends_the_request_and_frees_its_blocks(server: Server) -
         "prompt": "Hello", "max_tokens": 480, "ignore_eos": True})
     assert r.status_code == 408 and r.json()["error"]["code"] == "timeout", r.text
     assert TIMEOUT < time.monotonic() - t0 < TIMEOUT + 2
-    s = wait_idle(server, timeout=2)
+    s = server.wait_idle(timeout=2)
     assert s["kv_blocks_owned"] == 0 and s["num_running"] == 0
     out: dict[str, Any] = {}
     in_flight(server, True, out).join(timeout=10)
     assert out["status"] == 200 and '"code": "timeout"' in out["body"].replace('":"', '": "'), out["body"][-300:]
     assert out["end"] - out["first"] < TIMEOUT + 2
-    s = wait_idle(server, timeout=2)
+    s = server.wait_idle(timeout=2)
     assert s["kv_blocks_owned"] == 0 and s["accounting_ok"]
 
 
@@ -129,55 +112,51 @@ def _check_crash(srv: Server, outs: list[dict[str, Any]], killed_at: float, erro
             assert "error" in out or '"error"' in out.get("body", ""), out
         assert "Traceback" not in out.get("body", "")
     assert srv.proc.wait(timeout=20) != 0
-    deadline = time.monotonic() + 5
-    while any(alive(p) for p in srv.stages) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(alive(p) for p in srv.stages), {p: n for p, n in srv.stages.items() if alive(p)}
+    left = survivors(srv.stages, within_s=5)
+    assert not left, left
 
 
 def _start_in_flight(srv: Server) -> tuple[list[dict[str, Any]], list[threading.Thread]]:
     outs: list[dict[str, Any]] = [{}, {}]
     threads = [in_flight(srv, True, outs[0]), in_flight(srv, False, outs[1])]
     deadline = time.monotonic() + 10
-    while stats(srv)["num_running"] < 2 or "first" not in outs[0]:
+    while srv.stats()["num_running"] < 2 or "first" not in outs[0]:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     return outs, threads
 
 
-def test_killing_the_scheduler_fails_every_request_fast(make_tiny_model: Any) -> None:
-    port = _free_port()
-    srv = launch(config(make_tiny_model("llama"), port), port)
+@contextmanager
+def own_pipeline(model: Any) -> Iterator[Server]:
+    """A pipeline of its own for a test that kills one of its stages; SIGKILLed if it outlives the test."""
+    port = free_port()
+    srv = launch(config(model, port), port, headers=AUTH)
     try:
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+
+
+def test_killing_the_scheduler_fails_every_request_fast(make_tiny_model: Any) -> None:
+    with own_pipeline(make_tiny_model("llama")) as srv:
         outs, threads = _start_in_flight(srv)
-        sched = next(p for p, n in srv.stages.items() if n == "scheduler")
-        os.kill(sched, signal.SIGKILL)
-        killed = time.monotonic()
+        killed = kill_stage(srv, "scheduler")
         codes = _health_codes_until_down(srv, killed + 4)
         for t in threads:
             t.join(timeout=10)
         assert 200 not in codes[5:], codes  # 503 (a failed engine) until the HTTP process stops
         assert 503 in codes, codes
         _check_crash(srv, outs, killed, errors="event")
-    finally:
-        if srv.proc.poll() is None:
-            srv.proc.kill()
 
 
 def test_killing_the_tokenizer_process_stops_everything(make_tiny_model: Any) -> None:
     """The HTTP process itself dies, so its clients see the connection break; the supervisor stops the rest."""
-    port = _free_port()
-    srv = launch(config(make_tiny_model("llama"), port), port)
-    try:
+    with own_pipeline(make_tiny_model("llama")) as srv:
         outs, threads = _start_in_flight(srv)
-        tok = next(p for p, n in srv.stages.items() if n == "tokenizer")
-        os.kill(tok, signal.SIGKILL)
-        killed = time.monotonic()
+        killed = kill_stage(srv, "tokenizer")
         for t in threads:
             t.join(timeout=10)
         _check_crash(srv, outs, killed, errors="broken")
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{srv.base}/health", timeout=1)
-    finally:
-        if srv.proc.poll() is None:
-            srv.proc.kill()

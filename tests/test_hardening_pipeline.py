@@ -20,9 +20,9 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pipeline_server import Server, free_port, launch, stop, survivors
 from test_hardening_fuzz import LEAKS, ROUTES, bodies, check_answer
-from test_observability_e2e import launch, prompt_ids
-from test_pipeline_e2e import Server, _free_port, alive
+from test_observability_e2e import prompt_ids
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ TEMPLATE = ("{% if slow is defined %}{% for i in range(100000) %}{% for j in ran
 
 @pytest.fixture(scope="module")
 def server(make_tiny_model: Any) -> Iterator[Server]:
-    port = _free_port()
+    port = free_port()
     srv = launch(f'''
 [model]
 path = "{make_tiny_model("llama")}"
@@ -66,30 +66,14 @@ max_body_bytes = 65536
 [observability]
 enable_metrics = true
 log_level = "error"
-''', port)
+''', port, headers=AUTH)
     yield srv
-    if srv.proc.poll() is None:
-        srv.proc.send_signal(signal.SIGTERM)
-        srv.proc.wait(timeout=30)
-    assert not any(alive(pid) for pid in srv.stages)
-
-
-def stats(srv: Server) -> dict[str, Any]:
-    return httpx.get(f"{srv.base}/v1/internal/stats", headers=AUTH, timeout=10).json()
-
-
-def wait_idle(srv: Server, timeout: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = stats(srv)
-        if (s["num_running"], s["num_waiting"], s["kv_blocks_owned"]) == (0, 0, 0) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.05)
+    stop(srv, expect_clean_exit=False)
 
 
 def assert_healthy_and_accounted(srv: Server) -> None:
     assert httpx.get(f"{srv.base}/health", timeout=5).status_code == 200
-    s = wait_idle(srv)
+    s = srv.wait_idle()
     assert (s["num_running"], s["num_waiting"], s["kv_blocks_owned"]) == (0, 0, 0), s
     assert s["kv_blocks_free"] + s["kv_blocks_cached"] == s["kv_blocks_total"] and s["accounting_ok"], s
     m = httpx.get(f"{srv.base}/metrics", timeout=5).text
@@ -204,19 +188,19 @@ def test_a_bad_token_id_sent_past_the_server_fails_in_the_scheduler_not_the_work
         def __reduce__(self) -> tuple:
             return (os.system, (f"touch {marker}",))
 
-    before = stats(server)["malformed_frames"]
+    before = server.stats()["malformed_frames"]
     push.send(pickle.dumps(Evil()))  # never unpickled: the typed codec drops it
     push.close(linger=1000)
     ctx.term()
     time.sleep(0.5)
-    assert stats(server)["malformed_frames"] == before + 1 and not os.path.exists(marker)
+    assert server.stats()["malformed_frames"] == before + 1 and not os.path.exists(marker)
     r = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert_healthy_and_accounted(server)
 
 
-def _unix_socket_of(pid: int, name: str) -> str:
-    """The ipc:// endpoint a process bound whose path ends with /name (from /proc/net/unix)."""
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets a process holds open (its /proc fd links read "socket:[inode]")."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -225,6 +209,12 @@ def _unix_socket_of(pid: int, name: str) -> str:
             continue
         if link.startswith("socket:["):
             inodes.add(link[8:-1])
+    return inodes
+
+
+def _unix_socket_of(pid: int, name: str) -> str:
+    """The ipc:// endpoint a process bound whose path ends with /name (from /proc/net/unix)."""
+    inodes = _socket_inodes(pid)
     with open("/proc/net/unix") as f:
         for line in f.readlines()[1:]:
             parts = line.split()
@@ -245,7 +235,7 @@ def _fill_queue(srv: Server, leave: threading.Event, outs: list[dict[str, Any]])
             outs.append({})
             threads.append(long_stream(srv, FILL_TOKENS, outs[-1], prompt_ids(i, 8), leave))
         deadline = time.monotonic() + 30
-        while ((s := stats(srv))["num_running"], s["num_waiting"]) != want and time.monotonic() < deadline:
+        while ((s := srv.stats())["num_running"], s["num_waiting"]) != want and time.monotonic() < deadline:
             if any(o.get("lines", [""])[-1:] == ["data: [DONE]"] for o in outs[:2]):
                 return threads  # a running one finished before the rest arrived: the caller tries again
             time.sleep(0.01)
@@ -278,7 +268,7 @@ def test_overload_answers_429_at_once_and_health_stays_up(server: Server) -> Non
         outs: list[dict[str, Any]] = []
         threads = _fill_queue(server, leave, outs)
         answers = _probe_while_full(server)
-        s = stats(server)
+        s = server.stats()
         still_full = (s["num_running"], s["num_waiting"]) == (2, MAX_QUEUED)
         leave.set()
         for t in threads:
@@ -287,7 +277,7 @@ def test_overload_answers_429_at_once_and_health_stays_up(server: Server) -> Non
         assert not any(ln.startswith('data: {"error"') for o in outs for ln in o.get("lines", [])), outs
         if still_full:
             break
-        wait_idle(server)
+        server.wait_idle()
     else:
         raise AssertionError(f"the queue never stayed full through the probes: {s}")
     for r, took in answers[:4]:
@@ -323,7 +313,7 @@ def test_a_disconnect_mid_prefill_frees_the_blocks(server: Server, stream: bool)
     s = _raw_request(server, {"prompt": prompt_ids(40 + stream, 480), "max_tokens": 30, "stream": stream})
     deadline = time.monotonic() + 10
     while True:
-        st_ = stats(server)
+        st_ = server.stats()
         if st_["kv_blocks_owned"] > 0:
             break
         assert time.monotonic() < deadline
@@ -331,7 +321,7 @@ def test_a_disconnect_mid_prefill_frees_the_blocks(server: Server, stream: bool)
     steps = st_["num_steps"]
     s.close()
     t0 = time.monotonic()
-    after = wait_idle(server, timeout=5)
+    after = server.wait_idle(timeout=5)
     assert after["kv_blocks_owned"] == 0 and after["num_running"] == 0 and time.monotonic() - t0 < 2
     assert after["num_steps"] - steps < 15  # freed before the 15-step prefill could have finished
     assert _abort_count(server) == aborts + 1
@@ -345,9 +335,9 @@ def test_a_disconnect_mid_stream_frees_the_blocks(server: Server) -> None:
             "stream": True}) as r:
         lines = r.iter_lines()
         assert [next(lines) for _ in range(4)]
-        assert stats(server)["num_running"] == 1
+        assert server.stats()["num_running"] == 1
     t0 = time.monotonic()
-    after = wait_idle(server, timeout=5)
+    after = server.wait_idle(timeout=5)
     assert after["kv_blocks_owned"] == 0 and time.monotonic() - t0 < 2
     assert _abort_count(server) == aborts + 1
 
@@ -407,15 +397,7 @@ def test_host_header_is_checked(server: Server) -> None:
 
 def test_nothing_listens_beyond_loopback(server: Server) -> None:
     pids = [server.proc.pid, *server.stages]
-    inodes: set[str] = set()
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
+    inodes: set[str] = set().union(*(_socket_inodes(pid) for pid in pids))
     listening = []
     for table, loopback in (("/proc/net/tcp", "0100007F"), ("/proc/net/tcp6", "00000000000000000000000001000000")):
         with open(table) as f:
@@ -450,7 +432,7 @@ def test_sigterm_drains_open_requests_then_exits_cleanly(server: Server) -> None
     out: dict[str, Any] = {}
     t = long_stream(server, 150, out)
     deadline = time.monotonic() + 10
-    while stats(server)["num_running"] == 0:
+    while server.stats()["num_running"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     server.proc.send_signal(signal.SIGTERM)
@@ -467,7 +449,4 @@ def test_sigterm_drains_open_requests_then_exits_cleanly(server: Server) -> None
     assert json.loads(out["lines"][-2][6:])["usage"]["completion_tokens"] == 150, out["lines"][-3:]
     assert server.proc.wait(timeout=GRACE + 10) == 0
     assert time.monotonic() - t0 < GRACE + 10
-    deadline = time.monotonic() + 5
-    while any(alive(p) for p in server.stages) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(alive(p) for p in server.stages)
+    assert not survivors(server.stages, within_s=5)

@@ -2,6 +2,8 @@
 prefix caching and preemption (CPU, float32, tiny random-weight models)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from appliance import LLM, SamplingParams
@@ -23,30 +25,45 @@ SETUPS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def references(make_tiny_model, hf_greedy):
-    return {arch: hf_greedy(make_tiny_model(arch), PROMPTS, NEW) for arch in ARCHS}
+def greedy_params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(arch, make_tiny_model, references):
-    path = make_tiny_model(arch)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
+def greedy_references(archs: list[str], make_tiny_model, hf_greedy) -> dict[str, list]:
+    """arch -> transformers' greedy (tokens, logprobs) of every prompt: the oracle."""
+    return {arch: hf_greedy(make_tiny_model(arch), PROMPTS, NEW) for arch in archs}
+
+
+def each_setup_matching(path, refs: list, **llm_kwargs) -> Iterator[tuple[str, dict, LLM]]:
+    """For each of SETUPS: an LLM on path whose greedy tokens and logprobs on PROMPTS were checked against refs
+    (and the cumulative logprob against their sum); the caller checks the rest before the next one."""
+    params = greedy_params()
     for name, overrides in SETUPS:
-        llm = LLM(model=str(path), dtype="float32", block_size=4, **overrides)
+        llm = LLM(model=str(path), dtype="float32", block_size=4, **llm_kwargs, **overrides)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        for out, (ref_tokens, ref_lps) in zip(outs, references[arch]):
+        for out, (ref_tokens, ref_lps) in zip(outs, refs):
             got = out.outputs[0]
             assert got.token_ids == ref_tokens, (name, out.prompt_token_ids)
             ours = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
             assert ours == pytest.approx(ref_lps, abs=1e-4), name
             assert got.cumulative_logprob == pytest.approx(sum(ref_lps), abs=1e-3)
+        yield name, overrides, llm
+
+
+@pytest.fixture(scope="module")
+def references(make_tiny_model, hf_greedy):
+    return greedy_references(ARCHS, make_tiny_model, hf_greedy)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(arch, make_tiny_model, references):
+    for name, overrides, llm in each_setup_matching(make_tiny_model(arch), references[arch]):
         stats = llm.engine.stats()
         if name.startswith("preempt"):
             assert stats.num_preemptions > 0, "the tiny cache should have forced preemption"
         if overrides["enable_prefix_caching"] and not name.startswith("preempt"):
             # a second pass over the same prompts hits the prefix cache and still matches
-            again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+            again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())
             assert [o.outputs[0].token_ids for o in again] == [r[0] for r in references[arch]]
             assert sum(o.num_cached_tokens for o in again) > 0
         assert llm.engine.check_accounting().ok

@@ -3,9 +3,7 @@ moves as requests run, a ZMQ subscriber sees the prefix cache's BlockStored / Bl
 in the seeds' format, and the request dump replays to the same answers. One server for the module."""
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,39 +16,12 @@ import httpx
 import msgpack
 import pytest
 import zmq
+from pipeline_server import Server, free_port, launch, stop
 from prometheus_client.parser import text_string_to_metric_families
-from test_pipeline_e2e import Server, _free_port, alive
 
 pytestmark = pytest.mark.slow
 
 BLOCK = 16
-
-
-def launch(config_toml: str, port: int, timeout: float = 120.0, **popen: Any) -> Server:
-    """Start `appliance run` on a config file's text; returns once /health answers 200."""
-    d = Path(tempfile.mkdtemp(prefix="appl-"))
-    cfg = d / "serve.toml"
-    cfg.write_text(config_toml)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", str(cfg)], env=env, **popen)
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, "the supervisor exited during start-up"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"not ready in {timeout} s"
-        time.sleep(0.2)
-    return Server(proc, port)
-
-
-def stop(srv: Server) -> None:
-    if srv.proc.poll() is None:
-        srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(timeout=30) == 0
-    assert not any(alive(pid) for pid in srv.stages)
 
 
 def scrape(srv: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -78,7 +49,7 @@ def ipc_dir() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def server(make_tiny_model: Any, ipc_dir: str) -> Iterator[Server]:
-    port = _free_port()
+    port = free_port()
     srv = launch(f'''
 [model]
 path = "{make_tiny_model("llama")}"

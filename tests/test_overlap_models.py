@@ -6,29 +6,25 @@ from __future__ import annotations
 import pytest
 
 from appliance import LLM, SamplingParams
-from tests.test_models_vs_transformers import NEW, PROMPTS, SETUPS
+from tests.test_models_vs_transformers import (
+    NEW,
+    PROMPTS,
+    each_setup_matching,
+    greedy_references,
+)
 
 ARCHS = ["llama", "qwen3"]
 
 
 @pytest.fixture(scope="module")
 def references(make_tiny_model, hf_greedy):
-    return {arch: hf_greedy(make_tiny_model(arch), PROMPTS, NEW) for arch in ARCHS}
+    return greedy_references(ARCHS, make_tiny_model, hf_greedy)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_overlap_greedy_matches_transformers(arch, make_tiny_model, references):
-    path = make_tiny_model(arch)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
-    for name, overrides in SETUPS:
-        llm = LLM(model=str(path), dtype="float32", block_size=4, async_scheduling=True, **overrides)
+    for name, _, llm in each_setup_matching(make_tiny_model(arch), references[arch], async_scheduling=True):
         assert llm.engine.overlap
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        for out, (ref_tokens, ref_lps) in zip(outs, references[arch]):
-            got = out.outputs[0]
-            assert got.token_ids == ref_tokens, (name, out.prompt_token_ids)
-            ours = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
-            assert ours == pytest.approx(ref_lps, abs=1e-4), name
         stats = llm.engine.stats()
         if name.startswith("preempt"):
             assert stats.num_preemptions > 0, "the tiny cache should have forced preemption"

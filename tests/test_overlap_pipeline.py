@@ -2,20 +2,15 @@
 completions equal the offline synchronous engine's, concurrent and aborted streams leave every block free."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import pytest
 
 from appliance import LLM, SamplingParams
-from tests.test_pipeline_e2e import Server, _free_port, alive, client
+from tests.pipeline_server import Server, free_port, launch, stop
+from tests.test_pipeline_e2e import client
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7, 8, 9], [77], list(range(200, 217)), [90, 90, 90, 100, 101]]
@@ -24,9 +19,9 @@ PROMPTS = [[5, 6, 7, 8, 9], [77], list(range(200, 217)), [90, 90, 90, 100, 101]]
 @pytest.fixture(scope="module")
 def overlap_server(make_tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model = make_tiny_model("llama")
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path_factory.mktemp("overlap") / "serve.toml"
-    cfg.write_text(f'''
+    config = f'''
 [model]
 path = "{model}"
 device = "cpu"
@@ -40,25 +35,10 @@ port = {port}
 served_model_name = "tiny"
 [observability]
 log_level = "warning"
-''')
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", str(cfg)], env=env)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, "the supervisor exited during start-up"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "not ready in 120 s"
-        time.sleep(0.2)
-    srv = Server(proc, port)
+'''
+    srv = launch(config, port, cfg_path=cfg)
     yield srv
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    assert not any(alive(pid) for pid in srv.stages)
+    stop(srv)
 
 
 def test_overlap_pipeline_equals_the_synchronous_engine(overlap_server: Server, make_tiny_model: Any) -> None:

@@ -7,8 +7,6 @@ import concurrent.futures
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,15 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from pipeline_server import (
+    alive,
+    free_port,
+    stage_children,
+    start_run,
+    stop,
+    survivors,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -23,16 +30,10 @@ PROMPTS = ["The quick brown fox", "Hello world! Hello there,", "def main():\n", 
 MAX_TOKENS = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _free_port_block(n: int) -> int:
     """A port P with P .. P + n - 1 all free now (multi-node derives its socket ports from P)."""
     for _ in range(50):
-        base = _free_port()
+        base = free_port()
         try:
             socks = []
             for p in range(base, base + n):
@@ -48,59 +49,23 @@ def _free_port_block(n: int) -> int:
     raise RuntimeError("no block of free ports")
 
 
-def stage_children(pid: int) -> dict[int, str]:
-    """pid -> stage name of the supervisor's children (the name is in each command line)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"appliance.runtime.stage" in cmd:
-            found[int(entry)] = cmd[cmd.index(b"appliance.runtime.stage") + 1].decode()
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 class Pipeline:
     def __init__(self, model: Path, tmp: Path, device: str = "cpu", port: int | None = None, wait: bool = True,
                  **parallelism: Any) -> None:
-        port = port or _free_port()
+        port = port or free_port()
         cfg = tmp / f"serve{parallelism.get('node_rank', '')}.toml"
         par = "\n".join(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}" for k, v in parallelism.items())
         cfg.write_text(f'[model]\npath = "{model}"\ndevice = "{device}"\n[parallelism]\n{par}\n'
                        f'[cache]\nmax_total_tokens = 2048\n[api]\nport = {port}\nserved_model_name = "tiny"\n'
                        '[observability]\nlog_level = "warning"\n')
-        self.proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", str(cfg)],
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.proc = start_run(cfg)
         self.base = f"http://127.0.0.1:{port}"
         self.stages: dict[int, str] = {}
         if wait:
             self.wait_ready()
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, "the supervisor exited during start-up"
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "not ready in 120 s"
-            time.sleep(0.2)
+        wait_healthy(self.proc, self.base, timeout_s=120)
         self.stages = stage_children(self.proc.pid)
 
     def post(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -125,11 +90,7 @@ class Pipeline:
             time.sleep(0.1)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=30)
-        assert not [n for pid, n in self.stages.items() if alive(pid)], "a stage outlived the supervisor"
-        return code
+        return stop(self, expect_clean_exit=False)  # the callers assert the exit code
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +133,7 @@ def test_tp2_matches_tp1_and_dies_cleanly(make_tiny_model: Any, reference: list[
         if pipe.proc.poll() is None:
             pipe.proc.kill()
         pipe.proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pipe.stages) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [n for pid, n in pipe.stages.items() if alive(pid)], "orphaned stages"
+    assert not survivors(pipe.stages, within_s=10), "orphaned stages"
 
 
 def test_dp2_matches_tp1_and_balances(make_tiny_model: Any, reference: list[str], tmp_path: Path) -> None:
@@ -210,7 +168,7 @@ def test_tp2_on_two_gpus_with_nccl(make_tiny_model: Any, tmp_path: Path) -> None
 def test_two_nodes_over_loopback(make_tiny_model: Any, reference: list[str], tmp_path: Path) -> None:
     """tp = 2 over two "nodes" (two supervisors, one worker each, tcp between them): node 0 serves HTTP; when
     the head stops, the other node's worker loses its scheduler and that node ends non-zero, leaving nothing."""
-    model, port = make_tiny_model("llama"), _free_port()
+    model, port = make_tiny_model("llama"), free_port()
     rendezvous = _free_port_block(5)  # P: torch rendezvous, P+1, P+2: plan sockets, P+3: results
     common = {"tp": 2, "nnodes": 2, "dist_init_addr": f"127.0.0.1:{rendezvous}"}
     other = Pipeline(model, tmp_path, port=port, wait=False, node_rank=1, **common)

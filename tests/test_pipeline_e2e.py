@@ -6,8 +6,6 @@ import asyncio
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from pipeline_server import Server, alive, free_port, launch, stop
 
 pytestmark = pytest.mark.slow
 
@@ -22,66 +21,12 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{%
             "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def children_of(pid: int) -> dict[int, str]:
-    """pid -> stage name of the supervisor's children (names are in their command lines)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"appliance.runtime.stage" in cmd:
-            found[int(entry)] = cmd[cmd.index(b"appliance.runtime.stage") + 1].decode()
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, port: int) -> None:
-        self.proc = proc
-        self.base = f"http://127.0.0.1:{port}"
-        self.stages = children_of(proc.pid)
-
-    def stats(self) -> dict[str, Any]:
-        return httpx.get(f"{self.base}/v1/internal/stats", timeout=10).json()
-
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.stats()
-            if (s["num_running"], s["num_waiting"], s["kv_blocks_owned"]) == (0, 0, 0) or time.monotonic() > deadline:
-                return s
-            time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def server(make_tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model = make_tiny_model("llama")
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path_factory.mktemp("e2e") / "serve.toml"
-    cfg.write_text(f'''
+    config = f'''
 [model]
 path = "{model}"
 device = "cpu"
@@ -95,26 +40,12 @@ chat_template = {TEMPLATE!r}
 enable_metrics = true
 enable_cache_report = true
 log_level = "warning"
-''')
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli.main", "run", str(cfg)], env=env)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, "the supervisor exited during start-up"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "not ready in 120 s"
-        time.sleep(0.2)
-    srv = Server(proc, port)
-    print(f"pipeline ready {120 - (deadline - time.monotonic()):.1f} s after start")
+'''
+    t0 = time.monotonic()
+    srv = launch(config, port, cfg_path=cfg)
+    print(f"pipeline ready {time.monotonic() - t0:.1f} s after start")
     yield srv
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    assert not any(alive(pid) for pid in srv.stages)
+    stop(srv)
 
 
 @pytest.fixture(autouse=True)

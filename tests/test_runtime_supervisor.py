@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_pipeline_e2e import _free_port, alive, children_of
+from pipeline_server import free_port, stage_children, survivors, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -23,32 +23,19 @@ def _start(model: Path | str, port: int, *extra: str) -> subprocess.Popen:
                             env=env, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("not ready")
-
-
 def test_a_stage_that_cannot_start_is_named_and_nothing_is_left(tmp_path: Path) -> None:
-    proc = _start(tmp_path / "no-such-model", _free_port())
+    proc = _start(tmp_path / "no-such-model", free_port())
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "stage worker0 failed" in err and "no-such-model" in err
 
 
 def test_sigkill_of_the_supervisor_takes_the_children_down(make_tiny_model: Any) -> None:
-    port = _free_port()
+    port = free_port()
     proc = _start(make_tiny_model("llama"), port)
     try:
-        _wait_ready(proc, port)
-        kids = children_of(proc.pid)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", timeout_s=120)
+        kids = stage_children(proc.pid)
         assert sorted(kids.values()) == ["scheduler", "tokenizer", "worker0"]
         body = {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=30) as h, h.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
@@ -66,10 +53,8 @@ def test_sigkill_of_the_supervisor_takes_the_children_down(make_tiny_model: Any)
             assert time.monotonic() - t0 < 5
             assert rest and ('"error"' in " ".join(rest) or rest[-1] == "connection broken"), rest[-3:]
             assert "data: [DONE]" not in rest or '"error"' in " ".join(rest)
-        deadline = time.monotonic() + 5
-        while any(alive(p) for p in kids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(alive(p) for p in kids), {p: n for p, n in kids.items() if alive(p)}
+        left = survivors(kids, within_s=5)
+        assert not left, left
     finally:
         if proc.poll() is None:
             proc.kill()

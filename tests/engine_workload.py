@@ -1,0 +1,116 @@
+"""Random engine workloads for the property tests (a plain module the tests import, not a conftest): hypothesis
+strategies for an EngineConfig and an op list (arrivals with shared prefixes, aborts, steps), a driver that runs
+the ops through an EngineCore checking block accounting after each, and the check that every request that was not
+aborted generated exactly what it generates alone."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from appliance.engine import EngineConfig, EngineCore, SamplingParams
+from appliance.engine.fake_executor import FakeExecutor, reference_generation
+
+EOS = 0
+MAX_MODEL_LEN = 32
+
+config_st = st.builds(
+    dict,
+    block_size=st.sampled_from([2, 4]),
+    extra_blocks=st.sampled_from([0, 0, 1, 2, 3, 6, 24]),  # mostly tiny pools: preemption
+    max_num_seqs=st.integers(1, 8),
+    chunked_prefill_size=st.sampled_from([-1, 3, 8, 16, 64]),
+    max_prefill_tokens=st.sampled_from([4, 16, 64]),
+    enable_prefix_caching=st.booleans(),
+    policy=st.sampled_from(["fcfs", "lpm"]),
+)
+
+
+def ops_st(prefixes: Sequence[list[int]]) -> st.SearchStrategy[list]:
+    """Op lists: ("add", (prefix index, suffix, max_tokens, ignore_eos, min_tokens)), ("abort", i), ("step", n)."""
+    request_st = st.tuples(
+        st.sampled_from(range(len(prefixes))),
+        st.lists(st.integers(1, 40), min_size=1, max_size=12),  # suffix (0 is eos)
+        st.integers(1, 24),  # max_tokens
+        st.booleans(),  # ignore_eos
+        st.integers(0, 3),  # min_tokens
+    )
+    op_st = st.one_of(
+        st.tuples(st.just("add"), request_st),
+        st.tuples(st.just("add"), request_st),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+    )
+    return st.lists(op_st, min_size=6, max_size=50)
+
+
+def engine_config(cfg: dict) -> EngineConfig:
+    """The drawn config with a pool from "one sequence fits" upwards (cfg's extra_blocks is consumed)."""
+    num_blocks = -(-MAX_MODEL_LEN // cfg["block_size"]) + cfg.pop("extra_blocks")
+    return EngineConfig(num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, eos_token_ids={EOS}, **cfg)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    added: dict[str, tuple[list[int], SamplingParams]]
+    outputs: dict[str, list[int]]
+    finish: dict[str, str]
+    aborted: set[str]
+
+
+def drive(core: EngineCore, ops: list, prefixes: Sequence[list[int]]) -> Outcome:
+    """Runs the ops, then steps until no work is left; the accounting holds after every op and every step."""
+    added: dict[str, tuple[list[int], SamplingParams]] = {}
+    outputs: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    aborted: set[str] = set()
+
+    def run_step() -> None:
+        for d in core.step():
+            assert d.request_id not in finish, "delta after finish"
+            assert d.request_id not in aborted, "delta after abort"
+            outputs.setdefault(d.request_id, []).extend(d.new_token_ids)
+            if d.finish_reason is not None:
+                finish[d.request_id] = d.finish_reason
+
+    for kind, arg in ops:
+        if kind == "add":
+            pre, suffix, max_tokens, ignore_eos, min_tokens = arg
+            rid = f"r{len(added)}"
+            prompt = prefixes[pre] + suffix
+            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, min_tokens=min_tokens)
+            core.add_request(rid, prompt, sp)
+            added[rid] = (prompt, sp)
+        elif kind == "abort":
+            rid = f"r{arg}"
+            live = core.get_request(rid) is not None
+            assert core.abort(rid) == live
+            if live:
+                aborted.add(rid)
+        else:
+            for _ in range(arg):
+                run_step()
+        rep = core.check_accounting()
+        assert rep.ok, rep.problems
+
+    for _ in range(2000):
+        if not core.has_work():
+            break
+        run_step()
+        assert core.check_accounting().ok
+    assert not core.has_work(), "requests left unfinished"
+    return Outcome(added, outputs, finish, aborted)
+
+
+def assert_each_generates_what_it_generates_alone(ex: FakeExecutor, run: Outcome) -> None:
+    for rid, (prompt, sp) in run.added.items():
+        if rid in run.aborted:
+            assert rid not in run.finish
+            continue
+        want, reason = reference_generation(
+            ex.next_token, prompt, sp.max_tokens, MAX_MODEL_LEN, frozenset({EOS}),
+            min_tokens=sp.min_tokens, ignore_eos=sp.ignore_eos,
+        )
+        assert run.outputs[rid] == want and run.finish[rid] == reason, rid
+        assert len(run.outputs[rid]) <= sp.max_tokens
