@@ -1,0 +1,194 @@
+"""Measuring helpers of tools/bench_gpu.py: model construction, greedy equality, throughput, per-token time,
+graph replay and GEMV timings, weight bytes. Kept apart from the sections and the report so each file holds one
+concept; bench_gpu.py adds this folder to sys.path.
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 4096,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+OVERLAP = False  # --overlap: every LLM built here runs with scheduler.enable_overlap
+
+
+# ---- helpers used inside sections -----------------------------------------------------------------------------
+class Recorder:
+    """Accumulates a section's results and rewrites its JSON file after every entry."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.data = path, {}
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.path.write_text(json.dumps(self.data, indent=1))
+        print(f"  {key}: {value}", flush=True)
+
+
+def _llm(cfg: dict[str, Any], tmp: Path, **overrides: Any) -> Any:
+    from appliance import LLM
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    overrides.setdefault("enable_overlap_schedule", OVERLAP)
+    return LLM(model=str(tmp), load_format="dummy", dtype="bfloat16", seed=0, skip_tokenizer_init=True,
+               **overrides)
+
+
+def _prompts(rng: random.Random, vocab: int, lens: list[int]) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lens]
+
+
+def _greedy_equal(llm: Any, rng: random.Random, vocab: int, n: int, lens: list[int]) -> dict[str, Any]:
+    """Greedy tokens with graphs, then eagerly on the same model (prefix cache off so both compute alike)."""
+    from appliance import SamplingParams
+
+    runner = llm.executor.runner
+    prompts = _prompts(rng, vocab, lens)
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    runner.use_graphs = True
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    graphs = len(runner.graphs.graphs) if runner.graphs is not None else 0
+    runner.use_graphs = False
+    b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    runner.use_graphs = True
+    same = sum(x == y for x, y in zip(a, b))
+    first_diff = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None) for x, y in zip(a, b)]
+    return {"sequences_identical": f"{same}/{len(a)}", "ok": same == len(a), "graphs_captured": graphs,
+            "first_mismatch_positions": first_diff, "tokens_per_seq": n}
+
+
+def _throughput(llm: Any, prompts: list[dict[str, list[int]]], out_lens: list[int]) -> dict[str, float]:
+    from appliance import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    # time inside executor.execute (runner host work + GPU) vs the rest of engine.step (scheduler only: the GPU
+    # idles then, the loop being synchronous); with overlap, execute runs on the step thread beside the scheduler,
+    # so the difference means nothing and is left out
+    execute, step = llm.executor.execute, llm.engine.step
+    acc = {"execute": 0.0, "step": 0.0, "steps": 0}
+
+    def timed_execute(plan: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return execute(plan)
+        finally:
+            acc["execute"] += time.perf_counter() - t
+
+    def timed_step() -> Any:
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            acc["step"] += time.perf_counter() - t
+            acc["steps"] += 1
+
+    llm.executor.execute, llm.engine.step = timed_execute, timed_step
+    t0 = time.perf_counter()
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.executor.execute, llm.engine.step = execute, step
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = max(acc["steps"], 1)
+    return {"elapsed_s": round(elapsed, 2), "output_tokens": n_out, "output_tok_s": round(n_out / elapsed, 1),
+            "steps": acc["steps"], "ms_per_step": round(elapsed / steps * 1e3, 3),
+            "overlap": bool(llm.engine.overlap),
+            "scheduler_ms_per_step": None if llm.engine.overlap else round((acc["step"] - acc["execute"]) / steps * 1e3,
+                                                                           3),
+            "outside_engine_ms_per_step": round((elapsed - acc["step"]) / steps * 1e3, 3)}
+
+
+def _tpot(llm: Any, prompt: list[int], out_len: int) -> dict[str, float]:
+    """Mean wall time of the decode steps of one request alone (each step ends with reading its token back)."""
+    from appliance import SamplingParams
+
+    eng = llm.engine
+    rid = f"b1-{time.monotonic_ns()}"
+    eng.add_request(rid, prompt, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=out_len, ignore_eos=True))
+    times = []
+    while eng.has_work():
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    decode = times[1:]
+    return {"ttft_ms": round(times[0] * 1e3, 2), "tpot_ms": round(statistics.mean(decode) * 1e3, 3),
+            "tpot_p50_ms": round(statistics.median(decode) * 1e3, 3), "steps": len(times)}
+
+
+def _replay_ms(runner: Any) -> Any:
+    """GPU time of the last decode graph replayed, on its last inputs (median of 20, CUDA events): the step
+    time without the host's share (input building, sampling, scheduling)."""
+    import torch
+
+    graphs = runner.graphs
+    if graphs is None or graphs.last_key is None or not torch.cuda.is_available():
+        return None
+    replay = graphs.graphs[graphs.last_key]
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return {"key": str(graphs.last_key), "ms": round(statistics.median(times), 3)}
+
+
+def _gemv_ms(model: Any) -> Any:
+    """Batch-1 time of the weight matrices alone (torch linear, i.e. cuBLAS, replayed from a CUDA graph): how
+    much of a decode step the GEMVs take versus the weight-read floor."""
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        return None
+    layer = model.model.layers[0]
+    mats = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight]
+    n_layers = len(model.model.layers)
+    x = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in mats}
+    head = model.lm_head.weight
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode():
+        for w in mats:
+            F.linear(x[w.shape[1]], w)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            for _ in range(n_layers):
+                for w in mats:
+                    F.linear(x[w.shape[1]], w)
+            F.linear(x[head.shape[1]] if head.shape[1] in x else torch.randn(1, head.shape[1], dtype=head.dtype,
+                                                                              device=head.device), head)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    # one layer's matrices (8B: ~320 MB) re-read n_layers times: larger than the 50 MB L2, so HBM-bound too
+    return {"ms": round(statistics.median(times), 3), "note": "layer 0 matrices x n_layers + lm_head"}
+
+
+def _weight_bytes(model: Any) -> int:
+    """Bytes one decode step reads: every parameter, except an untied input embedding (only rows are read)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not getattr(model, "tie_word_embeddings", False):
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+# ---- sections ------------------------------------------------------------------------------------------------
