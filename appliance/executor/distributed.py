@@ -2,7 +2,8 @@
 
 The supervisor gives each worker the torch convention in its environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT): the world is one tensor-parallel group (a data-parallel replica is a separate world
-of its own, so replicas never wait for each other). gloo on the CPU, nccl on CUDA.
+of its own, so replicas never wait for each other). gloo on the CPU, nccl on CUDA; on the GPUs of one host the
+small all-reduces go one-shot over CUDA IPC buffers (layers/custom_all_reduce.py), set up right after the group.
 
 Shard-only reads: with tp > 1, checkpoint tensors are handed to the weight loaders as `LazyCheckpointTensor`s,
 which read from the safetensors file only the rows/columns a loader `narrow`s to (safetensors' get_slice); any
@@ -18,7 +19,12 @@ from typing import Any
 
 import torch
 
-from appliance.layers.parallel_state import get_tp_size, init_tensor_parallel
+from appliance.layers.custom_all_reduce import AllReduceSettings, build_one_shot
+from appliance.layers.parallel_state import (
+    get_tp_size,
+    init_tensor_parallel,
+    set_one_shot_all_reduce,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +57,11 @@ class DistributedEnv:
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
 
 
-def init_distributed(device_name: str, env: DistributedEnv | None = None) -> DistributedEnv:
-    """Join this worker's tensor-parallel group (no-op at world size 1); call before building the model."""
+def init_distributed(device_name: str, env: DistributedEnv | None = None, *,
+                     all_reduce: AllReduceSettings | None = None) -> DistributedEnv:
+    """Join this worker's tensor-parallel group (no-op at world size 1) and set up its all-reduce (the one-shot
+    over CUDA IPC buffers where it applies, `all_reduce` = AllReduceSettings.from_config(config)); call before
+    building the model."""
     d = env or DistributedEnv.from_env()
     if d.world_size == 1:
         init_tensor_parallel(0, 1)
@@ -71,6 +80,10 @@ def init_distributed(device_name: str, env: DistributedEnv | None = None) -> Dis
                             world_size=d.world_size, timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
     init_tensor_parallel(d.rank, d.world_size, dist.group.WORLD)
     log.info("rank %d of %d joined (%s, %s:%d)", d.rank, d.world_size, backend, d.master_addr, d.master_port)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    impl, line = build_one_shot(all_reduce or AllReduceSettings(), dist.group.WORLD, d.rank, d.world_size, device)
+    set_one_shot_all_reduce(impl)
+    log.info("rank %d: %s", d.rank, line)
     return d
 
 
@@ -89,6 +102,7 @@ def min_over_ranks(value: int) -> int:
 def shutdown_distributed() -> None:
     import torch.distributed as dist
 
+    set_one_shot_all_reduce(None)  # its symmetric buffer belongs to the group about to go
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     init_tensor_parallel(0, 1)

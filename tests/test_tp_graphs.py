@@ -1,0 +1,107 @@
+"""CUDA graphs under tensor parallelism: graph_settings turns them on for tp > 1, and the graphs' padded decode
+path (run without capture on the CPU) gives tp=2 (two gloo ranks) the same greedy tokens as tp=1.
+
+The ranks are this file run as a script (`python tests/test_tp_graphs.py RANK PORT MODEL OUT`): each joins a
+two-rank gloo group, builds the in-process engine over its shards and decodes through DecodeGraphs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+PROMPTS = [[5, 6, 7], list(range(10, 80)), [9] * 21]  # 3 rows -> padded to 4; tables of 1..20 blocks
+NEW_TOKENS = 10
+LLM_ARGS: dict[str, Any] = {"dtype": "float32", "block_size": 4, "max_total_tokens": 2048,
+                            "skip_tokenizer_init": True}
+
+
+def _greedy(llm: Any) -> list[list[int]]:
+    from appliance import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)]
+
+
+def _rank_main(rank: int, port: int, model: str, out: str) -> None:
+    """One tp rank: shards from parallel_state, decode steps through the graphs' padded static buffers."""
+    from appliance import LLM
+    from appliance.executor.cuda_graph import DecodeGraphs
+    from appliance.executor.distributed import (
+        DistributedEnv,
+        init_distributed,
+        shutdown_distributed,
+    )
+    from appliance.layers import parallel_state
+
+    init_distributed("cpu", DistributedEnv(rank, 2, rank, "127.0.0.1", port))
+    llm = LLM(model=model, **LLM_ARGS)  # tp=1 in the config: one in-process runner per rank, sharded by the group
+    r = llm.executor.runner
+    graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, [1, 2, 4, 8], r.max_blocks,
+                          r.block_size)
+    r.graphs, r.use_graphs = graphs, True
+    keys: list[list[int]] = []
+    run = graphs.run
+    graphs.run = lambda decodes, key, *rest: (keys.append([key.batch, key.width]), run(decodes, key, *rest))[1]
+    tokens = _greedy(llm)
+    report = {"tokens": tokens, "keys": keys, "one_shot": parallel_state._ONE_SHOT is not None,
+              "shard_heads": r.model.attention_layers()[0].num_kv_heads}
+    Path(out).write_text(json.dumps(report))
+    shutdown_distributed()
+
+
+def test_graph_settings_on_under_tensor_parallelism(monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance.executor.cuda_graph import graph_settings
+    from appliance.layers import parallel_state
+
+    config = SimpleNamespace(backends=SimpleNamespace(enforce_eager=False, cuda_graph_sizes=None,
+                                                      cuda_graph_max_bs=8),
+                             scheduler=SimpleNamespace(max_num_seqs=64))
+    llama = SimpleNamespace(supports_cuda_graphs=True)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.TensorParallelState(1, 2, object()))
+    assert graph_settings(config, llama, cuda) == [1, 2, 4, 8]  # tp=2: the all-reduces are captured
+    assert graph_settings(config, SimpleNamespace(), cuda) is None  # the model still has to declare support
+    assert graph_settings(config, llama, torch.device("cpu")) is None  # gloo: never captured
+    monkeypatch.setattr(parallel_state, "_EXPERT_PARALLEL", True)
+    assert graph_settings(config, llama, cuda) is None  # ep > 1 stays eager
+
+
+def test_tp2_padded_graph_path_matches_tp1_on_cpu(tiny_model: Path, tmp_path: Path) -> None:
+    from appliance import LLM
+    from appliance.runtime.topology import free_port
+
+    reference = _greedy(LLM(model=str(tiny_model), **LLM_ARGS))
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tiny_model), str(outs[r])], env=env)
+             for r in range(2)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    reports = [json.loads(o.read_text()) for o in outs]
+    from transformers import AutoConfig
+
+    kv_heads = AutoConfig.from_pretrained(str(tiny_model)).num_key_value_heads
+    for rep in reports:
+        assert rep["tokens"] == reference
+        assert rep["one_shot"] is False  # gloo: every message goes through torch.distributed
+        assert rep["shard_heads"] * 2 == kv_heads  # really sharded, not two full replicas
+        assert [4, 32] in rep["keys"] and {k[0] for k in rep["keys"]} <= {1, 2, 4}
+    assert reports[0]["keys"] == reports[1]["keys"]  # every rank replays the same graph key every step
+
+
+if __name__ == "__main__":
+    _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
