@@ -178,3 +178,32 @@ def test_triton_mla_decode_gpu_shapes(case: str) -> None:
 
     row = sc.run_case(next(c for c in sc.gpu_cases() if c.name == case), "cuda")
     assert row["err"] <= row["tol"], row
+
+
+@pytest.mark.parametrize("case", _case_names("small_prefill_cases"))
+def test_triton_mla_prefill_interpreted_matches_reference(interpreted: dict, case: str) -> None:
+    row = interpreted.get(case)
+    assert row is not None, f"{case} produced no result"
+    assert "error" not in row, row.get("error")
+    assert row["op"] == "mla_prefill" and row["err"] <= row["tol"], row
+
+
+def test_triton_backend_layer_uses_the_triton_mla_kernels() -> None:
+    pytest.importorskip("triton")
+    from appliance.kernels import registry
+    from appliance.layers.mla import MLAAttention
+
+    attn = MLAAttention(2, 32, 16, 8, 16, 0.1, backend="triton")
+    assert attn._prefill is registry.get("mla_prefill", "triton")
+    assert attn._decode is registry.get("mla_decode", "triton")
+    assert MLAAttention(2, 32, 16, 8, 16, 0.1)._prefill is registry.get("mla_prefill", "torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", _case_names("gpu_prefill_cases"))
+def test_triton_mla_prefill_gpu_shapes(case: str) -> None:
+    from appliance.kernels.mla import selfcheck as sc
+
+    row = sc.run_prefill_case(next(c for c in sc.gpu_prefill_cases() if c.name == case), "cuda")
+    assert row["err"] <= row["tol"], row

@@ -127,7 +127,7 @@ def test_unsupported_architecture(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("flat, match", [
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
-    ({"quantization": "fp8"}, "quantization"),
+    ({"quantization": "awq"}, "quantization"),
     ({"sampling_backend": "flashinfer"}, "sampling"),
     ({"attention_backend": "flashinfer"}, "attention"),
 ])

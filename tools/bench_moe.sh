@@ -1,44 +1,77 @@
 #!/usr/bin/env bash
-# Offline throughput of MoE shapes with dummy weights, through tools/bench_offline.py --config-json.
+# The MoE / MLA benchmark on one GPU, in one command (~6 minutes on an H100 80GB), ending in one table:
+#   1. correctness first: the fused-MoE (+ fp8 GEMM) and MLA (store, decode, prefill) selfchecks at model shapes;
+#   2. DeepSeek-V2-Lite and Qwen3-30B-A3B shapes (dummy weights, bf16) through tools/bench_offline.py: output
+#      tok/s at 1024 in / 1024 out with NUM_PROMPTS requests, then one request alone (BATCH1 decode steps) against
+#      the weight-read floor (bytes of the ACTIVE weights one step reads / copy bandwidth).
 #
-#   tools/bench_moe.sh deepseek-v2-lite [bench_offline args...]   # MLA + 64 experts (top-6) + 2 shared, ~16B
-#   tools/bench_moe.sh qwen3-30b-a3b   [bench_offline args...]    # GQA + 128 experts (top-8), ~30B
-#   tools/bench_moe.sh deepseek-v2-lite --num-prompts 200 --input-len 512 --output-len 128 --set max_num_seqs=64
-#
-# The configs are the published config.json shapes (bf16). Both fit one 80 GB GPU with dummy weights.
+#   tools/bench_moe.sh                       # the whole run; results in $BENCH_OUT (default: a temp dir)
+#   NUM_PROMPTS=128 tools/bench_moe.sh       # fewer requests when time is short
+#   tools/bench_moe.sh --smoke               # the same steps with tiny shapes on the CPU (a dry run, ~1 minute)
+#   tools/bench_moe.sh deepseek-v2-lite [bench_offline args...]   # one shape, bench_offline's own output
 set -euo pipefail
 cd "$(dirname "$0")/.."
-shape="${1:?usage: tools/bench_moe.sh deepseek-v2-lite|qwen3-30b-a3b [bench_offline args...]}"
-shift
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
-case "$shape" in
-  deepseek-v2-lite)
-    cat > "$tmp/config.json" <<'JSON'
-{"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
- "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
- "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
- "num_experts_per_tok": 6, "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
- "norm_topk_prob": false, "scoring_func": "softmax", "first_k_dense_replace": 1, "moe_layer_freq": 1,
- "kv_lora_rank": 512, "q_lora_rank": null, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
- "max_position_embeddings": 163840, "rope_theta": 10000,
- "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
- "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": false, "tie_word_embeddings": false,
- "torch_dtype": "bfloat16", "bos_token_id": 100000, "eos_token_id": 100001}
-JSON
-    ;;
-  qwen3-30b-a3b)
-    cat > "$tmp/config.json" <<'JSON'
-{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
- "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
- "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true,
- "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960, "rope_theta": 1000000.0,
- "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": false, "tie_word_embeddings": false,
- "use_sliding_window": false, "sliding_window": null, "max_window_layers": 48, "torch_dtype": "bfloat16",
- "bos_token_id": 151643, "eos_token_id": 151645}
-JSON
-    ;;
-  *) echo "unknown shape $shape (deepseek-v2-lite, qwen3-30b-a3b)" >&2; exit 2 ;;
-esac
-exec python tools/bench_offline.py --config-json "$tmp/config.json" "$@"
+if [[ $# -ge 1 && "$1" != "--smoke" ]]; then
+  shape="$1"
+  shift
+  exec python tools/bench_offline.py --preset "$shape" "$@"
+fi
+
+out="${BENCH_OUT:-$(mktemp -d)}"
+mkdir -p "$out"
+if [[ "${1:-}" == "--smoke" ]]; then
+  where=cpu; export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
+  n="${NUM_PROMPTS:-4}"; in_len=32; out_len=16; b1=8; limit=300
+  common=(--dtype float32 --set max_total_tokens=4096 --set max_model_len=256)
+  small_v2='{"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "n_routed_experts": 8, "num_attention_heads": 4, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "vocab_size": 2048}'
+  small_qwen='{"num_hidden_layers": 2, "hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048}'
+  declare -A extra=([deepseek-v2-lite]="$small_v2" [qwen3-30b-a3b]="$small_qwen")
+else
+  where=cuda
+  n="${NUM_PROMPTS:-256}"; in_len=1024; out_len=1024; b1="${BATCH1:-128}"; limit="${SHAPE_TIMEOUT_S:-165}"
+  common=(--dtype bfloat16 --set device=cuda --set max_model_len=4096)
+  declare -A extra=([deepseek-v2-lite]="" [qwen3-30b-a3b]="")
+fi
+
+echo "== selfchecks ($where) -> $out" >&2
+python -m appliance.kernels.moe.selfcheck "$where" > "$out/selfcheck_moe.jsonl" || true
+python -m appliance.kernels.mla.selfcheck "$where" > "$out/selfcheck_mla.jsonl" || true
+for shape in deepseek-v2-lite qwen3-30b-a3b; do
+  echo "== $shape: $n requests x $in_len in / $out_len out, then batch 1 x $b1" >&2
+  args=(--preset "$shape" --num-prompts "$n" --input-len "$in_len" --output-len "$out_len" --batch1 "$b1"
+        --output-json "$out/$shape.json" "${common[@]}")
+  if [[ -n "${extra[$shape]}" ]]; then args+=(--set "hf_overrides=${extra[$shape]}"); fi
+  # a shape that fails or runs out of time leaves its row empty; the table says so
+  timeout --kill-after=10 "$limit" python tools/bench_offline.py "${args[@]}" > "$out/$shape.log" 2>&1 \
+    || echo "   $shape failed or timed out (exit $?): see $out/$shape.log" >&2
+done
+
+python - "$out" <<'PY'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+print(f"\n# MoE / MLA benchmark ({out})\n")
+print("| check | cases | within tolerance | worst err / tol |")
+print("| --- | --- | --- | --- |")
+for name in ("moe", "mla"):
+    rows = [json.loads(l) for l in (out / f"selfcheck_{name}.jsonl").read_text().splitlines() if l.startswith("{")]
+    ok = [r for r in rows if "error" not in r and r["err"] <= r["tol"]]
+    worst = max((r["err"] / r["tol"] for r in rows if "error" not in r), default=float("nan"))
+    bad = [r["case"] for r in rows if r not in ok]
+    print(f"| {name} selfcheck | {len(rows)} | {len(ok)}{' (failed: ' + ', '.join(bad) + ')' if bad else ''} "
+          f"| {worst:.2f} |")
+print("\n| shape | requests | output tok/s | total tok/s | batch-1 ms/step | active weights GB | copy GB/s "
+      "| floor ms | batch 1 / floor |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for shape in ("deepseek-v2-lite", "qwen3-30b-a3b"):
+    f = out / f"{shape}.json"
+    if not f.is_file():
+        print(f"| {shape} | failed or timed out: see {shape}.log | | | | | | | |")
+        continue
+    r = json.loads(f.read_text())
+    b1 = ([f"{r['b1_step_ms']:.2f}", f"{r['active_weight_GB']:.2f}", f"{r['copy_GBps']:.0f}", f"{r['floor_ms']:.3f}",
+           f"{r['b1_over_floor']:.2f}x"] if "b1_step_ms" in r else ["batch 1 failed: see log"] + [""] * 4)
+    print(f"| {shape} | {r['num_requests']} | {r['output_tokens_per_s']:.0f} | {r['total_tokens_per_s']:.0f} | "
+          + " | ".join(b1) + " |")
+PY

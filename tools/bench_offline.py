@@ -4,10 +4,15 @@
     python tools/bench_offline.py --preset qwen3-0.6b --num-prompts 200 --input-len 512 --output-len 128
     python tools/bench_offline.py --model /path/to/model --load-format auto --range-ratio 0.5
     python tools/bench_offline.py --config-json my/config.json --set max_num_seqs=64
+    python tools/bench_offline.py --preset deepseek-v2-lite --input-len 1024 --output-len 1024 --batch1 128
 
 Any model shape: a model directory, a bare config.json (weights are then dummy), or a named preset whose
 config is written inline below. EOS is ignored so every request produces exactly its output length.
 Prints requests/s, output tokens/s and total tokens/s (and writes them as JSON with --output-json).
+--batch1 N then decodes N tokens of one request alone on the same engine: the mean decode step time against
+the weight-read floor, i.e. the bytes of the weights one step reads (for MoE models at batch 1 only the top-k
+experts of each layer; never the input embedding table, of which one row is read) over the device's copy
+bandwidth.
 """
 from __future__ import annotations
 
@@ -36,6 +41,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "hidden_act": "silu", "rope_theta": 1000000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
         "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    # the published config.json shapes; both fit one 80 GB GPU in bf16 with dummy weights (Qwen3-30B-A3B: 57 GiB)
+    "deepseek-v2-lite": {  # MLA + 64 routed experts (top-6) + 2 shared, one leading dense layer, ~16B
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+        "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+        "num_experts_per_tok": 6, "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": False, "scoring_func": "softmax", "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 100000, "eos_token_id": 100001,
+    },
+    "qwen3-30b-a3b": {  # GQA + 128 routed experts (top-8), ~30B (3B active)
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "attention_bias": False, "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+        "max_window_layers": 48, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+    },
 }
 
 
@@ -56,9 +84,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a flat config override (max_num_seqs=64, chunked_prefill_size=2048, device=cuda ...)")
     p.add_argument("--output-json", help="write the results here")
+    p.add_argument("--batch1", type=int, default=0, metavar="N",
+                   help="then decode N tokens of one request (input-len prompt) alone: step time vs the weight-read "
+                        "floor (0: skip)")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1 or not 0 <= args.range_ratio < 1:
         p.error("num-prompts, input-len, output-len must be >= 1 and range-ratio in [0, 1)")
+    if args.batch1 < 0 or args.batch1 == 1:
+        p.error("--batch1 needs at least 2 tokens (the first one comes from the prefill)")
     return args
 
 
@@ -110,9 +143,76 @@ def run(argv: list[str] | None = None) -> dict[str, float]:
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.2f} total tokens/s, "
           f"{result['output_tokens_per_s']:.2f} output tokens/s ({len(outs)} requests, {n_in} input + {n_out} "
           f"output tokens in {elapsed:.2f} s)")
+    if args.output_json:  # written now too: the throughput survives a failure of the batch-1 run
+        Path(args.output_json).write_text(json.dumps(result, indent=2))
+    if args.batch1:
+        result.update(batch1(llm, prompts[0], args.batch1))
+        print(f"Batch 1: {result['b1_step_ms']:.3f} ms per decode step; weight-read floor {result['floor_ms']:.3f} ms "
+              f"({result['active_weight_GB']:.2f} GB read per step at {result['copy_GBps']:.0f} GB/s): "
+              f"{result['b1_over_floor']:.2f}x the floor")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def active_weight_bytes(model: Any) -> int:
+    """Bytes of weights one batch-1 decode step reads: every parameter except an untied input embedding (one row
+    is read) and, in each sparse MoE block, all but the top_k of its experts."""
+    from appliance.layers.moe import SparseMoeBlock
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not getattr(model, "tie_word_embeddings", False):
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            experts = sum(p.numel() * p.element_size() for p in block.experts.parameters())
+            num_local = block.experts.num_local
+            total -= experts - experts * min(block.gate.cfg.top_k, num_local) // num_local
+    mtp = getattr(model, "mtp", None)  # DeepSeek-V3's MTP layers are loaded, not run
+    if mtp is not None:
+        total -= sum(p.numel() * p.element_size() for p in mtp.parameters())
+    return total
+
+
+def copy_bandwidth(device: Any, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted), median of 10."""
+    import statistics
+
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 3:  # warm-up
+            times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+def batch1(llm: Any, prompt: list[int], n: int) -> dict[str, float]:
+    """Mean wall time of the decode steps of one request alone, and the floor the weight reads put under it."""
+    from appliance import SamplingParams
+
+    runner, engine = llm.executor.runner, llm.engine
+    engine.add_request(f"batch1-{time.monotonic_ns()}", prompt,
+                       SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True))
+    times = []
+    while engine.has_work():  # every step returns its sampled token to the host: a complete step each
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    step_s = sum(times[1:]) / max(1, len(times) - 1)  # the first step is the prefill
+    active = active_weight_bytes(runner.model)
+    bw = copy_bandwidth(runner.device)
+    return {"b1_step_ms": step_s * 1e3, "active_weight_GB": active / 1e9, "copy_GBps": bw / 1e9,
+            "floor_ms": active / bw * 1e3, "b1_over_floor": step_s / (active / bw)}
 
 
 if __name__ == "__main__":

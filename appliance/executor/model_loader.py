@@ -119,3 +119,13 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.data.uniform_(0.5e-3 / 448.0, 1e-3 / 448.0, generator=gen)
         else:
             param.data.uniform_(-1e-3, 1e-3, generator=gen)
+
+
+def apply_quantization(model: nn.Module, quantization: str | None, hf_config: Any, backend: str) -> None:
+    """precision.quantization after the weights are in (loaded or dummy): "fp8" on a float checkpoint quantizes
+    the linear layers and experts to e4m3 with 128x128 tile scales (the layout DeepSeek-V3 ships, run by the
+    same block-scaled GEMMs); on a checkpoint that ships block fp8 it only confirms the format."""
+    from appliance.layers.fp8 import online_fp8_needed, quantize_model_fp8
+
+    if online_fp8_needed(quantization, hf_config):
+        quantize_model_fp8(model, backend)

@@ -4,6 +4,12 @@
 Activations stay in the model dtype (weight-only dequantization): the torch path dequantizes and multiplies,
 the Triton path (kernels/moe/triton_fp8.py) scales each fp8 tile inside the GEMM. `make_linear` builds the
 plain tensor-parallel layer or its fp8 twin from one call, so model code does not branch on quantization.
+
+precision.quantization = "fp8" on a float checkpoint: `quantize_model_fp8` turns every loaded linear layer and
+expert stack of any model into this same layout (128x128 tiles) after loading, so one kernel family serves
+shipped and quantized-at-load weights alike. Like vLLM's online fp8 (`fp8_per_block`: every Linear and MoE weight
+but the LM head, 128x128 block scales) except that activations stay in the model dtype here (weight-only, W8A16)
+where vLLM also quantizes them per 1x128 block.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from appliance.kernels.moe.reference import dequantize_blocks
 from appliance.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
+    QKVParallelLinear,
     RowParallelLinear,
 )
 from appliance.layers.parallel_state import tp_all_gather, tp_all_reduce
@@ -233,3 +240,63 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
         return w
     quant: Fp8BlockConfig = linear.quant  # type: ignore[assignment]
     return dequantize_blocks(w, linear.weight_scale_inv, quant.block_shape)
+
+
+# ---- online quantization: precision.quantization = "fp8" on a float checkpoint ------------------------------------
+
+ONLINE_BLOCK = Fp8BlockConfig(128, 128)  # DeepSeek-V3's layout, so one kernel family serves both
+
+
+def online_fp8_needed(quantization: str | None, hf_config: Any) -> bool:
+    """True when the weights must be quantized after loading: fp8 asked for and the checkpoint is not fp8 already
+    (then the setting only confirms the format). Any other requested scheme is an error here."""
+    if quantization is None:
+        return False
+    if quantization != "fp8":
+        raise ValueError(f"precision.quantization={quantization!r} is not supported (supported: fp8)")
+    shipped = Fp8BlockConfig.from_hf(hf_config)  # raises for a checkpoint in another scheme
+    return shipped is None
+
+
+class Fp8QKVParallelLinear(QKVParallelLinear):
+    """QKV's fp8 twin (only made by quantizing a loaded float layer: checkpoints in fp8 use make_linear)."""
+
+    forward = Fp8ColumnParallelLinear.forward
+
+
+# exact type -> its fp8 twin; each twin subclasses the plain layer, so loaders and TP attributes carry over
+_TWINS: dict[type[nn.Module], type[nn.Module]] = {
+    ReplicatedLinear: Fp8ReplicatedLinear, ColumnParallelLinear: Fp8ColumnParallelLinear,
+    MergedColumnParallelLinear: Fp8MergedColumnParallelLinear, QKVParallelLinear: Fp8QKVParallelLinear,
+    RowParallelLinear: Fp8RowParallelLinear,
+}
+
+
+def _quantized_param(w: torch.Tensor, quant: Fp8BlockConfig) -> tuple[nn.Parameter, nn.Parameter]:
+    q, scale = block_quantize(w.data, quant.block_shape)
+    return nn.Parameter(q, requires_grad=False), nn.Parameter(scale, requires_grad=False)
+
+
+def quantize_model_fp8(model: nn.Module, backend: str = "torch", quant: Fp8BlockConfig = ONLINE_BLOCK) -> int:
+    """Quantize every loaded float linear layer and expert stack to e4m3 with per-tile scales, in place, and
+    switch them to the block-scaled GEMM; embeddings, the LM head, routers and norms stay in the model dtype
+    (as vLLM's fp8 method does). Works on meta tensors too (the memory estimate). Returns the layers changed."""
+    from appliance.layers.moe import FusedMoE  # moe.py imports this module
+
+    changed = 0
+    for name, module in model.named_modules():
+        twin = _TWINS.get(type(module))
+        if twin is not None and module.weight.dtype != FP8_DTYPE and quant.applies_to(name):
+            loader = getattr(module.weight, "weight_loader", None)
+            module.weight, module.weight_scale_inv = _quantized_param(module.weight, quant)
+            module.weight.weight_loader = loader  # type: ignore[attr-defined]
+            # the weight is replaced in place, not re-made: keep the module (hooks, references), swap its forward
+            module.__class__ = twin
+            module.quant, module._mm = quant, _matmul_op(backend)
+            changed += 1
+        elif isinstance(module, FusedMoE) and module.quant is None:
+            module.w13_weight, module.w13_weight_scale_inv = _quantized_param(module.w13_weight, quant)
+            module.w2_weight, module.w2_weight_scale_inv = _quantized_param(module.w2_weight, quant)
+            module.quant = quant
+            changed += 1
+    return changed

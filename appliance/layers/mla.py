@@ -3,16 +3,19 @@
 Per token the cache keeps kv_lora_rank + qk_rope_head_dim values (the normalized latent c_kv and the rotated
 shared key k_pe) instead of per-head K and V. Decode rows use the absorbed form: W_UK (the key half of kv_b_proj)
 is folded into the query, attention runs against the latents directly (MQA with one 'head' of width R + dr),
-and W_UV (the value half) is applied to the latent-space result. Prefill rows use the plain form: the context's
-latents are expanded through kv_b_proj into per-head keys and values. Both read the same cache, so a request
-may prefill, hit the prefix cache and decode in any order.
+and W_UV (the value half) is applied to the latent-space result. Prefill rows go to the `mla_prefill` op: the
+torch reference expands the context's latents through kv_b_proj into per-head keys and values; the Triton kernel
+(kernels/mla/triton_prefill.py) stays absorbed, causal over the latents, and expands nothing. All read the same
+cache, so a request may prefill, hit the prefix cache and decode in any order.
 
 Rotary: DeepSeek rotates interleaved pairs (GPT-J style; V3 with rope_interleave=false rotates halves) over the
 rope dims only, and YaRN scaling adds an attention factor to cos/sin plus mscale^2 to the softmax scale.
 """
 from __future__ import annotations
 
+import json
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -52,6 +55,11 @@ def _yarn_inv_freq(dim: int, base: float, factor: float, scaling: dict[str, Any]
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
 
 
+# one cos/sin table per shape and device, shared by every layer (weakly held: freed with the last model using
+# it): 62 DeepSeek-V3 layers at 163840 positions would otherwise hold 2.6 GB of identical copies per GPU
+_ROPE_TABLES: weakref.WeakValueDictionary[tuple[Any, ...], torch.Tensor] = weakref.WeakValueDictionary()
+
+
 def rope_cache_and_mscale(cfg: Any, dim: int) -> tuple[torch.Tensor, float]:
     """(cos_sin_cache [max_pos, dim], softmax-scale multiplier) for DeepSeek's default or YaRN rope."""
     base, scaling = rope_parameters(cfg)
@@ -77,8 +85,13 @@ def rope_cache_and_mscale(cfg: Any, dim: int) -> tuple[torch.Tensor, float]:
             attn_factor = yarn_mscale(factor)
         if mscale_all:
             softmax_mult = yarn_mscale(factor, float(mscale_all)) ** 2
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs.cos() * attn_factor, freqs.sin() * attn_factor), dim=-1), softmax_mult
+    key = (base, json.dumps(scaling, sort_keys=True, default=str), max_pos, dim, str(inv_freq.device))
+    cache = _ROPE_TABLES.get(key)
+    if cache is None:
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+        cache = torch.cat((freqs.cos() * attn_factor, freqs.sin() * attn_factor), dim=-1)
+        _ROPE_TABLES[key] = cache
+    return cache, softmax_mult
 
 
 class MLAAttention(nn.Module):

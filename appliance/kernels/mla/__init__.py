@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from appliance.kernels.mla import reference  # noqa: F401  (registers "torch")
 
-try:  # the Triton decode needs only `triton` to import; it runs on a GPU or under TRITON_INTERPRET=1
-    from appliance.kernels.mla import triton_mla
+try:  # the Triton kernels need only `triton` to import; they run on a GPU or under TRITON_INTERPRET=1
+    from appliance.kernels.mla import triton_mla, triton_prefill
 except ImportError:  # pragma: no cover - triton missing: the torch reference still serves
-    triton_mla = None  # type: ignore[assignment]
+    triton_mla = triton_prefill = None  # type: ignore[assignment]

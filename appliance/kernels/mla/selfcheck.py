@@ -1,4 +1,5 @@
-"""The Triton MLA decode against the torch reference on random paged latent caches; one JSON line per case.
+"""The Triton MLA store, decode and prefill against the torch reference on random paged latent caches; one JSON
+line per case.
 
     TRITON_INTERPRET=1 python -m appliance.kernels.mla.selfcheck cpu     # small shapes, CPU interpreter
     python -m appliance.kernels.mla.selfcheck cuda                       # DeepSeek shapes on a GPU
@@ -36,6 +37,69 @@ def gpu_cases() -> list[Case]:
             Case("v3_tp8", (2048,) * 64, 16, 512, 64, 64, torch.bfloat16, tol=3e-2)]
 
 
+@dataclass(frozen=True)
+class PrefillCase:
+    name: str
+    q_lens: tuple[int, ...]  # new tokens per sequence (the last q_len of its seq_len)
+    seq_lens: tuple[int, ...]
+    heads: int
+    nope: int
+    rope: int
+    rank: int
+    v_dim: int
+    block_size: int
+    dtype: torch.dtype
+    tol: float = 2e-3
+
+
+def small_prefill_cases() -> list[PrefillCase]:
+    return [PrefillCase("prefill_ragged", (5, 1, 23, 0, 3), (5, 9, 40, 6, 3), 3, 16, 8, 32, 16, 4, torch.float32),
+            PrefillCase("prefill_bf16", (17, 4), (17, 30), 4, 16, 16, 48, 24, 8, torch.bfloat16, tol=3e-2)]
+
+
+def gpu_prefill_cases() -> list[PrefillCase]:
+    return [PrefillCase("prefill_v2_lite", (1024, 77, 300, 1), (1024, 2000, 300, 4096), 16, 128, 64, 512, 128, 16,
+                        torch.bfloat16, tol=3e-2),
+            PrefillCase("prefill_v3_tp8", (2048,) * 4, (2048, 4096, 6000, 8192), 16, 128, 64, 512, 128, 64,
+                        torch.bfloat16, tol=3e-2)]
+
+
+def _paged_cache(gen: torch.Generator, lens: tuple[int, ...], block_size: int, width: int, dtype: torch.dtype,
+                 device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random cache and each sequence's shuffled block table."""
+    blocks_per = [max(1, -(-n // block_size)) for n in lens]
+    total = sum(blocks_per) + 3
+    perm = torch.randperm(total, generator=gen)
+    table = torch.zeros(len(lens), max(blocks_per), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per):
+        table[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    cache = torch.randn(total, block_size, 1, width, generator=gen).to(dtype).to(device)
+    return cache, table.to(device)
+
+
+def run_prefill_case(case: PrefillCase, device: str) -> dict[str, object]:
+    from appliance.kernels import (
+        mla,  # noqa: F401
+        registry,
+    )
+
+    gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    cache, table = _paged_cache(gen, case.seq_lens, case.block_size, case.rank + case.rope, case.dtype, device)
+    t = sum(case.q_lens)
+    q = torch.randn(t, case.heads, case.nope + case.rope, generator=gen).to(case.dtype).to(device)
+    w_uk = (torch.randn(case.heads, case.nope, case.rank, generator=gen) * case.rank**-0.5).to(case.dtype).to(device)
+    w_uv = (torch.randn(case.heads, case.v_dim, case.rank, generator=gen) * case.rank**-0.5).to(case.dtype).to(device)
+    cu = torch.tensor([0, *torch.tensor(case.q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=device)
+    args = (q, cache, cu, lens, table, w_uk, w_uv, (case.nope + case.rope) ** -0.5)
+    ref = registry.get("mla_prefill", "torch")(*args).float()
+    got = registry.get("mla_prefill", "triton")(*args).float()
+    err = ((got - ref).norm() / ref.norm().clamp(min=1e-6)).item()
+    return {"op": "mla_prefill", "case": case.name, "err": err, "tol": case.tol}
+
+
 def run_case(case: Case, device: str) -> dict[str, object]:
     from appliance.kernels import (
         mla,  # noqa: F401
@@ -44,18 +108,11 @@ def run_case(case: Case, device: str) -> dict[str, object]:
 
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     width = case.rank + case.rope
-    blocks_per = [max(1, -(-n // case.block_size)) for n in case.seq_lens]
-    total = sum(blocks_per) + 3
-    perm = torch.randperm(total, generator=gen)
-    table = torch.zeros(len(case.seq_lens), max(blocks_per), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per):
-        table[i, :n] = perm[used : used + n].to(torch.int32)
-        used += n
-    cache = torch.randn(total, case.block_size, 1, width, generator=gen).to(case.dtype).to(device)
+    cache, table = _paged_cache(gen, case.seq_lens, case.block_size, width, case.dtype, device)
+    total = cache.shape[0]
     q = torch.randn(len(case.seq_lens), case.heads, width, generator=gen).to(case.dtype).to(device)
     lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=device)
-    args = (q, cache, table.to(device), lens, width**-0.5, case.rank)
+    args = (q, cache, table, lens, width**-0.5, case.rank)
     ref = registry.get("mla_decode", "torch")(*args).float()
     got = registry.get("mla_decode", "triton")(*args).float()
     ref[lens == 0] = 0.0  # the reference leaves empty rows undefined; the kernel writes zeros
@@ -73,9 +130,12 @@ def run_case(case: Case, device: str) -> dict[str, object]:
 
 if __name__ == "__main__":
     where = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    for case in small_cases() if where == "cpu" else gpu_cases():
+    runs = ([(run_case, c) for c in (small_cases() if where == "cpu" else gpu_cases())]
+            + [(run_prefill_case, c) for c in (small_prefill_cases() if where == "cpu" else gpu_prefill_cases())])
+    for run, case in runs:
         try:
-            row = run_case(case, where)
+            row = run(case, where)  # type: ignore[operator]
         except Exception as exc:  # noqa: BLE001 - report every case, the test names the failure
-            row = {"op": "mla_decode", "case": case.name, "error": f"{type(exc).__name__}: {exc}"}
+            row = {"op": "mla_prefill" if isinstance(case, PrefillCase) else "mla_decode", "case": case.name,
+                   "error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(row), flush=True)
