@@ -94,10 +94,13 @@ def test_unsupported_settings_are_warnings_and_start_up_errors(tmp_path: Path) -
     f.write_text('[speculative]\nalgorithm = "NGRAM"\n')
     r = resolve(f, env={})
     assert [w.where for w in r.warnings] == [f"{f}:2"]
+    assert [w.path for w in r.warnings] == ["speculative.algorithm"]
     assert check_supported(r.config) == [
-        "speculative.algorithm: speculative decoding is not implemented in this build "
-        "(remove the setting or use its default)"]
+        ("speculative.algorithm: only MTP speculative decoding (the model's own multi-token-prediction layers) "
+         "exists in this build (remove the setting or use its default)")]
     assert check_supported(build_config(env={})) == []
+    mtp = build_config(flat={"speculative_algorithm": "MTP", "speculative_num_steps": 2}, env={})
+    assert check_supported(mtp) == []  # the one algorithm that runs passes the start-up gate
     paths = [u.path for u in UNSUPPORTED]
     assert "precision.quantization" in paths and "parallelism.enable_expert_parallel" in paths
 

@@ -148,4 +148,17 @@ def check_model(cfg: ApplianceConfig) -> list[Problem]:
         out.append(Problem("parallelism.ep", f"the model's {experts} experts are not divisible by ep {ep}"))
     if cfg.parallelism.enable_expert_parallel and mc and experts is None:
         out.append(Problem("parallelism.enable_expert_parallel", "the model has no MoE experts", "warning"))
+    out += _speculative_model(cfg, mc)
     return out
+
+
+def _speculative_model(cfg: ApplianceConfig, mc: dict[str, Any]) -> list[Problem]:
+    """MTP drafts with the model's own multi-token-prediction layers: DeepSeek-V3-family configs declare them."""
+    if cfg.speculative.algorithm != "MTP":
+        return []
+    n = mc.get("num_nextn_predict_layers", mc.get("num_mtp_layers"))
+    if not isinstance(n, int) or n < 1:
+        # a warning: `appliance validate` shows it, and the workers refuse to start with this model
+        return [Problem("speculative.algorithm", "MTP needs the model's multi-token-prediction layers; its "
+                        "config.json declares none (num_nextn_predict_layers)", "warning")]
+    return []

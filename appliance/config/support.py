@@ -24,10 +24,19 @@ class Unsupported:
 
 
 UNSUPPORTED: list[Unsupported] = [
-    Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm is not None,
-                "speculative decoding is not implemented in this build"),
-    Unsupported("precision.quantization", lambda c: c.precision.quantization is not None,
-                "quantized checkpoints are not supported in this build"),
+    Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm not in (None, "MTP"),
+                "only MTP speculative decoding (the model's own multi-token-prediction layers) exists in this build"),
+    Unsupported("speculative.eagle_topk", lambda c: c.speculative.algorithm is not None and c.speculative.eagle_topk > 1,
+                "draft trees (eagle_topk > 1) are not supported in this build; MTP drafts one chain"),
+    Unsupported("speculative.num_draft_tokens",
+                lambda c: c.speculative.algorithm is not None
+                and c.speculative.effective_num_draft_tokens != c.speculative.num_steps + 1,
+                "an MTP chain verifies num_steps + 1 tokens in this build (leave num_draft_tokens unset)"),
+    Unsupported("scheduler.enable_overlap",
+                lambda c: c.speculative.algorithm is not None and c.scheduler.enable_overlap,
+                "overlap scheduling with speculative decoding is not supported in this build"),
+    Unsupported("precision.quantization", lambda c: c.precision.quantization not in (None, "fp8"),
+                "only block fp8 quantization (fp8) is supported in this build"),
     Unsupported("precision.kv_cache_dtype",
                 lambda c: c.precision.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"),
                 "low-precision (fp8/nvfp4) KV caches are not supported in this build"),

@@ -28,6 +28,8 @@ class EngineConfig:
     max_queued_requests: int | None = None
     policy: str = "fcfs"
     lpm_scan_limit: int = 128  # lpm compares at most this many waiting requests per admission
+    # speculative decoding (MTP): drafts the workers propose after every sample, verified in the next step; 0 = off
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
@@ -41,6 +43,8 @@ class EngineConfig:
             )
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"EngineConfig.max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"EngineConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler policy {self.policy!r} is not implemented; the engine supports {POLICIES}")
         capacity = self.num_blocks * self.block_size
@@ -81,4 +85,13 @@ class EngineConfig:
             eos_token_ids=frozenset(eos_token_ids),
             max_queued_requests=sched.max_queued_requests,
             policy=sched.policy,
+            num_speculative_tokens=num_speculative_tokens(config),
         )
+
+
+def num_speculative_tokens(config: Any) -> int:
+    """Drafts per verification: MTP's chain of num_steps tokens (eagle_topk 1), 0 without speculative decoding."""
+    spec = getattr(config, "speculative", None)
+    if spec is None or spec.algorithm is None:
+        return 0
+    return int(spec.num_steps)

@@ -18,6 +18,7 @@ Stop strings are matched on text by the detokenizer, which then calls abort().
 """
 from __future__ import annotations
 
+import logging
 import operator
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from appliance.engine.step import Executor, StepPlan
 
 __all__ = ["EngineCore", "EngineStats", "QueueFull"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -49,6 +52,20 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
+    # speculative decoding, cumulative (0 without it): verifications, draft tokens verified, drafts accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens (0 before the first verification)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verification: 1 + accepted drafts / verifications (vLLM's mean acceptance length)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 class EngineCore:
@@ -60,6 +77,9 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         overlap: bool = False,
     ) -> None:
+        if overlap and config.num_speculative_tokens:
+            raise ValueError("speculative decoding runs with the synchronous engine loop; turn "
+                             "scheduler.enable_overlap off")
         self.config = config
         self.executor = executor
         self.scheduler = Scheduler(config, on_kv_event)
@@ -150,7 +170,14 @@ class EngineCore:
             prefix_hit_tokens=s.cache.hit_tokens,
             num_preemptions=s.num_preemptions,
             num_steps=self._num_steps,
+            spec_num_drafts=s.spec.num_drafts,
+            spec_num_draft_tokens=s.spec.num_draft_tokens,
+            spec_num_accepted_tokens=s.spec.num_accepted_tokens,
         )
+
+    def spec_counts(self) -> tuple[int, int, int]:
+        """(verifications, draft tokens, accepted tokens), cumulative: observability's snapshot `spec` argument."""
+        return self.scheduler.spec.as_tuple()
 
     def check_accounting(self) -> AccountingReport:
         """free + cached + owned == total, and every refcount equals the number of live tables holding it."""
@@ -161,5 +188,7 @@ class EngineCore:
         try:
             if pending is not None:  # let the device finish the step in flight before tearing down
                 self.executor.collect(pending[1])
+        except Exception as exc:  # a failed executor already failed the step() that saw it: tear down anyway
+            log.warning("the step in flight failed during shutdown: %s", exc)
         finally:
             self.executor.shutdown()

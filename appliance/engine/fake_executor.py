@@ -9,12 +9,19 @@ checked, which catches wrong prefix-cache hits, lost blocks and blocks shared wh
 
 The "model" is `next_token(history) -> token id`, a pure function of the request's tokens, so a request's
 output must not depend on batching, chunking, preemption or prefix caching.
+
+With num_speculative_tokens = k > 0 it also plays an MTP worker (engine/speculation.py): after every sample it
+holds drafts (the first `draft_quality(request_id, num_tokens)` of them right, the rest wrong; fewer than k
+when the draft chain would write past the block table or max_model_len, as the real worker), checks that a
+plan verifies no more than it holds, writes the drafts' KV, and returns the accepted drafts plus one token.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from appliance.engine.speculation import drafts_allowed
+from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import Executor, SampledToken, StepPlan, StepResult
 
 
@@ -40,6 +47,8 @@ class _WorkerRequest:
     block_table: list[int]
     sampling: dict
     prompt_logprobs: list = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
+    num_confirmed: int = 0  # len(token_ids) before this step's provisional drafts
 
 
 class FakeExecutor(Executor):
@@ -50,11 +59,19 @@ class FakeExecutor(Executor):
         vocab_size: int = 1000,
         next_token: Callable[[Sequence[int]], int] | None = None,
         verify_kv: bool = True,
+        num_speculative_tokens: int = 0,
+        max_model_len: int = 1 << 62,
+        draft_quality: Callable[[str, int], int] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.next_token = next_token or default_next_token(vocab_size)
         self.verify_kv = verify_kv
+        self.vocab_size = vocab_size
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        # how many of a request's drafts are right, given (request id, its token count): by default a mix
+        self.draft_quality = draft_quality or (lambda rid, n: (n * 7 + len(rid)) % (num_speculative_tokens + 1))
         self.state: dict[str, _WorkerRequest] = {}
         self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.plans: list[StepPlan] = []
@@ -91,10 +108,17 @@ class FakeExecutor(Executor):
                 self._fail(f"{s.request_id!r}: a new request carries its blocks in NewRequestData")
             w.block_table.extend(s.new_block_ids)
             end = w.num_computed + s.num_tokens
+            w.num_confirmed = len(w.token_ids)
+            drafts = end - len(w.token_ids) if s.sample else 0
+            if drafts > 0:  # a verification: the drafts become provisional tokens of this step
+                if drafts > len(w.drafts):
+                    self._fail(f"{s.request_id!r}: verifies {drafts} drafts, the worker holds {len(w.drafts)}")
+                w.token_ids.extend(w.drafts[:drafts])
             if s.num_tokens < 1 or end > len(w.token_ids):
                 self._fail(f"{s.request_id!r}: computes {s.num_tokens} tokens from {w.num_computed}, "
                            f"knows {len(w.token_ids)}")
-            if len(w.block_table) != -(-end // self.block_size):
+            blocks, least = len(w.block_table), -(-end // self.block_size)
+            if blocks < least or blocks > (-(-(end + 2 * self.k) // self.block_size) if self.k else least):
                 self._fail(f"{s.request_id!r}: {len(w.block_table)} blocks for {end} tokens")
             if s.sample != (end == len(w.token_ids)):
                 self._fail(f"{s.request_id!r}: sample={s.sample} with {end} of {len(w.token_ids)} tokens")
@@ -147,12 +171,42 @@ class FakeExecutor(Executor):
                 ]
             w.num_computed = end
             if s.sample:
-                tok = self.next_token(w.token_ids)
-                w.token_ids.append(tok)
-                k = w.sampling.get("logprobs")
-                top = [(tok + i, self._logprob(tok + i)) for i in range(k)] if k else None
-                sampled.append(SampledToken(s.request_id, tok, self._logprob(tok) if k is not None else None, top))
+                for tok in self._verify(w):
+                    k = w.sampling.get("logprobs")
+                    top = [(tok + i, self._logprob(tok + i)) for i in range(k)] if k else None
+                    sampled.append(SampledToken(s.request_id, tok, self._logprob(tok) if k is not None else None,
+                                                top))
+                if self.k:
+                    self._draft(s.request_id, w)
         return StepResult(plan.step_id, sampled, prompt_lps)
+
+    def _verify(self, w: _WorkerRequest) -> list[int]:
+        """Tokens after a sampling chunk: the provisional drafts the model agrees with, then its own token."""
+        drafts = w.token_ids[w.num_confirmed :]
+        del w.token_ids[w.num_confirmed :]
+        out: list[int] = []
+        for d in drafts + [None]:
+            tok = self.next_token(w.token_ids)
+            w.token_ids.append(tok)
+            out.append(tok)
+            if tok != d:
+                break
+        w.num_computed -= len(drafts) + 1 - len(out)  # the rejected drafts' KV is stale
+        return out
+
+    def _draft(self, rid: str, w: _WorkerRequest) -> None:
+        w.drafts = []
+        if not drafts_allowed(SamplingParams.from_dict(dict(w.sampling))):
+            return
+        # draft j >= 2 writes the drafter's KV at num_computed + j - 2: it must fit the table and the model
+        limit = min(len(w.block_table) * self.block_size, self.max_model_len)
+        held = 1 + sum(1 for j in range(2, self.k + 1) if w.num_computed + j - 2 < limit)
+        good = self.draft_quality(rid, len(w.token_ids))
+        history = list(w.token_ids)
+        for i in range(held):
+            tok = self.next_token(history)
+            history.append(tok)
+            w.drafts.append(tok if i < good else (tok + 1) % self.vocab_size)
 
     @staticmethod
     def _logprob(token_id: int) -> float:

@@ -24,6 +24,14 @@ sample is still in flight counts it as a pending token (Request.num_pending): it
 which the workers append themselves. A request the pending tokens finish by length is not scheduled again;
 one that stops on EOS or a stop token, is aborted or preempted meanwhile has its in-flight result dropped
 (recognised by request object and preemption count, so a re-added id never gets a stale token).
+
+Speculative decoding (config.num_speculative_tokens = k > 0, synchronous loop only; see speculation.py): a
+decoding request verifies d = min(k, what its limits leave) drafts the workers hold, as one chunk of 1 + d
+tokens; its table grows to cover the chunk plus the k - 1 positions the next draft chain writes (capped at
+max_model_len). The result carries 1..d+1 tokens for it; num_computed, advanced by 1 + d when planned, falls
+back to the accepted count before the tokens are appended, so the prefix cache only hashes confirmed tokens
+whose KV holds them. A prefix hit gives back its last block: the drafter's cache entry at a block's last
+position depends on the next block's first token, which the hit does not cover (vLLM does the same).
 """
 from __future__ import annotations
 
@@ -36,7 +44,8 @@ from appliance.engine.config import EngineConfig
 from appliance.engine.delta import RequestDelta, TokenLogprob
 from appliance.engine.prefix_cache import KVEventSink, PrefixCache
 from appliance.engine.request import FinishReason, Request, RequestStatus
-from appliance.engine.step import NewRequestData, ScheduledRequest, StepPlan, StepResult
+from appliance.engine.speculation import SpecCounters, drafts_allowed
+from appliance.engine.step import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
 
 
 class QueueFull(RuntimeError):
@@ -50,6 +59,7 @@ class _Issued:
     sched: ScheduledRequest
     req: Request
     num_preemptions: int
+    num_drafts: int = 0  # draft tokens this chunk verifies (speculative decoding)
 
 
 @dataclass
@@ -76,6 +86,7 @@ class Scheduler:
         self._next_step_id = 0
         self._issue_seq = 0
         self._in_flight: dict[int, list[_Issued]] = {}
+        self.spec = SpecCounters()
 
     # ---- admission ---------------------------------------------------------------------------------------
     def can_queue(self) -> bool:
@@ -133,13 +144,13 @@ class Scheduler:
             n = self._chunk(req, st)
             if n == 0:
                 continue
-            need = self._blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+            need = self._blocks_for(self._table_tokens(req, req.num_computed_tokens, n)) - len(req.block_ids)
             while need > self.pool.num_available and req.status is not RequestStatus.PREEMPTED:
                 self._preempt(self._victim(st))
                 st.preempted = True
             if req.status is RequestStatus.PREEMPTED:
                 continue
-            new_blocks = self.pool.allocate(need)
+            new_blocks = self.pool.allocate(max(need, 0))  # < 0: rejected drafts left lookahead blocks
             req.block_ids.extend(new_blocks)
             self._issue(req, n, new_blocks, st)
 
@@ -149,10 +160,29 @@ class Scheduler:
         if req.will_reach_length:
             return 0  # its in-flight sample is its last token
         if _decodes(req):
+            drafts = self._num_drafts(req)
             if not self.config.chunking:
-                return n  # no chunking: decodes are not charged to the prefill budget
-            return n if n <= st.tokens else 0
+                return n + drafts  # no chunking: decodes are not charged to the prefill budget
+            return n + min(drafts, st.tokens - n) if n <= st.tokens else 0
         return self._prefill_size(n, st)
+
+    def _num_drafts(self, req: Request) -> int:
+        """Drafts the workers hold for a decoding request that it may verify now (0 without speculation)."""
+        k = self.config.num_speculative_tokens
+        if not k or req.status is not RequestStatus.DECODING or not drafts_allowed(req.sampling_params):
+            return 0
+        # every accepted draft and the bonus token must fit max_tokens and max_model_len
+        room = min(req.max_output_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens) - 1
+        return max(0, min(k, room))
+
+    def _table_tokens(self, req: Request, start: int, n: int) -> int:
+        """Tokens the block table must cover for a chunk of n tokens from start: the chunk, plus the positions
+        the workers' draft chain writes after a chunk that samples (speculative decoding)."""
+        end = start + n
+        k = self.config.num_speculative_tokens
+        if k > 1 and end >= req.num_tokens + req.num_pending and drafts_allowed(req.sampling_params):
+            return max(end, min(end + k - 1, req.max_model_len))
+        return end
 
     def _prefill_size(self, n: int, st: _StepBudget) -> int:
         if self.config.chunking:
@@ -183,11 +213,13 @@ class Scheduler:
         bs = self.config.block_size
         # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
         hit = self.cache.match(req) if req.sampling_params.prompt_logprobs is None else []
+        if hit and self.config.num_speculative_tokens:
+            hit = hit[:-1]  # the drafter's cache at the hit's last position saw another next token (see top)
         num_hit = len(hit) * bs
         n = self._prefill_size(req.num_tokens - num_hit, st)
         if n == 0:
             return False
-        need = self._blocks_for(num_hit + n) - len(hit)
+        need = self._blocks_for(self._table_tokens(req, num_hit, n)) - len(hit)
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         if need + revived > self.pool.num_available:
             return False
@@ -217,7 +249,9 @@ class Scheduler:
         return True
 
     def _issue(self, req: Request, n: int, new_blocks: list[int], st: _StepBudget) -> None:
-        sample = req.num_computed_tokens + n == req.num_tokens + req.num_pending
+        # past the known tokens only by the drafts it verifies (speculative decoding)
+        drafts = max(0, req.num_computed_tokens + n - req.num_tokens - req.num_pending)
+        sample = drafts > 0 or req.num_computed_tokens + n == req.num_tokens + req.num_pending
         if not _decodes(req):
             st.prefills += 1
         if self.config.chunking or not _decodes(req):
@@ -229,7 +263,7 @@ class Scheduler:
             req.num_pending += 1
         sched = ScheduledRequest(req.request_id, n, list(new_blocks), sample)
         st.plan_sched.append(sched)
-        st.issued.append(_Issued(sched, req, req.num_preemptions))
+        st.issued.append(_Issued(sched, req, req.num_preemptions, drafts))
         st.scheduled_ids.add(req.request_id)
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -276,7 +310,12 @@ class Scheduler:
         scheduled = self._in_flight.pop(plan.step_id, None)
         if scheduled is None:
             raise ValueError(f"step {plan.step_id} is not in flight")
-        sampled = {s.request_id: s for s in result.sampled}
+        sampled: dict[str, SampledToken] = {}
+        verified: dict[str, list[SampledToken]] = {}  # requests with several tokens (speculative decoding)
+        for tok in result.sampled:
+            first = sampled.setdefault(tok.request_id, tok)
+            if first is not tok:
+                verified.setdefault(tok.request_id, [first]).append(tok)
         expected = {i.sched.request_id for i in scheduled if i.sched.sample}
         if set(sampled) - expected:
             raise ValueError(f"executor sampled for unexpected requests {sorted(set(sampled) - expected)}")
@@ -295,8 +334,28 @@ class Scheduler:
             tok = sampled.get(s.request_id)
             if tok is None:
                 raise ValueError(f"executor did not sample a token for {s.request_id!r}")
+            if issued.num_drafts or s.request_id in verified:
+                deltas.append(self._apply_verified(req, verified.get(s.request_id, [tok]), issued.num_drafts))
+                continue
             deltas.append(self._append(req, tok.token_id, tok.logprob, tok.top_logprobs, tok.rank))
         return deltas
+
+    def _apply_verified(self, req: Request, toks: list[SampledToken], num_drafts: int) -> RequestDelta:
+        """A verification's 1..num_drafts+1 tokens: rewind num_computed to the positions whose KV holds
+        confirmed tokens, then append them one by one until one finishes the request (the rest are dropped)."""
+        if not 1 <= len(toks) <= num_drafts + 1:
+            raise ValueError(f"executor returned {len(toks)} tokens for {req.request_id!r}, which verified "
+                             f"{num_drafts} drafts (1 to {num_drafts + 1} expected)")
+        self.spec.record(num_drafts, len(toks) - 1)
+        req.num_computed_tokens -= num_drafts + 1 - len(toks)
+        delta: RequestDelta | None = None
+        for tok in toks:
+            one = self._append(req, tok.token_id, tok.logprob, tok.top_logprobs, tok.rank)
+            delta = one if delta is None else _merge(delta, one)
+            if one.finished:
+                break
+        assert delta is not None
+        return delta
 
     def _append(
         self, req: Request, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None,
@@ -350,6 +409,13 @@ class Scheduler:
             for b in req.block_ids:
                 refs[b] = refs.get(b, 0) + 1
         return refs
+
+
+def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
+    """Two consecutive deltas of one request as one (b is the later)."""
+    lps = None if a.new_logprobs is None else a.new_logprobs + (b.new_logprobs or ())
+    return RequestDelta(a.request_id, a.new_token_ids + b.new_token_ids, b.finish_reason, b.num_prompt_tokens,
+                        b.num_cached_tokens, lps, a.prompt_logprobs)
 
 
 def _decodes(req: Request) -> bool:

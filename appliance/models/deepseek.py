@@ -7,8 +7,9 @@
   scaled by routed_scaling_factor.
 - V3 checkpoints in fp8 (quantization_config with weight_block_size) load as fp8 weights + tile scales.
 - V3's multi-token-prediction layers (num_nextn_predict_layers; stored as layers num_hidden_layers.. in the
-  checkpoint) are loaded into `mtp` for speculative decoding; generation does not use them yet. A checkpoint
-  without them (transformers drops them on save) leaves `mtp` empty.
+  checkpoint) are loaded into `mtp`; speculative.algorithm = MTP drafts with them (mtp_forward / mtp_logits,
+  executor/speculative.py), otherwise they are unused. A checkpoint without them (transformers drops them on
+  save) leaves `mtp` empty.
 """
 from __future__ import annotations
 
@@ -57,6 +58,19 @@ class DeepseekMTPLayer(MoEDecoderLayer):
         out, _ = self.shared_head.norm(h, residual)
         return out
 
+    # ---- speculative decoding (executor/speculative.py) --------------------------------------------------
+    def draft_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """The layer's output before the head's norm: what the next draft step takes as previous_hidden (row i:
+        the target's final hidden state at position i, or this layer's own, and the token at i + 1)."""
+        x = self.eh_proj(torch.cat((self.enorm(self.embed_tokens(input_ids)), self.hnorm(previous_hidden)), dim=-1))
+        h, residual = self(positions, x, None, meta)
+        return h + residual
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits of the token after next, from draft_hidden's rows."""
+        return self.shared_head.head.compute_logits(self.shared_head.norm(hidden))
+
 
 class DeepseekV2ForCausalLM(MoECausalLM):
     version = 2
@@ -68,6 +82,22 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         n_mtp = num_mtp_layers(hf_config) if self.version == 3 else 0
         first = hf_config.num_hidden_layers
         self.mtp = nn.ModuleList(self._mtp_layer(first + i, backend) for i in range(n_mtp))
+
+    # ---- multi-token prediction for speculative decoding (executor/speculative.py) -------------------------
+    # The first MTP layer drafts every step of a chain (DeepSeek-V3 / R1 ship one), as SGLang and vLLM do.
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """Draft rows (token at i + 1, hidden state at i) at positions i; returns the hidden states before the
+        head's norm (the next draft step's previous_hidden)."""
+        return self.mtp[0].draft_hidden(input_ids, positions, previous_hidden, meta)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mtp[0].draft_logits(hidden)
+
+    def mtp_attention_layers(self) -> list[nn.Module]:
+        """The drafting MTP layer's latent-cache attention (its cache shares the model's block table); [] when
+        the model has no MTP layer."""
+        return [self.mtp[0].self_attn.attn] if len(self.mtp) else []
 
     @property
     def supports_cuda_graphs(self) -> bool:  # type: ignore[override]

@@ -260,8 +260,9 @@ class MetricsRegistry:
             new = getattr(snap, field)
             old = getattr(prev, field) if prev is not None else 0
             inc = new - old if new >= old else new
+            child = counter.labels(*lab)  # exported from the first snapshot on, at 0 until something counts
             if inc:
-                counter.labels(*lab).inc(inc)
+                child.inc(inc)
 
     # ---- exposition -------------------------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:

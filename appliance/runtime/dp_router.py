@@ -21,7 +21,8 @@ from appliance.server.engine_client import EngineDead, QueueFull, RequestOutput
 
 # stats keys that add up over replicas; the rest are combined below
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached",
-           "kv_blocks_owned", "num_preemptions", "num_steps", "malformed_frames")
+           "kv_blocks_owned", "num_preemptions", "num_steps", "malformed_frames", "spec_num_drafts",
+           "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
 def make_engine_client(addresses: Addresses, config: Any, max_queued_requests: int | None,

@@ -109,7 +109,7 @@ class SchedulerLoop:
             elif self._busy:
                 self._busy = False
                 self._check_accounting()
-            snap = self.obs.due_snapshot(self.core)
+            snap = self.obs.due_snapshot(self.core, spec=self.core.spec_counts())
             if snap is not None:
                 self.outputs.send(OUTPUT_CODEC.encode(snap))
 
@@ -131,7 +131,7 @@ class SchedulerLoop:
                     self.first_scheduled.forget(rid)
                     self._ended_since_check.append(rid)
             elif isinstance(msg, StatsQuery):  # a fresh snapshot first: a /metrics scrape waits for the reply
-                self.outputs.send(OUTPUT_CODEC.encode(self.obs.snapshot(self.core)))
+                self.outputs.send(OUTPUT_CODEC.encode(self.obs.snapshot(self.core, spec=self.core.spec_counts())))
                 self.outputs.send(OUTPUT_CODEC.encode(StatsReply(msg.query_id, self.stats())))
         if REQUEST_CODEC.num_malformed:
             log.warning("dropped %d malformed frames so far", REQUEST_CODEC.num_malformed)
@@ -173,6 +173,9 @@ class SchedulerLoop:
             "kv_cache_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate, "num_preemptions": s.num_preemptions,
             "num_steps": s.num_steps, "accounting_ok": self.accounting_ok, "idle": not self.core.has_work(),
             "malformed_frames": REQUEST_CODEC.num_malformed,
+            # speculative decoding, cumulative (0 without it): verifications, draft tokens, accepted drafts
+            "spec_num_drafts": s.spec_num_drafts, "spec_num_draft_tokens": s.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
         }
 
 
@@ -184,7 +187,7 @@ def run_scheduler(boot: Bootstrap) -> None:
     ctx = zmq.Context()
     executor = RemoteExecutor(ctx, boot.addresses, alive=lambda: parent_alive(boot.parent_pid))
     obs = SchedulerObservability(config.observability, ecfg.block_size, dp_rank=boot.rank)  # rank = replica
-    core = EngineCore(ecfg, executor, on_kv_event=obs.kv_event_sink, overlap=config.scheduler.enable_overlap)
+    core = EngineCore(ecfg, executor, on_kv_event=obs.kv_event_sink, overlap=config.overlap_enabled())
     requests = ctx.socket(zmq.PULL)
     requests.bind(boot.addresses.requests)
     outputs = ctx.socket(zmq.PUSH)

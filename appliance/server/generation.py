@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,8 +101,11 @@ class Generation:
                 if i == 0:
                     self.usage.cached_tokens = out.num_cached_tokens
                     self.prompt_logprobs = out.prompt_logprobs
+            piece, stop_str, kept = text.add(out.new_token_ids)
+            if kept < len(out.new_token_ids):  # tokens past a stop string are not part of the answer
+                out = _first_tokens(out, kept)
             self.usage.completion_tokens += len(out.new_token_ids)
-            delta = self._delta(index, out, text)
+            delta = self._delta(index, out, piece, stop_str, text)
             if delta is None:
                 continue
             pending = delta if pending is None else _combine(pending, delta)
@@ -112,8 +116,8 @@ class Generation:
         if pending is not None:
             yield pending
 
-    def _delta(self, index: int, out: RequestOutput, text: TextStream) -> ChoiceDelta | None:
-        piece, stop_str = text.add(out.new_token_ids)
+    def _delta(self, index: int, out: RequestOutput, piece: str, stop_str: str | None,
+               text: TextStream) -> ChoiceDelta | None:
         finish, stop_reason = out.finish_reason, None
         if stop_str is not None:
             finish, stop_reason = "stop", stop_str
@@ -136,6 +140,13 @@ class Generation:
             top_items = [(token_text(self.tokenizer, t), t, p) for t, p in top[:k]]
             result.append(TokenLogprob(token_text(self.tokenizer, tid), tid, lp, top_items))
         return result
+
+
+def _first_tokens(out: RequestOutput, n: int) -> RequestOutput:
+    """`out` cut to its first n tokens (ids, logprobs and top logprobs alike)."""
+    return dataclasses.replace(
+        out, new_token_ids=out.new_token_ids[:n], logprobs=None if out.logprobs is None else out.logprobs[:n],
+        top_logprobs=None if out.top_logprobs is None else out.top_logprobs[:n])
 
 
 def _combine(a: ChoiceDelta, b: ChoiceDelta) -> ChoiceDelta:

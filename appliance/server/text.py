@@ -16,12 +16,15 @@ class TextStream:
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens, min_tokens=params.min_tokens)
 
-    def add(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
-        """New visible text, and the stop string when one just matched (the choice then ends)."""
+    def add(self, token_ids: Sequence[int]) -> tuple[str, str | None, int]:
+        """New visible text, the stop string when one just matched (the choice then ends), and how many of
+        `token_ids` belong to the output: all of them, or with a stop string those up to the one that completed
+        it (a speculative step's output can carry tokens past it)."""
         was_finished = self._detok.finished
+        before = self._detok.num_output_tokens
         text = self._detok.update(token_ids)
         stop = self._detok.stop_reason if self._detok.finished and not was_finished else None
-        return text, stop
+        return text, stop, self._detok.num_output_tokens - before
 
     def flush(self) -> str:
         return self._detok.flush()

@@ -39,6 +39,13 @@ class Detokenizer:
     def finished(self) -> bool:
         return self.stop_reason is not None
 
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens consumed so far. update() stops consuming at the token that completes a stop string,
+        so after a stop this counts the tokens that belong to the output: the caller keeps that many token ids
+        (and logprobs) when one update carried several tokens (speculative decoding) and drops the rest."""
+        return self._num_output
+
     def _decode(self, ids: Sequence[int]) -> str:
         kwargs: dict[str, Any] = {"skip_special_tokens": self.skip_special_tokens}
         if not self.spaces_between_special_tokens:
@@ -46,7 +53,8 @@ class Detokenizer:
         return self.tokenizer.decode(list(ids), **kwargs)
 
     def update(self, new_token_ids: Sequence[int]) -> str:
-        """Feed generated tokens; returns the text that may now be shown. After a stop string, returns ''."""
+        """Feed generated tokens; returns the text that may now be shown. After a stop string, returns ''.
+        Tokens after the one that completes a stop string are not consumed (see num_output_tokens)."""
         if self.finished:
             return ""
         before = len(self.text)

@@ -1,0 +1,92 @@
+"""The real pipeline (supervisor, worker, scheduler, tokenizer processes) with MTP speculative decoding on a tiny
+DeepSeek-V3 (dummy weights, one MTP layer): completions equal the offline engine's without speculation, and the
+KV pool is whole afterwards. Tensor parallelism (2 CPU worker processes, gloo): the MTP layer is sharded like the
+model's layers, and the greedy tokens equal the single-process engine's without speculation."""
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import LLM, SamplingParams
+from tests.pipeline_server import Server, free_port, launch, stop
+from tests.test_pipeline_e2e import client
+from tests.test_spec_mtp import PROMPTS as MTP_PROMPTS
+from tests.test_spec_mtp import TINY, tiny_v3  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[5, 6, 7, 8, 9], list(range(200, 217))]
+
+
+@pytest.fixture(scope="module")
+def tiny_v3_served(tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import transformers
+    from conftest import TINY_VOCAB
+
+    out = tmp_path_factory.mktemp("spec_served")
+    cfg = transformers.DeepseekV3Config(**{**TINY, "vocab_size": TINY_VOCAB})
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    cfg.save_pretrained(str(out))
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_v3_served: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    config = f'''
+[model]
+path = "{tiny_v3_served}"
+device = "cpu"
+load_format = "dummy"
+[precision]
+dtype = "float32"
+[speculative]
+algorithm = "MTP"
+num_steps = 2
+eagle_topk = 1
+num_draft_tokens = 3
+[cache]
+max_total_tokens = 2048
+block_size = 4
+[api]
+port = {port}
+served_model_name = "tiny"
+[observability]
+log_level = "warning"
+'''
+    srv = launch(config, port, cfg_path=tmp_path_factory.mktemp("spec") / "serve.toml")
+    yield srv
+    stop(srv)
+
+
+def test_speculative_pipeline_answers_like_the_engine_without_it(spec_server: Server, tiny_v3_served: Path) -> None:
+    llm = LLM(model=str(tiny_v3_served), load_format="dummy", dtype="float32", block_size=4, max_total_tokens=2048)
+    want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
+    c = client(spec_server)
+    for prompt, text in zip(PROMPTS, want):
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0.0,
+                                 extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 12
+        assert r.choices[0].text == text
+    stats: dict[str, Any] = spec_server.wait_idle()
+    assert stats["accounting_ok"] and stats["kv_blocks_owned"] == 0
+
+
+def test_tensor_parallel_mtp_equals_one_process_without_it(tiny_v3: Path) -> None:  # noqa: F811
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in MTP_PROMPTS]
+    kw: dict[str, Any] = {"dtype": "float32", "block_size": 4, "skip_tokenizer_init": True}
+    want = [o.outputs[0].token_ids for o in LLM(model=str(tiny_v3), **kw).generate(prompts, params)]
+    llm = LLM(model=str(tiny_v3), tensor_parallel_size=2, speculative_algorithm="MTP", speculative_num_steps=2, **kw)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+        stats = llm.engine.stats()
+        assert stats.spec_num_drafts > 0 and llm.engine.check_accounting().ok
+    finally:
+        llm.shutdown()
