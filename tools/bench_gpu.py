@@ -1,12 +1,24 @@
 #!/usr/bin/env python3
-"""The GPU-speed benchmark of issue 6: CUDA-graph correctness, then the three target workloads, one table.
+"""The GPU-speed benchmark of issue 6: CUDA-graph correctness, the target workloads, serving, transformers; one table.
 
-    python3 tools/bench_gpu.py [--quick] [--overlap] [--budget-s 430] [--json PATH]
+    python3 tools/bench_gpu.py [--quick] [--only SECTIONS] [--overlap] [--budget-s 430] [--json PATH]
+
+How to run (device root, `.whl` carried, see tools/device_wheels.sh; each line one ~10-minute device call, each
+command preceded by the install line `python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
+--upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD OMP_NUM_THREADS=8 PYTHONUNBUFFERED=1`):
+    python3 tools/bench_gpu.py --only copy,tiny,qwen,llama,hf --quick --budget-s 560   # b1 ms/token + floor, Qwen
+                                                      # tok/s, graphs == eager, transformers (8B tput: 256 prompts)
+    python3 tools/bench_gpu.py --only llama_tput --budget-s 560                          # 8B 1000 x 1024/1024
+    python3 tools/bench_gpu.py --only serving,profile --budget-s 400                     # serving at 1/16/64
+Each writes $OUT/bench_gpu.json (and profile.txt / serving_server.log beside it); the table ends each output.
+--smoke runs every section with tiny shapes on any device (this CPU included): it checks the script, not speed.
 
 --overlap runs every model with scheduler.enable_overlap (step N+1 planned while step N runs); compare its table
 with a run without it.
 
-Sections run in subprocesses (a crash or a time-out loses one section, and each model's memory is freed):
+Sections run in subprocesses, each in its own process group (a crash or a time-out loses one section, and the
+time-out signal reaches the section's children too, e.g. the serving section's server; each model's memory is
+freed):
   copy     device-to-device copy bandwidth (bytes read + written), for the weight-read floor
   tiny     greedy tokens with CUDA graphs == eager on a tiny random Llama (realistic-scale random weights)
   qwen     the same check on qwen3-0.6b (dummy weights), then 256 seqs, in/out uniform [100, 1024], seed 0:
@@ -14,8 +26,17 @@ Sections run in subprocesses (a crash or a time-out loses one section, and each 
   llama    Llama-3.1-8B (dummy): batch 1, 1024 in / 256 out, mean time per output token (graphs and eager, and
            the weight-read floor = weight bytes read per step / copy bandwidth); then N x 1024 in / 1024 out,
            ignore_eos, output tok/s (N = 1000, or --tput-prompts; --quick uses 256 and the table says so)
-Sampling as in `vllm bench`: temperature 1.0, top_p 1.0, ignore_eos. Each section writes its JSON as it goes,
-so a section cut by its time limit still reports what it measured. JSON: --json, or $OUT/bench_gpu.json.
+  llama_tput  the llama section without its batch-1 part: N x 1024/1024 only (N = 1000 unless --tput-prompts)
+  profile  torch.profiler over 20 decode steps of 256 running qwen3-0.6b requests (profile.txt)
+  serving  `appliance serve` (Llama-3.1-8B, dummy) + tools/bench_serving.py, random 1024/256, ignore_eos, at max
+           concurrency --serving-concurrency (1,16,64) with --serving-prompts (8,64,192): TTFT / TPOT / ITL
+           mean, p50, p99 and output tok/s per level (tools/gpu_sections_serving.py)
+  hf       transformers' generate_batch on the same GPU: Llama-3.1-8B b1 ms per token (--hf-out tokens) and
+           Qwen3-0.6B tok/s on --hf-seqs sequences of the qwen workload; the table gives the speed-up
+           appliance / transformers from this run's llama and qwen sections (tools/gpu_sections_hf.py)
+Sampling as in `vllm bench`: temperature 1.0, top_p 1.0, ignore_eos (serving: bench_serving's default, greedy).
+Each section writes its JSON as it goes, so a section cut by its time limit still reports what it measured.
+JSON: --json, or $OUT/bench_gpu.json.
 """
 from __future__ import annotations
 
@@ -23,6 +44,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +58,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import gpu_measure  # noqa: E402  (tools/ is on sys.path above)
+import gpu_sections_hf  # noqa: E402
+import gpu_sections_profile  # noqa: E402
+import gpu_sections_serving  # noqa: E402
 from gpu_measure import (  # noqa: E402
     TINY,
     Recorder,
@@ -49,7 +74,9 @@ from gpu_measure import (  # noqa: E402
     _weight_bytes,
 )
 
-SECTION_CAPS = {"copy": 60, "tiny": 90, "qwen": 170, "llama": 300, "profile": 120}
+SECTION_CAPS = {"copy": 60, "tiny": 90, "qwen": 170, "llama": 300, "llama_tput": 480, "profile": 120,
+                "serving": 240, "hf": 120}
+GROWS = ("llama", "llama_tput")  # sections that take whatever budget is left beyond their cap
 
 
 def section_copy(rec: Recorder, args: argparse.Namespace) -> None:
@@ -133,7 +160,7 @@ def section_qwen(rec: Recorder, args: argparse.Namespace) -> None:
         rec["tput_eager"] = "skipped (section budget)"
 
 
-def section_llama(rec: Recorder, args: argparse.Namespace) -> None:
+def section_llama(rec: Recorder, args: argparse.Namespace, b1: bool = True) -> None:
     from bench_offline import PRESETS
 
     cfg = TINY if args.smoke else PRESETS["llama-3.1-8b"]
@@ -150,18 +177,11 @@ def section_llama(rec: Recorder, args: argparse.Namespace) -> None:
     t = time.perf_counter()
     rec["graphs_captured_upfront"] = runner.capture_graphs(2048)
     rec["capture_s"] = round(time.perf_counter() - t, 1)
-    rng = random.Random(2)
     vocab = cfg["vocab_size"]
-    _tpot(llm, [rng.randrange(vocab) for _ in range(1024 // k)], 8)  # warm-up
-    for mode in ("graphs", "eager"):
-        runner.use_graphs = mode == "graphs"
-        runs = [_tpot(llm, [rng.randrange(vocab) for _ in range(1024 // k)], 256 // k) for _ in range(3)]
-        rec[f"b1_{mode}"] = {"tpot_ms": round(statistics.median(r["tpot_ms"] for r in runs), 3),
-                             "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 2), "runs": runs}
-    rec["b1_graph_replay_ms"] = _replay_ms(runner)
-    rec["b1_gemv_ms"] = _gemv_ms(runner.model)
+    if b1:
+        _llama_b1(rec, llm, vocab, k)
     runner.use_graphs = True
-    n = args.tput_prompts or (256 if args.quick else 1000) // k
+    n = args.tput_prompts or (256 if args.quick and b1 else 1000) // k
     rec["tput_prompts"] = n
     left = deadline - time.monotonic()
     if left < 45:
@@ -174,70 +194,73 @@ def section_llama(rec: Recorder, args: argparse.Namespace) -> None:
     rec["tput_graphs"] = _throughput(llm, _prompts(rng, vocab, [1024 // k] * n), [1024 // k] * n)
 
 
-def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
-    """Where a large-batch decode step goes: qwen3-0.6b, 256 running requests (512 in), torch.profiler over
-    20 decode-only steps after the prefills; kernel and host tables go to profile.txt beside the JSON."""
-    import torch
-    from bench_offline import PRESETS
-    from torch.profiler import ProfilerActivity, profile
+def _llama_b1(rec: Recorder, llm: Any, vocab: int, k: int) -> None:
+    """Batch 1, 1024 in / 256 out: ms per output token with graphs and eager, graph replay and GEMV times."""
+    runner = llm.executor.runner
+    rng = random.Random(2)
+    _tpot(llm, [rng.randrange(vocab) for _ in range(1024 // k)], 8)  # warm-up
+    for mode in ("graphs", "eager"):
+        runner.use_graphs = mode == "graphs"
+        runs = [_tpot(llm, [rng.randrange(vocab) for _ in range(1024 // k)], 256 // k) for _ in range(3)]
+        rec[f"b1_{mode}"] = {"tpot_ms": round(statistics.median(r["tpot_ms"] for r in runs), 3),
+                             "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 2), "runs": runs}
+    rec["b1_graph_replay_ms"] = _replay_ms(runner)
+    rec["b1_gemv_ms"] = _gemv_ms(runner.model)
 
-    from appliance import SamplingParams
 
-    cfg = TINY if args.smoke else PRESETS["qwen3-0.6b"]
-    k = 16 if args.smoke else 1
-    with tempfile.TemporaryDirectory() as tmp:
-        llm = _llm(cfg, Path(tmp), enable_prefix_caching=False)
-    eng = llm.engine
-    rng = random.Random(3)
-    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=80 if args.smoke else 400, ignore_eos=True)
-    for i in range(256 // k):
-        eng.add_request(f"p{i}", [rng.randrange(cfg["vocab_size"]) for _ in range(512 // k)], sp)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
-        eng.step()
-    for _ in range(5):
-        eng.step()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    steps = 20
-    t = time.perf_counter()
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            eng.step()
-    rec["ms_per_step_profiled"] = round((time.perf_counter() - t) / steps * 1e3, 3)
-    t = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    rec["ms_per_step"] = round((time.perf_counter() - t) / steps * 1e3, 3)
-    rec["running"] = len(eng.scheduler.running)
-    ka = prof.key_averages()
-    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    text = ka.table(sort_by=sort, row_limit=30) + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30)
-    Path(args.section_json).with_name("profile.txt").write_text(text)
-    dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka)
-    rec["device_ms_per_step"] = round(dev_us / steps / 1e3, 3)
-    print(ka.table(sort_by=sort, row_limit=15), flush=True)
+def section_llama_tput(rec: Recorder, args: argparse.Namespace) -> None:
+    """The 8B throughput run alone (its own device call for the full 1000 prompts)."""
+    section_llama(rec, args, b1=False)
 
 
 SECTIONS = {"copy": section_copy, "tiny": section_tiny, "qwen": section_qwen, "llama": section_llama,
-            "profile": section_profile}
+            "llama_tput": section_llama_tput, "profile": gpu_sections_profile.section_profile,
+            "serving": gpu_sections_serving.section_serving, "hf": gpu_sections_hf.section_hf}
 
 
 # ---- driver --------------------------------------------------------------------------------------------------
 def _run_section(name: str, args: argparse.Namespace, budget: float, workdir: Path) -> dict[str, Any]:
     out = workdir / f"{name}.json"
     cmd = [sys.executable, __file__, "--section", name, "--section-json", str(out), "--section-budget",
-           str(max(budget - 15, 10))] + (["--quick"] if args.quick else []) + (["--smoke"] if args.smoke else []) + \
-          (["--tput-prompts", str(args.tput_prompts)] if args.tput_prompts else []) + \
-          (["--overlap"] if args.overlap else [])
+           str(max(budget - 15, 10)), "--tput-prompts", str(args.tput_prompts), "--serving-prompts",
+           args.serving_prompts, "--serving-concurrency", args.serving_concurrency, "--hf-out", str(args.hf_out),
+           "--hf-seqs", str(args.hf_seqs)] + (["--quick"] if args.quick else []) + \
+          (["--smoke"] if args.smoke else []) + (["--overlap"] if args.overlap else [])
     print(f"== {name} (limit {budget:.0f} s)", flush=True)
     t = time.perf_counter()
+    # its own process group: a time-out reaches everything the section started (the serving section's server);
+    # and it gets SIGTERM if this driver dies (killed from outside), so nothing outlives the run on the box
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                            preexec_fn=gpu_sections_serving.term_with_parent)  # noqa: PLW1509 (no threads here)
     try:
-        proc = subprocess.run(cmd, check=False, timeout=budget, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+        code = proc.wait(timeout=budget)
+        status = "ok" if code == 0 else f"exit {code}"
     except subprocess.TimeoutExpired:
         status = "timed out"
+        _end_group(proc)
+    except BaseException:  # the driver is being stopped (SIGTERM, Ctrl-C): stop the section with it
+        _end_group(proc, grace_s=10.0)
+        raise
     data = json.loads(out.read_text()) if out.exists() else {}
     data["status"], data["wall_s"] = status, round(time.perf_counter() - t, 1)
     return data
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM to the section's process group (a server there drains and stops), grace_s, then SIGKILL to it."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            deadline = time.monotonic() + wait_s  # the group's other members may still be exiting
+            while time.monotonic() < deadline:
+                os.killpg(proc.pid, 0)
+                time.sleep(0.2)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
 
 
 def _fmt(v: Any, key: str) -> str:
@@ -270,13 +293,14 @@ def table(res: dict[str, dict[str, Any]]) -> str:
         ratio = f"{g_ms / floor:.3f}x" if g_ms else "-"
         rows.append(("  weight-read floor (weights / copy bw)", f"{floor:.3f} ms ({wbytes / 1e9:.2f} GB)",
                      f"graphs = {ratio} floor", "<= 1.10x"))
-    n = llama.get("tput_prompts", "?")
+    tput = res.get("llama_tput", {}) if "tput_graphs" in res.get("llama_tput", {}) else llama
+    n = tput.get("tput_prompts", "?")
     note = "" if n == 1000 else f" (REDUCED to {n} prompts)"
-    rows.append((f"Llama-3.1-8B {n} x 1024/1024 output tok/s{note}", _fmt(llama.get("tput_graphs"), "output_tok_s"),
+    rows.append((f"Llama-3.1-8B {n} x 1024/1024 output tok/s{note}", _fmt(tput.get("tput_graphs"), "output_tok_s"),
                  "not run", ">= 8,050 (vLLM 6,993)"))
     rows.append(("Qwen3-0.6B 256 seqs [100,1024] output tok/s", _fmt(qwen.get("tput_graphs"), "output_tok_s"),
                  _fmt(qwen.get("tput_eager"), "output_tok_s"), ">= 20,100 (vLLM 17,514)"))
-    for name, sec in (("Qwen3-0.6B", qwen), (f"Llama-3.1-8B x{n}", llama)):
+    for name, sec in (("Qwen3-0.6B", qwen), (f"Llama-3.1-8B x{n}", tput)):
         g, e = sec.get("tput_graphs"), sec.get("tput_eager")
         if isinstance(g, dict):
             idle = lambda r: ("overlapped" if r["scheduler_ms_per_step"] is None
@@ -284,6 +308,8 @@ def table(res: dict[str, dict[str, Any]]) -> str:
             rows.append((f"  {name}: ms per step / of which outside the runner (GPU idle)",
                          f"{g['ms_per_step']} / {idle(g)}",
                          f"{e['ms_per_step']} / {idle(e)}" if isinstance(e, dict) else "", f"{g['steps']} steps"))
+    rows += gpu_sections_hf.table_rows(res.get("hf", {}), llama, qwen)
+    rows += gpu_sections_serving.table_rows(res.get("serving", {}))
     lines = ["| measure | CUDA graphs | eager | target |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     prof = res.get("profile", {})
@@ -299,8 +325,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="256 prompts instead of 1000 for the 8B throughput run")
     p.add_argument("--budget-s", type=float, default=430.0, help="wall budget of the whole run")
-    p.add_argument("--tput-prompts", type=int, default=0)
-    p.add_argument("--only", default="copy,tiny,qwen,llama", help="sections, comma-separated (also: profile)")
+    p.add_argument("--tput-prompts", type=int, default=0, help="8B throughput prompts (default 1000, --quick 256)")
+    p.add_argument("--only", default="copy,tiny,qwen,llama",
+                   help="sections, comma-separated (also: llama_tput, profile, serving, hf)")
+    p.add_argument("--serving-prompts", default="8,64,192", help="serving: prompts per concurrency level")
+    p.add_argument("--serving-concurrency", default="1,16,64", help="serving: max concurrency levels")
+    p.add_argument("--hf-out", type=int, default=64, help="hf: output tokens of the 8B batch-1 run")
+    p.add_argument("--hf-seqs", type=int, default=16, help="hf: sequences of the Qwen3-0.6B workload run")
     p.add_argument("--json", default=None)
     p.add_argument("--overlap", action="store_true", help="scheduler.enable_overlap on (compare with a run without)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks this script, not speed")
@@ -312,14 +343,19 @@ def main() -> None:
     if args.section:
         SECTIONS[args.section](Recorder(Path(args.section_json)), args)
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through _run_section: its section stops too
     start = time.monotonic()
     names = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown sections {unknown}; known: {sorted(SECTIONS)}")
+    gpu_sections_serving.parse_levels(args.serving_prompts, args.serving_concurrency)  # fail before any section
     res: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as work:
         for i, name in enumerate(names):
             left = args.budget_s - (time.monotonic() - start)
             later = sum(min(SECTION_CAPS[n], 60) for n in names[i + 1 :])  # keep a little for what follows
-            budget = min(SECTION_CAPS[name] + (0 if name != "llama" else max(0, left - SECTION_CAPS[name])),
+            budget = min(SECTION_CAPS[name] + (max(0, left - SECTION_CAPS[name]) if name in GROWS else 0),
                          left - later)
             if budget < 20:
                 res[name] = {"status": f"skipped ({left:.0f} s left)"}
@@ -327,9 +363,12 @@ def main() -> None:
             res[name] = _run_section(name, args, budget, Path(work))
         dest = Path(args.json) if args.json else (Path(os.environ["OUT"]) / "bench_gpu.json"
                                                   if os.environ.get("OUT") else None)
-        prof = Path(work) / "profile.txt"
-        if prof.exists() and dest is not None:
-            (dest.parent / "profile.txt").write_text(prof.read_text())
+        for extra in ("profile.txt", "serving_server.log"):
+            if (Path(work) / extra).exists() and dest is not None:
+                (dest.parent / extra).write_text((Path(work) / extra).read_text())
+    if "hf" in res:
+        res["hf"]["speedup_appliance_over_transformers"] = gpu_sections_hf.ratios(res["hf"], res.get("llama", {}),
+                                                                                  res.get("qwen", {}))
     if dest:
         dest.write_text(json.dumps(res, indent=1))
     print("\n" + table(res))

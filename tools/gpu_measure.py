@@ -190,5 +190,3 @@ def _weight_bytes(model: Any) -> int:
         total -= emb.numel() * emb.element_size()
     return total
 
-
-# ---- sections ------------------------------------------------------------------------------------------------

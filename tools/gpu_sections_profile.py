@@ -1,0 +1,53 @@
+"""The `profile` section of tools/bench_gpu.py: where a large-batch decode step goes (torch.profiler)."""
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from gpu_measure import TINY, Recorder, _llm
+
+
+def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
+    """Where a large-batch decode step goes: qwen3-0.6b, 256 running requests (512 in), torch.profiler over
+    20 decode-only steps after the prefills; kernel and host tables go to profile.txt beside the JSON."""
+    import torch
+    from bench_offline import PRESETS
+    from torch.profiler import ProfilerActivity, profile
+
+    from appliance import SamplingParams
+
+    cfg = TINY if args.smoke else PRESETS["qwen3-0.6b"]
+    k = 16 if args.smoke else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = _llm(cfg, Path(tmp), enable_prefix_caching=False)
+    eng = llm.engine
+    rng = random.Random(3)
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=80 if args.smoke else 400, ignore_eos=True)
+    for i in range(256 // k):
+        eng.add_request(f"p{i}", [rng.randrange(cfg["vocab_size"]) for _ in range(512 // k)], sp)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    steps = 20
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+    rec["ms_per_step_profiled"] = round((time.perf_counter() - t) / steps * 1e3, 3)
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    rec["ms_per_step"] = round((time.perf_counter() - t) / steps * 1e3, 3)
+    rec["running"] = len(eng.scheduler.running)
+    ka = prof.key_averages()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    text = ka.table(sort_by=sort, row_limit=30) + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30)
+    Path(args.section_json).with_name("profile.txt").write_text(text)
+    dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka)
+    rec["device_ms_per_step"] = round(dev_us / steps / 1e3, 3)
+    print(ka.table(sort_by=sort, row_limit=15), flush=True)
