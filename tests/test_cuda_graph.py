@@ -62,7 +62,7 @@ def test_graph_settings_switches() -> None:
     saved = ps._STATE
     ps._STATE = ps.TensorParallelState(0, 2, object())  # a stand-in group: nothing communicates here
     try:
-        assert graph_settings(_config(), llama, cuda) is None  # tensor parallel: eager for now
+        assert graph_settings(_config(), llama, cuda) == [1, 2, 4, 8, 16]  # tensor parallel: graphs too
     finally:
         ps._STATE = saved
     assert graph_settings(_config(), llama, cuda) == [1, 2, 4, 8, 16]
@@ -89,7 +89,7 @@ def test_padded_decode_path_matches_eager_on_cpu(tiny_model) -> None:
     graphs = _with_graphs(llm)
     runs: list[GraphKey] = []
     run = graphs.run
-    graphs.run = lambda decodes, key: (runs.append(key), run(decodes, key))[1]  # type: ignore[method-assign]
+    graphs.run = lambda decodes, key, fix=None: (runs.append(key), run(decodes, key, fix))[1]  # type: ignore[method-assign]
     assert _greedy(llm, prompts, 12) == eager
     assert runs and {k.batch for k in runs} <= {1, 2, 4} and GraphKey(4, 32) in runs
     # a batch above every capture size runs eagerly

@@ -92,7 +92,8 @@ def is_optional(annotation: Any) -> bool:
 
 
 def is_bool(annotation: Any) -> bool:
-    return annotation is bool
+    """bool, or an optional bool (None = decided at start-up): both take --flag / --no-flag."""
+    return annotation is bool or set(_flatten(annotation)) == {bool, type(None)}
 
 
 def is_list(annotation: Any) -> bool:

@@ -65,6 +65,12 @@ class ApplianceConfig(BaseModel):
             raise ValueError("; ".join(f"{p.path}: {p.message}" for p in problems))
         return self
 
+    def overlap_enabled(self) -> bool:
+        """scheduler.enable_overlap as the engine runs it: unset means on, unless speculative decoding is set."""
+        if self.scheduler.enable_overlap is not None:
+            return self.scheduler.enable_overlap
+        return self.speculative.algorithm is None
+
     def __hash__(self) -> int:  # usable as a cache key although hf_overrides is a dict
         return hash(json.dumps(self.model_dump(mode="json"), sort_keys=True))
 

@@ -115,6 +115,10 @@ class ParallelismSection(Section):
         None, "GPU indices of this node's workers, one per worker in rank order (worker d x tp + t of replica d), "
         "each given to its worker as CUDA_VISIBLE_DEVICES. Unset: worker i uses visible device i.",
         flags="--devices")
+    disable_custom_all_reduce: bool = param(
+        False, "Sum tensor-parallel partial results with NCCL only. By default small messages (decode steps) on "
+        "GPUs of one host use a one-shot all-reduce over CUDA IPC (symmetric memory) buffers, and the rest NCCL.",
+        flags="--disable-custom-all-reduce")
 
     @field_validator("devices")
     @classmethod
@@ -153,9 +157,10 @@ class SchedulerSection(Section):
         flags=("--scheduling-policy", "--schedule-policy"))
     slo_tbt_ms: float = param(100.0, "Time-between-tokens deadline in milliseconds for policy `slo`.",
                               flags=("--slo-tbt-ms", "--tbt-deadline-ms"), gt=0)
-    enable_overlap: bool = param(
-        False, "Overlap scheduling: plan and submit step N+1 while step N runs, so the host's scheduling hides "
-        "behind the device's compute. Outputs are identical; a request that stops wastes one step's slot.",
+    enable_overlap: bool | None = param(
+        None, "Overlap scheduling: plan and launch step N+1 while step N runs, so the host's work hides behind "
+        "the device's compute. Outputs are identical; a request that stops wastes one step's slot. Unset: on, "
+        "except with speculative decoding (which runs the synchronous loop; setting both is an error).",
         flags=("--enable-overlap-schedule", "--async-scheduling"))
 
     @field_validator("chunked_prefill_size")

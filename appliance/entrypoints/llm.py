@@ -80,7 +80,7 @@ class LLM:
             self.executor = InProcessExecutor(self.config)
         engine_config = EngineConfig.from_appliance(self.config, self.executor.num_blocks,
                                                     self.executor.eos_token_ids, self.executor.max_model_len)
-        self.engine = EngineCore(engine_config, self.executor, overlap=self.config.scheduler.enable_overlap)
+        self.engine = EngineCore(engine_config, self.executor, overlap=self.config.overlap_enabled())
 
     def _load_tokenizer(self) -> Any:
         from appliance.config import resolve_model_path
@@ -149,11 +149,18 @@ class LLM:
                 bar.close()
 
     def _apply(self, s: _Sequence, d: RequestDelta) -> None:
-        s.token_ids.extend(d.new_token_ids)
+        ids, lps, piece = d.new_token_ids, d.new_logprobs, ""
+        if s.detok is not None:
+            before = s.detok.num_output_tokens
+            piece = s.detok.update(ids)
+            # a speculative step's delta can carry tokens past the one that completed a stop string: drop them
+            kept = s.detok.num_output_tokens - before
+            ids, lps = ids[:kept], None if lps is None else lps[:kept]
+        s.token_ids.extend(ids)
         s.num_cached_tokens = d.num_cached_tokens
-        if d.new_logprobs is not None:
+        if lps is not None:
             s.logprobs = s.logprobs or []
-            for tl in d.new_logprobs:
+            for tl in lps:
                 s.logprobs.append(self._logprob_dict(tl.token_id, tl.logprob, tl.top_logprobs,
                                                      getattr(tl, "rank", None)))
                 if tl.logprob is not None:
@@ -162,12 +169,10 @@ class LLM:
             self._prompt_lps[s.request_id] = [
                 None if e is None else self._logprob_dict(e[0][0], e[0][1], e[1:]) for e in d.prompt_logprobs]
         if s.detok is not None:
-            s.text += s.detok.update(d.new_token_ids)
-            if s.detok.finished and d.finish_reason is None:
-                self.engine.abort(s.request_id)
-                s.finish_reason, s.stop_reason = "stop", s.detok.stop_reason
-                return
+            s.text += piece
             if s.detok.finished:
+                if d.finish_reason is None:
+                    self.engine.abort(s.request_id)
                 s.finish_reason, s.stop_reason = "stop", s.detok.stop_reason
                 return
         if d.finish_reason is not None:

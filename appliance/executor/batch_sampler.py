@@ -52,12 +52,29 @@ class BatchSampler:
         # one stager per upload of a step: reusing one within a step would wait for the forward to finish
         self._f32, self._i64, self._idx = Stager(device), Stager(device), Stager(device)
 
+    def kinds(self, states: Sequence[RequestState]) -> list[str]:
+        """The path of each row (route(), with FAST falling back to TORCH where there is no GPU op)."""
+        kinds = [route(s.params, s.num_generated) for s in states]
+        return kinds if self.gpu_op is not None else [TORCH if k == FAST else k for k in kinds]
+
+    def on_device(self, states: Sequence[RequestState]) -> bool:
+        """Whether every row samples on the device (no host round trip: the overlap mode can defer the copy)."""
+        return TORCH not in self.kinds(states)
+
+    def sample_on_device(self, logits: torch.Tensor, states: Sequence[RequestState],
+                         kinds: list[str] | None = None) -> torch.Tensor:
+        """Token ids [rows] left on the device; every row must take a device path (see on_device)."""
+        kinds = self.kinds(states) if kinds is None else kinds
+        if TORCH in kinds:
+            raise ValueError("sample_on_device() got rows that need the torch Sampler")
+        if all(k == GREEDY for k in kinds):
+            return logits.argmax(dim=-1)
+        return self._gpu_sample(logits, list(states), kinds)
+
     def __call__(self, logits: torch.Tensor, states: Sequence[RequestState]) -> list[SampleResult]:
         if logits.shape[0] != len(states):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(states)} requests")
-        kinds = [route(s.params, s.num_generated) for s in states]
-        if self.gpu_op is None:
-            kinds = [TORCH if k == FAST else k for k in kinds]
+        kinds = self.kinds(states)
         device_rows = [i for i, k in enumerate(kinds) if k != TORCH]
         torch_rows = [i for i, k in enumerate(kinds) if k == TORCH]
         results: list[SampleResult | None] = [None] * len(states)
@@ -70,10 +87,7 @@ class BatchSampler:
         if device_rows:
             sub = logits if len(device_rows) == len(states) else \
                 logits[self._idx.send(np.asarray(device_rows, dtype=np.int64))]
-            if all(kinds[i] == GREEDY for i in device_rows):
-                tokens = sub.argmax(dim=-1)
-            else:
-                tokens = self._gpu_sample(sub, [states[i] for i in device_rows], [kinds[i] for i in device_rows])
+            tokens = self.sample_on_device(sub, [states[i] for i in device_rows], [kinds[i] for i in device_rows])
             for i, t in zip(device_rows, tokens.tolist()):  # the step's one device -> host copy
                 results[i] = SampleResult(int(t))
         return results  # type: ignore[return-value]

@@ -149,11 +149,15 @@ class DecodeGraphs:
                 self.capture(GraphKey(b, w))
         return len(self.graphs)
 
-    def run(self, decodes: list[Chunk], key: GraphKey) -> torch.Tensor:
-        """Hidden states [len(decodes), hidden] of a decode-only step (a view of the static output)."""
+    def run(self, decodes: list[Chunk], key: GraphKey,
+            fix_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Hidden states [len(decodes), hidden] of a decode-only step (a view of the static output).
+        fix_ids(ids) may rewrite the uploaded input ids on the device before the replay (tokens in flight)."""
         if key not in self.graphs:
             self.capture(key)
         self._fill(decodes, key)
+        if fix_ids is not None:
+            fix_ids(self.buf64[: len(decodes)])
         self.graphs[key]()
         self.last_key = key  # benchmarks replay it to time the GPU side alone
         return self.hidden[: len(decodes)]
@@ -174,10 +178,14 @@ def graph_settings(config: object, model: torch.nn.Module, device: torch.device)
     if not getattr(model, "supports_cuda_graphs", False):
         log.info("%s does not declare CUDA graph support: decode runs eagerly", type(model).__name__)
         return None
-    from appliance.layers.parallel_state import get_ep_size, get_tp_size
+    from appliance.layers.parallel_state import get_ep_size
 
-    if get_tp_size() > 1 or get_ep_size() > 1:  # collectives inside a capture are not verified yet
-        log.info("tensor / expert parallelism: decode runs eagerly (CUDA graphs are single-GPU for now)")
+    if get_ep_size() > 1:  # expert dispatch under capture is not verified yet
+        log.info("expert parallelism: decode runs eagerly (CUDA graphs are off with ep > 1)")
         return None
+    # Tensor parallelism: the all-reduces (one-shot over CUDA IPC buffers, or NCCL) are captured into the graphs.
+    # Every rank must replay the same graph each step, or the collectives inside would pair up wrongly and hang:
+    # they do, because every rank receives the same StepPlan and the graph key (padded batch, table-width
+    # bucket) is a function of the plan alone; capture_all captures the same keys in the same order everywhere.
     return capture_sizes(b.cuda_graph_sizes, b.cuda_graph_max_bs,
                          config.scheduler.max_num_seqs)  # type: ignore[attr-defined]

@@ -1,16 +1,15 @@
 """The executor that runs a ModelRunner in the calling process (offline LLM, tests, single-GPU).
 
-With scheduler.enable_overlap, submit() hands the step to one worker thread and collect() waits for it, so the
-engine plans step N+1 and applies step N's result while the thread builds and runs step N (its waits on the
-device release the GIL). One thread keeps the steps in submission order, and only it touches the runner while
-steps are in flight.
+With scheduler.enable_overlap, submit() launches the step on the device and returns at once (the runner leaves
+its sampled ids on the device, executor/inflight.py); collect() waits for them. The engine therefore plans step
+N+1 and launches it before it collects step N, and the device never waits for the host between the two.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from appliance.engine.step import Executor, StepPlan, StepResult
+from appliance.executor.inflight import StepHandle
 from appliance.executor.model_runner import ModelRunner
 
 
@@ -21,7 +20,6 @@ class InProcessExecutor(Executor):
             raise ValueError(f"the in-process executor runs one worker; tp={p.tp} dp={p.dp} needs the runtime's "
                              "multi-process executor")
         self.runner = ModelRunner(config)
-        self._thread: ThreadPoolExecutor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -43,18 +41,13 @@ class InProcessExecutor(Executor):
         return self.runner.execute(plan)
 
     def submit(self, plan: StepPlan) -> object:
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="appliance-step")
-        # self.execute, not the runner's: a wrapper installed on execute (benchmarks time it) still sees each step
-        return self._thread.submit(self.execute, plan)
+        return self.runner.launch(plan)
 
     def collect(self, handle: object) -> StepResult:
-        if not isinstance(handle, Future):
+        if not isinstance(handle, StepHandle):
             raise TypeError(f"collect() got {type(handle).__name__}, not a handle of this executor's submit()")
-        return handle.result()
+        return self.runner.finish(handle)
 
     def shutdown(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+        self.runner.flush()
         self.runner.requests.clear()

@@ -32,6 +32,10 @@ class RequestState:
     params: SamplingParams
     prompt_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     noise_seed: int = 0  # the GPU sampler's per-request stream for unseeded random rows
+    # overlap mode: tokens sampled by steps still in flight (not in token_ids yet), and where the latest one is
+    # on the device (that step's sampled-ids tensor, row): the next decode reads its input id from there
+    num_pending: int = 0
+    pending_at: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
     _blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
 
     @property
@@ -40,7 +44,16 @@ class RequestState:
 
     @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Tokens generated so far, the ones still in flight included."""
+        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending
+
+    def token_at(self, position: int) -> int:
+        """The input id at `position`; 0 for a token still in flight (the runner writes it on the device)."""
+        return self.token_ids[position] if position < len(self.token_ids) else 0
 
     def block_array(self) -> np.ndarray:
         """block_ids as numpy, re-converted only when the table grew (every block_size tokens)."""
@@ -100,7 +113,7 @@ def decode_rows(decodes: list[Chunk], block_size: int) -> tuple[np.ndarray, np.n
     for c in decodes:
         _check_blocks(c, block_size)
     pos = np.fromiter((c.start for c in decodes), np.int64, len(decodes))
-    ids = np.fromiter((c.state.token_ids[c.start] for c in decodes), np.int64, len(decodes))
+    ids = np.fromiter((c.state.token_at(c.start) for c in decodes), np.int64, len(decodes))
     blk = np.fromiter((c.state.block_ids[c.start // block_size] for c in decodes), np.int64, len(decodes))
     return ids, pos, blk * block_size + pos % block_size
 

@@ -236,13 +236,18 @@ def processors_for(runner: Any) -> LogitsProcessors:
     return reg
 
 
+def forget_idle(runner: Any) -> None:
+    """A step without constrained rows: drop the processors of requests that finished meanwhile."""
+    idle = getattr(runner, "_logits_processors", None)
+    if idle is not None and idle._entries:
+        idle._forget_finished()
+
+
 def sample(runner: Any, logits: torch.Tensor, states: Sequence[RequestState]) -> list[SampleResult]:
     """The runner's batch sampler, with constrained rows masked and drawn by the torch Sampler."""
     batch_sampler = runner.batch_sampler
     if not any(wants_processors(s.params.extra) for s in states):
-        idle = getattr(runner, "_logits_processors", None)
-        if idle is not None and idle._entries:  # drop the processors of requests that finished meanwhile
-            idle._forget_finished()
+        forget_idle(runner)
         return batch_sampler(logits, states)
     rows = processors_for(runner).mask(logits, states)
     if not rows or batch_sampler.gpu_op is None:  # on the CPU every path (argmax, torch Sampler) honours masks

@@ -8,20 +8,24 @@ prompt rows of requests that asked for prompt logprobs).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import random
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
-from appliance.executor import kv_cache, logits_processors
+from appliance.executor import inflight, kv_cache, logits_processors, speculative  # [spec] speculative
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
 from appliance.executor.cuda_graph import DecodeGraphs, graph_settings, width_bucket
+from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import (
     Chunk,
     RequestState,
@@ -29,7 +33,9 @@ from appliance.executor.input_batch import (
     build_inputs,
     table_width,
 )
+from appliance.executor.memory_check import check_weight_memory
 from appliance.executor.model_loader import (
+    apply_quantization,
     init_dummy_weights,
     load_hf_config,
     load_weights,
@@ -106,15 +112,10 @@ def read_eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
 
 def _check_supported(config: Any, device: torch.device) -> None:
     """Settings this executor cannot honour are errors (or, for CUDA graphs, a warning), never silently dropped."""
-    if config.precision.quantization is not None:
-        raise ValueError(f"precision.quantization={config.precision.quantization!r} is not supported by this "
-                         "executor yet")
     if config.backends.sampling not in ("auto", "torch"):
         raise ValueError(f"backends.sampling={config.backends.sampling!r} is not supported by this executor yet "
                          "(supported: auto, torch)")
-    if config.speculative.algorithm is not None:
-        raise ValueError(f"speculative.algorithm={config.speculative.algorithm!r} is not supported by this "
-                         "executor yet")
+    speculative.check_settings(config)  # [spec] MTP only, eagle_topk 1, no overlap
 
 
 class ModelRunner:
@@ -131,9 +132,11 @@ class ModelRunner:
         self.backend = resolve_backend(config.backends.attention, self.device)
         self.max_model_len = resolve_max_model_len(m.max_model_len, self.hf_config)
         self.block_size = config.cache.block_size
+        check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend)  # fail before allocating
         self.model = self._build_model(m.load_format, m.seed)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
-        layers = self.model.attention_layers()
+        # [spec] the MTP drafter's caches share the block table and the KV budget (none without speculation)
+        layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model)
         self.kv_spec = kv_cache.KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
                                             self.block_size, kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype,
                                                                                      self.dtype),
@@ -148,12 +151,16 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._noise_seeds = random.Random(m.seed)  # per-request streams of the GPU sampler
         self._stager = Stager(self.device)
+        self._pending_stager, self._rows_stager = Stager(self.device), Stager(self.device)
+        self._inflight: deque[StepHandle] = deque()  # launched, not finished (overlap mode), in launch order
         self.max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = self._make_graphs()
         self.use_graphs = self.graphs is not None  # benchmarks flip it to compare with eager on one model
         # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
+        # [spec] speculative decoding runs whole steps (executor/speculative.py)
+        self.spec = speculative.MtpSpeculator(self) if config.speculative.algorithm is not None else None
 
     def warmup(self, graph_context: int = 2048) -> float:
         """Compile the kernel variants a run meets (prefill for every padded sequence count, sampling) and
@@ -213,6 +220,7 @@ class ModelRunner:
             init_dummy_weights(model, seed)
         else:
             load_weights(model, self.model_dir, load_format)
+        apply_quantization(model, self.config.precision.quantization, self.hf_config, self.backend)
         return model.eval()
 
     def _count_blocks(self) -> int:
@@ -236,12 +244,15 @@ class ModelRunner:
         for layer, (k, v) in zip(layers, temp):
             layer.bind_kv_cache(k, v)
         state = RequestState("profile", [0] * tokens, tokens, 0, list(range(blocks)), SamplingParams())
+        gc.collect()  # engines this process dropped (tests, benchmarks) still hold their caches until collected
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
             inputs = build_inputs([Chunk(state, 0, tokens, True)], self.block_size, self.device)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            rows = min(sched.max_num_seqs, tokens)
+            # [spec] a verification samples up to 1 + num_steps rows per request (accepted drafts + the bonus)
+            rows = min(sched.max_num_seqs * (1 + (self.config.speculative.num_steps
+                                                  if self.config.speculative.algorithm is not None else 0)), tokens)
             self.model.compute_logits(hidden[:rows]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -254,22 +265,72 @@ class ModelRunner:
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> StepHandle:
+        """Start a step. When every sampled row samples on the device (inflight.py), its ids stay there until
+        finish(), so the caller can plan and launch the next step meanwhile; any other step first finishes the
+        steps in flight (its sampling reads the complete token history) and runs to completion here."""
+        if self.spec is not None:  # [spec] never overlapped (refused at start-up): the step completes here
+            return StepHandle(plan.step_id, self.spec.execute(plan))
         for rid in plan.finished_ids:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = self._new_state(new)
         chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
-            return StepResult(plan.step_id)
+            return StepHandle(plan.step_id, StepResult(plan.step_id))
+        order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
+        deferred = self._deferrable(chunks)
+        if not deferred:
+            self.flush()
         with torch.inference_mode():
             ordered, row_starts, hidden = self._forward(chunks)
-            sampled, prompt_lps = self._logits_and_sample(ordered, row_starts, hidden)
+            if deferred:
+                handle = self._sample_deferred(plan.step_id, ordered, row_starts, hidden, order)
+            else:
+                sampled, prompt_lps = self._logits_and_sample(ordered, row_starts, hidden)
+                sampled.sort(key=lambda t: order[t.request_id])
+                handle = StepHandle(plan.step_id, StepResult(plan.step_id, sampled, prompt_lps))
         for c in ordered:
             c.state.num_computed += c.num_tokens
-        if ordered is not chunks:  # decodes were moved first: back to the plan's order
-            order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
-            sampled.sort(key=lambda t: order[t.request_id])
-        return StepResult(plan.step_id, sampled, prompt_lps)
+        if not handle.done:
+            self._inflight.append(handle)
+        return handle
+
+    def finish(self, handle: StepHandle) -> StepResult:
+        """The result of a launched step (waiting for its sampled ids); earlier steps finish first."""
+        while not handle.done:
+            inflight.complete(self._inflight.popleft())
+        return handle.result  # type: ignore[return-value]
+
+    def flush(self) -> None:
+        """Finish every step in flight: afterwards every request's token_ids is complete."""
+        while self._inflight:
+            inflight.complete(self._inflight.popleft())
+
+    def _deferrable(self, chunks: list[Chunk]) -> bool:
+        """Every sampled row samples on the device, nothing needs the host's token history this step, and no
+        multi-token chunk reads a token still in flight."""
+        sampling = [c.state for c in chunks if c.sample]
+        return (all(not c.wants_prompt_logprobs and (c.num_tokens == 1 or c.start + c.num_tokens <= len(
+                    c.state.token_ids)) for c in chunks)
+                and not any(logits_processors.wants_processors(s.params.extra) for s in sampling)
+                and self.batch_sampler.on_device(sampling))
+
+    def _sample_deferred(self, step_id: int, ordered: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
+                         order: dict[str, int]) -> StepHandle:
+        rows = [first + c.num_tokens - 1 for c, first in zip(ordered, row_starts) if c.sample]
+        sampling = [c for c in ordered if c.sample]
+        if not rows:
+            return StepHandle(step_id, StepResult(step_id))
+        if rows == list(range(len(rows))):
+            logits = self.model.compute_logits(hidden[: len(rows)])
+        else:  # staged upload: a plain torch.tensor(..., device) would wait for the GPU to catch up
+            logits = self.model.compute_logits(hidden[self._rows_stager.send(np.asarray(rows, dtype=np.int64))])
+        logits_processors.forget_idle(self)
+        ids = self.batch_sampler.sample_on_device(logits, [c.state for c in sampling])
+        return inflight.defer(step_id, sampling, ids, order)
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
         """Rows in order, each chunk's first row, hidden states: a decode-only step replays a CUDA graph."""
@@ -277,11 +338,13 @@ class ModelRunner:
                                                                 for c in chunks):
             key = self.graphs.key_for(chunks)
             if key is not None:
-                return chunks, list(range(len(chunks))), self.graphs.run(chunks, key)
+                return chunks, list(range(len(chunks))), self.graphs.run(
+                    chunks, key, lambda ids: inflight.resolve_pending_ids(chunks, ids, self._pending_stager))
         decodes = [c for c in chunks if c.num_tokens == 1]
         # decode tables padded like the graphs' (the split-K factor follows the width): same numerics either way
         width = width_bucket(table_width(decodes), self.max_blocks) if decodes else 1
         inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager, self._pad_prefills)
+        inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         return inputs.chunks, inputs.row_starts, self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     def capture_graphs(self, max_context: int) -> int:
@@ -306,11 +369,11 @@ class ModelRunner:
             raise KeyError(f"step schedules request {rid!r}, which the worker does not know")
         state.block_ids.extend(new_blocks)
         end = state.num_computed + num_tokens
-        if num_tokens < 1 or end > len(state.token_ids):
+        if num_tokens < 1 or end > state.num_tokens:
             raise ValueError(f"request {rid!r}: cannot compute {num_tokens} tokens from {state.num_computed}; "
-                             f"it has {len(state.token_ids)}")
-        if sample and end != len(state.token_ids):
-            raise ValueError(f"request {rid!r}: asked to sample after token {end} of {len(state.token_ids)}")
+                             f"it has {state.num_tokens}")
+        if sample and end != state.num_tokens:
+            raise ValueError(f"request {rid!r}: asked to sample after token {end} of {state.num_tokens}")
         return Chunk(state, state.num_computed, num_tokens, sample)
 
     def _logits_and_sample(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor

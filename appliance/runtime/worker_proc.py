@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
+from typing import Any, NoReturn
 
 import zmq
 
@@ -35,11 +37,12 @@ def run_worker(boot: Bootstrap) -> None:
     os.environ.setdefault("WORLD_SIZE", str(boot.world_size))
     config = boot.load_config()
     from appliance.executor.distributed import init_distributed, min_over_ranks
+    from appliance.layers.custom_all_reduce import AllReduceSettings
     from appliance.executor.model_runner import ModelRunner
     from appliance.layers.parallel_state import init_expert_parallel
 
     # boot.rank / world_size: this worker's tensor-parallel rank within its data-parallel replica
-    init_distributed(config.model.device)
+    init_distributed(config.model.device, all_reduce=AllReduceSettings.from_config(config))
     init_expert_parallel(config.parallelism.enable_expert_parallel)  # ep = tp: experts split over the group
     runner = ModelRunner(config)
     ctx = zmq.Context()
@@ -64,22 +67,67 @@ def run_worker(boot: Bootstrap) -> None:
     control.send(CONTROL_CODEC.encode(StageReady(boot.name, os.getpid(), info)))
     log.info("worker %d ready on %s: %d KV blocks", boot.rank, runner.device, runner.num_blocks)
     rank = str(boot.rank).encode()
+    steps = StepLoop(runner, results, rank, boot.rank)
     while parent_alive(boot.parent_pid):
         if head is not None and head.lost():
             raise ConnectionError(f"lost the connection to the scheduler on the head node ({plan_addr})")
-        if not plans.poll(1000):
+        if not steps.wait_for_plan(plans):
             continue
         plan = PLAN_CODEC.decode_or_none(plans.recv())
         if plan is None:
             log.warning("dropped a malformed plan frame (%d so far)", PLAN_CODEC.num_malformed)
             continue
+        steps.run(plan)
+
+
+class StepLoop:
+    """Launches each plan as it arrives and answers the step before it once this one is launched: in overlap
+    mode the scheduler sends plan N+1 before it waits for step N, so the device runs N+1 right after N. A step
+    with no successor is answered as soon as its sampled ids are on the host."""
+
+    def __init__(self, runner: Any, results: zmq.Socket, rank: bytes, rank_index: int) -> None:
+        self.runner, self.results, self.rank, self.rank_index = runner, results, rank, rank_index
+        self.previous: Any = None  # the launched step not answered yet (an inflight.StepHandle)
+
+    def wait_for_plan(self, plans: zmq.Socket) -> bool:
+        """Whether a plan is waiting; meanwhile answer the step in flight once its ids have arrived."""
+        if self.previous is None:
+            return bool(plans.poll(1000))
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            if plans.poll(0):
+                return True
+            event = self.previous.event
+            if event is None or event.query():
+                self._answer()
+                return bool(plans.poll(1000))
+            time.sleep(50e-6)
+        return False
+
+    def run(self, plan: Any) -> None:
         try:
-            result = runner.execute(plan)
+            handle = self.runner.launch(plan)
         except Exception as exc:
-            log.error("step %d failed:\n%s", plan.step_id, traceback.format_exc())
-            results.send_multipart([rank, RESULT_CODEC.encode(WorkerError(plan.step_id, boot.rank, str(exc)))])
-            raise
-        results.send_multipart([rank, RESULT_CODEC.encode(result)])
+            self._fail(plan.step_id, exc)
+        self._answer()
+        self.previous = handle
+        if handle.done:
+            self._answer()
+
+    def _answer(self) -> None:
+        handle, self.previous = self.previous, None
+        if handle is None:
+            return
+        try:
+            result = self.runner.finish(handle)
+        except Exception as exc:
+            self._fail(handle.step_id, exc)
+        self.results.send_multipart([self.rank, RESULT_CODEC.encode(result)])
+
+    def _fail(self, step_id: int, exc: Exception) -> NoReturn:
+        log.error("step %d failed:\n%s", step_id, traceback.format_exc())
+        self.results.send_multipart([self.rank, RESULT_CODEC.encode(WorkerError(step_id, self.rank_index, str(exc)))])
+        raise exc
 
 
 class HeadWatch:
