@@ -109,7 +109,7 @@ def test_unsupported_settings_are_warnings_and_start_up_errors(tmp_path: Path) -
                                               ("flashinfer", True), ("flashinfer_full", True)])
 def test_sampling_backends_the_executor_cannot_run_are_refused_at_start_up(backend: str, refused: bool) -> None:
     """The start-up check and the executor's own check agree on which sampling backends exist."""
-    from appliance.executor.model_runner import _check_supported
+    from appliance.executor.runner_setup import _check_supported
 
     cfg = build_config(flat={"sampling_backend": backend}, env={})
     assert cfg.backends.sampling == backend

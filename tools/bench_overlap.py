@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_offline import PRESETS  # noqa: E402
+from bench_offline import PRESETS
 
 
 def llm_for(cfg: dict, tmp: Path, **kw: object):

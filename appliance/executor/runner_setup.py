@@ -1,0 +1,78 @@
+"""What a ModelRunner settles before it builds anything: device, attention backend, context length, EOS ids,
+and the settings this executor refuses (never silently dropped)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from appliance.executor import speculative
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device = cuda but no CUDA device is visible")
+    return torch.device(name)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """`auto`: triton on a GPU when its kernels are registered, else the torch reference."""
+    from appliance.kernels import registry
+
+    if name != "auto":
+        try:
+            for op in ("store_kv", "decode_attention", "prefill_attention"):
+                registry.get(op, name)
+        except (KeyError, ImportError) as exc:
+            raise ValueError(f"backends.attention = {name!r} is not available here: {exc}") from exc
+        return name
+    if device.type == "cuda":
+        try:
+            for op in ("store_kv", "decode_attention", "prefill_attention"):
+                registry.get(op, "triton")
+            return "triton"
+        except (KeyError, ImportError):
+            pass
+    return "torch"
+
+
+def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # attention here is full attention: beyond the window the model would see more than it was trained to
+        limit = min(limit or window, int(window))
+    if requested is None:
+        if limit is None:
+            raise ValueError("the model config has no max_position_embeddings; set model.max_model_len")
+        return limit
+    if limit is not None and requested > limit:
+        raise ValueError(f"model.max_model_len={requested} exceeds the model's limit {limit} "
+                         f"(max_position_embeddings / sliding_window); raise it through hf_overrides if you mean to")
+    return requested
+
+
+def read_eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
+    """EOS ids from generation_config.json (which may list several) and config.json."""
+    ids: list[int] = []
+    sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
+    gen = model_dir / "generation_config.json" if model_dir else None
+    if gen is not None and gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for src in sources:
+        for t in ([src] if isinstance(src, int) else list(src or [])):
+            if t not in ids:
+                ids.append(int(t))
+    return ids
+
+
+def _check_supported(config: Any, device: torch.device) -> None:
+    """Settings this executor cannot honour are errors (or, for CUDA graphs, a warning), never silently dropped."""
+    if config.backends.sampling not in ("auto", "torch"):
+        raise ValueError(f"backends.sampling={config.backends.sampling!r} is not supported by this executor yet "
+                         "(supported: auto, torch)")
+    speculative.check_settings(config)  # [spec] MTP only, eagle_topk 1, no overlap
