@@ -105,6 +105,8 @@ class StepLoop:
         return False
 
     def run(self, plan: Any) -> None:
+        if self.previous is not None and (self.previous.event is None or self.previous.event.query()):
+            self._answer()  # its ids are here already (or the device computes synchronously, as a CPU does)
         try:
             handle = self.runner.launch(plan)
         except Exception as exc:
