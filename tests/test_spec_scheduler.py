@@ -4,6 +4,7 @@ it generates alone (stops mid-chunk drop the rest, max_tokens / max_model_len ex
 through aborts and preemption, and the plan never verifies more drafts than the worker holds."""
 from __future__ import annotations
 
+import pytest
 from engine_workload import (
     EOS,
     MAX_MODEL_LEN,
@@ -15,8 +16,6 @@ from engine_workload import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from appliance.engine import EngineConfig, EngineCore, SamplingParams
 from appliance.engine.fake_executor import FakeExecutor, reference_generation

@@ -57,11 +57,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-import gpu_measure  # noqa: E402  (tools/ is on sys.path above)
-import gpu_sections_hf  # noqa: E402
-import gpu_sections_profile  # noqa: E402
-import gpu_sections_serving  # noqa: E402
-from gpu_measure import (  # noqa: E402
+import gpu_measure
+import gpu_sections_hf
+import gpu_sections_profile
+import gpu_sections_serving
+from gpu_measure import (
     TINY,
     Recorder,
     _gemv_ms,

@@ -1,8 +1,9 @@
 """The engine's own settings: a small frozen record, built from the appliance config or by hand in tests."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 POLICIES = ("fcfs", "lpm")
 

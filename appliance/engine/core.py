@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from appliance.engine.block_pool import AccountingReport
 from appliance.engine.config import EngineConfig

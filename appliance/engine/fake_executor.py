@@ -17,11 +17,11 @@ plan verifies no more than it holds, writes the drafts' KV, and returns the acce
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
-from appliance.engine.speculation import drafts_allowed
 from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import Executor, SampledToken, StepPlan, StepResult
 
 

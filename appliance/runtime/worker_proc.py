@@ -37,8 +37,8 @@ def run_worker(boot: Bootstrap) -> None:
     os.environ.setdefault("WORLD_SIZE", str(boot.world_size))
     config = boot.load_config()
     from appliance.executor.distributed import init_distributed, min_over_ranks
-    from appliance.layers.custom_all_reduce import AllReduceSettings
     from appliance.executor.model_runner import ModelRunner
+    from appliance.layers.custom_all_reduce import AllReduceSettings
     from appliance.layers.parallel_state import init_expert_parallel
 
     # boot.rank / world_size: this worker's tensor-parallel rank within its data-parallel replica
