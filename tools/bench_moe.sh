@@ -11,10 +11,11 @@
 #   tools/bench_moe.sh deepseek-v2-lite [bench_offline args...]   # one shape, bench_offline's own output
 set -euo pipefail
 cd "$(dirname "$0")/.."
+py="${PYTHON:-python3}"  # the GPU box has python3 only
 if [[ $# -ge 1 && "$1" != "--smoke" ]]; then
   shape="$1"
   shift
-  exec python tools/bench_offline.py --preset "$shape" "$@"
+  exec "$py" tools/bench_offline.py --preset "$shape" "$@"
 fi
 
 out="${BENCH_OUT:-$(mktemp -d)}"
@@ -34,19 +35,22 @@ else
 fi
 
 echo "== selfchecks ($where) -> $out" >&2
-python -m appliance.kernels.moe.selfcheck "$where" > "$out/selfcheck_moe.jsonl" || true
-python -m appliance.kernels.mla.selfcheck "$where" > "$out/selfcheck_mla.jsonl" || true
+# bounded: one selfcheck printed nothing for 420 s on the H100 (2026-11-22); a stall must not eat the benchmark
+for k in moe mla; do
+  timeout --kill-after=10 "${SELFCHECK_TIMEOUT_S:-150}" "$py" -m "appliance.kernels.$k.selfcheck" "$where" \
+    > "$out/selfcheck_$k.jsonl" || echo "   $k selfcheck failed or timed out (exit $?)" >&2
+done
 for shape in deepseek-v2-lite qwen3-30b-a3b; do
   echo "== $shape: $n requests x $in_len in / $out_len out, then batch 1 x $b1" >&2
   args=(--preset "$shape" --num-prompts "$n" --input-len "$in_len" --output-len "$out_len" --batch1 "$b1"
         --output-json "$out/$shape.json" "${common[@]}")
   if [[ -n "${extra[$shape]}" ]]; then args+=(--set "hf_overrides=${extra[$shape]}"); fi
   # a shape that fails or runs out of time leaves its row empty; the table says so
-  timeout --kill-after=10 "$limit" python tools/bench_offline.py "${args[@]}" > "$out/$shape.log" 2>&1 \
+  timeout --kill-after=10 "$limit" "$py" tools/bench_offline.py "${args[@]}" > "$out/$shape.log" 2>&1 \
     || echo "   $shape failed or timed out (exit $?): see $out/$shape.log" >&2
 done
 
-python - "$out" <<'PY'
+"$py" - "$out" <<'PY'
 import json, sys
 from pathlib import Path
 
