@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,41 +14,9 @@ from typing import Any, Protocol
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stage_children(pid: int) -> dict[int, str]:
-    """pid -> stage name of the supervisor's children (the name is in each command line)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"appliance.runtime.stage" in cmd:
-            found[int(entry)] = cmd[cmd.index(b"appliance.runtime.stage") + 1].decode()
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+# the tests import these from here too
+from appliance.runtime.process import alive, stage_children
+from appliance.runtime.topology import free_port  # noqa: F401
 
 
 def start_run(cfg_path: Path, **popen: Any) -> subprocess.Popen:

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from appliance.runtime.process import alive
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -98,7 +100,7 @@ def test_a_timed_out_sections_group_is_ended_children_included() -> None:
     assert proc.poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
-    assert not serving._alive(child)
+    assert not alive(child)
     assert time.monotonic() - t < 20
 
 

@@ -21,6 +21,7 @@ import appliance.executor.memory_check as mc
 from appliance.config import recipe_path
 from appliance.layers.fp8 import FP8_DTYPE, quantize_model_fp8
 from appliance.models.registry import model_class
+from appliance.runtime.process import session_members
 
 FP8_V3 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -171,20 +172,6 @@ def _v3_checkpoint_dir(path: Path) -> Path:
     return path
 
 
-def _session_members(sid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
-
-
 @pytest.mark.slow
 def test_deepseek_v3_recipe_fails_at_start_up_naming_the_shortfall(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
     model = _v3_checkpoint_dir(tmp_path / "DeepSeek-V3")
@@ -213,9 +200,9 @@ def test_deepseek_v3_recipe_fails_at_start_up_naming_the_shortfall(tmp_path: Pat
     assert 600 < need < 700  # 671B parameters + the MTP layer in e4m3, scales, bf16 embeddings and norms
     assert took < 60, f"start-up failure took {took:.0f} s"
     deadline = time.monotonic() + 5
-    while _session_members(proc.pid) and time.monotonic() < deadline:
+    while session_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _session_members(proc.pid) == [], "a stage outlived the supervisor"
+    assert session_members(proc.pid) == [], "a stage outlived the supervisor"
 
 
 def test_mla_layers_share_one_rope_table() -> None:

@@ -43,15 +43,15 @@ ROOT = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
 
 from gpu_sections_serving import (
-    _alive,
-    _free_port,
-    _stage_children,
     _stop,
     _wait_healthy,
     run_level,
     term_with_parent,
     write_word_tokenizer,
 )
+
+from appliance.runtime.process import session_members, stage_children
+from appliance.runtime.topology import free_port
 
 RECIPE = ROOT / "recipes" / "deepseek-v3.toml"
 V3_LAYERS = 61
@@ -142,18 +142,17 @@ def gpu_memory_mib() -> list[float] | None:
 
 
 def worker_rss_mib(supervisor_pid: int) -> list[float]:
-    """RSS of the worker stage processes (their argv names them: `appliance.runtime.stage worker0`), MiB."""
+    """RSS of the worker stage processes (stage names `worker0`, `dp0.worker1`, ...), MiB."""
     out = []
-    for pid in _stage_children(supervisor_pid):
+    for pid, name in stage_children(supervisor_pid).items():
+        if "worker" not in name:
+            continue
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                name = f.read().split(b"\0")[-2].decode(errors="replace")
             with open(f"/proc/{pid}/status") as f:
                 rss_kib = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
         except (OSError, StopIteration, IndexError, ValueError):
             continue
-        if "worker" in name:
-            out.append(round(rss_kib / 1024, 1))
+        out.append(round(rss_kib / 1024, 1))
     return out
 
 
@@ -174,23 +173,10 @@ def acceptance(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
     return d
 
 
-def _session_left(sid: int) -> list[int]:
-    left = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[3]) == sid and _alive(int(entry)):
-                        left.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return left
-
-
 def stop_server(proc: subprocess.Popen, stages: list[int]) -> dict[str, Any]:
     """The serving section's stop (SIGTERM, 30 s, SIGKILL, stages checked), then anything else in the session."""
     info = _stop(proc, stages)
-    left = _session_left(proc.pid)
+    left = session_members(proc.pid)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -226,7 +212,7 @@ def run_mode(rec: dict[str, Any], args: argparse.Namespace, model_dir: Path, wor
 
     mode = rec["mode"]
     rec["status"] = "ok"
-    port = _free_port()
+    port = free_port()
     argv = server_argv(overrides(model_dir, port, mode == "on", args.tp, args.smoke, tuple(args.set)))
     rec["command"] = " ".join(argv[1:])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -242,7 +228,7 @@ def run_mode(rec: dict[str, Any], args: argparse.Namespace, model_dir: Path, wor
     try:
         base = f"http://127.0.0.1:{port}"
         rec["start_s"] = _wait_healthy(proc, base, args.start_timeout)
-        stages = _stage_children(proc.pid)
+        stages = list(stage_children(proc.pid))
         rec["memory"] = memory(proc.pid, args.smoke, args.tp or 8)  # 8: the recipe's tp
         # the first requests' one-off costs stay out of the batch-1 figures
         rec["warmup"] = run_level(base, model_dir, 2, 2, min(64, wl.batch1_in), 8, work / f"{mode}_warm.json",
@@ -259,7 +245,7 @@ def run_mode(rec: dict[str, Any], args: argparse.Namespace, model_dir: Path, wor
         rec["status"] = "interrupted"
         raise
     finally:
-        rec["stop"] = stop_server(proc, stages or _stage_children(proc.pid))
+        rec["stop"] = stop_server(proc, stages or list(stage_children(proc.pid)))
         rec["server_log"] = str(log)
         if rec["status"] != "ok" or rec["stop"]["exit_code"]:
             print(f"server log ({log}, tail):\n" + "\n".join(log.read_text().splitlines()[-40:]), flush=True)

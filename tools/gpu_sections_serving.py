@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from appliance.runtime.process import alive, stage_children
+from appliance.runtime.topology import free_port
 
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
@@ -67,38 +69,6 @@ def term_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stage_children(pid: int) -> list[int]:
-    """pids of the supervisor's stage processes (named in their command lines)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"appliance.runtime.stage" in cmd:
-            found.append(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float) -> float:
     import httpx
 
@@ -126,9 +96,9 @@ def _stop(proc: subprocess.Popen, stages: list[int]) -> dict[str, Any]:
         proc.kill()
         code = proc.wait()
     deadline = time.monotonic() + 10  # stages exit asynchronously once their supervisor is gone
-    while any(_alive(p) for p in stages) and time.monotonic() < deadline:
+    while any(alive(p) for p in stages) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [p for p in stages if _alive(p)]
+    left = [p for p in stages if alive(p)]
     for p in left:  # never leave one behind on the box
         os.kill(p, signal.SIGKILL)
     return {"exit_code": code, "stop_s": round(time.monotonic() - t, 1), "stages": len(stages),
@@ -150,10 +120,10 @@ def running_server(model_dir: Path, port: int, log: Path, overlap: bool, start_t
     try:
         base = f"http://127.0.0.1:{port}"
         info["start_s"] = _wait_healthy(proc, base, start_timeout_s)
-        stages = _stage_children(proc.pid)
+        stages = list(stage_children(proc.pid))
         yield base
     finally:
-        stages = stages or _stage_children(proc.pid)
+        stages = stages or list(stage_children(proc.pid))
         info["stop"] = _stop(proc, stages)
 
 
@@ -212,7 +182,7 @@ def section_serving(rec: Any, args: argparse.Namespace) -> None:
         (model_dir / "config.json").write_text(json.dumps(cfg))
         start_timeout = max(30.0, deadline - time.monotonic() - 60)
         try:
-            with running_server(model_dir, _free_port(), log, args.overlap, start_timeout, info) as base:
+            with running_server(model_dir, free_port(), log, args.overlap, start_timeout, info) as base:
                 rec["server_start_s"] = info["start_s"]
                 # a short run first: the first requests' one-off costs stay out of the concurrency-1 figures
                 run_level(base, model_dir, 2, 2, min(64, in_len), 8, Path(tmp) / "warm.json", 120)
