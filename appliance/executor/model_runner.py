@@ -7,7 +7,6 @@ prompt rows of requests that asked for prompt logprobs).
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import random
@@ -52,9 +51,6 @@ from appliance.models.registry import model_class
 
 log = logging.getLogger(__name__)
 
-# step.py's SampledToken has no rank field yet; pass the sampler's rank once it has one
-_SAMPLED_HAS_RANK = "rank" in {f.name for f in dataclasses.fields(SampledToken)}
-
 
 class ModelRunner:
     def __init__(self, config: Any) -> None:
@@ -73,7 +69,7 @@ class ModelRunner:
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend)  # fail before allocating
         self.model = self._build_model(m.load_format, m.seed)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
-        # [spec] the MTP drafter's caches share the block table and the KV budget (none without speculation)
+        # the MTP drafter's caches share the block table and the KV budget (none without speculation)
         layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model)
         self.kv_spec = kv_cache.KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
                                             self.block_size, kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype,
@@ -97,7 +93,7 @@ class ModelRunner:
         # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
-        # [spec] speculative decoding runs whole steps (executor/speculative.py)
+        # speculative decoding runs whole steps (executor/speculative.py)
         self.spec = speculative.MtpSpeculator(self) if config.speculative.algorithm is not None else None
 
     def warmup(self, graph_context: int = 2048) -> float:
@@ -188,7 +184,7 @@ class ModelRunner:
         with torch.inference_mode():
             inputs = build_inputs([Chunk(state, 0, tokens, True)], self.block_size, self.device)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            # [spec] a verification samples up to 1 + num_steps rows per request (accepted drafts + the bonus)
+            # a verification samples up to 1 + num_steps rows per request (accepted drafts + the bonus)
             rows = min(sched.max_num_seqs * (1 + (self.config.speculative.num_steps
                                                   if self.config.speculative.algorithm is not None else 0)), tokens)
             self.model.compute_logits(hidden[:rows]).float().softmax(-1)
@@ -209,7 +205,7 @@ class ModelRunner:
         """Start a step. When every sampled row samples on the device (inflight.py), its ids stay there until
         finish(), so the caller can plan and launch the next step meanwhile; any other step first finishes the
         steps in flight (its sampling reads the complete token history) and runs to completion here."""
-        if self.spec is not None:  # [spec] never overlapped (refused at start-up): the step completes here
+        if self.spec is not None:  # never overlapped (refused at start-up): the step completes here
             return StepHandle(plan.step_id, self.spec.execute(plan))
         for rid in plan.finished_ids:
             self.requests.pop(rid, None)
@@ -349,8 +345,7 @@ class ModelRunner:
             results = logits_processors.sample(self, sub, [c.state for c, _ in sample_at])
             for (c, _), r in zip(sample_at, results):
                 c.state.token_ids.append(r.token_id)
-                extra = {"rank": r.rank} if _SAMPLED_HAS_RANK else {}
-                sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs, **extra))
+                sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs, r.rank))
         return sampled, prompt_lps
 
     @staticmethod

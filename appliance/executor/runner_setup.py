@@ -75,4 +75,4 @@ def _check_supported(config: Any, device: torch.device) -> None:
     if config.backends.sampling not in ("auto", "torch"):
         raise ValueError(f"backends.sampling={config.backends.sampling!r} is not supported by this executor yet "
                          "(supported: auto, torch)")
-    speculative.check_settings(config)  # [spec] MTP only, eagle_topk 1, no overlap
+    speculative.check_settings(config)  # MTP only, eagle_topk 1, no overlap
