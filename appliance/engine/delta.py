@@ -34,3 +34,9 @@ class RequestDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def followed_by(self, later: RequestDelta) -> RequestDelta:
+        """This delta and the next one of the same request as one (a verification's several tokens)."""
+        lps = None if self.new_logprobs is None else self.new_logprobs + (later.new_logprobs or ())
+        return RequestDelta(self.request_id, self.new_token_ids + later.new_token_ids, later.finish_reason,
+                            later.num_prompt_tokens, later.num_cached_tokens, lps, self.prompt_logprobs)

@@ -44,7 +44,7 @@ from appliance.engine.config import EngineConfig
 from appliance.engine.delta import RequestDelta, TokenLogprob
 from appliance.engine.prefix_cache import KVEventSink, PrefixCache
 from appliance.engine.request import FinishReason, Request, RequestStatus
-from appliance.engine.speculation import SpecCounters, drafts_allowed
+from appliance.engine.speculation import SpecCounters, num_drafts, table_tokens
 from appliance.engine.step import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
 
 
@@ -144,7 +144,7 @@ class Scheduler:
             n = self._chunk(req, st)
             if n == 0:
                 continue
-            need = self._blocks_for(self._table_tokens(req, req.num_computed_tokens, n)) - len(req.block_ids)
+            need = self._blocks_for(table_tokens(req, req.num_computed_tokens, n, self.config.num_speculative_tokens)) - len(req.block_ids)
             while need > self.pool.num_available and req.status is not RequestStatus.PREEMPTED:
                 self._preempt(self._victim(st))
                 st.preempted = True
@@ -160,29 +160,11 @@ class Scheduler:
         if req.will_reach_length:
             return 0  # its in-flight sample is its last token
         if _decodes(req):
-            drafts = self._num_drafts(req)
+            drafts = num_drafts(req, self.config.num_speculative_tokens)
             if not self.config.chunking:
                 return n + drafts  # no chunking: decodes are not charged to the prefill budget
             return n + min(drafts, st.tokens - n) if n <= st.tokens else 0
         return self._prefill_size(n, st)
-
-    def _num_drafts(self, req: Request) -> int:
-        """Drafts the workers hold for a decoding request that it may verify now (0 without speculation)."""
-        k = self.config.num_speculative_tokens
-        if not k or req.status is not RequestStatus.DECODING or not drafts_allowed(req.sampling_params):
-            return 0
-        # every accepted draft and the bonus token must fit max_tokens and max_model_len
-        room = min(req.max_output_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens) - 1
-        return max(0, min(k, room))
-
-    def _table_tokens(self, req: Request, start: int, n: int) -> int:
-        """Tokens the block table must cover for a chunk of n tokens from start: the chunk, plus the positions
-        the workers' draft chain writes after a chunk that samples (speculative decoding)."""
-        end = start + n
-        k = self.config.num_speculative_tokens
-        if k > 1 and end >= req.num_tokens + req.num_pending and drafts_allowed(req.sampling_params):
-            return max(end, min(end + k - 1, req.max_model_len))
-        return end
 
     def _prefill_size(self, n: int, st: _StepBudget) -> int:
         if self.config.chunking:
@@ -219,7 +201,7 @@ class Scheduler:
         n = self._prefill_size(req.num_tokens - num_hit, st)
         if n == 0:
             return False
-        need = self._blocks_for(self._table_tokens(req, num_hit, n)) - len(hit)
+        need = self._blocks_for(table_tokens(req, num_hit, n, self.config.num_speculative_tokens)) - len(hit)
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         if need + revived > self.pool.num_available:
             return False
@@ -351,7 +333,7 @@ class Scheduler:
         delta: RequestDelta | None = None
         for tok in toks:
             one = self._append(req, tok.token_id, tok.logprob, tok.top_logprobs, tok.rank)
-            delta = one if delta is None else _merge(delta, one)
+            delta = one if delta is None else delta.followed_by(one)
             if one.finished:
                 break
         assert delta is not None
@@ -409,13 +391,6 @@ class Scheduler:
             for b in req.block_ids:
                 refs[b] = refs.get(b, 0) + 1
         return refs
-
-
-def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
-    """Two consecutive deltas of one request as one (b is the later)."""
-    lps = None if a.new_logprobs is None else a.new_logprobs + (b.new_logprobs or ())
-    return RequestDelta(a.request_id, a.new_token_ids + b.new_token_ids, b.finish_reason, b.num_prompt_tokens,
-                        b.num_cached_tokens, lps, a.prompt_logprobs)
 
 
 def _decodes(req: Request) -> bool:

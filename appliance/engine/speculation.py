@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from appliance.engine.request import Request, RequestStatus
 from appliance.engine.sampling_params import SamplingParams
 
 # SamplingParams.extra keys that give a request logits processors (executor/logits_processors.py): their
@@ -25,6 +26,24 @@ def drafts_allowed(params: SamplingParams) -> bool:
     """Whether workers draft for this request and the scheduler lets it verify drafts."""
     extra = params.extra
     return not (extra and any(k in extra for k in PROCESSOR_KEYS))
+
+
+def num_drafts(req: Request, k: int) -> int:
+    """Drafts the workers hold for a decoding request that it may verify now (0 without speculation, k = 0)."""
+    if not k or req.status is not RequestStatus.DECODING or not drafts_allowed(req.sampling_params):
+        return 0
+    # every accepted draft and the bonus token must fit max_tokens and max_model_len
+    room = min(req.max_output_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens) - 1
+    return max(0, min(k, room))
+
+
+def table_tokens(req: Request, start: int, n: int, k: int) -> int:
+    """Tokens the block table must cover for a chunk of n tokens from start: the chunk, plus the positions
+    the workers' draft chain of k tokens writes after a chunk that samples."""
+    end = start + n
+    if k > 1 and end >= req.num_tokens + req.num_pending and drafts_allowed(req.sampling_params):
+        return max(end, min(end + k - 1, req.max_model_len))
+    return end
 
 
 @dataclass
