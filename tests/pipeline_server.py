@@ -120,3 +120,27 @@ def survivors(stages: dict[int, str], within_s: float) -> dict[int, str]:
     while any(alive(pid) for pid in stages) and time.monotonic() < deadline:
         time.sleep(0.05)
     return {pid: name for pid, name in stages.items() if alive(pid)}
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets a process holds open (its /proc fd links read "socket:[inode]")."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    return inodes
+
+
+def unix_socket_of(pid: int, name: str) -> str:
+    """The ipc:// endpoint a process bound whose path ends with /name (from /proc/net/unix)."""
+    inodes = socket_inodes(pid)
+    with open("/proc/net/unix") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 8 and parts[6] in inodes and parts[7].endswith("/" + name):
+                return "ipc://" + parts[7]
+    raise AssertionError(f"no socket */{name} bound by {pid}")

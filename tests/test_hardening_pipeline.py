@@ -20,7 +20,15 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pipeline_server import Server, free_port, launch, stop, survivors
+from pipeline_server import (
+    Server,
+    free_port,
+    launch,
+    socket_inodes,
+    stop,
+    survivors,
+    unix_socket_of,
+)
 from test_hardening_fuzz import LEAKS, ROUTES, bodies, check_answer
 from test_observability_e2e import prompt_ids
 
@@ -177,7 +185,7 @@ def test_a_bad_token_id_sent_past_the_server_fails_in_the_scheduler_not_the_work
     from appliance.runtime.messages import REQUEST_CODEC, GenerateRequest
 
     sched = next(p for p, n in server.stages.items() if n == "scheduler")
-    endpoint = _unix_socket_of(sched, "requests")
+    endpoint = unix_socket_of(sched, "requests")
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(endpoint)
@@ -197,30 +205,6 @@ def test_a_bad_token_id_sent_past_the_server_fails_in_the_scheduler_not_the_work
     r = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert_healthy_and_accounted(server)
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    """The inodes of the sockets a process holds open (its /proc fd links read "socket:[inode]")."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    return inodes
-
-
-def _unix_socket_of(pid: int, name: str) -> str:
-    """The ipc:// endpoint a process bound whose path ends with /name (from /proc/net/unix)."""
-    inodes = _socket_inodes(pid)
-    with open("/proc/net/unix") as f:
-        for line in f.readlines()[1:]:
-            parts = line.split()
-            if len(parts) >= 8 and parts[6] in inodes and parts[7].endswith("/" + name):
-                return "ipc://" + parts[7]
-    raise AssertionError(f"no socket */{name} bound by {pid}")
 
 
 FILL_TOKENS = 500  # 8-token prompts: as long as the 512-token context allows, to keep the queue full long
@@ -344,24 +328,6 @@ def test_auth_matrix_over_every_route(server: Server) -> None:
             assert h.get(path).status_code == 200
 
 
-def test_key_comparison_is_constant_time_over_all_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    import hmac
-
-    from appliance.server import auth
-
-    calls: list[tuple[bytes, bytes]] = []
-    real = hmac.compare_digest
-
-    def counting(a: bytes, b: bytes) -> bool:
-        calls.append((a, b))
-        return real(a, b)
-
-    monkeypatch.setattr(auth.hmac, "compare_digest", counting)
-    keys = (b"first-key", b"second", b"third-key-long")
-    assert auth.key_matches(b"first-key", keys) and not auth.key_matches(b"first-kez", keys)
-    assert len(calls) == 6  # every key compared, whichever matched; no early exit on the first
-
-
 def test_host_header_is_checked(server: Server) -> None:
     port = server.base.rsplit(":", 1)[1]
     with httpx.Client(base_url=server.base, timeout=10) as h:
@@ -375,7 +341,7 @@ def test_host_header_is_checked(server: Server) -> None:
 
 def test_nothing_listens_beyond_loopback(server: Server) -> None:
     pids = [server.proc.pid, *server.stages]
-    inodes: set[str] = set().union(*(_socket_inodes(pid) for pid in pids))
+    inodes: set[str] = set().union(*(socket_inodes(pid) for pid in pids))
     listening = []
     for table, loopback in (("/proc/net/tcp", "0100007F"), ("/proc/net/tcp6", "00000000000000000000000001000000")):
         with open(table) as f:
