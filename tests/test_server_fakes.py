@@ -31,38 +31,45 @@ class FakeEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Records the request, yields `outputs` until one finishes; one that ends early counts as aborted."""
         self.submitted.append((request_id, list(prompt_token_ids), sampling))
         self.open.add(request_id)
         finished = False
         try:
-            limit = sampling.max_tokens or 16
-            for i in range(limit):
-                if self.state == "failed":
-                    raise EngineDead(self.error_message)
-                if self.delay:
-                    await asyncio.sleep(self.delay)
-                tok = self.script[i % len(self.script)]
-                reason = None
-                if (tok == self.eos and not sampling.ignore_eos) or tok in sampling.stop_token_ids:
-                    reason = "stop"
-                elif i == limit - 1:
-                    reason = "length"
-                lps = top = None
-                if sampling.logprobs is not None:
-                    lps = [-0.5]
-                    top = [[(tok, -0.5), (tok + 1, -1.5), (tok + 2, -2.5)][: max(sampling.logprobs, 0)]]
-                prompt_lps = None
-                if i == 0 and sampling.prompt_logprobs is not None:
-                    prompt_lps = [None] + [[(t, -1.0)] for t in prompt_token_ids[1:]]
-                finished = reason is not None
-                yield RequestOutput(request_id, [tok], lps, top, prompt_lps, reason, len(prompt_token_ids),
-                                    self.cached_tokens)
+            async for out in self.outputs(request_id, prompt_token_ids, sampling):
+                finished = out.finish_reason is not None
+                yield out
                 if finished:
                     return
         finally:
             self.open.discard(request_id)
             if not finished:
                 self.aborted.append(request_id)
+
+    async def outputs(self, request_id: str, prompt_token_ids: list[int],
+                      sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The script, one token per output."""
+        limit = sampling.max_tokens or 16
+        for i in range(limit):
+            if self.state == "failed":
+                raise EngineDead(self.error_message)
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            tok = self.script[i % len(self.script)]
+            reason = None
+            if (tok == self.eos and not sampling.ignore_eos) or tok in sampling.stop_token_ids:
+                reason = "stop"
+            elif i == limit - 1:
+                reason = "length"
+            lps = top = None
+            if sampling.logprobs is not None:
+                lps = [-0.5]
+                top = [[(tok, -0.5), (tok + 1, -1.5), (tok + 2, -2.5)][: max(sampling.logprobs, 0)]]
+            prompt_lps = None
+            if i == 0 and sampling.prompt_logprobs is not None:
+                prompt_lps = [None] + [[(t, -1.0)] for t in prompt_token_ids[1:]]
+            yield RequestOutput(request_id, [tok], lps, top, prompt_lps, reason, len(prompt_token_ids),
+                                self.cached_tokens)
 
     async def abort(self, request_ids: list[str]) -> None:
         self.aborted.extend(request_ids)

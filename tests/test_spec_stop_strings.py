@@ -138,26 +138,18 @@ class ChunkedEngine(FakeEngine):
 
     chunk: int = 3
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
-        self.submitted.append((request_id, list(prompt_token_ids), sampling))
-        self.open.add(request_id)
-        finished = False
-        try:
-            limit = min(sampling.max_tokens or 16, len(self.script))
-            for start in range(0, limit, self.chunk):
-                toks = self.script[start : min(start + self.chunk, limit)]
-                lps = top = None
-                if sampling.logprobs is not None:
-                    lps = [-0.01 * (start + j + 1) for j in range(len(toks))]
-                    top = [[(t, lp)] for t, lp in zip(toks, lps)]
-                finished = start + self.chunk >= limit
-                yield RequestOutput(request_id, toks, lps, top, None, "length" if finished else None,
-                                    len(prompt_token_ids), 0)
-        finally:
-            self.open.discard(request_id)
-            if not finished:
-                self.aborted.append(request_id)
+    async def outputs(self, request_id: str, prompt_token_ids: list[int],
+                      sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        limit = min(sampling.max_tokens or 16, len(self.script))
+        for start in range(0, limit, self.chunk):
+            toks = self.script[start : min(start + self.chunk, limit)]
+            lps = top = None
+            if sampling.logprobs is not None:
+                lps = [-0.01 * (start + j + 1) for j in range(len(toks))]
+                top = [[(t, lp)] for t, lp in zip(toks, lps)]
+            finished = start + self.chunk >= limit
+            yield RequestOutput(request_id, toks, lps, top, None, "length" if finished else None,
+                                len(prompt_token_ids), 0)
 
 
 @pytest.fixture
