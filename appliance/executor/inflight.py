@@ -27,14 +27,15 @@ class StepHandle:
     device_ids: torch.Tensor | None = None
     host_ids: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
-    plan_order: dict[str, int] | None = None  # request id -> position in the plan, to order the result
+    plan_order: dict[str, int] | None = None  # request id -> position in the plan, when rows were reordered
 
     @property
     def done(self) -> bool:
         return self.result is not None
 
 
-def defer(step_id: int, chunks: list[Chunk], device_ids: torch.Tensor, plan_order: dict[str, int]) -> StepHandle:
+def defer(step_id: int, chunks: list[Chunk], device_ids: torch.Tensor,
+          plan_order: dict[str, int] | None) -> StepHandle:
     """Start the copy of a step's sampled ids to the host and mark each request's token as pending."""
     if device_ids.device.type == "cuda":
         host = torch.empty(device_ids.shape, dtype=device_ids.dtype, pin_memory=True)

@@ -214,17 +214,19 @@ class ModelRunner:
         chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
             return StepHandle(plan.step_id, StepResult(plan.step_id))
-        order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         deferred = self._deferrable(chunks)
         if not deferred:
             self.flush()
         with torch.inference_mode():
             ordered, row_starts, hidden = self._forward(chunks)
+            # rows run decodes first; when that moved chunks, results go back to the plan's order
+            order = None if ordered is chunks else {s.request_id: i for i, s in enumerate(plan.scheduled)}
             if deferred:
                 handle = self._sample_deferred(plan.step_id, ordered, row_starts, hidden, order)
             else:
                 sampled, prompt_lps = self._logits_and_sample(ordered, row_starts, hidden)
-                sampled.sort(key=lambda t: order[t.request_id])
+                if order is not None:
+                    sampled.sort(key=lambda t: order[t.request_id])
                 handle = StepHandle(plan.step_id, StepResult(plan.step_id, sampled, prompt_lps))
         for c in ordered:
             c.state.num_computed += c.num_tokens
@@ -253,7 +255,7 @@ class ModelRunner:
                 and self.batch_sampler.on_device(sampling))
 
     def _sample_deferred(self, step_id: int, ordered: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
-                         order: dict[str, int]) -> StepHandle:
+                         order: dict[str, int] | None) -> StepHandle:
         rows = [first + c.num_tokens - 1 for c, first in zip(ordered, row_starts) if c.sample]
         sampling = [c for c in ordered if c.sample]
         if not rows:
