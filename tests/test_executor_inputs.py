@@ -13,7 +13,9 @@ from appliance.executor.input_batch import (
     RequestState,
     build_decode_arrays,
     build_inputs,
+    graph_stride,
 )
+from appliance.executor.request_table import DeviceBlockTable, LiveRequests
 
 BS = 4
 
@@ -80,20 +82,54 @@ def test_build_inputs_refuses_a_short_block_table() -> None:
 def test_decode_arrays_pad_rows_store_nothing_and_read_nothing() -> None:
     rng = random.Random(3)
     decodes = [Chunk(s, s.num_computed, 1, True) for s in (_state(rng, "a", 9, 8), _state(rng, "b", 3, 2))]
+    decodes[0].state.table_row, decodes[1].state.table_row = 7, 3
     batch, width = 4, 8
-    out64 = np.full(3 * 8, 77, np.int64)
-    out32 = np.full(8 + 8 * width, 77, np.int32)
-    build_decode_arrays(decodes, BS, batch, width, out64, out32)
-    ids, pos, slots = out64[: 3 * batch].reshape(3, batch)
+    stride = graph_stride(batch)
+    out64 = np.full(5 * 8, 77, np.int64)
+    build_decode_arrays(decodes, BS, batch, width, out64)
+    ids, pos, slots, lens, rows = out64[: 5 * stride].reshape(5, stride)[:, :batch]
     assert ids.tolist() == [decodes[0].state.token_ids[8], decodes[1].state.token_ids[2], 0, 0]
     assert pos.tolist() == [8, 2, 0, 0]
     a, b = decodes[0].state.block_ids, decodes[1].state.block_ids
     assert slots.tolist() == [a[2] * BS, b[0] * BS + 2, -1, -1]
-    assert out32[:batch].tolist() == [9, 3, 0, 0]
-    table = out32[batch : batch + batch * width].reshape(batch, width)
-    assert table[0, :3].tolist() == a and table[1, :1].tolist() == b
+    assert lens.tolist() == [9, 3, 0, 0]
+    assert rows.tolist() == [7, 3, 0, 0]  # pad rows read the device table's all-zero row
+    assert (out64[5 * stride :] == 77).all()  # nothing written past the layout
     with pytest.raises(ValueError, match="do not fit"):
-        build_decode_arrays(decodes * 3, BS, batch, width, out64, out32)
+        build_decode_arrays(decodes * 3, BS, batch, width, out64)
+    with pytest.raises(ValueError, match="do not fit"):
+        build_decode_arrays(decodes, BS, batch, 2, out64)  # "a" has 3 blocks
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("pad", [False, True])
+def test_device_tables_give_the_host_built_inputs(seed: int, pad: bool) -> None:
+    """With the persistent table, the gathered tables (and everything else) equal the host-built ones, over
+    steps that add blocks, on a table whose rows were used by other requests before."""
+    chunks = _random_chunks(seed)
+    table = DeviceBlockTable(16, 32, torch.device("cpu"))
+    live = LiveRequests(table)
+    rng = random.Random(seed)
+    for i in range(5):  # earlier owners leave long tables in the rows the step's requests get
+        old = RequestState(f"old{i}", [1], 1, 0, rng.sample(range(1000), 30), SamplingParams())
+        live[old.request_id] = old
+        table.apply(*(torch.from_numpy(x) for x in table.delta([old])))
+    live.clear()
+    for c in chunks:
+        live[c.state.request_id] = c.state
+    for step in range(3):
+        want = build_inputs(chunks, BS, torch.device("cpu"), 3, pad_prefills=pad)
+        got = build_inputs(chunks, BS, torch.device("cpu"), 3, pad_prefills=pad, table=table)
+        for name in ("input_ids", "positions"):
+            assert torch.equal(getattr(got, name), getattr(want, name))
+        for name in ("slot_mapping", "decode_block_tables", "decode_seq_lens", "prefill_cu_seqlens",
+                     "prefill_seq_lens", "prefill_block_tables"):
+            x, y = getattr(got.meta, name), getattr(want.meta, name)
+            assert x.dtype == y.dtype and torch.equal(x, y), (step, name)
+            assert (x.storage_offset() * x.element_size()) % 16 == 0
+        assert all(c.state.blocks_on_device == len(c.state.block_ids) for c in chunks)
+        for c in chunks:  # the next step: each request grew by a block
+            c.state.block_ids.append(1000 + 10 * step + len(c.state.block_ids))
 
 
 def test_padded_prefills_add_empty_sequences_and_round_the_width() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU-speed benchmark of issue 6: CUDA-graph correctness, the target workloads, serving, transformers; one table.
 
-    python3 tools/bench_gpu.py [--quick] [--only SECTIONS] [--overlap] [--budget-s 430] [--json PATH]
+    python3 tools/bench_gpu.py [--quick] [--only SECTIONS] [--no-overlap] [--budget-s 430] [--json PATH]
 
 How to run (device root, `.whl` carried, see tools/device_wheels.sh; each line one ~10-minute device call, each
 command preceded by the install line `python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
@@ -13,8 +13,8 @@ command preceded by the install line `python3 -m pip install -q --no-index --no-
 Each writes $OUT/bench_gpu.json (and profile.txt / serving_server.log beside it); the table ends each output.
 --smoke runs every section with tiny shapes on any device (this CPU included): it checks the script, not speed.
 
---overlap runs every model with scheduler.enable_overlap (step N+1 planned while step N runs); compare its table
-with a run without it.
+Models run as the product does by default, with overlap scheduling (step N+1 planned while step N runs);
+--no-overlap runs them with the synchronous loop instead (compare the two tables).
 
 Sections run in subprocesses, each in its own process group (a crash or a time-out loses one section, and the
 time-out signal reaches the section's children too, e.g. the serving section's server; each model's memory is
@@ -225,7 +225,7 @@ def _run_section(name: str, args: argparse.Namespace, budget: float, workdir: Pa
            str(max(budget - 15, 10)), "--tput-prompts", str(args.tput_prompts), "--serving-prompts",
            args.serving_prompts, "--serving-concurrency", args.serving_concurrency, "--hf-out", str(args.hf_out),
            "--hf-seqs", str(args.hf_seqs)] + (["--quick"] if args.quick else []) + \
-          (["--smoke"] if args.smoke else []) + (["--overlap"] if args.overlap else [])
+          (["--smoke"] if args.smoke else []) + (["--no-overlap"] if args.no_overlap else [])
     print(f"== {name} (limit {budget:.0f} s)", flush=True)
     t = time.perf_counter()
     # its own process group: a time-out reaches everything the section started (the serving section's server);
@@ -285,7 +285,7 @@ def table(res: dict[str, dict[str, Any]]) -> str:
                  "<= 5.45 (vLLM 6.52)"))
     gemv = llama.get("b1_gemv_ms")
     if isinstance(gemv, dict):
-        rows.append(("  of which GPU: the batch-1 GEMVs alone (cuBLAS)", f"{gemv['ms']} ms", "", gemv["note"]))
+        rows.append(("  of which GPU: the batch-1 GEMVs alone", f"{gemv['ms']} ms", "", gemv["note"]))
     replay = llama.get("b1_graph_replay_ms")
     if isinstance(replay, dict):
         rows.append(("  of which GPU: decode graph replay alone", f"{replay['ms']} ms", "", replay["key"]))
@@ -333,13 +333,13 @@ def main() -> None:
     p.add_argument("--hf-out", type=int, default=64, help="hf: output tokens of the 8B batch-1 run")
     p.add_argument("--hf-seqs", type=int, default=16, help="hf: sequences of the Qwen3-0.6B workload run")
     p.add_argument("--json", default=None)
-    p.add_argument("--overlap", action="store_true", help="scheduler.enable_overlap on (compare with a run without)")
+    p.add_argument("--no-overlap", action="store_true", help="the synchronous loop (default: overlap, as served)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks this script, not speed")
     p.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)
     p.add_argument("--section-json", help=argparse.SUPPRESS)
     p.add_argument("--section-budget", type=float, default=300.0, help=argparse.SUPPRESS)
     args = p.parse_args()
-    gpu_measure.OVERLAP = args.overlap
+    gpu_measure.OVERLAP = not args.no_overlap
     if args.section:
         SECTIONS[args.section](Recorder(Path(args.section_json)), args)
         return

@@ -8,6 +8,13 @@ the width is bucketed to a power of two of blocks, which keeps the split factor 
 needs instead of what max_model_len allows. Graphs are captured lazily on first use (or all at once by
 `capture_all`) into one shared memory pool; every graph reads the same static input buffers and writes its
 hidden states into one static output, so only the final hidden states stay allocated.
+Block tables are not inputs: the static inputs hold each row's index into the runner's persistent device
+table (executor/request_table.py; pad rows point at its all-zero row 0) and the gather of the rows, narrowed to
+the key's width, is captured inside the graph. So a step uploads 5 x batch int64 (ids, positions, slots,
+seq_lens, rows) plus the block ids the device lacks, in one copy, and scatters those into the table before
+the replay; eager steps gather the same table at the same bucketed width, so both are numerically identical.
+(Gathering outside the graph into a static table buffer would cost a launch per step and an extra
+batch x width buffer per graph width; inside, the graph reads the persistent table directly.)
 On a CPU (tests) the same class runs the forward over the same padded static buffers without capturing, so
 the padding and bucketing logic is exercised against the torch reference kernels.
 
@@ -21,15 +28,24 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from appliance.executor.input_batch import Chunk, build_decode_arrays, table_width
+from appliance.executor.input_batch import (
+    Chunk,
+    Stager,
+    build_decode_arrays,
+    graph_stride,
+    table_width,
+)
+from appliance.executor.request_table import DeviceBlockTable
 from appliance.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BS = 256
 MIN_WIDTH_BLOCKS = 16  # narrowest block table a graph is captured for
+DELTA_ROOM = 8  # block ids per captured row that fit the static upload (more: a second, separate copy)
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
@@ -75,24 +91,38 @@ class GraphKey:
 
 
 class DecodeGraphs:
-    """Captured decode forwards over static inputs; `run` fills the inputs, replays, returns hidden states."""
+    """Captured decode forwards over static inputs; `run` fills the inputs, replays, returns hidden states.
+    table: the runner's persistent block tables (`bind` attaches one later; graphs read it directly)."""
 
     def __init__(self, forward: Forward, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 sizes: list[int], max_blocks: int, block_size: int) -> None:
+                 sizes: list[int], max_blocks: int, block_size: int, table: DeviceBlockTable | None = None) -> None:
         self.forward, self.device, self.sizes = forward, device, sizes
         self.max_blocks, self.block_size = max_blocks, block_size
-        top = sizes[-1]
+        top = graph_stride(sizes[-1])
         self.cuda = device.type == "cuda"
-        self.buf64 = torch.zeros(3 * top, dtype=torch.int64, device=device)
-        self.buf32 = torch.zeros(top + top * max_blocks, dtype=torch.int32, device=device)
-        self.host64 = torch.zeros(3 * top, dtype=torch.int64, pin_memory=self.cuda)
-        self.host32 = torch.zeros(top + top * max_blocks, dtype=torch.int32, pin_memory=self.cuda)
-        self.hidden = torch.zeros(top, hidden_size, dtype=dtype, device=device)
+        # [ids | positions | slots | seq_lens | rows] of the key's stride, then room for the step's delta
+        self.buf = torch.zeros(5 * top + 2 * DELTA_ROOM * top, dtype=torch.int64, device=device)
+        self.host = torch.zeros(self.buf.numel(), dtype=torch.int64, pin_memory=self.cuda)
+        self.hidden = torch.zeros(sizes[-1], hidden_size, dtype=dtype, device=device)
         self._no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
         self.graphs: dict[GraphKey, Callable[[], None]] = {}  # replay functions
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._copied: torch.cuda.Event | None = None
+        self._overflow = Stager(device)  # a delta larger than the room (a step of many new one-token requests)
+        self.table: DeviceBlockTable | None = None
         self.last_key: GraphKey | None = None
+        if table is not None:
+            self.bind(table)
+
+    def bind(self, table: DeviceBlockTable) -> None:
+        """Read this persistent table (a no-op when bound to it); graphs captured for another are dropped."""
+        if table is self.table:
+            return
+        if table.width < self.max_blocks:
+            raise ValueError(f"a block table of {table.width} columns is narrower than max_model_len's "
+                             f"{self.max_blocks} blocks")
+        self.table = table
+        self.graphs.clear()
 
     def key_for(self, decodes: list[Chunk]) -> GraphKey | None:
         batch = padded_batch(self.sizes, len(decodes))
@@ -100,43 +130,55 @@ class DecodeGraphs:
             return None
         return GraphKey(batch, width_bucket(table_width(decodes), self.max_blocks))
 
-    def _views(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        b, w = key.batch, key.width
+    def _body(self, key: GraphKey) -> None:
+        """What a graph runs: cast seq_lens, gather the rows' tables, forward into the static output."""
+        assert self.table is not None
+        b, w, s = key.batch, key.width, graph_stride(key.batch)
         meta = AttentionMetadata(
-            slot_mapping=self.buf64[2 * b : 3 * b], num_decode_tokens=b,
-            decode_block_tables=self.buf32[b : b + b * w].view(b, w), decode_seq_lens=self.buf32[:b],
+            slot_mapping=self.buf[2 * s : 2 * s + b], num_decode_tokens=b,
+            decode_block_tables=self.table.gather(self.buf[4 * s : 4 * s + b], w),
+            decode_seq_lens=self.buf[3 * s : 3 * s + b].to(torch.int32),
             prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
             prefill_block_tables=self._no_prefill[:0].view(0, 1))
-        return self.buf64[:b], self.buf64[b : 2 * b], meta
+        self.hidden[:b].copy_(self.forward(self.buf[:b], self.buf[s : s + b], meta))
 
-    def _upload(self, key: GraphKey) -> None:
-        n64, n32 = 3 * key.batch, key.batch + key.batch * key.width
-        self.buf64[:n64].copy_(self.host64[:n64], non_blocking=self.cuda)
-        self.buf32[:n32].copy_(self.host32[:n32], non_blocking=self.cuda)
+    def _fill(self, decodes: list[Chunk], key: GraphKey) -> None:
+        """Upload the static inputs and the delta in one copy, then scatter the delta into the table."""
+        assert self.table is not None
+        if self._copied is not None:
+            self._copied.synchronize()  # the pinned buffer is about to be overwritten
+        host = self.host.numpy()
+        build_decode_arrays(decodes, self.block_size, key.batch, key.width, host)
+        index, blocks = self.table.delta(c.state for c in decodes)
+        n, k = 5 * graph_stride(key.batch), index.shape[0]
+        inline = n + 2 * k <= host.shape[0]
+        if inline:
+            host[n : n + k], host[n + k : n + 2 * k] = index, blocks
+            n += 2 * k
+        self.buf[:n].copy_(self.host[:n], non_blocking=self.cuda)
         if self.cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
-
-    def _fill(self, decodes: list[Chunk], key: GraphKey) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()  # the pinned buffers are about to be overwritten
-        build_decode_arrays(decodes, self.block_size, key.batch, key.width, self.host64.numpy(),
-                            self.host32.numpy())
-        self._upload(key)
+        if not inline:
+            delta = self._overflow.send(np.concatenate([index, blocks]))
+            self.table.apply(delta[:k], delta[k:])
+        elif k:
+            self.table.apply(self.buf[n - 2 * k : n - k], self.buf[n - k : n])
 
     def capture(self, key: GraphKey) -> None:
         if key in self.graphs:
             return
-        ids, pos, meta = self._views(key)
+        if self.table is None:
+            raise RuntimeError("DecodeGraphs: bind() the runner's block table before capturing")
         if not self.cuda:
-            self.graphs[key] = lambda: self.hidden[: key.batch].copy_(self.forward(ids, pos, meta))
+            self.graphs[key] = lambda: self._body(key)
             return
         self._fill([], key)  # all padding: the warm-up and the capture store nothing in the KV cache
-        self.forward(ids, pos, meta)  # compiles kernels and settles the allocator outside the capture
+        self._body(key)  # compiles kernels and settles the allocator outside the capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.hidden[: key.batch].copy_(self.forward(ids, pos, meta))
+            self._body(key)
         self.graphs[key] = graph.replay
         log.debug("captured decode graph batch=%d width=%d", key.batch, key.width)
 
@@ -157,7 +199,7 @@ class DecodeGraphs:
             self.capture(key)
         self._fill(decodes, key)
         if fix_ids is not None:
-            fix_ids(self.buf64[: len(decodes)])
+            fix_ids(self.buf[: len(decodes)])
         self.graphs[key]()
         self.last_key = key  # benchmarks replay it to time the GPU side alone
         return self.hidden[: len(decodes)]

@@ -6,18 +6,25 @@ block_ids[t // block_size] * block_size + t % block_size.
 
 Host cost matters here (it is paid every step, before the GPU can start): inputs are built with numpy into
 one int64 array, staged in pinned memory and sent with a single non-blocking copy; the int32 fields (sequence
-lengths, block tables) are cast on the device in one launch. `build_decode_arrays` fills the fixed-shape,
-padded layout that a captured CUDA graph reads (executor/cuda_graph.py).
+lengths, table rows, new block ids) are cast on the device in one launch. With the runner's persistent
+device tables (executor/request_table.py) a row sends its table row index and only the block ids the device
+lacks; its block table is gathered on the device. Without one (warm-up, profiling, the drafter's catch-up)
+the tables are built here. `build_decode_arrays` fills the fixed-shape, padded layout that a captured CUDA
+graph reads (executor/cuda_graph.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from appliance.executor.request_table import DeviceBlockTable
 
 
 @dataclass
@@ -36,6 +43,9 @@ class RequestState:
     # on the device (that step's sampled-ids tensor, row): the next decode reads its input id from there
     num_pending: int = 0
     pending_at: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
+    # its row of the runner's device block table (0: none yet) and how many of block_ids are written there
+    table_row: int = 0
+    blocks_on_device: int = 0
     _blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
 
     @property
@@ -50,10 +60,6 @@ class RequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending
-
-    def token_at(self, position: int) -> int:
-        """The input id at `position`; 0 for a token still in flight (the runner writes it on the device)."""
-        return self.token_ids[position] if position < len(self.token_ids) else 0
 
     def block_array(self) -> np.ndarray:
         """block_ids as numpy, re-converted only when the table grew (every block_size tokens)."""
@@ -108,36 +114,42 @@ def fill_block_table(out: np.ndarray, chunks: list[Chunk]) -> None:
         out[i, : blocks.shape[0]] = blocks
 
 
-def decode_rows(decodes: list[Chunk], block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(token ids, positions, slots) of one-token rows, vectorised over the batch."""
+def decode_rows(decodes: list[Chunk], block_size: int) -> np.ndarray:
+    """[4, n] int64 of one-token rows: token ids, positions, slots, device table rows. One pass over the rows
+    (this loop is most of a decode step's host cost)."""
+    flat: list[int] = []
     for c in decodes:
-        _check_blocks(c, block_size)
-    pos = np.fromiter((c.start for c in decodes), np.int64, len(decodes))
-    ids = np.fromiter((c.state.token_at(c.start) for c in decodes), np.int64, len(decodes))
-    blk = np.fromiter((c.state.block_ids[c.start // block_size] for c in decodes), np.int64, len(decodes))
-    return ids, pos, blk * block_size + pos % block_size
-
-
-def build_decode_arrays(decodes: list[Chunk], block_size: int, batch: int, width: int,
-                        out64: np.ndarray, out32: np.ndarray) -> None:
-    """Fill a CUDA graph's padded layout: out64 = [ids | positions | slots] (3 x batch), out32 = [seq_lens |
-    block table] (batch + batch x width). Pad rows: token 0 at position 0, slot -1 (not stored), seq_len 0
-    (the decode kernel writes zeros and reads no block)."""
-    n = len(decodes)
-    if n > batch or table_width(decodes) > width:
-        raise ValueError(f"{n} decode rows / width {table_width(decodes)} do not fit a graph of {batch} x {width}")
-    ids, pos, slots = decode_rows(decodes, block_size)
-    v64 = out64[: 3 * batch].reshape(3, batch)
-    v64[0, :n], v64[1, :n], v64[2, :n] = ids, pos, slots
-    v64[0:2, n:] = 0
-    v64[2, n:] = -1
-    lens = out32[:batch]
-    lens[:n] = pos + 1
-    lens[n:] = 0
-    fill_block_table(out32[batch : batch + batch * width].reshape(batch, width), decodes)
+        s, p = c.state, c.start
+        blocks, tokens = s.block_ids, s.token_ids
+        if p // block_size >= len(blocks):
+            _check_blocks(c, block_size)  # raises, with the message
+        flat += (tokens[p] if p < len(tokens) else 0,  # 0: a token in flight (the runner writes it on the device)
+                 p, blocks[p // block_size] * block_size + p % block_size, s.table_row)
+    return np.array(flat, dtype=np.int64).reshape(len(decodes), 4).T
 
 
 _ALIGN = 4  # elements: 16 bytes of int32 (and 32 of int64)
+
+
+def graph_stride(batch: int) -> int:
+    """Elements per segment of a graph's static int64 inputs (every segment starts 32-byte aligned)."""
+    return _ALIGN * -(-batch // _ALIGN)
+
+
+def build_decode_arrays(decodes: list[Chunk], block_size: int, batch: int, width: int, out64: np.ndarray) -> None:
+    """Fill a CUDA graph's padded layout: out64 = [ids | positions | slots | seq_lens | table rows], five
+    segments of graph_stride(batch). Pad rows: token 0 at position 0, slot -1 (not stored), seq_len 0 (the
+    decode kernel writes zeros and reads no block), table row 0 (the device table's all-zero row). The graph
+    gathers the block tables of the rows on the device (executor/request_table.py)."""
+    n = len(decodes)
+    if n > batch or table_width(decodes) > width:
+        raise ValueError(f"{n} decode rows / width {table_width(decodes)} do not fit a graph of {batch} x {width}")
+    ids, pos, slots, rows = decode_rows(decodes, block_size)
+    stride = graph_stride(batch)
+    v = out64[: 5 * stride].reshape(5, stride)
+    v[0, :n], v[1, :n], v[2, :n], v[3, :n], v[4, :n] = ids, pos, slots, pos + 1, rows
+    v[:, n:] = 0
+    v[2, n:] = -1
 
 
 def padded_count(n: int) -> int:
@@ -146,8 +158,20 @@ def padded_count(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else n
 
 
+def _layout(sizes: list[int]) -> tuple[list[slice], int]:
+    """Consecutive segments of these sizes, each starting on a 16-byte boundary: Triton specialises pointer
+    arguments on 16-byte alignment, so unaligned views would compile new kernel variants in the middle of a
+    run, depending on the batch's row counts. Returns the slices and the total length."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(slice(at, at + n))
+        at += _ALIGN * -(-n // _ALIGN)
+    return out, at
+
+
 def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, decode_width: int = 1,
-                 stager: Stager | None = None, pad_prefills: bool = False) -> StepInputs:
+                 stager: Stager | None = None, pad_prefills: bool = False,
+                 table: DeviceBlockTable | None = None) -> StepInputs:
     """Order chunks decode-first and flatten them into one batch of rows.
 
     decode_width: least width of the decode block table (the split-K factor of decode attention follows the
@@ -155,12 +179,14 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
     stager: the runner's pinned staging buffer (default: a plain copy).
     pad_prefills: pad the prefill sequence count to a power of two with empty sequences (cu_seqlens repeated,
     seq_len 0) and the prefill table width to a multiple of 16, so kernel specialisations recur (GPU runner).
+    table: the runner's persistent device tables: rows send their table row and only the block ids the device
+    lacks (written by one scatter), the tables are gathered on the device. None: tables are built here.
     """
     decodes, prefills = order_chunks(chunks)
     ordered = decodes + prefills
     nd, npf = len(decodes), len(prefills)
     npad = padded_count(npf) - npf if pad_prefills else 0
-    ids_d, pos_d, slots_d = decode_rows(decodes, block_size)
+    ids_d, pos_d, slots_d, rows_d = decode_rows(decodes, block_size)
     ids_l, pos_l, slots_l = [ids_d], [pos_d], [slots_d]
     row_starts = list(range(nd))
     cu = [0]
@@ -178,37 +204,52 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
     wp = -(-table_width(prefills) // 16) * 16 if pad_prefills else table_width(prefills)
     cu += [cu[-1]] * npad
     npf += npad
-    # int64 head: ids, positions, slots; int32 tail (cast on the device): seq lens, cu, tables. Every segment
-    # starts on a 16-byte boundary: Triton specialises pointer arguments on 16-byte alignment, so unaligned
-    # views would compile new kernel variants in the middle of a run, depending on the batch's row counts.
-    lens = [t, t, t, nd, npf + 1, npf, nd * wd, npf * wp]
-    offs = np.concatenate([[0], np.cumsum([_ALIGN * -(-n // _ALIGN) for n in lens])])
-    seg = [slice(int(offs[i]), int(offs[i]) + n) for i, n in enumerate(lens)]
-    flat = np.zeros(int(offs[-1]), dtype=np.int64)
+    # int64 head: ids, positions, slots, delta indices; int32 tail (cast on the device): seq lens, cu, then
+    # the delta's block ids and the table rows (device tables) or the block tables themselves
+    if table is not None:
+        d_index, d_blocks = table.delta(c.state for c in ordered)
+        k = d_index.shape[0]
+        sizes = [t, t, t, k, nd, npf + 1, npf, k, nd, npf]
+    else:
+        k = 0
+        sizes = [t, t, t, 0, nd, npf + 1, npf, nd * wd, npf * wp]
+    seg, total = _layout(sizes)
+    flat = np.zeros(total, dtype=np.int64)
     flat[seg[0]] = np.concatenate(ids_l)
     flat[seg[1]] = np.concatenate(pos_l)
     flat[seg[2]] = np.concatenate(slots_l)
-    flat[seg[3]] = pos_d + 1
-    flat[seg[4]] = cu
-    flat[seg[5]] = [c.start + c.num_tokens for c in prefills] + [0] * npad
-    fill_block_table(flat[seg[6]].reshape(nd, wd), decodes)
-    fill_block_table(flat[seg[7]].reshape(npf, wp), prefills)
-    split = int(offs[3])
+    flat[seg[4]] = pos_d + 1
+    flat[seg[5]] = cu
+    flat[seg[6]] = [c.start + c.num_tokens for c in prefills] + [0] * npad
+    if table is not None:
+        flat[seg[3]] = d_index
+        flat[seg[7]] = d_blocks
+        flat[seg[8]] = rows_d
+        flat[seg[9]] = [c.state.table_row for c in prefills] + [0] * npad  # padding reads the zero row
+    else:
+        fill_block_table(flat[seg[7]].reshape(nd, wd), decodes)
+        fill_block_table(flat[seg[8]].reshape(npf, wp), prefills)
+    split = seg[4].start
     if device.type == "cuda":  # one copy, then one cast launch for the int32 tail
         dev = (stager or Stager(device)).send(flat)
         head, tail = dev[:split], dev[split:].to(torch.int32)
     else:
         head = torch.from_numpy(flat[:split]).to(device)
         tail = torch.from_numpy(flat[split:].astype(np.int32)).to(device)
-    o = [slice(x.start - split, x.stop - split) for x in seg[3:]]
+    o = [slice(x.start - split, x.stop - split) for x in seg[4:]]
+    if table is not None:
+        table.apply(head[seg[3]], tail[o[3]])  # before the gathers, which read the new entries
+        decode_tables, prefill_tables = table.gather(tail[o[4]], wd), table.gather(tail[o[5]], wp)
+    else:
+        decode_tables, prefill_tables = tail[o[3]].view(nd, wd), tail[o[4]].view(npf, wp)
     meta = AttentionMetadata(
         slot_mapping=head[seg[2]],
         num_decode_tokens=nd,
-        decode_block_tables=tail[o[3]].view(nd, wd),
+        decode_block_tables=decode_tables,
         decode_seq_lens=tail[o[0]],
         prefill_cu_seqlens=tail[o[1]],
         prefill_seq_lens=tail[o[2]],
-        prefill_block_tables=tail[o[4]].view(npf, wp),
+        prefill_block_tables=prefill_tables,
     )
     return StepInputs(head[seg[0]], head[seg[1]], meta, ordered, row_starts)
 

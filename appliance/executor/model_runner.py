@@ -2,6 +2,8 @@
 
 The runner remembers every live request (tokens, block table, params) between steps; a plan brings new
 requests, how many tokens each scheduled request computes now, appended blocks, and requests to forget.
+Block tables also live on the device (request_table.py: one row per live request, written by deltas), so a
+step sends only the block ids that are new.
 One forward runs decodes and prefill chunks together; logits are computed only for rows that sample (and for
 prompt rows of requests that asked for prompt logprobs).
 """
@@ -39,6 +41,7 @@ from appliance.executor.model_loader import (
     resolve_dtype,
     resolve_model_dir,
 )
+from appliance.executor.request_table import DeviceBlockTable, LiveRequests
 from appliance.executor.runner_setup import (
     _check_supported,
     read_eos_token_ids,
@@ -47,6 +50,7 @@ from appliance.executor.runner_setup import (
     resolve_max_model_len,
 )
 from appliance.executor.sampler import Sampler
+from appliance.layers.linear import use_gemv_kernel
 from appliance.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -75,6 +79,10 @@ class ModelRunner:
                                             self.block_size, kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype,
                                                                                      self.dtype),
                                             num_tensors=2 if getattr(layers[0], "uses_v_cache", True) else 1)
+        self.max_blocks = -(-self.max_model_len // self.block_size)
+        # before the profile, so its peak (and so the KV budget) counts it; one row per request the scheduler
+        # may run at once (prefilling ones included; speculative decoding adds rows to no request)
+        self.block_table = DeviceBlockTable(config.scheduler.max_num_seqs, self.max_blocks, self.device)
         self.num_blocks = self._count_blocks()
         self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         for layer, (k, v) in zip(layers, self.kv_caches):
@@ -82,12 +90,11 @@ class ModelRunner:
         self.sampler = Sampler(self.eos_token_ids, m.seed)
         self.batch_sampler = BatchSampler(self.sampler, self.device,
                                           gpu_sample_op(self.device, config.backends.sampling))
-        self.requests: dict[str, RequestState] = {}
+        self.requests = LiveRequests(self.block_table)  # adding a request gives it a table row, dropping frees it
         self._noise_seeds = random.Random(m.seed)  # per-request streams of the GPU sampler
         self._stager = Stager(self.device)
         self._pending_stager, self._rows_stager = Stager(self.device), Stager(self.device)
         self._inflight: deque[StepHandle] = deque()  # launched, not finished (overlap mode), in launch order
-        self.max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = self._make_graphs()
         self.use_graphs = self.graphs is not None  # benchmarks flip it to compare with eager on one model
         # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
@@ -133,7 +140,8 @@ class ModelRunner:
         if sizes is None:
             return None
         hidden = int(self.hf_config.hidden_size)
-        return DecodeGraphs(self.model, hidden, self.dtype, self.device, sizes, self.max_blocks, self.block_size)
+        return DecodeGraphs(self.model, hidden, self.dtype, self.device, sizes, self.max_blocks, self.block_size,
+                            self.block_table)
 
     # ---- construction ------------------------------------------------------------------------------------
     def _build_model(self, load_format: str, seed: int) -> torch.nn.Module:
@@ -155,6 +163,8 @@ class ModelRunner:
         else:
             load_weights(model, self.model_dir, load_format)
         apply_quantization(model, self.config.precision.quantization, self.hf_config, self.backend)
+        if self.device.type == "cuda":  # decode-sized batches stream weights through the backend's GEMV
+            use_gemv_kernel(model, self.backend)
         return model.eval()
 
     def _count_blocks(self) -> int:
@@ -274,12 +284,14 @@ class ModelRunner:
                                                                 for c in chunks):
             key = self.graphs.key_for(chunks)
             if key is not None:
+                self.graphs.bind(self.block_table)  # a no-op unless graphs were swapped in (tests, benchmarks)
                 return chunks, list(range(len(chunks))), self.graphs.run(
                     chunks, key, lambda ids: inflight.resolve_pending_ids(chunks, ids, self._pending_stager))
         decodes = [c for c in chunks if c.num_tokens == 1]
         # decode tables padded like the graphs' (the split-K factor follows the width): same numerics either way
         width = width_bucket(table_width(decodes), self.max_blocks) if decodes else 1
-        inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager, self._pad_prefills)
+        inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager, self._pad_prefills,
+                              self.block_table)
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         return inputs.chunks, inputs.row_starts, self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
@@ -288,6 +300,7 @@ class ModelRunner:
         use); returns how many graphs exist."""
         if self.graphs is None:
             return 0
+        self.graphs.bind(self.block_table)
         with torch.inference_mode():
             return self.graphs.capture_all(min(max_context, self.max_model_len))
 

@@ -12,7 +12,7 @@ from typing import Any
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {}
 _LOADED: set[str] = set()
 
-OPS = ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "rope", "silu_and_mul", "sample")
+OPS = ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "rope", "silu_and_mul", "gemv", "sample")
 
 
 def register(op: str, backend: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

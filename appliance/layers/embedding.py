@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.layers.linear import Gemv, matmul
 from appliance.layers.parallel_state import (
     get_tp_rank,
     get_tp_size,
@@ -52,12 +53,16 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projection to vocabulary logits; shares its weight with the embedding when embeddings are tied."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.gemv: Gemv | None = None  # linear.use_gemv_kernel binds one
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [N, vocab] (gathered across ranks, padding cut off)."""
-        logits = tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = tp_all_gather(matmul(hidden, self.weight, None, self.gemv), dim=-1)
         return logits[..., : self.num_embeddings]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

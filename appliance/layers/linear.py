@@ -6,10 +6,14 @@ shard id and place it at the right offset of this rank's slice.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.kernels import registry
+from appliance.kernels.reference.linear import GEMV_MAX_ROWS
 from appliance.layers.parallel_state import (
     divide,
     get_tp_rank,
@@ -17,6 +21,37 @@ from appliance.layers.parallel_state import (
     tp_all_gather,
     tp_all_reduce,
 )
+
+
+Gemv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+_HALF = (torch.bfloat16, torch.float16)  # fp32 stays on torch: tl.dot would round it through tf32
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv | None) -> torch.Tensor:
+    """x W^T + b: decode-sized batches (<= GEMV_MAX_ROWS rows) through the bound GEMV kernel, the rest through
+    torch (cuBLAS on a GPU)."""
+    if (gemv is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype
+            and x.dtype in _HALF):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def use_gemv_kernel(model: nn.Module, backend: str) -> int:
+    """Bind `backend`'s "gemv" op to every linear layer and LM head of `model` (layers whose weight is not in the
+    compute dtype, e.g. fp8, keep their own path); returns how many layers were bound. A backend without its own
+    GEMV (torch) binds nothing: cuBLAS already is torch's. The model runner binds on CUDA devices only."""
+    if backend == "torch":
+        return 0
+    try:
+        op = registry.get("gemv", backend)
+    except KeyError:
+        return 0
+    bound = 0
+    for module in model.modules():
+        if hasattr(module, "gemv"):
+            module.gemv = op
+            bound += 1
+    return bound
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -38,6 +73,7 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, self.tp_size)
         self.gather_output = gather_output
+        self.gemv: Gemv | None = None  # use_gemv_kernel binds one
         self.weight = _param(self.output_size_per_partition, input_size)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -51,7 +87,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = matmul(x, self.weight, self.bias, self.gemv)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -128,6 +164,7 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, self.tp_size)
         self.reduce_results = reduce_results
+        self.gemv: Gemv | None = None  # use_gemv_kernel binds one
         self.weight = _param(output_size, self.input_size_per_partition)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -141,7 +178,7 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = matmul(x, self.weight, None, self.gemv)
         if self.reduce_results:
             y = tp_all_reduce(y)
         # the bias is added once, after the sum, not once per rank

@@ -9,6 +9,7 @@ from appliance.kernels.triton import (  # noqa: F401
     activation,
     cache,
     decode,
+    gemv,
     norm,
     prefill,
     rope,

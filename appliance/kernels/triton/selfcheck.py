@@ -124,6 +124,21 @@ def silu_inputs(tokens: int, inter: int, dtype: torch.dtype, device: str, seed: 
     return Inputs((x,), 3 * tokens * inter * x.element_size())
 
 
+def gemv_inputs(rows: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool = False,
+                split_k: int = 1, seed: int = 0) -> Inputs:
+    """Weights scaled like a trained layer's (std 1/sqrt(k)): outputs of order one, errors comparable."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    extra: tuple[tuple[str, Any], ...] = ()
+    if split_k > 1:  # force the split-K (atomic) path with a config small enough for the interpreter
+        from appliance.kernels.triton.gemv import GemvConfig, config_for
+
+        extra = (("config", GemvConfig(**{**config_for(n, k).__dict__, "split_k": split_k})),)
+    return Inputs((x, w, b), w.numel() * w.element_size(), extra)
+
+
 def sample_inputs(batch: int, vocab: int, dtype: torch.dtype, device: str, mode: str, seed: int = 0) -> Inputs:
     """mode: greedy, plain (temperature only), filtered (top-k, top-p and min-p mixed per row), mixed."""
     gen = torch.Generator().manual_seed(seed)
@@ -206,6 +221,9 @@ def small_cases(device: str = "cpu") -> list[Case]:
         ("rope", "bf16-gptj-partial", lambda: rope_inputs(3, 2, 1, 80, 64, False, bf, d)),
         ("silu_and_mul", "bf16", lambda: silu_inputs(3, 1500, bf, d)),
         ("silu_and_mul", "f16", lambda: silu_inputs(2, 64, f16, d)),
+        ("gemv", "bf16-m1-ragged", lambda: gemv_inputs(1, 50, 70, bf, d)),
+        ("gemv", "f16-m5-bias", lambda: gemv_inputs(5, 40, 96, f16, d, bias=True)),
+        ("gemv", "f32-m16-splitk3", lambda: gemv_inputs(16, 33, 200, f32, d, split_k=3)),
         ("sample", "greedy-bf16", lambda: sample_inputs(4, 700, bf, d, "greedy")),
         ("sample", "plain-f32", lambda: sample_inputs(4, 300, f32, d, "plain")),
         ("sample", "filtered-f32", lambda: sample_inputs(6, 500, f32, d, "filtered")),
@@ -238,6 +256,9 @@ def realistic_cases(device: str = "cuda") -> list[Case]:
             ("rope", f"{name}-neox", lambda dt=dt: rope_inputs(500, 32, 8, 128, 128, True, dt, d)),
             ("rope", f"{name}-gptj-partial", lambda dt=dt: rope_inputs(100, 32, 8, 128, 64, False, dt, d)),
             ("silu_and_mul", name, lambda dt=dt: silu_inputs(300, 14336, dt, d)),
+            ("gemv", f"{name}-m1-qkv", lambda dt=dt: gemv_inputs(1, 6144, 4096, dt, d)),
+            ("gemv", f"{name}-m16-down-bias", lambda dt=dt: gemv_inputs(16, 4096, 14336, dt, d, bias=True)),
+            ("gemv", f"{name}-m3-splitk4", lambda dt=dt: gemv_inputs(3, 1000, 14336, dt, d, split_k=4)),
         ]
     cases += [
         ("sample", "mixed-bf16", lambda: sample_inputs(64, 32000, bf, d, "mixed")),

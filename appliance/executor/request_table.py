@@ -1,0 +1,143 @@
+"""Block tables that stay on the device between steps: one row per live request, kept current by deltas.
+
+A plan appends block ids to a request's table a few at a time (a decode crosses into a new block every
+block_size tokens), so instead of sending every row's whole table each step, the runner keeps one persistent
+int32 tensor [capacity + 1, width] on the device and writes only the block ids it has not written yet: their
+(flat index, block id) pairs travel in the step's one staged host array and one `index_copy_` writes them.
+The kernels then read a table gathered on the device (`index_select` of the step's rows, narrowed to the
+step's width), which equals the host-built table of before: a row holds its request's blocks, then zeros.
+
+Row 0 is reserved and never written (all zeros): padding rows of a batch point at it. A request gets a row
+when the worker first sees it (`LiveRequests.__setitem__`) and gives it back when it is dropped (finished,
+aborted or preempted: the plan's finished_ids; `pop`, `del`, `clear`). A reused row may still hold the
+previous owner's block ids past the new owner's table: its first delta also writes zeros over them, so no
+request ever reads another's blocks. Tables only grow while a request is live (a preempted request comes back
+as a new state with a new row and its whole table).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, MutableMapping
+
+import numpy as np
+import torch
+
+from appliance.executor.input_batch import RequestState
+
+ZERO_ROW = 0  # reserved: padding rows read it; a RequestState with table_row 0 has no row
+COLUMN_MULTIPLE = 16  # padded prefill tables round their width up to 16 columns (input_batch.build_inputs)
+
+
+class DeviceBlockTable:
+    """The persistent block tables of one worker's live requests (see the module docstring)."""
+
+    def __init__(self, capacity: int, max_blocks: int, device: torch.device) -> None:
+        if capacity < 1 or max_blocks < 1:
+            raise ValueError(f"a block table needs capacity >= 1 and max_blocks >= 1, got {capacity}, {max_blocks}")
+        self.capacity = capacity
+        self.width = -(-max_blocks // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+        self.table = torch.zeros(capacity + 1, self.width, dtype=torch.int32, device=device)
+        self._free = list(range(capacity, ZERO_ROW, -1))  # pop() hands out the lowest row first
+        self._dirty = [0] * (capacity + 1)  # per row: columns a previous owner may have left nonzero
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self, state: RequestState) -> None:
+        if state.table_row != ZERO_ROW:
+            raise RuntimeError(f"request {state.request_id!r} already holds block-table row {state.table_row}")
+        if not self._free:
+            raise RuntimeError(f"request {state.request_id!r}: all {self.capacity} rows of the worker's block table "
+                               "are taken (one per live request, sized by scheduler.max_num_seqs); the plan holds "
+                               "more live requests than the scheduler may run at once")
+        state.table_row = self._free.pop()
+        state.blocks_on_device = 0
+
+    def release(self, state: RequestState) -> None:
+        if state.table_row == ZERO_ROW:
+            return
+        self._free.append(state.table_row)
+        state.table_row, state.blocks_on_device = ZERO_ROW, 0
+
+    def delta(self, states: Iterable[RequestState]) -> tuple[np.ndarray, np.ndarray]:
+        """(flat index into table, block id), int64, of every entry the device lacks for these requests; marks
+        them written, so the caller must apply them (`apply`) before the step's gather."""
+        index: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        w = self.width
+        for s in states:
+            n, have = len(s.block_ids), s.blocks_on_device
+            if n == have:
+                continue
+            row = s.table_row
+            if row == ZERO_ROW:
+                raise RuntimeError(f"request {s.request_id!r} has no block-table row (not added through the "
+                                   "runner's live requests)")
+            if n < have:
+                raise RuntimeError(f"request {s.request_id!r}: its block table shrank from {have} to {n} blocks; "
+                                   "tables only grow while a request is live")
+            if n > w:
+                raise ValueError(f"request {s.request_id!r}: {n} blocks exceed the block table's {w} columns "
+                                 "(max_model_len / block_size)")
+            end = n
+            blocks = np.asarray(s.block_ids[have:n], dtype=np.int64)  # the new ids only: O(delta)
+            if have == 0 and self._dirty[row] > n:  # a reused row: clear what its previous owner left
+                end = self._dirty[row]
+                blocks = np.concatenate([blocks, np.zeros(end - n, np.int64)])
+            index.append(np.arange(row * w + have, row * w + end, dtype=np.int64))
+            values.append(blocks)
+            self._dirty[row] = max(self._dirty[row], n)
+            s.blocks_on_device = n
+        if not index:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(index), np.concatenate(values)
+
+    def apply(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        """One scatter of a delta (already on the device; values int32 or int64)."""
+        if index.numel():
+            self.table.view(-1).index_copy_(0, index, values.to(torch.int32))
+
+    def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """[len(rows), width] int32 tables of these rows (ZERO_ROW for padding), contiguous."""
+        if width > self.width:
+            raise ValueError(f"a block table of width {width} exceeds the persistent table's {self.width} columns")
+        return self.table[:, :width].index_select(0, rows)
+
+
+class LiveRequests(MutableMapping[str, RequestState]):
+    """The runner's live requests by id: adding one gives it a table row, dropping one (pop, del, clear)
+    frees the row. Everything that adds or drops requests (ModelRunner, speculative.MtpSpeculator,
+    InProcessExecutor.shutdown) goes through this mapping, so rows never leak."""
+
+    def __init__(self, table: DeviceBlockTable) -> None:
+        self.table = table
+        self._states: dict[str, RequestState] = {}
+
+    def __getitem__(self, request_id: str) -> RequestState:
+        return self._states[request_id]
+
+    def get(self, request_id: str, default: RequestState | None = None) -> RequestState | None:  # type: ignore[override]
+        return self._states.get(request_id, default)  # hot path: skips MutableMapping's try/except
+
+    def __setitem__(self, request_id: str, state: RequestState) -> None:
+        if state.request_id != request_id:
+            raise ValueError(f"state of request {state.request_id!r} added under id {request_id!r}")
+        old = self._states.get(request_id)
+        if old is state:
+            return
+        self.table.acquire(state)  # first: a full table leaves the old state in place
+        if old is not None:
+            self.table.release(old)
+        self._states[request_id] = state
+
+    def __delitem__(self, request_id: str) -> None:
+        self.table.release(self._states.pop(request_id))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._states)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._states

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Tuning sweeps for the decode-step kernels on one GPU: the skinny GEMV against cuBLAS and decode attention on
+ragged batches. Prints one JSON line per measurement, then a summary; needs only torch and triton.
+
+    python3 tools/kernel_lab.py [--only gemv,chain,decode] [--budget-s 300]
+    TRITON_INTERPRET=1 python3 tools/kernel_lab.py --smoke      # tiny shapes on the CPU: checks the script
+
+Timing: median per call replayed from a CUDA graph (triton.testing.do_bench_cudagraph). Every timed call cycles
+over COPIES distinct weight / cache tensors, so nothing is served from the 50 MB L2 (as in a real step, where 15
+GB of weights pass between two reads of one layer). GB/s = bytes the op must read / time.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+
+import appliance.kernels.triton  # noqa: F401  (registers the ops)
+from appliance.kernels.triton import decode, gemv
+
+COPIES = 4
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+            "lm_head": (128256, 4096)}
+SMOKE = {"qkv": (96, 64), "down": (64, 160)}
+T0 = time.time()
+
+
+def emit(**row: Any) -> dict[str, Any]:
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def timed_us(fn: Callable[[], Any], smoke: bool) -> float:
+    fn()
+    if smoke:
+        return float("nan")
+    from triton.testing import do_bench_cudagraph
+
+    torch.cuda.synchronize()
+    return 1000.0 * float(do_bench_cudagraph(fn, rep=30, return_mode="median")) / COPIES
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def gemv_configs(smoke: bool, tall: bool) -> list[gemv.GemvConfig]:
+    """The sweep; `tall` (few output columns, long K: the down projection) adds narrow tiles and split-K."""
+    if smoke:
+        return [gemv.GemvConfig(16, 32, s, 4, 2) for s in (1, 2)]
+    out = [gemv.GemvConfig(bn, bk, 1, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 5))]
+    if tall:
+        out += [gemv.GemvConfig(bn, bk, sk, 4, st) for bn, bk, sk, st in
+                itertools.product((8, 16, 32), (128, 256, 512), (1, 2, 4), (3, 5)) if (bn, sk) != (16, 1)
+                and (bn, sk) != (32, 1)]
+    return out
+
+
+def section_gemv(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Per shape and M: cuBLAS vs every config; returns the best config per (shape, M)."""
+    best: dict[str, Any] = {}
+    shapes = SMOKE if args.smoke else LLAMA_8B
+    for (name, (n, k)), m in itertools.product(shapes.items(), (1, 8, 16)):
+        if args.gemv_shapes and name not in args.gemv_shapes.split(","):
+            continue
+        if time.time() - T0 > args.budget_s:
+            emit(section="gemv", skipped=f"{name} m{m}: budget")
+            continue
+        ws = [torch.randn(n, k, device=dev, dtype=dtype) / k**0.5 for _ in range(COPIES)]
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        ref = F.linear(x, ws[0])
+        nbytes = n * k * ws[0].element_size()
+
+        def cublas() -> None:
+            for w in ws:
+                F.linear(x, w)
+
+        us = timed_us(cublas, args.smoke)
+        rows = [emit(section="gemv", shape=name, m=m, impl="cublas", us=us, GBps=nbytes / us / 1e3)]
+        for cfg in gemv_configs(args.smoke, tall=k > 2 * n):
+            try:
+                err = rel(gemv.gemv(x, ws[0], config=cfg), ref)
+                us = timed_us(lambda cfg=cfg: [gemv.gemv(x, w, config=cfg) for w in ws], args.smoke)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+                emit(section="gemv", shape=name, m=m, cfg=cfg.__dict__, error=f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            rows.append(emit(section="gemv", shape=name, m=m, impl="triton", cfg=cfg.__dict__, us=us,
+                             GBps=nbytes / us / 1e3, err=err))
+        ok = [r for r in rows if r["impl"] == "triton" and r["err"] < 2e-2]
+        if ok and not args.smoke:
+            top = min(ok, key=lambda r: r["us"])
+            best[f"{name} m{m}"] = {"cublas_us": rows[0]["us"], "best_us": top["us"], "cfg": top["cfg"],
+                                    "GBps": top["GBps"], "cublas_GBps": rows[0]["GBps"]}
+        del ws
+        torch.cuda.empty_cache() if dev == "cuda" else None
+    return best
+
+
+def section_chain(args: argparse.Namespace, dev: str, dtype: torch.dtype, best: dict[str, Any]) -> None:
+    """A whole Llama-3.1-8B batch-1 step's GEMVs (32 layers x 4 + lm_head, distinct weights): cuBLAS vs the best
+    config per shape; the figure the batch-1 target depends on."""
+    layers = 2 if args.smoke else 32
+    shapes = SMOKE if args.smoke else LLAMA_8B
+    per_layer = [s for s in shapes if s != "lm_head"]
+    ws = {s: [torch.randn(*shapes[s], device=dev, dtype=dtype) * 0.01 for _ in range(layers)] for s in per_layer}
+    head = [torch.randn(*shapes["lm_head"], device=dev, dtype=dtype) * 0.01] if "lm_head" in shapes else []
+    total = sum(w.numel() * w.element_size() for v in ws.values() for w in v) + sum(w.numel() * 2 for w in head)
+    for m in (1, 8):
+        xs = {s: torch.randn(m, shapes[s][1], device=dev, dtype=dtype) for s in shapes}
+
+        def run(triton_gemv: bool) -> None:
+            for i in range(layers):
+                for s in per_layer:
+                    if triton_gemv:
+                        cfg = best.get(f"{s} m{m}", {}).get("cfg")
+                        gemv.gemv(xs[s], ws[s][i], config=gemv.GemvConfig(**cfg) if cfg else None)
+                    else:
+                        F.linear(xs[s], ws[s][i])
+            for w in head:
+                if triton_gemv:
+                    cfg = best.get(f"lm_head m{m}", {}).get("cfg")
+                    gemv.gemv(xs["lm_head"], w, config=gemv.GemvConfig(**cfg) if cfg else None)
+                else:
+                    F.linear(xs["lm_head"], w)
+
+        for impl in ("cublas", "triton"):
+            us = timed_us(lambda impl=impl: run(impl == "triton"), args.smoke) * COPIES
+            emit(section="chain", m=m, impl=impl, ms=us / 1e3, GB=total / 1e9, GBps=total / us / 1e3,
+                 configs=f"swept best for {sorted(best)}, else gemv.config_for")
+
+
+def ragged_lens(b: int, lo: int, hi: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(b)]
+
+
+def decode_case(lens: list[int], heads: int, hkv: int, width_tokens: int, dev: str, dtype: torch.dtype,
+                page: int = 16) -> tuple[Any, ...]:
+    blocks = sum(-(-n // page) for n in lens)
+    caches = [(torch.randn(blocks + 1, page, hkv, 128, device=dev, dtype=dtype),
+               torch.randn(blocks + 1, page, hkv, 128, device=dev, dtype=dtype)) for _ in range(COPIES)]
+    perm = torch.randperm(blocks + 1)
+    table = torch.zeros(len(lens), width_tokens // page, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // page)
+        table[i, :nb] = perm[used : used + nb].to(torch.int32)
+        used += nb
+    q = torch.randn(len(lens), heads, 128, device=dev, dtype=dtype)
+    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+    kv_bytes = sum(lens) * hkv * 128 * 2 * caches[0][0].element_size()
+    return q, caches, table.to(dev), seq, kv_bytes
+
+
+def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> None:
+    from appliance.kernels.reference.attention import decode_attention as ref_decode
+
+    if args.smoke:
+        cases = {"smoke ragged": (ragged_lens(4, 5, 60, 0), 4, 2, 64)}
+        knobs = [(16, 4, 2, s) for s in (None, 2)]
+    else:
+        cases = {
+            "llama b1 kv1024 (w2048)": ([1024], 32, 8, 2048),
+            "qwen b256 uniform 540 (w1024)": ([540] * 256, 16, 8, 1024),
+            "qwen b256 ragged 100-2048 (w2048)": (ragged_lens(256, 100, 2048, 0), 16, 8, 2048),
+            "llama b200 ragged 1024-2048 (w2048)": (ragged_lens(200, 1024, 2048, 1), 32, 8, 2048),
+        }
+        knobs = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 1, 2, 4, 8, 16, 32)))
+    saved = (decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES)
+    for name, (lens, h, hkv, width) in cases.items():
+        q, caches, table, seq, kv_bytes = decode_case(lens, h, hkv, width, dev, dtype)
+        ref = ref_decode(q, caches[0][0], caches[0][1], table, seq, 128**-0.5)
+        for bn, w, st, splits in knobs:
+            if time.time() - T0 > args.budget_s:
+                emit(section="decode", skipped=f"{name}: budget")
+                break
+            if splits is not None and splits * bn > width:
+                continue
+            decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = bn, w, st
+            try:
+                err = rel(decode.decode_attention(q, caches[0][0], caches[0][1], table, seq, 128**-0.5, splits), ref)
+                us = timed_us(lambda s=splits: [decode.decode_attention(q, k, v, table, seq, 128**-0.5, s)
+                                                for k, v in caches], args.smoke)
+            except Exception as exc:  # noqa: BLE001
+                emit(section="decode", case=name, knobs=[bn, w, st, splits], error=f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            emit(section="decode", case=name, block_n=bn, warps=w, stages=st, splits=splits, us=us,
+                 GBps=kv_bytes / us / 1e3, err=err)
+        del caches
+    decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = saved
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="gemv,chain,decode")
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
+    args = ap.parse_args()
+    dev = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    torch.manual_seed(0)
+    only = set(args.only.split(","))
+    best = section_gemv(args, dev, dtype) if "gemv" in only else {}
+    if best:
+        emit(section="gemv_best", best=best)
+    if "chain" in only:
+        section_chain(args, dev, dtype, best)
+    if "decode" in only:
+        section_decode(args, dev, dtype)
+    emit(section="done", elapsed_s=round(time.time() - T0, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
