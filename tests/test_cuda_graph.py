@@ -57,6 +57,7 @@ def test_graph_settings_switches() -> None:
     assert graph_settings(_config(enforce_eager=True), llama, cuda) is None
     assert graph_settings(_config(), SimpleNamespace(), cuda) is None  # a model that does not declare support
     assert graph_settings(_config(), llama, torch.device("cpu")) is None
+    assert graph_settings(_config(), llama, cuda, backend="torch") is None  # reference kernels sync with the host
     import appliance.layers.parallel_state as ps
 
     saved = ps._STATE

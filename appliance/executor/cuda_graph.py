@@ -212,10 +212,15 @@ def _powers(start: int, stop: int) -> list[int]:
     return out
 
 
-def graph_settings(config: object, model: torch.nn.Module, device: torch.device) -> list[int] | None:
-    """Capture sizes, or None when graphs are off (CPU, enforce_eager, or a model that does not support them)."""
+def graph_settings(config: object, model: torch.nn.Module, device: torch.device,
+                   backend: str = "triton") -> list[int] | None:
+    """Capture sizes, or None when graphs are off (CPU, enforce_eager, the torch reference kernels, or a model
+    that does not support them)."""
     b = config.backends  # type: ignore[attr-defined]
     if device.type != "cuda" or b.enforce_eager:
+        return None
+    if backend == "torch":  # the reference kernels index with masks, which reads device memory back
+        log.info("attention backend torch: decode runs eagerly (its reference kernels cannot be captured)")
         return None
     if not getattr(model, "supports_cuda_graphs", False):
         log.info("%s does not declare CUDA graph support: decode runs eagerly", type(model).__name__)

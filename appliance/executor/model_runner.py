@@ -71,6 +71,7 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(m.max_model_len, self.hf_config)
         self.block_size = config.cache.block_size
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend)  # fail before allocating
+        self._mem_baseline = self._allocated_by_others()
         self.model = self._build_model(m.load_format, m.seed)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
         # the MTP drafter's caches share the block table and the KV budget (none without speculation)
@@ -136,7 +137,7 @@ class ModelRunner:
         return took
 
     def _make_graphs(self) -> DecodeGraphs | None:
-        sizes = graph_settings(self.config, self.model, self.device)
+        sizes = graph_settings(self.config, self.model, self.device, self.backend)
         if sizes is None:
             return None
         hidden = int(self.hf_config.hidden_size)
@@ -175,8 +176,18 @@ class ModelRunner:
             return kv_cache.blocks_for_cpu(self.kv_spec, self.max_model_len, self.config.scheduler.max_num_seqs)
         return kv_cache.blocks_for_gpu(self.kv_spec, self.device, cache.gpu_memory_utilization, self._profile())
 
+    def _allocated_by_others(self) -> int:
+        """Bytes this process holds on the device before this runner allocates anything (another engine of a
+        test or benchmark): not part of this runner's peak. Dropped engines are collected first."""
+        if self.device.type != "cuda":
+            return 0
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated(self.device)
+
     def _profile(self) -> int:
-        """Peak GPU memory of the largest step (one full token budget plus max_num_seqs logit rows)."""
+        """Peak GPU memory of this runner's largest step (one full token budget plus max_num_seqs logit rows):
+        its weights and activations, not what other engines of the process hold."""
         sched = self.config.scheduler
         if sched.chunked_prefill_size > 0:
             tokens = min(sched.chunked_prefill_size, self.max_model_len)
@@ -188,8 +199,6 @@ class ModelRunner:
         for layer, (k, v) in zip(layers, temp):
             layer.bind_kv_cache(k, v)
         state = RequestState("profile", [0] * tokens, tokens, 0, list(range(blocks)), SamplingParams())
-        gc.collect()  # engines this process dropped (tests, benchmarks) still hold their caches until collected
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
             inputs = build_inputs([Chunk(state, 0, tokens, True)], self.block_size, self.device)
@@ -205,7 +214,7 @@ class ModelRunner:
         del temp, hidden
         torch.cuda.empty_cache()
         # the temporary cache was part of the peak; the real cache replaces it
-        return peak - blocks * self.kv_spec.bytes_per_block
+        return peak - blocks * self.kv_spec.bytes_per_block - self._mem_baseline
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
