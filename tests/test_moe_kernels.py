@@ -167,6 +167,17 @@ def test_align_blocks_groups_pairs_by_expert() -> None:
     assert real == list(range(flat.numel()))  # every (token, slot) pair exactly once
 
 
+def test_decode_batches_take_the_decode_tiles() -> None:
+    pytest.importorskip("triton")
+    from appliance.kernels.moe.triton_moe import DECODE, PREFILL, tiles_for
+
+    assert DECODE != PREFILL  # else the selfcheck's cases could not cover both
+    assert tiles_for(pairs=8, num_experts=256) == DECODE  # DeepSeek-V3, one token
+    assert tiles_for(pairs=256 * 8, num_experts=128) == DECODE  # 16 rows per expert on average
+    assert tiles_for(pairs=256 * 8 + 1, num_experts=128) == PREFILL
+    assert tiles_for(pairs=2048 * 6, num_experts=64) == PREFILL  # a prefill chunk
+
+
 def _gpu_cases() -> list:
     from appliance.kernels.moe import selfcheck as sc
 

@@ -31,6 +31,7 @@ def small_cases() -> list[Case]:
     return [
         Case("one_token", 1, 64, 32, 4, 2, torch.float32),
         Case("ragged", 37, 96, 80, 8, 3, torch.float32),  # sizes off the tile grid, experts unhit
+        Case("prefill_tiles", 70, 64, 48, 2, 2, torch.float32),  # > 16 rows per expert: the prefill tiles
         Case("bf16", 20, 64, 64, 6, 2, torch.bfloat16, tol=3e-2),
         Case("fp8_blocks", 19, 64, 64, 4, 2, torch.float32, fp8_block=(32, 32), tol=2e-3),
         Case("fp8_fine_blocks", 11, 64, 48, 4, 2, torch.float32, fp8_block=(16, 16), tol=2e-3),  # tiles shrink
@@ -40,6 +41,7 @@ def small_cases() -> list[Case]:
 def gpu_cases() -> list[Case]:
     return [
         Case("qwen3_30b_decode", 64, 2048, 768, 128, 8, torch.bfloat16, tol=3e-2),
+        Case("deepseek_v3_fp8_batch1", 1, 7168, 2048, 32, 8, torch.bfloat16, fp8_block=(128, 128), tol=3e-2),
         Case("deepseek_v2_lite_prefill", 2048, 2048, 1408, 64, 6, torch.bfloat16, tol=3e-2),
         Case("deepseek_v3_fp8", 256, 7168, 2048, 32, 8, torch.bfloat16, fp8_block=(128, 128), tol=3e-2),
     ]

@@ -1,8 +1,8 @@
 """Fused MoE in Triton: tokens sorted by expert and padded to whole BLOCK_M tiles, then two grouped GEMMs.
 
-1. `align_blocks` (torch ops that never sync with the host): the T*K (token, slot) pairs are sorted by expert; each expert's run is
-   padded to a multiple of BLOCK_M with a sentinel id, and every BLOCK_M tile gets the expert it belongs to
-   (-1 past the end). Buffers are sized for the worst case so the launch shape depends only on T, K and E.
+1. `align_blocks` (torch ops that never sync with the host): the T*K (token, slot) pairs are sorted by expert;
+   each expert's run is padded to a multiple of BLOCK_M with a sentinel id, and every BLOCK_M tile gets the
+   expert it belongs to (-1 past the end). Buffers are sized for the worst case so the launch shape depends only on T, K and E.
 2. `_gate_up_kernel`: per tile, x rows @ w13[e]^T computing the gate and up halves side by side and writing
    silu(gate) * up (the activation is fused: the [T*K, 2I] intermediate never exists).
 3. `_down_kernel`: that [T*K, I] activation @ w2[e]^T, times the routing weight, into [T*K, H]; the K slots of
@@ -12,6 +12,8 @@ the model dtype).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -20,9 +22,27 @@ from appliance.kernels.moe.triton_fp8 import load_weight_tile, scale_aligned_til
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import INTERPRET, mma
 
-BLOCK_M = 16 if INTERPRET else 64
-BLOCK_N = 32 if INTERPRET else 64
-BLOCK_K = 32 if INTERPRET else 64
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+
+
+PREFILL = MoeTiles(16, 32, 32, 2) if INTERPRET else MoeTiles(64, 64, 64, 3)
+# Decode: a few rows per expert. 16-row tiles waste less of each expert's tile on padding, and longer K steps
+# through a deeper pipeline stream the expert weights like the dense GEMV (kernels/triton/gemv.py) does.
+# Chosen by analogy with that kernel's H100 sweep; not yet timed on the fused MoE itself (docs/benchmarks.md).
+DECODE = MoeTiles(16, 16, 64, 2) if INTERPRET else MoeTiles(16, 64, 128, 4)
+
+
+def tiles_for(pairs: int, num_experts: int) -> MoeTiles:
+    """Decode tiles when the routed rows average at most 16 per expert, else the prefill tiles. A function of
+    shapes only, so a captured decode graph and an eager step of the same batch use the same tiles."""
+    return DECODE if pairs <= 16 * num_experts else PREFILL
 
 
 def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,25 +151,26 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if fp8 and (block_shape is None or w2_scale is None):
         raise ValueError("fp8 fused_moe needs both scales and block_shape")
     bn_q, bk_q = block_shape if fp8 else (1, 1)  # type: ignore[misc]
-    tile_n, tile_k = (scale_aligned_tiles((bn_q, bk_q), BLOCK_N, BLOCK_K, "Triton fused MoE") if fp8
-                      else (BLOCK_N, BLOCK_K))
-    x = x.contiguous()
-    sorted_ids, block_experts = align_blocks(topk_ids, num_experts, BLOCK_M)
     pairs = t * top_k
+    tiles = tiles_for(pairs, num_experts)
+    tile_n, tile_k = (scale_aligned_tiles((bn_q, bk_q), tiles.block_n, tiles.block_k, "Triton fused MoE") if fp8
+                      else (tiles.block_n, tiles.block_k))
+    x = x.contiguous()
+    sorted_ids, block_experts = align_blocks(topk_ids, num_experts, tiles.block_m)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     upcast = INTERPRET or x.dtype == torch.float32
     s13, s13e, s13n, s13k = _scale_args(w13_scale, w13)
     grid = (block_experts.numel(), triton.cdiv(inter, tile_n))
     _gate_up_kernel[grid](x, w13, s13, act, sorted_ids, block_experts, pairs, inter, hidden,
                           x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), s13e, s13n, s13k, act.stride(0),
-                          TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=tile_n, BLOCK_K=tile_k, BN_Q=bn_q, BK_Q=bk_q,
-                          FP8=fp8, UPCAST=upcast)
+                          TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile_n, BLOCK_K=tile_k, BN_Q=bn_q, BK_Q=bk_q,
+                          FP8=fp8, UPCAST=upcast, num_stages=tiles.num_stages)
     out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
     s2, s2e, s2n, s2k = _scale_args(w2_scale, w2)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     grid = (block_experts.numel(), triton.cdiv(hidden, tile_n))
     _down_kernel[grid](act, w2, s2, out, sorted_ids, block_experts, weights, pairs, hidden, inter,
                        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), s2e, s2n, s2k, out.stride(0),
-                       BLOCK_M=BLOCK_M, BLOCK_N=tile_n, BLOCK_K=tile_k, BN_Q=bn_q, BK_Q=bk_q, FP8=fp8,
-                       UPCAST=upcast)
+                       BLOCK_M=tiles.block_m, BLOCK_N=tile_n, BLOCK_K=tile_k, BN_Q=bn_q, BK_Q=bk_q, FP8=fp8,
+                       UPCAST=upcast, num_stages=tiles.num_stages)
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
