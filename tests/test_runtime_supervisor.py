@@ -70,3 +70,20 @@ def test_a_port_in_use_fails_fast_with_the_reason(tiny_model: Path) -> None:
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "stage tokenizer failed" in err and "Address already in use" in err
+
+
+def test_stop_order_is_front_to_back_and_worker_rank_0_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 hosts the process group's TCPStore: the other workers go first, or their NCCL watchdogs print
+    stack traces into the log when it disappears under them."""
+    from types import SimpleNamespace
+
+    from appliance.runtime import supervisor as sup
+
+    stopped: list[str] = []
+    monkeypatch.setattr(sup, "_terminate", lambda proc, grace: stopped.append(proc.name))
+    stages = [sup.StageProc(n, k, r, SimpleNamespace(name=n)) for n, k, r in (
+        ("worker0", "worker", 0), ("worker1", "worker", 1), ("scheduler", "scheduler", 0),
+        ("worker2", "worker", 2), ("tokenizer", "tokenizer", 0))]
+    fake = SimpleNamespace(stages=stages, grace_period=0.0)
+    sup.Supervisor.stop(fake)  # type: ignore[arg-type]
+    assert stopped == ["tokenizer", "scheduler", "worker2", "worker1", "worker0"]

@@ -149,8 +149,11 @@ class Supervisor:
         return None
 
     def stop(self) -> None:
-        """Front to back: tokenizer, scheduler, workers. SIGTERM, grace period, SIGKILL; reap each."""
-        for st in sorted(self.stages, key=lambda s: {"tokenizer": 0, "scheduler": 1}.get(s.kind, 2)):
+        """Front to back: tokenizer, scheduler, workers (highest rank first: rank 0 hosts the process group's
+        TCPStore, and the other ranks' NCCL watchdogs print stack traces when it goes before them). SIGTERM,
+        grace period, SIGKILL; reap each."""
+        order = {"tokenizer": 0, "scheduler": 1}
+        for st in sorted(self.stages, key=lambda s: (order.get(s.kind, 2), -s.rank if s.kind == "worker" else 0)):
             # the tokenizer drains for grace_period itself; the slack covers its own shut-down after that
             _terminate(st.proc, self.grace_period + 3.0 if st.kind == "tokenizer" else 5.0)
 
