@@ -7,13 +7,11 @@ themselves, so the check runs whatever graph_settings says:
   the experts of both ranks and the all-reduce without effect.
 - GPU (two NCCL ranks on two GPUs, `-m gpu`): the same with the graphs really captured and replayed.
 
-The ranks are this file run as a script: `python tests/test_ep_graphs.py RANK PORT MODEL OUT DEVICE`.
+The ranks are this file run as a script: `python tests/test_ep_graphs.py RANK PORT MODEL DEVICE OUT`.
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,10 +31,15 @@ def _greedy(llm: Any) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)]
 
 
-def _rank_main(rank: int, port: int, model: str, out: str, device: str) -> None:
+def _rank_main(rank: int, port: int, model: str, device: str, out: str) -> None:
+    from graph_ranks import use_graphs
+
     from appliance import LLM
-    from appliance.executor.cuda_graph import DecodeGraphs
-    from appliance.executor.distributed import DistributedEnv, init_distributed, shutdown_distributed
+    from appliance.executor.distributed import (
+        DistributedEnv,
+        init_distributed,
+        shutdown_distributed,
+    )
     from appliance.layers import parallel_state
 
     init_distributed(device, DistributedEnv(rank, 2, rank, "127.0.0.1", port))
@@ -44,12 +47,7 @@ def _rank_main(rank: int, port: int, model: str, out: str, device: str) -> None:
     llm = LLM(model=model, device=device, **LLM_ARGS)  # tp=1 config: the in-process runner shards by the group
     r = llm.executor.runner
     eager = _greedy(llm)
-    graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, [1, 2, 4, 8], r.max_blocks,
-                          r.block_size)
-    r.graphs, r.use_graphs = graphs, True
-    keys: list[list[int]] = []
-    run = graphs.run
-    graphs.run = lambda decodes, key, *rest: (keys.append([key.batch, key.width]), run(decodes, key, *rest))[1]
+    graphs, keys = use_graphs(llm, [1, 2, 4, 8])
     tokens = _greedy(llm)
     experts = next(m for m in r.model.modules() if hasattr(m, "num_local"))
     report = {"eager": eager, "graphs": tokens, "keys": keys, "captured": len(graphs.graphs),
@@ -59,21 +57,9 @@ def _rank_main(rank: int, port: int, model: str, out: str, device: str) -> None:
 
 
 def _run_ranks(model: Path, tmp_path: Path, device: str) -> list[dict[str, Any]]:
-    from appliance.runtime.topology import free_port
+    from graph_ranks import run_two_ranks
 
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(model), str(outs[r]), device],
-                              env=env) for r in range(2)]
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0, 0]
-    return [json.loads(o.read_text()) for o in outs]
+    return run_two_ranks(__file__, [str(model), device], tmp_path)
 
 
 def _check(reports: list[dict[str, Any]], reference: list[list[int]] | None) -> None:

@@ -7,8 +7,6 @@ two-rank gloo group, builds the in-process engine over its shards and decodes th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,8 +30,9 @@ def _greedy(llm: Any) -> list[list[int]]:
 
 def _rank_main(rank: int, port: int, model: str, out: str) -> None:
     """One tp rank: shards from parallel_state, decode steps through the graphs' padded static buffers."""
+    from graph_ranks import use_graphs
+
     from appliance import LLM
-    from appliance.executor.cuda_graph import DecodeGraphs
     from appliance.executor.distributed import (
         DistributedEnv,
         init_distributed,
@@ -44,12 +43,7 @@ def _rank_main(rank: int, port: int, model: str, out: str) -> None:
     init_distributed("cpu", DistributedEnv(rank, 2, rank, "127.0.0.1", port))
     llm = LLM(model=model, **LLM_ARGS)  # tp=1 in the config: one in-process runner per rank, sharded by the group
     r = llm.executor.runner
-    graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, [1, 2, 4, 8], r.max_blocks,
-                          r.block_size)
-    r.graphs, r.use_graphs = graphs, True
-    keys: list[list[int]] = []
-    run = graphs.run
-    graphs.run = lambda decodes, key, *rest: (keys.append([key.batch, key.width]), run(decodes, key, *rest))[1]
+    _, keys = use_graphs(llm, [1, 2, 4, 8])
     tokens = _greedy(llm)
     report = {"tokens": tokens, "keys": keys, "one_shot": parallel_state._ONE_SHOT is not None,
               "shard_heads": r.model.attention_layers()[0].num_kv_heads}
@@ -75,23 +69,12 @@ def test_graph_settings_on_under_tensor_parallelism(monkeypatch: pytest.MonkeyPa
 
 
 def test_tp2_padded_graph_path_matches_tp1_on_cpu(tiny_model: Path, tmp_path: Path) -> None:
+    from graph_ranks import run_two_ranks
+
     from appliance import LLM
-    from appliance.runtime.topology import free_port
 
     reference = _greedy(LLM(model=str(tiny_model), **LLM_ARGS))
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tiny_model), str(outs[r])], env=env)
-             for r in range(2)]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0, 0]
-    reports = [json.loads(o.read_text()) for o in outs]
+    reports = run_two_ranks(__file__, [str(tiny_model)], tmp_path, timeout_s=240)
     from transformers import AutoConfig
 
     kv_heads = AutoConfig.from_pretrained(str(tiny_model)).num_key_value_heads
@@ -104,4 +87,5 @@ def test_tp2_padded_graph_path_matches_tp1_on_cpu(tiny_model: Path, tmp_path: Pa
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

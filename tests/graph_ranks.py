@@ -1,0 +1,44 @@
+"""Shared by the multi-rank graph tests (test_tp_graphs.py, test_ep_graphs.py): two rank processes of one test
+file, and a runner's decode steps routed through DecodeGraphs built by hand (whatever graph_settings says)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def use_graphs(llm: Any, sizes: list[int]) -> tuple[Any, list[list[int]]]:
+    """Give the runner of `llm` decode graphs for `sizes`; returns them and the (batch, width) key list that
+    fills as steps replay (on a CPU the same padded static buffers run without capture)."""
+    from appliance.executor.cuda_graph import DecodeGraphs
+
+    r = llm.executor.runner
+    graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, sizes, r.max_blocks,
+                          r.block_size)
+    r.graphs, r.use_graphs = graphs, True
+    keys: list[list[int]] = []
+    run = graphs.run
+    graphs.run = lambda decodes, key, *rest: (keys.append([key.batch, key.width]), run(decodes, key, *rest))[1]
+    return graphs, keys
+
+
+def run_two_ranks(script: str, args: list[str], tmp_path: Path, timeout_s: float = 300) -> list[dict[str, Any]]:
+    """Start `python script RANK PORT *args OUT` for ranks 0 and 1; each writes a JSON report to OUT."""
+    from appliance.runtime.topology import free_port
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(port), *args, str(outs[r])], env=env)
+             for r in range(2)]
+    try:
+        codes = [p.wait(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    return [json.loads(o.read_text()) for o in outs]
