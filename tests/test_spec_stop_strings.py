@@ -6,7 +6,7 @@ end to end through LLM on the tiny DeepSeek-V3 + MTP with drafts forced right (s
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,23 +133,30 @@ def test_llm_stop_string_wins_over_a_later_stop_token_in_the_same_delta(tok: Any
 
 # ---- the HTTP server: an engine that answers several tokens per output ---------------------------------------
 
+def chunked_outputs(request_id: str, num_prompt_tokens: int, script: list[int], chunk: int,
+                    sampling: SamplingParams) -> Iterator[RequestOutput]:
+    """`script` (cut at max_tokens) as outputs of `chunk` tokens (a speculative step's shape), logprob -0.01 *
+    position; the last one finishes with "length"."""
+    limit = min(sampling.max_tokens or 16, len(script))
+    for start in range(0, limit, chunk):
+        toks = script[start : min(start + chunk, limit)]
+        lps = top = None
+        if sampling.logprobs is not None:
+            lps = [-0.01 * (start + j + 1) for j in range(len(toks))]
+            top = [[(t, lp)] for t, lp in zip(toks, lps)]
+        yield RequestOutput(request_id, toks, lps, top, None, "length" if start + chunk >= limit else None,
+                            num_prompt_tokens, 0)
+
+
 class ChunkedEngine(FakeEngine):
-    """FakeEngine's script, `chunk` tokens per output (a speculative step's shape), logprob -0.01 * position."""
+    """FakeEngine's script, `chunk` tokens per output."""
 
     chunk: int = 3
 
     async def outputs(self, request_id: str, prompt_token_ids: list[int],
                       sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
-        limit = min(sampling.max_tokens or 16, len(self.script))
-        for start in range(0, limit, self.chunk):
-            toks = self.script[start : min(start + self.chunk, limit)]
-            lps = top = None
-            if sampling.logprobs is not None:
-                lps = [-0.01 * (start + j + 1) for j in range(len(toks))]
-                top = [[(t, lp)] for t, lp in zip(toks, lps)]
-            finished = start + self.chunk >= limit
-            yield RequestOutput(request_id, toks, lps, top, None, "length" if finished else None,
-                                len(prompt_token_ids), 0)
+        for out in chunked_outputs(request_id, len(prompt_token_ids), self.script, self.chunk, sampling):
+            yield out
 
 
 @pytest.fixture

@@ -24,7 +24,8 @@ Tokenizer process (runtime/tokenizer_proc.py, runtime/frontend.py, server/):
   1. fobs = FrontendObservability(config, served_model_name, max_model_len)  (put it on the ServerContext)
   2. frontend.py, when a GenerateRequest is sent:  fobs.request_arrived(request_id, len(prompt_token_ids),
                                                                         sampling.max_tokens)
-  3. frontend.py output loop, for each RequestOutput of an OutputBatch: fobs.on_output(out)
+  3. frontend.py `ZmqEngineClient.generate`, as the consumer takes each output (not when it arrives):
+     fobs.on_output(out, arrival_time, num_taken=..., stopped_by_text=...)
      for a StatsSnapshot message:                                       fobs.on_snapshot(msg)
      when a request is aborted by the client and no final output will be routed: fobs.request_aborted(rid)
   4. server/app.py /metrics (404 when fobs.metrics is None, i.e. enable_metrics is false; optionally send a
@@ -45,7 +46,12 @@ stay empty (TTFT, ITL, TPOT, e2e and decode time do not need it).
 """
 from __future__ import annotations
 
-from appliance.observability.dump import RequestDump, StreamAggregator, open_dump, read_dump
+from appliance.observability.dump import (
+    RequestDump,
+    StreamAggregator,
+    open_dump,
+    read_dump,
+)
 from appliance.observability.hooks import FrontendObservability, SchedulerObservability
 from appliance.observability.kv_events import (
     NullKVEventPublisher,

@@ -10,7 +10,8 @@ Each bundles what its process owns so the wiring is a handful of calls (listed i
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from appliance.observability.dump import RequestDump, open_dump
 from appliance.observability.kv_events import KVEventCollector, make_kv_event_publisher
@@ -82,17 +83,34 @@ class FrontendObservability:
         if self.metrics is not None:
             self.metrics.on_request_arrived(request_id, num_prompt_tokens, max_tokens, now)
 
-    def on_output(self, out: Any, now: float | None = None) -> None:
-        """Every RequestOutput the scheduler sends (server.engine_client.RequestOutput), in arrival order."""
+    def on_output(self, out: Any, now: float | None = None, num_taken: int | None = None,
+                  stopped_by_text: bool = False) -> bool:
+        """A RequestOutput (server.engine_client.RequestOutput) as the client's stream took it, in arrival
+        order; returns whether the request's finish was recorded.
+
+        The metrics count what the client receives (usage.completion_tokens), not what the engine generated:
+        `num_taken` is how many of the output's tokens the consumer took before it closed (None: all of them;
+        fewer when a stop string matched inside a speculative step's multi-token output), and
+        `stopped_by_text` says the consumer matched a stop string, so the request finished "stop" here whatever
+        the engine reported. An output cut short without a stop string (the client went away) records no
+        finish: the caller reports the abort."""
         if self.metrics is None:
-            return
+            return False
+        n = len(out.new_token_ids)
+        taken = n if num_taken is None else num_taken
+        if not 0 <= taken <= n:
+            raise ValueError(f"num_taken must be in [0, {n}], got {num_taken}")
+        finish = out.finish_reason if taken == n else None
+        if stopped_by_text:
+            finish = "stop"
         scheduled = getattr(out, "first_scheduled_time", None)  # optional field, see __init__.py
         if scheduled is not None:
             self.metrics.on_request_scheduled(out.request_id, scheduled)
-        if out.new_token_ids:
-            self.metrics.on_tokens(out.request_id, len(out.new_token_ids), out.num_prompt_tokens or None, now)
-        if out.finish_reason is not None:
-            self.metrics.on_request_finished(out.request_id, out.finish_reason, now)
+        if taken:
+            self.metrics.on_tokens(out.request_id, taken, out.num_prompt_tokens or None, now)
+        if finish is not None:
+            self.metrics.on_request_finished(out.request_id, finish, now)
+        return finish is not None
 
     def request_aborted(self, request_id: str, now: float | None = None) -> None:
         """The client went away or the server aborted, and no finished output will come."""

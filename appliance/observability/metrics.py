@@ -21,12 +21,18 @@ import threading
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from appliance.observability.stats import StatsSnapshot
 
-__all__ = ["MetricsRegistry", "PREFIX", "build_1_2_5_buckets"]
+__all__ = ["PREFIX", "MetricsRegistry", "build_1_2_5_buckets"]
 
 PREFIX = "appliance:"
 
@@ -96,7 +102,8 @@ class MetricsRegistry:
         self.request_errors = self._counter("request_errors", "Requests rejected or failed with an HTTP "
                                             "error, by status.", ("status",))
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens prefilled.").labels(m)
-        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.").labels(m)
+        self.generation_tokens = self._counter("generation_tokens", "Generated tokens the clients received "
+                                               "(none past a stop string).").labels(m)
         self.requests_in_flight = self._gauge("num_requests_in_flight", "Requests the tokenizer process has "
                                               "sent to the engine and not seen finish.").labels(m)
         self.ttft = self._hist("time_to_first_token_seconds", "Arrival to first generated token.",
@@ -118,7 +125,7 @@ class MetricsRegistry:
         self.prompt_tokens_hist = self._hist("request_prompt_tokens", "Prompt length of finished requests.",
                                              token_buckets).labels(m)
         self.generation_tokens_hist = self._hist("request_generation_tokens", "Generated tokens of finished "
-                                                 "requests.", token_buckets).labels(m)
+                                                 "requests (as usage.completion_tokens).", token_buckets).labels(m)
         self.max_tokens_hist = self._hist("request_params_max_tokens", "max_tokens of finished requests "
                                           "that set it.", token_buckets).labels(m)
 

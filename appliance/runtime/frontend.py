@@ -3,10 +3,15 @@
 Sends (GenerateRequest, AbortRequest, StatsQuery) go through a plain PUSH socket with NOBLOCK from the event loop
 thread, so an abort can be sent from a `finally` even while the task is being cancelled. Outputs are read by one
 background task. When the supervisor says the pipeline failed, every open request gets an error at once.
+
+Request metrics (observability.FrontendObservability.on_output) are fed as the consumer takes each output, not as
+it arrives, so they count what the client receives: with stop strings a multi-token output is handed over one
+token at a time, and the tokens after the one that completed a stop string are never taken (nor counted).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -95,7 +100,11 @@ class ZmqEngineClient(PipelineClient):
             raise ValueError(f"duplicate request id {request_id!r}")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        finished = False
+        engine_done = False  # the engine ended the request: nothing to abort
+        reported = False  # the metrics saw the request finish
+        # With stop strings the consumer may cut an output after any of its tokens; handing a multi-token output
+        # (a speculative step's) over one token at a time makes the tokens it took exactly those before it closed.
+        per_token = bool(sampling.stop)
         try:
             # arrival first: the scheduler may put it in a batch before this thread runs again (GIL switches)
             if self._obs is not None:
@@ -103,33 +112,43 @@ class ZmqEngineClient(PipelineClient):
             try:
                 self._send(GenerateRequest(request_id, list(prompt_token_ids), sampling.to_dict(), time.time()))
             except EngineDead:
-                finished = True
-                if self._obs is not None and self._obs.metrics is not None:
-                    self._obs.metrics.on_request_finished(request_id, "error")
+                engine_done = True
+                self._finish_metrics(request_id, "error")
+                reported = True
                 raise
             self._sent_since_report += 1
             while True:
                 item = await queue.get()
                 if item is _DEAD:
-                    finished = True
-                    if self._obs is not None and self._obs.metrics is not None:
-                        self._obs.metrics.on_request_finished(request_id, "error")
+                    engine_done = True
+                    self._finish_metrics(request_id, "error")
+                    reported = True
                     raise EngineDead(self._error or "the engine failed")
-                if item.finish_reason is not None:
-                    finished = True
-                yield item
-                if finished:
+                out, routed_at = item
+                engine_done = out.finish_reason is not None
+                parts = one_per_token(out) if per_token and len(out.new_token_ids) > 1 else (out,)
+                taken = 0
+                try:
+                    for part in parts:
+                        taken += len(part.new_token_ids)
+                        yield part
+                finally:  # also when the consumer closes us mid-output: count only what it took
+                    if self._obs is not None:
+                        reported = self._obs.on_output(out, routed_at, num_taken=taken,
+                                                       stopped_by_text=request_id in self._stopped_by_text)
+                if engine_done:
                     return
         finally:
             self._queues.pop(request_id, None)
-            by_text = request_id in self._stopped_by_text
             self._stopped_by_text.discard(request_id)
-            if not finished:  # closed early: client gone, stop string, timeout -> free its blocks now
+            if not engine_done:  # closed early: client gone, stop string, timeout -> free its blocks now
                 self._send_abort([request_id])
-                if self._obs is not None and by_text and self._obs.metrics is not None:
-                    self._obs.metrics.on_request_finished(request_id, "stop")
-                elif self._obs is not None:
-                    self._obs.request_aborted(request_id)
+            if self._obs is not None and not reported:
+                self._obs.request_aborted(request_id)
+
+    def _finish_metrics(self, request_id: str, reason: str) -> None:
+        if self._obs is not None and self._obs.metrics is not None:
+            self._obs.metrics.on_request_finished(request_id, reason)
 
     async def abort(self, request_ids: list[str]) -> None:
         self._send_abort(request_ids)
@@ -206,12 +225,11 @@ class ZmqEngineClient(PipelineClient):
             if isinstance(msg, OutputBatch):
                 self._num_waiting = msg.num_waiting
                 self._sent_since_report = 0
+                now = time.monotonic()  # metrics time the output by its arrival, not by when it is consumed
                 for out in msg.outputs:
                     q = self._queues.get(out.request_id)
                     if q is not None:  # else: aborted by us, late output
-                        q.put_nowait(out)
-                        if self._obs is not None:
-                            self._obs.on_output(out)
+                        q.put_nowait((out, now))
             elif isinstance(msg, StatsSnapshot):
                 if self._obs is not None:
                     self._obs.on_snapshot(msg)
@@ -231,3 +249,18 @@ class ZmqEngineClient(PipelineClient):
                     self.fail(msg.message)
                 elif msg.state == "draining" and self._state == "ready":
                     self._state = "draining"
+
+
+def one_per_token(out: RequestOutput) -> list[RequestOutput]:
+    """`out` as one output per token, in order: what arrives once per request (prompt logprobs, first-scheduled
+    time) goes with the first, how it ended (finish reason, error) with the last."""
+    n = len(out.new_token_ids)
+    return [dataclasses.replace(
+        out, new_token_ids=out.new_token_ids[i : i + 1],
+        logprobs=None if out.logprobs is None else out.logprobs[i : i + 1],
+        top_logprobs=None if out.top_logprobs is None else out.top_logprobs[i : i + 1],
+        prompt_logprobs=out.prompt_logprobs if i == 0 else None,
+        first_scheduled_time=out.first_scheduled_time if i == 0 else None,
+        finish_reason=out.finish_reason if i == n - 1 else None,
+        error=out.error if i == n - 1 else None, error_status=out.error_status if i == n - 1 else 0)
+        for i in range(n)]
