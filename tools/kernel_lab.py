@@ -119,23 +119,34 @@ def section_chain(args: argparse.Namespace, dev: str, dtype: torch.dtype, best: 
     for m in (1, 8):
         xs = {s: torch.randn(m, shapes[s][1], device=dev, dtype=dtype) for s in shapes}
 
-        def run(triton_gemv: bool) -> None:
+        def config(s: str, pdl: bool) -> gemv.GemvConfig:
+            cfg = best.get(f"{s} m{m}", {}).get("cfg")
+            base = gemv.GemvConfig(**cfg) if cfg else gemv.config_for(*shapes[s])
+            return gemv.GemvConfig(**{**base.__dict__, "pdl": pdl})
+
+        def run(impl: str) -> None:
             for i in range(layers):
                 for s in per_layer:
-                    if triton_gemv:
-                        cfg = best.get(f"{s} m{m}", {}).get("cfg")
-                        gemv.gemv(xs[s], ws[s][i], config=gemv.GemvConfig(**cfg) if cfg else None)
-                    else:
+                    if impl == "cublas":
                         F.linear(xs[s], ws[s][i])
+                    else:
+                        gemv.gemv(xs[s], ws[s][i], config=config(s, impl == "triton+pdl"))
             for w in head:
-                if triton_gemv:
-                    cfg = best.get(f"lm_head m{m}", {}).get("cfg")
-                    gemv.gemv(xs["lm_head"], w, config=gemv.GemvConfig(**cfg) if cfg else None)
-                else:
+                if impl == "cublas":
                     F.linear(xs["lm_head"], w)
+                else:
+                    gemv.gemv(xs["lm_head"], w, config=config("lm_head", impl == "triton+pdl"))
 
-        for impl in ("cublas", "triton"):
-            us = timed_us(lambda impl=impl: run(impl == "triton"), args.smoke) * COPIES
+        for s in shapes:  # the PDL path's peeled first tile computes the same product
+            w = ws[s][0] if s in ws else head[0]
+            err = rel(gemv.gemv(xs[s], w, config=config(s, True)), F.linear(xs[s], w))
+            emit(section="chain_check", m=m, shape=s, impl="triton+pdl", err=err)
+        for impl in ("cublas", "triton", "triton+pdl"):
+            try:
+                us = timed_us(lambda impl=impl: run(impl), args.smoke) * COPIES
+            except Exception as exc:  # noqa: BLE001 - PDL needs a Triton and a GPU that have it
+                emit(section="chain", m=m, impl=impl, error=f"{type(exc).__name__}: {exc}"[:200])
+                continue
             emit(section="chain", m=m, impl=impl, ms=us / 1e3, GB=total / 1e9, GBps=total / us / 1e3,
                  configs=f"swept best for {sorted(best)}, else gemv.config_for")
 

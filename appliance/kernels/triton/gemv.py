@@ -27,6 +27,10 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 5
+    # programmatic dependent launch (Hopper+): the first weight tile is loaded before waiting for the previous
+    # kernel (weights never depend on it) and the next kernel may launch during this one's tail. Off until
+    # measured (tools/kernel_lab.py --only chain times it); the interpreter runs the peeled loop without it.
+    pdl: bool = False
 
 
 def config_for(n: int, k: int) -> GemvConfig:
@@ -40,7 +44,7 @@ def config_for(n: int, k: int) -> GemvConfig:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, PEEL: tl.constexpr, GDC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -51,6 +55,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if PEEL:  # first tile peeled: its weights stream in while the previous kernel finishes
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if GDC:
+            tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        acc += mma(x, tl.trans(w), UPCAST)
+        k_start += BLOCK_K
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
@@ -58,6 +72,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
                     other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += mma(x, tl.trans(w), UPCAST)
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if ATOMIC:
@@ -84,12 +100,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     k_per = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)
     atomic = split > 1
+    peel = cfg.pdl and not atomic  # split-K programs share outputs: keep them simple
+    gdc = peel and not INTERPRET  # the interpreter has no grid dependency control; it still checks the peel
     y = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
          else torch.empty(m, n, dtype=x.dtype, device=x.device))
     if m and n:
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
             x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per,
             BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ATOMIC=atomic,
-            UPCAST=INTERPRET or x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            UPCAST=INTERPRET or x.dtype == torch.float32, PEEL=peel, GDC=gdc, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **({"launch_pdl": True} if gdc else {}))
     y = y.to(x.dtype) if atomic else y
     return y + bias if bias is not None else y
