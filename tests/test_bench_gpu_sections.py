@@ -1,9 +1,11 @@
 """tools/bench_gpu.py's serving and hf sections, without a GPU: the word-level tokenizer the serving section gives
 the 8B shape, the report rows and speed-up ratios, the process-group stop of a timed-out section, and the flag
-checks. (The sections themselves run end to end with `python tools/bench_gpu.py --smoke --only serving,hf`.)"""
+checks, and the serving section end to end on the CPU. (All sections run end to end with `python
+tools/bench_gpu.py --smoke`.)"""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -115,3 +117,19 @@ def test_unknown_sections_are_refused() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--only", "copy,servng"],
                           check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown sections ['servng']" in proc.stderr
+
+
+def test_serving_section_runs_end_to_end_with_the_synchronous_loop(tmp_path: Path) -> None:
+    """The real section on the CPU (tiny shapes): server up, three levels measured, server stopped with no stage
+    left; --no-overlap reaches the server's command line."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--smoke", "--quick", "--only", "serving",
+                           "--no-overlap", "--serving-prompts", "2,4,4", "--serving-concurrency", "1,2,4",
+                           "--budget-s", "240", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    sec = json.loads(out.read_text())["serving"]
+    assert sec["status"] == "ok", proc.stdout[-2000:]
+    assert "--enable-overlap-schedule false" in sec["server"]["command"]
+    assert [lv["concurrency"] for lv in sec["levels"]] == [1, 2, 4]
+    assert all(lv["completed"] == lv["prompts"] for lv in sec["levels"])
+    assert sec["server"]["stop"]["stages_left_after_stop"] == 0

@@ -111,7 +111,7 @@ def running_server(model_dir: Path, port: int, log: Path, overlap: bool, start_t
     """`appliance serve` on model_dir (dummy weights) until the block ends; fills info with start/stop facts."""
     cmd = [sys.executable, "-m", "appliance.cli.main", "serve", str(model_dir), "--load-format", "dummy",
            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
-           "--served-model-name", "bench"] + (["--enable-overlap-schedule", "true"] if overlap else [])
+           "--served-model-name", "bench", "--enable-overlap-schedule", "true" if overlap else "false"]
     info["command"] = " ".join(cmd[1:])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as logf:
@@ -182,7 +182,7 @@ def section_serving(rec: Any, args: argparse.Namespace) -> None:
         (model_dir / "config.json").write_text(json.dumps(cfg))
         start_timeout = max(30.0, deadline - time.monotonic() - 60)
         try:
-            with running_server(model_dir, free_port(), log, args.overlap, start_timeout, info) as base:
+            with running_server(model_dir, free_port(), log, not args.no_overlap, start_timeout, info) as base:
                 rec["server_start_s"] = info["start_s"]
                 # a short run first: the first requests' one-off costs stay out of the concurrency-1 figures
                 run_level(base, model_dir, 2, 2, min(64, in_len), 8, Path(tmp) / "warm.json", 120)
