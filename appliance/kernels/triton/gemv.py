@@ -4,8 +4,9 @@ At batch 1..16 a decode step's linear layers read every weight byte once and do 
 time is the weight bytes over the memory bandwidth. On the H100 cuBLAS streams Llama-3.1-8B's matrices at
 2.0-2.8 TB/s at M = 1; this kernel at 2.4-3.1 TB/s (docs/kernels.md, "GEMV"). One program owns BLOCK_N output
 columns and walks K in BLOCK_K tiles with a deep load pipeline; the x rows (padded to 16 for `tl.dot`) are tiny
-and stay in L2. `split_k` > 1 cuts K across programs for tall-and-narrow weights (few output columns, long K:
-otherwise fewer programs than SMs) and adds the partial sums with fp32 atomics into a zeroed buffer.
+and stay in L2. `split_k` > 1 cuts K across programs and adds the partial sums with fp32 atomics into a zeroed
+buffer: a tuning option for tall-and-narrow weights (few output columns, long K), which never won on the H100
+shapes measured so far.
 """
 from __future__ import annotations
 
