@@ -25,6 +25,22 @@ def use_graphs(llm: Any, sizes: list[int]) -> tuple[Any, list[list[int]]]:
     return graphs, keys
 
 
+def finish_rank(report: dict[str, Any], out: str) -> None:
+    """Write the rank's report, then leave in step with the other rank and without interpreter teardown: a rank
+    whose peer (or the TCPStore host, rank 0) is already gone can hit `terminate called without an active
+    exception` in a gloo thread at exit, under load (seen once in CI), failing a test whose results were fine."""
+    import torch.distributed as dist
+
+    from appliance.executor.distributed import shutdown_distributed
+
+    Path(out).write_text(json.dumps(report))
+    dist.barrier()
+    shutdown_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_two_ranks(script: str, args: list[str], tmp_path: Path, timeout_s: float = 300) -> list[dict[str, Any]]:
     """Start `python script RANK PORT *args OUT` for ranks 0 and 1; each writes a JSON report to OUT."""
     from appliance.runtime.topology import free_port

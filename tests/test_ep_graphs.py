@@ -11,7 +11,6 @@ The ranks are this file run as a script: `python tests/test_ep_graphs.py RANK PO
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,14 +31,10 @@ def _greedy(llm: Any) -> list[list[int]]:
 
 
 def _rank_main(rank: int, port: int, model: str, device: str, out: str) -> None:
-    from graph_ranks import use_graphs
+    from graph_ranks import finish_rank, use_graphs
 
     from appliance import LLM
-    from appliance.executor.distributed import (
-        DistributedEnv,
-        init_distributed,
-        shutdown_distributed,
-    )
+    from appliance.executor.distributed import DistributedEnv, init_distributed
     from appliance.layers import parallel_state
 
     init_distributed(device, DistributedEnv(rank, 2, rank, "127.0.0.1", port))
@@ -52,8 +47,7 @@ def _rank_main(rank: int, port: int, model: str, device: str, out: str) -> None:
     experts = next(m for m in r.model.modules() if hasattr(m, "num_local"))
     report = {"eager": eager, "graphs": tokens, "keys": keys, "captured": len(graphs.graphs),
               "local_experts": experts.num_local, "ep_size": experts.ep_size}
-    Path(out).write_text(json.dumps(report))
-    shutdown_distributed()
+    finish_rank(report, out)
 
 
 def _run_ranks(model: Path, tmp_path: Path, device: str) -> list[dict[str, Any]]:

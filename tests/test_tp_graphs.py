@@ -6,7 +6,6 @@ two-rank gloo group, builds the in-process engine over its shards and decodes th
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,14 +29,10 @@ def _greedy(llm: Any) -> list[list[int]]:
 
 def _rank_main(rank: int, port: int, model: str, out: str) -> None:
     """One tp rank: shards from parallel_state, decode steps through the graphs' padded static buffers."""
-    from graph_ranks import use_graphs
+    from graph_ranks import finish_rank, use_graphs
 
     from appliance import LLM
-    from appliance.executor.distributed import (
-        DistributedEnv,
-        init_distributed,
-        shutdown_distributed,
-    )
+    from appliance.executor.distributed import DistributedEnv, init_distributed
     from appliance.layers import parallel_state
 
     init_distributed("cpu", DistributedEnv(rank, 2, rank, "127.0.0.1", port))
@@ -47,8 +42,7 @@ def _rank_main(rank: int, port: int, model: str, out: str) -> None:
     tokens = _greedy(llm)
     report = {"tokens": tokens, "keys": keys, "one_shot": parallel_state._ONE_SHOT is not None,
               "shard_heads": r.model.attention_layers()[0].num_kv_heads}
-    Path(out).write_text(json.dumps(report))
-    shutdown_distributed()
+    finish_rank(report, out)
 
 
 def test_graph_settings_on_under_tensor_parallelism(monkeypatch: pytest.MonkeyPatch) -> None:
