@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, mma
+from appliance.kernels.triton.common import INTERPRET, mma, tile_sequence
 
 _LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query rows per program: the [BLOCK_M, kv_lora_rank] float32 accumulator lives in registers
@@ -35,18 +35,8 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, cu_q_ptr, lens_ptr, cu_tiles_p
     head = tl.program_id(1)
     if tile >= tl.load(cu_tiles_ptr + num_seqs):
         return
-    lo = num_seqs * 0  # the last b with cu_tiles[b] <= tile (runtime ints on both sides of the loop)
-    hi = num_seqs
-    for _ in range(LOG_SEQS):
-        mid = (lo + hi) // 2
-        go_right = tl.load(cu_tiles_ptr + mid) <= tile
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    b = lo
-    q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    seq_len = tl.load(lens_ptr + b)
-    m0 = (tile - tl.load(cu_tiles_ptr + b)) * BLOCK_M
+    b, q_start, q_len, seq_len, m0 = tile_sequence(tile, cu_tiles_ptr, cu_q_ptr, lens_ptr, num_seqs, LOG_SEQS,
+                                                   BLOCK_M)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, mma
+from appliance.kernels.triton.common import INTERPRET, mma, tile_sequence
 
 _LOG2E = 1.4426950408889634
 BLOCK_M = 64
@@ -69,19 +69,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
     total_tiles = tl.load(cu_tiles_ptr + num_seqs)
     if tile >= total_tiles:
         return
-    # binary search: the last b with cu_tiles[b] <= tile
-    lo = num_seqs * 0  # a runtime int32, like hi, so the loop-carried types agree when compiled
-    hi = num_seqs
-    for _ in range(LOG_SEQS):
-        mid = (lo + hi) // 2
-        go_right = tl.load(cu_tiles_ptr + mid) <= tile
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    b = lo
-    q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    seq_len = tl.load(lens_ptr + b)
-    m0 = (tile - tl.load(cu_tiles_ptr + b)) * BLOCK_M
+    b, q_start, q_len, seq_len, m0 = tile_sequence(tile, cu_tiles_ptr, cu_q_ptr, lens_ptr, num_seqs, LOG_SEQS,
+                                                   BLOCK_M)
     kvh = head // GROUP
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
