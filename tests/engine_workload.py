@@ -14,6 +14,8 @@ from appliance.engine.fake_executor import FakeExecutor, reference_generation
 
 EOS = 0
 MAX_MODEL_LEN = 32
+# shared prompt prefixes of the workloads (prefix cache hits); the second extends the first
+PREFIXES = ([], [11, 12, 13, 14], [11, 12, 13, 14, 15, 16, 17, 18], [31, 32, 33, 34, 35, 36, 37, 38, 39])
 
 config_st = st.builds(
     dict,

@@ -8,6 +8,7 @@ and every request that was not aborted generated exactly what it generates alone
 from __future__ import annotations
 
 from engine_workload import (
+    PREFIXES,
     assert_each_generates_what_it_generates_alone,
     config_st,
     drive,
@@ -20,8 +21,6 @@ from hypothesis import strategies as st
 from appliance.engine import EngineCore, IllegalTransition, SamplingParams
 from appliance.engine.fake_executor import FakeExecutor
 from appliance.engine.request import LEGAL_TRANSITIONS, Request, RequestStatus
-
-PREFIXES = ([], [11, 12, 13, 14], [11, 12, 13, 14, 15, 16, 17, 18], [31, 32, 33, 34, 35, 36, 37, 38, 39])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

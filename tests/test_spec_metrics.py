@@ -192,26 +192,8 @@ def spec_metrics_server(tiny_v3_served: Path, tmp_path_factory: pytest.TempPathF
     from pipeline_server import free_port, launch, stop
 
     port = free_port()
-    srv = launch(f'''
-[model]
-path = "{tiny_v3_served}"
-device = "cpu"
-load_format = "dummy"
-[precision]
-dtype = "float32"
-[speculative]
-algorithm = "MTP"
-num_steps = {K}
-[cache]
-max_total_tokens = 2048
-block_size = 4
-[api]
-port = {port}
-served_model_name = "tiny"
-[observability]
-log_level = "warning"
-enable_metrics = true
-''', port, cfg_path=tmp_path_factory.mktemp("spec_metrics") / "serve.toml")
+    config = test_spec_pipeline.spec_serve_config(tiny_v3_served, port, f"num_steps = {K}", "enable_metrics = true")
+    srv = launch(config, port, cfg_path=tmp_path_factory.mktemp("spec_metrics") / "serve.toml")
     yield srv
     stop(srv)
 

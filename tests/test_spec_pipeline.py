@@ -35,21 +35,19 @@ def tiny_v3_served(tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFa
     return out
 
 
-@pytest.fixture(scope="module")
-def spec_server(tiny_v3_served: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    config = f'''
+def spec_serve_config(model: Path, port: int, speculative: str, observability: str = "") -> str:
+    """The serve TOML of the tiny DeepSeek-V3 + MTP pipelines of the spec tests; `speculative` and
+    `observability` are extra lines of those sections."""
+    return f'''
 [model]
-path = "{tiny_v3_served}"
+path = "{model}"
 device = "cpu"
 load_format = "dummy"
 [precision]
 dtype = "float32"
 [speculative]
 algorithm = "MTP"
-num_steps = 2
-eagle_topk = 1
-num_draft_tokens = 3
+{speculative}
 [cache]
 max_total_tokens = 2048
 block_size = 4
@@ -58,7 +56,14 @@ port = {port}
 served_model_name = "tiny"
 [observability]
 log_level = "warning"
+{observability}
 '''
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_v3_served: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    config = spec_serve_config(tiny_v3_served, port, "num_steps = 2\neagle_topk = 1\nnum_draft_tokens = 3")
     srv = launch(config, port, cfg_path=tmp_path_factory.mktemp("spec") / "serve.toml")
     yield srv
     stop(srv)

@@ -8,6 +8,7 @@ import pytest
 from engine_workload import (
     EOS,
     MAX_MODEL_LEN,
+    PREFIXES,
     assert_each_generates_what_it_generates_alone,
     config_st,
     drive,
@@ -19,8 +20,6 @@ from hypothesis import strategies as st
 
 from appliance.engine import EngineConfig, EngineCore, SamplingParams
 from appliance.engine.fake_executor import FakeExecutor, reference_generation
-
-PREFIXES = ([], [11, 12, 13, 14], [11, 12, 13, 14, 15, 16, 17, 18], [31, 32, 33, 34, 35, 36, 37, 38, 39])
 
 
 def _spec_engine(k: int, quality=None, **cfg) -> tuple[EngineCore, FakeExecutor]:
