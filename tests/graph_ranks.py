@@ -46,7 +46,8 @@ def run_two_ranks(script: str, args: list[str], tmp_path: Path, timeout_s: float
     from appliance.runtime.topology import free_port
 
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, script, str(r), str(port), *args, str(outs[r])], env=env)
              for r in range(2)]

@@ -65,7 +65,8 @@ def test_one_shot_equals_nccl_on_two_gpus(tmp_path: Path) -> None:
     from appliance.runtime.topology import free_port
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(outs[r])], env=env) for r in range(2)]
     try:

@@ -1,7 +1,7 @@
 """Decode graphs under expert parallelism (ep = tp = 2) on a tiny DeepSeek-V2 (MLA + routed and shared experts).
 
-graph_settings keeps CUDA graphs off with ep > 1 until this holds on GPUs; the ranks here build DecodeGraphs
-themselves, so the check runs whatever graph_settings says:
+graph_settings captures decode graphs with ep > 1 because this holds on GPUs (2x H200, session 4); the ranks here
+build DecodeGraphs themselves, so the check runs whatever graph_settings says:
 - CPU (two gloo ranks, always run): the graphs' padded static-buffer path (no capture on a CPU) gives the greedy
   tokens of eager decoding on the same ranks and of one unsharded process. Padding rows go through the router,
   the experts of both ranks and the all-reduce without effect.

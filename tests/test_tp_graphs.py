@@ -59,7 +59,7 @@ def test_graph_settings_on_under_tensor_parallelism(monkeypatch: pytest.MonkeyPa
     assert graph_settings(config, SimpleNamespace(), cuda) is None  # the model still has to declare support
     assert graph_settings(config, llama, torch.device("cpu")) is None  # gloo: never captured
     monkeypatch.setattr(parallel_state, "_EXPERT_PARALLEL", True)
-    assert graph_settings(config, llama, cuda) is None  # ep > 1 stays eager
+    assert graph_settings(config, llama, cuda) == [1, 2, 4, 8]  # ep > 1: captured too (test_ep_graphs)
 
 
 def test_tp2_padded_graph_path_matches_tp1_on_cpu(tiny_model: Path, tmp_path: Path) -> None:

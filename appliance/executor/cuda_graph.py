@@ -214,23 +214,24 @@ def _powers(start: int, stop: int) -> list[int]:
 
 def graph_settings(config: object, model: torch.nn.Module, device: torch.device,
                    backend: str = "triton") -> list[int] | None:
-    """Capture sizes, or None when graphs are off (CPU, enforce_eager, the torch reference kernels, or a model
-    that does not support them)."""
+    """Capture sizes, or None when graphs are off (CPU, enforce_eager, the torch reference kernels, the flashinfer
+    backend, or a model that does not support them)."""
     b = config.backends  # type: ignore[attr-defined]
     if device.type != "cuda" or b.enforce_eager:
         return None
     if backend == "torch":  # the reference kernels index with masks, which reads device memory back
         log.info("attention backend torch: decode runs eagerly (its reference kernels cannot be captured)")
         return None
+    if backend == "flashinfer":  # its wrappers plan on the host from each step's lengths (kernels/flashinfer)
+        log.info("attention backend flashinfer: decode runs eagerly (its per-step plan reads the sequence lengths "
+                 "back to the host; capture through its CUDA-graph wrappers is not wired)")
+        return None
     if not getattr(model, "supports_cuda_graphs", False):
         log.info("%s does not declare CUDA graph support: decode runs eagerly", type(model).__name__)
         return None
-    from appliance.layers.parallel_state import get_ep_size
-
-    if get_ep_size() > 1:  # expert dispatch under capture is not verified yet
-        log.info("expert parallelism: decode runs eagerly (CUDA graphs are off with ep > 1)")
-        return None
-    # Tensor parallelism: the all-reduces (one-shot over CUDA IPC buffers, or NCCL) are captured into the graphs.
+    # Tensor and expert parallelism: the all-reduces (one-shot over CUDA IPC buffers, or NCCL) are captured into
+    # the graphs; under ep a rank's non-local experts weigh 0 and one all-reduce sums the ranks, so the expert path
+    # never syncs with the host either (tests/test_ep_graphs.py checks captured == eager on two GPUs).
     # Every rank must replay the same graph each step, or the collectives inside would pair up wrongly and hang:
     # they do, because every rank receives the same StepPlan and the graph key (padded batch, table-width
     # bucket) is a function of the plan alone; capture_all captures the same keys in the same order everywhere.
