@@ -3,6 +3,7 @@
 format; other schemes stay unsupported."""
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -132,8 +133,21 @@ def test_online_fp8_on_gpu_with_triton_kernels_and_cuda_graphs(family: str, tiny
     fp8 = LLM(model=str(path), quantization="fp8", **common)
     runner = fp8.executor.runner
     assert runner.backend == "triton" and runner.graphs is not None
-    diff = (torch.tensor(_token_logprobs(fp8, seqs)) - torch.tensor(_token_logprobs(base, seqs))).abs()
-    assert diff.max() < 0.5 and diff.mean() < 0.12, diff  # the CPU test's bounds (see there)
+    got = torch.tensor(_token_logprobs(fp8, seqs))
+    diff = (got - torch.tensor(_token_logprobs(base, seqs))).abs()
+    if family == "llama":
+        assert diff.max() < 0.5 and diff.mean() < 0.12, diff  # the CPU test's bounds (see there)
+    else:
+        # A random tiny router has near-ties, and quantization error flips a token's top-k experts now and then
+        # (seen on an H100: one token at 0.85 nats, the rest like the dense model), so against the float model
+        # only the mean is bounded; the kernels are held to the torch reference on the same fp8 weights instead.
+        assert diff.mean() < 0.15, diff
+        del base
+        gc.collect()
+        torch.cuda.empty_cache()  # room for the reference engine
+        ref = LLM(model=str(path), quantization="fp8", attention_backend="torch", **common)
+        kernel_diff = (got - torch.tensor(_token_logprobs(ref, seqs))).abs()
+        assert kernel_diff.max() < 0.25 and kernel_diff.mean() < 0.03, kernel_diff
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with_graphs = [o.outputs[0].token_ids for o in fp8.generate([{"prompt_token_ids": s} for s in seqs], sp)]
     assert runner.graphs.graphs
