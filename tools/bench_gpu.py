@@ -224,7 +224,8 @@ def _run_section(name: str, args: argparse.Namespace, budget: float, workdir: Pa
     cmd = [sys.executable, __file__, "--section", name, "--section-json", str(out), "--section-budget",
            str(max(budget - 15, 10)), "--tput-prompts", str(args.tput_prompts), "--serving-prompts",
            args.serving_prompts, "--serving-concurrency", args.serving_concurrency, "--hf-out", str(args.hf_out),
-           "--hf-seqs", str(args.hf_seqs)] + (["--quick"] if args.quick else []) + \
+           "--hf-seqs", str(args.hf_seqs), "--profile-preset", args.profile_preset, "--profile-prompt",
+           str(args.profile_prompt)] + (["--quick"] if args.quick else []) + \
           (["--smoke"] if args.smoke else []) + (["--no-overlap"] if args.no_overlap else [])
     print(f"== {name} (limit {budget:.0f} s)", flush=True)
     t = time.perf_counter()
@@ -314,7 +315,7 @@ def table(res: dict[str, dict[str, Any]]) -> str:
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     prof = res.get("profile", {})
     if "device_ms_per_step" in prof:
-        lines.append(f"| qwen3-0.6b decode step, {prof.get('running')} running: wall ms / device ms (profiled) | "
+        lines.append(f"| {prof.get('preset')} decode step, {prof.get('running')} running: wall ms / device ms (profiled) | "
                      f"{prof.get('ms_per_step')} | {prof.get('device_ms_per_step')} | profile.txt |")
     status = ", ".join(f"{k}: {v.get('status')} {v.get('wall_s')} s" for k, v in res.items())
     mode = "overlap scheduling (scheduler.enable_overlap)" if gpu_measure.OVERLAP else "synchronous scheduling"
@@ -332,6 +333,9 @@ def main() -> None:
     p.add_argument("--serving-concurrency", default="1,16,64", help="serving: max concurrency levels")
     p.add_argument("--hf-out", type=int, default=64, help="hf: output tokens of the 8B batch-1 run")
     p.add_argument("--hf-seqs", type=int, default=16, help="hf: sequences of the Qwen3-0.6B workload run")
+    p.add_argument("--profile-preset", default="qwen3-0.6b", choices=("qwen3-0.6b", "llama-3.1-8b"),
+                   help="profile: the model shape")
+    p.add_argument("--profile-prompt", type=int, default=512, help="profile: prompt tokens of each request")
     p.add_argument("--json", default=None)
     p.add_argument("--no-overlap", action="store_true", help="the synchronous loop (default: overlap, as served)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks this script, not speed")

@@ -11,15 +11,18 @@ from gpu_measure import TINY, Recorder, _llm
 
 
 def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
-    """Where a large-batch decode step goes: qwen3-0.6b, 256 running requests (512 in), torch.profiler over
-    20 decode-only steps after the prefills; kernel and host tables go to profile.txt beside the JSON."""
+    """Where a large-batch decode step goes: `--profile-preset` (qwen3-0.6b; or llama-3.1-8b), 256 running requests
+    (`--profile-prompt` tokens in, 512), torch.profiler over 20 decode-only steps after the prefills; kernel and host
+    tables go to profile.txt beside the JSON."""
     import torch
     from bench_offline import PRESETS
     from torch.profiler import ProfilerActivity, profile
 
     from appliance import SamplingParams
 
-    cfg = TINY if args.smoke else PRESETS["qwen3-0.6b"]
+    preset = getattr(args, "profile_preset", "qwen3-0.6b")
+    cfg = TINY if args.smoke else PRESETS[preset]
+    prompt = getattr(args, "profile_prompt", 512)
     k = 16 if args.smoke else 1
     with tempfile.TemporaryDirectory() as tmp:
         llm = _llm(cfg, Path(tmp), enable_prefix_caching=False)
@@ -27,7 +30,7 @@ def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
     rng = random.Random(3)
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=80 if args.smoke else 400, ignore_eos=True)
     for i in range(256 // k):
-        eng.add_request(f"p{i}", [rng.randrange(cfg["vocab_size"]) for _ in range(512 // k)], sp)
+        eng.add_request(f"p{i}", [rng.randrange(cfg["vocab_size"]) for _ in range(prompt // k)], sp)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
         eng.step()
     for _ in range(5):
@@ -44,6 +47,7 @@ def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
         eng.step()
     rec["ms_per_step"] = round((time.perf_counter() - t) / steps * 1e3, 3)
     rec["running"] = len(eng.scheduler.running)
+    rec["preset"], rec["prompt"] = ("tiny" if args.smoke else preset), prompt
     ka = prof.key_averages()
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     text = ka.table(sort_by=sort, row_limit=30) + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30)
