@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Tuning sweeps for the decode-step kernels on one GPU: the skinny GEMV against cuBLAS and decode attention on
-ragged batches. Prints one JSON line per measurement, then a summary; needs only torch and triton.
+"""Tuning sweeps for the decode-step kernels on one GPU: the skinny GEMV against cuBLAS, decode attention on
+ragged batches, and the attention prologue (q/k norm + rope + KV store) fused vs the unfused chain. Prints one
+JSON line per measurement, then a summary; needs only torch and triton.
 
-    python3 tools/kernel_lab.py [--only gemv,chain,decode] [--budget-s 300]
+    python3 tools/kernel_lab.py [--only gemv,chain,decode,rope_store] [--budget-s 300]
     TRITON_INTERPRET=1 python3 tools/kernel_lab.py --smoke      # tiny shapes on the CPU: checks the script
 
 Timing: median per call replayed from a CUDA graph (triton.testing.do_bench_cudagraph). Every timed call cycles
@@ -27,12 +28,15 @@ import torch
 import torch.nn.functional as F
 
 import appliance.kernels.triton  # noqa: F401  (registers the ops)
+from appliance.kernels.registry import get as get_op
 from appliance.kernels.triton import decode, gemv
 
 COPIES = 4
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
             "lm_head": (128256, 4096)}
 SMOKE = {"qkv": (96, 64), "down": (64, 160)}
+# attention prologue shapes: (q heads, kv heads, head_dim, per-head q/k RMSNorm)
+PROLOGUE = {"qwen3-0.6b": (16, 8, 128, True), "llama-8b": (32, 8, 128, False)}
 T0 = time.time()
 
 
@@ -212,9 +216,69 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
     decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = saved
 
 
+def unfused_prologue(positions: torch.Tensor, qkv: torch.Tensor, h: int, hkv: int, d: int, cos_sin: torch.Tensor,
+                     qw: torch.Tensor | None, kw: torch.Tensor | None, caches: tuple[torch.Tensor, torch.Tensor],
+                     slots: torch.Tensor) -> torch.Tensor:
+    """What LlamaAttention ran before the fused op, kernel for kernel: split views of the qkv output, rms_norm on
+    each (it copies the strided views), rope, store_kv."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.reshape(t, h, d), k.reshape(t, hkv, d)
+    if qw is not None and kw is not None:
+        norm = get_op("rms_norm", "triton")
+        q, k = norm(q, qw, 1e-6), norm(k, kw, 1e-6)
+    q, k = get_op("rope", "triton")(positions, q, k, cos_sin, True)
+    get_op("store_kv", "triton")(k, v.view(t, hkv, d), *caches, slots)
+    return q
+
+
+def rope_store_case(args: argparse.Namespace, name: str, t: int, dev: str, dtype: torch.dtype) -> None:
+    h, hkv, d, qk_norm = ({"smoke": (4, 2, 64, True), "smoke-nonorm": (4, 2, 64, False)} if args.smoke
+                          else PROLOGUE)[name]
+    fused = get_op("rope_store_kv", "triton")
+    page, blocks = 16, (4 if args.smoke else 2048)
+    width = (h + 2 * hkv) * d
+    qkvs = [torch.randn(t, width, device=dev, dtype=dtype) for _ in range(COPIES)]
+    caches = [(torch.randn(blocks, page, hkv, d, device=dev, dtype=dtype),
+               torch.randn(blocks, page, hkv, d, device=dev, dtype=dtype)) for _ in range(COPIES)]
+    slots = torch.randperm(blocks * page, device=dev)[:t]
+    positions = torch.randint(0, 4096, (t,), device=dev)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    freqs = torch.arange(4096, device=dev).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1)
+    qw, kw = ((1 + 0.1 * torch.randn(d, device=dev)).to(dtype) if qk_norm else None for _ in range(2))
+
+    def run_fused(i: int) -> torch.Tensor:
+        return fused(positions, qkvs[i], h, hkv, d, cos_sin, True, qw, kw, 1e-6, *caches[i], slots)
+
+    def run_unfused(i: int) -> torch.Tensor:
+        return unfused_prologue(positions, qkvs[i], h, hkv, d, cos_sin, qw, kw, caches[i], slots)
+
+    want_q = run_unfused(0)
+    stored = caches[0][0].view(-1, hkv, d)  # [slots, Hkv, D]
+    want_k = stored[slots].clone()
+    stored[slots] = 0  # the fused op must write them again
+    err = max(rel(run_fused(0), want_q), rel(stored[slots], want_k))
+    nbytes = (2 * h + 4 * hkv) * d * t * qkvs[0].element_size()  # q, k, v read; q, k, v written
+    for impl, fn in (("unfused", run_unfused), ("fused", run_fused)):
+        us = timed_us(lambda fn=fn: [fn(i) for i in range(COPIES)], args.smoke)
+        emit(section="rope_store", shape=name, t=t, impl=impl, us=us, GBps=nbytes / us / 1e3, err=err)
+
+
+def section_rope_store(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> None:
+    """Per model shape and row count: the unfused chain (2 or 5 launches, plus the copies) vs `rope_store_kv`
+    (one launch)."""
+    names = ("smoke", "smoke-nonorm") if args.smoke else tuple(PROLOGUE)
+    for name, t in itertools.product(names, (1, 5) if args.smoke else (1, 256)):
+        if time.time() - T0 > args.budget_s:
+            emit(section="rope_store", skipped=f"{name} t{t}: budget")
+            continue
+        rope_store_case(args, name, t, dev, dtype)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="gemv,chain,decode")
+    ap.add_argument("--only", default="gemv,chain,decode,rope_store")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
@@ -230,6 +294,8 @@ def main() -> int:
         section_chain(args, dev, dtype, best)
     if "decode" in only:
         section_decode(args, dev, dtype)
+    if "rope_store" in only:
+        section_rope_store(args, dev, dtype)
     emit(section="done", elapsed_s=round(time.time() - T0, 1))
     return 0
 

@@ -1,16 +1,22 @@
 """Paged attention layer: stores this step's K/V into the cache, then attends over the cache.
 
+`forward(q, k, v, meta)` does both; a model whose prologue already wrote the cache (the fused `rope_store_kv`
+op, see `fused_rope_store`) calls `attend(q, meta)`.
+
 One forward mixes decodes and prefill chunks. The runner puts the single-token rows first (they go through
 `decode_attention`) and the multi-token chunks after them (`prefill_attention`, which also sees the cached
 prefix), so both kernels get contiguous slices.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from appliance.kernels import registry
 from appliance.layers.kernels import kernel
 
 
@@ -29,6 +35,16 @@ class AttentionMetadata:
         return int(self.prefill_seq_lens.shape[0])
 
 
+def fused_rope_store(backend: str) -> Callable[..., Any] | None:
+    """The attention backend's `rope_store_kv` (norm + rotary + KV store in one op), or None when that backend
+    has none: the caller then runs norm, rope and `store_kv` separately. Never another backend's version: the op
+    writes the KV cache, whose layout belongs to the attention backend."""
+    try:
+        return registry.get("rope_store_kv", backend)
+    except KeyError:
+        return None
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: str = "torch") -> None:
         super().__init__()
@@ -42,27 +58,37 @@ class Attention(nn.Module):
     def bind_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner allocates it")
+        return self.k_cache, self.v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache()
         t = q.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        self._store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q ([T, H * D] or [T, H, D]) over the cache, which already holds this step's K/V."""
+        k_cache, v_cache = self.kv_cache()
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
         nd = meta.num_decode_tokens
         # one kind of row (every decode step, most prefill steps): the kernel's output is the answer, no copy
         if nd == t:
-            return self._decode(q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                 self.scale).view(t, self.num_heads * self.head_dim)
         if nd == 0:
-            return self._prefill(q, self.k_cache, self.v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
+            return self._prefill(q, k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
                                  meta.prefill_block_tables, self.scale).view(t, self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], self.k_cache, self.v_cache, meta.decode_block_tables,
-                                    meta.decode_seq_lens, self.scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                    self.scale)
         if nd < t:
-            out[nd:] = self._prefill(q[nd:], self.k_cache, self.v_cache, meta.prefill_cu_seqlens,
-                                     meta.prefill_seq_lens, meta.prefill_block_tables, self.scale)
+            out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
+                                     meta.prefill_block_tables, self.scale)
         return out.view(t, self.num_heads * self.head_dim)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from appliance.layers.activation import SiluAndMul
-from appliance.layers.attention import Attention, AttentionMetadata
+from appliance.layers.attention import Attention, AttentionMetadata, fused_rope_store
 from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from appliance.layers.linear import (
     MergedColumnParallelLinear,
@@ -54,17 +54,31 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps, backend) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, backend) if qk_norm else None
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, backend)
+        # norm + rotary + KV store in one launch when the attention backend has it; the modules above keep
+        # owning the parameters (checkpoint names, loading) and serve the unfused path
+        self._rope_store = fused_rope_store(backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self._rope_store is None:
+            return self.o_proj(self._unfused(positions, qkv, meta))
+        k_cache, v_cache = self.attn.kv_cache()
+        qn, kn = self.q_norm, self.k_norm
+        q = self._rope_store(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                             self.rotary.cos_sin_cache, self.rotary.is_neox,
+                             qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+                             qn.eps if qn is not None else 0.0, k_cache, v_cache, meta.slot_mapping)
+        return self.o_proj(self.attn.attend(q, meta))
+
+    def _unfused(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)  # v: a strided view, stored as is
-        return self.o_proj(out)
+        return self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)  # v: a strided view, stored as is
 
 
 class LlamaMLP(nn.Module):

@@ -13,5 +13,6 @@ from appliance.kernels.triton import (  # noqa: F401
     norm,
     prefill,
     rope,
+    rope_store,
     sampling,
 )

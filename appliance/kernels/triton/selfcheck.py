@@ -118,6 +118,30 @@ def rope_inputs(tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: 
     return Inputs((positions, q, k, cache, is_neox), 2 * (q.numel() + k.numel()) * q.element_size())
 
 
+def rope_store_inputs(tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int, is_neox: bool,
+                      qk_norm: bool, dtype: torch.dtype, device: str, page: int = 16, row_pad: int = 0,
+                      seed: int = 0, cache_dtype: torch.dtype | None = None,
+                      weight_dtype: torch.dtype | None = None) -> Inputs:
+    """Args of `rope_store_kv`: a qkv GEMM output (row stride width + row_pad), random caches with spare blocks
+    (so untouched slots exist), every 5th row a padding row (slot -1). Norm weights and caches default to dtype."""
+    cache_dtype, weight_dtype = cache_dtype or dtype, weight_dtype or dtype
+    gen = torch.Generator().manual_seed(seed)
+    rope = rope_inputs(tokens, heads, kv_heads, head_dim, rot_dim, is_neox, dtype, device, seed)
+    positions, cache = rope.args[0], rope.args[3]
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + row_pad, generator=gen).to(dtype).to(device)[:, :width]
+    qw, kw = ((1 + 0.3 * torch.randn(head_dim, generator=gen)).to(weight_dtype).to(device) if qk_norm else None
+              for _ in range(2))
+    num_blocks = (tokens + page - 1) // page + 2
+    k_cache = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(cache_dtype).to(device)
+    v_cache = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(cache_dtype).to(device)
+    slots = torch.randperm(num_blocks * page, generator=gen)[:tokens]
+    slots[::5] = -1
+    elem = qkv.element_size()
+    return Inputs((positions, qkv, heads, kv_heads, head_dim, cache, is_neox, qw, kw, 1e-6, k_cache, v_cache,
+                   slots.to(device)), (2 * heads + 4 * kv_heads) * head_dim * tokens * elem)
+
+
 def silu_inputs(tokens: int, inter: int, dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, 2 * inter, generator=gen).to(dtype).to(device)
@@ -173,10 +197,13 @@ def compare(op: str, inputs: Inputs, case: str) -> CheckResult:
     a = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs.args)
     r = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs.args)
     out, want = fast(*a, **dict(inputs.fast_kwargs)), ref(*r)
-    dtype = inputs.args[0].dtype if op != "rope" else inputs.args[1].dtype
+    dtype = inputs.args[1].dtype if op in ("rope", "rope_store_kv") else inputs.args[0].dtype
     if op == "store_kv":
         err = max(rel_err(a[2], r[2]), rel_err(a[3], r[3]))
         return CheckResult(op, case, err, 0.0)
+    if op == "rope_store_kv":  # q, and both caches in full (slots it must not touch included)
+        err = max(rel_err(out, want), rel_err(a[10], r[10]), rel_err(a[11], r[11]))
+        return CheckResult(op, case, err, TOL[dtype])
     if op == "sample":
         mismatch = float((out != want).float().mean())
         return CheckResult(op, case, mismatch, 0.0)
@@ -219,6 +246,11 @@ def small_cases(device: str = "cpu") -> list[Case]:
         ("rope", "f16-gptj", lambda: rope_inputs(4, 3, 1, 128, 128, False, f16, d)),
         ("rope", "f32-neox-partial", lambda: rope_inputs(3, 2, 2, 64, 32, True, f32, d)),
         ("rope", "bf16-gptj-partial", lambda: rope_inputs(3, 2, 1, 80, 64, False, bf, d)),
+        ("rope_store_kv", "bf16-qknorm-gqa", lambda: rope_store_inputs(6, 4, 2, 64, 64, True, True, bf, d, 4)),
+        ("rope_store_kv", "f16-nonorm-rowpad", lambda: rope_store_inputs(5, 4, 4, 64, 64, True, False, f16, d, 8,
+                                                                        row_pad=24)),
+        ("rope_store_kv", "f32-gptj-partial-d80", lambda: rope_store_inputs(4, 3, 1, 80, 48, False, True, f32, d,
+                                                                            4)),
         ("silu_and_mul", "bf16", lambda: silu_inputs(3, 1500, bf, d)),
         ("silu_and_mul", "f16", lambda: silu_inputs(2, 64, f16, d)),
         ("gemv", "bf16-m1-ragged", lambda: gemv_inputs(1, 50, 70, bf, d)),
@@ -257,6 +289,12 @@ def realistic_cases(device: str = "cuda") -> list[Case]:
             ("rms_norm", name, lambda dt=dt: rms_norm_inputs(64, 4096, dt, d, False)),
             ("rope", f"{name}-neox", lambda dt=dt: rope_inputs(500, 32, 8, 128, 128, True, dt, d)),
             ("rope", f"{name}-gptj-partial", lambda dt=dt: rope_inputs(100, 32, 8, 128, 64, False, dt, d)),
+            ("rope_store_kv", f"{name}-qwen3-t256", lambda dt=dt: rope_store_inputs(
+                256, 16, 8, 128, 128, True, True, dt, d, 16, row_pad=64)),
+            ("rope_store_kv", f"{name}-llama-t300", lambda dt=dt: rope_store_inputs(300, 32, 8, 128, 128, True,
+                                                                                   False, dt, d, 16)),
+            ("rope_store_kv", f"{name}-gptj-partial-d80", lambda dt=dt: rope_store_inputs(
+                50, 12, 4, 80, 32, False, True, dt, d, 16)),
             ("silu_and_mul", name, lambda dt=dt: silu_inputs(300, 14336, dt, d)),
             ("gemv", f"{name}-m1-qkv", lambda dt=dt: gemv_inputs(1, 6144, 4096, dt, d)),
             ("gemv", f"{name}-m16-down-bias", lambda dt=dt: gemv_inputs(16, 4096, 14336, dt, d, bias=True)),
