@@ -19,18 +19,36 @@ passes over the row (tl.sort would do too, but compiles slowly and crawls in the
 (top-p without a small top-k, or too many candidates) the thresholds come from bisection over the float32 bit
 patterns of the row (a monotone integer key), one pass over the row per step, up to ~32 passes each. Rows using
 neither skip both. The torch reference lives in kernels/reference/sampling.py.
+
+Split rows: a greedy row, or a random row without top-k, top-p or min-p, needs no threshold (the first pass only
+finds the minimum, and every token is >= it), just an argmax of the raw logits or of the perturbed ones. Those rows
+are cut along the vocabulary into chunks, one program each (`_chunk_kernel`, rows x chunks, enough programs to
+fill the GPU), that write their local winner (value, lowest index); the per-row kernel then reduces a split row's
+chunk winners (max value, lowest index among equals) and runs the full path above for the other rows. The winner
+is the lowest index of the maximal value however the row is cut, and the perturbed value of a token depends only
+on (seed, step, index), so both paths give the same token, bit for bit. Rows whose 1 / temperature is 0 or inf
+(a degenerate threshold) stay on the full path. `sample_per_row` keeps the one-program-per-row launch.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from appliance.kernels.reference.sampling import _M32, sample_reference, uniform_reference  # noqa: F401
+from appliance.kernels.reference.sampling import (  # noqa: F401
+    _M32,
+    sample_reference,
+    uniform_reference,
+)
 from appliance.kernels.registry import register
 
 BLOCK = 2048
 CAP = 2048  # top-k candidates kept in registers for the fast path
+CHUNK_BLOCK = 1024  # elements per step of a chunk program (and the granularity of the chunk length)
+MAX_CHUNKS = 256  # chunks per row at most: the per-row kernel reduces them in one vector
+PROGRAMS_PER_SM = 8  # split rows: aim for this many chunk programs per SM (more loads in flight per SM)
 
 
 @triton.jit
@@ -40,6 +58,66 @@ def _fmix32_tl(h):
     h = h ^ (h >> 13)
     h = h * 0xC2B2AE35
     return h ^ (h >> 16)
+
+
+@triton.jit
+def _row_seed(seed_ptr, step_ptr, b):
+    step_h = _fmix32_tl(tl.load(step_ptr + b).to(tl.uint32) + 0x632BE5AB)
+    return _fmix32_tl(tl.load(seed_ptr + b).to(tl.uint32) ^ step_h)
+
+
+@triton.jit
+def _perturbed(lv, offs, s):
+    """lv - log(-log u): the Gumbel race value of tokens offs, u a hash of (row seed s, token index)."""
+    h = _fmix32_tl(s ^ _fmix32_tl(offs.to(tl.uint32)))
+    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return lv - tl.log(-tl.log(u))
+
+
+@triton.jit
+def _splits(t, k, p, mp, vocab):
+    """Whether a row needs no threshold: greedy, or a finite nonzero 1 / t and no min-p, top-k or top-p. Anything
+    else (NaN settings too) takes the full path, which is exact by definition: erring that way only costs time."""
+    inv_t = 1.0 / tl.where(t > 0.0, t, 1.0)  # the full path's 1 / t where t > 0 (no division by zero)
+    unfiltered = (mp <= 0.0) & ((k <= 0) | (k >= vocab)) & (p >= 1.0)
+    plain = (t > 0.0) & (inv_t > 0.0) & (inv_t < float("inf")) & unfiltered
+    return (t <= 0.0) | plain
+
+
+@triton.jit
+def _chunk_kernel(logits_ptr, stride, vocab, chunk_len, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr,
+                  part_val_ptr, part_idx_ptr, BLOCK: tl.constexpr):
+    """Program (row b, chunk c) of a split row: the winner of tokens [c * chunk_len, (c + 1) * chunk_len)."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.load(temp_ptr + b)
+    if _splits(t, tl.load(topk_ptr + b), tl.load(topp_ptr + b), tl.load(minp_ptr + b), vocab):
+        row_ptr = logits_ptr + b.to(tl.int64) * stride
+        start = c * chunk_len
+        end = tl.minimum(start + chunk_len, vocab)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.zeros([BLOCK], tl.int32)  # lanes that never win report 0, as in the full path
+        if t <= 0.0:
+            for s0 in range(start, end, BLOCK):
+                offs = s0 + tl.arange(0, BLOCK)
+                x = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+                better = x > best
+                best_i = tl.where(better, offs, best_i)
+                best = tl.where(better, x, best)
+        else:
+            inv_t = 1.0 / t
+            s = _row_seed(seed_ptr, step_ptr, b)
+            for s0 in range(start, end, BLOCK):
+                offs = s0 + tl.arange(0, BLOCK)
+                lv = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32) * inv_t
+                g = tl.where(offs < end, _perturbed(lv, offs, s), float("-inf"))
+                better = g > best
+                best_i = tl.where(better, offs, best_i)
+                best = tl.where(better, g, best)
+        top = tl.max(best, 0)
+        slot = b * tl.num_programs(1) + c
+        tl.store(part_val_ptr + slot, top)
+        tl.store(part_idx_ptr + slot, tl.min(tl.where(best == top, best_i, vocab), 0))
 
 
 # ---------------------------------------------------------------- triton
@@ -107,10 +185,20 @@ def _top_p_floor(vals, thr, mx, p):
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, out_ptr,
-                   scratch_ptr, BLOCK: tl.constexpr, CAP: tl.constexpr):
+                   scratch_ptr, part_val_ptr, part_idx_ptr, chunks, split_mode, BLOCK: tl.constexpr,
+                   CAP: tl.constexpr, CBLOCK: tl.constexpr):
+    """One program per row. split_mode 1: split rows reduce their chunk winners (see _chunk_kernel); 0: every
+    row takes the full path."""
     b = tl.program_id(0)
     row_ptr = logits_ptr + b.to(tl.int64) * stride
     t = tl.load(temp_ptr + b)
+    if (split_mode != 0) & _splits(t, tl.load(topk_ptr + b), tl.load(topp_ptr + b), tl.load(minp_ptr + b), vocab):
+        offs_c = tl.arange(0, CBLOCK)
+        vals = tl.load(part_val_ptr + b * chunks + offs_c, mask=offs_c < chunks, other=float("-inf"))
+        idxs = tl.load(part_idx_ptr + b * chunks + offs_c, mask=offs_c < chunks, other=vocab)
+        top = tl.max(vals, 0)
+        tl.store(out_ptr + b, tl.min(tl.where(vals == top, idxs, vocab), 0).to(tl.int64))
+        return
     # pass 1: max (with its first index) and min of the raw logits
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
@@ -180,15 +268,13 @@ def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp
             hi = tl.where(ok, mid, hi)
         thr = tl.maximum(thr, _unkey(hi))
     # the race: argmax of l - log(-log u) over the kept tokens
-    s = _fmix32_tl(tl.load(seed_ptr + b).to(tl.uint32) ^ _fmix32_tl(tl.load(step_ptr + b).to(tl.uint32) + 0x632BE5AB))
+    s = _row_seed(seed_ptr, step_ptr, b)
     gbest = tl.full([BLOCK], float("-inf"), tl.float32)
     gbest_i = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         lv = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
-        h = _fmix32_tl(s ^ _fmix32_tl(offs.to(tl.uint32)))
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        g = tl.where((lv >= thr) & (offs < vocab), lv - tl.log(-tl.log(u)), float("-inf"))
+        g = tl.where((lv >= thr) & (offs < vocab), _perturbed(lv, offs, s), float("-inf"))
         better = g > gbest
         gbest_i = tl.where(better, offs, gbest_i)
         gbest = tl.where(better, g, gbest)
@@ -196,20 +282,83 @@ def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp
     tl.store(out_ptr + b, tl.min(tl.where(gbest == gmax, gbest_i, vocab), 0).to(tl.int64))
 
 
-@register("sample", "triton")
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    bsz, vocab = logits.shape
-    for name, tensor in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
-                         ("seeds", seeds), ("steps", steps)):
+def chunks_for(batch: int, vocab: int, sms: int, programs_per_sm: int = PROGRAMS_PER_SM,
+               chunk_block: int = CHUNK_BLOCK) -> int:
+    """Chunks per split row: about programs_per_sm programs on every SM, each at least one chunk_block long."""
+    if batch < 1 or vocab < 1 or sms < 1 or programs_per_sm < 1:
+        raise ValueError(f"chunks_for: batch, vocab, sms, programs_per_sm must be >= 1, got "
+                         f"{(batch, vocab, sms, programs_per_sm)}")
+    want = -(-programs_per_sm * sms // batch)
+    return max(1, min(want, MAX_CHUNKS, -(-vocab // chunk_block)))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter runs programs one after another: fewest chunks is fastest
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check(logits: torch.Tensor, *settings: torch.Tensor) -> None:
+    bsz = logits.shape[0]
+    names = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
+    for name, tensor in zip(names, settings):
         if tensor.shape != (bsz,):
             raise ValueError(f"sample: {name} must be [{bsz}], got {tuple(tensor.shape)}")
     if logits.stride(-1) != 1:
         raise ValueError("sample: logits must be contiguous along the vocabulary")
+
+
+def _launch(logits: torch.Tensor, settings: tuple[torch.Tensor, ...], chunks: int, chunk_block: int) -> torch.Tensor:
+    """chunks 0: one program per row for every row (the full path); >= 1: split rows cut into that many chunks."""
+    bsz, vocab = logits.shape
     out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
-    if bsz:
-        scratch = torch.empty(bsz, CAP, dtype=torch.float32, device=logits.device)
-        _sample_kernel[(bsz,)](logits, logits.stride(0), vocab, temperature.float(), top_k.to(torch.int32),
-                               top_p.float(), min_p.float(), seeds.to(torch.int64), steps.to(torch.int64), out,
-                               scratch, BLOCK=BLOCK, CAP=CAP, num_warps=8)
+    if not bsz:
+        return out
+    temperature, top_k, top_p, min_p, seeds, steps = settings
+    args = (temperature.float(), top_k.to(torch.int32), top_p.float(), min_p.float(), seeds.to(torch.int64),
+            steps.to(torch.int64))
+    blocks = -(-vocab // chunk_block)
+    chunk_len = chunk_block * -(-blocks // max(chunks, 1))
+    chunks = -(-vocab // chunk_len) if chunks else 0  # cut at chunk_block multiples: maybe fewer than asked
+    parts = max(bsz * chunks, 1)
+    part_val = torch.empty(parts, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(parts, dtype=torch.int32, device=logits.device)
+    if chunks:
+        _chunk_kernel[(bsz, chunks)](logits, logits.stride(0), vocab, chunk_len, *args, part_val, part_idx,
+                                     BLOCK=chunk_block, num_warps=4)
+    scratch = torch.empty(bsz, CAP, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(bsz,)](logits, logits.stride(0), vocab, *args, out, scratch, part_val, part_idx, chunks,
+                           1 if chunks else 0, BLOCK=BLOCK, CAP=CAP, CBLOCK=MAX_CHUNKS, num_warps=8)
     return out
+
+
+def sample_split(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *, chunks: int | None = None,
+                 programs_per_sm: int = PROGRAMS_PER_SM, chunk_block: int = CHUNK_BLOCK) -> torch.Tensor:
+    """The "sample" op with its knobs: chunks per split row (default: chunks_for this GPU), the chunk granularity
+    (a power of two >= 16; tests shrink it to split small vocabularies)."""
+    settings = (temperature, top_k, top_p, min_p, seeds, steps)
+    _check(logits, *settings)
+    if chunk_block < 16 or chunk_block & (chunk_block - 1):
+        raise ValueError(f"sample: chunk_block must be a power of two >= 16, got {chunk_block}")
+    bsz, vocab = logits.shape
+    if chunks is None:
+        chunks = chunks_for(bsz, vocab, _num_sms(logits.device), programs_per_sm, chunk_block) if bsz else 1
+    if not 1 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"sample: chunks must be in [1, {MAX_CHUNKS}], got {chunks}")
+    return _launch(logits, settings, chunks, chunk_block)
+
+
+def sample_per_row(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One program per row, every row on the full path (the launch before split rows; kept to compare with)."""
+    settings = (temperature, top_k, top_p, min_p, seeds, steps)
+    _check(logits, *settings)
+    return _launch(logits, settings, 0, CHUNK_BLOCK)
+
+
+@register("sample", "triton")
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    return sample_split(logits, temperature, top_k, top_p, min_p, seeds, steps)
