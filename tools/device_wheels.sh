@@ -4,6 +4,9 @@
 # Versions follow this machine's environment (what CI tests), so the box runs the same code paths.
 #   tools/device_wheels.sh            # server + config + test deps
 #   WITH_XGRAMMAR=1 tools/device_wheels.sh   # also xgrammar (structured output)
+#   WITH_FLASHINFER=1 tools/device_wheels.sh # also the optional flashinfer kernel backend (tools/flashinfer_gpu.sh):
+#                                            # flashinfer-python 0.6.14 + apache-tvm-ffi (the pair tested on the box;
+#                                            # its other declared dependencies are not needed for the kernels we use)
 # On the box (the device tool: carry ".whl"), start the command with the printed line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +35,9 @@ for name in "${NAMES[@]}"; do
     SPECS+=("$name==$v")
   fi
 done
+
+# pinned, not taken from this machine (flashinfer is not installed here; it needs a GPU)
+[[ "${WITH_FLASHINFER:-0}" == 1 ]] && SPECS+=("flashinfer-python==0.6.14" "apache-tvm-ffi==0.1.15.post2")
 
 grep -qs '^/.whl/' .gitignore || echo "device_wheels: warning: /.whl/ is not in .gitignore" >&2
 mkdir -p .whl

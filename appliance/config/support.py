@@ -6,6 +6,7 @@ test fails on drift). Nothing accepted is silently ignored.
 """
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +22,10 @@ class Unsupported:
     path: str  # the key path the message points at
     applies: Callable[[ApplianceConfig], bool]
     message: str
+
+
+def _importable(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
 
 
 UNSUPPORTED: list[Unsupported] = [
@@ -55,8 +60,13 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("parallelism.nnodes", lambda c: c.parallelism.nnodes > 1 and c.parallelism.dp > 1,
                 "several nodes run tensor parallelism across nodes (dp = 1); data-parallel replicas across nodes "
                 "are not supported in this build"),
-    Unsupported("backends.attention", lambda c: c.backends.attention not in ("auto", "torch", "triton"),
-                "only the auto, torch and triton attention backends exist in this build"),
+    Unsupported("backends.attention",
+                lambda c: c.backends.attention not in ("auto", "torch", "triton", "flashinfer"),
+                "only the auto, torch, triton and flashinfer attention backends exist in this build"),
+    Unsupported("backends.attention",
+                lambda c: c.backends.attention == "flashinfer" and not _importable("flashinfer"),
+                "the flashinfer attention backend needs the flashinfer-python package (0.6.14, the `flashinfer` "
+                "extra), which is not installed here"),
     Unsupported("backends.moe", lambda c: c.backends.moe not in ("auto", "torch", "triton"),
                 "only the auto, torch and triton MoE backends exist in this build"),
     Unsupported("backends.all2all", lambda c: c.backends.all2all != "auto",

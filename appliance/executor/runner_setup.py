@@ -20,7 +20,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """`auto`: triton on a GPU when its kernels are registered, else the torch reference."""
+    """`auto`: triton on a GPU when its kernels are registered, else the torch reference. Never flashinfer: it is
+    optional (an extra package, JIT compiles on first use, eager only), so it runs only when named; named and not
+    importable, it fails here, at start-up, with the missing package in the message."""
     from appliance.kernels import registry
 
     if name != "auto":
@@ -29,6 +31,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
                 registry.get(op, name)
         except (KeyError, ImportError) as exc:
             raise ValueError(f"backends.attention = {name!r} is not available here: {exc}") from exc
+        if name == "flashinfer" and device.type != "cuda":
+            raise ValueError(f"backends.attention = 'flashinfer' needs a CUDA device (model.device resolved to "
+                             f"{device.type}); use triton or torch")
         return name
     if device.type == "cuda":
         try:
@@ -72,7 +77,15 @@ def read_eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
 
 def _check_supported(config: Any, device: torch.device) -> None:
     """Settings this executor cannot honour are errors (or, for CUDA graphs, a warning), never silently dropped."""
-    if config.backends.sampling not in ("auto", "torch"):
-        raise ValueError(f"backends.sampling={config.backends.sampling!r} is not supported by this executor yet "
+    sampling = config.backends.sampling
+    if sampling in ("flashinfer", "flashinfer_full"):
+        # flashinfer's samplers draw from their own Philox streams: a seeded request would not give the tokens the
+        # torch and Triton samplers give (they share per-request (seed, step) uniforms bit for bit), and min_p with
+        # top-k/top-p needs a chain of its renorm kernels; its JIT compile also takes ~4 minutes per fresh box
+        raise ValueError(f"backends.sampling={sampling!r} is not supported by this executor: flashinfer's samplers "
+                         "are not wired (its attention kernels are: backends.attention = flashinfer); "
+                         "supported: auto, torch")
+    if sampling not in ("auto", "torch"):
+        raise ValueError(f"backends.sampling={sampling!r} is not supported by this executor yet "
                          "(supported: auto, torch)")
     speculative.check_settings(config)  # MTP only, eagle_topk 1, no overlap
