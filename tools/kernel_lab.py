@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
 """Tuning sweeps for the decode-step kernels on one GPU: the skinny GEMV against cuBLAS, decode attention on
-ragged batches, the RMSNorm fused into the GEMV's prologue vs the norm kernel then the GEMV, and the attention
-prologue (q/k norm + rope + KV store) fused vs the unfused chain. Prints one
+ragged batches, and the attention prologue (q/k norm + rope + KV store) fused vs the unfused chain. Prints one
 JSON line per measurement, then a summary; needs only torch and triton.
 
-    python3 tools/kernel_lab.py [--only gemv,chain,norm_chain,decode,rope_store] [--budget-s 300]
+    python3 tools/kernel_lab.py [--only gemv,chain,decode,rope_store] [--budget-s 300]
     TRITON_INTERPRET=1 python3 tools/kernel_lab.py --smoke      # tiny shapes on the CPU: checks the script
 
 Timing: median per call replayed from a CUDA graph (triton.testing.do_bench_cudagraph). Every timed call cycles
@@ -36,7 +35,6 @@ COPIES = 4
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
             "lm_head": (128256, 4096)}
 SMOKE = {"qkv": (96, 64), "down": (64, 160)}
-NORM_SMOKE = {"qkv": (96, 72), "gate_up": (80, 72)}  # K = the hidden size both read
 # attention prologue shapes: (q heads, kv heads, head_dim, per-head q/k RMSNorm)
 PROLOGUE = {"qwen3-0.6b": (16, 8, 128, True), "llama-8b": (32, 8, 128, False)}
 T0 = time.time()
@@ -155,51 +153,6 @@ def section_chain(args: argparse.Namespace, dev: str, dtype: torch.dtype, best: 
                 continue
             emit(section="chain", m=m, impl=impl, ms=us / 1e3, GB=total / 1e9, GBps=total / us / 1e3,
                  configs=f"swept best for {sorted(best)}, else gemv.config_for")
-
-
-def section_norm_chain(args: argparse.Namespace, dev: str, dtype: torch.dtype, best: dict[str, Any]) -> None:
-    """The batch-1 step's two normed projections per layer (input_layernorm -> qkv, post_attention_layernorm
-    -> gate_up; 32 layers' distinct weights): the rms_norm kernel (with the residual add) then the GEMV, vs
-    `gemv_rms_norm` (the norm in the GEMV's prologue, one launch). "gemv only" (no norm at all) is the floor."""
-    layers = 2 if args.smoke else 32
-    shapes = NORM_SMOKE if args.smoke else {s: LLAMA_8B[s] for s in ("qkv", "gate_up")}
-    hidden = shapes["qkv"][1]
-    ws = {s: [torch.randn(*shapes[s], device=dev, dtype=dtype) * 0.01 for _ in range(layers)] for s in shapes}
-    norm_ws = {s: [(1 + 0.1 * torch.randn(hidden, device=dev)).to(dtype) for _ in range(layers)] for s in shapes}
-    total = sum(w.numel() * w.element_size() for v in ws.values() for w in v)
-    rms_norm, fused = get_op("rms_norm", "triton"), get_op("gemv_rms_norm", "triton")
-    for m in (1, 8):
-        x, res = (torch.randn(m, hidden, device=dev, dtype=dtype) for _ in range(2))
-
-        def config(s: str, pdl: bool) -> gemv.GemvConfig:
-            cfg = best.get(f"{s} m{m}", {}).get("cfg")
-            base = gemv.GemvConfig(**cfg) if cfg else gemv.config_for(*shapes[s])
-            return gemv.GemvConfig(**{**base.__dict__, "pdl": pdl})
-
-        def run(impl: str) -> None:
-            pdl = impl.endswith("+pdl")
-            for i, s in itertools.product(range(layers), shapes):
-                if impl.startswith("fused"):
-                    fused(x, res, norm_ws[s][i], 1e-5, ws[s][i], config=config(s, pdl))
-                elif impl.startswith("rms_norm"):
-                    h, _ = rms_norm(x, norm_ws[s][i], 1e-5, res)
-                    gemv.gemv(h, ws[s][i], config=config(s, pdl))
-                else:
-                    gemv.gemv(x, ws[s][i], config=config(s, pdl))
-
-        for s in shapes:
-            h, summed = rms_norm(x, norm_ws[s][0], 1e-5, res)
-            y, fused_sum = fused(x, res, norm_ws[s][0], 1e-5, ws[s][0], config=config(s, True))
-            err = max(rel(y, gemv.gemv(h, ws[s][0], config=config(s, True))), rel(fused_sum, summed))
-            emit(section="norm_chain_check", m=m, shape=s, impl="fused+pdl", err=err)
-        for impl in ("gemv only", "rms_norm+gemv", "fused", "rms_norm+gemv+pdl", "fused+pdl"):
-            try:
-                us = timed_us(lambda impl=impl: run(impl), args.smoke) * COPIES
-            except Exception as exc:  # noqa: BLE001 - PDL needs a Triton and a GPU that have it
-                emit(section="norm_chain", m=m, impl=impl, error=f"{type(exc).__name__}: {exc}"[:200])
-                continue
-            emit(section="norm_chain", m=m, impl=impl, ms=us / 1e3, GB=total / 1e9, GBps=total / us / 1e3,
-                 launches=layers * len(shapes) * (2 if impl.startswith("rms_norm") else 1))
 
 
 def ragged_lens(b: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -325,7 +278,7 @@ def section_rope_store(args: argparse.Namespace, dev: str, dtype: torch.dtype) -
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="gemv,chain,norm_chain,decode,rope_store")
+    ap.add_argument("--only", default="gemv,chain,decode,rope_store")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
@@ -339,8 +292,6 @@ def main() -> int:
         emit(section="gemv_best", best=best)
     if "chain" in only:
         section_chain(args, dev, dtype, best)
-    if "norm_chain" in only:
-        section_norm_chain(args, dev, dtype, best)
     if "decode" in only:
         section_decode(args, dev, dtype)
     if "rope_store" in only:

@@ -7,7 +7,6 @@ shard id and place it at the right offset of this rank's slice.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,58 +24,34 @@ from appliance.layers.parallel_state import (
 
 
 Gemv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-# (x, residual, norm weight, eps, weight, bias) -> (rms_norm(x + residual) W^T + b, x + residual or None)
-GemvNorm = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
 _HALF = (torch.bfloat16, torch.float16)  # fp32 stays on torch: tl.dot would round it through tf32
-
-
-def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a bound GEMV op (plain or norm-fused) takes this product: a decode-sized batch (<= GEMV_MAX_ROWS
-    rows) in half precision with the weight's dtype. A property of the shapes alone, so each captured decode
-    graph takes one path (batches above GEMV_MAX_ROWS are captured on torch's)."""
-    return x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype and x.dtype in _HALF
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv | None) -> torch.Tensor:
     """x W^T + b: decode-sized batches (<= GEMV_MAX_ROWS rows) through the bound GEMV kernel, the rest through
     torch (cuBLAS on a GPU)."""
-    if gemv is not None and gemv_serves(x, weight):
+    if (gemv is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype
+            and x.dtype in _HALF):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def use_gemv_kernel(model: nn.Module, backend: str) -> int:
     """Bind `backend`'s "gemv" op to every linear layer and LM head of `model` (layers whose weight is not in the
-    compute dtype, e.g. fp8, keep their own path), and its "gemv_rms_norm" op where a layer can take its input
-    norm into the GEMV (`gemv_norm`); returns how many layers got the GEMV. A backend without its own GEMV
-    (torch) binds nothing: cuBLAS already is torch's. The model runner binds on CUDA devices only."""
+    compute dtype, e.g. fp8, keep their own path); returns how many layers were bound. A backend without its own
+    GEMV (torch) binds nothing: cuBLAS already is torch's. The model runner binds on CUDA devices only."""
     if backend == "torch":
         return 0
     try:
         op = registry.get("gemv", backend)
     except KeyError:
         return 0
-    try:
-        fused: GemvNorm | None = registry.get("gemv_rms_norm", backend)
-    except KeyError:
-        fused = None
     bound = 0
     for module in model.modules():
         if hasattr(module, "gemv"):
             module.gemv = op
             bound += 1
-        if hasattr(module, "gemv_norm"):
-            module.gemv_norm = fused
     return bound
-
-
-class InputNorm(Protocol):
-    """What `ColumnParallelLinear.normed` needs of the RMSNorm before it (layers/norm.py's RMSNorm)."""
-
-    weight: torch.Tensor
-    eps: float
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any: ...
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -99,7 +74,6 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = divide(output_size, self.tp_size)
         self.gather_output = gather_output
         self.gemv: Gemv | None = None  # use_gemv_kernel binds one
-        self.gemv_norm: GemvNorm | None = None  # and the one with the input's RMSNorm in its prologue
         self.weight = _param(self.output_size_per_partition, input_size)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -113,23 +87,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gathered(matmul(x, self.weight, self.bias, self.gemv))
-
-    def normed(self, norm: InputNorm, x: torch.Tensor,
-               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual); without a residual, (self(norm(x)), x). A decode-sized
-        batch the bound GEMV serves runs as one launch with the norm in the GEMV's prologue (the input is
-        replicated across tensor-parallel ranks, so each normalises all of it); anything else runs the norm's
-        own kernel, then this layer."""
-        if self.gemv_norm is not None and gemv_serves(x, self.weight) and norm.weight.dtype == x.dtype:
-            y, summed = self.gemv_norm(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-            return self._gathered(y), x if summed is None else summed
-        if residual is None:
-            return self(norm(x)), x
-        h, residual = norm(x, residual)
-        return self(h), residual
-
-    def _gathered(self, y: torch.Tensor) -> torch.Tensor:
+        y = matmul(x, self.weight, self.bias, self.gemv)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 

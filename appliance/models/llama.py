@@ -59,10 +59,7 @@ class LlamaAttention(nn.Module):
         self._rope_store = fused_rope_store(backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.from_qkv(positions, self.qkv_proj(x), meta)
-
-    def from_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The layer after its qkv projection (the decoder layer runs that one with the input norm fused)."""
+        qkv = self.qkv_proj(x)
         if self._rope_store is None:
             return self.o_proj(self._unfused(positions, qkv, meta))
         k_cache, v_cache = self.attn.kv_cache()
@@ -97,11 +94,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.from_gate_up(self.gate_up_proj(x))
-
-    def from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP after its gate_up projection (the decoder layer runs that one with the input norm fused)."""
-        return self.down_proj(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,24 +107,14 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm residual layer; returns (output, residual) unsummed, as the next layer's norm adds them.
-        Each norm runs inside the projection that reads it (ColumnParallelLinear.normed: one GEMV launch at
-        decode sizes) when the sublayer is Llama's own; other attentions and feed-forwards (MLA, experts) get
-        the normed tensor."""
-        attn, mlp = self.self_attn, self.mlp
-        if isinstance(attn, LlamaAttention):
-            qkv, residual = attn.qkv_proj.normed(self.input_layernorm, x, residual)
-            h = attn.from_qkv(positions, qkv, meta)
-        elif residual is None:  # the first layer: nothing to add yet
-            h, residual = attn(positions, self.input_layernorm(x), meta), x
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-            h = attn(positions, h, meta)
-        if isinstance(mlp, LlamaMLP):
-            gate_up, residual = mlp.gate_up_proj.normed(self.post_attention_layernorm, h, residual)
-            return mlp.from_gate_up(gate_up), residual
+        h = self.self_attn(positions, h, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return mlp(h), residual
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
