@@ -13,19 +13,27 @@ from appliance.kernels.registry import register
 
 
 @triton.jit
+def rotary_pairs(BLOCK_HALF: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """[1, BLOCK_HALF] pair index i and where its two elements sit in a head: the two halves (neox) or
+    neighbours (GPT-J, interleaved pairs)."""
+    offs_i = tl.arange(0, BLOCK_HALF)[None, :]
+    if IS_NEOX:
+        i1 = offs_i
+        i2 = offs_i + HALF
+    else:
+        i1 = 2 * offs_i
+        i2 = 2 * offs_i + 1
+    return offs_i, i1, i2
+
+
+@triton.jit
 def _rotate_heads(src_ptr, dst_ptr, stride_st, stride_sh, stride_dt, stride_dh, t, n_heads, cos, sin,
                   HALF: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                   BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr):
     offs_h = tl.arange(0, BLOCK_H)[:, None]
-    offs_i = tl.arange(0, BLOCK_HALF)[None, :]
+    offs_i, i1, i2 = rotary_pairs(BLOCK_HALF, HALF, IS_NEOX)
     h_mask = offs_h < n_heads
     mask = h_mask & (offs_i < HALF)
-    if IS_NEOX:
-        i1 = offs_i
-        i2 = offs_i + HALF
-    else:  # GPT-J: interleaved pairs
-        i1 = 2 * offs_i
-        i2 = 2 * offs_i + 1
     src = src_ptr + t * stride_st + offs_h * stride_sh
     dst = dst_ptr + t * stride_dt + offs_h * stride_dh
     x1 = tl.load(src + i1, mask=mask, other=0.0).to(tl.float32)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from appliance.kernels.reference.rope_store import check_rope_store_args
 from appliance.kernels.registry import register
+from appliance.kernels.triton.rope import rotary_pairs
 
 MAX_BLOCK_ELEMS = 2048  # heads x half-dim per program: bounds registers for wide models
 
@@ -30,14 +31,8 @@ def _norm_rope_heads(src, w_ptr, out_ptr, h_mask, cos, sin, eps, HALF: tl.conste
     the rotated halves and the unrotated tail in that dtype, and where in a head they go."""
     IN_TY = src.dtype.element_ty
     OUT_TY = out_ptr.dtype.element_ty
-    offs_i = tl.arange(0, BLOCK_HALF)[None, :]
+    offs_i, i1, i2 = rotary_pairs(BLOCK_HALF, HALF, IS_NEOX)
     mask = h_mask & (offs_i < HALF)
-    if IS_NEOX:
-        i1 = offs_i
-        i2 = offs_i + HALF
-    else:  # GPT-J: interleaved pairs
-        i1 = 2 * offs_i
-        i2 = 2 * offs_i + 1
     offs_p = 2 * HALF + tl.arange(0, BLOCK_TAIL)[None, :]
     p_mask = h_mask & (offs_p < D)
     x1 = tl.load(src + i1, mask=mask, other=0.0).to(tl.float32)
