@@ -159,7 +159,7 @@ def test_bench_smoke_runs_and_matches() -> None:
 
 def test_kernels_compile_for_hopper() -> None:
     """Triton compiles the kernels for sm_90 without a GPU: the first GPU run is not a compile-error hunt. Integer
-    arguments equal to 1 (chunks, split_mode) are specialised to constants there, which the interpreter never does."""
+    arguments equal to 1 (chunks) are specialised to constants there, which the interpreter never does."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -174,10 +174,10 @@ def test_kernels_compile_for_hopper() -> None:
     chunk_sig = {k: chunk_sig[k] for k in S._chunk_kernel.arg_names}
     builds = [(S._chunk_kernel, chunk_sig, {"BLOCK": S.CHUNK_BLOCK}, 4)]
     row_sig = {**common, "out_ptr": "*i64", "scratch_ptr": "*fp32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",
-               "chunks": "i32", "split_mode": "i32", "BLOCK": "constexpr", "CAP": "constexpr", "CBLOCK": "constexpr"}
+               "chunks": "i32", "BLOCK": "constexpr", "CAP": "constexpr", "CBLOCK": "constexpr"}
     row_sig = {k: row_sig[k] for k in S._sample_kernel.arg_names}
     consts = {"BLOCK": S.BLOCK, "CAP": S.CAP, "CBLOCK": S.MAX_CHUNKS}
-    for ones in (("split_mode",), ("chunks", "split_mode")):
+    for ones in ((), ("chunks",)):
         builds.append((S._sample_kernel, {**row_sig, **{k: "constexpr" for k in ones}},
                        {**consts, **{k: 1 for k in ones}}, 8))
     for fn, sig, const, warps in builds:

@@ -185,14 +185,14 @@ def _top_p_floor(vals, thr, mx, p):
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, out_ptr,
-                   scratch_ptr, part_val_ptr, part_idx_ptr, chunks, split_mode, BLOCK: tl.constexpr,
-                   CAP: tl.constexpr, CBLOCK: tl.constexpr):
-    """One program per row. split_mode 1: split rows reduce their chunk winners (see _chunk_kernel); 0: every
+                   scratch_ptr, part_val_ptr, part_idx_ptr, chunks, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                   CBLOCK: tl.constexpr):
+    """One program per row. chunks >= 1: split rows reduce their chunk winners (see _chunk_kernel); 0: every
     row takes the full path."""
     b = tl.program_id(0)
     row_ptr = logits_ptr + b.to(tl.int64) * stride
     t = tl.load(temp_ptr + b)
-    if (split_mode != 0) & _splits(t, tl.load(topk_ptr + b), tl.load(topp_ptr + b), tl.load(minp_ptr + b), vocab):
+    if (chunks > 0) & _splits(t, tl.load(topk_ptr + b), tl.load(topp_ptr + b), tl.load(minp_ptr + b), vocab):
         offs_c = tl.arange(0, CBLOCK)
         vals = tl.load(part_val_ptr + b * chunks + offs_c, mask=offs_c < chunks, other=float("-inf"))
         idxs = tl.load(part_idx_ptr + b * chunks + offs_c, mask=offs_c < chunks, other=vocab)
@@ -329,7 +329,7 @@ def _launch(logits: torch.Tensor, settings: tuple[torch.Tensor, ...], chunks: in
                                      BLOCK=chunk_block, num_warps=4)
     scratch = torch.empty(bsz, CAP, dtype=torch.float32, device=logits.device)
     _sample_kernel[(bsz,)](logits, logits.stride(0), vocab, *args, out, scratch, part_val, part_idx, chunks,
-                           1 if chunks else 0, BLOCK=BLOCK, CAP=CAP, CBLOCK=MAX_CHUNKS, num_warps=8)
+                           BLOCK=BLOCK, CAP=CAP, CBLOCK=MAX_CHUNKS, num_warps=8)
     return out
 
 
