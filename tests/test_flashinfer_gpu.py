@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_flashinfer_backend import (
+from flashinfer_cases import (
     check_close,
     decode_case,
     mixed_step,
