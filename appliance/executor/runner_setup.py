@@ -24,10 +24,11 @@ def resolve_backend(name: str, device: torch.device) -> str:
     optional (an extra package, JIT compiles on first use, eager only), so it runs only when named; named and not
     importable, it fails here, at start-up, with the missing package in the message."""
     from appliance.kernels import registry
+    from appliance.layers.kernels import ATTENTION_OPS
 
     if name != "auto":
         try:
-            for op in ("store_kv", "decode_attention", "prefill_attention"):
+            for op in ATTENTION_OPS:
                 registry.get(op, name)
         except (KeyError, ImportError) as exc:
             raise ValueError(f"backends.attention = {name!r} is not available here: {exc}") from exc
@@ -37,7 +38,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
         return name
     if device.type == "cuda":
         try:
-            for op in ("store_kv", "decode_attention", "prefill_attention"):
+            for op in ATTENTION_OPS:
                 registry.get(op, "triton")
             return "triton"
         except (KeyError, ImportError):
