@@ -34,7 +34,7 @@ from appliance.kernels.triton import decode, gemv
 COPIES = 4
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
             "lm_head": (128256, 4096)}
-SMOKE = {"qkv": (96, 64), "down": (64, 160)}
+SMOKE = {"qkv": (96, 64), "o": (64, 64), "gate_up": (320, 64), "down": (64, 160), "lm_head": (100, 64)}
 # attention prologue shapes: (q heads, kv heads, head_dim, per-head q/k RMSNorm)
 PROLOGUE = {"qwen3-0.6b": (16, 8, 128, True), "llama-8b": (32, 8, 128, False)}
 T0 = time.time()
@@ -112,45 +112,60 @@ def section_gemv(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> dict
 
 
 def section_chain(args: argparse.Namespace, dev: str, dtype: torch.dtype, best: dict[str, Any]) -> None:
-    """A whole Llama-3.1-8B batch-1 step's GEMVs (32 layers x 4 + lm_head, distinct weights): cuBLAS vs the best
-    config per shape; the figure the batch-1 target depends on."""
+    """A whole Llama-3.1-8B batch-1 step without its attention (32 layers + lm_head, distinct weights), the
+    figure the batch-1 target depends on: the GEMVs alone through cuBLAS and through the best config per shape;
+    then with the layer's small ops (two residual-add norms, SiLU-and-mul) as separate kernels, against
+    fused_gemv running them inside the projections (the model's decode path)."""
+    from appliance.kernels.triton import activation, norm
+
     layers = 2 if args.smoke else 32
     shapes = SMOKE if args.smoke else LLAMA_8B
-    per_layer = [s for s in shapes if s != "lm_head"]
-    ws = {s: [torch.randn(*shapes[s], device=dev, dtype=dtype) * 0.01 for _ in range(layers)] for s in per_layer}
-    head = [torch.randn(*shapes["lm_head"], device=dev, dtype=dtype) * 0.01] if "lm_head" in shapes else []
-    total = sum(w.numel() * w.element_size() for v in ws.values() for w in v) + sum(w.numel() * 2 for w in head)
+    per_layer = ("qkv", "o", "gate_up", "down")
+    ws = {s: [torch.randn(*shapes[s], device=dev, dtype=dtype) / shapes[s][1] ** 0.5 for _ in range(layers)]
+          for s in per_layer}
+    gs = [torch.randn(shapes["qkv"][1], device=dev, dtype=dtype) * 0.1 + 1 for _ in range(2 * layers)]
+    head = torch.randn(*shapes["lm_head"], device=dev, dtype=dtype) * 0.01
+    total = sum(w.numel() * w.element_size() for v in ws.values() for w in v) + head.numel() * head.element_size()
+    hidden, inter = shapes["o"][0], shapes["down"][1]
     for m in (1, 8):
-        xs = {s: torch.randn(m, shapes[s][1], device=dev, dtype=dtype) for s in shapes}
+        x0 = torch.randn(m, hidden, device=dev, dtype=dtype)
 
-        def config(s: str, pdl: bool) -> gemv.GemvConfig:
+        def config(s: str) -> gemv.GemvConfig:
             cfg = best.get(f"{s} m{m}", {}).get("cfg")
-            base = gemv.GemvConfig(**cfg) if cfg else gemv.config_for(*shapes[s])
-            return gemv.GemvConfig(**{**base.__dict__, "pdl": pdl})
+            return gemv.GemvConfig(**cfg) if cfg else gemv.config_for(*shapes[s])
 
-        def run(impl: str) -> None:
+        def layer(i: int, impl: str, h: torch.Tensor, res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            w = {s: ws[s][i] for s in per_layer}
+            if impl == "fused":
+                qkv = gemv.fused_gemv(h, w["qkv"], gs[2 * i], 1e-5)
+                h = gemv.fused_gemv(qkv[:, :hidden], w["o"], residual=h)  # the attention output's stand-in
+                act = gemv.fused_gemv(h, w["gate_up"], gs[2 * i + 1], 1e-5, gated=True)
+                return gemv.fused_gemv(act, w["down"], residual=h), res
+            def mm(a: torch.Tensor, s: str) -> torch.Tensor:
+                return F.linear(a, w[s]) if impl == "cublas" else gemv.gemv(a, w[s], config=config(s))
+
+            small = impl == "triton+small"
+            h, res = norm.rms_norm(h, gs[2 * i], 1e-5, res) if small else (h, res)
+            o = mm(mm(h, "qkv")[:, :hidden], "o")
+            h, res = norm.rms_norm(o, gs[2 * i + 1], 1e-5, res) if small else (o, res)
+            gu = mm(h, "gate_up")
+            return mm(activation.silu_and_mul(gu) if small else gu[:, :inter], "down"), res
+
+        def run(impl: str) -> torch.Tensor:
+            h, res = x0, torch.zeros_like(x0)  # the unfused chain's residual; the fused one's stream is h
             for i in range(layers):
-                for s in per_layer:
-                    if impl == "cublas":
-                        F.linear(xs[s], ws[s][i])
-                    else:
-                        gemv.gemv(xs[s], ws[s][i], config=config(s, impl == "triton+pdl"))
-            for w in head:
-                if impl == "cublas":
-                    F.linear(xs["lm_head"], w)
-                else:
-                    gemv.gemv(xs["lm_head"], w, config=config("lm_head", impl == "triton+pdl"))
+                h, res = layer(i, impl, h, res)
+            if impl == "triton+small":
+                h = h + res
+            if impl == "cublas":
+                return F.linear(h, head)
+            return gemv.gemv(h, head, config=config("lm_head"))
 
-        for s in shapes:  # the PDL path's peeled first tile computes the same product
-            w = ws[s][0] if s in ws else head[0]
-            err = rel(gemv.gemv(xs[s], w, config=config(s, True)), F.linear(xs[s], w))
-            emit(section="chain_check", m=m, shape=s, impl="triton+pdl", err=err)
-        for impl in ("cublas", "triton", "triton+pdl"):
-            try:
-                us = timed_us(lambda impl=impl: run(impl), args.smoke) * COPIES
-            except Exception as exc:  # noqa: BLE001 - PDL needs a Triton and a GPU that have it
-                emit(section="chain", m=m, impl=impl, error=f"{type(exc).__name__}: {exc}"[:200])
-                continue
+        want = run("triton+small")
+        err = rel(run("fused"), want)  # fused vs the separate kernels, over the whole stack
+        emit(section="chain_check", m=m, impl="fused", err=err)
+        for impl in ("cublas", "triton", "triton+small", "fused"):
+            us = timed_us(lambda impl=impl: run(impl), args.smoke) * COPIES
             emit(section="chain", m=m, impl=impl, ms=us / 1e3, GB=total / 1e9, GBps=total / us / 1e3,
                  configs=f"swept best for {sorted(best)}, else gemv.config_for")
 

@@ -1,4 +1,5 @@
-"""Skinny matmul y = x W^T for decode batches (M <= 16 rows): a weight-streaming GEMV.
+"""Skinny matmul y = x W^T for decode batches (M <= 16 rows): a weight-streaming GEMV, plain or fused with the
+decoder layer's neighbouring ops.
 
 At batch 1..16 a decode step's linear layers read every weight byte once and do almost no arithmetic, so their
 time is the weight bytes over the memory bandwidth. On the H100 cuBLAS streams Llama-3.1-8B's matrices at
@@ -7,6 +8,14 @@ columns and walks K in BLOCK_K tiles with a deep load pipeline; the x rows (padd
 and stay in L2. `split_k` > 1 cuts K across programs and adds the partial sums with fp32 atomics into a zeroed
 buffer: a tuning option for tall-and-narrow weights (few output columns, long K), which never won on the H100
 shapes measured so far.
+
+`fused_gemv` removes the small kernels between a layer's GEMVs (each costs a launch and a ramp that a
+weight-streaming step cannot hide at batch 1):
+- norm: y = rms_norm(x) * g @ W^T. The sum of squares of each x row accumulates in the same K loop that feeds
+  the product with x * g, and the row's 1 / rms scales the accumulator at the end: no pre-pass, so the weights
+  start streaming at once (a pre-pass version was slower than the separate norm kernel; docs/benchmarks.md).
+- gated: W = [gate; up] stacked; a program streams matching rows of both halves and stores silu(gate) * up.
+- residual: y = x W^T + r, the next residual stream.
 """
 from __future__ import annotations
 
@@ -23,15 +32,11 @@ from appliance.kernels.triton.common import INTERPRET, mma
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_n: int = 32
+    block_n: int = 32  # weight rows per program (a gated GEMV takes half from each half of W)
     block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 5
-    # programmatic dependent launch (Hopper+): the first weight tile is loaded before waiting for the previous
-    # kernel (weights never depend on it) and the next kernel may launch during this one's tail. Off until
-    # measured (tools/kernel_lab.py --only chain times it); the interpreter runs the peeled loop without it.
-    pdl: bool = False
 
 
 def config_for(n: int, k: int) -> GemvConfig:
@@ -43,44 +48,62 @@ def config_for(n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
+                 k_per_split, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
-                 UPCAST: tl.constexpr, PEEL: tl.constexpr, GDC: tl.constexpr):
+                 UPCAST: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns (gated: rows of the gate half)
     m_mask = offs_m < M
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_rows + N * stride_wn  # gated only: the matching rows of the up half
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    sq = tl.zeros([BLOCK_M], tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PEEL:  # first tile peeled: its weights stream in while the previous kernel finishes
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if GDC:
-            tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        acc += mma(x, tl.trans(w), UPCAST)
-        k_start += BLOCK_K
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            sq += tl.sum(xf * xf, 1)
+            g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += mma(x, tl.trans(w), UPCAST)
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-    out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        if GATED:
+            wu = tl.load(up_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc_up += mma(x, tl.trans(wu), UPCAST)
+    if NORM:
+        inv = tl.rsqrt(sq / K + eps)[:, None]
+        acc = acc * inv
+        acc_up = acc_up * inv
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
     mask = m_mask[:, None] & n_mask[None, :]
+    if RESIDUAL:
+        acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if ATOMIC:
         tl.atomic_add(out, acc, mask=mask)
     else:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
+    m, k = x.shape if x.dim() == 2 else (0, -1)
+    if x.dim() != 2 or weight.shape[1] != k or m > MAX_M or x.dtype != weight.dtype:
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
+                         f"{weight.dtype} (at most {MAX_M} rows, one dtype)")
+    if weight.stride(-1) != 1:
+        raise ValueError(f"{name}: the weight's K axis must be contiguous")
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @register("gemv", "triton")
@@ -88,28 +111,52 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype; M <= MAX_M, same dtype for x and weight.
     `config` overrides the measured choice (tuning)."""
+    x = _check(x, weight, "gemv")
     m, k = x.shape
     n = weight.shape[0]
-    if x.dim() != 2 or weight.shape[1] != k or m > MAX_M or x.dtype != weight.dtype:
-        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
-                         f"{weight.dtype} (at most {MAX_M} rows, one dtype)")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if weight.stride(-1) != 1:
-        raise ValueError("gemv: the weight's K axis must be contiguous")
     cfg = config or config_for(n, k)
     k_per = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)
     atomic = split > 1
-    peel = cfg.pdl and not atomic  # split-K programs share outputs: keep them simple
-    gdc = peel and not INTERPRET  # the interpreter has no grid dependency control; it still checks the peel
     y = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
          else torch.empty(m, n, dtype=x.dtype, device=x.device))
     if m and n:
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-            x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per,
+            x, weight, y, x, x, m, n, k, x.stride(0), weight.stride(0), y.stride(0), 0, k_per, 0.0,
             BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ATOMIC=atomic,
-            UPCAST=INTERPRET or x.dtype == torch.float32, PEEL=peel, GDC=gdc, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **({"launch_pdl": True} if gdc else {}))
+            UPCAST=INTERPRET or x.dtype == torch.float32, NORM=False, GATED=False, RESIDUAL=False,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = y.to(x.dtype) if atomic else y
     return y + bias if bias is not None else y
+
+
+@register("fused_gemv", "triton")
+def fused_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+               residual: torch.Tensor | None = None, gated: bool = False,
+               config: GemvConfig | None = None) -> torch.Tensor:
+    """The reference's contract (kernels/reference/linear.py); split-K configs are refused (the norm needs the
+    whole row in one program)."""
+    x = _check(x, weight, "fused_gemv")
+    m, k = x.shape
+    rows = weight.shape[0]
+    n = rows // 2 if gated else rows
+    if gated and rows % 2:
+        raise ValueError(f"fused_gemv: a gated weight stacks two halves; {rows} rows do not split")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"fused_gemv: norm weight {tuple(norm_weight.shape)} does not match K = {k}")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
+        raise ValueError(f"fused_gemv: residual {tuple(residual.shape)} is not a contiguous-row [{m}, {n}]")
+    cfg = config or config_for(rows, k)
+    if cfg.split_k > 1:
+        raise ValueError("fused_gemv: split-K cannot fuse a norm, a gate or a residual")
+    block_n = cfg.block_n // 2 if gated else cfg.block_n
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m and n:
+        g = norm_weight if norm_weight is not None else x
+        r = residual if residual is not None else x
+        _gemv_kernel[(triton.cdiv(n, block_n), 1)](
+            x, weight, y, g, r, m, n, k, x.stride(0), weight.stride(0), y.stride(0), r.stride(0), k, eps,
+            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=cfg.block_k, ATOMIC=False,
+            UPCAST=INTERPRET or x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
+            RESIDUAL=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
