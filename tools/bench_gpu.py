@@ -225,7 +225,8 @@ def _run_section(name: str, args: argparse.Namespace, budget: float, workdir: Pa
            str(max(budget - 15, 10)), "--tput-prompts", str(args.tput_prompts), "--serving-prompts",
            args.serving_prompts, "--serving-concurrency", args.serving_concurrency, "--hf-out", str(args.hf_out),
            "--hf-seqs", str(args.hf_seqs), "--profile-preset", args.profile_preset, "--profile-prompt",
-           str(args.profile_prompt)] + (["--quick"] if args.quick else []) + \
+           str(args.profile_prompt), "--profile-batch", str(args.profile_batch)] + \
+          (["--quick"] if args.quick else []) + \
           (["--smoke"] if args.smoke else []) + (["--no-overlap"] if args.no_overlap else [])
     print(f"== {name} (limit {budget:.0f} s)", flush=True)
     t = time.perf_counter()
@@ -336,6 +337,7 @@ def main() -> None:
     p.add_argument("--profile-preset", default="qwen3-0.6b", choices=("qwen3-0.6b", "llama-3.1-8b"),
                    help="profile: the model shape")
     p.add_argument("--profile-prompt", type=int, default=512, help="profile: prompt tokens of each request")
+    p.add_argument("--profile-batch", type=int, default=256, help="profile: running requests")
     p.add_argument("--json", default=None)
     p.add_argument("--no-overlap", action="store_true", help="the synchronous loop (default: overlap, as served)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks this script, not speed")

@@ -11,9 +11,9 @@ from gpu_measure import TINY, Recorder, _llm
 
 
 def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
-    """Where a large-batch decode step goes: `--profile-preset` (qwen3-0.6b; or llama-3.1-8b), 256 running requests
-    (`--profile-prompt` tokens in, 512), torch.profiler over 20 decode-only steps after the prefills; kernel and host
-    tables go to profile.txt beside the JSON."""
+    """Where a decode step goes: `--profile-preset` (qwen3-0.6b; or llama-3.1-8b), `--profile-batch` running
+    requests (256; `--profile-prompt` tokens in, 512), torch.profiler over 20 decode-only steps after the prefills;
+    kernel and host tables go to profile.txt beside the JSON."""
     import torch
     from bench_offline import PRESETS
     from torch.profiler import ProfilerActivity, profile
@@ -23,13 +23,14 @@ def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
     preset = getattr(args, "profile_preset", "qwen3-0.6b")
     cfg = TINY if args.smoke else PRESETS[preset]
     prompt = getattr(args, "profile_prompt", 512)
+    batch = getattr(args, "profile_batch", 256)
     k = 16 if args.smoke else 1
     with tempfile.TemporaryDirectory() as tmp:
         llm = _llm(cfg, Path(tmp), enable_prefix_caching=False)
     eng = llm.engine
     rng = random.Random(3)
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=80 if args.smoke else 400, ignore_eos=True)
-    for i in range(256 // k):
+    for i in range(max(1, batch // k)):
         eng.add_request(f"p{i}", [rng.randrange(cfg["vocab_size"]) for _ in range(prompt // k)], sp)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
         eng.step()
