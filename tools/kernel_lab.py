@@ -3,7 +3,7 @@
 ragged batches, and the attention prologue (q/k norm + rope + KV store) fused vs the unfused chain. Prints one
 JSON line per measurement, then a summary; needs only torch and triton.
 
-    python3 tools/kernel_lab.py [--only gemv,chain,decode,rope_store] [--budget-s 300]
+    python3 tools/kernel_lab.py [--only gemv,fused,chain,decode,rope_store] [--budget-s 300]
     TRITON_INTERPRET=1 python3 tools/kernel_lab.py --smoke      # tiny shapes on the CPU: checks the script
 
 Timing: median per call replayed from a CUDA graph (triton.testing.do_bench_cudagraph). Every timed call cycles
@@ -170,6 +170,33 @@ def section_chain(args: argparse.Namespace, dev: str, dtype: torch.dtype, best: 
                  configs=f"swept best for {sorted(best)}, else gemv.config_for")
 
 
+FUSED_VARIANTS = (("qkv", "norm"), ("o", "residual"), ("gate_up", "gated"), ("gate_up", "norm+gated"),
+                  ("down", "residual"))
+
+
+def section_fused(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> None:
+    """Each fused_gemv variant against the plain GEMV of the same weight (what the fusion adds to the stream)."""
+    from appliance.kernels.reference.linear import fused_gemv as ref_fused
+
+    shapes = SMOKE if args.smoke else LLAMA_8B
+    for (name, variant), m in itertools.product(FUSED_VARIANTS, (1, 8)):
+        n, k = shapes[name]
+        ws = [torch.randn(n, k, device=dev, dtype=dtype) / k**0.5 for _ in range(COPIES)]
+        x = 3 * torch.randn(m, k, device=dev, dtype=dtype)
+        kw: dict[str, Any] = {"gated": "gated" in variant}
+        if "norm" in variant:
+            kw.update(norm_weight=torch.randn(k, device=dev, dtype=dtype) * 0.1 + 1, eps=1e-5)
+        if variant == "residual":
+            kw["residual"] = torch.randn(m, n, device=dev, dtype=dtype)
+        err = rel(gemv.fused_gemv(x, ws[0], **kw), ref_fused(x, ws[0], **kw))
+        plain = timed_us(lambda: [gemv.gemv(x, w) for w in ws], args.smoke)
+        fused = timed_us(lambda: [gemv.fused_gemv(x, w, **kw) for w in ws], args.smoke)
+        nbytes = n * k * ws[0].element_size()
+        emit(section="fused", shape=name, variant=variant, m=m, plain_us=plain, fused_us=fused,
+             fused_GBps=nbytes / fused / 1e3, err=err)
+        del ws
+
+
 def ragged_lens(b: int, lo: int, hi: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randint(lo, hi) for _ in range(b)]
@@ -293,7 +320,7 @@ def section_rope_store(args: argparse.Namespace, dev: str, dtype: torch.dtype) -
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="gemv,chain,decode,rope_store")
+    ap.add_argument("--only", default="gemv,fused,chain,decode,rope_store")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
@@ -305,6 +332,8 @@ def main() -> int:
     best = section_gemv(args, dev, dtype) if "gemv" in only else {}
     if best:
         emit(section="gemv_best", best=best)
+    if "fused" in only:
+        section_fused(args, dev, dtype)
     if "chain" in only:
         section_chain(args, dev, dtype, best)
     if "decode" in only:

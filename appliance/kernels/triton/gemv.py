@@ -62,7 +62,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_w
     up_rows = w_rows + N * stride_wn  # gated only: the matching rows of the up half
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    sq = tl.zeros([BLOCK_M], tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # reduced after the loop: a reduction inside it stalls the pipeline
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -72,7 +72,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_w
                     other=0.0)
         if NORM:
             xf = x.to(tl.float32)
-            sq += tl.sum(xf * xf, 1)
+            sq += xf * xf
             g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             x = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -81,7 +81,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_w
             wu = tl.load(up_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             acc_up += mma(x, tl.trans(wu), UPCAST)
     if NORM:
-        inv = tl.rsqrt(sq / K + eps)[:, None]
+        inv = tl.rsqrt(tl.sum(sq, 1) / K + eps)[:, None]
         acc = acc * inv
         acc_up = acc_up * inv
     if GATED:
