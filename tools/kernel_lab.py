@@ -3,7 +3,7 @@
 ragged batches, and the attention prologue (q/k norm + rope + KV store) fused vs the unfused chain. Prints one
 JSON line per measurement, then a summary; needs only torch and triton.
 
-    python3 tools/kernel_lab.py [--only gemv,fused,chain,decode,rope_store] [--budget-s 300]
+    python3 tools/kernel_lab.py [--only gemv,chain,decode,rope_store] [--budget-s 300]
     TRITON_INTERPRET=1 python3 tools/kernel_lab.py --smoke      # tiny shapes on the CPU: checks the script
 
 Timing: median per call replayed from a CUDA graph (triton.testing.do_bench_cudagraph). Every timed call cycles
@@ -114,8 +114,8 @@ def section_gemv(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> dict
 def section_chain(args: argparse.Namespace, dev: str, dtype: torch.dtype, best: dict[str, Any]) -> None:
     """A whole Llama-3.1-8B batch-1 step without its attention (32 layers + lm_head, distinct weights), the
     figure the batch-1 target depends on: the GEMVs alone through cuBLAS and through the best config per shape;
-    then with the layer's small ops (two residual-add norms, SiLU-and-mul) as separate kernels, against
-    fused_gemv running them inside the projections (the model's decode path)."""
+    then with the layer's small ops between them (two residual-add norms, SiLU-and-mul), as the model runs them:
+    the difference is what fusing them away could gain at most."""
     from appliance.kernels.triton import activation, norm
 
     layers = 2 if args.smoke else 32
@@ -136,11 +136,7 @@ def section_chain(args: argparse.Namespace, dev: str, dtype: torch.dtype, best: 
 
         def layer(i: int, impl: str, h: torch.Tensor, res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             w = {s: ws[s][i] for s in per_layer}
-            if impl == "fused":
-                qkv = gemv.fused_gemv(h, w["qkv"], gs[2 * i], 1e-5)
-                h = gemv.fused_gemv(qkv[:, :hidden], w["o"], residual=h)  # the attention output's stand-in
-                act = gemv.fused_gemv(h, w["gate_up"], gs[2 * i + 1], 1e-5, gated=True)
-                return gemv.fused_gemv(act, w["down"], residual=h), res
+
             def mm(a: torch.Tensor, s: str) -> torch.Tensor:
                 return F.linear(a, w[s]) if impl == "cublas" else gemv.gemv(a, w[s], config=config(s))
 
@@ -152,49 +148,18 @@ def section_chain(args: argparse.Namespace, dev: str, dtype: torch.dtype, best: 
             return mm(activation.silu_and_mul(gu) if small else gu[:, :inter], "down"), res
 
         def run(impl: str) -> torch.Tensor:
-            h, res = x0, torch.zeros_like(x0)  # the unfused chain's residual; the fused one's stream is h
+            h, res = x0, torch.zeros_like(x0)
             for i in range(layers):
                 h, res = layer(i, impl, h, res)
-            if impl == "triton+small":
-                h = h + res
             if impl == "cublas":
                 return F.linear(h, head)
             return gemv.gemv(h, head, config=config("lm_head"))
 
-        want = run("triton+small")
-        err = rel(run("fused"), want)  # fused vs the separate kernels, over the whole stack
-        emit(section="chain_check", m=m, impl="fused", err=err)
-        for impl in ("cublas", "triton", "triton+small", "fused"):
+        emit(section="chain_check", m=m, impl="triton", err=rel(run("triton"), run("cublas")))
+        for impl in ("cublas", "triton", "triton+small"):
             us = timed_us(lambda impl=impl: run(impl), args.smoke) * COPIES
             emit(section="chain", m=m, impl=impl, ms=us / 1e3, GB=total / 1e9, GBps=total / us / 1e3,
                  configs=f"swept best for {sorted(best)}, else gemv.config_for")
-
-
-FUSED_VARIANTS = (("qkv", "norm"), ("o", "residual"), ("gate_up", "gated"), ("gate_up", "norm+gated"),
-                  ("down", "residual"))
-
-
-def section_fused(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> None:
-    """Each fused_gemv variant against the plain GEMV of the same weight (what the fusion adds to the stream)."""
-    from appliance.kernels.reference.linear import fused_gemv as ref_fused
-
-    shapes = SMOKE if args.smoke else LLAMA_8B
-    for (name, variant), m in itertools.product(FUSED_VARIANTS, (1, 8)):
-        n, k = shapes[name]
-        ws = [torch.randn(n, k, device=dev, dtype=dtype) / k**0.5 for _ in range(COPIES)]
-        x = 3 * torch.randn(m, k, device=dev, dtype=dtype)
-        kw: dict[str, Any] = {"gated": "gated" in variant}
-        if "norm" in variant:
-            kw.update(norm_weight=torch.randn(k, device=dev, dtype=dtype) * 0.1 + 1, eps=1e-5)
-        if variant == "residual":
-            kw["residual"] = torch.randn(m, n, device=dev, dtype=dtype)
-        err = rel(gemv.fused_gemv(x, ws[0], **kw), ref_fused(x, ws[0], **kw))
-        plain = timed_us(lambda: [gemv.gemv(x, w) for w in ws], args.smoke)
-        fused = timed_us(lambda: [gemv.fused_gemv(x, w, **kw) for w in ws], args.smoke)
-        nbytes = n * k * ws[0].element_size()
-        emit(section="fused", shape=name, variant=variant, m=m, plain_us=plain, fused_us=fused,
-             fused_GBps=nbytes / fused / 1e3, err=err)
-        del ws
 
 
 def ragged_lens(b: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -320,7 +285,7 @@ def section_rope_store(args: argparse.Namespace, dev: str, dtype: torch.dtype) -
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="gemv,fused,chain,decode,rope_store")
+    ap.add_argument("--only", default="gemv,chain,decode,rope_store")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
@@ -332,8 +297,6 @@ def main() -> int:
     best = section_gemv(args, dev, dtype) if "gemv" in only else {}
     if best:
         emit(section="gemv_best", best=best)
-    if "fused" in only:
-        section_fused(args, dev, dtype)
     if "chain" in only:
         section_chain(args, dev, dtype, best)
     if "decode" in only:

@@ -30,40 +30,28 @@ _HALF = (torch.bfloat16, torch.float16)  # fp32 stays on torch: tl.dot would rou
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv | None) -> torch.Tensor:
     """x W^T + b: decode-sized batches (<= GEMV_MAX_ROWS rows) through the bound GEMV kernel, the rest through
     torch (cuBLAS on a GPU)."""
-    if gemv is not None and gemv_rows(x) and x.dtype == weight.dtype:
+    if (gemv is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype
+            and x.dtype in _HALF):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def use_gemv_kernel(model: nn.Module, backend: str) -> int:
     """Bind `backend`'s "gemv" op to every linear layer and LM head of `model` (layers whose weight is not in the
-    compute dtype, e.g. fp8, keep their own path), and its "fused_gemv" op to every module that can run its
-    projections fused with their norms, gate and residual at decode batch sizes (`bind_fused_gemv`, e.g. the
-    Llama decoder layer); returns how many linear layers were bound. A backend without its own GEMV (torch)
-    binds nothing: cuBLAS already is torch's. The model runner binds on CUDA devices only."""
+    compute dtype, e.g. fp8, keep their own path); returns how many layers were bound. A backend without its own
+    GEMV (torch) binds nothing: cuBLAS already is torch's. The model runner binds on CUDA devices only."""
     if backend == "torch":
         return 0
     try:
         op = registry.get("gemv", backend)
     except KeyError:
         return 0
-    try:
-        fused = registry.get("fused_gemv", backend)
-    except KeyError:
-        fused = None
     bound = 0
     for module in model.modules():
         if hasattr(module, "gemv"):
             module.gemv = op
             bound += 1
-        if fused is not None and hasattr(module, "bind_fused_gemv"):
-            module.bind_fused_gemv(fused)
     return bound
-
-
-def gemv_rows(x: torch.Tensor) -> bool:
-    """Whether x is a batch the GEMV kernels take: 2-D, 1..GEMV_MAX_ROWS rows, half precision."""
-    return x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype in _HALF
 
 
 def _param(*shape: int) -> nn.Parameter:

@@ -6,7 +6,7 @@ fused `qkv_proj` and `gate_up_proj`, which `load_weights` fills from the separat
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,7 +19,6 @@ from appliance.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    gemv_rows,
 )
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import RotaryEmbedding, rope_parameters
@@ -60,19 +59,16 @@ class LlamaAttention(nn.Module):
         self._rope_store = fused_rope_store(backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.attend_qkv(positions, self.qkv_proj(x), meta))
-
-    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The attention output, before o_proj, from the qkv projection's output."""
+        qkv = self.qkv_proj(x)
         if self._rope_store is None:
-            return self._unfused(positions, qkv, meta)
+            return self.o_proj(self._unfused(positions, qkv, meta))
         k_cache, v_cache = self.attn.kv_cache()
         qn, kn = self.q_norm, self.k_norm
         q = self._rope_store(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                              self.rotary.cos_sin_cache, self.rotary.is_neox,
                              qn.weight if qn is not None else None, kn.weight if kn is not None else None,
                              qn.eps if qn is not None else 0.0, k_cache, v_cache, meta.slot_mapping)
-        return self.attn.attend(q, meta)
+        return self.o_proj(self.attn.attend(q, meta))
 
     def _unfused(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = qkv.shape[0]
@@ -102,8 +98,6 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    fused_gemv: Callable[..., torch.Tensor] | None = None  # bind_fused_gemv sets it (subclasses may not call init)
-
     def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, backend)
@@ -122,39 +116,6 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def bind_fused_gemv(self, op: Callable[..., torch.Tensor]) -> None:
-        """Use `op` (kernels/triton/gemv.py: fused_gemv) for decode batches when every projection can stream
-        through it: a dense MLP, weights in the compute dtype (not fp8), no bias but qkv's. Else stay unfused."""
-        a, mlp = self.self_attn, self.mlp
-        if not isinstance(a, LlamaAttention) or not isinstance(mlp, LlamaMLP):
-            return
-        projs = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        dtypes = {p.weight.dtype for p in projs}
-        if len(dtypes) != 1 or dtypes.isdisjoint((torch.bfloat16, torch.float16)):
-            return
-        if any(p.bias is not None for p in projs[1:]):
-            return
-        self.fused_gemv = op
-
-    def forward_stream(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The layer at decode batch sizes (<= GEMV_MAX_ROWS rows) in four GEMV launches around attention: h is
-        the residual stream (the unfused path's x + residual, summed); each norm runs inside the projection
-        that reads it, SiLU-and-mul inside gate_up, each residual add inside the projection that writes it."""
-        f = self.fused_gemv
-        assert f is not None
-        a, mlp, n1, n2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv = f(h, a.qkv_proj.weight, n1.weight, n1.eps)
-        if a.qkv_proj.bias is not None:
-            qkv = qkv + a.qkv_proj.bias
-        h = self._add_projection(a.o_proj, a.attend_qkv(positions, qkv, meta), h)
-        return self._add_projection(mlp.down_proj, f(h, mlp.gate_up_proj.weight, n2.weight, n2.eps, gated=True), h)
-
-    def _add_projection(self, proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if proj.tp_size == 1:  # nothing to all-reduce: the add runs in the GEMV
-            assert self.fused_gemv is not None
-            return self.fused_gemv(x, proj.weight, residual=residual)
-        return residual + proj(x)
-
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
@@ -166,10 +127,6 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if gemv_rows(x) and all(layer.fused_gemv is not None for layer in self.layers):
-            for layer in self.layers:
-                x = layer.forward_stream(positions, x, meta)
-            return self.norm(x)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)

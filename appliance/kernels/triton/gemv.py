@@ -1,5 +1,4 @@
-"""Skinny matmul y = x W^T for decode batches (M <= 16 rows): a weight-streaming GEMV, plain or fused with the
-decoder layer's neighbouring ops.
+"""Skinny matmul y = x W^T for decode batches (M <= 16 rows): a weight-streaming GEMV.
 
 At batch 1..16 a decode step's linear layers read every weight byte once and do almost no arithmetic, so their
 time is the weight bytes over the memory bandwidth. On the H100 cuBLAS streams Llama-3.1-8B's matrices at
@@ -9,13 +8,9 @@ and stay in L2. `split_k` > 1 cuts K across programs and adds the partial sums w
 buffer: a tuning option for tall-and-narrow weights (few output columns, long K), which never won on the H100
 shapes measured so far.
 
-`fused_gemv` removes the small kernels between a layer's GEMVs (each costs a launch and a ramp that a
-weight-streaming step cannot hide at batch 1):
-- norm: y = rms_norm(x) * g @ W^T. The sum of squares of each x row accumulates in the same K loop that feeds
-  the product with x * g, and the row's 1 / rms scales the accumulator at the end: no pre-pass, so the weights
-  start streaming at once (a pre-pass version was slower than the separate norm kernel; docs/benchmarks.md).
-- gated: W = [gate; up] stacked; a program streams matching rows of both halves and stores silu(gate) * up.
-- residual: y = x W^T + r, the next residual stream.
+Programmatic dependent launch (each program loading its first weight tile before waiting for the previous
+kernel) was tried and did not pay (docs/benchmarks.md, fifth run); fusing the layer's RMSNorm, SiLU-and-mul and
+residual add into these GEMVs was slower too (sixth run).
 """
 from __future__ import annotations
 
@@ -32,7 +27,7 @@ from appliance.kernels.triton.common import INTERPRET, mma
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_n: int = 32  # weight rows per program (a gated GEMV takes half from each half of W)
+    block_n: int = 32
     block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
@@ -48,21 +43,17 @@ def config_for(n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
-                 k_per_split, eps,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
-                 UPCAST: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+                 UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns (gated: rows of the gate half)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_rows + N * stride_wn  # gated only: the matching rows of the up half
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # reduced after the loop: a reduction inside it stalls the pipeline
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -70,26 +61,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_w
         k_mask = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        if NORM:
-            xf = x.to(tl.float32)
-            sq += xf * xf
-            g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += mma(x, tl.trans(w), UPCAST)
-        if GATED:
-            wu = tl.load(up_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc_up += mma(x, tl.trans(wu), UPCAST)
-    if NORM:
-        inv = tl.rsqrt(tl.sum(sq, 1) / K + eps)[:, None]
-        acc = acc * inv
-        acc_up = acc_up * inv
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    mask = m_mask[:, None] & n_mask[None, :]
-    if RESIDUAL:
-        acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
     if ATOMIC:
         tl.atomic_add(out, acc, mask=mask)
     else:
@@ -122,41 +97,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          else torch.empty(m, n, dtype=x.dtype, device=x.device))
     if m and n:
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-            x, weight, y, x, x, m, n, k, x.stride(0), weight.stride(0), y.stride(0), 0, k_per, 0.0,
+            x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per,
             BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ATOMIC=atomic,
-            UPCAST=INTERPRET or x.dtype == torch.float32, NORM=False, GATED=False, RESIDUAL=False,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            UPCAST=INTERPRET or x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = y.to(x.dtype) if atomic else y
     return y + bias if bias is not None else y
-
-
-@register("fused_gemv", "triton")
-def fused_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-               residual: torch.Tensor | None = None, gated: bool = False,
-               config: GemvConfig | None = None) -> torch.Tensor:
-    """The reference's contract (kernels/reference/linear.py); split-K configs are refused (the norm needs the
-    whole row in one program)."""
-    x = _check(x, weight, "fused_gemv")
-    m, k = x.shape
-    rows = weight.shape[0]
-    n = rows // 2 if gated else rows
-    if gated and rows % 2:
-        raise ValueError(f"fused_gemv: a gated weight stacks two halves; {rows} rows do not split")
-    if norm_weight is not None and norm_weight.shape != (k,):
-        raise ValueError(f"fused_gemv: norm weight {tuple(norm_weight.shape)} does not match K = {k}")
-    if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
-        raise ValueError(f"fused_gemv: residual {tuple(residual.shape)} is not a contiguous-row [{m}, {n}]")
-    cfg = config or config_for(rows, k)
-    if cfg.split_k > 1:
-        raise ValueError("fused_gemv: split-K cannot fuse a norm, a gate or a residual")
-    block_n = cfg.block_n // 2 if gated else cfg.block_n
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m and n:
-        g = norm_weight if norm_weight is not None else x
-        r = residual if residual is not None else x
-        _gemv_kernel[(triton.cdiv(n, block_n), 1)](
-            x, weight, y, g, r, m, n, k, x.stride(0), weight.stride(0), y.stride(0), r.stride(0), k, eps,
-            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=cfg.block_k, ATOMIC=False,
-            UPCAST=INTERPRET or x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
-            RESIDUAL=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y

@@ -163,19 +163,6 @@ def gemv_inputs(rows: int, n: int, k: int, dtype: torch.dtype, device: str, bias
     return Inputs((x, w, b), w.numel() * w.element_size(), extra)
 
 
-def fused_gemv_inputs(rows: int, n: int, k: int, dtype: torch.dtype, device: str, norm: bool, gated: bool,
-                      residual: bool, seed: int = 0) -> Inputs:
-    """x of a residual stream's scale (std 3: the norm matters), a norm weight around 1, a residual of order one;
-    n counts the weight's rows (gated: both halves)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = (3 * torch.randn(rows, k, generator=gen)).to(dtype).to(device)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device)
-    g = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype).to(device) if norm else None
-    out = n // 2 if gated else n
-    r = torch.randn(rows, out, generator=gen).to(dtype).to(device) if residual else None
-    return Inputs((x, w, g, 1e-5, r, gated), w.numel() * w.element_size())
-
-
 def sample_inputs(batch: int, vocab: int, dtype: torch.dtype, device: str, mode: str, seed: int = 0) -> Inputs:
     """mode: greedy, plain (temperature only), filtered (top-k, top-p and min-p mixed per row), mixed."""
     gen = torch.Generator().manual_seed(seed)
@@ -269,10 +256,6 @@ def small_cases(device: str = "cpu") -> list[Case]:
         ("gemv", "bf16-m1-ragged", lambda: gemv_inputs(1, 50, 70, bf, d)),
         ("gemv", "f16-m5-bias", lambda: gemv_inputs(5, 40, 96, f16, d, bias=True)),
         ("gemv", "f32-m16-splitk3", lambda: gemv_inputs(16, 33, 200, f32, d, split_k=3)),
-        ("fused_gemv", "bf16-m1-norm", lambda: fused_gemv_inputs(1, 50, 70, bf, d, True, False, False)),
-        ("fused_gemv", "f16-m3-norm-gated", lambda: fused_gemv_inputs(3, 64, 96, f16, d, True, True, False)),
-        ("fused_gemv", "f32-m5-residual", lambda: fused_gemv_inputs(5, 40, 100, f32, d, False, False, True)),
-        ("fused_gemv", "bf16-m16-gated-ragged", lambda: fused_gemv_inputs(16, 38, 40, bf, d, False, True, False)),
         ("sample", "greedy-bf16", lambda: sample_inputs(4, 700, bf, d, "greedy")),
         ("sample", "plain-f32", lambda: sample_inputs(4, 300, f32, d, "plain")),
         ("sample", "filtered-f32", lambda: sample_inputs(6, 500, f32, d, "filtered")),
@@ -314,12 +297,6 @@ def realistic_cases(device: str = "cuda") -> list[Case]:
             ("gemv", f"{name}-m1-qkv", lambda dt=dt: gemv_inputs(1, 6144, 4096, dt, d)),
             ("gemv", f"{name}-m16-down-bias", lambda dt=dt: gemv_inputs(16, 4096, 14336, dt, d, bias=True)),
             ("gemv", f"{name}-m3-splitk4", lambda dt=dt: gemv_inputs(3, 1000, 14336, dt, d, split_k=4)),
-            ("fused_gemv", f"{name}-m1-qkv-norm", lambda dt=dt: fused_gemv_inputs(1, 6144, 4096, dt, d, True, False,
-                                                                                   False)),
-            ("fused_gemv", f"{name}-m8-gate-up-norm", lambda dt=dt: fused_gemv_inputs(8, 28672, 4096, dt, d, True, True,
-                                                                                      False)),
-            ("fused_gemv", f"{name}-m16-down-residual", lambda dt=dt: fused_gemv_inputs(16, 4096, 14336, dt, d, False,
-                                                                                        False, True)),
         ]
     cases += [
         ("sample", "mixed-bf16", lambda: sample_inputs(64, 32000, bf, d, "mixed")),
