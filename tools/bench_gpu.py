@@ -27,7 +27,9 @@ freed):
            the weight-read floor = weight bytes read per step / copy bandwidth); then N x 1024 in / 1024 out,
            ignore_eos, output tok/s (N = 1000, or --tput-prompts; --quick uses 256 and the table says so)
   llama_tput  the llama section without its batch-1 part: N x 1024/1024 only (N = 1000 unless --tput-prompts)
-  profile  torch.profiler over 20 decode steps of 256 running qwen3-0.6b requests (profile.txt)
+  profile  torch.profiler over 20 decode steps of --profile-batch (256) running --profile-preset requests
+           (profile.txt)
+  run_profile  the qwen workload whole under torch.profiler: device seconds per kernel category, GPU idle share
   serving  `appliance serve` (Llama-3.1-8B, dummy) + tools/bench_serving.py, random 1024/256, ignore_eos, at max
            concurrency --serving-concurrency (1,16,64) with --serving-prompts (8,64,192): TTFT / TPOT / ITL
            mean, p50, p99 and output tok/s per level (tools/gpu_sections_serving.py)
@@ -75,7 +77,7 @@ from gpu_measure import (
 )
 
 SECTION_CAPS = {"copy": 60, "tiny": 90, "qwen": 170, "llama": 300, "llama_tput": 480, "profile": 120,
-                "serving": 240, "hf": 120}
+                "run_profile": 150, "serving": 240, "hf": 120}
 GROWS = ("llama", "llama_tput")  # sections that take whatever budget is left beyond their cap
 
 
@@ -215,6 +217,7 @@ def section_llama_tput(rec: Recorder, args: argparse.Namespace) -> None:
 
 SECTIONS = {"copy": section_copy, "tiny": section_tiny, "qwen": section_qwen, "llama": section_llama,
             "llama_tput": section_llama_tput, "profile": gpu_sections_profile.section_profile,
+            "run_profile": gpu_sections_profile.section_run_profile,
             "serving": gpu_sections_serving.section_serving, "hf": gpu_sections_hf.section_hf}
 
 

@@ -56,3 +56,49 @@ def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
     dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka)
     rec["device_ms_per_step"] = round(dev_us / steps / 1e3, 3)
     print(ka.table(sort_by=sort, row_limit=15), flush=True)
+
+
+# kernel name fragment -> category of the run profile (first match wins; names as torch.profiler shows them)
+CATEGORIES = (("decode attention", ("_decode_kernel", "_merge_kernel")), ("prefill attention", ("_prefill",)),
+              ("GEMV (<= 16 rows)", ("_gemv_kernel",)), ("GEMM (cuBLAS)", ("gemm", "nvjet", "xmma", "cutlass", "sm90")),
+              ("norm, rope+store, SiLU", ("_rms_norm", "_rope", "_silu", "_store")),
+              ("sampling", ("_sample", "_chunk_kernel", "argmax", "_row_kernel")),
+              ("copies, gathers, casts (torch)", ("at::native", "Memcpy", "Memset")))
+
+
+def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
+    """Where a whole throughput run goes: the Qwen3-0.6B workload (256 sequences, in/out uniform [100, 1024], seed
+    0) once plain for its wall time, then under torch.profiler (device activity only); device time per kernel
+    category, and the GPU's idle share = 1 - busy / wall of the plain run."""
+    import torch
+    from bench_offline import PRESETS
+    from gpu_measure import _prompts, _throughput
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = TINY if args.smoke else PRESETS["qwen3-0.6b"]
+    k = 16 if args.smoke else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = _llm(cfg, Path(tmp), enable_prefix_caching=False)
+    llm.executor.runner.capture_graphs(2048)
+    rng = random.Random(0)
+    n = 256 // k
+    in_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
+    out_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
+    prompts = _prompts(rng, cfg["vocab_size"], in_lens)
+    _throughput(llm, prompts[:16], [8] * 16)  # compiles what the run meets
+    plain = _throughput(llm, prompts, out_lens)
+    rec["plain"] = plain
+    acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        rec["profiled"] = _throughput(llm, prompts, out_lens)
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if not us:
+            continue
+        cat = next((c for c, frags in CATEGORIES if any(f in e.key for f in frags)), "other: " + e.key[:60])
+        totals[cat] = totals.get(cat, 0.0) + us / 1e6
+    busy = sum(totals.values())
+    rec["device_s_by_category"] = {c: round(s, 3) for c, s in sorted(totals.items(), key=lambda kv: -kv[1])[:14]}
+    rec["device_busy_s"] = round(busy, 3)
+    rec["gpu_idle_share_of_plain_wall"] = round(1 - busy / plain["elapsed_s"], 3) if plain["elapsed_s"] else None
