@@ -69,7 +69,9 @@ CATEGORIES = (("decode attention", ("_decode_kernel", "_merge_kernel")), ("prefi
 def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
     """Where a whole throughput run goes: the Qwen3-0.6B workload (256 sequences, in/out uniform [100, 1024], seed
     0) once plain for its wall time, then under torch.profiler (device activity only); device time per kernel
-    category, and the GPU's idle share = 1 - busy / wall of the plain run."""
+    category, and the GPU's idle share = 1 - busy / wall of the plain run. Then once under cProfile: the host's
+    share (the GPU idles whenever a step's host work outlasts the step in flight), top functions in
+    host_profile.txt beside the JSON."""
     import torch
     from bench_offline import PRESETS
     from gpu_measure import _prompts, _throughput
@@ -102,3 +104,16 @@ def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
     rec["device_s_by_category"] = {c: round(s, 3) for c, s in sorted(totals.items(), key=lambda kv: -kv[1])[:14]}
     rec["device_busy_s"] = round(busy, 3)
     rec["gpu_idle_share_of_plain_wall"] = round(1 - busy / plain["elapsed_s"], 3) if plain["elapsed_s"] else None
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    rec["cprofiled"] = _throughput(llm, prompts, out_lens)
+    host.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(host, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(45)
+    Path(args.section_json).with_name("host_profile.txt").write_text(text.getvalue())
