@@ -139,6 +139,8 @@ def _replay_ms(runner: Any) -> Any:
     if graphs is None or graphs.last_key is None or not torch.cuda.is_available():
         return None
     replay = graphs.graphs[graphs.last_key]
+    lens = runner.block_table.lens
+    saved = lens.clone()  # each replay advances its rows' positions (executor/cuda_graph.py): put them back
     times = []
     for _ in range(20):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -146,6 +148,7 @@ def _replay_ms(runner: Any) -> Any:
         replay()
         b.record()
         b.synchronize()
+        lens.copy_(saved)
         times.append(a.elapsed_time(b))
     return {"key": str(graphs.last_key), "ms": round(statistics.median(times), 3)}
 

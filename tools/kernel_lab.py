@@ -198,7 +198,14 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
             "qwen b256 ragged 100-2048 (w2048)": (ragged_lens(256, 100, 2048, 0), 16, 8, 2048),
             "llama b200 ragged 1024-2048 (w2048)": (ragged_lens(200, 1024, 2048, 1), 32, 8, 2048),
         }
+        # the shrinking batches of the Qwen3 throughput run: fewer sequences, as ragged
+        cases.update({f"qwen b{b} ragged 100-2048 (w2048)": (ragged_lens(b, 100, 2048, b), 16, 8, 2048)
+                      for b in (16, 32, 64, 128)})
         knobs = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 1, 2, 4, 8, 16, 32)))
+        if args.decode_splits_only:  # the tuned tile, every split factor
+            knobs = [(decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES, s) for s in (None, 1, 2, 4, 8, 16, 32)]
+        if args.decode_cases:
+            cases = {k: v for k, v in cases.items() if any(f in k for f in args.decode_cases.split(","))}
     saved = (decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES)
     for name, (lens, h, hkv, width) in cases.items():
         q, caches, table, seq, kv_bytes = decode_case(lens, h, hkv, width, dev, dtype)
@@ -289,6 +296,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
+    ap.add_argument("--decode-cases", default="", help="comma list of fragments of decode case names to run")
+    ap.add_argument("--decode-splits-only", action="store_true", help="decode: only the split factor varies")
     args = ap.parse_args()
     dev = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16

@@ -8,13 +8,18 @@ the width is bucketed to a power of two of blocks, which keeps the split factor 
 needs instead of what max_model_len allows. Graphs are captured lazily on first use (or all at once by
 `capture_all`) into one shared memory pool; every graph reads the same static input buffers and writes its
 hidden states into one static output, so only the final hidden states stay allocated.
-Block tables are not inputs: the static inputs hold each row's index into the runner's persistent device
-table (executor/request_table.py; pad rows point at its all-zero row 0) and the gather of the rows, narrowed to
-the key's width, is captured inside the graph. So a step uploads 5 x batch int64 (ids, positions, slots,
-seq_lens, rows) plus the block ids the device lacks, in one copy, and scatters those into the table before
-the replay; eager steps gather the same table at the same bucketed width, so both are numerically identical.
-(Gathering outside the graph into a static table buffer would cost a launch per step and an extra
-batch x width buffer per graph width; inside, the graph reads the persistent table directly.)
+Block tables, positions, slots and seq_lens are not uploaded: the static inputs hold each row's token id and
+its index into the runner's persistent device state (executor/request_table.py; pad rows point at its all-zero
+row 0). Captured inside the graph, before the forward: the `decode_positions` kernel (one launch) computes the
+rows' positions, seq_lens and slots from the rows' device lengths and tables and advances the lengths, and the
+gather of the rows' tables narrowed to the key's width. So a step uploads 2 x batch int64 (ids, rows) plus the
+length corrections and the block ids the device lacks, in one copy, and scatters those before the replay;
+eager steps compute the same inputs with the same kernel and gather the same table at the same bucketed width,
+so both are numerically identical. Each replay consumes one position per real row: replaying a graph again
+without a new `run` moves those rows on (benchmarks that re-replay must restore `table.lens`). Capture and its
+warm-up run all-padding rows, which change nothing. (Gathering outside the graph into a static table buffer
+would cost a launch per step and an extra batch x width buffer per graph width; inside, the graph reads the
+persistent table directly.)
 On a CPU (tests) the same class runs the forward over the same padded static buffers without capturing, so
 the padding and bucketing logic is exercised against the torch reference kernels.
 
@@ -34,7 +39,7 @@ import torch
 from appliance.executor.input_batch import (
     Chunk,
     Stager,
-    build_decode_arrays,
+    build_graph_rows,
     graph_stride,
     table_width,
 )
@@ -100,9 +105,13 @@ class DecodeGraphs:
         self.max_blocks, self.block_size = max_blocks, block_size
         top = graph_stride(sizes[-1])
         self.cuda = device.type == "cuda"
-        # [ids | positions | slots | seq_lens | rows] of the key's stride, then room for the step's delta
-        self.buf = torch.zeros(5 * top + 2 * DELTA_ROOM * top, dtype=torch.int64, device=device)
+        # the upload: [ids | rows] of the key's stride, the length corrections (at most one per row), then room
+        # for the step's block delta; positions, slots and seq_lens are written on the device (DeviceBlockTable.
+        # advance) into their own static buffers, at 32-byte aligned offsets
+        self.buf = torch.zeros(4 * top + 2 * DELTA_ROOM * top, dtype=torch.int64, device=device)
         self.host = torch.zeros(self.buf.numel(), dtype=torch.int64, pin_memory=self.cuda)
+        self.computed = torch.zeros(2 * top, dtype=torch.int64, device=device)  # [positions | slots]
+        self.seq_lens = torch.zeros(top, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(sizes[-1], hidden_size, dtype=dtype, device=device)
         self._no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
         self.graphs: dict[GraphKey, Callable[[], None]] = {}  # replay functions
@@ -131,26 +140,33 @@ class DecodeGraphs:
         return GraphKey(batch, width_bucket(table_width(decodes), self.max_blocks))
 
     def _body(self, key: GraphKey) -> None:
-        """What a graph runs: cast seq_lens, gather the rows' tables, forward into the static output."""
+        """What a graph runs: the rows' positions, slots and seq_lens from the device lengths (advancing them),
+        the rows' tables gathered, the forward into the static output."""
         assert self.table is not None
         b, w, s = key.batch, key.width, graph_stride(key.batch)
+        rows, top = self.buf[s : s + b], self.seq_lens.shape[0]
+        positions, slots = self.computed[:b], self.computed[top : top + b]
+        self.table.advance(rows, self.block_size, positions, slots, self.seq_lens[:b])
         meta = AttentionMetadata(
-            slot_mapping=self.buf[2 * s : 2 * s + b], num_decode_tokens=b,
-            decode_block_tables=self.table.gather(self.buf[4 * s : 4 * s + b], w),
-            decode_seq_lens=self.buf[3 * s : 3 * s + b].to(torch.int32),
+            slot_mapping=slots, num_decode_tokens=b, decode_block_tables=self.table.gather(rows, w),
+            decode_seq_lens=self.seq_lens[:b],
             prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
             prefill_block_tables=self._no_prefill[:0].view(0, 1))
-        self.hidden[:b].copy_(self.forward(self.buf[:b], self.buf[s : s + b], meta))
+        self.hidden[:b].copy_(self.forward(self.buf[:b], positions, meta))
 
     def _fill(self, decodes: list[Chunk], key: GraphKey) -> None:
-        """Upload the static inputs and the delta in one copy, then scatter the delta into the table."""
+        """Upload [ids | rows], the length corrections and the block delta in one copy, then scatter the
+        corrections and the delta into the table (before the replay, whose kernels read them)."""
         assert self.table is not None
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffer is about to be overwritten
         host = self.host.numpy()
-        build_decode_arrays(decodes, self.block_size, key.batch, key.width, host)
+        build_graph_rows(decodes, self.block_size, key.batch, key.width, host)
         index, blocks = self.table.delta(c.state for c in decodes)
-        n, k = 5 * graph_stride(key.batch), index.shape[0]
+        corrections = self.table.lens_delta(decodes)
+        n, m, k = 2 * graph_stride(key.batch), corrections.shape[1], index.shape[0]
+        host[n : n + 2 * m] = corrections.reshape(-1)  # at most one per row: always fits
+        n += 2 * m
         inline = n + 2 * k <= host.shape[0]
         if inline:
             host[n : n + k], host[n + k : n + 2 * k] = index, blocks
@@ -164,6 +180,8 @@ class DecodeGraphs:
             self.table.apply(delta[:k], delta[k:])
         elif k:
             self.table.apply(self.buf[n - 2 * k : n - k], self.buf[n - k : n])
+        at = 2 * graph_stride(key.batch)
+        self.table.set_lens(self.buf[at : at + m], self.buf[at + m : at + 2 * m])
 
     def capture(self, key: GraphKey) -> None:
         if key in self.graphs:

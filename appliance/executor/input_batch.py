@@ -6,11 +6,13 @@ block_ids[t // block_size] * block_size + t % block_size.
 
 Host cost matters here (it is paid every step, before the GPU can start): inputs are built with numpy into
 one int64 array, staged in pinned memory and sent with a single non-blocking copy; the int32 fields (sequence
-lengths, table rows, new block ids) are cast on the device in one launch. With the runner's persistent
-device tables (executor/request_table.py) a row sends its table row index and only the block ids the device
-lacks; its block table is gathered on the device. Without one (warm-up, profiling, the drafter's catch-up)
-the tables are built here. `build_decode_arrays` fills the fixed-shape, padded layout that a captured CUDA
-graph reads (executor/cuda_graph.py).
+lengths, new block ids, prefill table rows) are cast on the device in one launch. With the runner's persistent
+device state (executor/request_table.py) a row sends its table row index and only the deltas the device lacks
+(new block ids, length corrections); its block table is gathered on the device, and a one-token row's position,
+seq_len and slot are computed there (`DeviceBlockTable.advance`): the host sends [token id | table row] per
+decode row (`decode_ids`). Multi-token chunks keep host-built positions. Without device state (warm-up,
+profiling, the drafter's catch-up) positions and tables are built here (`decode_rows`). `build_graph_rows`
+fills the fixed-shape, padded upload that a captured CUDA graph reads (executor/cuda_graph.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from appliance.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from appliance.executor.request_table import DeviceBlockTable
+
+
+UNKNOWN_POSITION = -1  # RequestState.pos_on_device of a row whose device length the host does not know
 
 
 @dataclass
@@ -43,9 +48,11 @@ class RequestState:
     # on the device (that step's sampled-ids tensor, row): the next decode reads its input id from there
     num_pending: int = 0
     pending_at: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
-    # its row of the runner's device block table (0: none yet) and how many of block_ids are written there
+    # its row of the runner's device block table (0: none yet), how many of block_ids are written there, and
+    # the row's computed length on the device as the host knows it (request_table.py; -1: unknown)
     table_row: int = 0
     blocks_on_device: int = 0
+    pos_on_device: int = UNKNOWN_POSITION
     _blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
 
     @property
@@ -115,8 +122,8 @@ def fill_block_table(out: np.ndarray, chunks: list[Chunk]) -> None:
 
 
 def decode_rows(decodes: list[Chunk], block_size: int) -> np.ndarray:
-    """[4, n] int64 of one-token rows: token ids, positions, slots, device table rows. One pass over the rows
-    (this loop is most of a decode step's host cost)."""
+    """[4, n] int64 of one-token rows built on the host: token ids, positions, slots, device table rows (the
+    path without device tables, and the oracle of the device-computed ones)."""
     flat: list[int] = []
     for c in decodes:
         s, p = c.state, c.start
@@ -128,6 +135,19 @@ def decode_rows(decodes: list[Chunk], block_size: int) -> np.ndarray:
     return np.array(flat, dtype=np.int64).reshape(len(decodes), 4).T
 
 
+def decode_ids(decodes: list[Chunk], block_size: int) -> np.ndarray:
+    """[2, n] int64 of one-token rows whose positions, slots and seq_lens the device computes (request_table.py):
+    token ids and device table rows. One pass over the rows (this loop is most of a decode step's host cost)."""
+    flat: list[int] = []
+    for c in decodes:
+        s, p = c.state, c.start
+        if p >= len(s.block_ids) * block_size:
+            _check_blocks(c, block_size)  # raises, with the message
+        tokens = s.token_ids
+        flat += (tokens[p] if p < len(tokens) else 0, s.table_row)  # 0: in flight (the runner writes it)
+    return np.array(flat, dtype=np.int64).reshape(len(decodes), 2).T
+
+
 _ALIGN = 4  # elements: 16 bytes of int32 (and 32 of int64)
 
 
@@ -136,11 +156,24 @@ def graph_stride(batch: int) -> int:
     return _ALIGN * -(-batch // _ALIGN)
 
 
+def build_graph_rows(decodes: list[Chunk], block_size: int, batch: int, width: int, out64: np.ndarray) -> None:
+    """Fill a CUDA graph's padded upload: out64 = [ids | table rows], two segments of graph_stride(batch). Pad
+    rows: token 0, table row 0 (the device table's all-zero row, which `DeviceBlockTable.advance` gives position
+    0, seq_len 0 and slot -1: nothing is stored, decode attention reads no block and writes zeros)."""
+    n = len(decodes)
+    if n > batch or table_width(decodes) > width:
+        raise ValueError(f"{n} decode rows / width {table_width(decodes)} do not fit a graph of {batch} x {width}")
+    stride = graph_stride(batch)
+    v = out64[: 2 * stride].reshape(2, stride)
+    v[:, :n] = decode_ids(decodes, block_size)
+    v[:, n:] = 0
+
+
 def build_decode_arrays(decodes: list[Chunk], block_size: int, batch: int, width: int, out64: np.ndarray) -> None:
-    """Fill a CUDA graph's padded layout: out64 = [ids | positions | slots | seq_lens | table rows], five
-    segments of graph_stride(batch). Pad rows: token 0 at position 0, slot -1 (not stored), seq_len 0 (the
-    decode kernel writes zeros and reads no block), table row 0 (the device table's all-zero row). The graph
-    gathers the block tables of the rows on the device (executor/request_table.py)."""
+    """The host-built equivalent of a graph's padded inputs once the device computed them: out64 = [ids |
+    positions | slots | seq_lens | table rows], five segments of graph_stride(batch); pad rows: token 0 at
+    position 0, slot -1, seq_len 0, table row 0. No step uploads this any more (build_graph_rows and
+    DeviceBlockTable.advance replace it): it is the oracle the device path is tested against."""
     n = len(decodes)
     if n > batch or table_width(decodes) > width:
         raise ValueError(f"{n} decode rows / width {table_width(decodes)} do not fit a graph of {batch} x {width}")
@@ -179,14 +212,21 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
     stager: the runner's pinned staging buffer (default: a plain copy).
     pad_prefills: pad the prefill sequence count to a power of two with empty sequences (cu_seqlens repeated,
     seq_len 0) and the prefill table width to a multiple of 16, so kernel specialisations recur (GPU runner).
-    table: the runner's persistent device tables: rows send their table row and only the block ids the device
-    lacks (written by one scatter), the tables are gathered on the device. None: tables are built here.
+    table: the runner's persistent device state: rows send their table row and only the block ids and length
+    corrections the device lacks (one scatter each), the tables are gathered on the device and the one-token
+    rows' positions, slots and seq_lens computed there (which advances the table's lengths: every call with a
+    table must be followed by the forward it builds). None: everything is built here, nothing on the device
+    changes.
     """
     decodes, prefills = order_chunks(chunks)
     ordered = decodes + prefills
     nd, npf = len(decodes), len(prefills)
     npad = padded_count(npf) - npf if pad_prefills else 0
-    ids_d, pos_d, slots_d, rows_d = decode_rows(decodes, block_size)
+    if table is not None:  # positions, slots and seq_lens of decode rows: table.advance on the device
+        ids_d, rows_d = decode_ids(decodes, block_size)
+        pos_d = slots_d = np.zeros(nd, dtype=np.int64)
+    else:
+        ids_d, pos_d, slots_d, rows_d = decode_rows(decodes, block_size)
     ids_l, pos_l, slots_l = [ids_d], [pos_d], [slots_d]
     row_starts = list(range(nd))
     cu = [0]
@@ -204,42 +244,46 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
     wp = -(-table_width(prefills) // 16) * 16 if pad_prefills else table_width(prefills)
     cu += [cu[-1]] * npad
     npf += npad
-    # int64 head: ids, positions, slots, delta indices; int32 tail (cast on the device): seq lens, cu, then
-    # the delta's block ids and the table rows (device tables) or the block tables themselves
+    # int64 head: ids, positions, slots, then with device tables the block-delta indices, the length
+    # corrections (rows, values) and the decode rows' table rows (int64 like a graph's: one kernel variant);
+    # int32 tail (cast on the device): seq lens, cu, then the delta's block ids and the prefill rows' table
+    # rows (device tables) or the block tables themselves
     if table is not None:
         d_index, d_blocks = table.delta(c.state for c in ordered)
-        k = d_index.shape[0]
-        sizes = [t, t, t, k, nd, npf + 1, npf, k, nd, npf]
+        corrections = table.lens_delta(ordered)
+        k, m = d_index.shape[0], corrections.shape[1]
+        sizes = [t, t, t, k, m, m, nd, nd, npf + 1, npf, k, npf]
     else:
-        k = 0
-        sizes = [t, t, t, 0, nd, npf + 1, npf, nd * wd, npf * wp]
+        sizes = [t, t, t, 0, 0, 0, 0, nd, npf + 1, npf, nd * wd, npf * wp]
     seg, total = _layout(sizes)
     flat = np.zeros(total, dtype=np.int64)
     flat[seg[0]] = np.concatenate(ids_l)
     flat[seg[1]] = np.concatenate(pos_l)
     flat[seg[2]] = np.concatenate(slots_l)
-    flat[seg[4]] = pos_d + 1
-    flat[seg[5]] = cu
-    flat[seg[6]] = [c.start + c.num_tokens for c in prefills] + [0] * npad
+    flat[seg[8]] = cu
+    flat[seg[9]] = [c.start + c.num_tokens for c in prefills] + [0] * npad
     if table is not None:
-        flat[seg[3]] = d_index
-        flat[seg[7]] = d_blocks
-        flat[seg[8]] = rows_d
-        flat[seg[9]] = [c.state.table_row for c in prefills] + [0] * npad  # padding reads the zero row
+        flat[seg[3]], flat[seg[4]], flat[seg[5]], flat[seg[6]] = d_index, corrections[0], corrections[1], rows_d
+        flat[seg[10]] = d_blocks
+        flat[seg[11]] = [c.state.table_row for c in prefills] + [0] * npad  # padding reads the zero row
     else:
-        fill_block_table(flat[seg[7]].reshape(nd, wd), decodes)
-        fill_block_table(flat[seg[8]].reshape(npf, wp), prefills)
-    split = seg[4].start
+        flat[seg[7]] = pos_d + 1
+        fill_block_table(flat[seg[10]].reshape(nd, wd), decodes)
+        fill_block_table(flat[seg[11]].reshape(npf, wp), prefills)
+    split = seg[7].start
     if device.type == "cuda":  # one copy, then one cast launch for the int32 tail
         dev = (stager or Stager(device)).send(flat)
         head, tail = dev[:split], dev[split:].to(torch.int32)
     else:
         head = torch.from_numpy(flat[:split]).to(device)
         tail = torch.from_numpy(flat[split:].astype(np.int32)).to(device)
-    o = [slice(x.start - split, x.stop - split) for x in seg[4:]]
-    if table is not None:
-        table.apply(head[seg[3]], tail[o[3]])  # before the gathers, which read the new entries
-        decode_tables, prefill_tables = table.gather(tail[o[4]], wd), table.gather(tail[o[5]], wp)
+    o = [slice(x.start - split, x.stop - split) for x in seg[7:]]
+    if table is not None:  # the deltas first: the gathers and the positions read the new entries
+        table.apply(head[seg[3]], tail[o[3]])
+        table.set_lens(head[seg[4]], head[seg[5]])
+        rows = head[seg[6]]
+        table.advance(rows, block_size, head[seg[1]][:nd], head[seg[2]][:nd], tail[o[0]])
+        decode_tables, prefill_tables = table.gather(rows, wd), table.gather(tail[o[4]], wp)
     else:
         decode_tables, prefill_tables = tail[o[3]].view(nd, wd), tail[o[4]].view(npf, wp)
     meta = AttentionMetadata(

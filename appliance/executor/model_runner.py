@@ -2,8 +2,9 @@
 
 The runner remembers every live request (tokens, block table, params) between steps; a plan brings new
 requests, how many tokens each scheduled request computes now, appended blocks, and requests to forget.
-Block tables also live on the device (request_table.py: one row per live request, written by deltas), so a
-step sends only the block ids that are new.
+Block tables and computed lengths also live on the device (request_table.py: one row per live request,
+written by deltas), so a step sends only the block ids that are new and a length where the host's mirror
+disagrees with a chunk's start; decode rows' positions, slots and seq_lens are computed on the device.
 One forward runs decodes and prefill chunks together; logits are computed only for rows that sample (and for
 prompt rows of requests that asked for prompt logprobs).
 """
@@ -83,7 +84,8 @@ class ModelRunner:
         self.max_blocks = -(-self.max_model_len // self.block_size)
         # before the profile, so its peak (and so the KV budget) counts it; one row per request the scheduler
         # may run at once (prefilling ones included; speculative decoding adds rows to no request)
-        self.block_table = DeviceBlockTable(config.scheduler.max_num_seqs, self.max_blocks, self.device)
+        self.block_table = DeviceBlockTable(config.scheduler.max_num_seqs, self.max_blocks, self.device,
+                                            "torch" if self.backend == "torch" else None)
         self.num_blocks = self._count_blocks()
         self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         for layer, (k, v) in zip(layers, self.kv_caches):

@@ -1,41 +1,59 @@
-"""Block tables that stay on the device between steps: one row per live request, kept current by deltas.
+"""Per-request state that stays on the device between steps: block tables and computed lengths, kept by deltas.
 
-A plan appends block ids to a request's table a few at a time (a decode crosses into a new block every
-block_size tokens), so instead of sending every row's whole table each step, the runner keeps one persistent
-int32 tensor [capacity + 1, width] on the device and writes only the block ids it has not written yet: their
-(flat index, block id) pairs travel in the step's one staged host array and one `index_copy_` writes them.
-The kernels then read a table gathered on the device (`index_select` of the step's rows, narrowed to the
-step's width), which equals the host-built table of before: a row holds its request's blocks, then zeros.
+Block tables. A plan appends block ids to a request's table a few at a time (a decode crosses into a new block
+every block_size tokens), so instead of sending every row's whole table each step, the runner keeps one
+persistent int32 tensor [capacity + 1, width] on the device and writes only the block ids it has not written
+yet: their (flat index, block id) pairs travel in the step's one staged host array and one `index_copy_`
+writes them. The kernels then read a table gathered on the device (`index_select` of the step's rows, narrowed
+to the step's width), which equals the host-built table of before: a row holds its request's blocks, then zeros.
 
-Row 0 is reserved and never written (all zeros): padding rows of a batch point at it. A request gets a row
-when the worker first sees it (`LiveRequests.__setitem__`) and gives it back when it is dropped (finished,
-aborted or preempted: the plan's finished_ids; `pop`, `del`, `clear`). A reused row may still hold the
-previous owner's block ids past the new owner's table: its first delta also writes zeros over them, so no
-request ever reads another's blocks. Tables only grow while a request is live (a preempted request comes back
-as a new state with a new row and its whole table).
+Lengths (positions). `lens` [capacity + 1] int64 holds, per row, the tokens of its request the device has
+computed, i.e. the position of its next token. A one-token (decode) row sends only its table row: the
+`decode_positions` kernel (kernels/triton/positions.py, torch reference on the CPU) reads lens, writes the
+row's position, seq_len and cache slot (from the table) and advances lens by one, in one launch (inside the
+captured graph on a GPU). The host mirrors lens per request (`RequestState.pos_on_device`) and sends a
+(row, value) correction only where a chunk's start differs from the mirror: a new or re-added (preempted)
+request, a prefix-cache hit, a speculative verification whose drafts were rejected (num_computed rolled back).
+Multi-token (prefill) chunks keep host-built positions; their correction sets lens to the chunk's END before
+the step (nothing in the step reads it), so after any step lens[row] = start + num_tokens of the row's last
+chunk and the mirror says so. Decode rows in flight (overlap mode) need no correction: the next step's start
+is the previous step's end, which is what the device holds by then (stream order).
+
+Row 0 is reserved and never written (all zeros, lens 0): padding rows of a batch point at it and get position
+0, seq_len 0, slot -1. A request gets a row when the worker first sees it (`LiveRequests.__setitem__`) and
+gives it back when it is dropped (finished, aborted or preempted: the plan's finished_ids; `pop`, `del`,
+`clear`). A reused row may still hold the previous owner's block ids past the new owner's table: its first
+delta also writes zeros over them, so no request ever reads another's blocks; its length is unknown to the new
+owner's mirror, so the first step always corrects it. Tables only grow while a request is live (a preempted
+request comes back as a new state with a new row and its whole table).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 
 import numpy as np
 import torch
 
-from appliance.executor.input_batch import RequestState
+from appliance.executor.input_batch import UNKNOWN_POSITION, Chunk, RequestState
+from appliance.kernels import registry
 
 ZERO_ROW = 0  # reserved: padding rows read it; a RequestState with table_row 0 has no row
 COLUMN_MULTIPLE = 16  # padded prefill tables round their width up to 16 columns (input_batch.build_inputs)
 
 
 class DeviceBlockTable:
-    """The persistent block tables of one worker's live requests (see the module docstring)."""
+    """The persistent block tables and computed lengths of one worker's live requests (see the module
+    docstring)."""
 
-    def __init__(self, capacity: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, max_blocks: int, device: torch.device, kernels: str | None = None) -> None:
+        """kernels: the `decode_positions` backend; None: triton on a CUDA device, else the torch reference."""
         if capacity < 1 or max_blocks < 1:
             raise ValueError(f"a block table needs capacity >= 1 and max_blocks >= 1, got {capacity}, {max_blocks}")
         self.capacity = capacity
         self.width = -(-max_blocks // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
         self.table = torch.zeros(capacity + 1, self.width, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
+        self._positions_op = _positions_kernel(kernels or ("triton" if device.type == "cuda" else "torch"))
         self._free = list(range(capacity, ZERO_ROW, -1))  # pop() hands out the lowest row first
         self._dirty = [0] * (capacity + 1)  # per row: columns a previous owner may have left nonzero
 
@@ -51,13 +69,13 @@ class DeviceBlockTable:
                                "are taken (one per live request, sized by scheduler.max_num_seqs); the plan holds "
                                "more live requests than the scheduler may run at once")
         state.table_row = self._free.pop()
-        state.blocks_on_device = 0
+        state.blocks_on_device, state.pos_on_device = 0, UNKNOWN_POSITION  # the row's length is a stranger's
 
     def release(self, state: RequestState) -> None:
         if state.table_row == ZERO_ROW:
             return
         self._free.append(state.table_row)
-        state.table_row, state.blocks_on_device = ZERO_ROW, 0
+        state.table_row, state.blocks_on_device, state.pos_on_device = ZERO_ROW, 0, UNKNOWN_POSITION
 
     def delta(self, states: Iterable[RequestState]) -> tuple[np.ndarray, np.ndarray]:
         """(flat index into table, block id), int64, of every entry the device lacks for these requests; marks
@@ -103,6 +121,34 @@ class DeviceBlockTable:
             raise ValueError(f"a block table of width {width} exceeds the persistent table's {self.width} columns")
         return self.table[:, :width].index_select(0, rows)
 
+    def lens_delta(self, chunks: Iterable[Chunk]) -> np.ndarray:
+        """[2, m] int64 (table row, length) corrections that make `lens` ready for these chunks, and the mirrors
+        set to what the device holds after the step (every chunk's end). A one-token chunk needs lens = its start
+        (the kernel advances it); a longer one gets its end at once (its positions are host-built). The caller
+        must apply them (`set_lens`) before the step's `advance`."""
+        flat: list[int] = []
+        for c in chunks:
+            s, end = c.state, c.start + c.num_tokens
+            want = c.start if c.num_tokens == 1 else end
+            if s.pos_on_device != want:
+                if s.table_row == ZERO_ROW:
+                    raise RuntimeError(f"request {s.request_id!r} has no block-table row (not added through the "
+                                       "runner's live requests)")
+                flat += (s.table_row, want)
+            s.pos_on_device = end
+        return np.array(flat, dtype=np.int64).reshape(-1, 2).T
+
+    def set_lens(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """One scatter of length corrections (already on the device, int64)."""
+        if rows.numel():
+            self.lens.index_copy_(0, rows, values)
+
+    def advance(self, rows: torch.Tensor, block_size: int, positions: torch.Tensor, slots: torch.Tensor,
+                seq_lens: torch.Tensor) -> None:
+        """Inputs of one-token rows (pad rows: ZERO_ROW) from the device state, in one launch: positions and
+        slots [B] int64, seq_lens [B] int32 are written; each real row's length advances by one."""
+        self._positions_op(rows, self.table, self.lens, block_size, positions, slots, seq_lens)
+
 
 class LiveRequests(MutableMapping[str, RequestState]):
     """The runner's live requests by id: adding one gives it a table row, dropping one (pop, del, clear)
@@ -141,3 +187,12 @@ class LiveRequests(MutableMapping[str, RequestState]):
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._states
+
+
+def _positions_kernel(backend: str) -> Callable[..., None]:
+    """The `decode_positions` implementation of this backend (its module registers it when imported)."""
+    if backend == "triton":
+        import appliance.kernels.triton.positions
+    elif backend == "torch":
+        import appliance.kernels.reference.positions  # noqa: F401
+    return registry.get("decode_positions", backend)

@@ -1,4 +1,13 @@
 """Plain-torch reference kernels: the oracle for every other backend and the CPU path."""
 from __future__ import annotations
 
-from appliance.kernels.reference import activation, attention, linear, norm, rope, rope_store, sampling  # noqa: F401
+from appliance.kernels.reference import (  # noqa: F401
+    activation,
+    attention,
+    linear,
+    norm,
+    positions,
+    rope,
+    rope_store,
+    sampling,
+)

@@ -11,6 +11,7 @@ from appliance.kernels.triton import (  # noqa: F401
     decode,
     gemv,
     norm,
+    positions,
     prefill,
     rope,
     rope_store,
