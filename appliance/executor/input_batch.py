@@ -299,25 +299,35 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
 
 
 class Stager:
-    """Host -> device copies through a reused pinned buffer: one non-blocking copy per call. Before the buffer
-    is overwritten, the event of the previous copy is awaited (normally long done: steps read results back)."""
+    """Host -> device copies through reused pinned buffers: one non-blocking copy per call. The buffers take
+    turns, and one is overwritten only once its previous copy completed. In overlap mode a step's copies queue
+    behind the step in flight, so waiting for the latest copy would hold the host until the device caught up
+    (the sampler's parameters, sent after the forward, did so every step); waiting for the copy RING - 1 calls
+    earlier does not."""
+
+    RING = 2
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._buf: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
+        self._bufs: list[torch.Tensor | None] = [None] * self.RING
+        self._events: list[torch.cuda.Event | None] = [None] * self.RING
+        self._turn = 0
 
     def send(self, flat: np.ndarray) -> torch.Tensor:
         src = torch.from_numpy(flat)
         if self.device.type != "cuda":
             return src.to(self.device)
-        if self._event is not None:
-            self._event.synchronize()
-        if self._buf is None or self._buf.numel() < flat.size or self._buf.dtype != src.dtype:
-            self._buf = torch.empty(max(flat.size, 1 << 16), dtype=src.dtype).pin_memory()
-        staged = self._buf[: flat.size].view(src.shape)
+        i, self._turn = self._turn, (self._turn + 1) % self.RING
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < flat.size or buf.dtype != src.dtype:
+            buf = self._bufs[i] = torch.empty(max(flat.size, 1 << 16), dtype=src.dtype).pin_memory()
+        staged = buf[: flat.size].view(src.shape)
         staged.copy_(src)
         out = staged.to(self.device, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        done = torch.cuda.Event()
+        done.record()
+        self._events[i] = done
         return out
