@@ -139,10 +139,12 @@ def run(argv: list[str] | None = None) -> dict[str, float]:
     n_in = sum(in_lens)
     result = {"elapsed_s": elapsed, "num_requests": len(outs), "input_tokens": n_in, "output_tokens": n_out,
               "requests_per_s": len(outs) / elapsed, "output_tokens_per_s": n_out / elapsed,
-              "total_tokens_per_s": (n_in + n_out) / elapsed}
+              "total_tokens_per_s": (n_in + n_out) / elapsed, "preemptions": llm.engine.scheduler.num_preemptions,
+              "max_num_seqs": llm.engine.config.max_num_seqs, "num_blocks": llm.engine.config.num_blocks}
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.2f} total tokens/s, "
           f"{result['output_tokens_per_s']:.2f} output tokens/s ({len(outs)} requests, {n_in} input + {n_out} "
-          f"output tokens in {elapsed:.2f} s)")
+          f"output tokens in {elapsed:.2f} s; {result['preemptions']} preemptions, max_num_seqs "
+          f"{result['max_num_seqs']}, {result['num_blocks']} KV blocks)")
     if args.output_json:  # written now too: the throughput survives a failure of the batch-1 run
         Path(args.output_json).write_text(json.dumps(result, indent=2))
     if args.batch1:

@@ -92,6 +92,7 @@ def _throughput(llm: Any, prompts: list[dict[str, list[int]]], out_lens: list[in
             acc["steps"] += 1
 
     llm.executor.execute, llm.engine.step = timed_execute, timed_step
+    preempted = llm.engine.scheduler.num_preemptions
     t0 = time.perf_counter()
     try:
         outs = llm.generate(prompts, params)
@@ -102,7 +103,7 @@ def _throughput(llm: Any, prompts: list[dict[str, list[int]]], out_lens: list[in
     steps = max(acc["steps"], 1)
     return {"elapsed_s": round(elapsed, 2), "output_tokens": n_out, "output_tok_s": round(n_out / elapsed, 1),
             "steps": acc["steps"], "ms_per_step": round(elapsed / steps * 1e3, 3),
-            "overlap": bool(llm.engine.overlap),
+            "overlap": bool(llm.engine.overlap), "preemptions": llm.engine.scheduler.num_preemptions - preempted,
             "scheduler_ms_per_step": None if llm.engine.overlap else round((acc["step"] - acc["execute"]) / steps * 1e3,
                                                                            3),
             "outside_engine_ms_per_step": round((elapsed - acc["step"]) / steps * 1e3, 3)}
