@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: built per generated token, and cheaper to build with them
 class TokenLogprob:
     """Logprob of one generated token, with the top alternatives when the request asked for them."""
 
@@ -14,7 +14,7 @@ class TokenLogprob:
     rank: int | None = None  # 1-based rank of the token in the raw distribution (vLLM's Logprob.rank)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one is built per request per step, and cheaper to build with them
 class RequestDelta:
     """What changed for one request in one step.
 

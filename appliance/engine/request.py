@@ -44,6 +44,13 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
 
+# The per-token paths (scheduler, append_output) compare against these: a member lookup on the enum class
+# (RequestStatus.DECODING) costs a class attribute lookup each time, several times a module global's.
+PREFILLING = RequestStatus.PREFILLING
+DECODING = RequestStatus.DECODING
+PREEMPTED = RequestStatus.PREEMPTED
+
+
 class FinishReason(str, enum.Enum):
     """OpenAI's finish_reason values; the string value is what goes on the wire."""
 
@@ -73,9 +80,13 @@ class IllegalTransition(RuntimeError):
         self.dst = dst
 
 
-@dataclass
+@dataclass(eq=False)  # a request is an identity, not a value: running.remove(req) compares by `is` only
 class Request:
-    """One request's engine-side state. Mutated only by the scheduler (and EngineCore through it)."""
+    """One request's engine-side state. Mutated only by the scheduler (and EngineCore through it).
+
+    The prompt, sampling params and max_model_len never change after creation, so what follows from them alone
+    (num_prompt_tokens, max_output_tokens) is computed once: the scheduler reads it for every request each step.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -97,12 +108,18 @@ class Request:
     num_pending: int = 0  # tokens sampled by steps in flight, not yet appended (overlap mode; 0 when synchronous)
     prompt_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_logprobs_done: bool = False
+    num_prompt_tokens: int = field(init=False, repr=False)
+    max_output_tokens: int = field(init=False, repr=False)  # max_tokens, capped by what max_model_len leaves
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt is empty")
         if any((not isinstance(t, int)) or t < 0 for t in self.prompt_token_ids):
             raise ValueError(f"request {self.request_id!r}: token ids must be non-negative ints")
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        room = self.max_model_len - self.num_prompt_tokens
+        mt = self.sampling_params.max_tokens
+        self.max_output_tokens = max(1, room if mt is None else min(mt, room))
         if self.num_prompt_tokens > self.max_model_len:
             raise ValueError(
                 f"request {self.request_id!r}: prompt has {self.num_prompt_tokens} tokens, more than "
@@ -111,16 +128,12 @@ class Request:
 
     # ---- token views -------------------------------------------------------------------------------------
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -144,15 +157,10 @@ class Request:
     def will_reach_length(self) -> bool:
         """The pending samples alone finish it by length: a further step would compute past the end."""
         n = self.num_pending
-        return bool(n) and (self.num_output_tokens + n >= self.max_output_tokens
-                            or self.num_tokens + n >= self.max_model_len)
-
-    @property
-    def max_output_tokens(self) -> int:
-        """The most tokens this request may generate: max_tokens, capped by what max_model_len leaves."""
-        room = self.max_model_len - self.num_prompt_tokens
-        mt = self.sampling_params.max_tokens
-        return max(1, room if mt is None else min(mt, room))
+        if not n:
+            return False
+        n_out = len(self.output_token_ids)
+        return n_out + n >= self.max_output_tokens or self.num_prompt_tokens + n_out + n >= self.max_model_len
 
     # ---- state machine -----------------------------------------------------------------------------------
     def transition(self, dst: RequestStatus) -> None:
@@ -172,16 +180,17 @@ class Request:
         before that; if it does not, the engine still does not stop early). The stop token stays in the
         output, like vLLM; the detokenizer decides whether to show it.
         """
-        if self.status is not RequestStatus.DECODING:
-            raise IllegalTransition(self.request_id, self.status, RequestStatus.DECODING)
-        self.output_token_ids.append(token_id)
+        if self.status is not DECODING:
+            raise IllegalTransition(self.request_id, self.status, DECODING)
+        out = self.output_token_ids
+        out.append(token_id)
         sp = self.sampling_params
-        n_out = self.num_output_tokens
+        n_out = len(out)
         if n_out >= sp.min_tokens:
             if token_id in sp.stop_token_ids:
                 return FinishReason.STOP
             if not sp.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.STOP
-        if n_out >= self.max_output_tokens or self.num_tokens >= self.max_model_len:
+        if n_out >= self.max_output_tokens or self.num_prompt_tokens + n_out >= self.max_model_len:
             return FinishReason.LENGTH
         return None

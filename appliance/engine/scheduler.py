@@ -43,7 +43,7 @@ from appliance.engine.block_pool import BlockPool
 from appliance.engine.config import EngineConfig
 from appliance.engine.delta import RequestDelta, TokenLogprob
 from appliance.engine.prefix_cache import KVEventSink, PrefixCache
-from appliance.engine.request import FinishReason, Request, RequestStatus
+from appliance.engine.request import DECODING, PREEMPTED, PREFILLING, FinishReason, Request, RequestStatus
 from appliance.engine.speculation import SpecCounters, num_drafts, table_tokens
 from appliance.engine.step import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
 
@@ -52,25 +52,21 @@ class QueueFull(RuntimeError):
     """scheduler.max_queued_requests waiting requests already: the caller should answer 503."""
 
 
-@dataclass(frozen=True)
-class _Issued:
-    """A scheduled request of a step in flight, with the incarnation its result belongs to."""
-
-    sched: ScheduledRequest
-    req: Request
-    num_preemptions: int
-    num_drafts: int = 0  # draft tokens this chunk verifies (speculative decoding)
+# A row of a step in flight: its ScheduledRequest, the request, the request's num_preemptions when planned (the
+# incarnation the result belongs to) and the draft tokens it verifies (speculative decoding). A plain tuple, not a
+# record class: one is built per row per step and update() unpacks it, several times cheaper for a tuple.
+_Issued = tuple[ScheduledRequest, Request, int, int]
 
 
 @dataclass
 class _StepBudget:
     tokens: int  # shared budget (chunking) or prefill budget (no chunking)
+    first_issue_seq: int  # Scheduler._issue_seq when the step's planning began: later ones are this step's
     prefills: int = 0  # prefills scheduled in this step
     preempted: bool = False
     plan_new: list[NewRequestData] = field(default_factory=list)
     plan_sched: list[ScheduledRequest] = field(default_factory=list)
     issued: list[_Issued] = field(default_factory=list)
-    scheduled_ids: set[str] = field(default_factory=set)
 
 
 class Scheduler:
@@ -87,6 +83,10 @@ class Scheduler:
         self._issue_seq = 0
         self._in_flight: dict[int, list[_Issued]] = {}
         self.spec = SpecCounters()
+        # read for every request each step: plain attributes instead of the frozen config's properties
+        self._chunking = config.chunking
+        self._block_size = config.block_size
+        self._num_spec = config.num_speculative_tokens
 
     # ---- admission ---------------------------------------------------------------------------------------
     def can_queue(self) -> bool:
@@ -119,8 +119,7 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or return None when there is nothing to compute (forget-lists wait)."""
-        cfg = self.config
-        st = _StepBudget(tokens=cfg.step_token_budget)
+        st = _StepBudget(tokens=self.config.step_token_budget, first_issue_seq=self._issue_seq)
         self._schedule_running(st)
         if not st.preempted:
             self._schedule_waiting(st)
@@ -133,41 +132,78 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, st: _StepBudget) -> None:
-        decoding = [r for r in self.running if _decodes(r)]
-        if self.config.chunking and len(decoding) > st.tokens:
+        # Whether a request decodes is decided here, once: planning one request changes no other's answer
+        # (a preemption takes its victim out of the loop).
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for req in self.running:
+            (decoding if req.status is DECODING or _decodes(req) else prefilling).append(req)
+        if self._chunking and len(decoding) > st.tokens:
             # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves.
             decoding.sort(key=lambda r: r.last_issue_seq)
-        prefilling = [r for r in self.running if not _decodes(r)]
-        for req in decoding + prefilling:
-            if req.status is RequestStatus.PREEMPTED:  # a victim of an earlier request in this loop
+        for req in decoding:
+            if req.status is PREEMPTED:  # a victim of an earlier request in this loop
                 continue
-            n = self._chunk(req, st)
-            if n == 0:
-                continue
-            need = self._blocks_for(table_tokens(req, req.num_computed_tokens, n, self.config.num_speculative_tokens)) - len(req.block_ids)
-            while need > self.pool.num_available and req.status is not RequestStatus.PREEMPTED:
-                self._preempt(self._victim(st))
-                st.preempted = True
-            if req.status is RequestStatus.PREEMPTED:
-                continue
-            new_blocks = self.pool.allocate(max(need, 0))  # < 0: rejected drafts left lookahead blocks
-            req.block_ids.extend(new_blocks)
-            self._issue(req, n, new_blocks, st)
+            if self._num_spec:
+                self._schedule_chunk(req, st, True)
+            else:
+                self._schedule_decode(req, st)
+        for req in prefilling:
+            if req.status is not PREEMPTED:
+                self._schedule_chunk(req, st, False)
 
-    def _chunk(self, req: Request, st: _StepBudget) -> int:
+    def _schedule_decode(self, req: Request, st: _StepBudget) -> None:
+        """_schedule_chunk for a decoding request without speculative decoding: the common case of every step,
+        with _chunk and table_tokens folded in for k = 0 (no drafts, no lookahead blocks); same outcome."""
+        pending = req.num_pending
+        if pending and req.will_reach_length:
+            return  # its in-flight sample is its last token
+        n = req.num_prompt_tokens + len(req.output_token_ids) + pending - req.num_computed_tokens
+        if n == 0 or (self._chunking and n > st.tokens):
+            return
+        need = -(-(req.num_computed_tokens + n) // self._block_size) - len(req.block_ids)
+        new_blocks = self._take_blocks(req, need, st) if need > 0 else []
+        if new_blocks is not None:
+            self._issue(req, n, new_blocks, st, True)
+
+    def _schedule_chunk(self, req: Request, st: _StepBudget, decodes: bool) -> None:
+        """Schedule a running request's next chunk (a decode, drafts included, or a prefill chunk) if the budget
+        and the blocks allow, preempting newer requests for blocks."""
+        n = self._chunk(req, st, decodes)
+        if n == 0:
+            return
+        need = self._blocks_for(table_tokens(req, req.num_computed_tokens, n, self._num_spec)) - len(req.block_ids)
+        # need < 0: rejected drafts left lookahead blocks, which the table keeps
+        new_blocks = self._take_blocks(req, need, st) if need > 0 else []
+        if new_blocks is not None:
+            self._issue(req, n, new_blocks, st, decodes)
+
+    def _take_blocks(self, req: Request, need: int, st: _StepBudget) -> list[int] | None:
+        """Append `need` (> 0) new blocks to the request's table, preempting newer requests while the pool is
+        short; None when the request itself was preempted."""
+        while need > self.pool.num_available and req.status is not PREEMPTED:
+            self._preempt(self._victim(st))
+            st.preempted = True
+        if req.status is PREEMPTED:
+            return None
+        new_blocks = self.pool.allocate(need)
+        req.block_ids.extend(new_blocks)
+        return new_blocks
+
+    def _chunk(self, req: Request, st: _StepBudget, decodes: bool) -> int:
         """Tokens to compute for a running request this step (0: not this step)."""
         n = req.num_uncomputed_tokens
         if req.will_reach_length:
             return 0  # its in-flight sample is its last token
-        if _decodes(req):
-            drafts = num_drafts(req, self.config.num_speculative_tokens)
-            if not self.config.chunking:
+        if decodes:
+            drafts = num_drafts(req, self._num_spec)
+            if not self._chunking:
                 return n + drafts  # no chunking: decodes are not charged to the prefill budget
             return n + min(drafts, st.tokens - n) if n <= st.tokens else 0
         return self._prefill_size(n, st)
 
     def _prefill_size(self, n: int, st: _StepBudget) -> int:
-        if self.config.chunking:
+        if self._chunking:
             return min(n, st.tokens)
         if n <= st.tokens or st.prefills == 0:
             return n  # whole prompt; an over-budget one only as the step's first prefill
@@ -176,7 +212,7 @@ class Scheduler:
     def _schedule_waiting(self, st: _StepBudget) -> None:
         cfg = self.config
         for req in self._waiting_order():
-            if len(self.running) >= cfg.max_num_seqs or (cfg.chunking and st.tokens <= 0):
+            if len(self.running) >= cfg.max_num_seqs or (self._chunking and st.tokens <= 0):
                 return
             if not self._admit(req, st):
                 return  # head-of-line: later requests wait too, so big prompts are not starved
@@ -227,34 +263,37 @@ class Scheduler:
             )
         )
         req.known_to_workers = True
-        self._issue(req, n, [], st)
+        self._issue(req, n, [], st, False)
         return True
 
-    def _issue(self, req: Request, n: int, new_blocks: list[int], st: _StepBudget) -> None:
+    def _issue(self, req: Request, n: int, new_blocks: list[int], st: _StepBudget, decodes: bool) -> None:
+        """Add a chunk of n tokens to the plan; new_blocks (appended to the table) becomes the plan's own list."""
+        known = req.num_prompt_tokens + len(req.output_token_ids) + req.num_pending  # what the workers know
+        end = req.num_computed_tokens + n
         # past the known tokens only by the drafts it verifies (speculative decoding)
-        drafts = max(0, req.num_computed_tokens + n - req.num_tokens - req.num_pending)
-        sample = drafts > 0 or req.num_computed_tokens + n == req.num_tokens + req.num_pending
-        if not _decodes(req):
+        drafts = end - known if end > known else 0
+        sample = end >= known
+        if not decodes:
             st.prefills += 1
-        if self.config.chunking or not _decodes(req):
             st.tokens -= n
-        req.num_computed_tokens += n
+        elif self._chunking:
+            st.tokens -= n
+        req.num_computed_tokens = end
         req.last_issue_seq = self._issue_seq
         self._issue_seq += 1
         if sample:
             req.num_pending += 1
-        sched = ScheduledRequest(req.request_id, n, list(new_blocks), sample)
+        sched = ScheduledRequest(req.request_id, n, new_blocks, sample)
         st.plan_sched.append(sched)
-        st.issued.append(_Issued(sched, req, req.num_preemptions, drafts))
-        st.scheduled_ids.add(req.request_id)
+        st.issued.append((sched, req, req.num_preemptions, drafts))
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.block_size)
+        return -(-num_tokens // self._block_size)
 
     # ---- preemption and retirement -----------------------------------------------------------------------
     def _victim(self, st: _StepBudget) -> Request:
         for req in reversed(self.running):
-            if req.request_id not in st.scheduled_ids:
+            if req.last_issue_seq < st.first_issue_seq:  # not scheduled in this step
                 return req
         raise AssertionError("no preemptable request although the current one is unscheduled")
 
@@ -292,34 +331,31 @@ class Scheduler:
         scheduled = self._in_flight.pop(plan.step_id, None)
         if scheduled is None:
             raise ValueError(f"step {plan.step_id} is not in flight")
-        sampled: dict[str, SampledToken] = {}
-        verified: dict[str, list[SampledToken]] = {}  # requests with several tokens (speculative decoding)
-        for tok in result.sampled:
-            first = sampled.setdefault(tok.request_id, tok)
-            if first is not tok:
-                verified.setdefault(tok.request_id, [first]).append(tok)
-        expected = {i.sched.request_id for i in scheduled if i.sched.sample}
-        if set(sampled) - expected:
+        sampled, verified = _group_sampled(result.sampled)
+        expected = {s.request_id for s, _, _, _ in scheduled if s.sample}
+        if not expected.issuperset(sampled):
             raise ValueError(f"executor sampled for unexpected requests {sorted(set(sampled) - expected)}")
+        live = self.requests
+        prompt_logprobs = result.prompt_logprobs
         deltas: list[RequestDelta] = []
-        for issued in scheduled:
-            s, req = issued.sched, issued.req
-            if (self.requests.get(s.request_id) is not req or not req.status.is_running
-                    or req.num_preemptions != issued.num_preemptions):
+        for s, req, num_preemptions, drafts in scheduled:
+            status = req.status
+            if (req.num_preemptions != num_preemptions or live.get(s.request_id) is not req
+                    or (status is not DECODING and status is not PREFILLING)):
                 continue  # finished, aborted or preempted after the step was planned: its result is dropped
-            if s.sample:
-                req.num_pending -= 1
-            self._take_prompt_logprobs(req, result)
+            if prompt_logprobs:
+                self._take_prompt_logprobs(req, result)
             if not s.sample:
-                self.cache.store(req)
+                self._store_blocks(req)
                 continue
+            req.num_pending -= 1
             tok = sampled.get(s.request_id)
             if tok is None:
                 raise ValueError(f"executor did not sample a token for {s.request_id!r}")
-            if issued.num_drafts or s.request_id in verified:
-                deltas.append(self._apply_verified(req, verified.get(s.request_id, [tok]), issued.num_drafts))
+            if drafts or (verified and s.request_id in verified):
+                deltas.append(self._apply_verified(req, verified.get(s.request_id, [tok]), drafts))
                 continue
-            deltas.append(self._append(req, tok.token_id, tok.logprob, tok.top_logprobs, tok.rank))
+            deltas.append(self._append(req, tok))
         return deltas
 
     def _apply_verified(self, req: Request, toks: list[SampledToken], num_drafts: int) -> RequestDelta:
@@ -332,42 +368,46 @@ class Scheduler:
         req.num_computed_tokens -= num_drafts + 1 - len(toks)
         delta: RequestDelta | None = None
         for tok in toks:
-            one = self._append(req, tok.token_id, tok.logprob, tok.top_logprobs, tok.rank)
+            one = self._append(req, tok)
             delta = one if delta is None else delta.followed_by(one)
             if one.finished:
                 break
         assert delta is not None
         return delta
 
-    def _append(
-        self, req: Request, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None,
-        rank: int | None = None,
-    ) -> RequestDelta:
-        first = req.status is RequestStatus.PREFILLING and not req.prompt_logprobs_done
-        if req.status is RequestStatus.PREFILLING:
-            req.transition(RequestStatus.DECODING)
-        reason = req.append_output(token_id)
-        self.cache.store(req)
+    def _append(self, req: Request, tok: SampledToken) -> RequestDelta:
         prompt_lp = None
-        if first:
-            req.prompt_logprobs_done = True
-            if req.sampling_params.prompt_logprobs is not None:
-                prompt_lp = tuple(None if e is None else tuple(map(tuple, e)) for e in req.prompt_logprobs)
+        if req.status is PREFILLING:  # its first token since (re)admission
+            req.transition(DECODING)
+            if not req.prompt_logprobs_done:
+                req.prompt_logprobs_done = True
+                prompt_lp = self._prompt_logprobs(req)
+        token_id = tok.token_id
+        reason = req.append_output(token_id)
+        self._store_blocks(req)
         new_lp = None
         if req.sampling_params.logprobs is not None:
-            new_lp = (TokenLogprob(token_id, logprob, tuple(tuple(t) for t in top or ()), rank),)
+            new_lp = (TokenLogprob(token_id, tok.logprob, tuple(tuple(t) for t in tok.top_logprobs or ()), tok.rank),)
+        finish = None
         if reason is not None:
             self.running.remove(req)
             self._retire(req, reason)
-        return RequestDelta(
-            request_id=req.request_id,
-            new_token_ids=(token_id,),
-            finish_reason=None if reason is None else reason.value,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            new_logprobs=new_lp,
-            prompt_logprobs=prompt_lp,
-        )
+            finish = reason.value
+        return RequestDelta(req.request_id, (token_id,), finish, req.num_prompt_tokens, req.num_cached_tokens,
+                            new_lp, prompt_lp)
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> tuple[tuple[tuple[int, float], ...] | None, ...] | None:
+        """The prompt logprobs the request asked for, as the delta carries them (None if it did not ask)."""
+        if req.sampling_params.prompt_logprobs is None:
+            return None
+        return tuple(None if e is None else tuple(map(tuple, e)) for e in req.prompt_logprobs)
+
+    def _store_blocks(self, req: Request) -> None:
+        """Offer the request's newly computed full blocks to the prefix cache. The guard is store()'s own
+        early exit, checked here first because it fails for almost every token: no new full block yet."""
+        if self.cache.enabled and req.num_computed_tokens // self._block_size > req.num_stored_blocks:
+            self.cache.store(req)
 
     @property
     def num_in_flight(self) -> int:
@@ -393,8 +433,25 @@ class Scheduler:
         return refs
 
 
+def _group_sampled(
+    tokens: list[SampledToken],
+) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
+    """A step's sampled tokens by request: the first token of each, and all tokens of the requests that got
+    several (a verification: speculative decoding), in order."""
+    first = {tok.request_id: tok for tok in tokens}
+    if len(first) == len(tokens):  # one token per request: nothing verified
+        return first, {}
+    first = {}
+    verified: dict[str, list[SampledToken]] = {}
+    for tok in tokens:
+        head = first.setdefault(tok.request_id, tok)
+        if head is not tok:
+            verified.setdefault(tok.request_id, [head]).append(tok)
+    return first, verified
+
+
 def _decodes(req: Request) -> bool:
     """It decodes next: DECODING, or a prefill whose last chunk's sample is still in flight (overlap mode)."""
-    return req.status is RequestStatus.DECODING or (
-        req.status is RequestStatus.PREFILLING and req.num_pending > 0 and req.num_uncomputed_tokens <= req.num_pending
+    return req.status is DECODING or (
+        req.status is PREFILLING and req.num_pending > 0 and req.num_uncomputed_tokens <= req.num_pending
     )
