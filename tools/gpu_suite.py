@@ -203,7 +203,8 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "decode": {"BLOCK_N": decode.BLOCK_N, "warps": decode.NUM_WARPS, "stages": decode.NUM_STAGES},
+            "decode": {"BLOCK_N": decode.BLOCK_N, "BLOCK_N_UNSPLIT": decode.BLOCK_N_UNSPLIT, "warps": decode.NUM_WARPS,
+                       "stages": decode.NUM_STAGES},
             "prefill": {"BLOCK_M": prefill.BLOCK_M, "BLOCK_N": prefill.BLOCK_N, "warps": prefill.NUM_WARPS,
                         "stages": prefill.NUM_STAGES}}
     print(json.dumps(info), flush=True)

@@ -203,10 +203,11 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
                       for b in (16, 32, 64, 128)})
         knobs = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 1, 2, 4, 8, 16, 32)))
         if args.decode_splits_only:  # the tuned tile, every split factor
-            knobs = [(decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES, s) for s in (None, 1, 2, 4, 8, 16, 32)]
+            knobs = [(decode.BLOCK_N_UNSPLIT if s in (None, 1) else decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES, s)
+                     for s in (None, 1, 2, 4, 8, 16, 32)]
         if args.decode_cases:
             cases = {k: v for k, v in cases.items() if any(f in k for f in args.decode_cases.split(","))}
-    saved = (decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES)
+    saved = (decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES)
     for name, (lens, h, hkv, width) in cases.items():
         q, caches, table, seq, kv_bytes = decode_case(lens, h, hkv, width, dev, dtype)
         ref = ref_decode(q, caches[0][0], caches[0][1], table, seq, 128**-0.5)
@@ -216,7 +217,7 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
                 break
             if splits is not None and splits * bn > width:
                 continue
-            decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = bn, w, st
+            decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES = bn, bn, w, st
             try:
                 err = rel(decode.decode_attention(q, caches[0][0], caches[0][1], table, seq, 128**-0.5, splits), ref)
                 us = timed_us(lambda s=splits: [decode.decode_attention(q, k, v, table, seq, 128**-0.5, s)
@@ -227,7 +228,7 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
             emit(section="decode", case=name, block_n=bn, warps=w, stages=st, splits=splits, us=us,
                  GBps=kv_bytes / us / 1e3, err=err)
         del caches
-    decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = saved
+    decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES = saved
 
 
 def unfused_prologue(positions: torch.Tensor, qkv: torch.Tensor, h: int, hkv: int, d: int, cos_sin: torch.Tensor,

@@ -21,6 +21,10 @@ _LOG2E = 1.4426950408889634
 _SMS_FALLBACK = 132
 # Tuned on the H100 (docs/kernels.md): the tile of kv tokens per loop step, and the split-K heuristic inputs.
 BLOCK_N = 64
+# unsplit launches (large batches) take longer tiles: ragged Qwen3-shaped batches of 32 / 128 / 256 sequences ran
+# 53.5 / 204.6 / 397.7 us against 55.2 / 212.5 / 403.8 with 64 (tools/kernel_lab.py); head_dim <= 128 only, as
+# three stages of 128-token K and V tiles of a wider head would not fit the shared memory
+BLOCK_N_UNSPLIT = 128
 MIN_SPLIT_TOKENS = 64  # measured: b1 x kv1024 in a 2048-token table: 32 splits 6.4 us, 8 splits 9.3 us
 PROGRAMS_PER_SM = 2  # measured: b64 x kv1024 (512 programs) is fastest unsplit
 NUM_WARPS = 4
@@ -143,13 +147,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o = torch.empty(bsz, h, splits, d, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(bsz, h, splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
+    block_n = BLOCK_N_UNSPLIT if direct and block_d <= 128 else BLOCK_N
     _decode_kernel[(bsz, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         split_tokens, splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=BLOCK_N, DIRECT=direct, UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        PAGE=page, BLOCK_N=block_n, DIRECT=direct, UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not direct:
         _merge_kernel[(bsz, h)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, h,
