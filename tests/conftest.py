@@ -44,6 +44,20 @@ TINY_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+def load_tool(name: str) -> Any:
+    """tools/<name>.py imported as a module (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def build_tiny_tokenizer(out_dir: Path) -> Path:
     """Train a byte-level BPE (multi-byte characters split across tokens) and save it in HF layout."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -2,22 +2,18 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import TOOLS, load_tool
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "bench_host.py"
+_PATH = TOOLS / "bench_host.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_host", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_host")
 
 
 def _run(*args: str) -> dict:

@@ -22,11 +22,11 @@ from appliance.executor.input_batch import (
     UNKNOWN_POSITION,
     Chunk,
     RequestState,
-    build_decode_arrays,
     graph_stride,
 )
 from appliance.executor.request_table import ZERO_ROW, DeviceBlockTable, LiveRequests
 from appliance.kernels.reference.positions import decode_positions as reference
+from decode_layout import build_decode_arrays
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]

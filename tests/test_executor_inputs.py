@@ -11,7 +11,7 @@ from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.input_batch import (
     Chunk,
     RequestState,
-    build_decode_arrays,
+    build_graph_rows,
     build_inputs,
     graph_stride,
 )
@@ -79,26 +79,24 @@ def test_build_inputs_refuses_a_short_block_table() -> None:
         build_inputs([Chunk(st, 8, 1, True)], BS, torch.device("cpu"))
 
 
-def test_decode_arrays_pad_rows_store_nothing_and_read_nothing() -> None:
+def test_graph_rows_pad_with_the_zero_row() -> None:
+    """A graph's upload is [ids | table rows]; pad rows take token 0 and the device table's all-zero row, which
+    the device turns into position 0, seq_len 0 and slot -1 (tests/test_device_positions.py)."""
     rng = random.Random(3)
     decodes = [Chunk(s, s.num_computed, 1, True) for s in (_state(rng, "a", 9, 8), _state(rng, "b", 3, 2))]
     decodes[0].state.table_row, decodes[1].state.table_row = 7, 3
     batch, width = 4, 8
     stride = graph_stride(batch)
-    out64 = np.full(5 * 8, 77, np.int64)
-    build_decode_arrays(decodes, BS, batch, width, out64)
-    ids, pos, slots, lens, rows = out64[: 5 * stride].reshape(5, stride)[:, :batch]
+    out64 = np.full(3 * 8, 77, np.int64)
+    build_graph_rows(decodes, BS, batch, width, out64)
+    ids, rows = out64[: 2 * stride].reshape(2, stride)[:, :batch]
     assert ids.tolist() == [decodes[0].state.token_ids[8], decodes[1].state.token_ids[2], 0, 0]
-    assert pos.tolist() == [8, 2, 0, 0]
-    a, b = decodes[0].state.block_ids, decodes[1].state.block_ids
-    assert slots.tolist() == [a[2] * BS, b[0] * BS + 2, -1, -1]
-    assert lens.tolist() == [9, 3, 0, 0]
-    assert rows.tolist() == [7, 3, 0, 0]  # pad rows read the device table's all-zero row
-    assert (out64[5 * stride :] == 77).all()  # nothing written past the layout
+    assert rows.tolist() == [7, 3, 0, 0]
+    assert (out64[2 * stride :] == 77).all()  # nothing written past the layout
     with pytest.raises(ValueError, match="do not fit"):
-        build_decode_arrays(decodes * 3, BS, batch, width, out64)
+        build_graph_rows(decodes * 3, BS, batch, width, out64)
     with pytest.raises(ValueError, match="do not fit"):
-        build_decode_arrays(decodes, BS, batch, 2, out64)  # "a" has 3 blocks
+        build_graph_rows(decodes, BS, batch, 2, out64)  # "a" has 3 blocks
 
 
 @pytest.mark.parametrize("seed", range(6))

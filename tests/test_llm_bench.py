@@ -1,21 +1,17 @@
 """tools/bench_offline.py runs end to end on a tiny config and its presets are valid model shapes."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from conftest import TOOLS, load_tool
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "bench_offline.py"
+_PATH = TOOLS / "bench_offline.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_offline", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_offline")
 
 
 def test_bench_on_tiny_config(bench, make_tiny_model, tmp_path):

@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.engine.config import EngineConfig  # noqa: E402
-from appliance.engine.core import EngineCore  # noqa: E402
-from appliance.engine.sampling_params import SamplingParams  # noqa: E402
-from appliance.engine.step import Executor, SampledToken, StepPlan, StepResult  # noqa: E402
+from appliance.engine.config import EngineConfig
+from appliance.engine.core import EngineCore
+from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.step import Executor, SampledToken, StepPlan, StepResult
 
 
 class NullExecutor(Executor):

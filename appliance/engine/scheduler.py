@@ -43,9 +43,22 @@ from appliance.engine.block_pool import BlockPool
 from appliance.engine.config import EngineConfig
 from appliance.engine.delta import RequestDelta, TokenLogprob
 from appliance.engine.prefix_cache import KVEventSink, PrefixCache
-from appliance.engine.request import DECODING, PREEMPTED, PREFILLING, FinishReason, Request, RequestStatus
+from appliance.engine.request import (
+    DECODING,
+    PREEMPTED,
+    PREFILLING,
+    FinishReason,
+    Request,
+    RequestStatus,
+)
 from appliance.engine.speculation import SpecCounters, num_drafts, table_tokens
-from appliance.engine.step import NewRequestData, SampledToken, ScheduledRequest, StepPlan, StepResult
+from appliance.engine.step import (
+    NewRequestData,
+    SampledToken,
+    ScheduledRequest,
+    StepPlan,
+    StepResult,
+)
 
 
 class QueueFull(RuntimeError):

@@ -169,22 +169,6 @@ def build_graph_rows(decodes: list[Chunk], block_size: int, batch: int, width: i
     v[:, n:] = 0
 
 
-def build_decode_arrays(decodes: list[Chunk], block_size: int, batch: int, width: int, out64: np.ndarray) -> None:
-    """The host-built equivalent of a graph's padded inputs once the device computed them: out64 = [ids |
-    positions | slots | seq_lens | table rows], five segments of graph_stride(batch); pad rows: token 0 at
-    position 0, slot -1, seq_len 0, table row 0. No step uploads this any more (build_graph_rows and
-    DeviceBlockTable.advance replace it): it is the oracle the device path is tested against."""
-    n = len(decodes)
-    if n > batch or table_width(decodes) > width:
-        raise ValueError(f"{n} decode rows / width {table_width(decodes)} do not fit a graph of {batch} x {width}")
-    ids, pos, slots, rows = decode_rows(decodes, block_size)
-    stride = graph_stride(batch)
-    v = out64[: 5 * stride].reshape(5, stride)
-    v[0, :n], v[1, :n], v[2, :n], v[3, :n], v[4, :n] = ids, pos, slots, pos + 1, rows
-    v[:, n:] = 0
-    v[2, n:] = -1
-
-
 def padded_count(n: int) -> int:
     """Prefill sequences are padded to a power of two (empty sequences): the Triton prefill kernel compiles one
     variant per bit length of the count, so the variants are few and all met by the runner's warm-up."""
