@@ -29,7 +29,7 @@ request comes back as a new state with a new row and its whole table).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 
 import numpy as np
 import torch
@@ -53,7 +53,8 @@ class DeviceBlockTable:
         self.width = -(-max_blocks // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
         self.table = torch.zeros(capacity + 1, self.width, dtype=torch.int32, device=device)
         self.lens = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
-        self._positions_op = _positions_kernel(kernels or ("triton" if device.type == "cuda" else "torch"))
+        self._positions_op = registry.get("decode_positions",
+                                          kernels or ("triton" if device.type == "cuda" else "torch"))
         self._free = list(range(capacity, ZERO_ROW, -1))  # pop() hands out the lowest row first
         self._dirty = [0] * (capacity + 1)  # per row: columns a previous owner may have left nonzero
 
@@ -187,12 +188,3 @@ class LiveRequests(MutableMapping[str, RequestState]):
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._states
-
-
-def _positions_kernel(backend: str) -> Callable[..., None]:
-    """The `decode_positions` implementation of this backend (its module registers it when imported)."""
-    if backend == "triton":
-        import appliance.kernels.triton.positions
-    elif backend == "torch":
-        import appliance.kernels.reference.positions  # noqa: F401
-    return registry.get("decode_positions", backend)
