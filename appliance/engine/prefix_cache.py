@@ -123,9 +123,10 @@ class PrefixCache:
         A block whose content is already cached under another block id stays private to the request (two
         requests computed the same prefix at once); it goes back to the free list when the request ends.
         """
-        if not self.enabled:
-            return
         bs = self.block_size
+        # called for every sampled token: the common case (no new full block) returns before any property call
+        if not self.enabled or req.num_computed_tokens // bs <= req.num_stored_blocks:
+            return
         # min: in overlap mode num_computed counts positions whose token is still being sampled
         n_full = min(min(req.num_computed_tokens, req.num_tokens) // bs, len(req.block_ids))
         if n_full <= req.num_stored_blocks:

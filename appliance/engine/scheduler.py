@@ -359,7 +359,7 @@ class Scheduler:
             if prompt_logprobs:
                 self._take_prompt_logprobs(req, result)
             if not s.sample:
-                self._store_blocks(req)
+                self.cache.store(req)
                 continue
             req.num_pending -= 1
             tok = sampled.get(s.request_id)
@@ -397,7 +397,7 @@ class Scheduler:
                 prompt_lp = self._prompt_logprobs(req)
         token_id = tok.token_id
         reason = req.append_output(token_id)
-        self._store_blocks(req)
+        self.cache.store(req)
         new_lp = None
         if req.sampling_params.logprobs is not None:
             new_lp = (TokenLogprob(token_id, tok.logprob, tuple(tuple(t) for t in tok.top_logprobs or ()), tok.rank),)
@@ -415,12 +415,6 @@ class Scheduler:
         if req.sampling_params.prompt_logprobs is None:
             return None
         return tuple(None if e is None else tuple(map(tuple, e)) for e in req.prompt_logprobs)
-
-    def _store_blocks(self, req: Request) -> None:
-        """Offer the request's newly computed full blocks to the prefix cache. The guard is store()'s own
-        early exit, checked here first because it fails for almost every token: no new full block yet."""
-        if self.cache.enabled and req.num_computed_tokens // self._block_size > req.num_stored_blocks:
-            self.cache.store(req)
 
     @property
     def num_in_flight(self) -> int:
