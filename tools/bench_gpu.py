@@ -75,6 +75,7 @@ from gpu_measure import (
     _throughput,
     _tpot,
     _weight_bytes,
+    qwen_workload,
 )
 
 SECTION_CAPS = {"copy": 60, "tiny": 90, "qwen": 170, "llama": 300, "llama_tput": 480, "profile": 120,
@@ -147,11 +148,8 @@ def section_qwen(rec: Recorder, args: argparse.Namespace) -> None:
     t = time.perf_counter()
     rec["graphs_captured_upfront"] = llm.executor.runner.capture_graphs(2048)
     rec["capture_s"] = round(time.perf_counter() - t, 1)
-    rng = random.Random(0)
-    n = 256 // k
-    in_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
-    out_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
-    prompts = _prompts(rng, cfg["vocab_size"], in_lens)
+    ids, out_lens = qwen_workload(cfg["vocab_size"], 256 // k, k)
+    prompts = [{"prompt_token_ids": p} for p in ids]
     warm = _throughput(llm, prompts[:16], [8] * 16)  # compiles any kernel variant not met yet
     rec["warmup_s"] = warm["elapsed_s"]
     g = _throughput(llm, prompts, out_lens)

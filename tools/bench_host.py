@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_measure import qwen_workload
 
 from appliance.engine.config import EngineConfig
 from appliance.engine.core import EngineCore
@@ -38,10 +40,8 @@ class NullExecutor(Executor):
 
 def workload(requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """(prompt, output length) per request: lengths uniform in [100, 1024], token ids below 1000."""
-    rng = random.Random(seed)
-    in_lens = [rng.randint(100, 1024) for _ in range(requests)]
-    out_lens = [rng.randint(100, 1024) for _ in range(requests)]
-    return [([rng.randrange(1000) for _ in range(n)], m) for n, m in zip(in_lens, out_lens)]
+    prompts, out_lens = qwen_workload(1000, requests, seed=seed)
+    return list(zip(prompts, out_lens))
 
 
 def run(requests: int, seed: int = 0, overlap: bool = True, prefix_caching: bool = False) -> dict[str, float]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import PRESETS
+from gpu_measure import qwen_workload
 
 
 def llm_for(cfg: dict, tmp: Path, **kw: object):
@@ -67,11 +68,8 @@ def main() -> None:
     res["mixed_b8_overlap_eq_sync"] = sum(a == b for a, b in zip(got[False], got[True]))
     print(json.dumps(res), flush=True)
     if which == "qwen":
-        rng = random.Random(0)
-        n = 256
-        in_lens = [rng.randint(100, 1024) for _ in range(n)]
-        out_lens = [rng.randint(100, 1024) for _ in range(n)]
-        prompts = [{"prompt_token_ids": [rng.randrange(V) for _ in range(k)]} for k in in_lens]
+        ids, out_lens = qwen_workload(V)
+        prompts = [{"prompt_token_ids": p} for p in ids]
         params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
         for ov in (True, False, True):
             llm.engine.overlap = ov

@@ -47,6 +47,15 @@ def _prompts(rng: random.Random, vocab: int, lens: list[int]) -> list[dict[str, 
     return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lens]
 
 
+def qwen_workload(vocab: int, n: int = 256, k: int = 1, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """The issue's Qwen3 throughput workload: n sequences whose prompt and output lengths are uniform in
+    [100, 1024] (divided by k for smoke runs), random token ids below vocab; (prompts, output lengths)."""
+    rng = random.Random(seed)
+    in_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
+    out_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
+    return [[rng.randrange(vocab) for _ in range(m)] for m in in_lens], out_lens
+
+
 def _greedy_equal(llm: Any, rng: random.Random, vocab: int, n: int, lens: list[int]) -> dict[str, Any]:
     """Greedy tokens with graphs, then eagerly on the same model (prefix cache off so both compute alike)."""
     from appliance import SamplingParams

@@ -117,6 +117,7 @@ def section_hf(rec: Any, args: argparse.Namespace) -> None:
     import torch
     import transformers
     from bench_offline import PRESETS
+    from gpu_measure import qwen_workload
 
     shape = _smoke_shape if args.smoke else dict
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,11 +144,8 @@ def section_hf(rec: Any, args: argparse.Namespace) -> None:
         rec["reduced"] = reduced
         return
     cfg = shape(PRESETS["qwen3-0.6b"])
-    rng = random.Random(0)
     n = 256 // k
-    in_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
-    out_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
-    prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(m)] for m in in_lens]
+    prompts, out_lens = qwen_workload(cfg["vocab_size"], n, k)
     s = max(1, min(args.hf_seqs // (4 if args.smoke else 1), n))
     out_mean = round(statistics.mean(out_lens[:s]))
     reduced.append(f"Qwen3-0.6B: the first {s} of {n} sequences, each {out_mean} output tokens (their mean; "

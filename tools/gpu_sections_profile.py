@@ -74,7 +74,7 @@ def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
     host_profile.txt beside the JSON."""
     import torch
     from bench_offline import PRESETS
-    from gpu_measure import _prompts, _throughput
+    from gpu_measure import _throughput, qwen_workload
     from torch.profiler import ProfilerActivity, profile
 
     cfg = TINY if args.smoke else PRESETS["qwen3-0.6b"]
@@ -82,11 +82,8 @@ def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         llm = _llm(cfg, Path(tmp), enable_prefix_caching=False)
     llm.executor.runner.capture_graphs(2048)
-    rng = random.Random(0)
-    n = 256 // k
-    in_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
-    out_lens = [rng.randint(100 // k, 1024 // k) for _ in range(n)]
-    prompts = _prompts(rng, cfg["vocab_size"], in_lens)
+    ids, out_lens = qwen_workload(cfg["vocab_size"], 256 // k, k)
+    prompts = [{"prompt_token_ids": p} for p in ids]
     _throughput(llm, prompts[:16], [8] * 16)  # compiles what the run meets
     plain = _throughput(llm, prompts, out_lens)
     rec["plain"] = plain
