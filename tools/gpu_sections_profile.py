@@ -6,8 +6,14 @@ import random
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from gpu_measure import TINY, Recorder, _llm
+
+
+def _device_us(event: Any) -> float:
+    """A profiler row's own device time in us (torch renamed the field from self_cuda_time_total)."""
+    return getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
 
 
 def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
@@ -53,7 +59,7 @@ def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     text = ka.table(sort_by=sort, row_limit=30) + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30)
     Path(args.section_json).with_name("profile.txt").write_text(text)
-    dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka)
+    dev_us = sum(_device_us(e) for e in ka)
     rec["device_ms_per_step"] = round(dev_us / steps / 1e3, 3)
     print(ka.table(sort_by=sort, row_limit=15), flush=True)
 
@@ -92,7 +98,7 @@ def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
         rec["profiled"] = _throughput(llm, prompts, out_lens)
     totals: dict[str, float] = {}
     for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        us = _device_us(e)
         if not us:
             continue
         cat = next((c for c, frags in CATEGORIES if any(f in e.key for f in frags)), "other: " + e.key[:60])
