@@ -23,3 +23,17 @@ def test_smoke_sections_run_and_variants_match_their_references() -> None:
     checked = [r for sec in ("gemv", "chain_check", "decode") for r in by[sec] if "err" in r]
     assert len(checked) >= 8 and all(r["err"] < 1e-4 for r in checked)  # float32 in the smoke
     assert {r["impl"] for r in by["chain"]} == {"cublas", "triton", "triton+small"}
+
+
+def test_lab_memory_smoke_layouts_agree() -> None:
+    """tools/lab_memory.py --smoke: every section runs, and the head-major cache gives the page-major result."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "lab_memory.py"), "--smoke"], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    by = {sec: [r for r in rows if r["section"] == sec] for sec in ("read", "layout")}
+    assert all(by.values()), {k: len(v) for k, v in by.items()}
+    checked = by["layout"]
+    assert len(checked) == 2 and all(r["max_err"] == 0.0 for r in checked), checked
+    assert {r["layout"] for r in by["layout"]} == {"page-major", "head-major"}

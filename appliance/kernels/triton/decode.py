@@ -4,7 +4,8 @@ One program serves all query heads that share a kv head (GQA: the kv tiles are r
 query head) over one split of the context. The split count is chosen on the host from the block table's width
 (its capacity), never from seq_lens, so no host sync happens and the launch is CUDA-graph safe; splits that start
 past a sequence's end exit at once. With more than one split a second pass merges the partial results by their
-log-sum-exp.
+log-sum-exp. Programs are numbered kv head fastest: a sequence's heads run side by side, reading neighbouring
+bytes of each cache row.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mi
                    split_tokens, num_splits,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(0)  # kv head fastest: a sequence's heads run side by side (docs/kernels.md)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     start = split * split_tokens
@@ -81,7 +82,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mi
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # partials: mid_o [B, H, S, D] normalised, mid_lse [B, H, S] in log2 units (-inf for an empty split)
-        base = (b * (GROUP * tl.num_programs(1)) + head) * num_splits + split
+        base = (b * (GROUP * tl.num_programs(0)) + head) * num_splits + split
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(mid_o_ptr + base[:, None] * D + offs_d[None, :], o, mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
@@ -148,7 +149,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_lse = torch.empty(bsz, h, splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     block_n = BLOCK_N_UNSPLIT if direct and block_d <= 128 else BLOCK_N
-    _decode_kernel[(bsz, hkv, splits)](
+    _decode_kernel[(hkv, bsz, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

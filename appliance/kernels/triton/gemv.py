@@ -2,15 +2,17 @@
 
 At batch 1..16 a decode step's linear layers read every weight byte once and do almost no arithmetic, so their
 time is the weight bytes over the memory bandwidth. On the H100 cuBLAS streams Llama-3.1-8B's matrices at
-2.0-2.8 TB/s at M = 1; this kernel at 2.4-3.1 TB/s (docs/kernels.md, "GEMV"). One program owns BLOCK_N output
-columns and walks K in BLOCK_K tiles with a deep load pipeline; the x rows (padded to 16 for `tl.dot`) are tiny
-and stay in L2. `split_k` > 1 cuts K across programs and adds the partial sums with fp32 atomics into a zeroed
+2.0-2.8 TB/s at M = 1; this kernel at 2.3-3.1 TB/s (docs/kernels.md, "GEMV"). One program owns BLOCK_N output
+columns and walks K in BLOCK_K tiles with a deep load pipeline, computing y^T = W x^T so that the weight tile
+feeds the MMA as stored (64 rows: a warpgroup MMA); the x rows (padded to 16 for `tl.dot`) are tiny and stay
+in L2. `split_k` > 1 cuts K across programs and adds the partial sums with fp32 atomics into a zeroed
 buffer: a tuning option for tall-and-narrow weights (few output columns, long K), which never won on the H100
 shapes measured so far.
 
 Programmatic dependent launch (each program loading its first weight tile before waiting for the previous
 kernel) was tried and did not pay (docs/benchmarks.md, fifth run); fusing the layer's RMSNorm, SiLU-and-mul and
-residual add into these GEMVs was slower too (sixth run).
+residual add into these GEMVs was slower too (sixth run), and so was prefetching the next GEMV's weight into L2
+from this one's programs (seventh run).
 """
 from __future__ import annotations
 
@@ -27,19 +29,20 @@ from appliance.kernels.triton.common import INTERPRET, mma
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_n: int = 32
+    block_n: int = 64
     block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 5
+    num_stages: int = 6
 
 
 def config_for(n: int, k: int) -> GemvConfig:
-    """Measured on the H100 (tools/kernel_lab.py; docs/kernels.md "GEMV"): one config for the wide and square
-    shapes, deeper K tiles for the tall ones (Llama-8B's down projection: 42.2 vs 44.3 us at M = 1)."""
+    """Measured on the H100 (tools/kernel_lab.py; docs/kernels.md "GEMV"): 64 output rows per program (one
+    warpgroup MMA) for the wide and square shapes, 32 rows and deeper K tiles for the tall ones (Llama-8B's down
+    projection: 41.9 vs 42.9 us at M = 1)."""
     if INTERPRET:
         return GemvConfig(block_n=16, block_k=32, num_stages=2)
-    return GemvConfig(block_k=256) if k > 2 * n else GemvConfig()
+    return GemvConfig(block_n=32, block_k=256) if k > 2 * n else GemvConfig()
 
 
 @triton.jit
@@ -53,18 +56,19 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
     m_mask = offs_m < M
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # y^T = W x^T: the weight tile is the MMA's left operand as stored (no transpose on the way in)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += mma(x, tl.trans(w), UPCAST)
-    out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
+        x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        acc += mma(w, x, UPCAST)
+    out = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    mask = m_mask[None, :] & n_mask[:, None]
     if ATOMIC:
         tl.atomic_add(out, acc, mask=mask)
     else:

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Memory-system experiments for decode attention on one GPU: the read-only bandwidth ceiling (what a kernel
+that only reads can reach, against the copy figure the targets use) and the KV cache's layout (page-major as
+stored vs head-major, the same kernel through strides).
+
+    python3 tools/lab_memory.py [--only read,layout] [--budget-s 300]
+    TRITON_INTERPRET=1 python3 tools/lab_memory.py --smoke      # tiny shapes on the CPU: checks the script
+
+Prints one JSON line per measurement. Timing: a CUDA graph of the callable, replayed; median of 5 batches of
+replays, per replay.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import triton
+import triton.language as tl
+
+from appliance.kernels.triton import decode
+
+T0 = time.time()
+
+
+def emit(**row: Any) -> dict[str, Any]:
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def graph_ms(fn: Callable[[], Any], smoke: bool, reps: int = 20) -> float:
+    fn()
+    if smoke:
+        return float("nan")
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    del g
+    return statistics.median(times)
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
+    tl.store(out_ptr + tl.program_id(0), tl.sum(v.to(tl.float32), 0))
+
+
+def section_read(args: argparse.Namespace, dev: str) -> None:
+    """Bytes read once per call, nothing written but one float per program: the read-only ceiling."""
+    n = (1 << 16) if args.smoke else (1 << 30)  # 2 GiB of bf16
+    x = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    for block, warps in ((4096, 4), (8192, 8), (16384, 8), (32768, 16)):
+        out = torch.empty(triton.cdiv(n, block), device=dev, dtype=torch.float32)
+        ms = graph_ms(lambda: _read_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block, num_warps=warps),
+                      args.smoke, reps=5)
+        emit(section="read", impl=f"triton block {block} warps {warps}", ms=ms, GBps=2 * n / ms / 1e6)
+    y = torch.empty_like(x)
+    ms = graph_ms(lambda: y.copy_(x), args.smoke, reps=5)
+    emit(section="read", impl="copy (read + write counted)", ms=ms, GBps=4 * n / ms / 1e6)
+    ms = graph_ms(lambda: x.sum(), args.smoke, reps=5)
+    emit(section="read", impl="torch sum", ms=ms, GBps=2 * n / ms / 1e6)
+
+
+def paged_case(lens: list[int], h: int, hkv: int, width: int, dev: str, head_major: bool, copies: int,
+               page: int = 16, d: int = 128) -> tuple[Any, ...]:
+    """Caches as [blocks, page, hkv, d] views; head-major ones are stored [blocks, hkv, page, d] underneath."""
+    blocks = sum(-(-n // page) for n in lens) + 1
+
+    def cache() -> torch.Tensor:
+        if head_major:
+            return torch.randn(blocks, hkv, page, d, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+        return torch.randn(blocks, page, hkv, d, device=dev, dtype=torch.bfloat16)
+
+    caches = [(cache(), cache()) for _ in range(copies)]
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(blocks, generator=g)
+    table = torch.zeros(len(lens), width // page, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // page)
+        table[i, :nb] = perm[used: used + nb].to(torch.int32)
+        used += nb
+    q = torch.randn(len(lens), h, d, device=dev, dtype=torch.bfloat16)
+    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return q, caches, table.to(dev), seq, sum(lens) * hkv * d * 4
+
+
+def section_layout(args: argparse.Namespace, dev: str) -> None:
+    rng = random.Random(0)
+    if args.smoke:
+        cases = {"smoke": ([rng.randint(5, 60) for _ in range(4)], 4, 2, 64)}
+    else:
+        cases = {
+            "qwen b256 ragged 100-2048": ([rng.randint(100, 2048) for _ in range(256)], 16, 8, 2048),
+            "llama b200 ragged 1024-2048": ([rng.randint(1024, 2048) for _ in range(200)], 32, 8, 2048),
+            "qwen b64 ragged 100-2048": ([rng.randint(100, 2048) for _ in range(64)], 16, 8, 2048),
+            "llama b1 1024": ([1024], 32, 8, 2048),
+        }
+    copies = 1 if args.smoke else 3
+    for name, (lens, h, hkv, width) in cases.items():
+        q, caches, table, seq, nbytes = paged_case(lens, h, hkv, width, dev, False, copies)
+        head_major = paged_case(lens, h, hkv, width, dev, True, copies)[1]
+        for (k, v), (k0, v0) in zip(head_major, caches):  # the same values, stored head-major
+            k.copy_(k0)
+            v.copy_(v0)
+        ref = decode.decode_attention(q, caches[0][0], caches[0][1], table, seq, 128**-0.5)
+        for layout, cs in (("page-major", caches), ("head-major", head_major)):
+            if time.time() - T0 > args.budget_s:
+                return
+            err = float((decode.decode_attention(q, cs[0][0], cs[0][1], table, seq, 128**-0.5).float()
+                         - ref.float()).abs().max())
+            ms = graph_ms(lambda cs=cs: [decode.decode_attention(q, k, v, table, seq, 128**-0.5) for k, v in cs],
+                          args.smoke) / copies
+            emit(section="layout", case=name, layout=layout, us=ms * 1e3, GBps=nbytes / ms / 1e6, max_err=err)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="read,layout")
+    ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    dev = "cpu" if args.smoke and not torch.cuda.is_available() else "cuda"
+    only = set(args.only.split(","))
+    emit(section="device", name=torch.cuda.get_device_name() if dev == "cuda" else "cpu")
+    for name, fn in (("read", section_read), ("layout", section_layout)):
+        if name in only:
+            fn(args, dev)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
