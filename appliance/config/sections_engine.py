@@ -162,6 +162,15 @@ class SchedulerSection(Section):
         "the device's compute. Outputs are identical; a request that stops wastes one step's slot. Unset: on, "
         "except with speculative decoding (which runs the synchronous loop; setting both is an error).",
         flags=("--enable-overlap-schedule", "--async-scheduling"))
+    schedule_conservativeness: float = param(
+        0.0, "Room admission keeps for the running requests' outputs, as SGLang's --schedule-conservativeness: a "
+        "waiting request is admitted only if the free KV blocks also cover a fraction (new_token_ratio) of every "
+        "running request's remaining output (max_tokens, clipped at 4096; all of it for ignore_eos requests). The "
+        "fraction starts at min(0.7 x this, 1), decays to 0.14 times that over 600 steps and is re-estimated "
+        "after a preemption. "
+        "0: no reservation (admit while the next chunk's blocks are free; running requests may then outgrow the "
+        "cache and be preempted). SGLang's default is 1.",
+        flags=("--schedule-conservativeness",), ge=0, allow_inf_nan=False)
 
     @field_validator("chunked_prefill_size")
     @classmethod

@@ -16,6 +16,9 @@ class EngineConfig:
     chunking: a prompt is then prefilled whole, prefills of one step share max_prefill_tokens, and a prompt
     longer than max_prefill_tokens runs alone in its step rather than never. When more requests decode than
     the budget holds, they take turns (least recently scheduled first).
+
+    schedule_conservativeness > 0 makes admission reserve room for the running requests' outputs (SGLang's
+    new_token_ratio, see admission.py); 0 admits while the blocks of the next chunk are free.
     """
 
     num_blocks: int
@@ -31,6 +34,7 @@ class EngineConfig:
     lpm_scan_limit: int = 128  # lpm compares at most this many waiting requests per admission
     # speculative decoding (MTP): drafts the workers propose after every sample, verified in the next step; 0 = off
     num_speculative_tokens: int = 0
+    schedule_conservativeness: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
@@ -46,6 +50,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"EngineConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 0 <= self.schedule_conservativeness < float("inf"):  # NaN fails too
+            raise ValueError(f"EngineConfig.schedule_conservativeness must be a finite number >= 0, "
+                             f"got {self.schedule_conservativeness}")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler policy {self.policy!r} is not implemented; the engine supports {POLICIES}")
         capacity = self.num_blocks * self.block_size
@@ -87,6 +94,8 @@ class EngineConfig:
             max_queued_requests=sched.max_queued_requests,
             policy=sched.policy,
             num_speculative_tokens=num_speculative_tokens(config),
+            # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
+            schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
         )
 
 

@@ -3,8 +3,8 @@
 Each step, in this order:
 1. running requests that decode (one token each), then running requests in the middle of a chunked prefill;
 2. waiting requests (preempted ones first, then by policy: fcfs or lpm), while the step has budget, a seat
-   (max_num_seqs) and blocks; a waiting request never preempts a running one, and none is admitted in a step
-   that preempted.
+   (max_num_seqs) and blocks (with schedule_conservativeness > 0 also room for the running requests' outputs:
+   admission.py); a waiting request never preempts a running one, and none is admitted in a step that preempted.
 When a running request needs a block and none is free or evictable, the newest running request not yet
 scheduled in this step is preempted (recompute: blocks freed, state reset, re-queued at the front); in the
 worst case that is the request itself.
@@ -39,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
+from appliance.engine.admission import OutputReservation
 from appliance.engine.block_pool import BlockPool
 from appliance.engine.config import EngineConfig
 from appliance.engine.delta import RequestDelta, TokenLogprob
@@ -100,6 +101,9 @@ class Scheduler:
         self._chunking = config.chunking
         self._block_size = config.block_size
         self._num_spec = config.num_speculative_tokens
+        # room reserved at admission for the running requests' outputs (admission.py); None: none, no bookkeeping
+        c = config.schedule_conservativeness
+        self._reserve = OutputReservation(c, config.block_size) if c > 0 else None
 
     # ---- admission ---------------------------------------------------------------------------------------
     def can_queue(self) -> bool:
@@ -136,6 +140,8 @@ class Scheduler:
         self._schedule_running(st)
         if not st.preempted:
             self._schedule_waiting(st)
+        if self._reserve is not None:
+            self._reserve.step_done(self.running, st.preempted)
         if not st.plan_sched:
             return None
         plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget)
@@ -252,7 +258,9 @@ class Scheduler:
             return False
         need = self._blocks_for(table_tokens(req, num_hit, n, self.config.num_speculative_tokens)) - len(hit)
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
-        if need + revived > self.pool.num_available:
+        spare = self.pool.num_available - need - revived  # blocks left after this chunk's
+        rsv = self._reserve  # it also wants room for the rest of the prompt and the outputs (admission.py)
+        if spare < 0 or (rsv is not None and not rsv.fits(req, spare, req.num_tokens - num_hit - n)):
             return False
         for b in hit:  # take the hits before allocating, so allocation cannot evict them
             self.pool.incref(b)
@@ -265,6 +273,8 @@ class Scheduler:
         self.waiting.remove(req)
         req.transition(RequestStatus.PREFILLING)
         self.running.append(req)
+        if self._reserve is not None:
+            self._reserve.admitted(req)
         st.plan_new.append(
             NewRequestData(
                 request_id=req.request_id,
@@ -328,6 +338,8 @@ class Scheduler:
         del self.requests[req.request_id]
 
     def _release_blocks(self, req: Request) -> None:
+        if self._reserve is not None and req.status.is_running:  # every running request leaves through here
+            self._reserve.released(req)
         # Tail first: the pool's LRU then evicts a sequence's last blocks before its shared prefix.
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
@@ -397,6 +409,8 @@ class Scheduler:
                 prompt_lp = self._prompt_logprobs(req)
         token_id = tok.token_id
         reason = req.append_output(token_id)
+        if self._reserve is not None:
+            self._reserve.decoded(req)
         self.cache.store(req)
         new_lp = None
         if req.sampling_params.logprobs is not None:
