@@ -216,7 +216,7 @@ def test_every_forward_reads_the_host_positions(tiny_model: Path, references: li
     one-token prompts and an abort; then a second pass on the reused rows, whose prefixes are cached."""
     llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
               enable_prefix_caching=True, chunked_prefill_size=16, max_total_tokens=64, max_model_len=64,
-              enable_overlap_schedule=overlap)
+              enable_overlap_schedule=overlap, schedule_conservativeness=0.0)  # admit greedily: preemption
     assert llm.engine.overlap == overlap
     if graphs:
         _with_cpu_graphs(llm)
@@ -264,7 +264,7 @@ def test_speculative_rollbacks_are_corrected(tmp_path: Path) -> None:
 GPU_PROMPTS = [[3 + i] * n for i, n in enumerate((1, 14, 15, 16, 31, 33, 47, 200, 1, 14, 15))]
 GPU_MAX_TOKENS = (60, 60, 60, 9, 60, 33, 60, 40, 5, 60, 60)
 GPU_POOL: dict[str, Any] = {"block_size": 16, "max_total_tokens": 320, "max_model_len": 256, "max_num_seqs": 8,
-                            "enable_prefix_caching": False}
+                            "enable_prefix_caching": False, "schedule_conservativeness": 0.0}  # it must preempt
 
 
 def test_the_gpu_workload_preempts(tiny_model: Path) -> None:

@@ -20,8 +20,9 @@ NEW = 8
 SETUPS = [
     ("prefix_on_big_chunks", {"enable_prefix_caching": True, "chunked_prefill_size": 8192}),
     ("prefix_off_chunk16", {"enable_prefix_caching": False, "chunked_prefill_size": 16}),
+    # no output reservation at admission (schedule_conservativeness 0): the tiny cache must force preemption
     ("preempt_chunk16", {"enable_prefix_caching": True, "chunked_prefill_size": 16, "max_total_tokens": 64,
-                             "max_model_len": 64}),
+                         "max_model_len": 64, "schedule_conservativeness": 0.0}),
 ]
 
 

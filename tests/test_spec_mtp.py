@@ -280,7 +280,7 @@ def test_preemption_with_drafts_in_flight(tiny_v3: Path, reference: dict[str, An
     output still equals the target's greedy tokens; the pool is whole afterwards."""
     oracle(monkeypatch, reference["tokens"], wrong=4)
     llm = make_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=3, max_total_tokens=64,
-                   max_model_len=48, enable_prefix_caching=False)
+                   max_model_len=48, enable_prefix_caching=False, schedule_conservativeness=0.0)  # admit greedily
     outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == [reference["tokens"][tuple(p)][:NEW] for p in PROMPTS]
     stats = llm.engine.stats()

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""The Qwen3-0.6B throughput workload run several times in one process: the spread between runs, and what a run
+pays that the next one does not (Triton compiles, logged with their time; cudaMalloc calls).
+
+    python3 tools/bench_runs.py [--runs 5] [--layers 28]
+
+--layers shrinks the model (the same workload, less GPU work per step, the same host work): at 2 layers the
+elapsed time is the host's floor for this workload. Prints one JSON line per run, then RESULT with the median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_offline import PRESETS
+from bench_overlap import gen, llm_for
+from gpu_measure import qwen_workload
+
+
+def log_compiles() -> list[tuple[str, float]]:
+    """Wrap Triton's JIT compile step: every compile appends (kernel name, seconds)."""
+    from triton.runtime.jit import JITFunction
+
+    log: list[tuple[str, float]] = []
+    orig = JITFunction._do_compile
+
+    def timed(self: Any, *args: Any) -> Any:
+        t = time.perf_counter()
+        kernel = orig(self, *args)
+        log.append((self.fn.__name__, round(time.perf_counter() - t, 3)))
+        return kernel
+
+    JITFunction._do_compile = timed
+    return log
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--smoke", action="store_true", help="a tiny Qwen3 on any device, 4 short requests")
+    args = ap.parse_args()
+    import torch
+
+    from appliance import SamplingParams
+
+    log = log_compiles()
+    cfg = dict(PRESETS["qwen3-0.6b"], num_hidden_layers=args.layers)
+    if args.smoke:
+        cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   vocab_size=512)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = llm_for(cfg, Path(tmp), enable_prefix_caching=False)
+    print(json.dumps({"init_s": round(time.perf_counter() - t0, 1), "compiles": len(log)}), flush=True)
+    ids, out_lens = qwen_workload(cfg["vocab_size"], n=4 if args.smoke else 256)
+    out_lens = [min(m, 8) for m in out_lens] if args.smoke else out_lens
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    rates = []
+    for run in range(args.runs):
+        log.clear()
+        allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+        _, elapsed, tokens = gen(llm, prompts, params)
+        allocs = (torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0) - allocs
+        rates.append(tokens / elapsed)
+        print(json.dumps({"run": run, "layers": args.layers, "elapsed_s": round(elapsed, 3),
+                          "output_tok_s": round(tokens / elapsed, 1), "compiles": log[:], "cuda_mallocs": allocs}),
+              flush=True)
+    print("RESULT", json.dumps({"layers": args.layers, "runs": args.runs, "median_tok_s": round(statistics.median(rates), 1),
+                                "min": round(min(rates), 1), "max": round(max(rates), 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
