@@ -11,12 +11,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_smoke_sections_run_and_variants_match_their_references() -> None:
+def smoke_rows(tool: str) -> list[dict]:
+    """The JSON lines of `tools/<tool> --smoke` run on the CPU under Triton's interpreter (it must exit 0)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_lab.py"), "--smoke"], env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / tool), "--smoke"], env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_smoke_sections_run_and_variants_match_their_references() -> None:
+    rows = smoke_rows("kernel_lab.py")
     by = {sec: [r for r in rows if r["section"] == sec] for sec in ("gemv", "chain_check", "chain", "decode", "done")}
     assert all(by.values()), {k: len(v) for k, v in by.items()}
     assert not [r for r in rows if "error" in r]
@@ -27,11 +32,7 @@ def test_smoke_sections_run_and_variants_match_their_references() -> None:
 
 def test_lab_memory_smoke_layouts_agree() -> None:
     """tools/lab_memory.py --smoke: every section runs, and the head-major cache gives the page-major result."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "lab_memory.py"), "--smoke"], env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = smoke_rows("lab_memory.py")
     by = {sec: [r for r in rows if r["section"] == sec] for sec in ("read", "layout")}
     assert all(by.values()), {k: len(v) for k, v in by.items()}
     checked = by["layout"]

@@ -168,20 +168,28 @@ def ragged_lens(b: int, lo: int, hi: int, seed: int) -> list[int]:
 
 
 def decode_case(lens: list[int], heads: int, hkv: int, width_tokens: int, dev: str, dtype: torch.dtype,
-                page: int = 16) -> tuple[Any, ...]:
-    blocks = sum(-(-n // page) for n in lens)
-    caches = [(torch.randn(blocks + 1, page, hkv, 128, device=dev, dtype=dtype),
-               torch.randn(blocks + 1, page, hkv, 128, device=dev, dtype=dtype)) for _ in range(COPIES)]
-    perm = torch.randperm(blocks + 1)
+                page: int = 16, copies: int = COPIES, head_major: bool = False, d: int = 128) -> tuple[Any, ...]:
+    """q, `copies` (k, v) caches as [blocks, page, hkv, d] views (head-major ones stored [blocks, hkv, page, d]
+    underneath), a block table of width_tokens holding every sequence's blocks in random order, seq_lens, and
+    the KV bytes one call reads."""
+    blocks = sum(-(-n // page) for n in lens) + 1
+
+    def cache() -> torch.Tensor:
+        if head_major:
+            return torch.randn(blocks, hkv, page, d, device=dev, dtype=dtype).transpose(1, 2)
+        return torch.randn(blocks, page, hkv, d, device=dev, dtype=dtype)
+
+    caches = [(cache(), cache()) for _ in range(copies)]
+    perm = torch.randperm(blocks)
     table = torch.zeros(len(lens), width_tokens // page, dtype=torch.int32)
     used = 0
     for i, n in enumerate(lens):
         nb = -(-n // page)
         table[i, :nb] = perm[used : used + nb].to(torch.int32)
         used += nb
-    q = torch.randn(len(lens), heads, 128, device=dev, dtype=dtype)
+    q = torch.randn(len(lens), heads, d, device=dev, dtype=dtype)
     seq = torch.tensor(lens, dtype=torch.int32, device=dev)
-    kv_bytes = sum(lens) * hkv * 128 * 2 * caches[0][0].element_size()
+    kv_bytes = sum(lens) * hkv * d * 2 * torch.empty(0, dtype=dtype).element_size()
     return q, caches, table.to(dev), seq, kv_bytes
 
 

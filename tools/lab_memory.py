@@ -12,9 +12,7 @@ replays, per replay.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,41 +26,16 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.triton import decode
+from kernel_lab import COPIES, decode_case, emit, timed_us  # noqa: E402  (tools/ is on sys.path as a script)
+
+BF16 = torch.bfloat16
 
 T0 = time.time()
 
 
-def emit(**row: Any) -> dict[str, Any]:
-    print(json.dumps(row), flush=True)
-    return row
-
-
-def graph_ms(fn: Callable[[], Any], smoke: bool, reps: int = 20) -> float:
-    fn()
-    if smoke:
-        return float("nan")
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
-        fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    del g
-    return statistics.median(times)
+def graph_ms(fn: Callable[[], Any], smoke: bool) -> float:
+    """Median ms per call replayed from a CUDA graph (kernel_lab's timing, without its per-copy division)."""
+    return timed_us(fn, smoke) * COPIES / 1e3
 
 
 @triton.jit
@@ -79,37 +52,13 @@ def section_read(args: argparse.Namespace, dev: str) -> None:
     for block, warps in ((4096, 4), (8192, 8), (16384, 8), (32768, 16)):
         out = torch.empty(triton.cdiv(n, block), device=dev, dtype=torch.float32)
         ms = graph_ms(lambda: _read_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block, num_warps=warps),
-                      args.smoke, reps=5)
+                      args.smoke)
         emit(section="read", impl=f"triton block {block} warps {warps}", ms=ms, GBps=2 * n / ms / 1e6)
     y = torch.empty_like(x)
-    ms = graph_ms(lambda: y.copy_(x), args.smoke, reps=5)
+    ms = graph_ms(lambda: y.copy_(x), args.smoke)
     emit(section="read", impl="copy (read + write counted)", ms=ms, GBps=4 * n / ms / 1e6)
-    ms = graph_ms(lambda: x.sum(), args.smoke, reps=5)
+    ms = graph_ms(lambda: x.sum(), args.smoke)
     emit(section="read", impl="torch sum", ms=ms, GBps=2 * n / ms / 1e6)
-
-
-def paged_case(lens: list[int], h: int, hkv: int, width: int, dev: str, head_major: bool, copies: int,
-               page: int = 16, d: int = 128) -> tuple[Any, ...]:
-    """Caches as [blocks, page, hkv, d] views; head-major ones are stored [blocks, hkv, page, d] underneath."""
-    blocks = sum(-(-n // page) for n in lens) + 1
-
-    def cache() -> torch.Tensor:
-        if head_major:
-            return torch.randn(blocks, hkv, page, d, device=dev, dtype=torch.bfloat16).transpose(1, 2)
-        return torch.randn(blocks, page, hkv, d, device=dev, dtype=torch.bfloat16)
-
-    caches = [(cache(), cache()) for _ in range(copies)]
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(blocks, generator=g)
-    table = torch.zeros(len(lens), width // page, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(lens):
-        nb = -(-n // page)
-        table[i, :nb] = perm[used: used + nb].to(torch.int32)
-        used += nb
-    q = torch.randn(len(lens), h, d, device=dev, dtype=torch.bfloat16)
-    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
-    return q, caches, table.to(dev), seq, sum(lens) * hkv * d * 4
 
 
 def section_layout(args: argparse.Namespace, dev: str) -> None:
@@ -125,8 +74,8 @@ def section_layout(args: argparse.Namespace, dev: str) -> None:
         }
     copies = 1 if args.smoke else 3
     for name, (lens, h, hkv, width) in cases.items():
-        q, caches, table, seq, nbytes = paged_case(lens, h, hkv, width, dev, False, copies)
-        head_major = paged_case(lens, h, hkv, width, dev, True, copies)[1]
+        q, caches, table, seq, nbytes = decode_case(lens, h, hkv, width, dev, BF16, copies=copies)
+        head_major = decode_case(lens, h, hkv, width, dev, BF16, copies=copies, head_major=True)[1]
         for (k, v), (k0, v0) in zip(head_major, caches):  # the same values, stored head-major
             k.copy_(k0)
             v.copy_(v0)
