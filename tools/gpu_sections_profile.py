@@ -72,6 +72,35 @@ CATEGORIES = (("decode attention", ("_decode_kernel", "_merge_kernel")), ("prefi
               ("copies, gathers, casts (torch)", ("at::native", "Memcpy", "Memset")))
 
 
+GAP_BUCKETS_US = (2.0, 10.0, 100.0)  # idle gaps: kernel boundaries (< 2 us, < 10 us), short stalls, host stalls
+
+
+def gap_histogram(intervals: list[tuple[float, float]]) -> dict[str, dict[str, float]]:
+    """Idle time between device activity, by gap length: intervals are (start_us, end_us) of kernels and copies
+    (overlaps merged). A run whose idle is mostly < 2 us gaps loses it to kernel boundaries inside the steps;
+    >= 100 us gaps are the device waiting for the host."""
+    edges = (0.0, *GAP_BUCKETS_US, float("inf"))
+    names = [f"{lo:g}-{hi:g} us" if hi != float("inf") else f">= {lo:g} us" for lo, hi in zip(edges, edges[1:])]
+    out = {n: {"count": 0, "s": 0.0} for n in names}
+    end = None
+    for start, stop in sorted(intervals):
+        if end is not None and start > end:
+            gap = start - end
+            name = names[next(i for i, hi in enumerate(edges[1:]) if gap < hi)]
+            out[name]["count"] += 1
+            out[name]["s"] += gap / 1e6
+        end = stop if end is None else max(end, stop)
+    return {n: {"count": v["count"], "s": round(v["s"], 6)} for n, v in out.items()}
+
+
+def _device_intervals(prof: Any) -> list[tuple[float, float]]:
+    """(start_us, end_us) of every device event a torch.profiler run recorded."""
+    from torch.autograd import DeviceType
+
+    return [(e.time_range.start, e.time_range.end) for e in prof.events()
+            if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+
+
 def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
     """Where a whole throughput run goes: the Qwen3-0.6B workload (256 sequences, in/out uniform [100, 1024], seed
     0) once plain for its wall time, then under torch.profiler (device activity only); device time per kernel
@@ -107,6 +136,7 @@ def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
     rec["device_s_by_category"] = {c: round(s, 3) for c, s in sorted(totals.items(), key=lambda kv: -kv[1])[:14]}
     rec["device_busy_s"] = round(busy, 3)
     rec["gpu_idle_share_of_plain_wall"] = round(1 - busy / plain["elapsed_s"], 3) if plain["elapsed_s"] else None
+    rec["idle_gaps_profiled"] = gap_histogram(_device_intervals(prof))
     import cProfile
     import io
     import pstats
