@@ -133,3 +133,18 @@ def test_serving_section_runs_end_to_end_with_the_synchronous_loop(tmp_path: Pat
     assert [lv["concurrency"] for lv in sec["levels"]] == [1, 2, 4]
     assert all(lv["completed"] == lv["prompts"] for lv in sec["levels"])
     assert sec["server"]["stop"]["stages_left_after_stop"] == 0
+
+
+def test_run_profile_section_takes_the_llama_workload(tmp_path: Path) -> None:
+    """run_profile with --profile-preset llama-3.1-8b on the CPU (tiny shapes): the 8B throughput workload's
+    prompts (--tput-prompts, scaled like the other smoke workloads), a plain run, and the gap histogram's buckets
+    (empty here: the CPU profiler records no device activity)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--smoke", "--quick", "--only",
+                           "run_profile", "--profile-preset", "llama-3.1-8b", "--tput-prompts", "32",
+                           "--budget-s", "200", "--json", str(out)], capture_output=True, text=True, timeout=260)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    sec = json.loads(out.read_text())["run_profile"]
+    assert sec["status"] == "ok" and sec["workload"] == "llama-3.1-8b: 2 prompts"
+    assert sec["plain"]["output_tokens"] == 2 * 64 and sec["plain"]["preemptions"] == 0
+    assert set(sec["idle_gaps_profiled"]) == {"0-2 us", "2-10 us", "10-100 us", ">= 100 us"}

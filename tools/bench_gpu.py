@@ -31,6 +31,7 @@ freed):
   profile  torch.profiler over 20 decode steps of --profile-batch (256) running --profile-preset requests
            (profile.txt)
   run_profile  the qwen workload whole under torch.profiler: device seconds per kernel category, GPU idle share
+           and its gaps by length; --profile-preset llama-3.1-8b: --tput-prompts (256) x 1024/1024 instead
   serving  `appliance serve` (Llama-3.1-8B, dummy) + tools/bench_serving.py, random 1024/256, ignore_eos, at max
            concurrency --serving-concurrency (1,16,64) with --serving-prompts (8,64,192): TTFT / TPOT / ITL
            mean, p50, p99 and output tok/s per level (tools/gpu_sections_serving.py)
