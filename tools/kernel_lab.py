@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Tuning sweeps for the decode-step kernels on one GPU: the skinny GEMV against cuBLAS, decode attention on
-ragged batches, and the attention prologue (q/k norm + rope + KV store) fused vs the unfused chain. Prints one
+ragged batches (the registered kernel's knobs, and decode_stream.py's even deal of tiles against it), and the
+attention prologue (q/k norm + rope + KV store) fused vs the unfused chain. Prints one
 JSON line per measurement, then a summary; needs only torch and triton.
 
-    python3 tools/kernel_lab.py [--only gemv,chain,decode,rope_store] [--budget-s 300]
+    python3 tools/kernel_lab.py [--only gemv,chain,decode,decode_stream,rope_store] [--budget-s 300]
     TRITON_INTERPRET=1 python3 tools/kernel_lab.py --smoke      # tiny shapes on the CPU: checks the script
 
 Timing: median per call replayed from a CUDA graph (triton.testing.do_bench_cudagraph). Every timed call cycles
@@ -193,28 +194,35 @@ def decode_case(lens: list[int], heads: int, hkv: int, width_tokens: int, dev: s
     return q, caches, table.to(dev), seq, kv_bytes
 
 
+def decode_cases(args: argparse.Namespace) -> dict[str, tuple[list[int], int, int, int]]:
+    """name -> (seq_lens, q heads, kv heads, table width in tokens): the batches the decode sections time."""
+    if args.smoke:
+        return {"smoke ragged": (ragged_lens(4, 5, 60, 0), 4, 2, 64)}
+    cases = {
+        "llama b1 kv1024 (w2048)": ([1024], 32, 8, 2048),
+        "qwen b256 uniform 540 (w1024)": ([540] * 256, 16, 8, 1024),
+        "qwen b256 ragged 100-2048 (w2048)": (ragged_lens(256, 100, 2048, 0), 16, 8, 2048),
+        "llama b200 ragged 1024-2048 (w2048)": (ragged_lens(200, 1024, 2048, 1), 32, 8, 2048),
+    }
+    # the shrinking batches of the Qwen3 throughput run: fewer sequences, as ragged
+    cases.update({f"qwen b{b} ragged 100-2048 (w2048)": (ragged_lens(b, 100, 2048, b), 16, 8, 2048)
+                  for b in (16, 32, 64, 128)})
+    if args.decode_cases:
+        cases = {k: v for k, v in cases.items() if any(f in k for f in args.decode_cases.split(","))}
+    return cases
+
+
 def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> None:
     from appliance.kernels.reference.attention import decode_attention as ref_decode
 
+    cases = decode_cases(args)
     if args.smoke:
-        cases = {"smoke ragged": (ragged_lens(4, 5, 60, 0), 4, 2, 64)}
         knobs = [(16, 4, 2, s) for s in (None, 2)]
     else:
-        cases = {
-            "llama b1 kv1024 (w2048)": ([1024], 32, 8, 2048),
-            "qwen b256 uniform 540 (w1024)": ([540] * 256, 16, 8, 1024),
-            "qwen b256 ragged 100-2048 (w2048)": (ragged_lens(256, 100, 2048, 0), 16, 8, 2048),
-            "llama b200 ragged 1024-2048 (w2048)": (ragged_lens(200, 1024, 2048, 1), 32, 8, 2048),
-        }
-        # the shrinking batches of the Qwen3 throughput run: fewer sequences, as ragged
-        cases.update({f"qwen b{b} ragged 100-2048 (w2048)": (ragged_lens(b, 100, 2048, b), 16, 8, 2048)
-                      for b in (16, 32, 64, 128)})
         knobs = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 1, 2, 4, 8, 16, 32)))
         if args.decode_splits_only:  # the tuned tile, every split factor
             knobs = [(decode.BLOCK_N_UNSPLIT if s in (None, 1) else decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES, s)
                      for s in (None, 1, 2, 4, 8, 16, 32)]
-        if args.decode_cases:
-            cases = {k: v for k, v in cases.items() if any(f in k for f in args.decode_cases.split(","))}
     saved = (decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES)
     for name, (lens, h, hkv, width) in cases.items():
         q, caches, table, seq, kv_bytes = decode_case(lens, h, hkv, width, dev, dtype)
@@ -237,6 +245,32 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
                  GBps=kv_bytes / us / 1e3, err=err)
         del caches
     decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES = saved
+
+
+def section_decode_stream(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> None:
+    """decode_stream.py (the batch's KV tiles dealt out evenly to a fixed set of programs) against the registered
+    kernel on the decode cases: programs per SM and tile length; err against the registered kernel's output."""
+    from appliance.kernels.triton import decode_stream
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
+    knobs = [(1, 16), (2, 16)] if args.smoke else list(itertools.product((1, 2, 4), (64, 128)))
+    for name, (lens, h, hkv, width) in decode_cases(args).items():
+        q, caches, table, seq, kv_bytes = decode_case(lens, h, hkv, width, dev, dtype)
+        ref = decode.decode_attention(q, caches[0][0], caches[0][1], table, seq, 128**-0.5)
+        us = timed_us(lambda: [decode.decode_attention(q, k, v, table, seq, 128**-0.5) for k, v in caches],
+                      args.smoke)
+        emit(section="decode_stream", case=name, impl="registered", us=us, GBps=kv_bytes / us / 1e3)
+        for per_sm, bn in knobs:
+            if time.time() - T0 > args.budget_s:
+                emit(section="decode_stream", skipped=f"{name}: budget")
+                return
+            decode_stream.BLOCK_N, programs = bn, per_sm * sms
+            run = decode_stream.stream_decode_attention
+            err = rel(run(q, caches[0][0], caches[0][1], table, seq, 128**-0.5, programs), ref)
+            us = timed_us(lambda: [run(q, k, v, table, seq, 128**-0.5, programs) for k, v in caches], args.smoke)
+            emit(section="decode_stream", case=name, impl="stream", programs=programs, block_n=bn, us=us,
+                 GBps=kv_bytes / us / 1e3, err=err)
+    decode_stream.BLOCK_N = 64
 
 
 def unfused_prologue(positions: torch.Tensor, qkv: torch.Tensor, h: int, hkv: int, d: int, cos_sin: torch.Tensor,
@@ -301,7 +335,7 @@ def section_rope_store(args: argparse.Namespace, dev: str, dtype: torch.dtype) -
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="gemv,chain,decode,rope_store")
+    ap.add_argument("--only", default="gemv,chain,decode,decode_stream,rope_store")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
@@ -319,6 +353,8 @@ def main() -> int:
         section_chain(args, dev, dtype, best)
     if "decode" in only:
         section_decode(args, dev, dtype)
+    if "decode_stream" in only:
+        section_decode_stream(args, dev, dtype)
     if "rope_store" in only:
         section_rope_store(args, dev, dtype)
     emit(section="done", elapsed_s=round(time.time() - T0, 1))
