@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from appliance.kernels.triton.common import INTERPRET, mma
+from appliance.kernels.triton.common import INTERPRET, paged_kv_tile, softmax_step
+from appliance.kernels.triton.decode import check_inputs, sm_count
 
 _LOG2E = 1.4426950408889634
 BLOCK_N = 64
@@ -73,19 +74,9 @@ def _stream_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, p
         seq_len = tl.load(lens_ptr + b)
         pos = tile * BLOCK_N + offs_n
         n_mask = pos < seq_len
-        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = mma(q, tl.trans(k), UPCAST) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        acc = acc * alpha[:, None] + mma(pr.to(v.dtype), v, UPCAST)
-        m_i = m_new
+        k, v = paged_kv_tile(k_ptr, v_ptr, bt_ptr + b * stride_bt, pos, n_mask, kvh, stride_cb, stride_cs, stride_ch,
+                             offs_d, d_mask, PAGE)
+        m_i, l_i, acc = softmax_step(q, k, v, n_mask, m_i, l_i, acc, qk_scale, UPCAST)
         # the pair's last tile here, or this program's last tile: finish the pair, or leave a partial
         # (flags as int32 multiplied into the masks: the interpreter turns bool tensor & bool scalar into int32)
         closing = ((tile == n_b - 1) | (t == end - 1)).to(tl.int32)
@@ -150,19 +141,13 @@ def stream_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             programs: int | None = None) -> torch.Tensor:
     """decode_attention's contract (q [B, H, D], caches [blocks, page, Hkv, D], tables [B, W], seq_lens [B]);
     `programs` overrides the count (tests: a few programs cut most pairs). A row with seq_len 0 gets zeros."""
-    bsz, h, d = q.shape
-    _, page, hkv, dk = k_cache.shape
-    if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError(f"stream_decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
-    if block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
-        raise ValueError("stream_decode_attention: block_tables / seq_lens batch size differs from q")
+    bsz, h, hkv, d, page = check_inputs("stream_decode_attention", q, k_cache, v_cache, block_tables, seq_lens)
     out = torch.empty_like(q)
     if bsz == 0:
         return out
     group = h // hkv
     block_h = max(16, triton.next_power_of_2(group))
-    num_p = programs or PROGRAMS_PER_SM * (torch.cuda.get_device_properties(q.device).multi_processor_count
-                                           if q.device.type == "cuda" else 132)
+    num_p = programs or PROGRAMS_PER_SM * sm_count(q.device)
     part_o = torch.empty(num_p * 2 * block_h, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_p * 2 * block_h, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
