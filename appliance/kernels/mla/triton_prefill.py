@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, mma, tile_sequence
+from appliance.kernels.triton.common import INTERPRET, LOG2E, mma, tile_sequence
 
-_LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query rows per program: the [BLOCK_M, kv_lora_rank] float32 accumulator lives in registers
 BLOCK_N = 16 if INTERPRET else 32
 NUM_WARPS = 8
@@ -92,7 +91,7 @@ def mla_prefill(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor
     cu_tiles = torch.zeros(bsz + 1, dtype=torch.int32, device=q.device)
     cu_tiles[1:] = torch.cumsum(torch.div(q_lens + (BLOCK_M - 1), BLOCK_M, rounding_mode="floor"), 0)
     grid = (triton.cdiv(t, BLOCK_M) + bsz, heads)
-    _mla_prefill_kernel[grid](qa, cache, block_tables, cu_seqlens_q, seq_lens, cu_tiles, o_lat, scale * _LOG2E, bsz,
+    _mla_prefill_kernel[grid](qa, cache, block_tables, cu_seqlens_q, seq_lens, cu_tiles, o_lat, scale * LOG2E, bsz,
                               qa.stride(0), qa.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
                               o_lat.stride(0), o_lat.stride(1),
                               R=rank, DR=rope, BLOCK_R=triton.next_power_of_2(rank),

@@ -10,6 +10,7 @@ import triton.language as tl
 # Triton's interpreter (3.9, CPU) returns garbage for tl.dot on bf16 operands; there we upcast to fp32 first.
 # On the GPU the operands go to the tensor cores as they are.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634  # the attention kernels work in exp2 / log2 units: scores are scaled by it once
 
 
 @triton.jit

@@ -16,9 +16,13 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, paged_kv_tile, softmax_step
+from appliance.kernels.triton.common import (
+    INTERPRET,
+    LOG2E,
+    paged_kv_tile,
+    softmax_step,
+)
 
-_LOG2E = 1.4426950408889634
 _SMS_FALLBACK = 132
 # Tuned on the H100 (docs/kernels.md): the tile of kv tokens per loop step, and the split-K heuristic inputs.
 BLOCK_N = 64
@@ -148,7 +152,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = triton.next_power_of_2(d)
     block_n = BLOCK_N_UNSPLIT if direct and block_d <= 128 else BLOCK_N
     _decode_kernel[(hkv, bsz, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse, scale * _LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         split_tokens, splits,

@@ -18,10 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from appliance.kernels.triton.common import INTERPRET, paged_kv_tile, softmax_step
+from appliance.kernels.triton.common import (
+    INTERPRET,
+    LOG2E,
+    paged_kv_tile,
+    softmax_step,
+)
 from appliance.kernels.triton.decode import check_inputs, sm_count
 
-_LOG2E = 1.4426950408889634
 BLOCK_N = 64
 PROGRAMS_PER_SM = 2
 NUM_WARPS = 4
@@ -153,7 +157,7 @@ def stream_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_d = triton.next_power_of_2(d)
     block_b = max(16, triton.next_power_of_2(bsz))
     _stream_kernel[(num_p,)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, scale * _LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), bsz, hkv,
         GROUP=group, BLOCK_H=block_h, D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=BLOCK_N, BLOCK_B=block_b,

@@ -11,9 +11,8 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, mma, tile_sequence
+from appliance.kernels.triton.common import INTERPRET, LOG2E, mma, tile_sequence
 
-_LOG2E = 1.4426950408889634
 BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -120,7 +119,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     cu_tiles[1:] = torch.cumsum(torch.div(q_lens + (BLOCK_M - 1), BLOCK_M, rounding_mode="floor"), 0)
     max_tiles = triton.cdiv(t, BLOCK_M) + bsz
     _prefill_kernel[(max_tiles, h)](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, cu_tiles, scale * _LOG2E,
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, cu_tiles, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), bsz,
         GROUP=h // hkv, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page,
