@@ -179,6 +179,18 @@ def test_hostile_single_requests_fail_alone(server: Server) -> None:
     assert_healthy_and_accounted(server)
 
 
+def test_a_top_k_beyond_int64_is_served_like_top_k_off(server: Server) -> None:
+    """The fuzzer once sent top_k = 2**63 in a chat request: the worker's sampler could not hold it in an int64
+    tensor, and the pipeline died. Any top_k past every vocabulary keeps every token (SamplingParams.TOP_K_ALL)."""
+    msgs = [{"role": "user", "content": "hi"}]
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 1.0, "top_k": 2**63}),
+                       ("/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "top_k": 2**70, "seed": 3})):
+        r = post(server, path, body)
+        assert r.status_code == 200, (path, r.status_code, r.text[:300])
+        assert r.json()["usage"]["completion_tokens"] == 4
+    assert_healthy_and_accounted(server)
+
+
 def test_a_bad_token_id_sent_past_the_server_fails_in_the_scheduler_not_the_worker(server: Server) -> None:
     """Defence in depth: a GenerateRequest with an id past the vocabulary, pushed straight onto the scheduler's
     socket, is refused there; the worker never sees it, so the pipeline keeps serving."""

@@ -191,3 +191,17 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 def test_row_count_mismatch_is_an_error():
     with pytest.raises(ValueError):
         Sampler()(_logits(rows=2), [SamplingRow(SamplingParams(), [], [])])
+
+
+def test_a_top_k_beyond_any_vocabulary_keeps_every_token():
+    """top_k larger than int64 (the HTTP fuzzer sent 2**63) is stored as TOP_K_ALL, which keeps every token: the
+    same draws as top_k disabled, on the torch sampler and in the int32 the GPU sampler takes."""
+    from appliance.engine.sampling_params import TOP_K_ALL
+
+    huge = SamplingParams(temperature=1.0, top_k=2**63, seed=5)
+    assert huge.top_k == TOP_K_ALL == torch.tensor([huge.top_k], dtype=torch.int32).item()
+    off = SamplingParams(temperature=1.0, top_k=0, seed=5)
+    logits = _logits(rows=1, vocab=64, seed=3)
+    draws = [[Sampler()(logits, [SamplingRow(p, [1], [0] * n)])[0].token_id for n in range(20)] for p in (huge, off)]
+    assert draws[0] == draws[1]
+    assert torch.equal(apply_top_k(logits, torch.tensor([TOP_K_ALL])), logits)

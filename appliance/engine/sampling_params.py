@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# A top_k this large keeps every token of any vocabulary, like top_k disabled; larger values are stored as it, so
+# the samplers' int64 / int32 tensors hold every request's value (a top_k of 2**63 once crashed a worker).
+TOP_K_ALL = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -45,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.top_k > TOP_K_ALL:
+            object.__setattr__(self, "top_k", TOP_K_ALL)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_n_sigma < 0:
