@@ -31,19 +31,11 @@ CASES: dict[str, tuple[list[int], int, int, int, int, int, torch.dtype]] = {
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def inputs(lens: list[int], h: int, hkv: int, d: int, page: int, dtype: torch.dtype, device: str,
-           seed: int = 0) -> tuple[Any, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    blocks = sum(-(-n // page) for n in lens) + 1
-    k = torch.randn(blocks, page, hkv, d, generator=gen).to(dtype).to(device)
-    v = torch.randn(blocks, page, hkv, d, generator=gen).to(dtype).to(device)
-    table = torch.zeros(len(lens), max(1, max(-(-n // page) for n in lens)) + 1, dtype=torch.int32)
-    perm, used = torch.randperm(blocks, generator=gen), 0
-    for i, n in enumerate(lens):
-        table[i, : -(-n // page)] = perm[used : used + -(-n // page)].to(torch.int32)
-        used += -(-n // page)
-    q = torch.randn(len(lens), h, d, generator=gen).to(dtype).to(device)
-    return q, k, v, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device), d**-0.5
+def inputs(lens: list[int], h: int, hkv: int, d: int, page: int, dtype: torch.dtype, device: str) -> tuple[Any, ...]:
+    """(q, k_cache, v_cache, block_tables, seq_lens, scale): the selfcheck's paged decode inputs."""
+    from appliance.kernels.triton.selfcheck import decode_inputs
+
+    return decode_inputs(len(lens), h, hkv, d, page, lens, dtype, device).args
 
 
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -165,7 +165,8 @@ class PositionSpy:
         decodes = [c for c in self.chunks if c.num_tokens == 1]
         order = decodes + [c for c in self.chunks if c.num_tokens > 1]
         pos = [p for c in order for p in range(c.start, c.start + c.num_tokens)]
-        slots = [c.state.block_ids[p // bs] * bs + p % bs for c in order for p in range(c.start, c.start + c.num_tokens)]
+        slots = [c.state.block_ids[p // bs] * bs + p % bs
+                 for c in order for p in range(c.start, c.start + c.num_tokens)]
         t, nd = len(pos), len(decodes)
         assert positions[:t].tolist() == pos
         assert meta.slot_mapping[:t].tolist() == slots

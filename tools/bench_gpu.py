@@ -71,11 +71,11 @@ from gpu_measure import (
     _gemv_ms,
     _greedy_equal,
     _llm,
-    _prompts,
     _replay_ms,
     _throughput,
     _tpot,
     _weight_bytes,
+    llama_workload,
     qwen_workload,
 )
 
@@ -192,8 +192,7 @@ def section_llama(rec: Recorder, args: argparse.Namespace, b1: bool = True) -> N
     # fewer prompts when the budget is short (assumes >= 4,000 tok/s; the table names the count)
     n = max(16, min(n, int((left - 25) * 4000 / (1024 // k) / 1.3)))
     rec["tput_prompts"] = n
-    rng = random.Random(0)
-    rec["tput_graphs"] = _throughput(llm, _prompts(rng, vocab, [1024 // k] * n), [1024 // k] * n)
+    rec["tput_graphs"] = _throughput(llm, *llama_workload(vocab, n, k))
 
 
 def _llama_b1(rec: Recorder, llm: Any, vocab: int, k: int) -> None:

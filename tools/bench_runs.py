@@ -60,6 +60,13 @@ def use_decode_kernel(name: str) -> None:
         return stream_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
+def cuda_mallocs() -> int:
+    """cudaMalloc calls of torch's caching allocator so far (0 without a GPU)."""
+    import torch
+
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+
+
 def step_times(engine: Any, out: list[list[float]]) -> None:
     """Time every engine.step() into out[-1] (the current run's list)."""
     step = engine.step
@@ -93,7 +100,6 @@ def main() -> int:
     ap.add_argument("--step-times", action="store_true", help="run 0's slowest steps against the later runs")
     ap.add_argument("--decode-kernel", choices=("registered", "stream"), default="registered")
     args = ap.parse_args()
-    import torch
 
     from appliance import SamplingParams
 
@@ -118,9 +124,9 @@ def main() -> int:
     for run in range(args.runs):
         steps.append([])
         log.clear()
-        allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+        allocs = cuda_mallocs()
         _, elapsed, tokens = gen(llm, prompts, params)
-        allocs = (torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0) - allocs
+        allocs = cuda_mallocs() - allocs
         rates.append(tokens / elapsed)
         print(json.dumps({"run": run, "layers": args.layers, "elapsed_s": round(elapsed, 3),
                           "output_tok_s": round(tokens / elapsed, 1), "compiles": log[:], "cuda_mallocs": allocs}),

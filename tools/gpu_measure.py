@@ -56,6 +56,12 @@ def qwen_workload(vocab: int, n: int = 256, k: int = 1, seed: int = 0) -> tuple[
     return [[rng.randrange(vocab) for _ in range(m)] for m in in_lens], out_lens
 
 
+def llama_workload(vocab: int, n: int, k: int = 1, seed: int = 0) -> tuple[list[dict[str, list[int]]], list[int]]:
+    """The issue's 8B throughput workload: n prompts of 1024 random token ids below vocab, 1024 output tokens each
+    (both divided by k for smoke runs); (prompts, output lengths)."""
+    return _prompts(random.Random(seed), vocab, [1024 // k] * n), [1024 // k] * n
+
+
 def _greedy_equal(llm: Any, rng: random.Random, vocab: int, n: int, lens: list[int]) -> dict[str, Any]:
     """Greedy tokens with graphs, then eagerly on the same model (prefix cache off so both compute alike)."""
     from appliance import SamplingParams

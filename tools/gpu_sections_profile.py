@@ -103,13 +103,14 @@ def _device_intervals(prof: Any) -> list[tuple[float, float]]:
 
 def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
     """Where a whole throughput run goes: the Qwen3-0.6B workload (256 sequences, in/out uniform [100, 1024], seed
-    0; or with --profile-preset llama-3.1-8b, --tput-prompts of 1024 in / 1024 out) once plain for its wall time, then under torch.profiler (device activity only); device time per kernel
-    category, and the GPU's idle share = 1 - busy / wall of the plain run. Then once under cProfile: the host's
+    0; or with --profile-preset llama-3.1-8b, --tput-prompts of 1024 in / 1024 out) once plain for its wall
+    time, then under torch.profiler (device activity only); device time per kernel category, the GPU's idle
+    share = 1 - busy / wall of the plain run, and the idle gaps by length. Then once under cProfile: the host's
     share (the GPU idles whenever a step's host work outlasts the step in flight), top functions in
     host_profile.txt beside the JSON."""
     import torch
     from bench_offline import PRESETS
-    from gpu_measure import _prompts, _throughput, qwen_workload
+    from gpu_measure import _throughput, llama_workload, qwen_workload
     from torch.profiler import ProfilerActivity, profile
 
     preset = getattr(args, "profile_preset", "qwen3-0.6b")
@@ -122,8 +123,7 @@ def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
         ids, out_lens = qwen_workload(cfg["vocab_size"], 256 // k, k)
         prompts = [{"prompt_token_ids": p} for p in ids]
     else:  # the 8B throughput workload, --tput-prompts of 1024 in / 1024 out (default 256: three runs fit a call)
-        n = (getattr(args, "tput_prompts", 0) or 256) // k
-        prompts, out_lens = _prompts(random.Random(0), cfg["vocab_size"], [1024 // k] * n), [1024 // k] * n
+        prompts, out_lens = llama_workload(cfg["vocab_size"], (getattr(args, "tput_prompts", 0) or 256) // k, k)
     rec["workload"] = f"{preset}: {len(prompts)} prompts"
     _throughput(llm, prompts[:16], [8] * len(prompts[:16]))  # compiles what the run meets
     plain = _throughput(llm, prompts, out_lens)

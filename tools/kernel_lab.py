@@ -194,9 +194,10 @@ def decode_case(lens: list[int], heads: int, hkv: int, width_tokens: int, dev: s
     return q, caches, table.to(dev), seq, kv_bytes
 
 
-def decode_cases(args: argparse.Namespace) -> dict[str, tuple[list[int], int, int, int]]:
-    """name -> (seq_lens, q heads, kv heads, table width in tokens): the batches the decode sections time."""
-    if args.smoke:
+def decode_cases(smoke: bool, only: str = "") -> dict[str, tuple[list[int], int, int, int]]:
+    """name -> (seq_lens, q heads, kv heads, table width in tokens): the batches the decode sections time (and
+    tools/lab_memory.py); `only`: a comma list of fragments of the names to keep."""
+    if smoke:
         return {"smoke ragged": (ragged_lens(4, 5, 60, 0), 4, 2, 64)}
     cases = {
         "llama b1 kv1024 (w2048)": ([1024], 32, 8, 2048),
@@ -207,22 +208,22 @@ def decode_cases(args: argparse.Namespace) -> dict[str, tuple[list[int], int, in
     # the shrinking batches of the Qwen3 throughput run: fewer sequences, as ragged
     cases.update({f"qwen b{b} ragged 100-2048 (w2048)": (ragged_lens(b, 100, 2048, b), 16, 8, 2048)
                   for b in (16, 32, 64, 128)})
-    if args.decode_cases:
-        cases = {k: v for k, v in cases.items() if any(f in k for f in args.decode_cases.split(","))}
+    if only:
+        cases = {k: v for k, v in cases.items() if any(f in k for f in only.split(","))}
     return cases
 
 
 def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> None:
     from appliance.kernels.reference.attention import decode_attention as ref_decode
 
-    cases = decode_cases(args)
+    cases = decode_cases(args.smoke, args.decode_cases)
     if args.smoke:
         knobs = [(16, 4, 2, s) for s in (None, 2)]
     else:
         knobs = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 1, 2, 4, 8, 16, 32)))
         if args.decode_splits_only:  # the tuned tile, every split factor
-            knobs = [(decode.BLOCK_N_UNSPLIT if s in (None, 1) else decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES, s)
-                     for s in (None, 1, 2, 4, 8, 16, 32)]
+            knobs = [(decode.BLOCK_N_UNSPLIT if s in (None, 1) else decode.BLOCK_N, decode.NUM_WARPS,
+                      decode.NUM_STAGES, s) for s in (None, 1, 2, 4, 8, 16, 32)]
     saved = (decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES)
     for name, (lens, h, hkv, width) in cases.items():
         q, caches, table, seq, kv_bytes = decode_case(lens, h, hkv, width, dev, dtype)
@@ -254,7 +255,7 @@ def section_decode_stream(args: argparse.Namespace, dev: str, dtype: torch.dtype
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
     knobs = [(1, 16), (2, 16)] if args.smoke else list(itertools.product((1, 2, 4), (64, 128)))
-    for name, (lens, h, hkv, width) in decode_cases(args).items():
+    for name, (lens, h, hkv, width) in decode_cases(args.smoke, args.decode_cases).items():
         q, caches, table, seq, kv_bytes = decode_case(lens, h, hkv, width, dev, dtype)
         ref = decode.decode_attention(q, caches[0][0], caches[0][1], table, seq, 128**-0.5)
         us = timed_us(lambda: [decode.decode_attention(q, k, v, table, seq, 128**-0.5) for k, v in caches],
@@ -264,13 +265,15 @@ def section_decode_stream(args: argparse.Namespace, dev: str, dtype: torch.dtype
             if time.time() - T0 > args.budget_s:
                 emit(section="decode_stream", skipped=f"{name}: budget")
                 return
-            decode_stream.BLOCK_N, programs = bn, per_sm * sms
-            run = decode_stream.stream_decode_attention
-            err = rel(run(q, caches[0][0], caches[0][1], table, seq, 128**-0.5, programs), ref)
-            us = timed_us(lambda: [run(q, k, v, table, seq, 128**-0.5, programs) for k, v in caches], args.smoke)
+            programs = per_sm * sms
+
+            def run(k: torch.Tensor, v: torch.Tensor, p: int = programs, bn: int = bn) -> torch.Tensor:
+                return decode_stream.stream_decode_attention(q, k, v, table, seq, 128**-0.5, p, bn)
+
+            err = rel(run(caches[0][0], caches[0][1]), ref)
+            us = timed_us(lambda: [run(k, v) for k, v in caches], args.smoke)
             emit(section="decode_stream", case=name, impl="stream", programs=programs, block_n=bn, us=us,
                  GBps=kv_bytes / us / 1e3, err=err)
-    decode_stream.BLOCK_N = 64
 
 
 def unfused_prologue(positions: torch.Tensor, qkv: torch.Tensor, h: int, hkv: int, d: int, cos_sin: torch.Tensor,

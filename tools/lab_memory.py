@@ -12,7 +12,6 @@ replays, per replay.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +25,8 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.triton import decode
-from kernel_lab import COPIES, decode_case, emit, timed_us  # noqa: E402  (tools/ is on sys.path as a script)
+# tools/ is on sys.path when this runs as a script
+from kernel_lab import COPIES, decode_case, decode_cases, emit, timed_us  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -62,17 +62,9 @@ def section_read(args: argparse.Namespace, dev: str) -> None:
 
 
 def section_layout(args: argparse.Namespace, dev: str) -> None:
-    rng = random.Random(0)
-    if args.smoke:
-        cases = {"smoke": ([rng.randint(5, 60) for _ in range(4)], 4, 2, 64)}
-    else:
-        cases = {
-            "qwen b256 ragged 100-2048": ([rng.randint(100, 2048) for _ in range(256)], 16, 8, 2048),
-            "llama b200 ragged 1024-2048": ([rng.randint(1024, 2048) for _ in range(200)], 32, 8, 2048),
-            "qwen b64 ragged 100-2048": ([rng.randint(100, 2048) for _ in range(64)], 16, 8, 2048),
-            "llama b1 1024": ([1024], 32, 8, 2048),
-        }
+    """The decode cases of kernel_lab with the cache stored page-major (as allocated) and head-major."""
     copies = 1 if args.smoke else 3
+    cases = decode_cases(args.smoke, "qwen b256 ragged,llama b200,qwen b64,llama b1")
     for name, (lens, h, hkv, width) in cases.items():
         q, caches, table, seq, nbytes = decode_case(lens, h, hkv, width, dev, BF16, copies=copies)
         head_major = decode_case(lens, h, hkv, width, dev, BF16, copies=copies, head_major=True)[1]

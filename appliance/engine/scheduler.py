@@ -256,7 +256,7 @@ class Scheduler:
         n = self._prefill_size(req.num_tokens - num_hit, st)
         if n == 0:
             return False
-        need = self._blocks_for(table_tokens(req, num_hit, n, self.config.num_speculative_tokens)) - len(hit)
+        need = self._blocks_for(table_tokens(req, num_hit, n, self._num_spec)) - len(hit)
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         spare = self.pool.num_available - need - revived  # blocks left after this chunk's
         rsv = self._reserve  # it also wants room for the rest of the prompt and the outputs (admission.py)

@@ -142,9 +142,10 @@ def _stream_merge_kernel(lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, stride_ob,
 
 def stream_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            programs: int | None = None) -> torch.Tensor:
+                            programs: int | None = None, block_n: int = BLOCK_N) -> torch.Tensor:
     """decode_attention's contract (q [B, H, D], caches [blocks, page, Hkv, D], tables [B, W], seq_lens [B]);
-    `programs` overrides the count (tests: a few programs cut most pairs). A row with seq_len 0 gets zeros."""
+    `programs` overrides the count (tests: a few programs cut most pairs) and `block_n` the tile length (tuning).
+    A row with seq_len 0 gets zeros."""
     bsz, h, hkv, d, page = check_inputs("stream_decode_attention", q, k_cache, v_cache, block_tables, seq_lens)
     out = torch.empty_like(q)
     if bsz == 0:
@@ -160,9 +161,9 @@ def stream_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), bsz, hkv,
-        GROUP=group, BLOCK_H=block_h, D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=BLOCK_N, BLOCK_B=block_b,
+        GROUP=group, BLOCK_H=block_h, D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n, BLOCK_B=block_b,
         UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _stream_merge_kernel[(bsz, h)](seq_lens, out, part_o, part_lse, out.stride(0), out.stride(1), bsz, hkv, num_p,
-                                   GROUP=group, BLOCK_H=block_h, D=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+                                   GROUP=group, BLOCK_H=block_h, D=d, BLOCK_D=block_d, BLOCK_N=block_n,
                                    BLOCK_B=block_b, num_warps=4)
     return out

@@ -75,23 +75,18 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
-    m, k = x.shape if x.dim() == 2 else (0, -1)
-    if x.dim() != 2 or weight.shape[1] != k or m > MAX_M or x.dtype != weight.dtype:
-        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
-                         f"{weight.dtype} (at most {MAX_M} rows, one dtype)")
-    if weight.stride(-1) != 1:
-        raise ValueError(f"{name}: the weight's K axis must be contiguous")
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 @register("gemv", "triton")
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype; M <= MAX_M, same dtype for x and weight.
     `config` overrides the measured choice (tuning)."""
-    x = _check(x, weight, "gemv")
-    m, k = x.shape
+    m, k = x.shape if x.dim() == 2 else (0, -1)
+    if x.dim() != 2 or weight.shape[1] != k or m > MAX_M or x.dtype != weight.dtype:
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
+                         f"{weight.dtype} (at most {MAX_M} rows, one dtype)")
+    if weight.stride(-1) != 1:
+        raise ValueError("gemv: the weight's K axis must be contiguous")
+    x = x if x.stride(-1) == 1 else x.contiguous()
     n = weight.shape[0]
     cfg = config or config_for(n, k)
     k_per = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k

@@ -42,5 +42,5 @@ def decode_positions(rows: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
     n = rows.shape[0]
     if n:
         _decode_positions_kernel[(triton.cdiv(n, BLOCK),)](rows, table, lens, positions, slots, seq_lens, n,
-                                                           table.shape[1], table.stride(0), BLOCK_SIZE=block_size, BLOCK=BLOCK,
-                                                           num_warps=4)
+                                                           table.shape[1], table.stride(0), BLOCK_SIZE=block_size,
+                                                           BLOCK=BLOCK, num_warps=4)
