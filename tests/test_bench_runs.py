@@ -26,24 +26,3 @@ def test_smoke_runs_report_rates_and_a_result() -> None:
     assert excess["worst_steps"] == sorted(excess["worst_steps"], key=lambda w: -w["excess_ms"])
     result = json.loads(next(x for x in lines if x.startswith("RESULT "))[len("RESULT "):])
     assert result["runs"] == 2 and result["min"] <= result["median_tok_s"] <= result["max"]
-
-
-def test_decode_kernel_stream_replaces_the_triton_entry() -> None:
-    """--decode-kernel stream: the runner resolves decode_stream.py for ("decode_attention", "triton") in that
-    process (the end-to-end A/B of the kernel; its numbers are checked in tests/test_decode_stream.py)."""
-    import pytest
-
-    pytest.importorskip("triton")
-    sys.path.insert(0, str(ROOT / "tools"))
-    from conftest import load_tool
-
-    from appliance.kernels import registry
-
-    registered = registry.get("decode_attention", "triton")
-    try:
-        load_tool("bench_runs").use_decode_kernel("stream")
-        swapped = registry.get("decode_attention", "triton")
-        assert swapped is not registered and swapped.__name__ == "stream"
-    finally:
-        registry.register("decode_attention", "triton")(registered)
-    assert registry.get("decode_attention", "triton") is registered

@@ -23,12 +23,11 @@ def smoke_rows(tool: str) -> list[dict]:
 def test_smoke_sections_run_and_variants_match_their_references() -> None:
     rows = smoke_rows("kernel_lab.py")
     by = {sec: [r for r in rows if r["section"] == sec]
-          for sec in ("gemv", "chain_check", "chain", "decode", "decode_stream", "done")}
+          for sec in ("gemv", "chain_check", "chain", "decode", "done")}
     assert all(by.values()), {k: len(v) for k, v in by.items()}
     assert not [r for r in rows if "error" in r]
-    checked = [r for sec in ("gemv", "chain_check", "decode", "decode_stream") for r in by[sec] if "err" in r]
+    checked = [r for sec in ("gemv", "chain_check", "decode") for r in by[sec] if "err" in r]
     assert len(checked) >= 10 and all(r["err"] < 1e-4 for r in checked)  # float32 in the smoke
-    assert {r["impl"] for r in by["decode_stream"]} == {"registered", "stream"}
     assert {r["impl"] for r in by["chain"]} == {"cublas", "triton", "triton+small"}
 
 

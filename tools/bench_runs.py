@@ -7,9 +7,7 @@ pays that the next one does not (Triton compiles, logged with their time; cudaMa
 --layers shrinks the model (the same workload, less GPU work per step, the same host work): at 2 layers the
 elapsed time is the host's floor for this workload. --step-times also times every engine step: the workload
 plans the same steps in every run, so the steps where run 0 is slower than the median of the later runs show
-where a first run's extra time goes. --decode-kernel stream serves decode attention with
-kernels/triton/decode_stream.py instead of the registered kernel (the end-to-end A/B of that kernel). Prints one
-JSON line per run, then RESULT with the median.
+where a first run's extra time goes. Prints one JSON line per run, then RESULT with the median.
 """
 from __future__ import annotations
 
@@ -43,21 +41,6 @@ def log_compiles() -> list[tuple[str, float]]:
 
     JITFunction._do_compile = timed
     return log
-
-
-def use_decode_kernel(name: str) -> None:
-    """Before the LLM is built: which Triton kernel the runner resolves for decode_attention in this process."""
-    if name == "registered":
-        return
-    from appliance.kernels.registry import get, register
-    from appliance.kernels.triton.decode_stream import stream_decode_attention
-
-    get("decode_attention", "triton")  # loads the backend, so the entry below replaces the registered one
-
-    @register("decode_attention", "triton")
-    def stream(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, seq_lens: Any, scale: float,
-               num_splits: int | None = None) -> Any:
-        return stream_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def cuda_mallocs() -> int:
@@ -98,13 +81,11 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--smoke", action="store_true", help="a tiny Qwen3 on any device, 4 short requests")
     ap.add_argument("--step-times", action="store_true", help="run 0's slowest steps against the later runs")
-    ap.add_argument("--decode-kernel", choices=("registered", "stream"), default="registered")
     args = ap.parse_args()
 
     from appliance import SamplingParams
 
     log = log_compiles()
-    use_decode_kernel(args.decode_kernel)
     cfg = dict(PRESETS["qwen3-0.6b"], num_hidden_layers=args.layers)
     if args.smoke:
         cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -133,7 +114,7 @@ def main() -> int:
               flush=True)
     if args.step_times and len(steps) > 1:
         print(json.dumps(first_run_excess(steps)), flush=True)
-    summary = {"layers": args.layers, "decode_kernel": args.decode_kernel, "runs": args.runs,
+    summary = {"layers": args.layers, "runs": args.runs,
                "median_tok_s": round(statistics.median(rates), 1), "min": round(min(rates), 1),
                "max": round(max(rates), 1)}
     print("RESULT", json.dumps(summary), flush=True)

@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
 """Tuning sweeps for the decode-step kernels on one GPU: the skinny GEMV against cuBLAS, decode attention on
-ragged batches (the registered kernel's knobs, and decode_stream.py's even deal of tiles against it), and the
-attention prologue (q/k norm + rope + KV store) fused vs the unfused chain. Prints one
+ragged batches (the registered kernel's knobs), and the attention prologue (q/k norm + rope + KV store) fused vs the unfused chain. Prints one
 JSON line per measurement, then a summary; needs only torch and triton.
 
-    python3 tools/kernel_lab.py [--only gemv,chain,decode,decode_stream,rope_store] [--budget-s 300]
+    python3 tools/kernel_lab.py [--only gemv,chain,decode,rope_store] [--budget-s 300]
     TRITON_INTERPRET=1 python3 tools/kernel_lab.py --smoke      # tiny shapes on the CPU: checks the script
 
 Timing: median per call replayed from a CUDA graph (triton.testing.do_bench_cudagraph). Every timed call cycles
@@ -248,34 +247,6 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
     decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES = saved
 
 
-def section_decode_stream(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> None:
-    """decode_stream.py (the batch's KV tiles dealt out evenly to a fixed set of programs) against the registered
-    kernel on the decode cases: programs per SM and tile length; err against the registered kernel's output."""
-    from appliance.kernels.triton import decode_stream
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
-    knobs = [(1, 16), (2, 16)] if args.smoke else list(itertools.product((1, 2, 4), (64, 128)))
-    for name, (lens, h, hkv, width) in decode_cases(args.smoke, args.decode_cases).items():
-        q, caches, table, seq, kv_bytes = decode_case(lens, h, hkv, width, dev, dtype)
-        ref = decode.decode_attention(q, caches[0][0], caches[0][1], table, seq, 128**-0.5)
-        us = timed_us(lambda: [decode.decode_attention(q, k, v, table, seq, 128**-0.5) for k, v in caches],
-                      args.smoke)
-        emit(section="decode_stream", case=name, impl="registered", us=us, GBps=kv_bytes / us / 1e3)
-        for per_sm, bn in knobs:
-            if time.time() - T0 > args.budget_s:
-                emit(section="decode_stream", skipped=f"{name}: budget")
-                return
-            programs = per_sm * sms
-
-            def run(k: torch.Tensor, v: torch.Tensor, p: int = programs, bn: int = bn) -> torch.Tensor:
-                return decode_stream.stream_decode_attention(q, k, v, table, seq, 128**-0.5, p, bn)
-
-            err = rel(run(caches[0][0], caches[0][1]), ref)
-            us = timed_us(lambda: [run(k, v) for k, v in caches], args.smoke)
-            emit(section="decode_stream", case=name, impl="stream", programs=programs, block_n=bn, us=us,
-                 GBps=kv_bytes / us / 1e3, err=err)
-
-
 def unfused_prologue(positions: torch.Tensor, qkv: torch.Tensor, h: int, hkv: int, d: int, cos_sin: torch.Tensor,
                      qw: torch.Tensor | None, kw: torch.Tensor | None, caches: tuple[torch.Tensor, torch.Tensor],
                      slots: torch.Tensor) -> torch.Tensor:
@@ -338,7 +309,7 @@ def section_rope_store(args: argparse.Namespace, dev: str, dtype: torch.dtype) -
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="gemv,chain,decode,decode_stream,rope_store")
+    ap.add_argument("--only", default="gemv,chain,decode,rope_store")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
@@ -356,8 +327,6 @@ def main() -> int:
         section_chain(args, dev, dtype, best)
     if "decode" in only:
         section_decode(args, dev, dtype)
-    if "decode_stream" in only:
-        section_decode_stream(args, dev, dtype)
     if "rope_store" in only:
         section_rope_store(args, dev, dtype)
     emit(section="done", elapsed_s=round(time.time() - T0, 1))
