@@ -9,9 +9,8 @@ When a running request needs a block and none is free or evictable, the newest r
 scheduled in this step is preempted (recompute: blocks freed, state reset, re-queued at the front); in the
 worst case that is the request itself.
 
-The token budget is config.chunked_prefill_size for everything a step issues (decodes included). With
-chunking disabled (-1), decodes are bounded only by max_num_seqs, prompts are never split and prefills share
-max_prefill_tokens, except that a longer prompt may run as the only prefill of its step.
+The step's token budget, and how a request's chunk is sized and recorded in the plan: step_budget.py. How a
+step's sampled tokens become request state and RequestDeltas: outputs.py (update() applies a result with it).
 
 The plan is a delta for workers that keep per-request state (see step.py). Convention for new requests:
 NewRequestData.block_ids is the whole block table for the step and its ScheduledRequest.new_block_ids is
@@ -28,21 +27,25 @@ one that stops on EOS or a stop token, is aborted or preempted meanwhile has its
 Speculative decoding (config.num_speculative_tokens = k > 0, synchronous loop only; see speculation.py): a
 decoding request verifies d = min(k, what its limits leave) drafts the workers hold, as one chunk of 1 + d
 tokens; its table grows to cover the chunk plus the k - 1 positions the next draft chain writes (capped at
-max_model_len). The result carries 1..d+1 tokens for it; num_computed, advanced by 1 + d when planned, falls
-back to the accepted count before the tokens are appended, so the prefix cache only hashes confirmed tokens
-whose KV holds them. A prefix hit gives back its last block: the drafter's cache entry at a block's last
-position depends on the next block's first token, which the hit does not cover (vLLM does the same).
+max_model_len). The result carries 1..d+1 tokens for it (outputs.py). A prefix hit gives back its last
+block: the drafter's cache entry at a block's last position depends on the next block's first token, which the
+hit does not cover (vLLM does the same).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from itertools import islice
 
 from appliance.engine.admission import OutputReservation
 from appliance.engine.block_pool import BlockPool
 from appliance.engine.config import EngineConfig
-from appliance.engine.delta import RequestDelta, TokenLogprob
+from appliance.engine.delta import RequestDelta
+from appliance.engine.outputs import (
+    append_token,
+    append_verified,
+    group_sampled,
+    take_prompt_logprobs,
+)
 from appliance.engine.prefix_cache import KVEventSink, PrefixCache
 from appliance.engine.request import (
     DECODING,
@@ -52,35 +55,13 @@ from appliance.engine.request import (
     Request,
     RequestStatus,
 )
-from appliance.engine.speculation import SpecCounters, num_drafts, table_tokens
-from appliance.engine.step import (
-    NewRequestData,
-    SampledToken,
-    ScheduledRequest,
-    StepPlan,
-    StepResult,
-)
+from appliance.engine.speculation import SpecCounters, table_tokens
+from appliance.engine.step import StepPlan, StepResult
+from appliance.engine.step_budget import Issued, StepBudget
 
 
 class QueueFull(RuntimeError):
     """scheduler.max_queued_requests waiting requests already: the caller should answer 503."""
-
-
-# A row of a step in flight: its ScheduledRequest, the request, the request's num_preemptions when planned (the
-# incarnation the result belongs to) and the draft tokens it verifies (speculative decoding). A plain tuple, not a
-# record class: one is built per row per step and update() unpacks it, several times cheaper for a tuple.
-_Issued = tuple[ScheduledRequest, Request, int, int]
-
-
-@dataclass
-class _StepBudget:
-    tokens: int  # shared budget (chunking) or prefill budget (no chunking)
-    first_issue_seq: int  # Scheduler._issue_seq when the step's planning began: later ones are this step's
-    prefills: int = 0  # prefills scheduled in this step
-    preempted: bool = False
-    plan_new: list[NewRequestData] = field(default_factory=list)
-    plan_sched: list[ScheduledRequest] = field(default_factory=list)
-    issued: list[_Issued] = field(default_factory=list)
 
 
 class Scheduler:
@@ -95,7 +76,7 @@ class Scheduler:
         self._forget: list[str] = []  # ids the workers must drop with the next plan
         self._next_step_id = 0
         self._issue_seq = 0
-        self._in_flight: dict[int, list[_Issued]] = {}
+        self._in_flight: dict[int, list[Issued]] = {}
         self.spec = SpecCounters()
         # read for every request each step: plain attributes instead of the frozen config's properties
         self._chunking = config.chunking
@@ -136,10 +117,11 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or return None when there is nothing to compute (forget-lists wait)."""
-        st = _StepBudget(tokens=self.config.step_token_budget, first_issue_seq=self._issue_seq)
+        st = StepBudget(self.config.step_token_budget, self._chunking, self._num_spec, self._issue_seq)
         self._schedule_running(st)
         if not st.preempted:
             self._schedule_waiting(st)
+        self._issue_seq = st.issue_seq
         if self._reserve is not None:
             self._reserve.step_done(self.running, st.preempted)
         if not st.plan_sched:
@@ -150,7 +132,7 @@ class Scheduler:
         self._in_flight[plan.step_id] = st.issued
         return plan
 
-    def _schedule_running(self, st: _StepBudget) -> None:
+    def _schedule_running(self, st: StepBudget) -> None:
         # Whether a request decodes is decided here, once: planning one request changes no other's answer
         # (a preemption takes its victim out of the loop).
         decoding: list[Request] = []
@@ -171,9 +153,9 @@ class Scheduler:
             if req.status is not PREEMPTED:
                 self._schedule_chunk(req, st, False)
 
-    def _schedule_decode(self, req: Request, st: _StepBudget) -> None:
+    def _schedule_decode(self, req: Request, st: StepBudget) -> None:
         """_schedule_chunk for a decoding request without speculative decoding: the common case of every step,
-        with _chunk and table_tokens folded in for k = 0 (no drafts, no lookahead blocks); same outcome."""
+        with StepBudget.chunk and table_tokens folded in for k = 0 (no drafts, no lookahead blocks); same outcome."""
         pending = req.num_pending
         if pending and req.will_reach_length:
             return  # its in-flight sample is its last token
@@ -183,21 +165,21 @@ class Scheduler:
         need = -(-(req.num_computed_tokens + n) // self._block_size) - len(req.block_ids)
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []
         if new_blocks is not None:
-            self._issue(req, n, new_blocks, st, True)
+            st.issue(req, n, new_blocks, True)
 
-    def _schedule_chunk(self, req: Request, st: _StepBudget, decodes: bool) -> None:
+    def _schedule_chunk(self, req: Request, st: StepBudget, decodes: bool) -> None:
         """Schedule a running request's next chunk (a decode, drafts included, or a prefill chunk) if the budget
         and the blocks allow, preempting newer requests for blocks."""
-        n = self._chunk(req, st, decodes)
+        n = st.chunk(req, decodes)
         if n == 0:
             return
         need = self._blocks_for(table_tokens(req, req.num_computed_tokens, n, self._num_spec)) - len(req.block_ids)
         # need < 0: rejected drafts left lookahead blocks, which the table keeps
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []
         if new_blocks is not None:
-            self._issue(req, n, new_blocks, st, decodes)
+            st.issue(req, n, new_blocks, decodes)
 
-    def _take_blocks(self, req: Request, need: int, st: _StepBudget) -> list[int] | None:
+    def _take_blocks(self, req: Request, need: int, st: StepBudget) -> list[int] | None:
         """Append `need` (> 0) new blocks to the request's table, preempting newer requests while the pool is
         short; None when the request itself was preempted."""
         while need > self.pool.num_available and req.status is not PREEMPTED:
@@ -209,26 +191,7 @@ class Scheduler:
         req.block_ids.extend(new_blocks)
         return new_blocks
 
-    def _chunk(self, req: Request, st: _StepBudget, decodes: bool) -> int:
-        """Tokens to compute for a running request this step (0: not this step)."""
-        n = req.num_uncomputed_tokens
-        if req.will_reach_length:
-            return 0  # its in-flight sample is its last token
-        if decodes:
-            drafts = num_drafts(req, self._num_spec)
-            if not self._chunking:
-                return n + drafts  # no chunking: decodes are not charged to the prefill budget
-            return n + min(drafts, st.tokens - n) if n <= st.tokens else 0
-        return self._prefill_size(n, st)
-
-    def _prefill_size(self, n: int, st: _StepBudget) -> int:
-        if self._chunking:
-            return min(n, st.tokens)
-        if n <= st.tokens or st.prefills == 0:
-            return n  # whole prompt; an over-budget one only as the step's first prefill
-        return 0
-
-    def _schedule_waiting(self, st: _StepBudget) -> None:
+    def _schedule_waiting(self, st: StepBudget) -> None:
         cfg = self.config
         for req in self._waiting_order():
             if len(self.running) >= cfg.max_num_seqs or (self._chunking and st.tokens <= 0):
@@ -246,14 +209,14 @@ class Scheduler:
         head = sorted(fresh[:k], key=lambda r: -len(self.cache.match(r)))  # stable: ties stay fcfs
         return preempted + head + fresh[k:]
 
-    def _admit(self, req: Request, st: _StepBudget) -> bool:
+    def _admit(self, req: Request, st: StepBudget) -> bool:
         bs = self.config.block_size
         # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
         hit = self.cache.match(req) if req.sampling_params.prompt_logprobs is None else []
         if hit and self.config.num_speculative_tokens:
             hit = hit[:-1]  # the drafter's cache at the hit's last position saw another next token (see top)
         num_hit = len(hit) * bs
-        n = self._prefill_size(req.num_tokens - num_hit, st)
+        n = st.prefill_size(req.num_tokens - num_hit)
         if n == 0:
             return False
         need = self._blocks_for(table_tokens(req, num_hit, n, self._num_spec)) - len(hit)
@@ -275,46 +238,14 @@ class Scheduler:
         self.running.append(req)
         if self._reserve is not None:
             self._reserve.admitted(req)
-        st.plan_new.append(
-            NewRequestData(
-                request_id=req.request_id,
-                token_ids=req.all_token_ids,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_computed_tokens=num_hit,
-                block_ids=list(req.block_ids),
-                sampling=req.sampling_params.to_dict(),
-            )
-        )
-        req.known_to_workers = True
-        self._issue(req, n, [], st, False)
+        st.issue_new(req, n)
         return True
-
-    def _issue(self, req: Request, n: int, new_blocks: list[int], st: _StepBudget, decodes: bool) -> None:
-        """Add a chunk of n tokens to the plan; new_blocks (appended to the table) becomes the plan's own list."""
-        known = req.num_prompt_tokens + len(req.output_token_ids) + req.num_pending  # what the workers know
-        end = req.num_computed_tokens + n
-        # past the known tokens only by the drafts it verifies (speculative decoding)
-        drafts = end - known if end > known else 0
-        sample = end >= known
-        if not decodes:
-            st.prefills += 1
-            st.tokens -= n
-        elif self._chunking:
-            st.tokens -= n
-        req.num_computed_tokens = end
-        req.last_issue_seq = self._issue_seq
-        self._issue_seq += 1
-        if sample:
-            req.num_pending += 1
-        sched = ScheduledRequest(req.request_id, n, new_blocks, sample)
-        st.plan_sched.append(sched)
-        st.issued.append((sched, req, req.num_preemptions, drafts))
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 
     # ---- preemption and retirement -----------------------------------------------------------------------
-    def _victim(self, st: _StepBudget) -> Request:
+    def _victim(self, st: StepBudget) -> Request:
         for req in reversed(self.running):
             if req.last_issue_seq < st.first_issue_seq:  # not scheduled in this step
                 return req
@@ -356,11 +287,13 @@ class Scheduler:
         scheduled = self._in_flight.pop(plan.step_id, None)
         if scheduled is None:
             raise ValueError(f"step {plan.step_id} is not in flight")
-        sampled, verified = _group_sampled(result.sampled)
+        sampled, verified = group_sampled(result.sampled)
         expected = {s.request_id for s, _, _, _ in scheduled if s.sample}
         if not expected.issuperset(sampled):
             raise ValueError(f"executor sampled for unexpected requests {sorted(set(sampled) - expected)}")
         live = self.requests
+        cache = self.cache
+        reserve = self._reserve
         prompt_logprobs = result.prompt_logprobs
         deltas: list[RequestDelta] = []
         for s, req, num_preemptions, drafts in scheduled:
@@ -369,76 +302,28 @@ class Scheduler:
                     or (status is not DECODING and status is not PREFILLING)):
                 continue  # finished, aborted or preempted after the step was planned: its result is dropped
             if prompt_logprobs:
-                self._take_prompt_logprobs(req, result)
+                take_prompt_logprobs(req, result)
             if not s.sample:
-                self.cache.store(req)
+                cache.store(req)
                 continue
             req.num_pending -= 1
             tok = sampled.get(s.request_id)
             if tok is None:
                 raise ValueError(f"executor did not sample a token for {s.request_id!r}")
             if drafts or (verified and s.request_id in verified):
-                deltas.append(self._apply_verified(req, verified.get(s.request_id, [tok]), drafts))
-                continue
-            deltas.append(self._append(req, tok))
+                delta = append_verified(req, verified.get(s.request_id, [tok]), drafts, cache, reserve, self.spec)
+            else:
+                delta = append_token(req, tok, cache, reserve)
+            if delta.finish_reason is not None:
+                self.running.remove(req)
+                self._retire(req, FinishReason(delta.finish_reason))
+            deltas.append(delta)
         return deltas
-
-    def _apply_verified(self, req: Request, toks: list[SampledToken], num_drafts: int) -> RequestDelta:
-        """A verification's 1..num_drafts+1 tokens: rewind num_computed to the positions whose KV holds
-        confirmed tokens, then append them one by one until one finishes the request (the rest are dropped)."""
-        if not 1 <= len(toks) <= num_drafts + 1:
-            raise ValueError(f"executor returned {len(toks)} tokens for {req.request_id!r}, which verified "
-                             f"{num_drafts} drafts (1 to {num_drafts + 1} expected)")
-        self.spec.record(num_drafts, len(toks) - 1)
-        req.num_computed_tokens -= num_drafts + 1 - len(toks)
-        delta: RequestDelta | None = None
-        for tok in toks:
-            one = self._append(req, tok)
-            delta = one if delta is None else delta.followed_by(one)
-            if one.finished:
-                break
-        assert delta is not None
-        return delta
-
-    def _append(self, req: Request, tok: SampledToken) -> RequestDelta:
-        prompt_lp = None
-        if req.status is PREFILLING:  # its first token since (re)admission
-            req.transition(DECODING)
-            if not req.prompt_logprobs_done:
-                req.prompt_logprobs_done = True
-                prompt_lp = self._prompt_logprobs(req)
-        token_id = tok.token_id
-        reason = req.append_output(token_id)
-        if self._reserve is not None:
-            self._reserve.decoded(req)
-        self.cache.store(req)
-        new_lp = None
-        if req.sampling_params.logprobs is not None:
-            new_lp = (TokenLogprob(token_id, tok.logprob, tuple(tuple(t) for t in tok.top_logprobs or ()), tok.rank),)
-        finish = None
-        if reason is not None:
-            self.running.remove(req)
-            self._retire(req, reason)
-            finish = reason.value
-        return RequestDelta(req.request_id, (token_id,), finish, req.num_prompt_tokens, req.num_cached_tokens,
-                            new_lp, prompt_lp)
-
-    @staticmethod
-    def _prompt_logprobs(req: Request) -> tuple[tuple[tuple[int, float], ...] | None, ...] | None:
-        """The prompt logprobs the request asked for, as the delta carries them (None if it did not ask)."""
-        if req.sampling_params.prompt_logprobs is None:
-            return None
-        return tuple(None if e is None else tuple(map(tuple, e)) for e in req.prompt_logprobs)
 
     @property
     def num_in_flight(self) -> int:
         """Steps planned whose results have not been applied yet."""
         return len(self._in_flight)
-
-    def _take_prompt_logprobs(self, req: Request, result: StepResult) -> None:
-        entries = result.prompt_logprobs.get(req.request_id)
-        if entries and not req.prompt_logprobs_done:
-            req.prompt_logprobs.extend(entries)
 
     # ---- introspection -----------------------------------------------------------------------------------
     @property
@@ -452,23 +337,6 @@ class Scheduler:
             for b in req.block_ids:
                 refs[b] = refs.get(b, 0) + 1
         return refs
-
-
-def _group_sampled(
-    tokens: list[SampledToken],
-) -> tuple[dict[str, SampledToken], dict[str, list[SampledToken]]]:
-    """A step's sampled tokens by request: the first token of each, and all tokens of the requests that got
-    several (a verification: speculative decoding), in order."""
-    first = {tok.request_id: tok for tok in tokens}
-    if len(first) == len(tokens):  # one token per request: nothing verified
-        return first, {}
-    first = {}
-    verified: dict[str, list[SampledToken]] = {}
-    for tok in tokens:
-        head = first.setdefault(tok.request_id, tok)
-        if head is not tok:
-            verified.setdefault(tok.request_id, [head]).append(tok)
-    return first, verified
 
 
 def _decodes(req: Request) -> bool:
