@@ -11,8 +11,11 @@ reserving, at admission, a fraction `new_token_ratio` of every running request's
 A remaining output is max_output_tokens - generated (max_tokens, capped by what max_model_len leaves), clipped at
 CLIP_MAX_NEW_TOKENS so that a request without max_tokens does not reserve its whole context. A request with
 ignore_eos will produce all of it (only stop_token_ids or an abort end it sooner), so its output is reserved whole,
-ratio 1, as SGLang's admission of ignore_eos requests does (PrefillAdder.add_one_req_ignore_eos); without that, a
-benchmark of ignore_eos requests would be reserved ~0.1 of what it needs once the ratio has decayed, and preempt.
+ratio 1, as SGLang's admission of ignore_eos requests counts it (PrefillAdder.add_one_req_ignore_eos); without that,
+a benchmark of ignore_eos requests would be reserved ~0.1 of what it needs once the ratio has decayed, and preempt.
+SGLang's check also simulates when each running request finishes and frees its blocks, which can admit earlier
+than this sum; on the 1000-prompt Llama benchmark it admits nothing more (docs/benchmarks.md, eighth run), so the
+O(1) sum is kept.
 Where SGLang charges the request being admitted its whole clipped output, this charges it like the running ones:
 it runs from the next step on and is reserved like them, and conservativeness 0 is exactly no reservation.
 
