@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tuning sweeps for the decode-step kernels on one GPU: the skinny GEMV against cuBLAS, decode attention on
-ragged batches (the registered kernel's knobs), and the attention prologue (q/k norm + rope + KV store) fused vs the unfused chain. Prints one
-JSON line per measurement, then a summary; needs only torch and triton.
+ragged batches (the registered kernel's knobs), and the attention prologue (q/k norm + rope + KV store) fused vs
+the unfused chain. Prints one JSON line per measurement, then a summary; needs only torch and triton.
 
     python3 tools/kernel_lab.py [--only gemv,chain,decode,rope_store] [--budget-s 300]
     TRITON_INTERPRET=1 python3 tools/kernel_lab.py --smoke      # tiny shapes on the CPU: checks the script
