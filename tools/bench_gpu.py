@@ -319,8 +319,8 @@ def table(res: dict[str, dict[str, Any]]) -> str:
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     prof = res.get("profile", {})
     if "device_ms_per_step" in prof:
-        lines.append(f"| {prof.get('preset')} decode step, {prof.get('running')} running: wall ms / device ms (profiled) | "
-                     f"{prof.get('ms_per_step')} | {prof.get('device_ms_per_step')} | profile.txt |")
+        lines.append(f"| {prof.get('preset')} decode step, {prof.get('running')} running: wall ms / device ms "
+                     f"(profiled) | {prof.get('ms_per_step')} | {prof.get('device_ms_per_step')} | profile.txt |")
     status = ", ".join(f"{k}: {v.get('status')} {v.get('wall_s')} s" for k, v in res.items())
     mode = "overlap scheduling (scheduler.enable_overlap)" if gpu_measure.OVERLAP else "synchronous scheduling"
     return "\n".join(lines) + f"\n\nsections: {status}\nmode: {mode}"
