@@ -16,12 +16,7 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import (
-    INTERPRET,
-    LOG2E,
-    paged_kv_tile,
-    softmax_step,
-)
+from appliance.kernels.triton.common import INTERPRET, LOG2E, mma
 
 _SMS_FALLBACK = 132
 # Tuned on the H100 (docs/kernels.md): the tile of kv tokens per loop step, and the split-K heuristic inputs.
@@ -65,9 +60,19 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mi
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        k, v = paged_kv_tile(k_ptr, v_ptr, bt_ptr + b * stride_bt, pos, n_mask, kvh, stride_cb, stride_cs, stride_ch,
-                             offs_d, d_mask, PAGE)
-        m_i, l_i, acc = softmax_step(q, k, v, n_mask, m_i, l_i, acc, qk_scale, UPCAST)
+        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        row = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N], in log2 units
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     if DIRECT:
@@ -102,7 +107,7 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_spl
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
-def sm_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _SMS_FALLBACK
@@ -115,32 +120,24 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, sms: int) ->
     return max(1, min(want, cap))
 
 
-def check_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """q [B, H, D] over caches [blocks, page, Hkv, D] (H a multiple of Hkv), tables [B, W], seq_lens [B]; returns
-    (B, H, Hkv, D, page)."""
-    bsz, h, d = q.shape
-    _, _, hkv, dk = k_cache.shape
-    if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError(f"{op}: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
-    if block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
-        raise ValueError(f"{op}: block_tables / seq_lens batch size differs from q")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError(f"{op}: the head_dim axis must be contiguous")
-    return bsz, h, hkv, d, k_cache.shape[1]
-
-
 @register("decode_attention", "triton")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
     """`num_splits` overrides the heuristic (tests and tuning). A row with seq_len 0 (padding) gets zeros."""
-    bsz, h, hkv, d, page = check_inputs("decode_attention", q, k_cache, v_cache, block_tables, seq_lens)
+    bsz, h, d = q.shape
+    _, page, hkv, dk = k_cache.shape
+    if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
+        raise ValueError("decode_attention: block_tables / seq_lens batch size differs from q")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("decode_attention: the head_dim axis must be contiguous")
     out = torch.empty_like(q)
     if bsz == 0:
         return out
     group = h // hkv
     max_context = block_tables.shape[1] * page
-    splits = num_splits or num_splits_for(bsz, hkv, max_context, sm_count(q.device))
+    splits = num_splits or num_splits_for(bsz, hkv, max_context, _sm_count(q.device))
     split_tokens = triton.cdiv(triton.cdiv(max_context, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(max_context, split_tokens)
     direct = splits == 1
