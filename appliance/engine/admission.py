@@ -74,8 +74,7 @@ class OutputReservation:
         self._count(req, -1)
 
     def _count(self, req: Request, sign: int) -> None:
-        g = len(req.output_token_ids)
-        rest = sign * _clipped_remaining(req, g)
+        rest = sign * _clipped_remaining(req)
         if req.sampling_params.ignore_eos:
             self.certain += rest
         else:
@@ -112,7 +111,7 @@ class OutputReservation:
         first chunk)."""
         certain, estimated = self.certain, self.estimated
         if req is not None:
-            own = _clipped_remaining(req, len(req.output_token_ids))
+            own = _clipped_remaining(req)
             if req.sampling_params.ignore_eos:
                 certain += own
             else:
@@ -127,5 +126,5 @@ class OutputReservation:
         return self.reserved_tokens(req, extra_tokens) <= spare_blocks * self.block_size
 
 
-def _clipped_remaining(req: Request, generated: int) -> int:
-    return min(req.max_output_tokens - generated, CLIP_MAX_NEW_TOKENS)
+def _clipped_remaining(req: Request) -> int:
+    return min(req.max_output_tokens - len(req.output_token_ids), CLIP_MAX_NEW_TOKENS)
