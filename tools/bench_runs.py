@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import PRESETS
 from bench_overlap import gen, llm_for
-from gpu_measure import qwen_workload
+from gpu_measure import QWEN_SMOKE_SHAPE, qwen_workload
 
 
 def log_compiles() -> list[tuple[str, float]]:
@@ -88,8 +88,7 @@ def main() -> int:
     log = log_compiles()
     cfg = dict(PRESETS["qwen3-0.6b"], num_hidden_layers=args.layers)
     if args.smoke:
-        cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                   vocab_size=512)
+        cfg.update(QWEN_SMOKE_SHAPE)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         llm = llm_for(cfg, Path(tmp), enable_prefix_caching=False)

@@ -24,10 +24,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import PRESETS
-from gpu_measure import _llm, _throughput, llama_workload, qwen_workload
+from gpu_measure import (
+    QWEN_SMOKE_SHAPE,
+    _llm,
+    _throughput,
+    llama_workload,
+    qwen_workload,
+)
 
-SMOKE = dict(PRESETS["qwen3-0.6b"], num_hidden_layers=1, hidden_size=64, intermediate_size=128,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+SMOKE = dict(PRESETS["qwen3-0.6b"], num_hidden_layers=1, **QWEN_SMOKE_SHAPE)
 PHASES = ("launch", "schedule", "update", "collect")
 
 

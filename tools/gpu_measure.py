@@ -17,6 +17,9 @@ TINY = {
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "rope_theta": 10000.0,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
+# shrinks the Qwen3-0.6B preset for --smoke runs of the Qwen3 tools (bench_runs, bench_steps) on any device
+QWEN_SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 16, "vocab_size": 512}
 OVERLAP = True  # the product's default; --no-overlap: every LLM built here runs the synchronous loop
 
 

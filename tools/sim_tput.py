@@ -24,15 +24,24 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from appliance.engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
-from appliance.engine import admission, scheduler  # noqa: E402
-from appliance.engine.step import Executor, SampledToken, StepPlan, StepResult  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_host import NullExecutor  # noqa: E402
+
+from appliance.engine import (  # noqa: E402
+    EngineConfig,
+    EngineCore,
+    SamplingParams,
+    admission,
+    scheduler,
+)
+from appliance.engine.step import StepPlan, StepResult  # noqa: E402
 
 STEP_MS, ROW_US, KV_NS, PREFILL_US = 6.25, 6.8, 44.4, 23.9
 
 
-class CountingExecutor(Executor):
-    """Samples token 5 for every sampling row and logs each step's (decode rows, context they read, prefill)."""
+class CountingExecutor(NullExecutor):
+    """bench_host's NullExecutor (token 5 for every sampling row) that also logs each step's (decode rows, context
+    they read, prefill tokens)."""
 
     def __init__(self) -> None:
         self.context: dict[str, int] = {}
@@ -42,17 +51,14 @@ class CountingExecutor(Executor):
         for rid in plan.finished_ids:
             self.context.pop(rid, None)
         rows = read = prefill = 0
-        sampled = []
         for s in plan.scheduled:
             seen = self.context[s.request_id] = self.context.get(s.request_id, 0) + s.num_tokens
             if s.num_tokens == 1:
                 rows, read = rows + 1, read + seen
             else:
                 prefill += s.num_tokens
-            if s.sample:
-                sampled.append(SampledToken(s.request_id, 5))
         self.steps.append((rows, read, prefill))
-        return StepResult(plan.step_id, sampled)
+        return super().execute(plan)
 
 
 def cost(steps: list[tuple[int, int, int]]) -> dict[str, float]:
