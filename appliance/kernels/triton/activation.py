@@ -6,12 +6,14 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
+from appliance.kernels.triton.common import pdl_enter, pdl_launch, pdl_on
 
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    pdl_enter(GDC)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -33,6 +35,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, inter)
     if x2.shape[0]:
+        pdl = pdl_on(x2)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, BLOCK))](x2, out2, x2.stride(0), out2.stride(0),
-                                                                       inter, BLOCK=BLOCK, num_warps=4)
+                                                                       inter, BLOCK=BLOCK, GDC=pdl, num_warps=4,
+                                                                       **pdl_launch(pdl))
     return out

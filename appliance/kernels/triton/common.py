@@ -1,9 +1,12 @@
-"""What the attention kernels share: the matmul wrapper that dodges the CPU interpreter's bf16 dot bug, the
-log2 e factor of their exp2 softmax, and the varlen prefill's map from a query tile to its sequence."""
+"""What the kernels share: the matmul wrapper that dodges the CPU interpreter's bf16 dot bug, the log2 e factor
+of the attention kernels' exp2 softmax, the varlen prefill's map from a query tile to its sequence, and
+programmatic dependent launch for the decode step's chain of kernels."""
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -11,6 +14,41 @@ import triton.language as tl
 # On the GPU the operands go to the tensor cores as they are.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634  # the attention kernels work in exp2 / log2 units: scores are scaled by it once
+
+# Programmatic dependent launch (Hopper and later) inside captured CUDA graphs: a decode step is a chain of ~10
+# dependent kernels per layer, most of them a few microseconds long. Launched with it, a kernel's programs start
+# while the previous kernel runs and wait (gdc_wait) before touching anything an earlier kernel wrote; the small
+# kernels let the next one launch as soon as they start. Eager launches never use it: there it doubled the host
+# time of a Qwen3 prefill forward (30 vs 16 ms) for no device gain. APPLIANCE_PDL=0 turns it off for A/B timing
+# (tools/lab_pdl.py); docs/kernels.md has the figures.
+PDL = os.environ.get("APPLIANCE_PDL", "1") != "0"
+
+
+@functools.cache
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_on(t: torch.Tensor) -> bool:
+    """Launch the kernels that read `t` with programmatic dependent launch: a CUDA tensor on sm_90 or later,
+    while a CUDA graph is being captured."""
+    return (PDL and not INTERPRET and t.is_cuda and torch.cuda.is_current_stream_capturing()
+            and _major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9)
+
+
+def pdl_launch(on: bool) -> dict[str, bool]:
+    """The launch keyword that asks for it (none otherwise: the interpreter knows no such option)."""
+    return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def pdl_enter(GDC: tl.constexpr):
+    """A short kernel's first step under programmatic dependent launch: let the next kernel launch now (its
+    programs wait in turn), then wait until the previous kernel has finished and its writes are visible. Every
+    kernel launched with it must pass here before its first load of another kernel's output or its first store."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

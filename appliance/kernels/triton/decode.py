@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, LOG2E, mma
+from appliance.kernels.triton.common import INTERPRET, LOG2E, mma, pdl_enter, pdl_launch, pdl_on
 
 _SMS_FALLBACK = 132
 # Tuned on the H100 (docs/kernels.md): the tile of kv tokens per loop step, and the split-K heuristic inputs.
@@ -37,7 +37,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mi
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    split_tokens, num_splits,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr):
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+                   GDC: tl.constexpr):
+    pdl_enter(GDC)  # q, the lengths and the newest cache row come from the kernels before
     kvh = tl.program_id(0)  # kv head fastest: a sequence's heads run side by side (docs/kernels.md)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,7 +92,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mi
 
 @triton.jit
 def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits, H,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr):
+    pdl_enter(GDC)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -148,15 +151,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_lse = torch.empty(bsz, h, splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     block_n = BLOCK_N_UNSPLIT if direct and block_d <= 128 else BLOCK_N
+    pdl = pdl_on(q)
     _decode_kernel[(hkv, bsz, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         split_tokens, splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=block_n, DIRECT=direct, UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        PAGE=page, BLOCK_N=block_n, DIRECT=direct, UPCAST=INTERPRET, GDC=pdl, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES, **pdl_launch(pdl),
     )
     if not direct:
         _merge_kernel[(bsz, h)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, h,
-                                D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+                                D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), GDC=pdl, num_warps=4,
+                                **pdl_launch(pdl))
     return out

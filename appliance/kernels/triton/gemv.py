@@ -9,10 +9,13 @@ in L2. `split_k` > 1 cuts K across programs and adds the partial sums with fp32 
 buffer: a tuning option for tall-and-narrow weights (few output columns, long K), which never won on the H100
 shapes measured so far.
 
-Programmatic dependent launch (each program loading its first weight tile before waiting for the previous
-kernel) was tried and did not pay (docs/benchmarks.md, fifth run); fusing the layer's RMSNorm, SiLU-and-mul and
-residual add into these GEMVs was slower too (sixth run), and so was prefetching the next GEMV's weight into L2
-from this one's programs (seventh run).
+Inside captured decode graphs the kernel is launched with programmatic dependent launch (common.py): its
+programs start while the kernel before (a norm, the attention merge, SiLU-and-mul) still runs and wait for it
+before reading x. Tried and dropped: asking L2 for the first 8 / 24 MB of the weight before that wait (ninth
+run: the batch-1 graph took 5.53 / 5.68 ms against 5.46 without), loading one weight tile before the wait in a
+chain of GEMVs only (fifth run), fusing the RMSNorm, SiLU-and-mul and residual add into these GEMVs (sixth run),
+prefetching the next GEMV's weight from this one's programs, where it competes with this one's stream (seventh
+run).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import triton.language as tl
 
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, mma
+from appliance.kernels.triton.common import INTERPRET, mma, pdl_launch, pdl_on
 
 
 @dataclass(frozen=True)
@@ -48,18 +51,20 @@ def config_for(n: int, k: int) -> GemvConfig:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, GDC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if GDC:  # launched early: x is the kernel before's output
+        tl.extra.cuda.gdc_wait()
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     # y^T = W x^T: the weight tile is the MMA's left operand as stored (no transpose on the way in)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
@@ -94,10 +99,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     atomic = split > 1
     y = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
          else torch.empty(m, n, dtype=x.dtype, device=x.device))
+    # split-K (a tuning option) keeps the plain launch
+    pdl = pdl_on(x) and not atomic
     if m and n:
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
             x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per,
             BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ATOMIC=atomic,
-            UPCAST=INTERPRET or x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            UPCAST=INTERPRET or x.dtype == torch.float32, GDC=pdl, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_launch(pdl))
     y = y.to(x.dtype) if atomic else y
     return y + bias if bias is not None else y
+
