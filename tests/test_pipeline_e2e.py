@@ -168,6 +168,12 @@ def test_disconnect_of_a_non_streaming_request_frees_it(server: Server) -> None:
     assert s["num_running"] == 0 and s["kv_blocks_owned"] == 0
 
 
+def test_stages_froze_their_start_up_heap(server: Server) -> None:
+    # a full garbage collection would walk the whole start-up heap in the middle of serving (runtime/gc_heap.py)
+    s = server.stats()
+    assert s["gc_frozen_objects"] > 10_000 and s["worker_gc_frozen_objects"] > 10_000
+
+
 def test_error_cases_raw_http(server: Server) -> None:
     with httpx.Client(base_url=server.base, timeout=10) as h:
         cases = [

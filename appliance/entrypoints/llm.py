@@ -23,6 +23,7 @@ from appliance.entrypoints.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
+from appliance.runtime.gc_heap import frozen_heap
 from appliance.tokenization.detokenizer import Detokenizer
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
@@ -127,19 +128,8 @@ class LLM:
 
             bar = tqdm(total=len(seqs), desc="generate", unit="seq")
         try:
-            while pending or self.engine.has_work():
-                while pending and self.engine.can_queue():
-                    s = pending.popleft()
-                    self.engine.add_request(s.request_id, prompt_ids[s.request_id], s.params)
-                steps_before = self.engine.stats().num_steps
-                deltas = self.engine.step()
-                if not deltas and self.engine.stats().num_steps == steps_before and self.engine.has_work():
-                    raise RuntimeError("the engine has requests but scheduled nothing (KV cache too small?)")
-                for d in deltas:
-                    s = by_id[d.request_id]
-                    self._apply(s, d)
-                    if bar is not None and s.finish_reason is not None:
-                        bar.update(1)
+            with frozen_heap():  # what exists now stays out of the collector's passes (runtime/gc_heap.py)
+                self._drive(pending, prompt_ids, by_id, bar)
         except BaseException:
             for s in seqs:  # leave the engine empty for the next call (errors, KeyboardInterrupt)
                 self.engine.abort(s.request_id)
@@ -147,6 +137,22 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _drive(self, pending: deque[_Sequence], prompt_ids: dict[str, list[int]], by_id: dict[str, _Sequence],
+               bar: Any) -> None:
+        while pending or self.engine.has_work():
+            while pending and self.engine.can_queue():
+                s = pending.popleft()
+                self.engine.add_request(s.request_id, prompt_ids[s.request_id], s.params)
+            steps_before = self.engine.stats().num_steps
+            deltas = self.engine.step()
+            if not deltas and self.engine.stats().num_steps == steps_before and self.engine.has_work():
+                raise RuntimeError("the engine has requests but scheduled nothing (KV cache too small?)")
+            for d in deltas:
+                s = by_id[d.request_id]
+                self._apply(s, d)
+                if bar is not None and s.finish_reason is not None:
+                    bar.update(1)
 
     def _apply(self, s: _Sequence, d: RequestDelta) -> None:
         ids, lps, piece = d.new_token_ids, d.new_logprobs, ""

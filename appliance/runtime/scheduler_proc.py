@@ -5,6 +5,7 @@ one OutputBatch. When the engine goes idle the KV accounting is checked and a dr
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ from appliance.engine.delta import RequestDelta
 from appliance.engine.sampling_params import SamplingParams
 from appliance.observability import SchedulerObservability
 from appliance.runtime.bootstrap import Bootstrap
+from appliance.runtime.gc_heap import freeze_startup_heap
 from appliance.runtime.messages import (
     CONTROL_CODEC,
     OUTPUT_CODEC,
@@ -80,8 +82,9 @@ class FirstScheduled:
 
 class SchedulerLoop:
     def __init__(self, core: EngineCore, requests: zmq.Socket, outputs: zmq.Socket, parent_pid: int,
-                 obs: SchedulerObservability, vocab_size: int = 0) -> None:
+                 obs: SchedulerObservability, vocab_size: int = 0, worker_gc_frozen: int = 0) -> None:
         self.core = core
+        self.worker_gc_frozen = worker_gc_frozen  # what worker 0 froze at start-up (runtime/gc_heap.py)
         self.vocab_size = vocab_size  # > 0: token ids are checked here too, so a bad one never reaches a worker
         self.obs = obs
         self.requests = requests
@@ -176,6 +179,8 @@ class SchedulerLoop:
             # speculative decoding, cumulative (0 without it): verifications, draft tokens, accepted drafts
             "spec_num_drafts": s.spec_num_drafts, "spec_num_draft_tokens": s.spec_num_draft_tokens,
             "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
+            # objects kept out of garbage collection since start-up, here and in worker 0 (runtime/gc_heap.py)
+            "gc_frozen_objects": gc.get_freeze_count(), "worker_gc_frozen_objects": self.worker_gc_frozen,
         }
 
 
@@ -197,12 +202,14 @@ def run_scheduler(boot: Bootstrap) -> None:
     control.connect(boot.addresses.control)
     info = {"max_model_len": ecfg.max_model_len, "num_kv_blocks": ecfg.num_blocks, "block_size": ecfg.block_size,
             "max_queued_requests": ecfg.max_queued_requests, "eos_token_ids": sorted(ecfg.eos_token_ids)}
+    freeze_startup_heap("scheduler")
     control.send(CONTROL_CODEC.encode(StageReady(boot.name, os.getpid(), info)))
     log.info("scheduler ready: %d KV blocks of %d tokens, max_model_len %d", ecfg.num_blocks, ecfg.block_size,
              ecfg.max_model_len)
     started = time.monotonic()
     try:
-        SchedulerLoop(core, requests, outputs, boot.parent_pid, obs, vocab_size=int(w0.get("vocab_size") or 0)).run()
+        SchedulerLoop(core, requests, outputs, boot.parent_pid, obs, vocab_size=int(w0.get("vocab_size") or 0),
+                      worker_gc_frozen=int(w0.get("gc_frozen_objects", 0))).run()
     finally:
         obs.close()
         core.shutdown()

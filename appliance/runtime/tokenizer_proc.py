@@ -15,6 +15,7 @@ import uvicorn
 import zmq
 
 from appliance.runtime.bootstrap import Bootstrap
+from appliance.runtime.gc_heap import freeze_startup_heap
 from appliance.runtime.dp_router import make_engine_client
 from appliance.runtime.messages import CONTROL_CODEC, StageReady
 from appliance.runtime.process import parent_alive
@@ -93,6 +94,7 @@ async def _serve(boot: Bootstrap, config, tokenizer, sock: socket.socket, stdin:
     control = zmq.Context.instance().socket(zmq.PUSH)
     control.setsockopt(zmq.LINGER, 1000)
     control.connect(boot.addresses.control)
+    freeze_startup_heap("tokenizer")
     control.send(CONTROL_CODEC.encode(StageReady(boot.name, os.getpid(), {"port": port})))
     log.info("HTTP server on http://%s:%d", config.api.host, port)
     while not serve.done():

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 import zmq
 
 from appliance.runtime.bootstrap import Bootstrap
+from appliance.runtime.gc_heap import freeze_startup_heap
 from appliance.runtime.messages import (
     CONTROL_CODEC,
     PLAN_CODEC,
@@ -64,6 +65,8 @@ def run_worker(boot: Bootstrap) -> None:
     info = {"num_kv_blocks": min_over_ranks(runner.num_blocks), "eos_token_ids": list(runner.eos_token_ids),
             "max_model_len": runner.max_model_len, "block_size": runner.block_size, "device": str(runner.device),
             "vocab_size": int(getattr(runner.hf_config, "vocab_size", 0) or 0)}
+    # a full collection's pass would stall the GPU (gc_heap.py)
+    info["gc_frozen_objects"] = freeze_startup_heap(f"worker {boot.rank}")
     control.send(CONTROL_CODEC.encode(StageReady(boot.name, os.getpid(), info)))
     log.info("worker %d ready on %s: %d KV blocks", boot.rank, runner.device, runner.num_blocks)
     rank = str(boot.rank).encode()
