@@ -60,3 +60,37 @@ def test_smoke_run_counts_every_step_once() -> None:
     assert sum(k["steps"] for k in kinds) == runs[-1]["steps"] - 1
     assert {k["kind"] for k in kinds} >= {"mixed / prefill"}  # the prompts are prefilled eagerly
     assert all(k["span_ms"] > 0 and k["host_launch_ms_per_step"] > 0 for k in kinds)
+
+
+def test_run_summary_names_the_largest_waits_and_collector_pauses() -> None:
+    tool = load_tool("bench_steps")
+    steps = [step("decode b<=16", 0, 4), step("mixed / prefill", 9, 20), step("decode b<=16", 21, 25)]
+    out = tool.run_summary(steps, [(0, 0.5), (2, 30.0), (0, 0.25)], top=2)
+    assert out["largest_waits"] == [[5.0, "mixed / prefill", 1], [1.0, "decode b<=16", 2]]
+    assert out["gc"] == {"gen0": [2, 0.75], "gen2": [1, 30.0]}
+    assert out["kinds"]["decode b<=16"] == [2, 8.0, 5.0]
+
+
+def test_gc_pauses_records_a_collection() -> None:
+    import gc
+
+    tool = load_tool("bench_steps")
+    pauses = tool.gc_pauses()
+    try:
+        gc.collect(1)
+        assert pauses and pauses[-1][0] == 1 and pauses[-1][1] >= 0.0
+    finally:
+        gc.callbacks.pop()
+
+
+def test_gc_census_names_what_a_full_collection_walks() -> None:
+    import gc
+
+    tool = load_tool("bench_steps")
+    census: list[dict[str, int]] = []
+    tool.gc_pauses(census)
+    try:
+        gc.collect(2)
+        assert census and census[-1]["objects"] > 1000 and len(census[-1]) == 12
+    finally:
+        gc.callbacks.pop()

@@ -8,17 +8,20 @@ between steps, and the host's phases (launch, schedule, apply results, wait for 
 The workload is tools/bench_gpu.py's (Qwen3: in/out uniform [100, 1024], seed 0; Llama: 1024 in / 1024 out). Each
 launch is bracketed by two CUDA events: `span` is the device time from the step's first queued work to its last
 (it includes any wait inside the step for the host's next launch call), `wait` the device idle between one step's
-last work and the next step's first. The last run is reported (the first pays warm-up costs). Steps are grouped
-as decode-only by batch size, or mixed / prefill (eager). Prints one JSON line per run, then one per kind.
+last work and the next step's first. Steps are grouped as decode-only by batch size, or mixed / prefill (eager).
+Prints one JSON line per run (with its per-kind device time and waits, its largest waits and the garbage
+collector's pauses: runs of one process differ by several percent, and these say whether the device or the host
+made a run slower), then one per kind for the last run (the first pays warm-up costs).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -110,18 +113,59 @@ def by_kind(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             for kind, r in sorted(out.items())}
 
 
+def run_summary(steps: list[dict[str, Any]], pauses: list[tuple[int, float]], top: int = 5) -> dict[str, Any]:
+    """One run: device ms in steps and idle between them per kind, the largest waits (ms, the kind and index of
+    the step after them) and the collector's pauses per generation (count, ms)."""
+    rows = by_kind(steps)
+    waits = sorted(((max(0.0, a["end"].ms_until(b["start"])), b["kind"], i + 1)
+                    for i, (a, b) in enumerate(zip(steps, steps[1:]))), reverse=True)[:top]
+    gcs: dict[str, list[float]] = {}
+    for gen, ms in pauses:
+        entry = gcs.setdefault(f"gen{gen}", [0, 0.0])
+        entry[0] += 1
+        entry[1] = round(entry[1] + ms, 2)
+    return {"kinds": {k: [r["steps"], r["span_ms"], r["wait_ms"]] for k, r in rows.items()},
+            "largest_waits": [[round(w, 2), k, i] for w, k, i in waits], "gc": gcs}
+
+
+def gc_pauses(census: list[dict[str, int]] | None = None) -> list[tuple[int, float]]:
+    """Record every collection as (generation, ms) into the returned list (clear it between runs); with a
+    census list, each full collection first appends the 10 most common types of the objects it will walk."""
+    out: list[tuple[int, float]] = []
+    began: list[float] = []
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            if census is not None and info["generation"] == 2:
+                objects = gc.get_objects()
+                top = Counter(type(o).__name__ for o in objects).most_common(10)
+                census.append({"frozen": gc.get_freeze_count(), "objects": len(objects), **dict(top)})
+            began.append(time.perf_counter())
+        elif began:
+            out.append((int(info["generation"]), (time.perf_counter() - began.pop()) * 1e3))
+
+    gc.callbacks.append(callback)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3-0.6b", choices=("qwen3-0.6b", "llama-3.1-8b"))
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--census", action="store_true", help="what each full garbage collection walks, by type")
+    ap.add_argument("--chunk", type=int, default=None, help="scheduler.chunked_prefill_size (default: the config's)")
     args = ap.parse_args()
     import torch
 
     cfg = SMOKE if args.smoke else PRESETS[args.preset]
     with tempfile.TemporaryDirectory() as tmp:
-        llm = _llm(cfg, Path(tmp), enable_prefix_caching=False)
+        extra = {} if args.chunk is None else {"chunked_prefill_size": args.chunk}
+        llm = _llm(cfg, Path(tmp), enable_prefix_caching=False, **extra)
+    runner = llm.executor.runner
+    print(json.dumps({"num_kv_blocks": runner.num_blocks,
+                      "chunked_prefill_size": llm.config.scheduler.chunked_prefill_size}), flush=True)
     k = 16 if args.smoke else 1
     if args.preset == "qwen3-0.6b":
         ids, out_lens = qwen_workload(cfg["vocab_size"], args.prompts // k, k)
@@ -131,12 +175,19 @@ def main() -> int:
     _throughput(llm, prompts[:16], [8] * len(prompts[:16]))  # compiles what the run meets
     steps: list[dict[str, Any]] = []
     instrument(llm, steps)
+    census: list[dict[str, int]] | None = [] if args.census else None
+    pauses = gc_pauses(census)
     for run in range(args.runs):
         steps.clear()
+        pauses.clear()
+        frozen = gc.get_freeze_count()  # objects kept out of collections before the run (runtime/gc_heap.py)
         result = _throughput(llm, prompts, out_lens)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        print(json.dumps({"run": run, **result}), flush=True)
+        print(json.dumps({"run": run, **result, **run_summary(steps, pauses), "frozen_before": frozen}), flush=True)
+        if census:
+            print(json.dumps({"run": run, "full_collections_walk": census}), flush=True)
+            census.clear()
     for kind, row in by_kind(steps).items():
         print(json.dumps({"kind": kind, **row}), flush=True)
     return 0

@@ -1,0 +1,52 @@
+"""The lab tools of this session's measurements on the CPU (--smoke: tiny shapes; the GPU gives the figures):
+lab_pdl's token comparison and A/B runs, lab_eager's per-run eager-step timings and its --forward table,
+lab_blas' GEMM table."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_tool(*args: str) -> list[str]:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / args[0]), *args[1:]], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.splitlines()
+
+
+def test_lab_pdl_compares_tokens_and_alternates_modes() -> None:
+    lines = run_tool("lab_pdl.py", "--smoke")
+    result = json.loads(next(x for x in lines if x.startswith("RESULT "))[len("RESULT "):])
+    assert result["equal"] == {"b1": "1/1", "b8": "8/8", "ok": True}
+    rounds = [json.loads(x) for x in lines if x.startswith('{"round"')]
+    assert [(r["round"], r["pdl"]) for r in rounds] == [(0, "on"), (0, "off"), (1, "off"), (1, "on")]
+    assert result["tput"]["on_median_tok_s"] > 0 and result["tput"]["off_median_tok_s"] > 0
+
+
+def test_lab_eager_times_eager_steps_and_profiles_them() -> None:
+    lines = run_tool("lab_eager.py", "--smoke", "--top", "5")
+    runs = [json.loads(x) for x in lines if x.startswith('{"run"')]
+    assert [r["run"] for r in runs] == [0, 1] and all(r["eager_steps"] >= 1 for r in runs)
+    assert any("function calls" in x for x in lines)  # the cProfile table of the last run
+
+
+def test_lab_eager_forward_table() -> None:
+    rows = [json.loads(x) for x in run_tool("lab_eager.py", "--smoke", "--forward") if x.startswith("{")]
+    cases = [r for r in rows if "case" in r]
+    assert [(r["pdl"], r["case"]) for r in cases] == [(p, c) for p in (True, False, True, False)
+                                                       for c in ("prefill", "mixed")]
+    assert all(len(r["same"]["host_ms"]) == 3 and len(r["new_count"]["wall_ms"]) == 3 for r in cases)
+
+
+def test_lab_blas_table() -> None:
+    lines = run_tool("lab_blas.py", "--smoke", "--rows", "8,16")
+    rows = [json.loads(x) for x in lines if x.startswith('{"shape"')]
+    assert len(rows) == 8 * 2 and all({"cublas_us", "cublaslt_us"} <= set(r) for r in rows)
+    result = json.loads(next(x for x in lines if x.startswith("RESULT "))[len("RESULT "):])
+    assert set(result) == {f"{m}.m{r}.{b}" for m in ("llama", "qwen") for r in (8, 16) for b in ("cublas", "cublaslt")}
