@@ -149,6 +149,23 @@ def _tpot(llm: Any, prompt: list[int], out_len: int) -> dict[str, float]:
             "tpot_p50_ms": round(statistics.median(gaps) * 1e3, 3), "steps": steps}
 
 
+def replay_ms(replay: Any, reps: int, after: Any = None) -> float:
+    """Median ms of `replay()` over reps calls, CUDA events around each; `after()` runs between them untimed."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        if after is not None:
+            after()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def _replay_ms(runner: Any) -> Any:
     """GPU time of the last decode graph replayed, on its last inputs (median of 20, CUDA events): the step
     time without the host's share (input building, sampling, scheduling)."""
@@ -160,16 +177,7 @@ def _replay_ms(runner: Any) -> Any:
     replay = graphs.graphs[graphs.last_key]
     lens = runner.block_table.lens
     saved = lens.clone()  # each replay advances its rows' positions (executor/cuda_graph.py): put them back
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        b.synchronize()
-        lens.copy_(saved)
-        times.append(a.elapsed_time(b))
-    return {"key": str(graphs.last_key), "ms": round(statistics.median(times), 3)}
+    return {"key": str(graphs.last_key), "ms": round(replay_ms(replay, 20, lambda: lens.copy_(saved)), 3)}
 
 
 def _gemv_ms(model: Any) -> Any:
@@ -192,16 +200,8 @@ def _gemv_ms(model: Any) -> Any:
         with torch.cuda.graph(graph):
             for m in mods:
                 m(x[m.weight.shape[1]])
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
     kernel = "triton gemv" if getattr(mods[0], "gemv", None) is not None else "cublas"
-    return {"ms": round(statistics.median(times), 3), "note": f"every layer's matrices + lm_head ({kernel})"}
+    return {"ms": round(replay_ms(graph.replay, 10), 3), "note": f"every layer's matrices + lm_head ({kernel})"}
 
 
 def _weight_bytes(model: Any) -> int:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_measure import replay_ms
 
 SHAPES = {  # name -> (N, K) of y = x W^T
     "llama.qkv": (6144, 4096), "llama.o": (4096, 4096), "llama.gate_up": (28672, 4096), "llama.down": (4096, 14336),
@@ -40,15 +44,7 @@ def time_linear(m: int, n: int, k: int, backend: str, smoke: bool) -> float:
     with torch.cuda.graph(graph):
         for w in ws:
             F.linear(x, w)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / copies)
-    return round(statistics.median(times), 2)
+    return round(replay_ms(graph.replay, 5) * 1e3 / copies, 2)
 
 
 def main() -> int:

@@ -15,8 +15,8 @@ import uvicorn
 import zmq
 
 from appliance.runtime.bootstrap import Bootstrap
-from appliance.runtime.gc_heap import freeze_startup_heap
 from appliance.runtime.dp_router import make_engine_client
+from appliance.runtime.gc_heap import freeze_startup_heap
 from appliance.runtime.messages import CONTROL_CODEC, StageReady
 from appliance.runtime.process import parent_alive
 

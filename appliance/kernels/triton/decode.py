@@ -16,7 +16,14 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, LOG2E, mma, pdl_enter, pdl_launch, pdl_on
+from appliance.kernels.triton.common import (
+    INTERPRET,
+    LOG2E,
+    mma,
+    pdl_enter,
+    pdl_launch,
+    pdl_on,
+)
 
 _SMS_FALLBACK = 132
 # Tuned on the H100 (docs/kernels.md): the tile of kv tokens per loop step, and the split-K heuristic inputs.

@@ -58,13 +58,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
     if GDC:  # launched early: x is the kernel before's output
         tl.extra.cuda.gdc_wait()
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     # y^T = W x^T: the weight tile is the MMA's left operand as stored (no transpose on the way in)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
@@ -109,4 +109,3 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             num_stages=cfg.num_stages, **pdl_launch(pdl))
     y = y.to(x.dtype) if atomic else y
     return y + bias if bias is not None else y
-
