@@ -9,7 +9,6 @@ import os
 import pickle
 import re
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -285,15 +284,6 @@ def test_overload_answers_429_at_once_and_health_stays_up(server: Server) -> Non
     m = httpx.get(f"{server.base}/metrics", timeout=5).text
     assert re.search(r'^appliance:request_errors_total\{[^}]*status="429"[^}]*\} [1-9]', m, re.MULTILINE)
     assert_healthy_and_accounted(server)
-
-
-def _raw_request(srv: Server, body: dict[str, Any]) -> socket.socket:
-    data = json.dumps(body).encode()
-    host, port = srv.base.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
-    return s
 
 
 def _abort_count(srv: Server) -> float:
