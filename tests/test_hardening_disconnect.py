@@ -5,17 +5,29 @@ how fast one step is on the machine running the tests.
 """
 from __future__ import annotations
 
+import json
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from pipeline_server import Server, free_port, launch, stop
-from test_hardening_pipeline import AUTH, KEY, _abort_count, _raw_request, assert_healthy_and_accounted
+from test_hardening_pipeline import AUTH, KEY, _abort_count, assert_healthy_and_accounted
 from test_observability_e2e import prompt_ids
 
 PREFILL_PROMPT, PREFILL_CHUNK = 3000, 16
 PREFILL_STEPS = -(-PREFILL_PROMPT // PREFILL_CHUNK)  # steps the prompt's prefill takes at the least
+
+
+def _raw_request(srv: Server, body: dict[str, Any]) -> socket.socket:
+    """A completion request sent over a bare socket, which the test closes before the answer."""
+    data = json.dumps(body).encode()
+    host, port = srv.base.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+    return s
 
 
 @pytest.fixture(scope="module")
