@@ -8,10 +8,11 @@ import torch
 from appliance.kernels.triton import common
 
 
-def test_eager_and_cpu_launches_never_ask_for_it() -> None:
+def test_eager_and_cpu_launches_never_ask_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not common.pdl_on(torch.zeros(4))
-    assert common.pdl_launch(False) == {}
-    assert common.pdl_launch(True) == {"launch_pdl": True}
+    assert common.pdl_kwargs(torch.zeros(4)) == {"GDC": False}
+    monkeypatch.setattr(common, "pdl_on", lambda t: True)
+    assert common.pdl_kwargs(torch.zeros(4)) == {"GDC": True, "launch_pdl": True}
 
 
 def _chain(x: torch.Tensor, w_norm: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import pdl_enter, pdl_launch, pdl_on
+from appliance.kernels.triton.common import pdl_enter, pdl_kwargs
 
 BLOCK = 1024
 
@@ -35,8 +35,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, inter)
     if x2.shape[0]:
-        pdl = pdl_on(x2)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, BLOCK))](x2, out2, x2.stride(0), out2.stride(0),
-                                                                       inter, BLOCK=BLOCK, GDC=pdl, num_warps=4,
-                                                                       **pdl_launch(pdl))
+                                                                       inter, BLOCK=BLOCK, num_warps=4,
+                                                                       **pdl_kwargs(x2))
     return out

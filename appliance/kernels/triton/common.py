@@ -36,9 +36,10 @@ def pdl_on(t: torch.Tensor) -> bool:
             and _major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9)
 
 
-def pdl_launch(on: bool) -> dict[str, bool]:
-    """The launch keyword that asks for it (none otherwise: the interpreter knows no such option)."""
-    return {"launch_pdl": True} if on else {}
+def pdl_kwargs(t: torch.Tensor) -> dict[str, bool]:
+    """The launch keywords of a kernel taking a GDC constexpr, for a launch that reads `t`: programmatic dependent
+    launch where pdl_on says so, a plain launch otherwise (the interpreter knows no launch_pdl option)."""
+    return {"GDC": True, "launch_pdl": True} if pdl_on(t) else {"GDC": False}
 
 
 @triton.jit

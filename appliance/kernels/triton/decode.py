@@ -21,8 +21,7 @@ from appliance.kernels.triton.common import (
     LOG2E,
     mma,
     pdl_enter,
-    pdl_launch,
-    pdl_on,
+    pdl_kwargs,
 )
 
 _SMS_FALLBACK = 132
@@ -158,18 +157,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_lse = torch.empty(bsz, h, splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     block_n = BLOCK_N_UNSPLIT if direct and block_d <= 128 else BLOCK_N
-    pdl = pdl_on(q)
+    pdl = pdl_kwargs(q)  # both launches
     _decode_kernel[(hkv, bsz, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         split_tokens, splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=block_n, DIRECT=direct, UPCAST=INTERPRET, GDC=pdl, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES, **pdl_launch(pdl),
+        PAGE=page, BLOCK_N=block_n, DIRECT=direct, UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **pdl,
     )
     if not direct:
         _merge_kernel[(bsz, h)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, h,
-                                D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), GDC=pdl, num_warps=4,
-                                **pdl_launch(pdl))
+                                D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+                                **pdl)
     return out

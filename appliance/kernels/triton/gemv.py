@@ -27,7 +27,7 @@ import triton.language as tl
 
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, mma, pdl_launch, pdl_on
+from appliance.kernels.triton.common import INTERPRET, mma, pdl_kwargs
 
 
 @dataclass(frozen=True)
@@ -99,13 +99,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     atomic = split > 1
     y = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
          else torch.empty(m, n, dtype=x.dtype, device=x.device))
-    # split-K (a tuning option) keeps the plain launch
-    pdl = pdl_on(x) and not atomic
+    pdl = {"GDC": False} if atomic else pdl_kwargs(x)  # split-K (a tuning option) keeps the plain launch
     if m and n:
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
             x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per,
             BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ATOMIC=atomic,
-            UPCAST=INTERPRET or x.dtype == torch.float32, GDC=pdl, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl_launch(pdl))
+            UPCAST=INTERPRET or x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl)
     y = y.to(x.dtype) if atomic else y
     return y + bias if bias is not None else y

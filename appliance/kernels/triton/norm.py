@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import pdl_enter, pdl_launch, pdl_on
+from appliance.kernels.triton.common import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -53,8 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         r2 = s2 = x2  # unused
     block = triton.next_power_of_2(n)
     if rows:
-        pdl = pdl_on(x2)
         _rms_norm_kernel[(rows,)](x2, r2, weight, out2, s2, x2.stride(0), r2.stride(0), out2.stride(0),
-                                  s2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, GDC=pdl,
-                                  num_warps=min(16, max(1, block // 256)), **pdl_launch(pdl))
+                                  s2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                  num_warps=min(16, max(1, block // 256)), **pdl_kwargs(x2))
     return (out, summed) if residual is not None else out

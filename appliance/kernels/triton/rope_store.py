@@ -18,7 +18,7 @@ import triton.language as tl
 
 from appliance.kernels.reference.rope_store import check_rope_store_args
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import pdl_enter, pdl_launch, pdl_on
+from appliance.kernels.triton.common import pdl_enter, pdl_kwargs
 from appliance.kernels.triton.rope import rotary_pairs
 
 MAX_BLOCK_ELEMS = 2048  # heads x half-dim per program: bounds registers for wide models
@@ -155,14 +155,13 @@ def rope_store_kv(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, nu
     grid = (t, triton.cdiv(num_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
     qw = q_norm_weight if q_norm_weight is not None else qkv  # unused without the norm
     kw = k_norm_weight if k_norm_weight is not None else qkv
-    pdl = pdl_on(qkv)
     _rope_store_kernel[grid](
         positions, qkv, cos_sin_cache, qw, kw, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), cos_sin_cache.stride(0), q.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         NQ=num_heads, NKV=num_kv_heads, HALF=half, D=head_dim, PAGE=k_cache.shape[1], BLOCK_H=block_h,
         BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(1, head_dim - 2 * half)),
-        BLOCK_D=triton.next_power_of_2(head_dim), IS_NEOX=is_neox, HAS_NORM=has_norm, GDC=pdl, num_warps=4,
-        **pdl_launch(pdl),
+        BLOCK_D=triton.next_power_of_2(head_dim), IS_NEOX=is_neox, HAS_NORM=has_norm, num_warps=4,
+        **pdl_kwargs(qkv),
     )
     return q
