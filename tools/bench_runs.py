@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import PRESETS
 from bench_overlap import gen, llm_for
-from gpu_measure import QWEN_SMOKE_SHAPE, qwen_workload
+from gpu_measure import QWEN_SMOKE_SHAPE, qwen_requests
 
 
 def log_compiles() -> list[tuple[str, float]]:
@@ -83,7 +83,6 @@ def main() -> int:
     ap.add_argument("--step-times", action="store_true", help="run 0's slowest steps against the later runs")
     args = ap.parse_args()
 
-    from appliance import SamplingParams
 
     log = log_compiles()
     cfg = dict(PRESETS["qwen3-0.6b"], num_hidden_layers=args.layers)
@@ -93,10 +92,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         llm = llm_for(cfg, Path(tmp), enable_prefix_caching=False)
     print(json.dumps({"init_s": round(time.perf_counter() - t0, 1), "compiles": len(log)}), flush=True)
-    ids, out_lens = qwen_workload(cfg["vocab_size"], n=4 if args.smoke else 256)
-    out_lens = [min(m, 8) for m in out_lens] if args.smoke else out_lens
-    prompts = [{"prompt_token_ids": p} for p in ids]
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    prompts, params = qwen_requests(cfg["vocab_size"], 4 if args.smoke else 256, 8 if args.smoke else None)
     rates: list[float] = []
     steps: list[list[float]] = []
     if args.step_times:

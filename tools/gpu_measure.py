@@ -59,6 +59,17 @@ def qwen_workload(vocab: int, n: int = 256, k: int = 1, seed: int = 0) -> tuple[
     return [[rng.randrange(vocab) for _ in range(m)] for m in in_lens], out_lens
 
 
+def qwen_requests(vocab: int, n: int, max_out: int | None = None) -> tuple[list[dict[str, list[int]]], list[Any]]:
+    """qwen_workload as generate() takes it: n prompts and their SamplingParams (temperature 1, ignore_eos);
+    max_out caps the output lengths (smoke runs)."""
+    from appliance import SamplingParams
+
+    ids, out_lens = qwen_workload(vocab, n)
+    return ([{"prompt_token_ids": p} for p in ids],
+            [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m if max_out is None else min(m, max_out),
+                            ignore_eos=True) for m in out_lens])
+
+
 def llama_workload(vocab: int, n: int, k: int = 1, seed: int = 0) -> tuple[list[dict[str, list[int]]], list[int]]:
     """The issue's 8B throughput workload: n prompts of 1024 random token ids below vocab, 1024 output tokens each
     (both divided by k for smoke runs); (prompts, output lengths)."""

@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import PRESETS
 from bench_overlap import gen, llm_for
-from gpu_measure import QWEN_SMOKE_SHAPE, qwen_workload
+from gpu_measure import QWEN_SMOKE_SHAPE, qwen_requests
 
 
 def instrument(runner: Any, record: list[dict[str, float]], prof: cProfile.Profile, profiling: list[bool]) -> None:
@@ -136,7 +136,6 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from appliance import SamplingParams
 
     cfg = dict(PRESETS["qwen3-0.6b"])
     if args.smoke:
@@ -146,10 +145,7 @@ def main() -> int:
     if args.forward:
         forward_ab(llm, args.smoke)
         return 0
-    ids, out_lens = qwen_workload(cfg["vocab_size"], n=8 if args.smoke else 256)
-    out_lens = [min(m, 8) for m in out_lens] if args.smoke else out_lens
-    prompts = [{"prompt_token_ids": p} for p in ids]
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    prompts, params = qwen_requests(cfg["vocab_size"], 8 if args.smoke else 256, 8 if args.smoke else None)
     record: list[dict[str, Any]] = []
     prof, profiling = cProfile.Profile(), [False]
     instrument(llm.executor.runner, record, prof, profiling)

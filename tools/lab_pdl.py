@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import PRESETS
 from bench_overlap import gen, llm_for
-from gpu_measure import QWEN_SMOKE_SHAPE, _replay_ms, _tpot, qwen_workload
+from gpu_measure import QWEN_SMOKE_SHAPE, _replay_ms, _tpot, qwen_requests
 
 
 def switch(runner: Any, pdl: bool, capture_all: bool = False) -> float:
@@ -88,13 +88,9 @@ def llama_b1(llm: Any, vocab: int, rounds: int, k: int) -> dict[str, Any]:
 
 
 def qwen_tput(llm: Any, cfg: dict[str, Any], rounds: int, smoke: bool) -> dict[str, Any]:
-    from appliance import SamplingParams
 
     runner = llm.executor.runner
-    ids, out_lens = qwen_workload(cfg["vocab_size"], n=4 if smoke else 256)
-    out_lens = [min(m, 8) for m in out_lens] if smoke else out_lens
-    prompts = [{"prompt_token_ids": p} for p in ids]
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    prompts, params = qwen_requests(cfg["vocab_size"], 4 if smoke else 256, 8 if smoke else None)
     gen(llm, prompts, params)  # warm: every eager token count and graph of the workload seen once
     rates: dict[str, list[float]] = {"on": [], "off": []}
     for r in range(rounds):
