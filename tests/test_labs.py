@@ -1,5 +1,5 @@
 """The lab tools of this session's measurements on the CPU (--smoke: tiny shapes; the GPU gives the figures):
-lab_pdl's token comparison and A/B runs, lab_eager's per-run eager-step timings and its --forward table,
+lab_ab's token comparison and A/B runs, lab_eager's per-run eager-step timings and its --forward table,
 lab_blas' GEMM table."""
 from __future__ import annotations
 
@@ -20,13 +20,23 @@ def run_tool(*args: str) -> list[str]:
     return proc.stdout.splitlines()
 
 
-def test_lab_pdl_compares_tokens_and_alternates_modes() -> None:
-    lines = run_tool("lab_pdl.py", "--smoke")
+def test_lab_ab_compares_tokens_and_rotates_the_knob_values() -> None:
+    knob = "appliance.layers.attention.LONGEST_FIRST_MIN_ROWS"
+    lines = run_tool("lab_ab.py", "--smoke", "--knob", f"{knob}=32,1,100000")
     result = json.loads(next(x for x in lines if x.startswith("RESULT "))[len("RESULT "):])
     assert result["equal"] == {"b1": "1/1", "b8": "8/8", "ok": True}
     rounds = [json.loads(x) for x in lines if x.startswith('{"round"')]
-    assert [(r["round"], r["pdl"]) for r in rounds] == [(0, "on"), (0, "off"), (1, "off"), (1, "on")]
-    assert result["tput"]["on_median_tok_s"] > 0 and result["tput"]["off_median_tok_s"] > 0
+    names = [f"LONGEST_FIRST_MIN_ROWS={v}" for v in (32, 1, 100000)]
+    assert [(r["round"], r["knob"]) for r in rounds] == [(0, n) for n in names] + [(1, n) for n in names[1:] + names[:1]]
+    assert all(result["tput"][f"{n} median_tok_s"] > 0 for n in names)
+
+
+def test_lab_ab_refuses_a_knob_that_does_not_exist() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "lab_ab.py"), "--smoke", "--knob",
+                           "appliance.layers.attention.NO_SUCH=1,2"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "has no NO_SUCH" in proc.stderr
 
 
 def test_lab_eager_times_eager_steps_and_profiles_them() -> None:

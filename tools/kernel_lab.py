@@ -224,13 +224,15 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
             knobs = [(decode.BLOCK_N_UNSPLIT if s in (None, 1) else decode.BLOCK_N, decode.NUM_WARPS,
                       decode.NUM_STAGES, s) for s in (None, 1, 2, 4, 8, 16, 32)]
     pages = [int(x) for x in args.decode_pages.split(",")]
-    if len(pages) > 1:  # the registered kernel as it is, over cache page sizes (cache.block_size)
+    if len(pages) > 1 or args.decode_order:  # the registered kernel as it is, over pages (cache.block_size)
         knobs = [(None, None, None, None)]
+    orders = (False, True) if args.decode_order or args.smoke else (False,)
     saved = (decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES)
     for (name, (lens, h, hkv, width)), page in itertools.product(cases.items(), pages):
         q, caches, table, seq, kv_bytes = decode_case(lens, h, hkv, width, dev, dtype, page=page)
         ref = ref_decode(q, caches[0][0], caches[0][1], table, seq, 128**-0.5)
-        for bn, w, st, splits in knobs:
+        for (bn, w, st, splits), longest in itertools.product(knobs, orders):
+            order = torch.argsort(seq, descending=True) if longest else None
             if time.time() - T0 > args.budget_s:
                 emit(section="decode", skipped=f"{name}: budget")
                 break
@@ -239,14 +241,15 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
             if bn is not None:
                 decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES = bn, bn, w, st
             try:
-                err = rel(decode.decode_attention(q, caches[0][0], caches[0][1], table, seq, 128**-0.5, splits), ref)
-                us = timed_us(lambda s=splits: [decode.decode_attention(q, k, v, table, seq, 128**-0.5, s)
-                                                for k, v in caches], args.smoke)
+                err = rel(decode.decode_attention(q, caches[0][0], caches[0][1], table, seq, 128**-0.5, splits,
+                                                  order), ref)
+                us = timed_us(lambda s=splits, o=order: [decode.decode_attention(q, k, v, table, seq, 128**-0.5, s, o)
+                                                         for k, v in caches], args.smoke)
             except Exception as exc:  # noqa: BLE001
                 emit(section="decode", case=name, knobs=[bn, w, st, splits], error=f"{type(exc).__name__}: {exc}"[:200])
                 continue
-            emit(section="decode", case=name, page=page, block_n=bn, warps=w, stages=st, splits=splits, us=us,
-                 GBps=kv_bytes / us / 1e3, err=err)
+            emit(section="decode", case=name, page=page, block_n=bn, warps=w, stages=st, splits=splits,
+                 longest_first=longest, us=us, GBps=kv_bytes / us / 1e3, err=err)
         del caches
     decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES = saved
 
@@ -319,6 +322,8 @@ def main() -> int:
     ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
     ap.add_argument("--decode-cases", default="", help="comma list of fragments of decode case names to run")
     ap.add_argument("--decode-splits-only", action="store_true", help="decode: only the split factor varies")
+    ap.add_argument("--decode-order", action="store_true",
+                    help="decode: the registered kernel taking the rows in order and longest first")
     ap.add_argument("--decode-pages", default="16",
                     help="decode: cache page sizes; several time the registered kernel as it is at each")
     args = ap.parse_args()

@@ -44,7 +44,7 @@ from appliance.executor.input_batch import (
     table_width,
 )
 from appliance.executor.request_table import DeviceBlockTable
-from appliance.layers.attention import AttentionMetadata
+from appliance.layers.attention import AttentionMetadata, longest_first
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class DecodeGraphs:
             slot_mapping=slots, num_decode_tokens=b, decode_block_tables=self.table.gather(rows, w),
             decode_seq_lens=self.seq_lens[:b],
             prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
-            prefill_block_tables=self._no_prefill[:0].view(0, 1))
+            prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(self.seq_lens[:b]))
         self.hidden[:b].copy_(self.forward(self.buf[:b], positions, meta))
 
     def _fill(self, decodes: list[Chunk], key: GraphKey) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
-from appliance.layers.attention import AttentionMetadata
+from appliance.layers.attention import AttentionMetadata, longest_first
 
 if TYPE_CHECKING:
     from appliance.executor.request_table import DeviceBlockTable
@@ -278,6 +278,7 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         prefill_cu_seqlens=tail[o[1]],
         prefill_seq_lens=tail[o[2]],
         prefill_block_tables=prefill_tables,
+        decode_order=longest_first(tail[o[0]]),
     )
     return StepInputs(head[seg[0]], head[seg[1]], meta, ordered, row_starts)
 

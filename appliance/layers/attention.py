@@ -29,10 +29,25 @@ class AttentionMetadata:
     prefill_cu_seqlens: torch.Tensor  # [Bp+1] int32, offsets into the prefill rows
     prefill_seq_lens: torch.Tensor  # [Bp] int32
     prefill_block_tables: torch.Tensor  # [Bp, M] int32
+    decode_order: torch.Tensor | None = None  # [Bd] the decode rows longest first (longest_first), or row order
 
     @property
     def num_prefills(self) -> int:
         return int(self.prefill_seq_lens.shape[0])
+
+
+# Decode batches of at least this many rows take their sequences longest first (the decode kernel's `order`): on
+# large batches one program per SM runs at a time, and a long sequence started last runs alone at the end
+# (docs/kernels.md, "Decode attention: program order"). Smaller batches split their contexts instead.
+LONGEST_FIRST_MIN_ROWS = 128
+
+
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor | None:
+    """The decode rows' order for the kernel, longest context first (one sort on the device, no host sync; once per
+    step, shared by every layer), or None below LONGEST_FIRST_MIN_ROWS rows."""
+    if seq_lens.shape[0] < LONGEST_FIRST_MIN_ROWS:
+        return None
+    return torch.argsort(seq_lens, descending=True)
 
 
 def fused_rope_store(backend: str) -> Callable[..., Any] | None:
@@ -80,14 +95,14 @@ class Attention(nn.Module):
         # one kind of row (every decode step, most prefill steps): the kernel's output is the answer, no copy
         if nd == t:
             return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                self.scale).view(t, self.num_heads * self.head_dim)
+                                self.scale, order=meta.decode_order).view(t, self.num_heads * self.head_dim)
         if nd == 0:
             return self._prefill(q, k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
                                  meta.prefill_block_tables, self.scale).view(t, self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                    self.scale)
+                                    self.scale, order=meta.decode_order)
         if nd < t:
             out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
                                      meta.prefill_block_tables, self.scale)

@@ -81,7 +81,8 @@ def _plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
 
 @register("decode_attention", "flashinfer")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None) -> torch.Tensor:
+    """`order` (the Triton kernel's row order) does not apply: flashinfer's plan balances the work itself."""
     plans.check_attention_inputs("decode_attention", q, k_cache)
     _check_decode_group(q, k_cache)
     if q.shape[0] == 0:

@@ -42,7 +42,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 
 @register("decode_attention", "torch")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None) -> torch.Tensor:
+    """`order`: the order a kernel may take the rows in (a scheduling hint; results never depend on it)."""
     out = torch.empty_like(q)
     for b, length in enumerate(seq_lens.tolist()):
         k = _gather(k_cache, block_tables[b], length)

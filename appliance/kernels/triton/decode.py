@@ -5,7 +5,9 @@ query head) over one split of the context. The split count is chosen on the host
 (its capacity), never from seq_lens, so no host sync happens and the launch is CUDA-graph safe; splits that start
 past a sequence's end exit at once. With more than one split a second pass merges the partial results by their
 log-sum-exp. Programs are numbered kv head fastest: a sequence's heads run side by side, reading neighbouring
-bytes of each cache row.
+bytes of each cache row. An optional `order` (the rows longest context first, layers/attention.py
+`longest_first`) says which sequence each program row serves: one program per SM runs at a time on large batches,
+and starting the longest first keeps the last ones from running alone at the end of the launch.
 """
 from __future__ import annotations
 
@@ -38,16 +40,18 @@ NUM_STAGES = 3
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    split_tokens, num_splits,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
-                   GDC: tl.constexpr):
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, ORDERED: tl.constexpr,
+                   UPCAST: tl.constexpr, GDC: tl.constexpr):
     pdl_enter(GDC)  # q, the lengths and the newest cache row come from the kernels before
     kvh = tl.program_id(0)  # kv head fastest: a sequence's heads run side by side (docs/kernels.md)
     b = tl.program_id(1)
+    if ORDERED:
+        b = tl.load(order_ptr + b).to(tl.int32)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     start = split * split_tokens
@@ -131,8 +135,11 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, sms: int) ->
 
 @register("decode_attention", "triton")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """`num_splits` overrides the heuristic (tests and tuning). A row with seq_len 0 (padding) gets zeros."""
+                     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                     order: torch.Tensor | None = None) -> torch.Tensor:
+    """`num_splits` overrides the heuristic (tests and tuning). A row with seq_len 0 (padding) gets zeros.
+    `order` ([B] integers, a permutation of the rows) is the order the programs take the rows in; the result does
+    not depend on it."""
     bsz, h, d = q.shape
     _, page, hkv, dk = k_cache.shape
     if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
@@ -141,6 +148,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("decode_attention: block_tables / seq_lens batch size differs from q")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("decode_attention: the head_dim axis must be contiguous")
+    if order is not None and (order.shape != (bsz,) or order.dtype.is_floating_point):
+        raise ValueError(f"decode_attention: order must be [{bsz}] integers, got {tuple(order.shape)} {order.dtype}")
     out = torch.empty_like(q)
     if bsz == 0:
         return out
@@ -159,12 +168,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n = BLOCK_N_UNSPLIT if direct and block_d <= 128 else BLOCK_N
     pdl = pdl_kwargs(q)  # both launches
     _decode_kernel[(hkv, bsz, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order, out, mid_o, mid_lse,
+        scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         split_tokens, splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=block_n, DIRECT=direct, UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        PAGE=page, BLOCK_N=block_n, DIRECT=direct, ORDERED=order is not None, UPCAST=INTERPRET,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         **pdl,
     )
     if not direct:

@@ -60,13 +60,17 @@ def _paged_kv(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dty
 
 
 def decode_inputs(batch: int, heads: int, kv_heads: int, head_dim: int, page: int, seq_lens: list[int],
-                  dtype: torch.dtype, device: str, seed: int = 0, num_splits: int | None = None) -> Inputs:
+                  dtype: torch.dtype, device: str, seed: int = 0, num_splits: int | None = None,
+                  longest_first: bool = False) -> Inputs:
+    """`longest_first`: the kernel takes the rows in the order the runner gives it on large batches."""
     gen = torch.Generator().manual_seed(seed)
     k, v, table = _paged_kv(seq_lens, page, kv_heads, head_dim, dtype, device, gen)
     q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype).to(device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     kv_bytes = 2 * sum(seq_lens) * kv_heads * head_dim * k.element_size()
-    extra = (("num_splits", num_splits),) if num_splits else ()
+    extra: tuple[tuple[str, Any], ...] = (("num_splits", num_splits),) if num_splits else ()
+    if longest_first:
+        extra += (("order", torch.argsort(lens, descending=True)),)
     return Inputs((q, k, v, table, lens, head_dim**-0.5), kv_bytes + 2 * q.numel() * q.element_size(), extra)
 
 
@@ -233,6 +237,10 @@ def small_cases(device: str = "cpu") -> list[Case]:
                                                                                num_splits=2)),
         ("decode_attention", "f16-splitk5-page64", lambda: decode_inputs(2, 4, 1, 64, 64, [250, 20], f16, d,
                                                                       num_splits=5)),
+        ("decode_attention", "bf16-longest-first", lambda: decode_inputs(4, 8, 2, 64, 16, [37, 1, 100, 0], bf, d,
+                                                                       longest_first=True)),
+        ("decode_attention", "f32-longest-first-split", lambda: decode_inputs(3, 4, 2, 64, 16, [40, 300, 7], f32, d,
+                                                                            num_splits=2, longest_first=True)),
         ("prefill_attention", "bf16-prefix", lambda: prefill_inputs([5, 1, 70], [0, 20, 33], 4, 2, 64, 16, bf, d)),
         ("prefill_attention", "f16-empty-seq-d128", lambda: prefill_inputs([3, 0, 17], [4, 9, 0], 2, 1, 128, 8,
                                                                          f16, d)),
@@ -297,6 +305,9 @@ def realistic_cases(device: str = "cuda") -> list[Case]:
             ("gemv", f"{name}-m1-qkv", lambda dt=dt: gemv_inputs(1, 6144, 4096, dt, d)),
             ("gemv", f"{name}-m16-down-bias", lambda dt=dt: gemv_inputs(16, 4096, 14336, dt, d, bias=True)),
             ("gemv", f"{name}-m3-splitk4", lambda dt=dt: gemv_inputs(3, 1000, 14336, dt, d, split_k=4)),
+            ("decode_attention", f"{name}-b256-longest-first", lambda dt=dt: decode_inputs(
+                256, 16, 8, 128, 16, torch.randint(1, 1500, (256,), generator=g).tolist(), dt, d,
+                longest_first=True)),
         ]
     cases += [
         ("sample", "mixed-bf16", lambda: sample_inputs(64, 32000, bf, d, "mixed")),
