@@ -99,11 +99,11 @@ class Attention(nn.Module):
         if nd == 0:
             return self._prefill(q, k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
                                  meta.prefill_block_tables, self.scale).view(t, self.num_heads * self.head_dim)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q)  # both kernels write their rows of it
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                    self.scale, order=meta.decode_order)
+            self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                         order=meta.decode_order, out=out[:nd])
         if nd < t:
-            out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
-                                     meta.prefill_block_tables, self.scale)
+            self._prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
+                          meta.prefill_block_tables, self.scale, out=out[nd:])
         return out.view(t, self.num_heads * self.head_dim)

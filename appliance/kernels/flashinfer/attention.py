@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from appliance.kernels.flashinfer import plans
+from appliance.kernels.reference.attention import attention_out
 from appliance.kernels.registry import register
 
 DECODE_GROUPS = (1, 2, 3, 4, 8)  # query heads per kv head that flashinfer's CUDA-core decode dispatches on
@@ -79,19 +80,27 @@ def _plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
     _DECODE_COMPILED.add(_decode_key(q, k_cache))
 
 
+def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """flashinfer's result, copied into the caller's `out` when there is one."""
+    return result if out is None else out.copy_(result)
+
+
 @register("decode_attention", "flashinfer")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None) -> torch.Tensor:
-    """`order` (the Triton kernel's row order) does not apply: flashinfer's plan balances the work itself."""
+                     seq_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """`order` (the Triton kernel's row order) does not apply: flashinfer's plan balances the work itself. `out`
+    receives a copy of the result (attention_out)."""
     plans.check_attention_inputs("decode_attention", q, k_cache)
     _check_decode_group(q, k_cache)
+    dest = attention_out("decode_attention", q, out)
     if q.shape[0] == 0:
-        return torch.empty_like(q)
+        return dest
     st = plans.state(q.device)
     shape = (tuple(q.shape[1:]), tuple(k_cache.shape[1:]), q.dtype, float(scale))
     st.decode_plan.get((block_tables, seq_lens), shape,
                        lambda: _plan_decode(q, k_cache, block_tables, seq_lens, scale))
-    return st.decode.run(q.contiguous(), (k_cache, v_cache))
+    return _into(st.decode.run(q.contiguous(), (k_cache, v_cache)), out)
 
 
 def _compile_decode_once(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
@@ -135,10 +144,12 @@ def _plan_prefill(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Te
 
 @register("prefill_attention", "flashinfer")
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal with the mask aligned to the end of each sequence (flashinfer's convention for kv_len > q_len):
     query j of sequence b sits at position seq_lens[b] - q_len_b + j and sees the cached prefix."""
     plans.check_attention_inputs("prefill_attention", q, k_cache)
+    dest = attention_out("prefill_attention", q, out)
     st = plans.state(q.device)
     shape = (tuple(q.shape[1:]), tuple(k_cache.shape[1:]), q.dtype, float(scale))
     rows = st.prefill_plan.get((cu_seqlens_q, seq_lens, block_tables), shape,
@@ -146,5 +157,5 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if rows != q.shape[0]:
         raise ValueError(f"flashinfer prefill_attention: q has {q.shape[0]} rows, cu_seqlens_q says {rows}")
     if rows == 0:
-        return torch.empty_like(q)
-    return st.prefill.run(q.contiguous(), (k_cache, v_cache))
+        return dest
+    return _into(st.prefill.run(q.contiguous(), (k_cache, v_cache)), out)

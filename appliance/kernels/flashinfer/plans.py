@@ -10,43 +10,23 @@ one for prefill, one for store_kv's slot check) and uploads the page indptr/indi
 stalls the host until the GPU has run the step so far (layer 0's projections), so overlap scheduling gains
 little with this backend.
 
-The key is the identity of the metadata tensors (held here, so a later tensor cannot reuse their id): the runner
-builds them anew every eager step. A rewrite of the same tensor in place (CUDA graphs' static buffers) would not
-be noticed; graphs are off for this backend (executor/cuda_graph.py graph_settings).
+The key is the identity of the metadata tensors (kernels/step_cache.py): the runner builds them anew every eager
+step. A rewrite of the same tensor in place (CUDA graphs' static buffers) would not be noticed; graphs are off
+for this backend (executor/cuda_graph.py graph_settings).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from appliance.kernels.step_cache import StepCache
+
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended float workspace (split-K partial results)
 HALF = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer's paged append and prefill kernels dispatch on
-
-
-class StepCache:
-    """One entry: the last step's metadata tensors and what was built for them."""
-
-    def __init__(self) -> None:
-        self._tensors: tuple[torch.Tensor, ...] = ()
-        self._extra: Any = None
-        self._value: Any = None
-
-    def get(self, tensors: Sequence[torch.Tensor], extra: Any, build: Callable[[], Any]) -> Any:
-        same = (len(tensors) == len(self._tensors) and all(a is b for a, b in zip(tensors, self._tensors))
-                and extra == self._extra)
-        if not same:
-            self._value = build()
-            self._tensors, self._extra = tuple(tensors), extra
-        return self._value
-
-    def forget(self) -> None:
-        """The wrapper was planned for something else: the next call plans again."""
-        self._tensors, self._extra, self._value = (), None, None
 
 
 @dataclass

@@ -21,6 +21,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
 
+def attention_out(op: str, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The tensor an attention op writes: `out` when the caller gives one (rows of a larger output, so a mixed
+    step's decode and prefill rows need no copy), checked against q, else a new one like q."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"{op}: out {tuple(out.shape)} {out.dtype} does not fit q {tuple(q.shape)} {q.dtype} "
+                         "(same shape, dtype and device, head_dim contiguous)")
+    return out
+
+
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens of one request: [length, Hkv, D]."""
     block_size = cache.shape[1]
@@ -42,9 +53,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 
 @register("decode_attention", "torch")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None) -> torch.Tensor:
-    """`order`: the order a kernel may take the rows in (a scheduling hint; results never depend on it)."""
-    out = torch.empty_like(q)
+                     seq_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """`order`: the order a kernel may take the rows in (a scheduling hint; results never depend on it). `out`:
+    where to write (attention_out)."""
+    out = attention_out("decode_attention", q, out)
     for b, length in enumerate(seq_lens.tolist()):
         k = _gather(k_cache, block_tables[b], length)
         v = _gather(v_cache, block_tables[b], length)
@@ -55,8 +68,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 @register("prefill_attention", "torch")
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    out = torch.empty_like(q)
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    out = attention_out("prefill_attention", q, out)
     cu = cu_seqlens_q.tolist()
     for b, length in enumerate(seq_lens.tolist()):
         start, end = cu[b], cu[b + 1]

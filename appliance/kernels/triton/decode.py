@@ -11,12 +11,14 @@ and starting the longest first keeps the last ones from running alone at the end
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from appliance.kernels.reference.attention import attention_out
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import (
     INTERPRET,
@@ -120,7 +122,9 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_spl
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
+    """Cached: reading the device's properties costs ~15 us of host time per call, and every eager layer asks."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _SMS_FALLBACK
@@ -136,10 +140,10 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, sms: int) ->
 @register("decode_attention", "triton")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                     order: torch.Tensor | None = None) -> torch.Tensor:
+                     order: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`num_splits` overrides the heuristic (tests and tuning). A row with seq_len 0 (padding) gets zeros.
     `order` ([B] integers, a permutation of the rows) is the order the programs take the rows in; the result does
-    not depend on it."""
+    not depend on it. `out`: where to write (reference.attention.attention_out)."""
     bsz, h, d = q.shape
     _, page, hkv, dk = k_cache.shape
     if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
@@ -150,7 +154,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("decode_attention: the head_dim axis must be contiguous")
     if order is not None and (order.shape != (bsz,) or order.dtype.is_floating_point):
         raise ValueError(f"decode_attention: order must be [{bsz}] integers, got {tuple(order.shape)} {order.dtype}")
-    out = torch.empty_like(q)
+    out = attention_out("decode_attention", q, out)
     if bsz == 0:
         return out
     group = h // hkv

@@ -1,5 +1,7 @@
-"""Longest-first decode order: large decode batches carry the rows' order, longest context first, in their attention
-metadata; the Triton decode kernel takes its rows in that order and gives the same bits as in row order."""
+"""The attention ops' optional arguments. `order`: large decode batches carry the rows' order, longest context
+first, in their attention metadata; the Triton decode kernel takes its rows in that order and gives the same bits
+as in row order. `out`: the decode and prefill ops of every backend write into rows of a caller's tensor (a mixed
+step's output), giving the bits they return otherwise."""
 from __future__ import annotations
 
 import os
@@ -49,11 +51,29 @@ def test_step_inputs_carry_the_order_of_their_decode_rows(monkeypatch: pytest.Mo
 KERNEL_CHECK = """
 import torch
 from appliance.kernels.registry import get
-from appliance.kernels.triton.selfcheck import decode_inputs
+from appliance.kernels.triton.selfcheck import decode_inputs, prefill_inputs
 import appliance.kernels.triton  # registers the ops
 
 q, k, v, table, seq, scale = decode_inputs(5, 8, 2, 64, 16, [37, 1, 100, 0, 64], torch.float32, "cpu").args
 op = get("decode_attention", "triton")
+for backend in ("triton", "torch"):  # out= : rows 2..6 of a larger tensor, the rest untouched
+    dec = get("decode_attention", backend)
+    big = torch.full((9, 8, 64), 7.0)
+    got = dec(q, k, v, table, seq, scale, out=big[2:7])
+    assert got.data_ptr() == big[2:7].data_ptr() and torch.equal(got, dec(q, k, v, table, seq, scale)), backend
+    assert (big[:2] == 7).all() and (big[7:] == 7).all(), backend
+    pq, pk, pv, cu, plens, ptable, pscale = prefill_inputs([5, 1, 70], [0, 20, 33], 4, 2, 64, 16, torch.float32,
+                                                           "cpu").args
+    pre = get("prefill_attention", backend)
+    big = torch.full((pq.shape[0] + 3, 4, 64), 7.0)
+    got = pre(pq, pk, pv, cu, plens, ptable, pscale, out=big[3:])
+    assert torch.equal(got, pre(pq, pk, pv, cu, plens, ptable, pscale)) and (big[:3] == 7).all(), backend
+    try:
+        dec(q, k, v, table, seq, scale, out=big[:5, :2])
+    except ValueError as exc:
+        assert "does not fit q" in str(exc), exc
+    else:
+        raise AssertionError(f"{backend}: a misshapen out was accepted")
 for splits in (None, 3):
     plain = op(q, k, v, table, seq, scale, num_splits=splits)
     for order in (torch.argsort(seq, descending=True), torch.tensor([4, 3, 2, 1, 0])):
