@@ -206,10 +206,24 @@ def decode_cases(smoke: bool, only: str = "") -> dict[str, tuple[list[int], int,
     }
     # the shrinking batches of the Qwen3 throughput run: fewer sequences, as ragged
     cases.update({f"qwen b{b} ragged 100-2048 (w2048)": (ragged_lens(b, 100, 2048, b), 16, 8, 2048)
-                  for b in (16, 32, 64, 128)})
+                  for b in (16, 32, 64, 96, 128)})
     if only:
         cases = {k: v for k, v in cases.items() if any(f in k for f in only.split(","))}
     return cases
+
+
+def row_order(seq: torch.Tensor, name: str) -> torch.Tensor | None:
+    """The decode kernel's row order: rows (None), longest first, or zigzag (longest, shortest, second longest,
+    second shortest ...: long and short programs side by side throughout the launch)."""
+    if name == "rows":
+        return None
+    desc = torch.argsort(seq, descending=True)
+    if name == "longest":
+        return desc
+    n = desc.shape[0]
+    pick = torch.arange(n, device=seq.device)
+    pick = torch.where(pick % 2 == 0, pick // 2, n - 1 - pick // 2)
+    return desc[pick]
 
 
 def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> None:
@@ -226,13 +240,13 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
     pages = [int(x) for x in args.decode_pages.split(",")]
     if len(pages) > 1 or args.decode_order:  # the registered kernel as it is, over pages (cache.block_size)
         knobs = [(None, None, None, None)]
-    orders = (False, True) if args.decode_order or args.smoke else (False,)
+    orders = ("rows", "longest", "zigzag") if args.decode_order or args.smoke else ("rows",)
     saved = (decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES)
     for (name, (lens, h, hkv, width)), page in itertools.product(cases.items(), pages):
         q, caches, table, seq, kv_bytes = decode_case(lens, h, hkv, width, dev, dtype, page=page)
         ref = ref_decode(q, caches[0][0], caches[0][1], table, seq, 128**-0.5)
-        for (bn, w, st, splits), longest in itertools.product(knobs, orders):
-            order = torch.argsort(seq, descending=True) if longest else None
+        for (bn, w, st, splits), order_name in itertools.product(knobs, orders):
+            order = row_order(seq, order_name)
             if time.time() - T0 > args.budget_s:
                 emit(section="decode", skipped=f"{name}: budget")
                 break
@@ -249,7 +263,7 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
                 emit(section="decode", case=name, knobs=[bn, w, st, splits], error=f"{type(exc).__name__}: {exc}"[:200])
                 continue
             emit(section="decode", case=name, page=page, block_n=bn, warps=w, stages=st, splits=splits,
-                 longest_first=longest, us=us, GBps=kv_bytes / us / 1e3, err=err)
+                 order=order_name, us=us, GBps=kv_bytes / us / 1e3, err=err)
         del caches
     decode.BLOCK_N, decode.BLOCK_N_UNSPLIT, decode.NUM_WARPS, decode.NUM_STAGES = saved
 
@@ -323,7 +337,7 @@ def main() -> int:
     ap.add_argument("--decode-cases", default="", help="comma list of fragments of decode case names to run")
     ap.add_argument("--decode-splits-only", action="store_true", help="decode: only the split factor varies")
     ap.add_argument("--decode-order", action="store_true",
-                    help="decode: the registered kernel taking the rows in order and longest first")
+                    help="decode: the registered kernel taking the rows in order, longest first, and zigzag")
     ap.add_argument("--decode-pages", default="16",
                     help="decode: cache page sizes; several time the registered kernel as it is at each")
     args = ap.parse_args()

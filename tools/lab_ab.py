@@ -7,7 +7,7 @@ the Llama-3.1-8B batch-1 step / the Qwen3-0.6B throughput run say what each valu
     python3 tools/lab_ab.py --smoke          # a tiny Qwen3 on any device (the harness only)
 
 The knob defaults to programmatic dependent launch on / off (appliance.kernels.triton.common.PDL=True,False);
-others: appliance.layers.attention.LONGEST_FIRST_MIN_ROWS=128,100000 or
+others: appliance.layers.attention.LONGEST_FIRST_MIN_ROWS=96,100000 or
 appliance.kernels.triton.decode.PROGRAMS_PER_SM=2,4. Values are Python literals; the first is the baseline.
 Each switch rebuilds the runner's decode graphs (a graph keeps the launches it captured); the throughput runs
 capture every size before timing. Prints one JSON line per measure, then RESULT.
