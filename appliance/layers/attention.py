@@ -38,8 +38,8 @@ class AttentionMetadata:
 
 # Decode batches of at least this many rows take their sequences longest first (the decode kernel's `order`): on
 # large batches one program per SM runs at a time, and a long sequence started last runs alone at the end. Measured
-# on ragged Qwen3 batches (docs/kernels.md, "Decode attention: program order"): 2.4-4.1% faster from 96 rows up,
-# 2-4% slower at 32 and 64.
+# on ragged Qwen3 batches (docs/kernels.md, "Decode attention: longest sequence first"): 2.4-4.1% faster from 96
+# rows up, 2-4% slower at 32 and 64.
 LONGEST_FIRST_MIN_ROWS = 96
 
 
