@@ -83,7 +83,6 @@ def main() -> int:
     ap.add_argument("--step-times", action="store_true", help="run 0's slowest steps against the later runs")
     args = ap.parse_args()
 
-
     log = log_compiles()
     cfg = dict(PRESETS["qwen3-0.6b"], num_hidden_layers=args.layers)
     if args.smoke:

@@ -80,9 +80,9 @@ def _plan_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
     _DECODE_COMPILED.add(_decode_key(q, k_cache))
 
 
-def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """flashinfer's result, copied into the caller's `out` when there is one."""
-    return result if out is None else out.copy_(result)
+def _into(result: torch.Tensor, dest: torch.Tensor | None) -> torch.Tensor:
+    """flashinfer's result, copied into the caller's checked `out` when there is one."""
+    return result if dest is None else dest.copy_(result)
 
 
 @register("decode_attention", "flashinfer")
@@ -93,14 +93,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     receives a copy of the result (attention_out)."""
     plans.check_attention_inputs("decode_attention", q, k_cache)
     _check_decode_group(q, k_cache)
-    dest = attention_out("decode_attention", q, out)
+    dest = None if out is None else attention_out("decode_attention", q, out)  # checked before any work
     if q.shape[0] == 0:
-        return dest
+        return torch.empty_like(q) if dest is None else dest
     st = plans.state(q.device)
     shape = (tuple(q.shape[1:]), tuple(k_cache.shape[1:]), q.dtype, float(scale))
     st.decode_plan.get((block_tables, seq_lens), shape,
                        lambda: _plan_decode(q, k_cache, block_tables, seq_lens, scale))
-    return _into(st.decode.run(q.contiguous(), (k_cache, v_cache)), out)
+    return _into(st.decode.run(q.contiguous(), (k_cache, v_cache)), dest)
 
 
 def _compile_decode_once(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
@@ -149,7 +149,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """Causal with the mask aligned to the end of each sequence (flashinfer's convention for kv_len > q_len):
     query j of sequence b sits at position seq_lens[b] - q_len_b + j and sees the cached prefix."""
     plans.check_attention_inputs("prefill_attention", q, k_cache)
-    dest = attention_out("prefill_attention", q, out)
+    dest = None if out is None else attention_out("prefill_attention", q, out)  # checked before any work
     st = plans.state(q.device)
     shape = (tuple(q.shape[1:]), tuple(k_cache.shape[1:]), q.dtype, float(scale))
     rows = st.prefill_plan.get((cu_seqlens_q, seq_lens, block_tables), shape,
@@ -157,5 +157,5 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if rows != q.shape[0]:
         raise ValueError(f"flashinfer prefill_attention: q has {q.shape[0]} rows, cu_seqlens_q says {rows}")
     if rows == 0:
-        return dest
-    return _into(st.prefill.run(q.contiguous(), (k_cache, v_cache)), out)
+        return torch.empty_like(q) if dest is None else dest
+    return _into(st.prefill.run(q.contiguous(), (k_cache, v_cache)), dest)
