@@ -234,6 +234,14 @@ class BackendsSection(Section):
     cuda_graph_sizes: list[int] | None = param(
         None, "Exact batch sizes to capture. Unset: 1, 2, 4, 8 then multiples of 8 up to cuda_graph_max_bs.",
         flags=("--cudagraph-capture-sizes", "--cuda-graph-bs"))
+    piecewise_cuda_graph: bool = param(
+        True, "Run mixed / prefill steps' forward as CUDA graphs captured between its attention calls (attention "
+        "runs eagerly between the replays; token counts padded up to 16, 32, 48 ... 512, then buckets at most 1/8 "
+        "apart). Dense models on one GPU with chunked prefill and decode graphs on; elsewhere those steps run eagerly.",
+        flags="--enable-piecewise-cuda-graph")
+    piecewise_cuda_graph_max_tokens: int | None = param(
+        None, "Largest step, in tokens, run through the piecewise graphs (larger ones run eagerly). Unset: "
+        "scheduler.chunked_prefill_size.", flags="--piecewise-cuda-graph-max-tokens", ge=16)
     enable_allreduce_fusion: bool = param(False, "Fuse all-reduce with the following RMSNorm.")
     comm_fusion_max_num_tokens: int | None = param(None, "Most tokens a fused communication kernel handles.", ge=1)
     mla_chunk_multiplier: int | None = param(None, "Chunk multiplier of MLA prefill attention.", ge=1)

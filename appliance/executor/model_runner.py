@@ -42,6 +42,7 @@ from appliance.executor.model_loader import (
     resolve_dtype,
     resolve_model_dir,
 )
+from appliance.executor.piecewise import PiecewiseGraphs, piecewise_max_tokens
 from appliance.executor.request_table import DeviceBlockTable, LiveRequests
 from appliance.executor.runner_setup import (
     _check_supported,
@@ -52,6 +53,7 @@ from appliance.executor.runner_setup import (
 )
 from appliance.executor.sampler import Sampler
 from appliance.layers.linear import use_gemv_kernel
+from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ class ModelRunner:
         self._inflight: deque[StepHandle] = deque()  # launched, not finished (overlap mode), in launch order
         self.graphs = self._make_graphs()
         self.use_graphs = self.graphs is not None  # benchmarks flip it to compare with eager on one model
+        self.pieces = self._make_pieces()  # mixed / prefill steps' forward in graph pieces (piecewise.py)
         # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
@@ -132,11 +135,18 @@ class ModelRunner:
                 i = torch.zeros(2, dtype=torch.int64, device=self.device)
                 op(logits, f, i, torch.ones(2, device=self.device), torch.zeros(2, device=self.device), i, i)
             count = self.capture_graphs(graph_context)
+            buckets = self.pieces.capture_all() if self.pieces is not None else 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         took = time.perf_counter() - start
-        log.info("warm-up: kernels compiled and %d decode graphs captured in %.1f s", count, took)
+        log.info("warm-up: kernels compiled, %d decode graphs and %d piecewise token buckets captured in %.1f s",
+                 count, buckets, took)
         return took
+
+    def _make_pieces(self) -> PiecewiseGraphs | None:
+        limit = piecewise_max_tokens(self.config, self.model, self.graphs is not None, get_tp_size(),
+                                     self.max_model_len)
+        return None if limit is None else PiecewiseGraphs(self.model, self.device, self.dtype, limit)
 
     def _make_graphs(self) -> DecodeGraphs | None:
         sizes = graph_settings(self.config, self.model, self.device, self.backend)
@@ -304,7 +314,12 @@ class ModelRunner:
         inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager, self._pad_prefills,
                               self.block_table)
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
-        return inputs.chunks, inputs.row_starts, self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = None
+        if self.pieces is not None and self.use_graphs:
+            hidden = self.pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return inputs.chunks, inputs.row_starts, hidden
 
     def capture_graphs(self, max_context: int) -> int:
         """Capture every decode graph a run up to max_context tokens can use (else they are captured on first

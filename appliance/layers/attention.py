@@ -51,6 +51,19 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor | None:
     return torch.argsort(seq_lens, descending=True)
 
 
+# Set by executor/piecewise.py while it captures a forward in pieces: attend() hands q over and returns what the
+# hook gives (the static buffer the eager attention writes at replay), ending the piece there.
+_piece_break: Callable[[Attention, torch.Tensor], torch.Tensor] | None = None
+
+
+def set_piece_break(hook: Callable[[Attention, torch.Tensor], torch.Tensor] | None
+                    ) -> Callable[[Attention, torch.Tensor], torch.Tensor] | None:
+    """Install (or clear, with None) the piece-break hook; returns the one installed before."""
+    global _piece_break
+    previous, _piece_break = _piece_break, hook
+    return previous
+
+
 def fused_rope_store(backend: str) -> Callable[..., Any] | None:
     """The attention backend's `rope_store_kv` (norm + rotary + KV store in one op), or None when that backend
     has none: the caller then runs norm, rope and `store_kv` separately. Never another backend's version: the op
@@ -87,20 +100,24 @@ class Attention(nn.Module):
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, meta)
 
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of q ([T, H * D] or [T, H, D]) over the cache, which already holds this step's K/V."""
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q ([T, H * D] or [T, H, D]) over the cache, which already holds this step's K/V; written
+        into `out` ([T, H * D]) when given."""
+        if _piece_break is not None:
+            return _piece_break(self, q)
         k_cache, v_cache = self.kv_cache()
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
+        out = None if out is None else out.view(t, self.num_heads, self.head_dim)
         nd = meta.num_decode_tokens
         # one kind of row (every decode step, most prefill steps): the kernel's output is the answer, no copy
         if nd == t:
             return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                self.scale, order=meta.decode_order).view(t, self.num_heads * self.head_dim)
+                                self.scale, order=meta.decode_order, out=out).view(t, self.num_heads * self.head_dim)
         if nd == 0:
             return self._prefill(q, k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
-                                 meta.prefill_block_tables, self.scale).view(t, self.num_heads * self.head_dim)
-        out = torch.empty_like(q)  # both kernels write their rows of it
+                                 meta.prefill_block_tables, self.scale, out=out).view(t, self.num_heads * self.head_dim)
+        out = torch.empty_like(q) if out is None else out  # both kernels write their rows of it
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
                          order=meta.decode_order, out=out[:nd])

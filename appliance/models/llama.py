@@ -138,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False  # class-level switches; subclasses for the other families flip them
     qk_norm = False
     supports_cuda_graphs = True  # the forward never syncs with the host (executor/cuda_graph.py)
+    piecewise_graphs = True  # dense: everything but attention may be captured for eager steps (executor/piecewise.py)
 
     def __init__(self, hf_config: Any, backend: str = "torch") -> None:
         super().__init__()

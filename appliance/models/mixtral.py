@@ -55,6 +55,7 @@ class MoECausalLM(LlamaForCausalLM):
 
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint name fragment -> ours
     is_moe = True  # the model runner passes moe_backend (backends.moe) to these
+    piecewise_graphs = False  # expert routing in eager steps is not checked for capture (executor/piecewise.py)
     supports_fp8 = False  # block-fp8 checkpoints: DeepSeek only so far (its layers are built through fp8.py)
 
     def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:

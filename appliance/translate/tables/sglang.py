@@ -175,6 +175,9 @@ FLAGS = (
     same("--cuda-graph-max-bs", "backends.cuda_graph_max_bs", O),
     same("--cuda-graph-bs", "backends.cuda_graph_sizes", O, arity="list"),
     same("--disable-cuda-graph", "backends.enforce_eager", O, arity="flag"),
+    similar("--enable-piecewise-cuda-graph", "backends.piecewise_cuda_graph", "on by default in the appliance "
+            "(off in SGLang); graphs end at each attention call, no torch.compile", O, arity="flag"),
+    same("--piecewise-cuda-graph-max-tokens", "backends.piecewise_cuda_graph_max_tokens", O),
     similar("--disable-radix-cache", "cache.enable_prefix_caching",
             "SGLang's radix tree and the appliance's hashed block chains both reuse shared prefixes", O,
             arity="flag", const=False),
@@ -201,7 +204,7 @@ FLAGS = (
               "--disable-tokenizer-batch-encode", "--disable-outlines-disk-cache",
               "--enable-mscclpp", "--enable-torch-symm-mem", "--enable-mixed-chunk", "--enable-dp-lm-head",
               "--enable-two-batch-overlap", "--enable-single-batch-overlap", "--enable-torch-compile",
-              "--enable-torch-compile-debug-mode", "--enable-piecewise-cuda-graph", "--enable-nan-detection",
+              "--enable-torch-compile-debug-mode", "--enable-nan-detection",
               "--enable-p2p-check", "--triton-attention-reduce-in-fp32", "--delete-ckpt-after-loading",
               "--enable-memory-saver", "--enable-weights-cpu-backup", "--enable-draft-weights-cpu-backup",
               "--allow-auto-truncate", "--flashinfer-mla-disable-ragged", "--disable-shared-experts-fusion",
@@ -216,7 +219,7 @@ FLAGS = (
     no("--enable-dp-attention", "attention data parallelism inside a TP group is not available; parallelism.dp "
        "replicates the whole model", O, arity="flag"),
     *nones(O, "not available", "--tbo-token-distribution-threshold", "--piecewise-cuda-graph-tokens",
-           "--piecewise-cuda-graph-compiler", "--torch-compile-max-bs", "--piecewise-cuda-graph-max-tokens",
+           "--piecewise-cuda-graph-compiler", "--torch-compile-max-bs",
            "--torchao-config", "--triton-attention-num-kv-splits", "--triton-attention-split-tile-size",
            "--num-continuous-decode-steps", "--scheduler-recv-interval", "--rl-on-policy-target",
            "--dynamic-batch-tokenizer-batch-size", "--dynamic-batch-tokenizer-batch-timeout",

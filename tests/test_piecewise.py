@@ -1,0 +1,117 @@
+"""Piecewise CUDA graphs for eager steps (executor/piecewise.py): token buckets, the attention piece break, and on
+the GPU the same greedy tokens with the pieces as without (mixed and prefill steps of several sizes)."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from appliance import LLM, SamplingParams
+from appliance.executor.piecewise import (
+    SMALL_BUCKETS,
+    all_buckets,
+    bucket_for,
+    buckets,
+    model_supports_pieces,
+    piecewise_max_tokens,
+)
+from appliance.layers import attention as attention_layer
+from appliance.layers.attention import Attention, AttentionMetadata
+
+
+def test_buckets_round_up_and_stop_at_the_budget() -> None:
+    assert [bucket_for(t, 8192) for t in (1, 16, 17, 300, 512, 513, 1025, 8000, 8192)] == [
+        16, 16, 32, 320, 512, 576, 1152, 8192, 8192]
+    assert bucket_for(8193, 8192) is None and bucket_for(0, 8192) is None
+    assert bucket_for(990, 1000) == 1000 and bucket_for(20, 24) == 24
+    assert all_buckets(1000)[:3] == [1000, 960, 896]  # largest first: captured in that order
+    ladder = buckets(8192)
+    assert list(ladder) == sorted(set(ladder)) and ladder[-1] == 8192 and len(ladder) <= 48
+    assert all(b % 16 == 0 for b in ladder)  # the kernels' divisibility specialisations recur
+    # above the small buckets a step pays at most 1/8 padding (compute-bound prefill steps)
+    assert max(bucket_for(t, 8192) / t for t in range(SMALL_BUCKETS[-1] + 1, 8193)) <= 1.125
+
+
+def test_attend_hands_q_to_the_piece_break_while_one_is_set() -> None:
+    layer = Attention(2, 4, 1, 0.5)
+    seen: list[torch.Tensor] = []
+    marker = torch.full((3, 8), 7.0)
+
+    def hook(att: Attention, q: torch.Tensor) -> torch.Tensor:
+        seen.append(q)
+        assert att is layer
+        return marker
+
+    q = torch.randn(3, 8)
+    meta = AttentionMetadata(torch.zeros(3, dtype=torch.int64), 0, torch.zeros(0, 1, dtype=torch.int32),
+                             torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                             torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, dtype=torch.int32))
+    assert attention_layer.set_piece_break(hook) is None
+    try:
+        assert layer.attend(q, meta) is marker and seen == [q]
+    finally:
+        assert attention_layer.set_piece_break(None) is hook
+    with pytest.raises(RuntimeError, match="no KV cache"):  # the hook is gone: the real path runs again
+        layer.attend(q, meta)
+
+
+def test_only_dense_graph_capable_models_take_pieces() -> None:
+    from appliance.models.llama import Qwen3ForCausalLM
+    from appliance.models.mixtral import MixtralForCausalLM
+
+    assert Qwen3ForCausalLM.piecewise_graphs and not MixtralForCausalLM.piecewise_graphs
+    assert not model_supports_pieces(torch.nn.Linear(2, 2))
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_pieces_match_eager_on_gpu(make_tiny_model, arch: str) -> None:
+    llm = LLM(model=str(make_tiny_model(arch)), dtype="bfloat16", block_size=16, max_total_tokens=16384,
+              skip_tokenizer_init=True, cuda_graph_max_bs=8, chunked_prefill_size=128)
+    runner = llm.executor.runner
+    assert runner.pieces is not None
+    # prompts longer than the chunk (the tiny models hold 512 positions, 384 tokens): mixed steps (decode rows + a prefill
+    # chunk) of several token counts
+    prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21, [3] * 300, [i % 383 + 1 for i in range(498)]]
+    with_pieces = _greedy(llm, prompts, 12)
+    assert runner.pieces.pieces  # some bucket was captured and replayed
+    pieces, runner.pieces = runner.pieces, None
+    assert _greedy(llm, prompts, 12) == with_pieces
+    runner.pieces = pieces
+
+
+def _settings(on: bool = True, max_tokens: int | None = None, chunk: int = 8192, *, graphs: bool = True,
+              tp: int = 1, max_len: int = 40960, model: object | None = None) -> int | None:
+    cfg = SimpleNamespace(backends=SimpleNamespace(piecewise_cuda_graph=on, piecewise_cuda_graph_max_tokens=max_tokens),
+                          scheduler=SimpleNamespace(chunked_prefill_size=chunk))
+    dense = SimpleNamespace(supports_cuda_graphs=True, piecewise_graphs=True)
+    return piecewise_max_tokens(cfg, dense if model is None else model, graphs, tp, max_len)
+
+
+def test_settings_cap_the_largest_step_by_the_profiled_budget(caplog: pytest.LogCaptureFixture) -> None:
+    assert _settings() == 8192 and _settings(max_len=2048) == 2048
+    assert _settings(max_tokens=4096) == 4096 and _settings(max_tokens=16384) == 8192
+    with caplog.at_level(logging.INFO, logger="appliance.executor.piecewise"):
+        assert _settings(on=False) is None and _settings(graphs=False) is None
+        assert not caplog.records  # switched off, or no graphs at all: nothing to explain
+        assert _settings(tp=2) is None and _settings(chunk=-1) is None
+        assert _settings(model=SimpleNamespace(supports_cuda_graphs=True)) is None
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "tensor parallelism" in said and "chunked prefill is off" in said and "does not declare" in said
+
+
+def test_max_tokens_key_is_validated() -> None:
+    from appliance.config import ApplianceConfig, ConfigError
+
+    assert ApplianceConfig.model_validate({"backends": {"piecewise_cuda_graph_max_tokens": 512}}).backends \
+        .piecewise_cuda_graph
+    with pytest.raises((ValueError, ConfigError), match="piecewise_cuda_graph_max_tokens"):
+        ApplianceConfig.model_validate({"backends": {"piecewise_cuda_graph_max_tokens": 8}})
