@@ -6,6 +6,7 @@ import gc
 import weakref
 
 import pytest
+from test_spec_mtp import tiny_v3  # noqa: F401  (fixture)
 
 from appliance.runtime.gc_heap import freeze_startup_heap, frozen_heap
 
@@ -74,3 +75,25 @@ def test_generate_runs_with_the_heap_frozen(thawed, tiny_model) -> None:
     assert len(out[0].outputs[0].token_ids) == 3
     assert seen and min(seen) > 1000
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "mtp"])
+def test_a_dropped_engine_is_freed_by_refcounts_alone(thawed, request: pytest.FixtureRequest, spec: bool) -> None:
+    """On the GPU box something freezes the heap before the engine exists, so frozen_heap's freeze stays and a
+    reference cycle through the engine would keep its KV cache alive for good (session 10: the speculative
+    runner <-> speculator cycle held three 24 GB engines in one test process)."""
+    from appliance import LLM, SamplingParams
+
+    path = request.getfixturevalue("tiny_v3" if spec else "tiny_model")
+    extra = {"speculative_algorithm": "MTP", "speculative_num_steps": 1} if spec else {}
+    gc.freeze()  # like the box: frozen before the engine was built
+    gc.disable()  # only reference counts may free it
+    try:
+        llm = LLM(model=str(path), dtype="float32", block_size=16, max_total_tokens=1024, skip_tokenizer_init=True,
+                  **extra)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3))
+        runner = weakref.ref(llm.executor.runner)
+        del llm
+        assert runner() is None
+    finally:
+        gc.enable()

@@ -23,6 +23,8 @@ Drafts are greedy (argmax of the MTP head). No CUDA graphs: every step here runs
 """
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -137,7 +139,9 @@ class MtpSpeculator:
     """Runs StepPlans for a ModelRunner whose model has MTP layers (ModelRunner.execute hands them here)."""
 
     def __init__(self, runner: Any) -> None:
-        self.runner = runner
+        # a proxy, not a reference: runner.spec -> self -> runner would be a cycle, which only the collector frees,
+        # and under a process-wide gc.freeze (runtime/gc_heap.py) never: the engine's GPU memory would leak
+        self.runner = weakref.proxy(runner)
         self.model = runner.model
         self.num_steps = int(runner.config.speculative.num_steps)
         self.drafts: dict[str, list[int]] = {}
