@@ -78,11 +78,21 @@ def test_pieces_match_eager_on_gpu(make_tiny_model, arch: str) -> None:
               skip_tokenizer_init=True, cuda_graph_max_bs=8, chunked_prefill_size=128)
     runner = llm.executor.runner
     assert runner.pieces is not None
-    # prompts longer than the chunk (the tiny models hold 512 positions, 384 tokens): mixed steps (decode rows + a prefill
-    # chunk) of several token counts
+    assert sorted(runner.pieces.pieces) == list(buckets(128))  # 16, 32 ... 128 tokens: captured at warm-up
+    replayed: list[int] = []
+    real_run = runner.pieces.run
+
+    def counting_run(*args: object) -> torch.Tensor | None:
+        hidden = real_run(*args)
+        replayed.append(0 if hidden is None else hidden.shape[0])
+        return hidden
+
+    runner.pieces.run = counting_run
+    # prompts longer than the chunk (the tiny models hold 512 positions, 384 tokens): mixed steps (decode rows + a
+    # prefill chunk) of several token counts
     prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21, [3] * 300, [i % 383 + 1 for i in range(498)]]
     with_pieces = _greedy(llm, prompts, 12)
-    assert runner.pieces.pieces  # some bucket was captured and replayed
+    assert replayed and all(replayed) and len(set(replayed)) >= 2  # every eager step ran in pieces (128, 21 tokens)
     pieces, runner.pieces = runner.pieces, None
     assert _greedy(llm, prompts, 12) == with_pieces
     runner.pieces = pieces

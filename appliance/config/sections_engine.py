@@ -240,8 +240,8 @@ class BackendsSection(Section):
         "apart). Dense models on one GPU with chunked prefill and decode graphs on; elsewhere those steps run eagerly.",
         flags="--enable-piecewise-cuda-graph")
     piecewise_cuda_graph_max_tokens: int | None = param(
-        None, "Largest step, in tokens, run through the piecewise graphs (larger ones run eagerly). Unset: "
-        "scheduler.chunked_prefill_size.", flags="--piecewise-cuda-graph-max-tokens", ge=16)
+        None, "Largest step, in tokens, run through the piecewise graphs (larger ones run eagerly); at most "
+        "scheduler.chunked_prefill_size, which is the default.", flags="--piecewise-cuda-graph-max-tokens", ge=16)
     enable_allreduce_fusion: bool = param(False, "Fuse all-reduce with the following RMSNorm.")
     comm_fusion_max_num_tokens: int | None = param(None, "Most tokens a fused communication kernel handles.", ge=1)
     mla_chunk_multiplier: int | None = param(None, "Chunk multiplier of MLA prefill attention.", ge=1)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 SMALL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 # Above 512 tokens each bucket is at most 1/8 larger than the one before (multiples of 64): a compute-bound step
-# (Llama-8B prefill) pays at most 12.5% padding, and ~26 buckets reach 8,192 tokens. Buckets of 512 cost the 8B's
+# (Llama-8B prefill) pays at most 12.5% padding, and 27 more buckets reach 8,192 tokens. Buckets of 512 cost the 8B's
 # mixed serving steps up to 50% (a 1,030-token step ran as 1,536).
 GROWTH, ALIGN = 1.125, 64
 ENABLED = True  # a lab switch (tools/lab_ab.py --knob appliance.executor.piecewise.ENABLED=True,False)

@@ -24,7 +24,6 @@ Drafts are greedy (argmax of the MTP head). No CUDA graphs: every step here runs
 from __future__ import annotations
 
 import weakref
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
