@@ -9,8 +9,8 @@ the Llama-3.1-8B batch-1 step / the Qwen3-0.6B throughput run say what each valu
 The knob defaults to programmatic dependent launch on / off (appliance.kernels.triton.common.PDL=True,False);
 others: appliance.layers.attention.LONGEST_FIRST_MIN_ROWS=96,100000 or
 appliance.kernels.triton.decode.PROGRAMS_PER_SM=2,4. Values are Python literals; the first is the baseline.
-Each switch rebuilds the runner's decode graphs (a graph keeps the launches it captured); the throughput runs
-capture every size before timing. Prints one JSON line per measure, then RESULT.
+Each switch rebuilds the runner's decode and piecewise graphs (a graph keeps the launches it captured); the
+throughput runs capture every size and bucket before timing. Prints one JSON line per measure, then RESULT.
 """
 from __future__ import annotations
 
@@ -52,17 +52,22 @@ class Knob:
 
 
 def switch(runner: Any, knob: Knob, value: Any, capture_all: bool = False) -> float:
-    """Set the knob, rebuild the decode graphs; returns the seconds it took."""
+    """Set the knob, rebuild the decode graphs and the piecewise ones (their buckets are captured on first use,
+    or all now with capture_all); returns the seconds it took."""
     import torch
 
     t = time.perf_counter()
     setattr(knob.module, knob.name, value)
-    runner.graphs = None
+    runner.graphs = runner.pieces = None
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     runner.graphs = runner._make_graphs()
+    runner.pieces = runner._make_pieces()
     if capture_all:
         runner.capture_graphs(2048)
+        if runner.pieces is not None:
+            with torch.inference_mode():
+                runner.pieces.capture_all()
     return time.perf_counter() - t
 
 
