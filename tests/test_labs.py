@@ -1,6 +1,6 @@
 """The lab tools of this session's measurements on the CPU (--smoke: tiny shapes; the GPU gives the figures):
-lab_ab's token comparison and A/B runs, lab_eager's per-run eager-step timings and its --forward table,
-lab_blas' GEMM table."""
+lab_ab's token comparison and A/B runs, lab_eager's per-run eager-step timings, its --forward table and its
+first-run excess, lab_blas' GEMM table."""
 from __future__ import annotations
 
 import json
@@ -44,6 +44,14 @@ def test_lab_eager_times_eager_steps_and_profiles_them() -> None:
     runs = [json.loads(x) for x in lines if x.startswith('{"run"')]
     assert [r["run"] for r in runs] == [0, 1] and all(r["eager_steps"] >= 1 for r in runs)
     assert any("function calls" in x for x in lines)  # the cProfile table of the last run
+
+
+def test_lab_eager_first_run_excess() -> None:
+    lines = run_tool("lab_eager.py", "--smoke", "--first-run", "--top", "4")
+    rows = [json.loads(x) for x in lines if x.startswith('{"extra_ms"')]
+    assert len(rows) == 4 and all(":" in r["function"] for r in rows)
+    assert [r["extra_ms"] for r in rows] == sorted((r["extra_ms"] for r in rows), reverse=True)
+    assert not any("function calls" in x for x in lines)  # the per-function diff replaces the last run's table
 
 
 def test_lab_eager_forward_table() -> None:

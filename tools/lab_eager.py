@@ -4,6 +4,7 @@ every eager forward timed on the host and on the device, and profiled with cProf
 
     python3 tools/lab_eager.py [--runs 2] [--top 30] [--smoke]
     python3 tools/lab_eager.py --forward [--smoke]     # one eager forward, timed alone, PDL on and off
+    python3 tools/lab_eager.py --first-run [--runs 2]  # what the first run of a process pays that later ones don't
 
 Prints per run the eager steps' count, host ms and device ms (mean, and the first three), then the functions
 with the most own time inside eager forwards of the last run. --forward times the model's eager forward of a
@@ -133,6 +134,9 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--forward", action="store_true")
+    ap.add_argument("--first-run", action="store_true",
+                    help="cProfile every whole run; print the functions whose own time in run 0 exceeds the last "
+                         "run's the most (what a process pays once)")
     args = ap.parse_args()
     import torch
 
@@ -149,10 +153,17 @@ def main() -> int:
     record: list[dict[str, Any]] = []
     prof, profiling = cProfile.Profile(), [False]
     instrument(llm.executor.runner, record, prof, profiling)
+    whole: list[dict[Any, Any]] = []
     for run in range(args.runs):
         record.clear()
-        profiling[0] = run == args.runs - 1
+        profiling[0] = run == args.runs - 1 and not args.first_run
+        run_prof = cProfile.Profile() if args.first_run else None
+        if run_prof is not None:
+            run_prof.enable()
         _, elapsed, tokens = gen(llm, prompts, params)
+        if run_prof is not None:
+            run_prof.disable()
+            whole.append(pstats.Stats(run_prof).stats)  # type: ignore[attr-defined]
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         for r in record:
@@ -164,10 +175,24 @@ def main() -> int:
                           "host_ms_mean": round(sum(r["host_ms"] for r in record) / n, 2),
                           "device_ms_mean": round(sum(r["device_ms"] for r in record) / n, 2),
                           "first": [{k: round(v, 2) for k, v in r.items()} for r in record[:3]]}), flush=True)
+    if args.first_run and len(whole) > 1:
+        print_first_run_excess(whole[0], whole[-1], args.top)
+        return 0
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
     print(out.getvalue()[-12000:], flush=True)
     return 0
+
+
+def print_first_run_excess(first: dict[Any, Any], last: dict[Any, Any], top: int) -> None:
+    """One JSON line per function, most own time gained in the first run first (pstats rows: cc, nc, tt, ct)."""
+    excess = []
+    for key, (_, calls, own, _, _) in first.items():
+        base = last.get(key, (0, 0, 0.0, 0.0, None))
+        excess.append((own - base[2], calls - base[1], key))
+    for extra_s, extra_calls, (path, line, name) in sorted(excess, reverse=True)[:top]:
+        print(json.dumps({"extra_ms": round(extra_s * 1e3, 2), "extra_calls": extra_calls,
+                          "function": f"{Path(path).name}:{line}:{name}"}), flush=True)
 
 
 if __name__ == "__main__":
