@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from appliance import LLM, SamplingParams
 from appliance.executor.piecewise import (
     SMALL_BUCKETS,
+    PiecewiseGraphs,
     all_buckets,
     bucket_for,
     buckets,
@@ -70,6 +72,48 @@ def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
 
 
+_PROMPTS = [[5, 6, 7], list(range(10, 80)), [9] * 21, [3] * 300, [i % 383 + 1 for i in range(498)]]
+
+
+def _counting(pieces: PiecewiseGraphs, seen: list[int]) -> None:
+    real_run = pieces.run
+
+    def counting_run(*args: Any) -> torch.Tensor | None:
+        hidden = real_run(*args)
+        seen.append(0 if hidden is None else hidden.shape[0])
+        return hidden
+
+    pieces.run = counting_run  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_emulated_pieces_match_eager_on_cpu(make_tiny_model, arch: str) -> None:
+    """Without graphs (CPU) PiecewiseGraphs.run keeps everything but the capture: padded static inputs (pad rows
+    with slot -1), q handed over through the shared buffer, eager attention over the real rows into the static
+    output. Same greedy tokens and logprobs as the plain eager forward, mixed steps included."""
+    llm = LLM(model=str(make_tiny_model(arch)), dtype="float32", block_size=16, max_total_tokens=4096,
+              skip_tokenizer_init=True, chunked_prefill_size=128, enable_prefix_caching=False)
+    runner = llm.executor.runner
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    requests = [{"prompt_token_ids": p} for p in _PROMPTS]
+    plain = llm.generate(requests, sp)
+    runner.pieces, runner.use_graphs = PiecewiseGraphs(runner.model, runner.device, runner.dtype, 128), True
+    seen: list[int] = []
+    _counting(runner.pieces, seen)
+    try:
+        pieces = llm.generate(requests, sp)
+    finally:
+        runner.pieces, runner.use_graphs = None, False
+    assert seen and 0 not in seen and len(set(seen)) >= 2  # every step ran in pieces, padded to several buckets
+    assert any(bucket_for(t, 128) != t for t in seen)  # and some were padded
+    for a, b in zip(plain, pieces):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        got = [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+        want = [lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
+        assert got == pytest.approx(want, abs=1e-4)
+    assert llm.engine.check_accounting().ok
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -80,17 +124,10 @@ def test_pieces_match_eager_on_gpu(make_tiny_model, arch: str) -> None:
     assert runner.pieces is not None
     assert sorted(runner.pieces.pieces) == list(buckets(128))  # 16, 32 ... 128 tokens: captured at warm-up
     replayed: list[int] = []
-    real_run = runner.pieces.run
-
-    def counting_run(*args: object) -> torch.Tensor | None:
-        hidden = real_run(*args)
-        replayed.append(0 if hidden is None else hidden.shape[0])
-        return hidden
-
-    runner.pieces.run = counting_run
+    _counting(runner.pieces, replayed)
     # prompts longer than the chunk (the tiny models hold 512 positions, 384 tokens): mixed steps (decode rows + a
     # prefill chunk) of several token counts
-    prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21, [3] * 300, [i % 383 + 1 for i in range(498)]]
+    prompts = _PROMPTS
     with_pieces = _greedy(llm, prompts, 12)
     assert replayed and all(replayed) and len(set(replayed)) >= 2  # every eager step ran in pieces (128, 21 tokens)
     pieces, runner.pieces = runner.pieces, None

@@ -13,7 +13,8 @@ slot -1 (no KV store); attention never reads them (it runs on the step's own met
 values in the static attention output are stale but finite, and no real row reads a padded one.
 
 Settings: backends.piecewise_cuda_graph (on by default) and backends.piecewise_cuda_graph_max_tokens; every bucket
-is captured at warm-up, largest first, into one pool (the smaller ones reuse its blocks).
+is captured at warm-up, largest first, into one pool (the smaller ones reuse its blocks). On a CPU (tests) run()
+keeps everything but the graphs (`_emulate`), so the padding and the hand-over are checked against eager there.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from appliance.layers import attention as attention_layer
-from appliance.layers.attention import Attention, AttentionMetadata
+from appliance.layers.attention import Attention, AttentionMetadata, PieceBreak
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +102,15 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def attention_breaks(rec: _Recorder) -> Iterator[_Recorder]:
-    """While inside, every Attention.attend call ends the current piece (layers/attention.py)."""
-    previous = attention_layer.set_piece_break(rec.attention)
+def attention_breaks(hook: PieceBreak) -> Iterator[None]:
+    """While inside, every Attention.attend call goes to `hook`, which ends the current piece
+    (layers/attention.py)."""
+    previous = attention_layer.set_piece_break(hook)
     if previous is not None:
         attention_layer.set_piece_break(previous)
         raise RuntimeError("piecewise capture: a capture is already in progress")
     try:
-        yield rec
+        yield
     finally:
         attention_layer.set_piece_break(None)
 
@@ -121,8 +123,9 @@ class PiecewiseGraphs:
         self.ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream(device)
+        self.cuda = device.type == "cuda"  # elsewhere (tests) run() emulates the pieces without graphs
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pieces: dict[int, Pieces] = {}
         self.failed = False
         self._q: torch.Tensor | None = None  # shared by every layer and bucket: [max_tokens, H * D]
@@ -157,7 +160,7 @@ class PiecewiseGraphs:
             return self.pieces[t]
         self.slots[:t].fill_(-1)
         meta = self._meta(t)
-        with attention_breaks(_Recorder(self, t, capture=False)):
+        with attention_breaks(_Recorder(self, t, capture=False).attention):
             warm = self.model(self.ids[:t], self.positions[:t], meta)
         if self._hidden is None:
             self._hidden = torch.empty(self.max_tokens, warm.shape[1], dtype=warm.dtype, device=self.device)
@@ -165,7 +168,7 @@ class PiecewiseGraphs:
         torch.cuda.synchronize(self.device)
         rec = _Recorder(self, t, capture=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream), attention_breaks(rec):
+        with torch.cuda.stream(self.stream), attention_breaks(rec.attention):
             rec.begin()
             try:
                 self._hidden[:t].copy_(self.model(self.ids[:t], self.positions[:t], meta))
@@ -188,6 +191,8 @@ class PiecewiseGraphs:
         b = bucket_for(t, self.max_tokens)
         if b is None or self.failed or not ENABLED:
             return None
+        if not self.cuda:
+            return self._emulate(input_ids, positions, meta, b)
         try:
             pieces = self.pieces.get(b) or self.capture(b)
         except Exception:  # warm-up captured every bucket: a late capture failing costs speed, not the step
@@ -204,6 +209,28 @@ class PiecewiseGraphs:
         pieces.graphs[-1].replay()
         assert self._hidden is not None
         return self._hidden[:t]
+
+    def _emulate(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 b: int) -> torch.Tensor:
+        """run() without graphs (CPU tests): the same padded static inputs, the same q and output buffers and the
+        same eager attention over the real rows at each break, in one forward."""
+        t = int(input_ids.shape[0])
+        self.ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slots[:t].copy_(meta.slot_mapping)
+        self.slots[t:b].fill_(-1)
+
+        def attention(layer: Attention, q: torch.Tensor) -> torch.Tensor:
+            self.q_buffer(layer, b).copy_(q.reshape(b, -1))
+            attention_layer.set_piece_break(None)  # the eager call below must not come back here
+            try:
+                layer.attend(self.q_buffer(layer, t), meta, out=self.out_buffer(layer, t))
+            finally:
+                attention_layer.set_piece_break(attention)
+            return self.out_buffer(layer, b)
+
+        with attention_breaks(attention):
+            return self.model(self.ids[:b], self.positions[:b], self._meta(b))[:t]
 
 
 def piecewise_max_tokens(config: Any, model: torch.nn.Module, decode_graphs: bool, tp_size: int,

@@ -53,11 +53,11 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor | None:
 
 # Set by executor/piecewise.py while it captures a forward in pieces: attend() hands q over and returns what the
 # hook gives (the static buffer the eager attention writes at replay), ending the piece there.
-_piece_break: Callable[[Attention, torch.Tensor], torch.Tensor] | None = None
+PieceBreak = Callable[["Attention", torch.Tensor], torch.Tensor]
+_piece_break: PieceBreak | None = None
 
 
-def set_piece_break(hook: Callable[[Attention, torch.Tensor], torch.Tensor] | None
-                    ) -> Callable[[Attention, torch.Tensor], torch.Tensor] | None:
+def set_piece_break(hook: PieceBreak | None) -> PieceBreak | None:
     """Install (or clear, with None) the piece-break hook; returns the one installed before."""
     global _piece_break
     previous, _piece_break = _piece_break, hook
