@@ -199,10 +199,7 @@ class PiecewiseGraphs:
             log.exception("piecewise capture of %d tokens failed: eager steps run without pieces from now on", b)
             self.failed = True
             return None
-        self.ids[:t].copy_(input_ids)
-        self.positions[:t].copy_(positions)
-        self.slots[:t].copy_(meta.slot_mapping)
-        self.slots[t:b].fill_(-1)
+        self._stage(input_ids, positions, meta, b)
         for graph, layer in zip(pieces.graphs, pieces.layers):
             graph.replay()
             layer.attend(self._q[:t], meta, out=self._out[:t])  # type: ignore[index]
@@ -210,15 +207,20 @@ class PiecewiseGraphs:
         assert self._hidden is not None
         return self._hidden[:t]
 
-    def _emulate(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 b: int) -> torch.Tensor:
-        """run() without graphs (CPU tests): the same padded static inputs, the same q and output buffers and the
-        same eager attention over the real rows at each break, in one forward."""
+    def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, b: int) -> int:
+        """The step's inputs into the static buffers, its pad rows [t, b) storing nothing; returns t."""
         t = int(input_ids.shape[0])
         self.ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         self.slots[:t].copy_(meta.slot_mapping)
         self.slots[t:b].fill_(-1)
+        return t
+
+    def _emulate(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 b: int) -> torch.Tensor:
+        """run() without graphs (CPU tests): the same padded static inputs, the same q and output buffers and the
+        same eager attention over the real rows at each break, in one forward."""
+        t = self._stage(input_ids, positions, meta, b)
 
         def attention(layer: Attention, q: torch.Tensor) -> torch.Tensor:
             self.q_buffer(layer, b).copy_(q.reshape(b, -1))
