@@ -154,17 +154,18 @@ def test_dp_router_sums_the_spec_counts_over_replicas() -> None:
     assert out["num_running"] == 1 and out["replicas"] == parts
 
 
-# ---- the GPU memory profile sizes its logits for a verification's rows (ModelRunner._profile) --------------------
+# ---- the GPU memory profile sizes its logits for a verification's rows (memory_profile.peak_bytes) ------------
 
 @pytest.mark.parametrize("spec", [False, True])
 def test_memory_profile_computes_logits_for_every_row_a_spec_step_samples(
         tiny_v3: Path, monkeypatch: pytest.MonkeyPatch, spec: bool) -> None:
-    """_profile runs on CUDA only; here its torch.cuda calls are stubbed so the CPU runs it, and the logits rows
+    """peak_bytes runs on CUDA only; here its torch.cuda calls are stubbed so the CPU runs it, and the logits rows
     it profiles are recorded: max_num_seqs * (1 + num_steps) with MTP (each request verifies num_steps drafts and
     samples up to num_steps + 1 tokens), max_num_seqs without."""
     import torch
 
     from appliance import LLM
+    from appliance.executor import memory_profile
 
     spec_args: dict[str, Any] = {"speculative_algorithm": "MTP", "speculative_num_steps": K} if spec else {}
     llm = LLM(model=str(tiny_v3), dtype="float32", block_size=4, skip_tokenizer_init=True, max_num_seqs=3,
@@ -181,7 +182,7 @@ def test_memory_profile_computes_logits_for_every_row_a_spec_step_samples(
         return real(hidden)
 
     monkeypatch.setattr(runner.model, "compute_logits", compute_logits)
-    runner._profile()
+    memory_profile.peak_bytes(runner.model, runner.config, runner.kv_spec, runner.max_model_len, runner.device, 0)
     assert rows == [3 * (1 + K) if spec else 3]
 
 

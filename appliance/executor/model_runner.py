@@ -10,7 +10,6 @@ prompt rows of requests that asked for prompt logprobs).
 """
 from __future__ import annotations
 
-import gc
 import logging
 import random
 import time
@@ -22,7 +21,13 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
-from appliance.executor import inflight, kv_cache, logits_processors, speculative
+from appliance.executor import (
+    inflight,
+    kv_cache,
+    logits_processors,
+    memory_profile,
+    speculative,
+)
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
 from appliance.executor.cuda_graph import DecodeGraphs, graph_settings, width_bucket
 from appliance.executor.inflight import StepHandle
@@ -74,7 +79,7 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(m.max_model_len, self.hf_config)
         self.block_size = config.cache.block_size
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend)  # fail before allocating
-        self._mem_baseline = self._allocated_by_others()
+        self._mem_baseline = memory_profile.allocated_by_others(self.device)
         self.model = self._build_model(m.load_format, m.seed)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
         # the MTP drafter's caches share the block table and the KV budget (none without speculation)
@@ -186,47 +191,9 @@ class ModelRunner:
             return kv_cache.blocks_from_tokens(cache.max_total_tokens, self.block_size)
         if self.device.type != "cuda":
             return kv_cache.blocks_for_cpu(self.kv_spec, self.max_model_len, self.config.scheduler.max_num_seqs)
-        return kv_cache.blocks_for_gpu(self.kv_spec, self.device, cache.gpu_memory_utilization, self._profile())
-
-    def _allocated_by_others(self) -> int:
-        """Bytes this process holds on the device before this runner allocates anything (another engine of a
-        test or benchmark): not part of this runner's peak. Dropped engines are collected first."""
-        if self.device.type != "cuda":
-            return 0
-        gc.collect()
-        torch.cuda.empty_cache()
-        return torch.cuda.memory_allocated(self.device)
-
-    def _profile(self) -> int:
-        """Peak GPU memory of this runner's largest step (one full token budget plus max_num_seqs logit rows):
-        its weights and activations, not what other engines of the process hold."""
-        sched = self.config.scheduler
-        if sched.chunked_prefill_size > 0:
-            tokens = min(sched.chunked_prefill_size, self.max_model_len)
-        else:  # unchunked, a prompt longer than max_prefill_tokens runs whole, alone in its step
-            tokens = max(sched.max_prefill_tokens, self.max_model_len)
-        blocks = (tokens + self.block_size - 1) // self.block_size
-        temp = kv_cache.allocate(self.kv_spec, blocks, self.device)
-        layers = self.model.attention_layers()
-        for layer, (k, v) in zip(layers, temp):
-            layer.bind_kv_cache(k, v)
-        state = RequestState("profile", [0] * tokens, tokens, 0, list(range(blocks)), SamplingParams())
-        torch.cuda.reset_peak_memory_stats(self.device)
-        with torch.inference_mode():
-            inputs = build_inputs([Chunk(state, 0, tokens, True)], self.block_size, self.device)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            # a verification samples up to 1 + num_steps rows per request (accepted drafts + the bonus)
-            rows = min(sched.max_num_seqs * (1 + (self.config.speculative.num_steps
-                                                  if self.config.speculative.algorithm is not None else 0)), tokens)
-            self.model.compute_logits(hidden[:rows]).float().softmax(-1)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        for layer in layers:
-            layer.bind_kv_cache(None, None)
-        del temp, hidden
-        torch.cuda.empty_cache()
-        # the temporary cache was part of the peak; the real cache replaces it
-        return peak - blocks * self.kv_spec.bytes_per_block - self._mem_baseline
+        peak = memory_profile.peak_bytes(self.model, self.config, self.kv_spec, self.max_model_len, self.device,
+                                         self._mem_baseline)
+        return kv_cache.blocks_for_gpu(self.kv_spec, self.device, cache.gpu_memory_utilization, peak)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:

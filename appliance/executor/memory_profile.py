@@ -1,0 +1,55 @@
+"""What the KV cache may take on a GPU: the bytes other engines of the process hold, and the peak of this runner's
+largest step (its weights and activations), measured by running that step once on a temporary cache."""
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from appliance.engine.sampling_params import SamplingParams
+from appliance.executor import kv_cache
+from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+
+
+def allocated_by_others(device: torch.device) -> int:
+    """Bytes this process holds on the device before a runner allocates anything (another engine of a test or
+    benchmark): not part of that runner's peak. Dropped engines are collected first."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_bytes(model: torch.nn.Module, config: Any, spec: kv_cache.KVCacheSpec, max_model_len: int,
+               device: torch.device, baseline: int) -> int:
+    """Peak GPU memory of the largest step (one full token budget plus max_num_seqs logit rows): the model's
+    weights and activations, less `baseline` (allocated_by_others)."""
+    sched = config.scheduler
+    if sched.chunked_prefill_size > 0:
+        tokens = min(sched.chunked_prefill_size, max_model_len)
+    else:  # unchunked, a prompt longer than max_prefill_tokens runs whole, alone in its step
+        tokens = max(sched.max_prefill_tokens, max_model_len)
+    blocks = (tokens + spec.block_size - 1) // spec.block_size
+    temp = kv_cache.allocate(spec, blocks, device)
+    layers = model.attention_layers()  # type: ignore[operator]
+    for layer, (k, v) in zip(layers, temp):
+        layer.bind_kv_cache(k, v)
+    state = RequestState("profile", [0] * tokens, tokens, 0, list(range(blocks)), SamplingParams())
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        inputs = build_inputs([Chunk(state, 0, tokens, True)], spec.block_size, device)
+        hidden = model(inputs.input_ids, inputs.positions, inputs.meta)
+        # a verification samples up to 1 + num_steps rows per request (accepted drafts + the bonus)
+        rows = min(sched.max_num_seqs * (1 + (config.speculative.num_steps
+                                              if config.speculative.algorithm is not None else 0)), tokens)
+        model.compute_logits(hidden[:rows]).float().softmax(-1)  # type: ignore[operator]
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    for layer in layers:
+        layer.bind_kv_cache(None, None)
+    del temp, hidden
+    torch.cuda.empty_cache()
+    # the temporary cache was part of the peak; the real cache replaces it
+    return peak - blocks * spec.bytes_per_block - baseline
