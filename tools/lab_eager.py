@@ -140,7 +140,6 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-
     cfg = dict(PRESETS["qwen3-0.6b"])
     if args.smoke:
         cfg.update(QWEN_SMOKE_SHAPE, num_hidden_layers=2)
