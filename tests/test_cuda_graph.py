@@ -108,8 +108,16 @@ def test_warmup_leaves_results_unchanged(tiny_model) -> None:
     graphs = _with_graphs(llm)
     runner._pad_prefills = True
     llm.engine.reset_prefix_cache()  # warm-up writes block 0: only before serving, or with nothing cached
+    seeds, free_rows, live = runner._noise_seeds.getstate(), runner.block_table.num_free, set(runner.requests)
+    launched: list[int] = []
+    launch = runner.launch
+    runner.launch = lambda plan: (launched.append(len(plan.scheduled)), launch(plan))[1]  # type: ignore[method-assign]
     assert runner.warmup(graph_context=64) >= 0.0
     assert {k.width for k in graphs.graphs} == {16} and {k.batch for k in graphs.graphs} == {1, 2, 4, 8}
+    # its real steps (a prefill, a decode of ids in flight, a mixed step) left no request, row or seed behind
+    assert launched == [3, 3, 4]
+    assert set(runner.requests) == live and not runner._inflight and runner.block_table.num_free == free_rows
+    assert runner._noise_seeds.getstate() == seeds
     assert _greedy(llm, prompts, 6) == before  # warm-up wrote only block 0 and no request state
 
 

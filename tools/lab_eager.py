@@ -143,8 +143,13 @@ def main() -> int:
     cfg = dict(PRESETS["qwen3-0.6b"])
     if args.smoke:
         cfg.update(QWEN_SMOKE_SHAPE, num_hidden_layers=2)
+    misses: list[tuple[float, str]] = []
+    if args.first_run:
+        watch_triton(misses)
     with tempfile.TemporaryDirectory() as tmp:
         llm = llm_for(cfg, Path(tmp), enable_prefix_caching=False)
+    if args.first_run:  # a check that the hook fires: the warm-up compiles every variant it meets
+        print(json.dumps({"warmup_s": round(llm.executor.runner.warmup_s, 2), "warmup_triton_misses": len(misses)}))
     if args.forward:
         forward_ab(llm, args.smoke)
         return 0
@@ -155,11 +160,14 @@ def main() -> int:
     whole: list[dict[Any, Any]] = []
     for run in range(args.runs):
         record.clear()
+        misses.clear()
         profiling[0] = run == args.runs - 1 and not args.first_run
         run_prof = cProfile.Profile() if args.first_run else None
         if run_prof is not None:
             run_prof.enable()
+        mallocs = device_allocs()
         _, elapsed, tokens = gen(llm, prompts, params)
+        mallocs = [b - a for a, b in zip(mallocs, device_allocs())]
         if run_prof is not None:
             run_prof.disable()
             whole.append(pstats.Stats(run_prof).stats)  # type: ignore[attr-defined]
@@ -170,10 +178,12 @@ def main() -> int:
             r["device_ms"] = a.elapsed_time(b) if a is not None else r["host_ms"]
         n = max(1, len(record))
         print(json.dumps({"run": run, "elapsed_s": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1),
-                          "eager_steps": len(record),
+                          "eager_steps": len(record), "cuda_malloc_free": mallocs,
                           "host_ms_mean": round(sum(r["host_ms"] for r in record) / n, 2),
                           "device_ms_mean": round(sum(r["device_ms"] for r in record) / n, 2),
                           "first": [{k: round(v, 2) for k, v in r.items()} for r in record[:3]]}), flush=True)
+        for _, what in misses:
+            print(json.dumps({"run": run, "triton_miss": what[:300]}), flush=True)
     if args.first_run and len(whole) > 1:
         print_first_run_excess(whole[0], whole[-1], args.top)
         return 0
@@ -181,6 +191,27 @@ def main() -> int:
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
     print(out.getvalue()[-12000:], flush=True)
     return 0
+
+
+def device_allocs() -> list[int]:
+    """cudaMalloc and cudaFree calls of the caching allocator so far (a run that grows the pool stalls)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [0, 0]
+    stats = torch.cuda.memory_stats()
+    return [int(stats.get("num_device_alloc", 0)), int(stats.get("num_device_free", 0))]
+
+
+def watch_triton(log: list[tuple[float, str]]) -> None:
+    """Log every Triton in-memory cache miss (a new specialisation compiled or loaded from disk) with its time:
+    what a run meets that the warm-up did not launch."""
+    from triton import knobs
+
+    def hook(**kw: Any) -> None:
+        log.append((time.perf_counter(), str(kw.get("repr", "?"))))
+
+    knobs.runtime.jit_cache_hook = hook
 
 
 def print_first_run_excess(first: dict[Any, Any], last: dict[Any, Any], top: int) -> None:

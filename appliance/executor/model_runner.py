@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections import deque
 from typing import Any
 
@@ -27,6 +26,7 @@ from appliance.executor import (
     logits_processors,
     memory_profile,
     speculative,
+    warmup,
 )
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
 from appliance.executor.cuda_graph import DecodeGraphs, graph_settings, width_bucket
@@ -110,43 +110,15 @@ class ModelRunner:
         self.pieces = self._make_pieces()  # mixed / prefill steps' forward in graph pieces (piecewise.py)
         # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
+        self.spec: speculative.MtpSpeculator | None = None  # the warm-up's steps run without it
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
         # speculative decoding runs whole steps (executor/speculative.py)
         self.spec = speculative.MtpSpeculator(self) if config.speculative.algorithm is not None else None
 
     def warmup(self, graph_context: int = 2048) -> float:
-        """Compile the kernel variants a run meets (prefill for every padded sequence count, sampling) and
-        capture the decode graphs for contexts up to graph_context tokens, so that no served step pays a JIT
-        compile or a capture; longer contexts capture their graphs on first use. Returns the seconds taken.
-        It writes KV into block 0: call it before serving (the constructor does), never with blocks cached."""
-        start = time.perf_counter()
-        sched = self.config.scheduler
-        budget = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens
-        most = max(1, min(sched.max_num_seqs, budget // 2))
-        with torch.inference_mode():
-            n = 1
-            while True:  # two tokens per sequence, all in block 0: no request holds it yet
-                states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams()) for i in range(n)]
-                inputs = build_inputs([Chunk(st, 0, 2, False) for st in states], self.block_size, self.device, 1,
-                                      self._stager, self._pad_prefills)
-                self.model(inputs.input_ids, inputs.positions, inputs.meta)
-                if n >= most:
-                    break
-                n = min(2 * n, most)
-            op = self.batch_sampler.gpu_op
-            if op is not None:
-                logits = torch.zeros(2, int(self.hf_config.vocab_size), dtype=self.dtype, device=self.device)
-                f = torch.tensor([0.0, 1.0], device=self.device)
-                i = torch.zeros(2, dtype=torch.int64, device=self.device)
-                op(logits, f, i, torch.ones(2, device=self.device), torch.zeros(2, device=self.device), i, i)
-            count = self.capture_graphs(graph_context)
-            buckets = self.pieces.capture_all() if self.pieces is not None else 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        took = time.perf_counter() - start
-        log.info("warm-up: kernels compiled, %d decode graphs and %d piecewise token buckets captured in %.1f s",
-                 count, buckets, took)
-        return took
+        """Pay every first-use cost a run would meet (executor/warmup.py); returns the seconds taken. It writes
+        KV into block 0: call it before serving (the constructor does), never with blocks cached."""
+        return warmup.warm_up(self, graph_context)
 
     def _make_pieces(self) -> PiecewiseGraphs | None:
         limit = piecewise_max_tokens(self.config, self.model, self.graphs is not None, get_tp_size(),

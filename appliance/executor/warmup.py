@@ -1,0 +1,117 @@
+"""The runner's warm-up: what a run would otherwise pay on first use, paid before the first request.
+
+On a GPU the first launch of a kernel variant costs milliseconds: Triton compiles (or loads) each specialisation,
+cuBLAS chooses a kernel per problem shape and CUDA loads each kernel's module lazily, and pinned staging buffers
+are allocated on first use. Steps that meet these in the middle of a run stall the host, and the overlapped loop
+then leaves the device idle: the twelfth benchmark run found 279 ms of extra `linear` host time in the first
+Qwen3 run of a process (the LM head meeting new row counts), plus first uses of the step's gathers, scatters and
+stagers (docs/benchmarks.md). So the warm-up runs:
+- a prefill for every padded sequence count (the Triton prefill kernel's variants, input_batch.padded_count);
+- the GPU sampler at 1, 2 and 16 rows (Triton specialises integer arguments equal to 1 and divisible by 16);
+- the LM head at every row count a step can sample (1..max_num_seqs);
+- the decode graphs (contexts up to graph_context) and the piecewise token buckets;
+- three real steps through `launch` / `finish`, overlapped like a run: a prefill, a decode reading the ids still
+  in flight (a graph replay), and a mixed step (the pieces, the eager pending-id path, a gathered LM head).
+Everything writes only block 0 and no request outlives the warm-up.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.step import NewRequestData, ScheduledRequest, StepPlan
+from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+
+if TYPE_CHECKING:
+    from appliance.executor.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+SAMPLER_ROWS = (1, 2, 16)
+
+
+def warm_up(runner: ModelRunner, graph_context: int = 2048) -> float:
+    """Run everything above; returns the seconds taken. It writes KV into block 0: call it before serving (the
+    runner's constructor does), never with blocks cached."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        _prefills(runner)
+        _sampler(runner)
+        _logit_rows(runner)
+        count = runner.capture_graphs(graph_context)
+        buckets = runner.pieces.capture_all() if runner.pieces is not None else 0
+    _steps(runner)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    took = time.perf_counter() - start
+    log.info("warm-up: kernels compiled, %d decode graphs and %d piecewise token buckets captured in %.1f s",
+             count, buckets, took)
+    return took
+
+
+def _prefills(runner: ModelRunner) -> None:
+    """Two tokens per sequence, all in block 0 (no request holds it yet), for 1, 2, 4, ... sequences."""
+    sched = runner.config.scheduler
+    budget = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens
+    most = max(1, min(sched.max_num_seqs, budget // 2))
+    n = 1
+    while True:
+        states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams()) for i in range(n)]
+        inputs = build_inputs([Chunk(st, 0, 2, False) for st in states], runner.block_size, runner.device, 1,
+                              runner._stager, runner._pad_prefills)
+        runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if n >= most:
+            break
+        n = min(2 * n, most)
+
+
+def _sampler(runner: ModelRunner) -> None:
+    op = runner.batch_sampler.gpu_op
+    if op is None:
+        return
+    vocab = int(runner.hf_config.vocab_size)
+    for m in SAMPLER_ROWS:
+        logits = torch.randn(m, vocab, dtype=runner.dtype, device=runner.device)
+        temperature = (torch.arange(m, device=runner.device) % 2).float()  # greedy and random rows
+        i = torch.zeros(m, dtype=torch.int64, device=runner.device)
+        op(logits, temperature, i, torch.ones(m, device=runner.device), torch.zeros(m, device=runner.device), i, i)
+
+
+def _logit_rows(runner: ModelRunner) -> None:
+    """The LM head runs eagerly on exactly the rows a step samples (executor/model_runner.py), so its GEMM sees
+    every row count from 1 to max_num_seqs. The profiled peak already covers max_num_seqs logit rows."""
+    if runner.device.type != "cuda":
+        return
+    rows = runner.config.scheduler.max_num_seqs
+    hidden = torch.randn(rows, int(runner.hf_config.hidden_size), dtype=runner.dtype, device=runner.device)
+    for m in range(1, rows + 1):
+        runner.model.compute_logits(hidden[:m])
+
+
+def _steps(runner: ModelRunner) -> None:
+    """A prefill of three 2-token prompts, a decode of the three (their inputs still in flight), then a mixed step
+    (those decodes and a fourth prompt), launched back to back and finished; the requests are then dropped. Random
+    sampling only where the GPU sampler takes it, so no host generator is consumed; the per-request noise seeds
+    drawn here are given back."""
+    seeds = runner._noise_seeds.getstate()
+    greedy = SamplingParams(temperature=0.0).to_dict()
+    rand = SamplingParams(temperature=1.0).to_dict() if runner.batch_sampler.gpu_op is not None else greedy
+    new = [NewRequestData(f"warmup-step{i}", [0, 0], 2, 0, [0], rand if i % 2 else greedy) for i in range(4)]
+    ids = [r.request_id for r in new]
+    plans = [StepPlan(0, new[:3], [ScheduledRequest(r, 2, [], True) for r in ids[:3]]),
+             StepPlan(1, [], [ScheduledRequest(r, 1, [], True) for r in ids[:3]]),
+             StepPlan(2, new[3:], [ScheduledRequest(r, 1, [], True) for r in ids[:3]]
+                      + [ScheduledRequest(ids[3], 2, [], True)])]
+    try:
+        handles = [runner.launch(plan) for plan in plans]
+        for handle in handles:
+            runner.finish(handle)
+    finally:
+        runner.flush()
+        for rid in ids:
+            runner.requests.pop(rid, None)
+        runner._noise_seeds.setstate(seeds)
