@@ -12,7 +12,9 @@ from appliance.executor.cuda_graph import (
     GraphKey,
     capture_sizes,
     graph_settings,
+    lm_head_rows,
     padded_batch,
+    rows_view,
     width_bucket,
 )
 
@@ -72,6 +74,36 @@ def test_graph_settings_switches() -> None:
 def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+def test_lm_head_rows_and_rows_view() -> None:
+    assert [lm_head_rows([1, 2, 4, 8, 16], n) for n in (1, 3, 9, 16, 17)] == [1, 4, 16, 16, 17]
+    assert lm_head_rows(None, 5) == 5
+    static = torch.randn(8, 4)
+    assert torch.equal(rows_view(static[:3], 6), static[:6])  # reads on into the static buffer
+    assert torch.equal(rows_view(static[:3], 2), static[:2])
+    assert rows_view(torch.randn(3, 4), 6) is None  # nothing past its end
+    assert rows_view(static[:3, :2], 6) is None  # not contiguous
+    assert rows_view(static[5:], 4) is None  # the storage ends 3 rows on
+
+
+def test_logits_pad_rows_to_capture_sizes(tiny_model) -> None:
+    llm = LLM(model=str(tiny_model), dtype="float32", skip_tokenizer_init=True, max_total_tokens=2048)
+    runner = llm.executor.runner
+    _with_graphs(llm)  # sizes 1, 2, 4, 8
+    seen: list[int] = []
+    head = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: (seen.append(h.shape[0]), head(h))[1]  # type: ignore[method-assign]
+    static = torch.randn(8, int(runner.hf_config.hidden_size))
+    with torch.inference_mode():
+        for hidden, rows in ((static[:3], [0, 1, 2]), (static[:5], [0, 1, 2, 3, 4]), (static, [6, 1, 3]),
+                             (torch.randn(3, static.shape[1]), [0, 1, 2])):
+            seen.clear()
+            got = runner.logits(hidden, rows)
+            assert torch.allclose(got, head(hidden[torch.tensor(rows)]), atol=1e-5), rows
+            assert seen == [lm_head_rows([1, 2, 4, 8], len(rows))]
+        seen.clear()
+        assert runner.logits(static, list(range(8)) + [0]).shape[0] == 9 and seen == [9]  # above every size
 
 
 def _with_graphs(llm: LLM) -> DecodeGraphs:

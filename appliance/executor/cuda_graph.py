@@ -79,6 +79,25 @@ def padded_batch(sizes: list[int], n: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+def lm_head_rows(sizes: list[int] | None, n: int) -> int:
+    """Rows the LM head computes for n sampled rows: the padded batch of a decode graph (n itself without graphs
+    or above every capture size), so its GEMM meets only the shapes the warm-up ran."""
+    return (padded_batch(sizes, n) if sizes else None) or n
+
+
+def rows_view(hidden: torch.Tensor, m: int) -> torch.Tensor | None:
+    """hidden's first m rows, reading past its end into its storage when that holds them (a graph's static
+    output beyond the real rows: pad rows and older steps' rows), else None."""
+    if hidden.shape[0] >= m:
+        return hidden[:m]
+    if not hidden.is_contiguous():
+        return None
+    need = (hidden.storage_offset() + m * hidden.shape[1]) * hidden.element_size()
+    if hidden.untyped_storage().nbytes() < need:
+        return None
+    return hidden.as_strided((m, hidden.shape[1]), hidden.stride())
+
+
 def width_bucket(needed_blocks: int, max_blocks: int) -> int:
     """Block-table width for a batch whose longest table has needed_blocks: a power of two (>= 16), capped."""
     if needed_blocks > max_blocks:

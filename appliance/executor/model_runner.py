@@ -29,7 +29,13 @@ from appliance.executor import (
     warmup,
 )
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
-from appliance.executor.cuda_graph import DecodeGraphs, graph_settings, width_bucket
+from appliance.executor.cuda_graph import (
+    DecodeGraphs,
+    graph_settings,
+    lm_head_rows,
+    rows_view,
+    width_bucket,
+)
 from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import (
     Chunk,
@@ -230,13 +236,26 @@ class ModelRunner:
         sampling = [c for c in ordered if c.sample]
         if not rows:
             return StepHandle(step_id, StepResult(step_id))
-        if rows == list(range(len(rows))):
-            logits = self.model.compute_logits(hidden[: len(rows)])
-        else:  # staged upload: a plain torch.tensor(..., device) would wait for the GPU to catch up
-            logits = self.model.compute_logits(hidden[self._rows_stager.send(np.asarray(rows, dtype=np.int64))])
+        logits = self.logits(hidden, rows)
         logits_processors.forget_idle(self)
         ids = self.batch_sampler.sample_on_device(logits, [c.state for c in sampling])
         return inflight.defer(step_id, sampling, ids, order)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The LM head over these rows of hidden. Its GEMM runs on a padded row count, a decode-graph capture
+        size (cuda_graph.lm_head_rows), and the pad rows are dropped: cuBLAS chooses and loads a kernel for each
+        new shape on first use, which the warm-up pays for these few sizes (executor/warmup.py) instead of a run
+        paying it for every batch size it meets. Rows are independent in a GEMM, so pad rows change nothing."""
+        n = len(rows)
+        m = lm_head_rows(self.graphs.sizes if self.graphs is not None else None, n)
+        if rows == list(range(n)):  # a decode step: its rows lead hidden, no gather
+            padded = rows_view(hidden, m)
+            if padded is not None:
+                return self.model.compute_logits(padded)[:n]
+        index = np.zeros(m, dtype=np.int64)  # pad rows read row 0
+        index[:n] = rows
+        # a staged upload: a plain torch.tensor(..., device) would wait for the GPU to catch up
+        return self.model.compute_logits(hidden[self._rows_stager.send(index)])[:n]
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
         """Rows in order, each chunk's first row, hidden states: a decode-only step replays a CUDA graph."""
@@ -311,10 +330,7 @@ class ModelRunner:
                 rows.append(first + c.num_tokens - 1)
         if not rows:
             return [], {}
-        if rows == list(range(len(rows))):  # the usual decode step: no gather
-            logits = self.model.compute_logits(hidden[: len(rows)])
-        else:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        logits = self.logits(hidden, rows)
         prompt_lps = {c.state.request_id: self._prompt_logprobs(c, logits[i : i + n].float())
                       for c, i, n in prompt_at}
         sampled: list[SampledToken] = []

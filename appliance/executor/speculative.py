@@ -215,8 +215,7 @@ class MtpSpeculator:
         out = _Scored([], {}, {})
         if not rows:
             return out
-        index = None if rows == list(range(len(rows))) else torch.tensor(rows, device=hidden.device)
-        logits = self.model.compute_logits(hidden[: len(rows)] if index is None else hidden[index])
+        logits = r.logits(hidden, rows)
         out.prompt_logprobs = {c.state.request_id: r._prompt_logprobs(c, logits[i : i + n].float())
                                for c, i, n in prompt_at}
         if plain_at:

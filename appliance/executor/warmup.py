@@ -8,7 +8,7 @@ Qwen3 run of a process (the LM head meeting new row counts), plus first uses of 
 stagers (docs/benchmarks.md). So the warm-up runs:
 - a prefill for every padded sequence count (the Triton prefill kernel's variants, input_batch.padded_count);
 - the GPU sampler at 1, 2 and 16 rows (Triton specialises integer arguments equal to 1 and divisible by 16);
-- the LM head at every row count a step can sample (1..max_num_seqs);
+- the LM head at each row count it runs on (the decode graphs' capture sizes: ModelRunner.logits);
 - the decode graphs (contexts up to graph_context) and the piecewise token buckets;
 - three real steps through `launch` / `finish`, overlapped like a run: a prefill, a decode reading the ids still
   in flight (a graph replay), and a mixed step (the pieces, the eager pending-id path, a gathered LM head).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,19 +39,27 @@ def warm_up(runner: ModelRunner, graph_context: int = 2048) -> float:
     """Run everything above; returns the seconds taken. It writes KV into block 0: call it before serving (the
     runner's constructor does), never with blocks cached."""
     start = time.perf_counter()
-    with torch.inference_mode():
-        _prefills(runner)
-        _sampler(runner)
-        _logit_rows(runner)
-        count = runner.capture_graphs(graph_context)
-        buckets = runner.pieces.capture_all() if runner.pieces is not None else 0
-    _steps(runner)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
-    took = time.perf_counter() - start
-    log.info("warm-up: kernels compiled, %d decode graphs and %d piecewise token buckets captured in %.1f s",
-             count, buckets, took)
-    return took
+    took: dict[str, float] = {}
+
+    def timed(name: str, run: Callable[[], int | None]) -> int | None:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = run()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        took[name] = time.perf_counter() - t
+        return out
+
+    timed("prefills", lambda: _prefills(runner))
+    timed("sampler", lambda: _sampler(runner))
+    timed("LM head", lambda: _logit_rows(runner))
+    count = timed("decode graphs", lambda: runner.capture_graphs(graph_context))
+    buckets = timed("piecewise buckets", lambda: runner.pieces.capture_all() if runner.pieces is not None else 0)
+    timed("steps", lambda: _steps(runner))
+    total = time.perf_counter() - start
+    log.info("warm-up: %s decode graphs and %s piecewise token buckets captured, kernels compiled, in %.1f s (%s)",
+             count, buckets, total, ", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
+    return total
 
 
 def _prefills(runner: ModelRunner) -> None:
@@ -82,14 +91,14 @@ def _sampler(runner: ModelRunner) -> None:
 
 
 def _logit_rows(runner: ModelRunner) -> None:
-    """The LM head runs eagerly on exactly the rows a step samples (executor/model_runner.py), so its GEMM sees
-    every row count from 1 to max_num_seqs. The profiled peak already covers max_num_seqs logit rows."""
-    if runner.device.type != "cuda":
+    """The LM head runs eagerly after every step on the rows it samples, padded to a decode graph's capture size
+    (ModelRunner.logits): one GEMM per size. (At every row count 1..256, the 8B's warm-up took 15 s longer.)"""
+    if runner.graphs is None:
         return
-    rows = runner.config.scheduler.max_num_seqs
-    hidden = torch.randn(rows, int(runner.hf_config.hidden_size), dtype=runner.dtype, device=runner.device)
-    for m in range(1, rows + 1):
-        runner.model.compute_logits(hidden[:m])
+    sizes = runner.graphs.sizes
+    hidden = torch.randn(sizes[-1], int(runner.hf_config.hidden_size), dtype=runner.dtype, device=runner.device)
+    for m in sizes:
+        runner.logits(hidden, list(range(m)))
 
 
 def _steps(runner: ModelRunner) -> None:
