@@ -153,6 +153,19 @@ def test_warmup_leaves_results_unchanged(tiny_model) -> None:
     assert _greedy(llm, prompts, 6) == before  # warm-up wrote only block 0 and no request state
 
 
+@pytest.mark.parametrize(("max_num_seqs", "steps"), [(1, [1, 1]), (2, [1, 1, 2]), (3, [2, 2, 3])])
+def test_warmup_steps_fit_the_block_table(tiny_model, max_num_seqs: int, steps: list[int]) -> None:
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=512,
+              skip_tokenizer_init=True, max_num_seqs=max_num_seqs)
+    runner = llm.executor.runner
+    _with_graphs(llm)
+    launched: list[int] = []
+    launch = runner.launch
+    runner.launch = lambda plan: (launched.append(len(plan.scheduled)), launch(plan))[1]  # type: ignore[method-assign]
+    runner.warmup(graph_context=16)
+    assert launched == steps and runner.block_table.num_free == max_num_seqs and not runner.requests
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_match_eager_on_gpu(tiny_model) -> None:

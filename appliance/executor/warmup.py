@@ -10,8 +10,8 @@ stagers (docs/benchmarks.md). So the warm-up runs:
 - the GPU sampler at 1, 2 and 16 rows (Triton specialises integer arguments equal to 1 and divisible by 16);
 - the LM head at each row count it runs on (the decode graphs' capture sizes: ModelRunner.logits);
 - the decode graphs (contexts up to graph_context) and the piecewise token buckets;
-- three real steps through `launch` / `finish`, overlapped like a run: a prefill, a decode reading the ids still
-  in flight (a graph replay), and a mixed step (the pieces, the eager pending-id path, a gathered LM head).
+- real steps through `launch` / `finish`, overlapped like a run: a prefill, a decode reading the ids still in
+  flight (a graph replay), and a mixed step (the pieces, the eager pending-id path, a gathered LM head).
 Everything writes only block 0 and no request outlives the warm-up.
 """
 from __future__ import annotations
@@ -92,7 +92,8 @@ def _sampler(runner: ModelRunner) -> None:
 
 def _logit_rows(runner: ModelRunner) -> None:
     """The LM head runs eagerly after every step on the rows it samples, padded to a decode graph's capture size
-    (ModelRunner.logits): one GEMM per size. (At every row count 1..256, the 8B's warm-up took 15 s longer.)"""
+    (ModelRunner.logits): one GEMM per size. (Warming every row count 1..256 instead took the 8B's warm-up from
+    26.5 to 40.3 s: docs/benchmarks.md, twelfth run.)"""
     if runner.graphs is None:
         return
     sizes = runner.graphs.sizes
@@ -102,19 +103,24 @@ def _logit_rows(runner: ModelRunner) -> None:
 
 
 def _steps(runner: ModelRunner) -> None:
-    """A prefill of three 2-token prompts, a decode of the three (their inputs still in flight), then a mixed step
-    (those decodes and a fourth prompt), launched back to back and finished; the requests are then dropped. Random
-    sampling only where the GPU sampler takes it, so no host generator is consumed; the per-request noise seeds
-    drawn here are given back."""
+    """A prefill of up to three 2-token prompts, a decode of them (their inputs still in flight), then a mixed step
+    (those decodes and one more prompt), launched back to back and finished; the requests are then dropped. As
+    many requests as the block table holds (max_num_seqs; one request: no mixed step). Random sampling only where
+    the GPU sampler takes it, so no host generator is consumed; the per-request noise seeds drawn here are given
+    back."""
     seeds = runner._noise_seeds.getstate()
     greedy = SamplingParams(temperature=0.0).to_dict()
     rand = SamplingParams(temperature=1.0).to_dict() if runner.batch_sampler.gpu_op is not None else greedy
-    new = [NewRequestData(f"warmup-step{i}", [0, 0], 2, 0, [0], rand if i % 2 else greedy) for i in range(4)]
+    capacity = runner.block_table.num_free
+    k = min(3, max(1, capacity - 1))  # decoding requests; one row left for the mixed step's prompt
+    new = [NewRequestData(f"warmup-step{i}", [0, 0], 2, 0, [0], rand if i % 2 else greedy)
+           for i in range(min(k + 1, capacity))]
     ids = [r.request_id for r in new]
-    plans = [StepPlan(0, new[:3], [ScheduledRequest(r, 2, [], True) for r in ids[:3]]),
-             StepPlan(1, [], [ScheduledRequest(r, 1, [], True) for r in ids[:3]]),
-             StepPlan(2, new[3:], [ScheduledRequest(r, 1, [], True) for r in ids[:3]]
-                      + [ScheduledRequest(ids[3], 2, [], True)])]
+    plans = [StepPlan(0, new[:k], [ScheduledRequest(r, 2, [], True) for r in ids[:k]]),
+             StepPlan(1, [], [ScheduledRequest(r, 1, [], True) for r in ids[:k]])]
+    if len(new) > k:
+        plans.append(StepPlan(2, new[k:], [ScheduledRequest(r, 1, [], True) for r in ids[:k]]
+                              + [ScheduledRequest(ids[k], 2, [], True)]))
     try:
         handles = [runner.launch(plan) for plan in plans]
         for handle in handles:
