@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from test_moe_models import FAMILIES as MOE_FAMILIES
+from test_moe_models import build_family
 
 from appliance import LLM, SamplingParams
 from appliance.executor.piecewise import (
@@ -59,11 +61,14 @@ def test_attend_hands_q_to_the_piece_break_while_one_is_set() -> None:
         layer.attend(q, meta)
 
 
-def test_only_dense_graph_capable_models_take_pieces() -> None:
+def test_models_declare_pieces() -> None:
+    from appliance.models.deepseek import DeepseekV3ForCausalLM
     from appliance.models.llama import Qwen3ForCausalLM
     from appliance.models.mixtral import MixtralForCausalLM
+    from appliance.models.qwen_moe import Qwen3MoeForCausalLM
 
-    assert Qwen3ForCausalLM.piecewise_graphs and not MixtralForCausalLM.piecewise_graphs
+    assert Qwen3ForCausalLM.piecewise_graphs and MixtralForCausalLM.piecewise_graphs
+    assert Qwen3MoeForCausalLM.piecewise_graphs and not DeepseekV3ForCausalLM.piecewise_graphs  # MLA: no attend
     assert not model_supports_pieces(torch.nn.Linear(2, 2))
 
 
@@ -86,13 +91,20 @@ def _counting(pieces: PiecewiseGraphs, seen: list[int]) -> None:
     pieces.run = counting_run  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_emulated_pieces_match_eager_on_cpu(make_tiny_model, arch: str) -> None:
+def _model(make_tiny_model: Any, tmp_path_factory: pytest.TempPathFactory, arch: str) -> str:
+    if arch in MOE_FAMILIES:
+        return str(build_family(arch, tmp_path_factory.mktemp(arch)))
+    return str(make_tiny_model(arch))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "qwen3_moe"])
+def test_emulated_pieces_match_eager_on_cpu(make_tiny_model, tmp_path_factory, arch: str) -> None:
     """Without graphs (CPU) PiecewiseGraphs.run keeps everything but the capture: padded static inputs (pad rows
     with slot -1), q handed over through the shared buffer, eager attention over the real rows into the static
-    output. Same greedy tokens and logprobs as the plain eager forward, mixed steps included."""
-    llm = LLM(model=str(make_tiny_model(arch)), dtype="float32", block_size=16, max_total_tokens=4096,
-              skip_tokenizer_init=True, chunked_prefill_size=128, enable_prefix_caching=False)
+    output. Same greedy tokens and logprobs as the plain eager forward, mixed steps included; in the MoE models
+    the pad rows are routed to experts too, and change no real row."""
+    llm = LLM(model=_model(make_tiny_model, tmp_path_factory, arch), dtype="float32", block_size=16,
+              max_total_tokens=4096, skip_tokenizer_init=True, chunked_prefill_size=128, enable_prefix_caching=False)
     runner = llm.executor.runner
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     requests = [{"prompt_token_ids": p} for p in _PROMPTS]
@@ -116,10 +128,10 @@ def test_emulated_pieces_match_eager_on_cpu(make_tiny_model, arch: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_pieces_match_eager_on_gpu(make_tiny_model, arch: str) -> None:
-    llm = LLM(model=str(make_tiny_model(arch)), dtype="bfloat16", block_size=16, max_total_tokens=16384,
-              skip_tokenizer_init=True, cuda_graph_max_bs=8, chunked_prefill_size=128)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_pieces_match_eager_on_gpu(make_tiny_model, tmp_path_factory, arch: str) -> None:
+    llm = LLM(model=_model(make_tiny_model, tmp_path_factory, arch), dtype="bfloat16", block_size=16,
+              max_total_tokens=16384, skip_tokenizer_init=True, cuda_graph_max_bs=8, chunked_prefill_size=128)
     runner = llm.executor.runner
     assert runner.pieces is not None
     assert sorted(runner.pieces.pieces) == list(buckets(128))  # 16, 32 ... 128 tokens: captured at warm-up

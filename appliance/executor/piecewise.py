@@ -253,6 +253,6 @@ def piecewise_max_tokens(config: Any, model: torch.nn.Module, decode_graphs: boo
 
 
 def model_supports_pieces(model: torch.nn.Module) -> bool:
-    """Dense models whose forward never syncs with the host and reaches attention only through Attention.attend
-    (the class attribute `piecewise_graphs`)."""
+    """Models whose forward never syncs with the host and reaches attention only through Attention.attend (the
+    class attribute `piecewise_graphs`: the Llama family and its MoE models, not MLA)."""
     return bool(getattr(model, "supports_cuda_graphs", False)) and bool(getattr(model, "piecewise_graphs", False))

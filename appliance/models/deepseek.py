@@ -75,6 +75,7 @@ class DeepseekMTPLayer(MoEDecoderLayer):
 class DeepseekV2ForCausalLM(MoECausalLM):
     version = 2
     supports_fp8 = True
+    piecewise_graphs = False  # MLA attention is not reached through Attention.attend, where the pieces break
 
     def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
         self.quant = Fp8BlockConfig.from_hf(hf_config)  # plain attribute: set before nn.Module init is fine

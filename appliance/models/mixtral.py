@@ -55,7 +55,9 @@ class MoECausalLM(LlamaForCausalLM):
 
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint name fragment -> ours
     is_moe = True  # the model runner passes moe_backend (backends.moe) to these
-    piecewise_graphs = False  # expert routing in eager steps is not checked for capture (executor/piecewise.py)
+    # eager steps in pieces (executor/piecewise.py) when decode graphs are on, i.e. with the Triton fused MoE, whose
+    # expert sort never syncs with the host at any token count (supports_cuda_graphs)
+    piecewise_graphs = True
     supports_fp8 = False  # block-fp8 checkpoints: DeepSeek only so far (its layers are built through fp8.py)
 
     def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
