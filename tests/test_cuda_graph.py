@@ -153,9 +153,10 @@ def test_warmup_leaves_results_unchanged(tiny_model) -> None:
     assert _greedy(llm, prompts, 6) == before  # warm-up wrote only block 0 and no request state
 
 
-@pytest.mark.parametrize(("max_num_seqs", "steps"), [(1, [1, 1]), (2, [1, 1, 2]), (3, [2, 2, 3])])
-def test_warmup_steps_fit_the_block_table(tiny_model, max_num_seqs: int, steps: list[int]) -> None:
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=512,
+@pytest.mark.parametrize(("max_num_seqs", "block_size", "steps"),
+                         [(1, 4, [1, 1]), (2, 1, [1, 1, 2]), (3, 2, [2, 2, 3])])
+def test_warmup_steps_fit_the_block_table(tiny_model, max_num_seqs: int, block_size: int, steps: list[int]) -> None:
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=block_size, max_total_tokens=512,
               skip_tokenizer_init=True, max_num_seqs=max_num_seqs)
     runner = llm.executor.runner
     _with_graphs(llm)

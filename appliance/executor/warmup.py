@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SAMPLER_ROWS = (1, 2, 16)
+STEP_TOKENS = 4  # the most a request of the warm-up's steps holds: a 2-token prompt and two decodes
 
 
 def warm_up(runner: ModelRunner, graph_context: int = 2048) -> float:
@@ -113,7 +114,8 @@ def _steps(runner: ModelRunner) -> None:
     rand = SamplingParams(temperature=1.0).to_dict() if runner.batch_sampler.gpu_op is not None else greedy
     capacity = runner.block_table.num_free
     k = min(3, max(1, capacity - 1))  # decoding requests; one row left for the mixed step's prompt
-    new = [NewRequestData(f"warmup-step{i}", [0, 0], 2, 0, [0], rand if i % 2 else greedy)
+    blocks = [0] * -(-STEP_TOKENS // runner.block_size)  # every position in block 0, whatever the block size
+    new = [NewRequestData(f"warmup-step{i}", [0, 0], 2, 0, blocks, rand if i % 2 else greedy)
            for i in range(min(k + 1, capacity))]
     ids = [r.request_id for r in new]
     plans = [StepPlan(0, new[:k], [ScheduledRequest(r, 2, [], True) for r in ids[:k]]),
