@@ -108,7 +108,9 @@ def _steps(runner: ModelRunner) -> None:
     (those decodes and one more prompt), launched back to back and finished; the requests are then dropped. As
     many requests as the block table holds (max_num_seqs; one request: no mixed step). Random sampling only where
     the GPU sampler takes it, so no host generator is consumed; the per-request noise seeds drawn here are given
-    back."""
+    back. Skipped when a request cannot hold STEP_TOKENS tokens (max_model_len)."""
+    if runner.max_model_len < STEP_TOKENS:
+        return
     seeds = runner._noise_seeds.getstate()
     greedy = SamplingParams(temperature=0.0).to_dict()
     rand = SamplingParams(temperature=1.0).to_dict() if runner.batch_sampler.gpu_op is not None else greedy
