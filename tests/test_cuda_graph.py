@@ -167,6 +167,18 @@ def test_warmup_steps_fit_the_block_table(tiny_model, max_num_seqs: int, block_s
     assert launched == steps and runner.block_table.num_free == max_num_seqs and not runner.requests
 
 
+def test_warmup_steps_skip_a_context_too_short_for_them(tiny_model) -> None:
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=1, max_total_tokens=512, skip_tokenizer_init=True,
+              max_model_len=3, chunked_prefill_size=8, max_num_seqs=2)
+    runner = llm.executor.runner
+    _with_graphs(llm)
+    launched: list[int] = []
+    launch = runner.launch
+    runner.launch = lambda plan: (launched.append(len(plan.scheduled)), launch(plan))[1]  # type: ignore[method-assign]
+    runner.warmup(graph_context=2)
+    assert launched == [] and runner.block_table.num_free == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_match_eager_on_gpu(tiny_model) -> None:
