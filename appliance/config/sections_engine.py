@@ -237,7 +237,8 @@ class BackendsSection(Section):
     piecewise_cuda_graph: bool = param(
         True, "Run mixed / prefill steps' forward as CUDA graphs captured between its attention calls (attention "
         "runs eagerly between the replays; token counts padded up to 16, 32, 48 ... 512, then buckets at most 1/8 "
-        "apart). Dense models on one GPU with chunked prefill and decode graphs on; elsewhere those steps run eagerly.",
+        "apart). The Llama family and its MoE models (Triton fused MoE) on one GPU, with chunked prefill and decode "
+        "graphs on; elsewhere those steps run eagerly.",
         flags="--enable-piecewise-cuda-graph")
     piecewise_cuda_graph_max_tokens: int | None = param(
         None, "Largest step, in tokens, run through the piecewise graphs (larger ones run eagerly); at most "
