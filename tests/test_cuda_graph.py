@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -106,6 +107,14 @@ def test_logits_pad_rows_to_capture_sizes(tiny_model) -> None:
         assert runner.logits(static, list(range(8)) + [0]).shape[0] == 9 and seen == [9]  # above every size
 
 
+def _record_launches(runner: Any) -> list[int]:
+    """Each step the runner launches from now on, as its count of scheduled requests."""
+    launched: list[int] = []
+    launch = runner.launch
+    runner.launch = lambda plan: (launched.append(len(plan.scheduled)), launch(plan))[1]
+    return launched
+
+
 def _with_graphs(llm: LLM) -> DecodeGraphs:
     r = llm.executor.runner
     graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, [1, 2, 4, 8], r.max_blocks,
@@ -141,9 +150,7 @@ def test_warmup_leaves_results_unchanged(tiny_model) -> None:
     runner._pad_prefills = True
     llm.engine.reset_prefix_cache()  # warm-up writes block 0: only before serving, or with nothing cached
     seeds, free_rows, live = runner._noise_seeds.getstate(), runner.block_table.num_free, set(runner.requests)
-    launched: list[int] = []
-    launch = runner.launch
-    runner.launch = lambda plan: (launched.append(len(plan.scheduled)), launch(plan))[1]  # type: ignore[method-assign]
+    launched = _record_launches(runner)
     assert runner.warmup(graph_context=64) >= 0.0
     assert {k.width for k in graphs.graphs} == {16} and {k.batch for k in graphs.graphs} == {1, 2, 4, 8}
     # its real steps (a prefill, a decode of ids in flight, a mixed step) left no request, row or seed behind
@@ -160,9 +167,7 @@ def test_warmup_steps_fit_the_block_table(tiny_model, max_num_seqs: int, block_s
               skip_tokenizer_init=True, max_num_seqs=max_num_seqs)
     runner = llm.executor.runner
     _with_graphs(llm)
-    launched: list[int] = []
-    launch = runner.launch
-    runner.launch = lambda plan: (launched.append(len(plan.scheduled)), launch(plan))[1]  # type: ignore[method-assign]
+    launched = _record_launches(runner)
     runner.warmup(graph_context=16)
     assert launched == steps and runner.block_table.num_free == max_num_seqs and not runner.requests
 
@@ -172,9 +177,7 @@ def test_warmup_steps_skip_a_context_too_short_for_them(tiny_model) -> None:
               max_model_len=3, chunked_prefill_size=8, max_num_seqs=2)
     runner = llm.executor.runner
     _with_graphs(llm)
-    launched: list[int] = []
-    launch = runner.launch
-    runner.launch = lambda plan: (launched.append(len(plan.scheduled)), launch(plan))[1]  # type: ignore[method-assign]
+    launched = _record_launches(runner)
     runner.warmup(graph_context=2)
     assert launched == [] and runner.block_table.num_free == 2
 
