@@ -80,6 +80,22 @@ def test_reference_sampler_follows_the_distribution() -> None:
     assert torch.equal(again, ids[:50])  # same seed and step: same tokens
 
 
+def test_race_values_stay_finite_and_lose_to_a_far_better_logit() -> None:
+    """Every uniform lies strictly inside (0, 1), so no race value is infinite. With 24 bits the top hash value
+    rounded to u = 1 (E = 0, an infinite race value): in ~6% of 1M-token draws a token 1000 nats below the best won."""
+    from appliance.kernels.reference.sampling import race_value, sample_reference, uniform_reference
+
+    u = uniform_reference(7, 3, 1 << 22)
+    assert 0.0 < float(u.min()) and float(u.max()) < 1.0
+    assert bool(torch.isfinite(race_value(torch.zeros_like(u), u)).all())
+    n, vocab = 48, 1 << 20
+    logits = torch.full((n, vocab), -1000.0)
+    logits[:, 5] = 0.0
+    ids = sample_reference(logits, torch.ones(n), torch.zeros(n, dtype=torch.int32), torch.ones(n), torch.zeros(n),
+                           torch.arange(n), torch.arange(n))
+    assert ids.tolist() == [5] * n
+
+
 def test_reference_filters_restrict_the_support() -> None:
     from appliance.kernels.reference.sampling import sample_reference
 

@@ -214,6 +214,24 @@ def test_gpu_split_equals_per_row_and_reference(batch: int, vocab: int, mode: st
     assert mismatch <= 0.02, mismatch
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_far_better_logit_always_wins() -> None:
+    """No uniform rounds to 1 (whose E = 0 won any race): a token 1000 nats above the rest wins every draw, on
+    the split path (temperature only) and the full one (top-k 50)."""
+    import appliance.kernels.triton  # noqa: F401
+    from appliance.kernels.registry import get
+
+    n, vocab = 64, 1 << 20
+    x = torch.full((n, vocab), -1000.0, device="cuda")
+    x[:, 5] = 0.0
+    for top_k in (0, 50):
+        temp, k, p = _settings(n, [1.0] * n, [top_k] * n, [1.0] * n, seed=9)[:3]
+        args = (x, temp.cuda(), k.cuda(), p.cuda(), torch.zeros(n, device="cuda"),
+                torch.arange(n, device="cuda"), torch.arange(n, device="cuda"))
+        assert get("sample", "triton")(*args).tolist() == [5] * n, top_k
+
+
 def main() -> None:
     """Interpreted run (see the module docstring): one JSON line per case."""
     for name, build, chunk_block, chunks in cases():

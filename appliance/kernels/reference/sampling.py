@@ -1,7 +1,8 @@
 """Reference token sampling (op "sample"): the oracle for the Triton sampler and the CPU path.
 
 Semantics and the counter-based random numbers are described in appliance/kernels/triton/sampling.py; the uniforms
-here are bit-identical to the kernel's, so a seeded request draws the same token on either backend.
+here are bit-identical to the kernel's and the race values (`race_value`, exact logs in float64) agree with its
+approximate ones to ~1e-5, so only a near tie can draw another token.
 """
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import torch
 from appliance.kernels.registry import register
 
 _M32 = 0xFFFFFFFF
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+NEAR_ONE = 1.0 / 16.0  # the kernel takes E = -ln u from a series in 1 - u when 1 - u is below this
 
 
 # ---------------------------------------------------------------- counter-based random numbers (shared definition)
@@ -27,11 +31,17 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_reference(seed: int, step: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The kernel's uniforms in (0, 1) for one row: float32 [n]."""
+    """The kernel's uniforms in (0, 1) for one row: float32 [n]. 23 bits and a half: (k + 0.5) / 2^23 is exact in
+    float32 up to 1 - 2^-24, where 24 bits would round the top value to 1 (and -ln 1 = 0 wins every race)."""
     s = _fmix32(torch.tensor([seed & _M32], dtype=torch.int64) ^ _fmix32(torch.tensor([(step + 0x632BE5AB) & _M32])))
     idx = torch.arange(n, dtype=torch.int64)
     h = _fmix32(s ^ _fmix32(idx))
-    return (((h >> 8).float() + 0.5) * (1.0 / 16777216.0)).to(device)
+    return (((h >> 9).float() + 0.5) * (1.0 / 8388608.0)).to(device)
+
+
+def race_value(lv: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The Gumbel race value the kernel approximates, exactly (float64): lv log2(e) - log2(-ln u)."""
+    return lv.double() * LOG2E - torch.log2(-torch.log(u.double()))
 
 
 # ---------------------------------------------------------------- torch reference
@@ -61,6 +71,6 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
             kept_sorted = order[mass_above < p]
             keep &= lv >= lv[kept_sorted].min()
         u = uniform_reference(int(seeds[b]), int(steps[b]), vocab, x.device)
-        g = (lv - torch.log(-torch.log(u))).masked_fill(~keep, float("-inf"))
+        g = race_value(lv, u).masked_fill(~keep, float("-inf"))
         out[b] = torch.argmax(g)
     return out

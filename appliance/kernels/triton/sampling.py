@@ -7,10 +7,16 @@ random requests is one launch and nothing is read back but the ids.
 Semantics (vLLM's order): temperature <= 0 means greedy argmax of the raw logits (lowest index on ties).
 Otherwise l = logits / temperature, then min-p keeps tokens with prob >= min_p * max prob, top-k (0, -1 or >= V:
 off) keeps tokens >= the k-th largest value (ties kept), top-p (1: off) keeps the smallest high set whose mass is
->= top_p of what min-p and top-k kept. The draw is a Gumbel race, argmax(l - log(-log u)), equivalent to sampling
-from softmax over the kept set; u comes from a counter-based hash of (seed, step, token index), so a request with
-a seed gets the same tokens on any batch composition and the torch reference below reproduces the kernel bit for
-bit in its random numbers.
+>= top_p of what min-p and top-k kept. The draw is a Gumbel race, argmax(l - ln E) with E = -ln u ~ Exp(1),
+equivalent to sampling from softmax over the kept set; u in (0, 1) comes from a counter-based hash of (seed, step,
+token index), so a request with a seed gets the same tokens on any batch composition. The torch reference
+reproduces the uniforms bit for bit and the race values to ~1e-5 (kernels/reference/sampling.py `race_value`).
+
+The race value is computed as l log2(e) - log2(E) (the same argmax) with the GPU's approximate lg2: with exact
+logs the split path was bound by their arithmetic (120 us at 256 x 151,936 on the H100). Where u is near 1, E is
+taken from a short series in 1 - u (exact in float32) instead, because an approximate log of u there has no
+relative accuracy left, and those tokens (E near 0) are the likeliest winners. u has 23 bits plus a half, so it
+never rounds to 1 (24 bits did: E = 0 made a random token win ~1% of 150k-token draws).
 
 Thresholds, exactly: with top-k <= BLOCK (2048) the k-th largest of the per-lane maxima of the first pass is a
 lower bound of the k-th largest value, so one more pass compacts the few tokens above it (<= CAP) into a scratch
@@ -36,13 +42,17 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from appliance.kernels.reference.sampling import (  # noqa: F401
     _M32,
+    LN2,
+    NEAR_ONE,
     sample_reference,
     uniform_reference,
 )
 from appliance.kernels.registry import register
+from appliance.kernels.triton.common import INTERPRET, LOG2E
 
 BLOCK = 2048
 CAP = 2048  # top-k candidates kept in registers for the fast path
@@ -66,12 +76,29 @@ def _row_seed(seed_ptr, step_ptr, b):
     return _fmix32_tl(tl.load(seed_ptr + b).to(tl.uint32) ^ step_h)
 
 
+_LN2, _LOG2E, _NEAR_ONE = tl.constexpr(LN2), tl.constexpr(LOG2E), tl.constexpr(NEAR_ONE)
+
+if INTERPRET:  # the interpreter has no libdevice: exact logs there (the reference's, to float32 rounding)
+    @triton.jit
+    def _lg2(x):
+        return tl.log2(x)
+else:
+    @triton.jit
+    def _lg2(x):
+        return libdevice.fast_log2f(x)  # lg2.approx: one special-function instruction
+
+
 @triton.jit
 def _perturbed(lv, offs, s):
-    """lv - log(-log u): the Gumbel race value of tokens offs, u a hash of (row seed s, token index)."""
+    """The race value of tokens offs in log2 units, lv log2(e) - log2(E): E = -ln u, u a hash of (row seed s, token
+    index). Far from 1, E = -lg2(u) ln 2; within 1/16 of it, E = -ln(1 - w) = w + w^2/2 + ... + w^6/6 in w = 1 - u,
+    which float32 holds exactly (truncation < w^6/7 relative)."""
     h = _fmix32_tl(s ^ _fmix32_tl(offs.to(tl.uint32)))
-    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    return lv - tl.log(-tl.log(u))
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    w = 1.0 - u
+    series = w * (1.0 + w * (0.5 + w * (1.0 / 3.0 + w * (0.25 + w * (0.2 + w * (1.0 / 6.0))))))
+    e = tl.where(w > _NEAR_ONE, -_lg2(u) * _LN2, series)
+    return lv * _LOG2E - _lg2(e)
 
 
 @triton.jit
@@ -267,7 +294,7 @@ def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp
             lo = tl.where(ok, lo, mid)
             hi = tl.where(ok, mid, hi)
         thr = tl.maximum(thr, _unkey(hi))
-    # the race: argmax of l - log(-log u) over the kept tokens
+    # the race: argmax of l - ln(-ln u) over the kept tokens (in log2 units)
     s = _row_seed(seed_ptr, step_ptr, b)
     gbest = tl.full([BLOCK], float("-inf"), tl.float32)
     gbest_i = tl.zeros([BLOCK], tl.int32)
