@@ -13,7 +13,7 @@ _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {}
 _LOADED: set[str] = set()
 
 OPS = ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "rope", "silu_and_mul", "gemv", "sample",
-       "rope_store_kv", "decode_positions")
+       "rope_store_kv", "decode_positions", "skinny_gemm")
 
 
 def register(op: str, backend: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -56,13 +56,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.gemv: Gemv | None = None  # linear.use_gemv_kernel binds one
+        self.skinny: Gemv | None = None  # and this, where the backend has a skinny GEMM
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [N, vocab] (gathered across ranks, padding cut off)."""
-        logits = tp_all_gather(matmul(hidden, self.weight, None, self.gemv), dim=-1)
+        logits = tp_all_gather(matmul(hidden, self.weight, None, self.gemv, self.skinny), dim=-1)
         return logits[..., : self.num_embeddings]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

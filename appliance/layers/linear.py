@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from appliance.kernels import registry
-from appliance.kernels.reference.linear import GEMV_MAX_ROWS
+from appliance.kernels.reference.linear import GEMV_MAX_ROWS, SKINNY_GEMM_MAX_ROWS
 from appliance.layers.parallel_state import (
     divide,
     get_tp_rank,
@@ -22,34 +22,51 @@ from appliance.layers.parallel_state import (
     tp_all_reduce,
 )
 
-
 Gemv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 _HALF = (torch.bfloat16, torch.float16)  # fp32 stays on torch: tl.dot would round it through tf32
 
+# Batches of GEMV_MAX_ROWS < M <= SKINNY_ROWS rows go to the bound skinny GEMM op, which runs its Triton kernel
+# where it measured faster than cuBLAS (kernels/triton/skinny_gemm.py TUNED) and cuBLAS elsewhere. A lab switch
+# (tools/lab_ab.py --knob appliance.layers.linear.SKINNY_ROWS=256,0), read at every call so that a switch takes
+# effect at the next capture; 0 = never. At most SKINNY_GEMM_MAX_ROWS, the op's contract.
+SKINNY_ROWS = SKINNY_GEMM_MAX_ROWS
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv | None) -> torch.Tensor:
-    """x W^T + b: decode-sized batches (<= GEMV_MAX_ROWS rows) through the bound GEMV kernel, the rest through
-    torch (cuBLAS on a GPU)."""
-    if (gemv is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype
-            and x.dtype in _HALF):
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv | None,
+           skinny: Gemv | None = None) -> torch.Tensor:
+    """x W^T + b: decode-sized batches (<= GEMV_MAX_ROWS rows) through the bound GEMV kernel, batches of up to
+    SKINNY_ROWS rows through the bound skinny GEMM, the rest through torch (cuBLAS on a GPU). Only 2-D half
+    precision inputs in the weight's dtype are routed."""
+    if x.dim() != 2 or x.dtype != weight.dtype or x.dtype not in _HALF:
+        return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    if gemv is not None and 0 < rows <= GEMV_MAX_ROWS:
         return gemv(x, weight, bias)
+    if skinny is not None and GEMV_MAX_ROWS < rows <= min(SKINNY_ROWS, SKINNY_GEMM_MAX_ROWS):
+        return skinny(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def use_gemv_kernel(model: nn.Module, backend: str) -> int:
     """Bind `backend`'s "gemv" op to every linear layer and LM head of `model` (layers whose weight is not in the
-    compute dtype, e.g. fp8, keep their own path); returns how many layers were bound. A backend without its own
-    GEMV (torch) binds nothing: cuBLAS already is torch's. The model runner binds on CUDA devices only."""
+    compute dtype, e.g. fp8, keep their own path), and its "skinny_gemm" op, where it has one, beside it (used
+    only while SKINNY_ROWS says so); returns how many layers were bound. A backend without its own GEMV (torch)
+    binds nothing: cuBLAS already is torch's. The model runner binds on CUDA devices only."""
     if backend == "torch":
         return 0
     try:
         op = registry.get("gemv", backend)
     except KeyError:
         return 0
+    try:
+        skinny: Gemv | None = registry.get("skinny_gemm", backend)
+    except KeyError:  # e.g. flashinfer, which borrows only the GEMV from triton
+        skinny = None
     bound = 0
     for module in model.modules():
         if hasattr(module, "gemv"):
             module.gemv = op
+            module.skinny = skinny
             bound += 1
     return bound
 
@@ -74,6 +91,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = divide(output_size, self.tp_size)
         self.gather_output = gather_output
         self.gemv: Gemv | None = None  # use_gemv_kernel binds one
+        self.skinny: Gemv | None = None  # and this, where the backend has a skinny GEMM
         self.weight = _param(self.output_size_per_partition, input_size)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -87,7 +105,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul(x, self.weight, self.bias, self.gemv)
+        y = matmul(x, self.weight, self.bias, self.gemv, self.skinny)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -165,6 +183,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = divide(input_size, self.tp_size)
         self.reduce_results = reduce_results
         self.gemv: Gemv | None = None  # use_gemv_kernel binds one
+        self.skinny: Gemv | None = None  # and this, where the backend has a skinny GEMM
         self.weight = _param(output_size, self.input_size_per_partition)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -178,7 +197,7 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul(x, self.weight, None, self.gemv)
+        y = matmul(x, self.weight, None, self.gemv, self.skinny)
         if self.reduce_results:
             y = tp_all_reduce(y)
         # the bias is added once, after the sum, not once per rank

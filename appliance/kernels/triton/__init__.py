@@ -16,4 +16,5 @@ from appliance.kernels.triton import (  # noqa: F401
     rope,
     rope_store,
     sampling,
+    skinny_gemm,
 )

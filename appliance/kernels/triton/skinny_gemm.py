@@ -1,0 +1,214 @@
+"""Skinny GEMM y = x W^T (+ b) for decode steps of 17..256 rows, where cuBLAS is launch- and ramp-latency bound.
+
+A small model's decode step (Qwen3-0.6B: weights of 4-13 MB, M = 17..256 tokens) spends its linear layers in
+cuBLAS GEMMs of 6-9 us inside CUDA graphs, much of it launch and pipeline ramp rather than bytes or FLOPs.
+This kernel goes after that time in two ways:
+
+- it fills the GPU: tiles are chosen (TUNED, measured; config_for, the guess a sweep starts from) so that the
+  grid has about one program per SM or more even at a few dozen rows, where a square-tile GEMM leaves most SMs
+  idle; programs that share a weight tile are
+  adjacent in launch order (the M blocks vary fastest), so the weight is read from HBM once and from L2 after;
+- programmatic dependent launch inside captured graphs (common.py): its programs start while the kernel before
+  (a norm, SiLU-and-mul) still runs, and may load their first PREFETCH weight tiles into registers before
+  gdc_wait, since no kernel of the step writes weights. Only x (the kernel before's output) waits.
+
+Two orientations, a constexpr each way so the GPU can decide: x W^T with the x tile as the MMA's left operand
+(the plain TN GEMM), or y^T = W x^T with the weight tile on the left as stored (gemv.py's), which keeps the
+warpgroup MMA's 64-row side on the weight when BLOCK_M is the smaller block. Accumulation is fp32, the bias is
+added in fp32 before the one rounding to x's dtype. tools/lab_gemm.py times the configs against cuBLAS.
+
+The registered op routes: a weight shape and row count that tools/lab_gemm.py measured faster than cuBLAS on the
+H100 (`TUNED`) runs this kernel with the config that won; every other call goes to cuBLAS (F.linear), which won
+there or was not measured. `config=` runs the kernel whatever the table says (tests, tuning).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from appliance.kernels.reference.linear import SKINNY_GEMM_MAX_ROWS as MAX_M
+from appliance.kernels.registry import register
+from appliance.kernels.triton.common import INTERPRET, mma, pdl_kwargs
+
+MAX_PREFETCH = 2  # tiles held in registers across gdc_wait: each costs BLOCK_N * BLOCK_K / threads registers
+MIN_PROGRAMS = 100  # about one program per SM of an H100 (132): fewer leave SMs idle for the whole GEMM
+_HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class SkinnyGemmConfig:
+    """One launch's tiling. `w_left`: compute y^T = W x^T (weight tile as the MMA's left operand) instead of
+    x W^T. `prefetch`: weight K-tiles loaded before gdc_wait (0 = none; any launch, PDL or not)."""
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    prefetch: int = 0
+    w_left: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"SkinnyGemmConfig: {name} = {v} must be a power of two >= 16 (tl.dot)")
+        if not 0 <= self.prefetch <= MAX_PREFETCH:
+            raise ValueError(f"SkinnyGemmConfig: prefetch = {self.prefetch} must be in 0..{MAX_PREFETCH}")
+        if self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError("SkinnyGemmConfig: num_warps and num_stages must be >= 1")
+
+
+def config_for(m: int, n: int, k: int) -> SkinnyGemmConfig:
+    """A guess until tools/lab_gemm.py has measured it: the largest tile (an M block of 64 rows up to M = 64, of
+    128 or else 64 above; the widest N block) whose grid has MIN_PROGRAMS programs, else the most programs there
+    can be (64 x 16 tiles): wide tiles reuse each x and weight tile more, narrow ones fill the SMs. The weight is
+    the MMA's left operand when its block is the larger one."""
+    if INTERPRET:  # the CPU interpreter's time goes with tile count and size alike: small tiles, few of them
+        return SkinnyGemmConfig(block_m=32, block_n=32, block_k=32, num_stages=1)
+    bm, bn = 64, 16
+    for cand_m, cand_n in itertools.product((64,) if m <= 64 else (128, 64), (128, 64, 32)):
+        if triton.cdiv(max(m, 1), cand_m) * triton.cdiv(n, cand_n) >= MIN_PROGRAMS:
+            bm, bn = cand_m, cand_n
+            break
+    big = bm * bn >= 128 * 128
+    return SkinnyGemmConfig(block_m=bm, block_n=bn, block_k=64 if big else 128, num_warps=8 if big else 4,
+                            num_stages=3 if big else 4, w_left=bn > bm)
+
+
+def _cfg(bm: int, bn: int, warps: int, stages: int, w_left: bool) -> SkinnyGemmConfig:
+    return SkinnyGemmConfig(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages, w_left=w_left)
+
+
+# (N, K) -> ((up to this many rows, the config), ...), rows ascending; None: cuBLAS. Measured on the H100 in CUDA
+# graphs of 20 [PDL elementwise kernel -> GEMM] pairs (tools/lab_gemm.py, session 10: docs/kernels.md "Skinny
+# GEMM"), at 32 / 64 / 128 / 192 / 256 rows; each bucket reaches halfway to the next measured count. Kept: wins of
+# >= 1.08x. The shapes are Qwen3-0.6B's; Llama-3.1-8B's won at most 1.06x, so they stay on cuBLAS.
+TUNED: dict[tuple[int, int], tuple[tuple[int, SkinnyGemmConfig | None], ...]] = {
+    (4096, 1024): ((48, _cfg(32, 64, 4, 5, True)), (96, _cfg(64, 16, 4, 4, False)),  # qkv: 1.18, 1.14
+                   (160, _cfg(64, 64, 4, 5, True)), (256, None)),  # 1.15; 0.94 / 1.02 at 192 / 256
+    (1024, 2048): ((48, _cfg(64, 16, 4, 5, False)), (96, _cfg(64, 16, 4, 6, False)),  # o: 1.25, 1.26
+                   (224, _cfg(64, 32, 4, 5, False)), (256, _cfg(64, 32, 4, 6, False))),  # 1.09-1.14, 1.15
+    (6144, 1024): ((48, _cfg(32, 64, 4, 5, True)), (96, _cfg(64, 64, 4, 5, True)),  # gate_up: 1.21, 1.18
+                   (256, None)),  # 1.03 at 128, 0.83-0.84 above
+    (1024, 3072): ((48, _cfg(64, 16, 4, 5, False)), (160, _cfg(64, 16, 4, 6, False)),  # down: 1.09, 1.15-1.19
+                   (224, None), (256, _cfg(64, 32, 4, 6, False))),  # 0.87 at 192, 1.13 at 256
+}
+
+
+def tuned_config(m: int, n: int, k: int) -> SkinnyGemmConfig | None:
+    """The measured winner for an [m, k] x [n, k]^T product on an H100-class GPU, or None (cuBLAS)."""
+    for rows, cfg in TUNED.get((n, k), ()):
+        if m <= rows:
+            return cfg
+    return None
+
+
+@functools.cache
+def _tuned_device(index: int) -> bool:
+    """The table holds for sm_90 (H100 / H200): elsewhere nothing was measured."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@triton.jit
+def _tile_product(acc, x_tile, w_tile, W_LEFT: tl.constexpr, UPCAST: tl.constexpr):
+    # both operands are K-contiguous tiles; the transposes are layout changes in shared memory, not copies
+    if W_LEFT:  # an if / else: the compiler does not stop at a return inside a constexpr if
+        acc += mma(w_tile, tl.trans(x_tile), UPCAST)
+    else:
+        acc += mma(x_tile, tl.trans(w_tile), UPCAST)
+    return acc
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PREFETCH: tl.constexpr, W_LEFT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        UPCAST: tl.constexpr, GDC: tl.constexpr):
+    pid_m = tl.program_id(0)  # fastest: the programs reading one weight tile run side by side (L2 reuse)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    # weights are written by no kernel of the step: their first tiles may be in flight before the wait
+    if PREFETCH >= 1:
+        w0 = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    if PREFETCH >= 2:
+        w1 = tl.load(w_rows + (BLOCK_K + offs_k)[None, :], mask=n_mask[:, None] & (BLOCK_K + offs_k < K)[None, :],
+                     other=0.0)
+    if GDC:  # launched early: x is the kernel before's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if W_LEFT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if PREFETCH >= 1:
+        x0 = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc = _tile_product(acc, x0, w0, W_LEFT, UPCAST)
+    if PREFETCH >= 2:
+        x1 = tl.load(x_rows + (BLOCK_K + offs_k)[None, :], mask=m_mask[:, None] & (BLOCK_K + offs_k < K)[None, :],
+                     other=0.0)
+        acc = _tile_product(acc, x1, w1, W_LEFT, UPCAST)
+    for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = (ks < K)[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
+        acc = _tile_product(acc, x, w, W_LEFT, UPCAST)
+    if W_LEFT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@register("skinny_gemm", "triton")
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: SkinnyGemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; M <= MAX_M, x, weight and bias all fp16
+    or all bf16. Without `config`: the kernel where TUNED has a winner for this GPU, shape and row count, else
+    F.linear (cuBLAS). `config` runs the kernel with it (tests, tuning)."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"skinny_gemm: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} "
+                         "(expected x [M, K] and weight [N, K])")
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"skinny_gemm: x has {m} rows, at most {MAX_M} (larger batches belong to cuBLAS)")
+    if x.dtype != weight.dtype or x.dtype not in _HALF:
+        raise ValueError(f"skinny_gemm: x {x.dtype} and weight {weight.dtype} must be one dtype, fp16 or bf16")
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"skinny_gemm: bias {tuple(bias.shape)} {bias.dtype} must be [{n}] in {x.dtype}")
+    if weight.stride(-1) != 1:
+        raise ValueError("skinny_gemm: the weight's K axis must be contiguous")
+    if config is None:
+        config = tuned_config(m, n, k) if x.is_cuda and _tuned_device(x.device.index if x.device.index is not None else torch.cuda.current_device()) else None
+        if config is None:
+            return F.linear(x, weight, bias)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    cfg = config
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m and n:
+        b = bias.contiguous() if bias is not None else y  # never read without HAS_BIAS
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+        _skinny_gemm_kernel[grid](
+            x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
+            W_LEFT=cfg.w_left, HAS_BIAS=bias is not None, UPCAST=INTERPRET, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_kwargs(x))
+    return y
