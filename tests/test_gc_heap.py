@@ -52,11 +52,13 @@ def test_frozen_heap_holds_only_inside_the_block(thawed) -> None:
 def test_frozen_heap_inside_a_frozen_process_freezes_the_rest_and_thaws_nothing(thawed) -> None:
     freeze_startup_heap("test")
     before = gc.get_freeze_count()
-    later = [Node() for _ in range(100)]
+    later = [Node() for _ in range(200)]
     with frozen_heap():
-        assert gc.get_freeze_count() >= before + 100  # what came after the start-up freeze is frozen too
+        assert gc.get_freeze_count() >= before + 200  # what came after the start-up freeze is frozen too
         assert not any(o is later[0] for o in gc.get_objects())
-    assert gc.get_freeze_count() >= before + 100  # and nothing is thawed: the start-up freeze holds
+    # and nothing is thawed: the start-up freeze holds (a thaw would drop the count to 0). The margin is for the
+    # block's own generator and frame, frozen inside it and freed at its exit.
+    assert gc.get_freeze_count() >= before + 100
 
 
 def test_generate_runs_with_the_heap_frozen(thawed, tiny_model) -> None:

@@ -66,7 +66,8 @@ def section_profile(rec: Recorder, args: argparse.Namespace) -> None:
 
 # kernel name fragment -> category of the run profile (first match wins; names as torch.profiler shows them)
 CATEGORIES = (("decode attention", ("_decode_kernel", "_merge_kernel")), ("prefill attention", ("_prefill",)),
-              ("GEMV (<= 16 rows)", ("_gemv_kernel",)), ("GEMM (cuBLAS)", ("gemm", "nvjet", "xmma", "cutlass", "sm90")),
+              ("GEMV (<= 16 rows)", ("_gemv_kernel",)), ("GEMM (Triton, 17-256 rows)", ("_skinny_gemm",)),
+              ("GEMM (cuBLAS)", ("gemm", "nvjet", "xmma", "cutlass", "sm90")),
               ("norm, rope+store, SiLU", ("_rms_norm", "_rope", "_silu", "_store")),
               ("sampling", ("_sample", "_chunk_kernel", "argmax", "_row_kernel")),
               ("copies, gathers, casts (torch)", ("at::native", "Memcpy", "Memset")))
@@ -131,8 +132,11 @@ def section_run_profile(rec: Recorder, args: argparse.Namespace) -> None:
     acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         rec["profiled"] = _throughput(llm, prompts, out_lens)
+    ka = prof.key_averages()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    Path(args.section_json).with_name("run_profile.txt").write_text(ka.table(sort_by=sort, row_limit=40))
     totals: dict[str, float] = {}
-    for e in prof.key_averages():
+    for e in ka:
         us = _device_us(e)
         if not us:
             continue

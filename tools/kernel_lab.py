@@ -234,7 +234,10 @@ def section_decode(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> No
         knobs = [(16, 4, 2, s) for s in (None, 2)]
     else:
         knobs = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 1, 2, 4, 8, 16, 32)))
-        if args.decode_splits_only:  # the tuned tile, every split factor
+        if args.decode_knobs:  # BLOCK_N:warps:stages:splits, comma-separated ("-" splits: the heuristic)
+            knobs = [(int(b), int(w), int(st), None if sp == "-" else int(sp))
+                     for b, w, st, sp in (k.split(":") for k in args.decode_knobs.split(","))]
+        elif args.decode_splits_only:  # the tuned tile, every split factor
             knobs = [(decode.BLOCK_N_UNSPLIT if s in (None, 1) else decode.BLOCK_N, decode.NUM_WARPS,
                       decode.NUM_STAGES, s) for s in (None, 1, 2, 4, 8, 16, 32)]
     pages = [int(x) for x in args.decode_pages.split(",")]
@@ -336,6 +339,8 @@ def main() -> int:
     ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
     ap.add_argument("--decode-cases", default="", help="comma list of fragments of decode case names to run")
     ap.add_argument("--decode-splits-only", action="store_true", help="decode: only the split factor varies")
+    ap.add_argument("--decode-knobs", default="", help="decode: BLOCK_N:warps:stages:splits,... to time ('-' splits: "
+                    "the heuristic's) instead of the full grid")
     ap.add_argument("--decode-order", action="store_true",
                     help="decode: the registered kernel taking the rows in order, longest first, and zigzag")
     ap.add_argument("--decode-pages", default="16",
