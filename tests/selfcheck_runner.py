@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,3 +22,15 @@ def interpreted_rows(module: str, *, timeout: float, threads: int = 2) -> list[d
                           timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def print_case_rows(cases: dict[str, Any], run_case: Callable[[Any, str], dict[str, Any]]) -> None:
+    """A test module run as a script under TRITON_INTERPRET=1 (interpreted_rows): one JSON row per case, on the
+    CPU; a case that raises prints its error instead, so it cannot hide the others."""
+    import appliance.kernels.triton  # noqa: F401  (registers the ops)
+
+    for name, spec in cases.items():
+        try:
+            print(json.dumps({"case": name, **run_case(spec, "cpu")}), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(json.dumps({"case": name, "error": f"{type(exc).__name__}: {exc}"}), flush=True)

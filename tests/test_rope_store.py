@@ -81,13 +81,11 @@ def run_case(spec: tuple[Any, ...], device: str, seed: int = 0) -> dict[str, Any
 
 def main() -> None:
     """Under TRITON_INTERPRET=1: one JSON row per case."""
-    import appliance.kernels.triton  # noqa: F401  (registers the ops)
+    from tests.selfcheck_runner import (
+        print_case_rows,  # run as `python -m tests.<this module>`
+    )
 
-    for name, spec in CASES.items():
-        try:
-            print(json.dumps({"case": name, **run_case(spec, "cpu")}), flush=True)
-        except Exception as exc:  # noqa: BLE001  (one failing case must not hide the others)
-            print(json.dumps({"case": name, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+    print_case_rows(CASES, run_case)
 
 
 def check_row(row: dict[str, Any], spec: tuple[Any, ...], limits: dict[torch.dtype, float]) -> None:

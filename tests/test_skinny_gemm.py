@@ -8,7 +8,6 @@ in-process (PDL, the prefetch and both orientations: the first GPU run is not a 
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 from typing import Any
@@ -67,13 +66,11 @@ def run_case(spec: tuple[Any, ...], device: str) -> dict[str, Any]:
 
 def main() -> None:
     """Under TRITON_INTERPRET=1: one JSON row per case."""
-    import appliance.kernels.triton  # noqa: F401  (registers the ops)
+    from tests.selfcheck_runner import (
+        print_case_rows,  # run as `python -m tests.<this module>`
+    )
 
-    for name, spec in CASES.items():
-        try:
-            print(json.dumps({"case": name, **run_case(spec, "cpu")}), flush=True)
-        except Exception as exc:  # noqa: BLE001  (one failing case must not hide the others)
-            print(json.dumps({"case": name, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+    print_case_rows(CASES, run_case)
 
 
 # ------------------------------------------------------------------------------------------------ CPU, interpreted
@@ -310,7 +307,11 @@ GPU_TOL = 1e-2  # max |err| over max |ref| for bf16 outputs of order one
 @pytest.mark.parametrize("m", [32, 128, 256])
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
 def test_gpu_decode_shapes_match_f_linear(shape: str, m: int) -> None:
-    from appliance.kernels.triton.skinny_gemm import config_for, skinny_gemm, tuned_config
+    from appliance.kernels.triton.skinny_gemm import (
+        config_for,
+        skinny_gemm,
+        tuned_config,
+    )
 
     n, k = GPU_SHAPES[shape]
     x, w, b = inputs(m, n, k, bf, m == 128, "cuda")
