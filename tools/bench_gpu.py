@@ -10,8 +10,8 @@ command preceded by the install line `python3 -m pip install -q --no-index --no-
                                                       # tok/s, graphs == eager, transformers (8B tput: 256 prompts)
     python3 tools/bench_gpu.py --only llama_tput --budget-s 560                          # 8B 1000 x 1024/1024
     python3 tools/bench_gpu.py --only serving,profile --budget-s 400                     # serving at 1/16/64
-Each writes $OUT/bench_gpu.json (and profile.txt / host_profile.txt / serving_server.log beside it); the table ends
-each output.
+Each writes $OUT/bench_gpu.json (and profile.txt / run_profile.txt / host_profile.txt / serving_server.log beside
+it); the table ends each output.
 --smoke runs every section with tiny shapes on any device (this CPU included): it checks the script, not speed.
 
 Models run as the product does by default, with overlap scheduling (step N+1 planned while step N runs);
@@ -31,7 +31,8 @@ freed):
   profile  torch.profiler over 20 decode steps of --profile-batch (256) running --profile-preset requests
            (profile.txt)
   run_profile  the qwen workload whole under torch.profiler: device seconds per kernel category, GPU idle share
-           and its gaps by length; --profile-preset llama-3.1-8b: --tput-prompts (256) x 1024/1024 instead
+           and its gaps by length, its kernel table in run_profile.txt; --profile-preset llama-3.1-8b: --tput-prompts
+           (256) x 1024/1024 instead
   serving  `appliance serve` (Llama-3.1-8B, dummy) + tools/bench_serving.py, random 1024/256, ignore_eos, at max
            concurrency --serving-concurrency (1,16,64) with --serving-prompts (8,64,192): TTFT / TPOT / ITL
            mean, p50, p99 and output tok/s per level (tools/gpu_sections_serving.py)
@@ -372,7 +373,7 @@ def main() -> None:
             res[name] = _run_section(name, args, budget, Path(work))
         dest = Path(args.json) if args.json else (Path(os.environ["OUT"]) / "bench_gpu.json"
                                                   if os.environ.get("OUT") else None)
-        for extra in ("profile.txt", "host_profile.txt", "serving_server.log"):
+        for extra in ("profile.txt", "run_profile.txt", "host_profile.txt", "serving_server.log"):
             if (Path(work) / extra).exists() and dest is not None:
                 (dest.parent / extra).write_text((Path(work) / extra).read_text())
     if "hf" in res:
