@@ -25,15 +25,20 @@ PDL = os.environ.get("APPLIANCE_PDL", "1") != "0"
 
 
 @functools.cache
-def _major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(t: torch.Tensor) -> tuple[int, int]:
+    """The compute capability of the CUDA device holding `t` (cached: the launch paths ask on every call)."""
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def pdl_on(t: torch.Tensor) -> bool:
     """Launch the kernels that read `t` with programmatic dependent launch: a CUDA tensor on sm_90 or later,
     while a CUDA graph is being captured."""
     return (PDL and not INTERPRET and t.is_cuda and torch.cuda.is_current_stream_capturing()
-            and _major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9)
+            and capability(t)[0] >= 9)
 
 
 def pdl_kwargs(t: torch.Tensor) -> dict[str, bool]:

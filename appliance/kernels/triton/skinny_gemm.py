@@ -23,7 +23,6 @@ there or was not measured. `config=` runs the kernel whatever the table says (te
 """
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ import triton.language as tl
 
 from appliance.kernels.reference.linear import SKINNY_GEMM_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, mma, pdl_kwargs
+from appliance.kernels.triton.common import INTERPRET, capability, mma, pdl_kwargs
 
 MAX_PREFETCH = 2  # tiles held in registers across gdc_wait: each costs BLOCK_N * BLOCK_K / threads registers
 MIN_PROGRAMS = 100  # about one program per SM of an H100 (132): fewer leave SMs idle for the whole GEMM
@@ -107,12 +106,6 @@ def tuned_config(m: int, n: int, k: int) -> SkinnyGemmConfig | None:
         if m <= rows:
             return cfg
     return None
-
-
-@functools.cache
-def _tuned_device(index: int) -> bool:
-    """The table holds for sm_90 (H100 / H200): elsewhere nothing was measured."""
-    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 @triton.jit
@@ -196,12 +189,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"skinny_gemm: bias {tuple(bias.shape)} {bias.dtype} must be [{n}] in {x.dtype}")
     if weight.stride(-1) != 1:
         raise ValueError("skinny_gemm: the weight's K axis must be contiguous")
-    if config is None:
-        config = tuned_config(m, n, k) if x.is_cuda and _tuned_device(x.device.index if x.device.index is not None else torch.cuda.current_device()) else None
-        if config is None:
-            return F.linear(x, weight, bias)
+    # TUNED holds for sm_90 (H100 / H200): elsewhere nothing was measured
+    cfg = config or (tuned_config(m, n, k) if x.is_cuda and capability(x) == (9, 0) else None)
+    if cfg is None:
+        return F.linear(x, weight, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    cfg = config
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
         b = bias.contiguous() if bias is not None else y  # never read without HAS_BIAS
