@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """A/B of a module-level kernel knob in one process, alternating its values: greedy tokens must not change, and
-the Llama-3.1-8B batch-1 step / the Qwen3-0.6B throughput run say what each value is worth.
+the Llama-3.1-8B batch-1 step (or its N x 1024/1024 throughput run) / the Qwen3-0.6B throughput run say what
+each value is worth.
 
     python3 tools/lab_ab.py --preset llama-3.1-8b [--rounds 2] [--knob MODULE.NAME=V1,V2,...]
     python3 tools/lab_ab.py --preset qwen3-0.6b [--rounds 2] [--knob ...]
+    python3 tools/lab_ab.py --preset llama-3.1-8b --tput-prompts 1000 [--rounds 1] [--knob ...]  # N x 1024/1024
     python3 tools/lab_ab.py --smoke          # a tiny Qwen3 on any device (the harness only)
 
 The knob defaults to programmatic dependent launch on / off (appliance.kernels.triton.common.PDL=True,False);
@@ -29,7 +31,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import PRESETS
 from bench_overlap import gen, llm_for
-from gpu_measure import QWEN_SMOKE_SHAPE, _replay_ms, _tpot, qwen_requests
+from gpu_measure import (
+    QWEN_SMOKE_SHAPE,
+    _replay_ms,
+    _tpot,
+    llama_workload,
+    qwen_requests,
+)
 
 DEFAULT_KNOB = "appliance.kernels.triton.common.PDL=True,False"
 
@@ -122,10 +130,11 @@ def llama_b1(llm: Any, knob: Knob, vocab: int, rounds: int, k: int) -> dict[str,
     return {key: round(statistics.median(v), 3) for key, v in res.items()}
 
 
-def qwen_tput(llm: Any, knob: Knob, cfg: dict[str, Any], rounds: int, smoke: bool) -> dict[str, Any]:
+def tput(llm: Any, knob: Knob, prompts: list[Any], params: list[Any], rounds: int, warm: bool) -> dict[str, Any]:
+    """The workload's output tok/s under each value, `rounds` times in rotation (after one warm-up run)."""
     runner = llm.executor.runner
-    prompts, params = qwen_requests(cfg["vocab_size"], 4 if smoke else 256, 8 if smoke else None)
-    gen(llm, prompts, params)  # warm: every eager token count and graph of the workload seen once
+    if warm:
+        gen(llm, prompts, params)  # every eager token count and graph of the workload seen once
     rates: dict[str, list[float]] = {knob.label(v): [] for v in knob.values}
     for r in range(rounds):
         for value in rotation(knob.values, r):
@@ -144,6 +153,7 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen3-0.6b", choices=("qwen3-0.6b", "llama-3.1-8b"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--knob", default=DEFAULT_KNOB, help="MODULE.NAME=V1,V2,... (Python literals)")
+    ap.add_argument("--tput-prompts", type=int, default=0, help="llama: time N x 1024/1024 instead of batch 1")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     knob = Knob(args.knob)
@@ -159,10 +169,17 @@ def main() -> int:
     result: dict[str, Any] = {"preset": args.preset, "knob": args.knob}
     result["equal"] = equality(llm, knob, vocab, [1, 8] if args.smoke else [1, 8, 40, 130], 8 if args.smoke else 48)
     print(json.dumps(result["equal"]), flush=True)
-    if args.preset == "llama-3.1-8b" and not args.smoke:
+    if args.preset == "llama-3.1-8b" and args.tput_prompts and not args.smoke:
+        from appliance import SamplingParams
+
+        prompts, lens = llama_workload(vocab, args.tput_prompts)
+        params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True) for n in lens]
+        result["tput"] = tput(llm, knob, prompts, params, args.rounds, warm=False)
+    elif args.preset == "llama-3.1-8b" and not args.smoke:
         result["b1"] = llama_b1(llm, knob, vocab, args.rounds, 1)
     else:
-        result["tput"] = qwen_tput(llm, knob, cfg, args.rounds, args.smoke)
+        prompts, params = qwen_requests(vocab, 4 if args.smoke else 256, 8 if args.smoke else None)
+        result["tput"] = tput(llm, knob, prompts, params, args.rounds, warm=True)
     print("RESULT", json.dumps(result), flush=True)
     return 0 if result["equal"]["ok"] else 1
 

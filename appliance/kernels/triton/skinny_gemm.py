@@ -18,8 +18,9 @@ warpgroup MMA's 64-row side on the weight when BLOCK_M is the smaller block. Acc
 added in fp32 before the one rounding to x's dtype. tools/lab_gemm.py times the configs against cuBLAS.
 
 The registered op routes: a weight shape and row count that tools/lab_gemm.py measured faster than cuBLAS on the
-H100 (`TUNED`) runs this kernel with the config that won; every other call goes to cuBLAS (F.linear), which won
-there or was not measured. `config=` runs the kernel whatever the table says (tests, tuning).
+H100 (`TUNED`) runs this kernel with the config that won; every other call goes to cuBLAS, which won there or was
+not measured: through kernels/cublaslt.py, which runs the library's fastest measured algorithm where its own
+table has one and F.linear elsewhere. `config=` runs the kernel whatever the table says (tests, tuning).
 """
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from appliance.kernels import cublaslt
 from appliance.kernels.reference.linear import SKINNY_GEMM_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import INTERPRET, capability, mma, pdl_kwargs
@@ -175,7 +176,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 config: SkinnyGemmConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; M <= MAX_M, x, weight and bias all fp16
     or all bf16. Without `config`: the kernel where TUNED has a winner for this GPU, shape and row count, else
-    F.linear (cuBLAS). `config` runs the kernel with it (tests, tuning)."""
+    cuBLAS (kernels/cublaslt.py). `config` runs the kernel with it (tests, tuning)."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_gemm: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} "
                          "(expected x [M, K] and weight [N, K])")
@@ -191,8 +192,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError("skinny_gemm: the weight's K axis must be contiguous")
     # TUNED holds for sm_90 (H100 / H200): elsewhere nothing was measured
     cfg = config or (tuned_config(m, n, k) if x.is_cuda and capability(x) == (9, 0) else None)
-    if cfg is None:
-        return F.linear(x, weight, bias)
+    if cfg is None:  # cuBLAS: with the algorithm measured fastest where cublaslt.TUNED has one
+        return cublaslt.linear(x, weight, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:

@@ -1,0 +1,328 @@
+"""cuBLASLt with a chosen algorithm, for the decode GEMMs where cuBLAS's own pick measured slower.
+
+F.linear asks cuBLAS for y = x W^T and cuBLAS picks its kernel (tile, pipeline stages, thread-block cluster)
+with a heuristic. At the odd row counts a decode step runs (a capture size such as 216 rows), the pick is not
+the fastest: on the H100, Llama-3.1-8B's down_proj at 216 rows ran 62.5 us with cuBLAS's pick and 52.5 with
+another of the library's own kernels, o_proj 19.9 against 16.5 (tools/lab_cublaslt.py, docs/kernels.md
+"cuBLASLt algorithms"). This module calls the same library through its cuBLASLt interface with the algorithm
+that won (`TUNED`, a measured table per weight shape and row count) and leaves every other call to F.linear.
+
+Why ctypes rather than an extension: torch already maps libcublasLt into the process (F.linear runs on it), so
+calling it needs no build step and no second copy of the library; the handful of calls below are the whole
+interface. The algorithms are stored as their configuration ids (tile, stages, cluster shape ...) and rebuilt
+with cublasLtMatmulAlgoInit + ConfigSetAttribute, then cublasLtMatmulAlgoCheck must accept them for the problem
+and ask for no workspace (so that no two streams can share one); anything else falls back to F.linear, once
+logged. Only sm_90 (where the table was measured), bf16, 2-D inputs with contiguous rows and no bias take it.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENABLED = True  # lab switch (tools/lab_ab.py --knob appliance.kernels.cublaslt.ENABLED=True,False), read per call
+COMPUTE_32F, R_32F, R_16BF, OP_N, OP_T = 68, 0, 14, 0, 1  # cublasComputeType_t, cudaDataType_t, cublasOperation_t
+DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE = 3, 4, 1
+# cublasLtMatmulAlgoConfigAttributes_t ids and the byte width of each value
+CONFIG_ATTRS = {"algo_id": (0, 4), "tile": (1, 4), "splitk": (2, 4), "reduction": (3, 4), "swizzle": (4, 4),
+                "custom": (5, 4), "stages": (6, 4), "inner": (7, 2), "cluster": (8, 2)}
+
+
+@dataclass(frozen=True)
+class LtAlgo:
+    """One cuBLASLt algorithm as its configuration ids (cublasLtMatmulTile_t, cublasLtMatmulStages_t, ...)."""
+    tile: int
+    stages: int
+    cluster: int
+    custom: int = 0
+    swizzle: int = 0
+    splitk: int = 1
+    reduction: int = 0
+    inner: int = 0
+    algo_id: int = 66
+
+
+# (N, K) of the weight -> {rows: the algorithm that beat cuBLAS's pick there by >= 3%}; a row count not listed
+# goes to F.linear. From `tools/lab_cublaslt.py --emit` on the H100 (torch 2.11 + CUDA 13, session 13): the decode
+# capture sizes 24..256 of Llama-3.1-8B's linear layers, and of Qwen3-0.6B's where the Triton skinny GEMM does not
+# run. Rows are exact: a decode graph replays at its capture size.
+TUNED: dict[tuple[int, int], dict[int, LtAlgo]] = {  # comments: the confirmed speedup over F.linear
+    (6144, 4096): {
+        24: LtAlgo(tile=143, stages=35, cluster=4),  # 1.058x
+        32: LtAlgo(tile=16, stages=35, cluster=3, custom=3),  # 1.063x
+        40: LtAlgo(tile=27, stages=35, cluster=4, custom=2),  # 1.069x
+        48: LtAlgo(tile=27, stages=35, cluster=4, custom=2),  # 1.063x
+        56: LtAlgo(tile=164, stages=35, cluster=7, custom=2),  # 1.063x
+        72: LtAlgo(tile=164, stages=35, cluster=7, custom=2),  # 1.037x
+        176: LtAlgo(tile=33, stages=35, cluster=5, custom=3),  # 1.113x
+        208: LtAlgo(tile=403, stages=35, cluster=5, custom=3),  # 1.033x
+        216: LtAlgo(tile=165, stages=35, cluster=7, custom=2),  # 1.034x
+        224: LtAlgo(tile=165, stages=35, cluster=7, custom=2),  # 1.19x
+        232: LtAlgo(tile=28, stages=35, cluster=5),  # 1.131x
+        240: LtAlgo(tile=28, stages=35, cluster=5),  # 1.038x
+    },
+    (4096, 4096): {
+        136: LtAlgo(tile=317, stages=35, cluster=5, custom=1),  # 1.036x
+        152: LtAlgo(tile=318, stages=35, cluster=5, custom=1),  # 1.043x
+        168: LtAlgo(tile=319, stages=35, cluster=5, custom=1),  # 1.107x
+        176: LtAlgo(tile=319, stages=35, cluster=5, custom=1),  # 1.032x
+        184: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.124x
+        192: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.034x
+        200: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.152x
+        208: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.061x
+        216: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.178x
+        224: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.085x
+        232: LtAlgo(tile=322, stages=35, cluster=5, custom=1),  # 1.154x
+        240: LtAlgo(tile=322, stages=35, cluster=5, custom=1),  # 1.078x
+        248: LtAlgo(tile=18, stages=35, cluster=3, custom=1),  # 1.075x
+        256: LtAlgo(tile=18, stages=35, cluster=3, custom=1),  # 1.07x
+    },
+    (28672, 4096): {
+        32: LtAlgo(tile=35, stages=35, cluster=6, custom=1),  # 1.057x
+        40: LtAlgo(tile=35, stages=35, cluster=7, custom=1),  # 1.038x
+        48: LtAlgo(tile=220, stages=35, cluster=5),  # 1.047x
+        80: LtAlgo(tile=21, stages=35, cluster=6, custom=3),  # 1.043x
+        88: LtAlgo(tile=21, stages=35, cluster=7, custom=1),  # 1.049x
+        96: LtAlgo(tile=21, stages=35, cluster=7, custom=3),  # 1.056x
+        104: LtAlgo(tile=220, stages=35, cluster=2),  # 1.072x
+        112: LtAlgo(tile=21, stages=35, cluster=4, custom=1),  # 1.065x
+        120: LtAlgo(tile=220, stages=35, cluster=5),  # 1.076x
+        128: LtAlgo(tile=220, stages=35, cluster=3),  # 1.04x
+        136: LtAlgo(tile=492, stages=35, cluster=6, custom=3),  # 1.063x
+        144: LtAlgo(tile=493, stages=35, cluster=4, custom=1),  # 1.064x
+        152: LtAlgo(tile=29, stages=35, cluster=4, custom=1),  # 1.05x
+        160: LtAlgo(tile=493, stages=35, cluster=4, custom=1),  # 1.068x
+        192: LtAlgo(tile=32, stages=35, cluster=4, custom=4),  # 1.032x
+        208: LtAlgo(tile=412, stages=35, cluster=4, custom=5),  # 1.034x
+    },
+    (4096, 14336): {
+        24: LtAlgo(tile=313, stages=35, cluster=4, custom=1),  # 1.055x
+        32: LtAlgo(tile=312, stages=35, cluster=5, custom=3),  # 1.056x
+        40: LtAlgo(tile=92, stages=35, cluster=4),  # 1.062x
+        48: LtAlgo(tile=13, stages=35, cluster=5, custom=3),  # 1.057x
+        56: LtAlgo(tile=92, stages=35, cluster=4),  # 1.071x
+        64: LtAlgo(tile=92, stages=35, cluster=4),  # 1.061x
+        72: LtAlgo(tile=314, stages=35, cluster=5, custom=3),  # 1.08x
+        80: LtAlgo(tile=315, stages=35, cluster=5, custom=3),  # 1.087x
+        88: LtAlgo(tile=315, stages=35, cluster=5, custom=3),  # 1.092x
+        96: LtAlgo(tile=315, stages=35, cluster=5, custom=3),  # 1.106x
+        104: LtAlgo(tile=316, stages=35, cluster=5, custom=3),  # 1.099x
+        112: LtAlgo(tile=316, stages=35, cluster=5, custom=3),  # 1.097x
+        120: LtAlgo(tile=15, stages=35, cluster=5, custom=1),  # 1.102x
+        128: LtAlgo(tile=15, stages=35, cluster=3, custom=1),  # 1.185x
+        136: LtAlgo(tile=317, stages=35, cluster=3, custom=1),  # 1.114x
+        144: LtAlgo(tile=317, stages=35, cluster=5, custom=1),  # 1.122x
+        152: LtAlgo(tile=318, stages=35, cluster=5, custom=1),  # 1.118x
+        160: LtAlgo(tile=318, stages=35, cluster=5, custom=1),  # 1.12x
+        168: LtAlgo(tile=319, stages=35, cluster=5, custom=1),  # 1.099x
+        176: LtAlgo(tile=319, stages=35, cluster=5, custom=1),  # 1.144x
+        184: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.099x
+        192: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.138x
+        200: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.09x
+        208: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.133x
+        216: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.093x
+        224: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.187x
+        232: LtAlgo(tile=18, stages=35, cluster=3, custom=1),  # 1.183x
+        240: LtAlgo(tile=322, stages=35, cluster=5, custom=1),  # 1.152x
+        248: LtAlgo(tile=18, stages=35, cluster=3, custom=1),  # 1.139x
+        256: LtAlgo(tile=183, stages=35, cluster=9, custom=2),  # 1.122x
+    },
+    (4096, 1024): {
+        168: LtAlgo(tile=319, stages=35, cluster=5, custom=1),  # 1.062x
+        184: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.076x
+        192: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.044x
+        200: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.11x
+        208: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.075x
+        216: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.099x
+        224: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.06x
+        232: LtAlgo(tile=322, stages=35, cluster=5, custom=1),  # 1.122x
+        240: LtAlgo(tile=322, stages=35, cluster=5, custom=1),  # 1.098x
+        248: LtAlgo(tile=17, stages=35, cluster=5),  # 1.067x
+        256: LtAlgo(tile=17, stages=35, cluster=5),  # 1.066x
+    },
+    (6144, 1024): {
+        104: LtAlgo(tile=164, stages=35, cluster=7, custom=2),  # 1.036x
+        224: LtAlgo(tile=208, stages=35, cluster=3, custom=1),  # 1.097x
+        232: LtAlgo(tile=28, stages=35, cluster=5),  # 1.112x
+        240: LtAlgo(tile=28, stages=35, cluster=5),  # 1.083x
+        248: LtAlgo(tile=28, stages=35, cluster=5),  # 1.044x
+    },
+    (1024, 3072): {
+        176: LtAlgo(tile=12, stages=35, cluster=4),  # 1.059x
+        200: LtAlgo(tile=314, stages=35, cluster=3, custom=1),  # 1.248x
+        208: LtAlgo(tile=316, stages=35, cluster=4, custom=3),  # 1.161x
+        224: LtAlgo(tile=15, stages=35, cluster=4, custom=3),  # 1.144x
+    },
+}
+
+
+class Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]  # cublasLtMatmulAlgo_t: opaque
+
+
+class Heuristic(ctypes.Structure):
+    _fields_ = [("algo", Algo), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]  # cublasLtMatmulHeuristicResult_t
+
+
+class LtError(RuntimeError):
+    pass
+
+
+def _library() -> ctypes.CDLL:
+    """The libcublasLt torch has mapped (initialising cuBLAS first), so both use one library version."""
+    torch.cuda.current_blas_handle()
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        for line in maps.read_text().splitlines():
+            if "libcublasLt.so" in line:
+                return ctypes.CDLL(line.split()[-1])
+    return ctypes.CDLL("libcublasLt.so")
+
+
+class Problem:
+    """y[m, n] = x[m, k] W[n, k]^T in cuBLASLt's column-major terms: D[n, m] = op(W)[n, k] x[k, m] with W
+    transposed, as torch itself calls it. Holds the descriptor and the A, B, C(=D) layouts."""
+
+    def __init__(self, lt: Lt, m: int, n: int, k: int) -> None:
+        self.m, self.n, self.k = m, n, k
+        self.desc = ctypes.c_void_p()
+        lt.ok(lt.lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, R_32F), "MatmulDescCreate")
+        for attr, op in ((DESC_TRANSA, OP_T), (DESC_TRANSB, OP_N)):
+            v = ctypes.c_int32(op)
+            lt.ok(lt.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(v), 4), "DescSetAttribute")
+        self.layouts = []
+        for rows, cols, ld in ((k, n, k), (k, m, k), (n, m, n)):
+            lay = ctypes.c_void_p()
+            lt.ok(lt.lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), R_16BF, ctypes.c_uint64(rows),
+                                                    ctypes.c_uint64(cols), ctypes.c_int64(ld)), "LayoutCreate")
+            self.layouts.append(lay)
+
+
+class Lt:
+    """One cuBLASLt handle and the calls the op and tools/lab_cublaslt.py need; every status is checked."""
+
+    def __init__(self) -> None:
+        self.lib = _library()
+        self.handle = ctypes.c_void_p()
+        self.ok(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "Create")
+
+    @staticmethod
+    def ok(status: int, what: str) -> None:
+        if status != 0:
+            raise LtError(f"cublasLt{what} returned status {status}")
+
+    def candidates(self, p: Problem, count: int) -> list[Heuristic]:
+        """The library's heuristic's best `count` algorithms for the problem that need no workspace."""
+        pref = ctypes.c_void_p()
+        self.ok(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
+        ws = ctypes.c_uint64(0)
+        self.ok(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE, ctypes.byref(ws), 8),
+                "MatmulPreferenceSetAttribute")
+        out, got = (Heuristic * count)(), ctypes.c_int(0)
+        a, b, c = p.layouts
+        self.ok(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, p.desc, a, b, c, c, pref, count, out,
+                                                        ctypes.byref(got)), "MatmulAlgoGetHeuristic")
+        self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        return [out[i] for i in range(got.value) if out[i].state == 0]
+
+    def describe(self, algo: Algo) -> LtAlgo:
+        values = {}
+        for name, (attr, size) in CONFIG_ATTRS.items():
+            v, written = ctypes.c_uint64(0), ctypes.c_size_t(0)
+            self.ok(self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), size,
+                                                                  ctypes.byref(written)), f"AlgoConfigGet {name}")
+            values[name] = int(v.value)
+        return LtAlgo(**values)
+
+    def build(self, spec: LtAlgo) -> Algo:
+        """The algorithm with `spec`'s configuration (AlgoInit, then every id set)."""
+        algo = Algo()
+        self.ok(self.lib.cublasLtMatmulAlgoInit(self.handle, COMPUTE_32F, R_32F, R_16BF, R_16BF, R_16BF, R_16BF,
+                                                spec.algo_id, ctypes.byref(algo)), "MatmulAlgoInit")
+        for f in fields(LtAlgo):
+            if f.name == "algo_id":
+                continue
+            attr, size = CONFIG_ATTRS[f.name]
+            v = (ctypes.c_uint16 if size == 2 else ctypes.c_uint32)(getattr(spec, f.name))
+            self.ok(self.lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), size),
+                    f"AlgoConfigSet {f.name}")
+        return algo
+
+    def workspace(self, p: Problem, algo: Algo) -> int | None:
+        """Workspace bytes `algo` needs for the problem; None when it cannot run it."""
+        out = Heuristic()
+        a, b, c = p.layouts
+        st = self.lib.cublasLtMatmulAlgoCheck(self.handle, p.desc, a, b, c, c, ctypes.byref(algo), ctypes.byref(out))
+        return int(out.workspace) if st == 0 else None
+
+    def matmul(self, p: Problem, algo: Algo, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+        """y = x w^T on the current stream (capturable: it only launches kernels), no workspace."""
+        one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        a, b, c = p.layouts
+        stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
+        self.ok(self.lib.cublasLtMatmul(
+            self.handle, p.desc, ctypes.byref(one), ctypes.c_void_p(w.data_ptr()), a, ctypes.c_void_p(x.data_ptr()),
+            b, ctypes.byref(zero), ctypes.c_void_p(y.data_ptr()), c, ctypes.c_void_p(y.data_ptr()), c,
+            ctypes.byref(algo), None, ctypes.c_size_t(0), stream), "Matmul")
+
+
+_LT: dict[int, Lt] = {}  # device index -> handle
+_READY: dict[tuple[int, int, int, int], tuple[Problem, Algo] | None] = {}  # (device, m, n, k) -> built, or refused
+
+
+def handle(device: torch.device) -> Lt:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _LT:
+        with torch.cuda.device(index):
+            _LT[index] = Lt()
+    return _LT[index]
+
+
+def _prepare(x: torch.Tensor, n: int, k: int, spec: LtAlgo) -> tuple[Problem, Algo] | None:
+    m = x.shape[0]
+    key = (x.device.index or 0, m, n, k)
+    if key not in _READY:
+        try:
+            lt = handle(x.device)
+            p = Problem(lt, m, n, k)
+            algo = lt.build(spec)
+            need = lt.workspace(p, algo)
+            if need != 0:
+                raise LtError(f"cublasLtMatmulAlgoCheck: {'refused' if need is None else f'{need} B of workspace'}")
+            _READY[key] = (p, algo)
+        except (LtError, OSError, AttributeError) as e:  # no library, symbol or algorithm: cuBLAS's own pick
+            log.warning("cuBLASLt algorithm %s for [%d, %d] x [%d, %d]^T not usable (%s); using F.linear",
+                        spec, m, k, n, k, e)
+            _READY[key] = None
+    return _READY[key]
+
+
+def tuned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LtAlgo | None:
+    """The measured algorithm for this call, or None (F.linear): sm_90, bf16, no bias, plain row-major operands,
+    a (shape, rows) pair in TUNED."""
+    if not (ENABLED and x.is_cuda and bias is None and x.dtype == torch.bfloat16 == weight.dtype
+            and x.dim() == 2 == weight.dim() and x.is_contiguous() and weight.is_contiguous()):
+        return None
+    spec = TUNED.get((weight.shape[0], weight.shape[1]), {}).get(x.shape[0])
+    if spec is None:
+        return None
+    from appliance.kernels.triton.common import capability  # cached per device
+
+    return spec if capability(x) == (9, 0) else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) with the tuned cuBLASLt algorithm where TUNED has one for this call, else F.linear."""
+    spec = tuned(x, weight, bias)
+    ready = _prepare(x, weight.shape[0], weight.shape[1], spec) if spec is not None else None
+    if ready is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    handle(x.device).matmul(ready[0], ready[1], x, weight, y)
+    return y
