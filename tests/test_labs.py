@@ -1,6 +1,6 @@
 """The lab tools of this session's measurements on the CPU (--smoke: tiny shapes; the GPU gives the figures):
 lab_ab's token comparison and A/B runs, lab_eager's per-run eager-step timings, its --forward table and its
-first-run excess, lab_blas' GEMM table."""
+first-run excess, lab_blas' GEMM table, lab_prefill's config check."""
 from __future__ import annotations
 
 import json
@@ -68,3 +68,14 @@ def test_lab_blas_table() -> None:
     assert len(rows) == 8 * 2 and all({"cublas_us", "cublaslt_us"} <= set(r) for r in rows)
     result = json.loads(next(x for x in lines if x.startswith("RESULT "))[len("RESULT "):])
     assert set(result) == {f"{m}.m{r}.{b}" for m in ("llama", "qwen") for r in (8, 16) for b in ("cublas", "cublaslt")}
+
+
+def test_lab_prefill_checks_every_config_against_the_registered_one() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "lab_prefill.py"), "--smoke", "--configs",
+                           "64:64:4:2,16:16:4:2,32:64:4:1"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert rows[0]["case"] == "smoke" and rows[0]["registered_vs_reference"] <= 2e-2
+    assert [r["config"] for r in rows[1:]] == ["64:64:4:2", "16:16:4:2", "32:64:4:1"]
+    assert rows[1]["err"] == 0.0 and all(r["err"] <= 2e-2 for r in rows[2:])  # bf16 outputs of order one

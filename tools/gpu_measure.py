@@ -177,6 +177,21 @@ def replay_ms(replay: Any, reps: int, after: Any = None) -> float:
     return statistics.median(times)
 
 
+def graph_call_us(call: Any, copies: int, reps: int = 5) -> float:
+    """Per-call microseconds of `call(i)` for i over `copies` (weight copies that exceed L2, so each call reads
+    HBM), captured in one CUDA graph after two warm-up calls: median of `reps` replays, divided by the copies."""
+    import torch
+
+    for i in range(min(2, copies)):
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    return round(replay_ms(graph.replay, reps) * 1e3 / copies, 2)
+
+
 def _replay_ms(runner: Any) -> Any:
     """GPU time of the last decode graph replayed, on its last inputs (median of 20, CUDA events): the step
     time without the host's share (input building, sampling, scheduling)."""

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_measure import replay_ms
+from gpu_measure import graph_call_us
 
 SHAPES = {  # name -> (N, K) of y = x W^T
     "llama.qkv": (6144, 4096), "llama.o": (4096, 4096), "llama.gate_up": (28672, 4096), "llama.down": (4096, 14336),
@@ -37,14 +37,7 @@ def time_linear(m: int, n: int, k: int, backend: str, smoke: bool) -> float:
     if dev == "cpu":
         return 0.0
     torch.backends.cuda.preferred_blas_library(backend)
-    for w in ws[:2]:
-        F.linear(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in ws:
-            F.linear(x, w)
-    return round(replay_ms(graph.replay, 5) * 1e3 / copies, 2)
+    return graph_call_us(lambda i: F.linear(x, ws[i]), copies)
 
 
 def main() -> int:

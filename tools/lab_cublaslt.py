@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_measure import replay_ms
+from gpu_measure import graph_call_us
 
 from appliance.kernels import cublaslt as lt_mod
 from appliance.kernels.cublaslt import Algo, Lt, LtAlgo, Problem
@@ -54,18 +54,6 @@ def pool(lt: Lt, m: int, n: int, k: int, count: int) -> list[tuple[LtAlgo, Algo]
     return kept
 
 
-def graph_us(torch: Any, call: Any, copies: int) -> float:
-    """Per-call microseconds of `call(i)` for i over the weight copies, captured in one graph."""
-    for i in range(min(2, copies)):
-        call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            call(i)
-    return round(replay_ms(graph.replay, 5) * 1e3 / copies, 2)
-
-
 def sweep(lt: Lt, torch: Any, name: str, m: int, n: int, k: int, count: int) -> dict[str, Any]:
     import torch.nn.functional as F
 
@@ -82,7 +70,7 @@ def sweep(lt: Lt, torch: Any, name: str, m: int, n: int, k: int, count: int) -> 
         if not (y.float() - ref).abs().max().item() <= tol:
             wrong += 1
             continue
-        rows.append((graph_us(torch, lambda i, a=algo: lt.matmul(p, a, x, ws[i], y), copies), spec, algo))
+        rows.append((graph_call_us(lambda i, a=algo: lt.matmul(p, a, x, ws[i], y), copies), spec, algo))
     out: dict[str, Any] = {"shape": name, "rows": m, "candidates": len(rows), "wrong": wrong}
     if not rows:
         return out
@@ -90,8 +78,8 @@ def sweep(lt: Lt, torch: Any, name: str, m: int, n: int, k: int, count: int) -> 
     us, spec, algo = rows[0]
     again: dict[str, list[float]] = {"torch": [], "lt": []}
     for _ in range(3):  # a sweep's winner is biased low: time it again beside torch, alternating
-        again["torch"].append(graph_us(torch, lambda i: F.linear(x, ws[i]), copies))
-        again["lt"].append(graph_us(torch, lambda i: lt.matmul(p, algo, x, ws[i], y), copies))
+        again["torch"].append(graph_call_us(lambda i: F.linear(x, ws[i]), copies))
+        again["lt"].append(graph_call_us(lambda i: lt.matmul(p, algo, x, ws[i], y), copies))
     t, b = min(again["torch"]), min(again["lt"])
     return {**out, "torch_us": t, "lt_us": b, "speedup": round(t / b, 3), "sweep_us": us, "best": spec.__dict__,
             "next_us": [r[0] for r in rows[1:6]]}

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_measure import replay_ms
 
 DEFAULT_CONFIGS = ("64:64:4:2,128:64:8:3,128:64:4:3,128:32:4:3,64:64:4:3,128:128:8:2,64:128:4:2,128:64:8:2,"
                    "64:32:4:3")
@@ -48,20 +49,6 @@ def case(torch: Any, heads: tuple[int, int], lens: list[int], dev: str, page: in
 
 def run(prefill: Any, c: dict[str, Any]) -> Any:
     return prefill.prefill_attention(c["q"], c["k"], c["v"], c["cu"], c["lens"], c["bt"], 128 ** -0.5)
-
-
-def time_us(torch: Any, fn: Any, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -98,7 +85,7 @@ def main() -> int:
             row: dict[str, Any] = {"case": name, "config": ":".join(map(str, cfg))}
             try:
                 err = (run(prefill, c).float() - base).abs().max().item()
-                us = time_us(torch, lambda c=c: run(prefill, c), 3 if args.smoke else 20) if dev == "cuda" else 0.0
+                us = replay_ms(lambda c=c: run(prefill, c), 3 if args.smoke else 20) * 1e3 if dev == "cuda" else 0.0
                 row.update(us=round(us, 1), tflops=round(c["flops"] / us / 1e6, 1) if us else None, err=err)
             except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: a row, not a crash)
                 row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
