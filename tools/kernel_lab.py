@@ -203,6 +203,9 @@ def decode_cases(smoke: bool, only: str = "") -> dict[str, tuple[list[int], int,
         "qwen b256 uniform 540 (w1024)": ([540] * 256, 16, 8, 1024),
         "qwen b256 ragged 100-2048 (w2048)": (ragged_lens(256, 100, 2048, 0), 16, 8, 2048),
         "llama b200 ragged 1024-2048 (w2048)": (ragged_lens(200, 1024, 2048, 1), 32, 8, 2048),
+        # a wave of the 8B 1000-prompt run: 212 sequences admitted 8 per step, so within 26 tokens of each other
+        "llama b212 wave 1536-1562 (w2048)": (ragged_lens(212, 1536, 1562, 2), 32, 8, 2048),
+        "llama b212 wave 1100-1126 (w2048)": (ragged_lens(212, 1100, 1126, 3), 32, 8, 2048),
     }
     # the shrinking batches of the Qwen3 throughput run: fewer sequences, as ragged
     cases.update({f"qwen b{b} ragged 100-2048 (w2048)": (ragged_lens(b, 100, 2048, b), 16, 8, 2048)
