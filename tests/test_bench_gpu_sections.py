@@ -148,3 +148,22 @@ def test_run_profile_section_takes_the_llama_workload(tmp_path: Path) -> None:
     assert sec["status"] == "ok" and sec["workload"] == "llama-3.1-8b: 2 prompts"
     assert sec["plain"]["output_tokens"] == 2 * 64 and sec["plain"]["preemptions"] == 0
     assert set(sec["idle_gaps_profiled"]) == {"0-2 us", "2-10 us", "10-100 us", ">= 100 us"}
+
+
+def test_llama_sections_run_the_8b_recipes_step_budget(tmp_path: Path) -> None:
+    """The 8B runs as recipes/llama-3.1-8b.toml deploys it (its step budget, read as the config loader reads
+    it), or with the engine default under --engine-default-budget; the section records which."""
+    from appliance.config.loader import build_config
+    from appliance.config.recipes import recipe_path
+
+    want = build_config(recipe_path("llama-3.1-8b"), env={}).scheduler.chunked_prefill_size
+    assert bench_gpu.recipe_step_budget("llama-3.1-8b") == want
+    for extra, expect in (([], want), (["--engine-default-budget"], "engine default")):
+        out = tmp_path / f"bench{len(extra)}.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--smoke", "--only",
+                               "llama_tput", "--tput-prompts", "32", "--budget-s", "200", "--json", str(out),
+                               *extra], capture_output=True, text=True, timeout=260)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        sec = json.loads(out.read_text())["llama_tput"]
+        assert sec["status"] == "ok" and sec["chunked_prefill_size"] == expect
+        assert sec["tput_graphs"]["output_tokens"] == 32 * 64  # smoke: 64 output tokens each

@@ -26,7 +26,9 @@ freed):
            output tok/s with graphs and (budget allowing) eager
   llama    Llama-3.1-8B (dummy): batch 1, 1024 in / 256 out, mean time per output token (graphs and eager, and
            the weight-read floor = weight bytes read per step / copy bandwidth); then N x 1024 in / 1024 out,
-           ignore_eos, output tok/s (N = 1000, or --tput-prompts; --quick uses 256 and the table says so)
+           ignore_eos, output tok/s (N = 1000, or --tput-prompts; --quick uses 256 and the table says so). With
+           the step budget of recipes/llama-3.1-8b.toml (scheduler.chunked_prefill_size), as the 8B ships;
+           --engine-default-budget: the engine default
   llama_tput  the llama section without its batch-1 part: N x 1024/1024 only (N = 1000 unless --tput-prompts)
   profile  torch.profiler over 20 decode steps of --profile-batch (256) running --profile-preset requests
            (profile.txt)
@@ -170,9 +172,11 @@ def section_llama(rec: Recorder, args: argparse.Namespace, b1: bool = True) -> N
     cfg = TINY if args.smoke else PRESETS["llama-3.1-8b"]
     k = 16 if args.smoke else 1
     deadline = time.monotonic() + args.section_budget
+    budget = {} if args.engine_default_budget else {"chunked_prefill_size": recipe_step_budget("llama-3.1-8b")}
+    rec["chunked_prefill_size"] = budget.get("chunked_prefill_size", "engine default")
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        llm = _llm(cfg, Path(tmp))
+        llm = _llm(cfg, Path(tmp), **budget)
         rec["init_s"] = round(time.perf_counter() - t, 1)
     rec["runner_warmup_s"] = round(llm.executor.runner.warmup_s, 1)
     runner = llm.executor.runner
@@ -195,6 +199,16 @@ def section_llama(rec: Recorder, args: argparse.Namespace, b1: bool = True) -> N
     n = max(16, min(n, int((left - 25) * 4000 / (1024 // k) / 1.3)))
     rec["tput_prompts"] = n
     rec["tput_graphs"] = _throughput(llm, *llama_workload(vocab, n, k))
+
+
+def recipe_step_budget(name: str) -> int:
+    """scheduler.chunked_prefill_size of the shipped recipe `name`: the 8B runs as its recipe deploys it
+    (recipes/llama-3.1-8b.toml: 1024, docs/benchmarks.md fourteenth run); --engine-default-budget runs 8192."""
+    import tomllib
+
+    from appliance.config.recipes import recipe_path
+
+    return int(tomllib.loads(recipe_path(name).read_text())["scheduler"]["chunked_prefill_size"])
 
 
 def _llama_b1(rec: Recorder, llm: Any, vocab: int, k: int) -> None:
@@ -231,7 +245,8 @@ def _run_section(name: str, args: argparse.Namespace, budget: float, workdir: Pa
            "--hf-seqs", str(args.hf_seqs), "--profile-preset", args.profile_preset, "--profile-prompt",
            str(args.profile_prompt), "--profile-batch", str(args.profile_batch)] + \
           (["--quick"] if args.quick else []) + \
-          (["--smoke"] if args.smoke else []) + (["--no-overlap"] if args.no_overlap else [])
+          (["--smoke"] if args.smoke else []) + (["--no-overlap"] if args.no_overlap else []) + \
+          (["--engine-default-budget"] if args.engine_default_budget else [])
     print(f"== {name} (limit {budget:.0f} s)", flush=True)
     t = time.perf_counter()
     # its own process group: a time-out reaches everything the section started (the serving section's server);
@@ -344,6 +359,8 @@ def main() -> None:
     p.add_argument("--profile-batch", type=int, default=256, help="profile: running requests")
     p.add_argument("--json", default=None)
     p.add_argument("--no-overlap", action="store_true", help="the synchronous loop (default: overlap, as served)")
+    p.add_argument("--engine-default-budget", action="store_true",
+                   help="llama sections: the engine's default step budget instead of the 8B recipe's")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks this script, not speed")
     p.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)
     p.add_argument("--section-json", help=argparse.SUPPRESS)
