@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 bench_gpu = importlib.import_module("bench_gpu")
 serving = importlib.import_module("gpu_sections_serving")
 hf = importlib.import_module("gpu_sections_hf")
+measure = importlib.import_module("gpu_measure")
 
 
 def test_word_tokenizer_covers_the_vocabulary_and_round_trips(tmp_path: Path) -> None:
@@ -157,7 +158,7 @@ def test_llama_sections_run_the_8b_recipes_step_budget(tmp_path: Path) -> None:
     from appliance.config.recipes import recipe_path
 
     want = build_config(recipe_path("llama-3.1-8b"), env={}).scheduler.chunked_prefill_size
-    assert bench_gpu.recipe_step_budget("llama-3.1-8b") == want
+    assert measure.recipe_step_budget("llama-3.1-8b") == want
     for extra, expect in (([], want), (["--engine-default-budget"], "engine default")):
         out = tmp_path / f"bench{len(extra)}.json"
         proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--smoke", "--only",

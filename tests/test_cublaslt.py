@@ -17,7 +17,8 @@ from appliance.kernels.cublaslt import TUNED, LtAlgo
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS, SKINNY_GEMM_MAX_ROWS
 
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                reason="needs an sm_90 GPU (the table holds for sm_90)")
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -66,11 +67,9 @@ def test_skinny_op_falls_back_through_cublaslt_on_cpu(monkeypatch: pytest.Monkey
 
 
 @gpu
-@needs_cuda
+@needs_sm90
 @pytest.mark.parametrize("shape", sorted(TUNED))
 def test_gpu_every_tuned_algorithm_runs_and_matches(shape: tuple[int, int]) -> None:
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the table holds for sm_90")
     n, k = shape
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
@@ -83,10 +82,8 @@ def test_gpu_every_tuned_algorithm_runs_and_matches(shape: tuple[int, int]) -> N
 
 
 @gpu
-@needs_cuda
+@needs_sm90
 def test_gpu_captured_graph_replays_on_new_inputs() -> None:
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the table holds for sm_90")
     (n, k), by_rows = max(TUNED.items(), key=lambda kv: len(kv[1]))
     m = max(by_rows)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
@@ -104,10 +101,8 @@ def test_gpu_captured_graph_replays_on_new_inputs() -> None:
 
 
 @gpu
-@needs_cuda
+@needs_sm90
 def test_gpu_skinny_op_runs_the_tuned_algorithm() -> None:
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the table holds for sm_90")
     from appliance.kernels.triton.skinny_gemm import skinny_gemm, tuned_config
 
     (n, k), by_rows = next((s, r) for s, r in TUNED.items() if any(tuned_config(m, *s) is None for m in r))

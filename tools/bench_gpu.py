@@ -80,6 +80,7 @@ from gpu_measure import (
     _weight_bytes,
     llama_workload,
     qwen_workload,
+    recipe_step_budget,
 )
 
 SECTION_CAPS = {"copy": 60, "tiny": 90, "qwen": 170, "llama": 300, "llama_tput": 480, "profile": 120,
@@ -199,16 +200,6 @@ def section_llama(rec: Recorder, args: argparse.Namespace, b1: bool = True) -> N
     n = max(16, min(n, int((left - 25) * 4000 / (1024 // k) / 1.3)))
     rec["tput_prompts"] = n
     rec["tput_graphs"] = _throughput(llm, *llama_workload(vocab, n, k))
-
-
-def recipe_step_budget(name: str) -> int:
-    """scheduler.chunked_prefill_size of the shipped recipe `name`: the 8B runs as its recipe deploys it
-    (recipes/llama-3.1-8b.toml: 1024, docs/benchmarks.md fourteenth run); --engine-default-budget runs 8192."""
-    import tomllib
-
-    from appliance.config.recipes import recipe_path
-
-    return int(tomllib.loads(recipe_path(name).read_text())["scheduler"]["chunked_prefill_size"])
 
 
 def _llama_b1(rec: Recorder, llm: Any, vocab: int, k: int) -> None:

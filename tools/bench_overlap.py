@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import PRESETS
-from gpu_measure import qwen_workload
+from gpu_measure import qwen_requests
 
 
 def llm_for(cfg: dict, tmp: Path, **kw: object):
@@ -68,9 +68,7 @@ def main() -> None:
     res["mixed_b8_overlap_eq_sync"] = sum(a == b for a, b in zip(got[False], got[True]))
     print(json.dumps(res), flush=True)
     if which == "qwen":
-        ids, out_lens = qwen_workload(V)
-        prompts = [{"prompt_token_ids": p} for p in ids]
-        params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+        prompts, params = qwen_requests(V, 256)
         for ov in (True, False, True):
             llm.engine.overlap = ov
             _, el, nt = gen(llm, prompts, params)

@@ -62,12 +62,26 @@ def qwen_workload(vocab: int, n: int = 256, k: int = 1, seed: int = 0) -> tuple[
 def qwen_requests(vocab: int, n: int, max_out: int | None = None) -> tuple[list[dict[str, list[int]]], list[Any]]:
     """qwen_workload as generate() takes it: n prompts and their SamplingParams (temperature 1, ignore_eos);
     max_out caps the output lengths (smoke runs)."""
-    from appliance import SamplingParams
-
     ids, out_lens = qwen_workload(vocab, n)
     return ([{"prompt_token_ids": p} for p in ids],
-            [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m if max_out is None else min(m, max_out),
-                            ignore_eos=True) for m in out_lens])
+            run_params(out_lens if max_out is None else [min(m, max_out) for m in out_lens]))
+
+
+def run_params(out_lens: list[int]) -> list[Any]:
+    """The throughput runs' SamplingParams: random sampling (temperature 1), ignore_eos, one per output length."""
+    from appliance import SamplingParams
+
+    return [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+
+
+def recipe_step_budget(name: str) -> int:
+    """scheduler.chunked_prefill_size of the shipped recipe `name`: the 8B runs as its recipe deploys it
+    (recipes/llama-3.1-8b.toml: 1024, docs/benchmarks.md fourteenth run)."""
+    import tomllib
+
+    from appliance.config.recipes import recipe_path
+
+    return int(tomllib.loads(recipe_path(name).read_text())["scheduler"]["chunked_prefill_size"])
 
 
 def llama_workload(vocab: int, n: int, k: int = 1, seed: int = 0) -> tuple[list[dict[str, list[int]]], list[int]]:
@@ -96,9 +110,7 @@ def _greedy_equal(llm: Any, rng: random.Random, vocab: int, n: int, lens: list[i
 
 
 def _throughput(llm: Any, prompts: list[dict[str, list[int]]], out_lens: list[int]) -> dict[str, float]:
-    from appliance import SamplingParams
-
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    params = run_params(out_lens)
     # time inside executor.execute (runner host work + GPU) vs the rest of engine.step (scheduler only: the GPU
     # idles then, the loop being synchronous); with overlap, execute runs on the step thread beside the scheduler,
     # so the difference means nothing and is left out

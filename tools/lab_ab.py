@@ -37,6 +37,7 @@ from gpu_measure import (
     _tpot,
     llama_workload,
     qwen_requests,
+    run_params,
 )
 
 DEFAULT_KNOB = "appliance.kernels.triton.common.PDL=True,False"
@@ -170,11 +171,8 @@ def main() -> int:
     result["equal"] = equality(llm, knob, vocab, [1, 8] if args.smoke else [1, 8, 40, 130], 8 if args.smoke else 48)
     print(json.dumps(result["equal"]), flush=True)
     if args.preset == "llama-3.1-8b" and args.tput_prompts and not args.smoke:
-        from appliance import SamplingParams
-
         prompts, lens = llama_workload(vocab, args.tput_prompts)
-        params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True) for n in lens]
-        result["tput"] = tput(llm, knob, prompts, params, args.rounds, warm=False)
+        result["tput"] = tput(llm, knob, prompts, run_params(lens), args.rounds, warm=False)
     elif args.preset == "llama-3.1-8b" and not args.smoke:
         result["b1"] = llama_b1(llm, knob, vocab, args.rounds, 1)
     else:
