@@ -1,7 +1,6 @@
-"""tools/sim_tput.py: the modelled run accounts for every token, the roofline fit meets the measured steps, the
-finish-time admission it can try admits a request the static reservation refuses, without a preemption, and the
-ramp and partial-reservation what-ifs do what they say. Runs in subprocesses: the what-if patches the
-engine's classes for its whole process."""
+"""tools/sim_tput.py: the modelled run accounts for every token, the roofline fit meets the measured steps, and
+the ramp, partial-reservation and sum-only what-ifs do what they say. Runs in subprocesses: a what-if patches
+the engine's classes for its whole process. (The finish-time admission itself is tested in test_admission.py.)"""
 from __future__ import annotations
 
 import json
@@ -10,60 +9,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-SCENARIO = """
-import json, sys
-sys.path.insert(0, "tools")
-import sim_tput
-from appliance.engine import EngineConfig, EngineCore, SamplingParams
-head_start = int(sys.argv[2])
-if sys.argv[1] == "finish-time":
-    sim_tput.finish_time_admission()
-cfg = EngineConfig(num_blocks=12, block_size=16, max_num_seqs=8, max_model_len=128, eos_token_ids={0},
-                   schedule_conservativeness=1.0)
-ex = sim_tput.CountingExecutor()
-core = EngineCore(cfg, ex, overlap=False)
-sp = SamplingParams(max_tokens=64, ignore_eos=True)  # 16-token prompts + 64 outputs: 5 blocks each
-core.add_request("r0", list(range(1, 17)), sp)
-for _ in range(head_start):  # r0 runs alone first (49 steps: its 5 blocks all held, 15 outputs left)
-    core.step()
-core.add_request("r1", list(range(21, 37)), sp)
-core.add_request("r2", list(range(41, 57)), sp)
-started = {}
-step = 0
-while core.has_work():
-    core.step()
-    step += 1
-    for rid in ("r1", "r2"):
-        req = core.get_request(rid)
-        if rid not in started and (req is None or req.num_computed_tokens > 0):
-            started[rid] = step
-print(json.dumps({"started": started, "preemptions": core.stats().num_preemptions}))
-"""
-
-
-def _scenario(what_if: str, head_start: int = 49) -> dict:
-    proc = subprocess.run([sys.executable, "-c", SCENARIO, what_if, str(head_start)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def test_finish_time_admission_starts_a_request_the_static_sum_holds_back() -> None:
-    static, simulated = _scenario("none"), _scenario("finish-time")
-    # static: r0 (15 left) + r1 + r2 (64 each) reserve 143 tokens, and 5 spare blocks hold 80: r2 waits for r0
-    assert static["started"]["r1"] == 1 and static["started"]["r2"] == 16
-    # simulated: r0 frees its 5 blocks after 15 steps, before r1 and r2 outgrow the pool: both start at once
-    assert simulated["started"] == {"r1": 1, "r2": 1}
-    assert static["preemptions"] == simulated["preemptions"] == 0
-
-
-def test_finish_time_admission_refuses_what_would_outgrow_the_pool() -> None:
-    """r0 with 40 outputs left: all three would hold 13 of the 12 blocks before r0 finishes, so r2 waits."""
-    simulated = _scenario("finish-time", head_start=25)
-    assert simulated["started"]["r1"] == 1 and simulated["started"]["r2"] > 1
-    assert simulated["preemptions"] == 0
-
 
 def _sim(*extra: str, blocks: int = 120) -> dict:
     args = ["--prompts", "40", "--input-len", "64", "--output-len", "32", "--num-blocks", str(blocks),
@@ -103,3 +48,13 @@ def test_ramp_spreads_admissions_and_reserve_trades_preemptions() -> None:
     assert ramp["preemptions"] == 0
     over = _sim("--what-if", "reserve:0.2", blocks=40)  # a fifth of the outputs reserved: more run, some recompute
     assert over["max_running"] > base["max_running"] and over["preemptions"] > 0 and over["recomputed_tokens"] > 0
+
+
+def test_sum_only_turns_the_finish_time_check_off() -> None:
+    """Staggered starts (a 64-token step budget admits one 64-token prompt per step) and a pool of 120 blocks,
+    5 whole requests of 64 + 256 tokens with their rounding: the finish-time check runs more at once than the sum
+    alone, without a preemption, in fewer steps."""
+    args = ("--input-len", "64", "--output-len", "256", "--chunk", "64")
+    on, off = _sim(*args, blocks=120), _sim(*args, "--what-if", "sum-only", blocks=120)
+    assert off["max_running"] == 5 < on["max_running"]
+    assert on["preemptions"] == off["preemptions"] == 0 and on["steps"] < 0.9 * off["steps"]

@@ -3,8 +3,8 @@
 the H100: how many steps a workload plans, how many requests run at once, and what that costs, without a GPU.
 
     python3 tools/sim_tput.py                        # the 8B benchmark: 1000 x 1024/1024 ignore_eos
-    python3 tools/sim_tput.py --what-if finish-time  # + SGLang's finish-time admission for ignore_eos requests
-    python3 tools/sim_tput.py --what-if ramp:0.25+finish-time --chunk 2048 --model roofline
+    python3 tools/sim_tput.py --what-if sum-only     # without the finish-time admission check (engine/admission.py)
+    python3 tools/sim_tput.py --what-if ramp:0.25 --chunk 2048 --model roofline
     python3 tools/sim_tput.py --sweep                # the admission variants of session 13, as a table
 
 Two step cost models (Llama-3.1-8B bf16, session 7's step times, docs/benchmarks.md "Eighth run"); both report.
@@ -17,9 +17,9 @@ at the knee's sharpness: p = 2.5 fits the three points best; --sweep also prices
 Either is a model of one shape on one GPU: use it to compare scheduling choices, not as a benchmark.
 
 What-ifs (joined with '+'; each monkeypatches the engine's classes for this process only):
-finish-time  admit an ignore_eos request also when the static reservation (engine/admission.py) says no, if a
-             simulation of the running requests' growth until each finishes (SGLang's
-             PrefillAdder.add_one_req_ignore_eos) never runs out of blocks, one block of margin per request.
+sum-only     admission by the reservation sum alone: the engine's finish-time check (engine/admission.py,
+             SGLang's PrefillAdder.add_one_req_ignore_eos simulation of when each running request frees its
+             blocks) turned off, as before session 14.
 ramp:R       admit at most R new requests per step on average (token bucket); preempted ones are exempt.
 reserve:F    reserve only F of the ignore_eos requests' remaining outputs: admit more, preempt (recompute) later.
 """
@@ -114,42 +114,6 @@ def roofline(steps: list[Step], p: float = 2.0, fixed: float = 0.0) -> float:
     return round(gemm + KV_NS * 1e-9 * sum(k for _, k, _ in steps), 2)
 
 
-def finish_time_admission() -> None:
-    """Wrap OutputReservation.fits with SGLang's finish-time simulation for ignore_eos requests (this process)."""
-    init, fits = scheduler.Scheduler.__init__, admission.OutputReservation.fits
-
-    def scheduler_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        if self._reserve is not None:
-            self._reserve.running = self.running
-
-    def simulated_fits(self: Any, req: Any, spare: int, extra: int = 0) -> bool:
-        if fits(self, req, spare, extra):
-            return True
-        if not req.sampling_params.ignore_eos:
-            return False
-        bs = self.block_size
-        rows = []  # (tokens left to generate, tokens now, blocks held), the new request included
-        for r in self.running:
-            done = len(r.output_token_ids) + r.num_pending
-            left = r.max_output_tokens - done
-            if not r.sampling_params.ignore_eos:
-                left = self.ratio * min(left, admission.CLIP_MAX_NEW_TOKENS)
-            if left > 0:
-                rows.append((left, r.num_prompt_tokens + done, len(r.block_ids)))
-        rows.append((req.max_output_tokens, req.num_tokens, -(-(req.num_tokens - extra) // bs)))
-        rows.sort()
-        tokens, held, alive, freed = sum(t for _, t, _ in rows), sum(h for _, _, h in rows), len(rows), 0
-        for left, t, h in rows:  # just before each finishes: the others have grown by its `left` too
-            if spare + freed < (tokens + alive * left) / bs + alive - held:
-                return False
-            freed, tokens, held, alive = freed + h, tokens - t, held - h, alive - 1
-        return True
-
-    scheduler.Scheduler.__init__ = scheduler_init
-    admission.OutputReservation.fits = simulated_fits
-
-
 def ramp_admission(rate: float) -> None:
     """At most `rate` new requests per step (token bucket of depth 1 + rate, so a fraction is not lost):
     requests admitted at different steps finish at different steps, which breaks the waves. Preempted requests
@@ -190,14 +154,14 @@ def reserve_fraction(frac: float) -> None:
 def apply_what_if(spec: str) -> None:
     for item in spec.split("+"):
         name, _, arg = item.partition(":")
-        if name == "finish-time":
-            finish_time_admission()
+        if name == "sum-only":
+            admission.FINISH_TIME = False
         elif name == "ramp":
             ramp_admission(float(arg))
         elif name == "reserve":
             reserve_fraction(float(arg))
         elif name != "none":
-            raise SystemExit(f"unknown --what-if {item!r}: none, finish-time, ramp:R, reserve:F")
+            raise SystemExit(f"unknown --what-if {item!r}: none, sum-only, ramp:R, reserve:F")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -206,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        chunked_prefill_size=args.chunk, max_model_len=args.input_len + args.output_len + 16,
                        eos_token_ids={0}, schedule_conservativeness=args.conservativeness)
     ex = CountingExecutor()
-    core = EngineCore(cfg, ex, overlap=False)
+    core = EngineCore(cfg, ex, overlap=args.overlap)
     sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     for i in range(args.prompts):
         core.add_request(f"r{i}", [1 + (i * 7 + j) % 1000 for j in range(args.input_len)], sp)
@@ -231,14 +195,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 # (what-if, chunk, max_num_seqs): the baseline, smaller chunks, the wave-breakers alone and combined, and (last)
 # what the 256-seat cap costs the staggered population
-SWEEP = [("none", 8192, 256), ("finish-time", 8192, 256), ("none", 2048, 256), ("none", 1024, 256),
-         ("none", 512, 256), ("ramp:0.25", 8192, 256), ("ramp:1", 8192, 256), ("ramp:0.25+finish-time", 8192, 256),
-         ("ramp:0.5+finish-time", 8192, 256), ("ramp:1+finish-time", 8192, 256),
-         ("ramp:0.25+finish-time", 1024, 256), ("ramp:0.25+finish-time", 512, 256), ("reserve:0.9", 8192, 256),
-         ("reserve:0.8", 8192, 256), ("reserve:0.7", 8192, 256), ("reserve:0.8", 1024, 256),
-         ("reserve:0.8+ramp:0.5", 8192, 256), ("reserve:0.9+finish-time", 8192, 256),
-         ("ramp:0.28+finish-time", 8192, 320), ("ramp:0.3+finish-time", 8192, 320),
-         ("ramp:0.28+finish-time", 1024, 320), ("ramp:0.28+finish-time", 512, 320)]
+SWEEP = [("sum-only", 8192, 256), ("none", 8192, 256), ("sum-only", 2048, 256), ("sum-only", 1024, 256),
+         ("sum-only", 512, 256), ("none", 512, 256), ("ramp:0.25+sum-only", 8192, 256),
+         ("ramp:1+sum-only", 8192, 256), ("ramp:0.25", 8192, 256), ("ramp:0.5", 8192, 256), ("ramp:1", 8192, 256),
+         ("ramp:0.25", 1024, 256), ("ramp:0.25", 512, 256), ("reserve:0.9+sum-only", 8192, 256),
+         ("reserve:0.8+sum-only", 8192, 256), ("reserve:0.7+sum-only", 8192, 256),
+         ("reserve:0.8+sum-only", 1024, 256), ("reserve:0.8+ramp:0.5+sum-only", 8192, 256),
+         ("reserve:0.9", 8192, 256), ("ramp:0.28", 8192, 320), ("ramp:0.3", 8192, 320), ("ramp:0.28", 1024, 320),
+         ("ramp:0.28", 512, 320)]
 
 
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -276,10 +240,12 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=8192, help="scheduler.chunked_prefill_size")
     ap.add_argument("--conservativeness", type=float, default=1.0, help="scheduler.schedule_conservativeness")
-    ap.add_argument("--what-if", default="none", help="none, finish-time, ramp:R, reserve:F, joined with '+'")
+    ap.add_argument("--what-if", default="none", help="none, sum-only, ramp:R, reserve:F, joined with '+'")
     ap.add_argument("--model", choices=("additive", "roofline"), default="additive",
                     help="which model gives total_s and output_tok_s (both are reported)")
     ap.add_argument("--roofline-p", type=float, default=2.0, help="the roofline's knee exponent")
+    ap.add_argument("--overlap", action="store_true",
+                    help="plan each step while the last is in flight, as the engine runs on a GPU by default")
     ap.add_argument("--sweep", action="store_true", help="run the SWEEP variants, print a markdown table")
     ap.add_argument("--jobs", type=int, default=2, help="--sweep: variants run at once")
     args = ap.parse_args()

@@ -33,6 +33,7 @@ hit does not cover (vLLM does the same).
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from itertools import islice
 
@@ -84,7 +85,8 @@ class Scheduler:
         self._num_spec = config.num_speculative_tokens
         # room reserved at admission for the running requests' outputs (admission.py); None: none, no bookkeeping
         c = config.schedule_conservativeness
-        self._reserve = OutputReservation(c, config.block_size) if c > 0 else None
+        self._reserve = (OutputReservation(c, config.block_size, self.running, self._shared_blocks,
+                                            config.step_token_budget) if c > 0 else None)
 
     # ---- admission ---------------------------------------------------------------------------------------
     def can_queue(self) -> bool:
@@ -223,7 +225,7 @@ class Scheduler:
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         spare = self.pool.num_available - need - revived  # blocks left after this chunk's
         rsv = self._reserve  # it also wants room for the rest of the prompt and the outputs (admission.py)
-        if spare < 0 or (rsv is not None and not rsv.fits(req, spare, req.num_tokens - num_hit - n)):
+        if spare < 0 or (rsv is not None and not rsv.fits(req, spare, req.num_tokens - num_hit - n, hit)):
             return False
         for b in hit:  # take the hits before allocating, so allocation cannot evict them
             self.pool.incref(b)
@@ -240,6 +242,12 @@ class Scheduler:
             self._reserve.admitted(req)
         st.issue_new(req, n)
         return True
+
+    def _shared_blocks(self, req: Request) -> int:
+        """How many of req's first blocks other requests hold too. Prefix hits share a table's first blocks, so
+        refcounts never rise along a table and the shared blocks are a prefix: found by bisection."""
+        ref = self.pool.refcount
+        return bisect_left(req.block_ids, True, key=lambda b: ref(b) <= 1)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
