@@ -23,6 +23,8 @@ def test_bench_on_tiny_config(bench, make_tiny_model, tmp_path):
     assert res["num_requests"] == 5 and res["output_tokens"] == 20 and res["input_tokens"] == 60
     assert res["total_tokens_per_s"] > res["output_tokens_per_s"] > 0
     assert json.loads(out_json.read_text())["output_tokens"] == 20
+    # 3 seats: two waves of 4 outputs at least; at most one step per token of each request alone
+    assert 8 <= res["steps"] <= 5 * (12 + 4)
 
 
 def test_bench_ranged_lengths(bench, make_tiny_model):

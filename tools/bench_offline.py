@@ -132,18 +132,21 @@ def run(argv: list[str] | None = None) -> dict[str, float]:
     out_lens = _lengths(rng, args.output_len, args.range_ratio, args.num_prompts)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in in_lens]
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    steps_before = llm.engine.stats().num_steps
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - start
+    steps = llm.engine.stats().num_steps - steps_before
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(in_lens)
     result = {"elapsed_s": elapsed, "num_requests": len(outs), "input_tokens": n_in, "output_tokens": n_out,
               "requests_per_s": len(outs) / elapsed, "output_tokens_per_s": n_out / elapsed,
               "total_tokens_per_s": (n_in + n_out) / elapsed, "preemptions": llm.engine.scheduler.num_preemptions,
-              "max_num_seqs": llm.engine.config.max_num_seqs, "num_blocks": llm.engine.config.num_blocks}
+              "max_num_seqs": llm.engine.config.max_num_seqs, "num_blocks": llm.engine.config.num_blocks,
+              "steps": steps}
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.2f} total tokens/s, "
           f"{result['output_tokens_per_s']:.2f} output tokens/s ({len(outs)} requests, {n_in} input + {n_out} "
-          f"output tokens in {elapsed:.2f} s; {result['preemptions']} preemptions, max_num_seqs "
+          f"output tokens in {elapsed:.2f} s, {steps} steps; {result['preemptions']} preemptions, max_num_seqs "
           f"{result['max_num_seqs']}, {result['num_blocks']} KV blocks)")
     if args.output_json:  # written now too: the throughput survives a failure of the batch-1 run
         Path(args.output_json).write_text(json.dumps(result, indent=2))

@@ -76,7 +76,7 @@ def run_params(out_lens: list[int]) -> list[Any]:
 
 def recipe_step_budget(name: str) -> int:
     """scheduler.chunked_prefill_size of the shipped recipe `name`: the 8B runs as its recipe deploys it
-    (recipes/llama-3.1-8b.toml: 1024, docs/benchmarks.md fourteenth run)."""
+    (recipes/llama-3.1-8b.toml: 640, docs/benchmarks.md fifteenth run)."""
     import tomllib
 
     from appliance.config.recipes import recipe_path
