@@ -1,8 +1,11 @@
-"""kernels/cublaslt.py: cuBLASLt with the measured algorithm per decode GEMM shape.
+"""kernels/cublaslt.py: cuBLASLt with the measured algorithm per decode GEMM shape, and cuBLAS at a measured
+better row count (PADDED) for larger batches.
 
-CPU: the table's form, the routing that sends everything but a tuned sm_90 bf16 call to F.linear, the skinny op
-reaching it. GPU (@pytest.mark.gpu): every TUNED entry is accepted by the library (not a silent fallback) and
-matches F.linear on random inputs; a captured graph replays it on new inputs; the skinny op runs it.
+CPU: the tables' form, the routing that sends everything but a tuned sm_90 bf16 call to F.linear, the padding
+(zero rows in, the real rows out; TUNED first), the skinny op and the layers' large batches reaching it. GPU
+(@pytest.mark.gpu): every TUNED entry is accepted by the library (not a silent fallback) and matches F.linear on
+random inputs; a captured graph replays it on new inputs; the skinny op runs it; every PADDED entry matches
+F.linear, also replayed from a graph.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.kernels import cublaslt
-from appliance.kernels.cublaslt import TUNED, LtAlgo
+from appliance.kernels.cublaslt import PADDED, TUNED, LtAlgo
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS, SKINNY_GEMM_MAX_ROWS
 
 gpu = pytest.mark.gpu
@@ -66,6 +69,52 @@ def test_skinny_op_falls_back_through_cublaslt_on_cpu(monkeypatch: pytest.Monkey
     assert calls == [torch.Size([40, 64])]
 
 
+def test_padded_table_pads_to_more_rows_past_the_skinny_op() -> None:
+    assert PADDED, "the table is empty"
+    for (n, k), by_rows in PADDED.items():
+        for rows, to in by_rows.items():
+            # the layers send only batches past the skinny op here; padding stays within 1.3x (what was measured)
+            assert SKINNY_GEMM_MAX_ROWS < rows < to <= 1.3 * rows and rows not in TUNED.get((n, k), {}), (n, k, rows)
+
+
+def test_padded_linear_keeps_the_real_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eligible call at a PADDED row count runs F.linear on zero-padded input and returns its own rows; an
+    ineligible call (CPU, bias) is not padded."""
+    seen: list[tuple[int, ...]] = []
+    real = F.linear
+    def recording(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append(tuple(x.shape))
+        return real(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recording)
+    monkeypatch.setitem(PADDED, (24, 16), {5: 8})
+    x, w = torch.randn(5, 16), torch.randn(24, 16)
+    assert torch.equal(cublaslt.linear(x, w), real(x, w)) and seen == [(5, 16)]  # CPU: not eligible
+    monkeypatch.setattr(cublaslt, "_eligible", lambda x, w, b: b is None)
+    seen.clear()
+    out = cublaslt.linear(x, w)
+    assert seen == [(8, 16)] and out.shape == (5, 24) and out.is_contiguous()
+    torch.testing.assert_close(out, real(x, w))
+    padded_input = torch.cat([x, torch.zeros(3, 16)])
+    assert torch.equal(out, real(padded_input, w)[:5])
+    seen.clear()
+    cublaslt.linear(x, w, torch.randn(24))
+    assert seen == [(5, 16)]
+
+
+def test_layers_send_large_batches_through_cublaslt_with_a_kernel_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance.layers.linear import matmul
+
+    calls = []
+    monkeypatch.setattr(cublaslt, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or F.linear(x, w, b))
+    skinny = lambda x, w, b=None: F.linear(x, w, b)  # noqa: E731 - a bound skinny op stands for a kernel backend
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    for rows in (SKINNY_GEMM_MAX_ROWS + 1, 448):
+        matmul(torch.randn(rows, 64, dtype=torch.bfloat16), w, None, None, skinny)
+    matmul(torch.randn(448, 64, dtype=torch.bfloat16), w, None, None, None)  # the torch backend: F.linear itself
+    assert calls == [SKINNY_GEMM_MAX_ROWS + 1, 448]
+
+
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("shape", sorted(TUNED))
@@ -112,3 +161,24 @@ def test_gpu_skinny_op_runs_the_tuned_algorithm() -> None:
     cublaslt._READY.pop((x.device.index, m, n, k), None)
     _close(skinny_gemm(x, w), F.linear(x, w))
     assert cublaslt._READY[(x.device.index, m, n, k)] is not None
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("shape", sorted(PADDED))
+def test_gpu_every_padded_row_count_matches_and_replays(shape: tuple[int, int]) -> None:
+    n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(n * k)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
+    for m in PADDED[shape]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        assert cublaslt.padded_rows(x, w, None) == PADDED[shape][m]
+        _close(cublaslt.linear(x, w), F.linear(x, w))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = cublaslt.linear(x, w)
+        x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert y.shape == (m, n)
+        _close(y, F.linear(x, w))

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """The cuBLASLt algorithms for the decode GEMMs, timed against F.linear (cuBLAS's own pick): fills
-appliance/kernels/cublaslt.py's TUNED table.
+appliance/kernels/cublaslt.py's TUNED table; with --pad, its PADDED table.
 
     python3 tools/lab_cublaslt.py [--rows 128,216,256] [--shapes llama] [--emit] [--min-gain 1.03]
+    python3 tools/lab_cublaslt.py ... [--workspace-mb 64] [--splitk 2,3,4]   # algorithms that need a workspace too
+    python3 tools/lab_cublaslt.py --pad 1.3 [--pad-max 8192] --emit --min-gain 1.05
 
 For each weight shape (N, K) and row count M (default: the decode capture sizes past the GEMV, 24..256 step 8),
 bf16, y = x W^T:
@@ -13,6 +15,10 @@ bf16, y = x W^T:
 - the fastest timed again beside F.linear, alternating, 3 rounds (best of each): the confirmed speedup.
 Prints one JSON line per shape and row count; with --emit, then the TUNED literal of the winners whose confirmed
 speedup is at least --min-gain. Qwen3's shapes skip the row counts the Triton skinny GEMM already takes.
+--workspace-mb lets candidates use a workspace, and --splitk adds split-K variants of the fastest 8 (the op itself
+passes no workspace: session 14 found neither faster at 208-224 rows). --pad times F.linear at every piecewise
+token bucket against padded_linear to each larger bucket within reach (PADDED: where cuBLAS's pick at M rows is
+slower than its pick at a few more).
 """
 from __future__ import annotations
 
@@ -37,40 +43,62 @@ SHAPES = {  # name -> (N, K) of y = x W^T
 OTHER_ROWS = (32, 64, 128, 160, 192, 224, 256, 384, 512, 1024)  # whose heuristic picks join every pool
 
 
-def pool(lt: Lt, m: int, n: int, k: int, count: int) -> list[tuple[LtAlgo, Algo]]:
-    """Workspace-free algorithms the library accepts for [m, k] x [n, k]^T, deduplicated by configuration."""
-    found = [h.algo for r in (m, *OTHER_ROWS) for h in lt.candidates(Problem(lt, r, n, k), count)]
+def pool(lt: Lt, m: int, n: int, k: int, count: int, ws: int) -> list[tuple[LtAlgo, Algo]]:
+    """Algorithms needing at most `ws` bytes of workspace that the library accepts for [m, k] x [n, k]^T,
+    deduplicated by configuration."""
+    found = [h.algo for r in (m, *OTHER_ROWS) for h in lt.candidates(Problem(lt, r, n, k), count, ws)]
     specs = {lt.describe(a) for a in found}
     clusters = {s.cluster for s in specs}
     specs |= {LtAlgo(**{**s.__dict__, "cluster": c}) for s in specs for c in clusters}
-    p, kept = Problem(lt, m, n, k), []
+    return accepted(lt, Problem(lt, m, n, k), specs, ws)
+
+
+def accepted(lt: Lt, p: Problem, specs: set[LtAlgo], ws: int) -> list[tuple[LtAlgo, Algo]]:
+    kept = []
     for spec in sorted(specs, key=lambda s: tuple(s.__dict__.values())):
         try:
             algo = lt.build(spec)
         except lt_mod.LtError:
             continue
-        if lt.workspace(p, algo) == 0:
+        need = lt.workspace(p, algo)
+        if need is not None and need <= ws:
             kept.append((spec, algo))
     return kept
 
 
-def sweep(lt: Lt, torch: Any, name: str, m: int, n: int, k: int, count: int) -> dict[str, Any]:
+def split_variants(specs: list[LtAlgo], splits: list[int]) -> set[LtAlgo]:
+    """Each spec with split-K factors and every reduction scheme (in place, compute type, output type)."""
+    return {LtAlgo(**{**s.__dict__, "splitk": f, "reduction": r}) for s in specs for f in splits for r in (1, 2, 4)}
+
+
+def sweep(lt: Lt, torch: Any, name: str, m: int, n: int, k: int, count: int, ws: int = 0,
+          splits: tuple[int, ...] = ()) -> dict[str, Any]:
     import torch.nn.functional as F
 
     copies = max(2, -(-200 * 2**20 // (n * k * 2)))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    ref = F.linear(x, ws[0]).float()
+    ref = F.linear(x, weights[0]).float()
     tol = 1e-2 * ref.abs().max().item()  # bf16 output rounding is 2^-8 relative
     p = Problem(lt, m, n, k)
+    buf = torch.empty(max(ws, 1), dtype=torch.uint8, device="cuda") if ws else None
     rows, wrong = [], 0
-    for spec, algo in pool(lt, m, n, k, count):
-        lt.matmul(p, algo, x, ws[0], y)
-        if not (y.float() - ref).abs().max().item() <= tol:
-            wrong += 1
-            continue
-        rows.append((graph_call_us(lambda i, a=algo: lt.matmul(p, a, x, ws[i], y), copies), spec, algo))
+
+    def run(candidates: list[tuple[LtAlgo, Algo]]) -> None:
+        nonlocal wrong
+        for spec, algo in candidates:
+            lt.matmul(p, algo, x, weights[0], y, buf)
+            if not (y.float() - ref).abs().max().item() <= tol:
+                wrong += 1
+                continue
+            rows.append((graph_call_us(lambda i, a=algo: lt.matmul(p, a, x, weights[i], y, buf), copies), spec,
+                         algo))
+
+    run(pool(lt, m, n, k, count, ws))
+    if splits:  # split-K factors on the fastest few: the heuristic rarely offers them
+        rows.sort(key=lambda r: r[0])
+        run(accepted(lt, p, split_variants([r[1] for r in rows[:8]], list(splits)), ws))
     out: dict[str, Any] = {"shape": name, "rows": m, "candidates": len(rows), "wrong": wrong}
     if not rows:
         return out
@@ -78,10 +106,11 @@ def sweep(lt: Lt, torch: Any, name: str, m: int, n: int, k: int, count: int) -> 
     us, spec, algo = rows[0]
     again: dict[str, list[float]] = {"torch": [], "lt": []}
     for _ in range(3):  # a sweep's winner is biased low: time it again beside torch, alternating
-        again["torch"].append(graph_call_us(lambda i: F.linear(x, ws[i]), copies))
-        again["lt"].append(graph_call_us(lambda i: lt.matmul(p, algo, x, ws[i], y), copies))
+        again["torch"].append(graph_call_us(lambda i: F.linear(x, weights[i]), copies))
+        again["lt"].append(graph_call_us(lambda i: lt.matmul(p, algo, x, weights[i], y, buf), copies))
     t, b = min(again["torch"]), min(again["lt"])
     return {**out, "torch_us": t, "lt_us": b, "speedup": round(t / b, 3), "sweep_us": us, "best": spec.__dict__,
+            "workspace": lt.workspace(p, algo),
             "next_us": [r[0] for r in rows[1:6]]}
 
 
@@ -108,6 +137,36 @@ def qwen_rows_left(n: int, k: int, rows: list[int]) -> list[int]:
     return [m for m in rows if tuned_config(m, n, k) is None]
 
 
+def pad_sweep(torch: Any, name: str, n: int, k: int, rows: list[int], reach: float) -> dict[str, Any]:
+    """F.linear at each row count, and cublaslt.padded_linear (zero rows appended, the result cut back: the copy
+    included) to each larger row count within `reach` x: where cuBLAS's pick at M is slower than padding to M'."""
+    import torch.nn.functional as F
+
+    lt_mod.PADDED.clear()  # time the library's own picks, not a table loaded before
+    copies = max(2, -(-200 * 2**20 // (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
+    us, pads = {}, {}
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        us[m] = graph_call_us(lambda i, x=x: F.linear(x, weights[i]), copies)
+        padded = {r: graph_call_us(lambda i, x=x, r=r: lt_mod.padded_linear(x, weights[i], r), copies)
+                  for r in rows if m < r <= m * reach}
+        best = min(padded, key=padded.__getitem__, default=None)
+        if best is not None and padded[best] < us[m]:
+            pads[m] = {"to": best, "us": us[m], "padded_us": padded[best], "gain": round(us[m] / padded[best], 3)}
+    return {"shape": name, "us": us, "pads": pads}
+
+
+def emit_pads(results: list[dict[str, Any]], min_gain: float) -> None:
+    print("PADDED = {")
+    for r in results:
+        kept = {m: p for m, p in r["pads"].items() if p["gain"] >= min_gain}
+        if kept:
+            print(f"    {SHAPES[r['shape']]}: {{" + ", ".join(f"{m}: {p['to']}" for m, p in kept.items())
+                  + "},  # " + ", ".join(f"{p['us']:.0f}->{p['padded_us']:.0f} us" for p in kept.values()))
+    print("}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(str(r) for r in range(24, 257, 8)))
@@ -115,18 +174,36 @@ def main() -> int:
     ap.add_argument("--algos", type=int, default=32, help="candidates asked of the heuristic per row count")
     ap.add_argument("--emit", action="store_true", help="print the TUNED literal at the end")
     ap.add_argument("--min-gain", type=float, default=1.03)
+    ap.add_argument("--workspace-mb", type=float, default=0.0,
+                    help="let candidates use this much workspace (the op itself passes none)")
+    ap.add_argument("--splitk", default="", help="split-K factors tried on the fastest 8, e.g. 2,3,4")
+    ap.add_argument("--pad", type=float, default=0.0, metavar="REACH",
+                    help="instead: F.linear at the piecewise buckets up to --pad-max rows against padding to each "
+                         "larger bucket within REACH x (e.g. 1.3); emits PADDED with --emit")
+    ap.add_argument("--pad-max", type=int, default=8192)
     args = ap.parse_args()
     import torch
 
-    lt = lt_mod.handle(torch.device("cuda", torch.cuda.current_device()))
     prefixes = tuple(args.shapes.split(","))
+    if args.pad:
+        from appliance.executor.piecewise import buckets
+
+        pads = [pad_sweep(torch, name, n, k, list(buckets(args.pad_max)), args.pad) for name, (n, k) in SHAPES.items()
+                if name.startswith(prefixes) and not name.endswith("lm_head")]
+        for r in pads:
+            print(json.dumps(r), flush=True)
+        if args.emit:
+            emit_pads(pads, args.min_gain)
+        return 0
+    lt = lt_mod.handle(torch.device("cuda", torch.cuda.current_device()))
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     for name, (n, k) in SHAPES.items():
         if not name.startswith(prefixes):
             continue
         for m in qwen_rows_left(n, k, rows) if name.startswith("qwen") else rows:
-            results.append(sweep(lt, torch, name, m, n, k, args.algos))
+            results.append(sweep(lt, torch, name, m, n, k, args.algos, int(args.workspace_mb * 2**20),
+                                 tuple(int(f) for f in args.splitk.split(",") if f)))
             print(json.dumps(results[-1]), flush=True)
     if args.emit:
         emit(results, args.min_gain)

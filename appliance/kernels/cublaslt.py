@@ -161,6 +161,19 @@ TUNED: dict[tuple[int, int], dict[int, LtAlgo]] = {  # comments: the confirmed s
 }
 
 
+# (N, K) of the weight -> {rows: the larger row count cuBLAS's own pick runs faster at}. At some row counts the
+# library's heuristic picks a kernel far slower than the one it picks a few rows later (Llama-3.1-8B's gate_up: 293
+# us at 448 rows, 162 at 512); a call there runs on zero-padded input and keeps its own rows. From
+# `tools/lab_cublaslt.py --pad 1.3 --emit` on the H100 (session 14): the piecewise graphs' token buckets up to 8,192,
+# timed as padded_linear runs (the padding's copy included), kept where >= 1.05x faster.
+PADDED: dict[tuple[int, int], dict[int, int]] = {  # comments: F.linear at the rows -> padded, us
+    (6144, 4096): {320: 384, 832: 960},  # 37.6 -> 34.2, 89.0 -> 74.5
+    (4096, 4096): {832: 960},  # 65.7 -> 52.6
+    (28672, 4096): {448: 512},  # 290.8 -> 164.2
+    (1024, 3072): {832: 896},  # 19.2 -> 16.8
+}
+
+
 class Algo(ctypes.Structure):
     _fields_ = [("data", ctypes.c_uint64 * 8)]  # cublasLtMatmulAlgo_t: opaque
 
@@ -217,11 +230,11 @@ class Lt:
         if status != 0:
             raise LtError(f"cublasLt{what} returned status {status}")
 
-    def candidates(self, p: Problem, count: int) -> list[Heuristic]:
-        """The library's heuristic's best `count` algorithms for the problem that need no workspace."""
+    def candidates(self, p: Problem, count: int, workspace: int = 0) -> list[Heuristic]:
+        """The library's heuristic's best `count` algorithms for the problem that need at most `workspace` bytes."""
         pref = ctypes.c_void_p()
         self.ok(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
-        ws = ctypes.c_uint64(0)
+        ws = ctypes.c_uint64(workspace)
         self.ok(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE, ctypes.byref(ws), 8),
                 "MatmulPreferenceSetAttribute")
         out, got = (Heuristic * count)(), ctypes.c_int(0)
@@ -261,15 +274,19 @@ class Lt:
         st = self.lib.cublasLtMatmulAlgoCheck(self.handle, p.desc, a, b, c, c, ctypes.byref(algo), ctypes.byref(out))
         return int(out.workspace) if st == 0 else None
 
-    def matmul(self, p: Problem, algo: Algo, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
-        """y = x w^T on the current stream (capturable: it only launches kernels), no workspace."""
+    def matmul(self, p: Problem, algo: Algo, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+               workspace: torch.Tensor | None = None) -> None:
+        """y = x w^T on the current stream (capturable: it only launches kernels); `workspace`: a uint8 buffer
+        the algorithm may use (tools only: the op passes none)."""
+        ws_ptr = ctypes.c_void_p(workspace.data_ptr() if workspace is not None else None)
+        ws_len = ctypes.c_size_t(workspace.numel() if workspace is not None else 0)
         one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         a, b, c = p.layouts
         stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
         self.ok(self.lib.cublasLtMatmul(
             self.handle, p.desc, ctypes.byref(one), ctypes.c_void_p(w.data_ptr()), a, ctypes.c_void_p(x.data_ptr()),
             b, ctypes.byref(zero), ctypes.c_void_p(y.data_ptr()), c, ctypes.c_void_p(y.data_ptr()), c,
-            ctypes.byref(algo), None, ctypes.c_size_t(0), stream), "Matmul")
+            ctypes.byref(algo), ws_ptr, ws_len, stream), "Matmul")
 
 
 _LT: dict[int, Lt] = {}  # device index -> handle
@@ -303,22 +320,39 @@ def _prepare(x: torch.Tensor, n: int, k: int, spec: LtAlgo) -> tuple[Problem, Al
     return _READY[key]
 
 
-def tuned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LtAlgo | None:
-    """The measured algorithm for this call, or None (F.linear): sm_90, bf16, no bias, plain row-major operands,
-    a (shape, rows) pair in TUNED."""
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The calls the tables were measured for: sm_90, bf16, no bias, plain row-major 2-D operands."""
     if not (ENABLED and x.is_cuda and bias is None and x.dtype == torch.bfloat16 == weight.dtype
             and x.dim() == 2 == weight.dim() and x.is_contiguous() and weight.is_contiguous()):
-        return None
-    spec = TUNED.get((weight.shape[0], weight.shape[1]), {}).get(x.shape[0])
-    if spec is None:
-        return None
+        return False
     from appliance.kernels.triton.common import capability  # cached per device
 
-    return spec if capability(x) == (9, 0) else None
+    return capability(x) == (9, 0)
+
+
+def tuned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LtAlgo | None:
+    """The measured algorithm for this call, or None: an eligible call whose (shape, rows) pair is in TUNED."""
+    spec = TUNED.get((weight.shape[0], weight.shape[1]), {}).get(x.shape[0])
+    return spec if spec is not None and _eligible(x, weight, bias) else None
+
+
+def padded_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
+    """The row count to run this call at instead (PADDED), or None."""
+    rows = PADDED.get((weight.shape[0], weight.shape[1]), {}).get(x.shape[0])
+    return rows if rows is not None and _eligible(x, weight, bias) else None
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """x W^T computed for x and rows - len(x) zero rows after it (rows of a GEMM are independent), cut back."""
+    return linear(torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0])), weight)[: x.shape[0]]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) with the tuned cuBLASLt algorithm where TUNED has one for this call, else F.linear."""
+    """x W^T (+ b): padded to the row count PADDED gives for this call, with the cuBLASLt algorithm TUNED gives,
+    else F.linear."""
+    rows = padded_rows(x, weight, bias)  # (the two tables hold different row counts: tests/test_cublaslt.py)
+    if rows is not None:
+        return padded_linear(x, weight, rows)
     spec = tuned(x, weight, bias)
     ready = _prepare(x, weight.shape[0], weight.shape[1], spec) if spec is not None else None
     if ready is None:

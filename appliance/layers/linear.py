@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from appliance.kernels import registry
+from appliance.kernels import cublaslt, registry
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS, SKINNY_GEMM_MAX_ROWS
 from appliance.layers.parallel_state import (
     divide,
@@ -35,8 +35,9 @@ SKINNY_ROWS = SKINNY_GEMM_MAX_ROWS
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv | None,
            skinny: Gemv | None = None) -> torch.Tensor:
     """x W^T + b: decode-sized batches (<= GEMV_MAX_ROWS rows) through the bound GEMV kernel, batches of up to
-    SKINNY_ROWS rows through the bound skinny GEMM, the rest through torch (cuBLAS on a GPU). Only 2-D half
-    precision inputs in the weight's dtype are routed."""
+    SKINNY_ROWS rows through the bound skinny GEMM, the rest through torch (cuBLAS on a GPU; with a kernel
+    backend bound, at the row count cublaslt.PADDED measured faster). Only 2-D half precision inputs in the
+    weight's dtype are routed."""
     if x.dim() != 2 or x.dtype != weight.dtype or x.dtype not in _HALF:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
@@ -44,6 +45,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
         return gemv(x, weight, bias)
     if skinny is not None and GEMV_MAX_ROWS < rows <= min(SKINNY_ROWS, SKINNY_GEMM_MAX_ROWS):
         return skinny(x, weight, bias)
+    if skinny is not None and rows > SKINNY_GEMM_MAX_ROWS:
+        return cublaslt.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
