@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from appliance.kernels.capability import capability
+
 log = logging.getLogger(__name__)
 
 ENABLED = True  # lab switch (tools/lab_ab.py --knob appliance.kernels.cublaslt.ENABLED=True,False), read per call
@@ -325,8 +327,6 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     if not (ENABLED and x.is_cuda and bias is None and x.dtype == torch.bfloat16 == weight.dtype
             and x.dim() == 2 == weight.dim() and x.is_contiguous() and weight.is_contiguous()):
         return False
-    from appliance.kernels.triton.common import capability  # cached per device
-
     return capability(x) == (9, 0)
 
 

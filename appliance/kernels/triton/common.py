@@ -3,12 +3,13 @@ of the attention kernels' exp2 softmax, the varlen prefill's map from a query ti
 programmatic dependent launch for the decode step's chain of kernels."""
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from appliance.kernels.capability import capability
 
 # Triton's interpreter (3.9, CPU) returns garbage for tl.dot on bf16 operands; there we upcast to fp32 first.
 # On the GPU the operands go to the tensor cores as they are.
@@ -22,16 +23,6 @@ LOG2E = 1.4426950408889634  # the attention kernels work in exp2 / log2 units: s
 # time of a Qwen3 prefill forward (30 vs 16 ms) for no device gain. APPLIANCE_PDL=0 turns it off for A/B timing
 # (tools/lab_ab.py, the default knob); docs/kernels.md has the figures.
 PDL = os.environ.get("APPLIANCE_PDL", "1") != "0"
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def capability(t: torch.Tensor) -> tuple[int, int]:
-    """The compute capability of the CUDA device holding `t` (cached: the launch paths ask on every call)."""
-    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def pdl_on(t: torch.Tensor) -> bool:

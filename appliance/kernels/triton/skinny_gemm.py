@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from appliance.kernels import cublaslt
+from appliance.kernels.capability import capability
 from appliance.kernels.reference.linear import SKINNY_GEMM_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, capability, mma, pdl_kwargs
+from appliance.kernels.triton.common import INTERPRET, mma, pdl_kwargs
 
 MAX_PREFETCH = 2  # tiles held in registers across gdc_wait: each costs BLOCK_N * BLOCK_K / threads registers
 MIN_PROGRAMS = 100  # about one program per SM of an H100 (132): fewer leave SMs idle for the whole GEMM
