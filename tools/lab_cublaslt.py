@@ -17,8 +17,8 @@ Prints one JSON line per shape and row count; with --emit, then the TUNED litera
 speedup is at least --min-gain. Qwen3's shapes skip the row counts the Triton skinny GEMM already takes.
 --workspace-mb lets candidates use a workspace, and --splitk adds split-K variants of the fastest 8 (the op itself
 passes no workspace: session 14 found neither faster at 208-224 rows). --pad times F.linear at every piecewise
-token bucket against padded_linear to each larger bucket within reach (PADDED: where cuBLAS's pick at M rows is
-slower than its pick at a few more).
+token bucket past 256 rows against padded_linear to each larger bucket within reach (PADDED: where cuBLAS's pick
+at M rows is slower than its pick at a few more).
 """
 from __future__ import annotations
 
@@ -187,8 +187,11 @@ def main() -> int:
     prefixes = tuple(args.shapes.split(","))
     if args.pad:
         from appliance.executor.piecewise import buckets
+        from appliance.kernels.reference.linear import SKINNY_GEMM_MAX_ROWS
 
-        pads = [pad_sweep(torch, name, n, k, list(buckets(args.pad_max)), args.pad) for name, (n, k) in SHAPES.items()
+        # past the skinny op's rows: smaller batches are decode graphs at exact sizes, which TUNED covers
+        rows = [b for b in buckets(args.pad_max) if b > SKINNY_GEMM_MAX_ROWS]
+        pads = [pad_sweep(torch, name, n, k, rows, args.pad) for name, (n, k) in SHAPES.items()
                 if name.startswith(prefixes) and not name.endswith("lm_head")]
         for r in pads:
             print(json.dumps(r), flush=True)
