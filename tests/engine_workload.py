@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from appliance.engine import EngineConfig, EngineCore, SamplingParams
 from appliance.engine.fake_executor import FakeExecutor, reference_generation
+from appliance.engine.request import Request
 
 EOS = 0
 MAX_MODEL_LEN = 32
@@ -116,3 +117,13 @@ def assert_each_generates_what_it_generates_alone(ex: FakeExecutor, run: Outcome
         )
         assert run.outputs[rid] == want and run.finish[rid] == reason, rid
         assert len(run.outputs[rid]) <= sp.max_tokens
+
+
+def make_request(rid: str, prompt: int, max_tokens: int | None, generated: int = 0, ignore_eos: bool = False,
+                 max_model_len: int = 1 << 20) -> Request:
+    """A request of `prompt` tokens (1..prompt) that has generated `generated` tokens (7 each): for admission
+    arithmetic, outside any scheduler."""
+    r = Request(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), 0.0,
+                max_model_len=max_model_len)
+    r.output_token_ids = [7] * generated
+    return r

@@ -3,7 +3,8 @@
 The ratio's schedule (SGLang's init / decay / min / retraction estimate / idle reset), the reservation arithmetic,
 refusals and admissions in the scheduler, conservativeness 0 planning exactly as before, running totals that match
 a recount after every step of random workloads (aborts, preemption, overlap), and the point of the feature: the
-Llama-3.1-8B benchmark's shape scaled down preempts without the reservation and never with it.
+Llama-3.1-8B benchmark's shape scaled down preempts without the reservation and never with it. (The finish-time
+check that follows the sum: test_admission_finish_time.py.)
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from engine_workload import (
     config_st,
     drive,
     engine_config,
+    make_request,
     ops_st,
 )
 from hypothesis import HealthCheck, given, settings
@@ -36,14 +38,6 @@ from appliance.engine.scheduler import Scheduler
 from appliance.engine.step import StepPlan
 
 
-def _req(rid: str, prompt: int, max_tokens: int | None, generated: int = 0, ignore_eos: bool = False,
-         max_model_len: int = 1 << 20) -> Request:
-    r = Request(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), 0.0,
-                max_model_len=max_model_len)
-    r.output_token_ids = [7] * generated
-    return r
-
-
 # ---- the ratio -------------------------------------------------------------------------------------------------
 def test_sglang_constants() -> None:
     # SGLang's environment defaults: a given --schedule-conservativeness must mean the same in both engines
@@ -56,7 +50,7 @@ def test_ratio_decays_linearly_to_its_floor_and_resets_when_idle(c: float, init:
     rsv = OutputReservation(c, block_size=16)
     assert rsv.ratio == pytest.approx(init)
     floor = init * 0.14
-    running = [_req("a", 4, 100)]
+    running = [make_request("a", 4, 100)]
     rsv.step_done(running, preempted=False)
     assert rsv.ratio == pytest.approx(init - (init - floor) / 600)
     for _ in range(299):
@@ -72,14 +66,14 @@ def test_ratio_decays_linearly_to_its_floor_and_resets_when_idle(c: float, init:
 def test_a_preemption_sets_the_ratio_to_sglangs_retraction_estimate() -> None:
     rsv = OutputReservation(1.0, block_size=16)
     for _ in range(600):
-        rsv.step_done([_req("x", 4, 100)], preempted=False)
+        rsv.step_done([make_request("x", 4, 100)], preempted=False)
     assert rsv.ratio == pytest.approx(0.098)
-    still_running = [_req("a", 4, 100, generated=30), _req("b", 4, 100, generated=50)]
+    still_running = [make_request("a", 4, 100, generated=30), make_request("b", 4, 100, generated=50)]
     rsv.step_done(still_running, preempted=True)
     assert rsv.ratio == pytest.approx((30 + 50 + 20 * 2) / (200 + 1))  # back up from the floor
     rsv.step_done(still_running, preempted=False)  # and decays from there
     assert rsv.ratio == pytest.approx((30 + 50 + 40) / 201 - (0.7 - 0.098) / 600)
-    rsv.step_done([_req("c", 4, 10, generated=9)], preempted=True)
+    rsv.step_done([make_request("c", 4, 10, generated=9)], preempted=True)
     assert rsv.ratio == 1.0  # (9 + 20) / 11, capped
 
 
@@ -95,13 +89,13 @@ def test_conservativeness_must_be_positive_for_a_reservation() -> None:
 # ---- the arithmetic ----------------------------------------------------------------------------------------------
 def test_fits_reserves_ratio_of_remaining_outputs_and_ignore_eos_outputs_whole() -> None:
     rsv = OutputReservation(0.5, block_size=4)  # ratio 0.35
-    a = _req("a", 4, 20, generated=4)  # 16 left
+    a = make_request("a", 4, 20, generated=4)  # 16 left
     rsv.admitted(a)
-    b = _req("b", 8, 12)
+    b = make_request("b", 8, 12)
     assert rsv.reserved_tokens(b) == pytest.approx(0.35 * (16 + 12))  # 9.8 tokens: 3 blocks of 4
     assert rsv.fits(b, spare_blocks=3) and not rsv.fits(b, spare_blocks=2)
     assert not rsv.fits(b, spare_blocks=3, extra_tokens=3)  # the rest of b's prompt counts in full
-    e = _req("e", 8, 12, ignore_eos=True)  # will produce all 12
+    e = make_request("e", 8, 12, ignore_eos=True)  # will produce all 12
     assert rsv.reserved_tokens(e) == pytest.approx(12 + 0.35 * 16)
     rsv.admitted(e)
     assert rsv.reserved_tokens() == pytest.approx(12 + 0.35 * 16)
@@ -120,22 +114,22 @@ def _grow(r: Request) -> Request:
 
 def test_remaining_output_is_clipped_and_capped_by_max_model_len() -> None:
     rsv = OutputReservation(10.0, block_size=16)  # ratio 1
-    long = _req("l", 100, None, ignore_eos=True, max_model_len=100_000)  # no max_tokens: 99,900 left
+    long = make_request("l", 100, None, ignore_eos=True, max_model_len=100_000)  # no max_tokens: 99,900 left
     assert rsv.reserved_tokens(long) == CLIP_MAX_NEW_TOKENS
     rsv.admitted(long)
     rsv.decoded(_grow(long))  # still far above the clip: the reservation does not shrink
     assert rsv.reserved_tokens() == CLIP_MAX_NEW_TOKENS
-    near = _req("n", 100, 5000, generated=904, ignore_eos=True)  # 4096 left
+    near = make_request("n", 100, 5000, generated=904, ignore_eos=True)  # 4096 left
     rsv.admitted(near)
     rsv.decoded(_grow(near))
     assert rsv.reserved_tokens() == 2 * CLIP_MAX_NEW_TOKENS - 1
-    short = _req("s", 60, 1000, max_model_len=100)  # max_model_len leaves 40
+    short = make_request("s", 60, 1000, max_model_len=100)  # max_model_len leaves 40
     assert rsv.reserved_tokens(short) == 2 * CLIP_MAX_NEW_TOKENS - 1 + 40
 
 
 def test_a_request_is_always_admitted_when_nothing_runs() -> None:
     rsv = OutputReservation(10.0, block_size=16)
-    assert rsv.fits(_req("a", 16, 4000, ignore_eos=True), spare_blocks=0)
+    assert rsv.fits(make_request("a", 16, 4000, ignore_eos=True), spare_blocks=0)
 
 
 # ---- in the scheduler --------------------------------------------------------------------------------------------
@@ -178,7 +172,8 @@ def test_admission_waits_for_room_for_outputs_instead_of_preempting_later() -> N
 
 
 def test_admission_refuses_head_of_line_until_the_reservation_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(admission, "FINISH_TIME", False)  # the sum alone (the finish-time check: tests below)
+    # the sum alone (the check that follows its refusals: test_admission_finish_time.py)
+    monkeypatch.setattr(admission, "FINISH_TIME", False)
     cfg = EngineConfig(num_blocks=20, block_size=4, max_model_len=64, schedule_conservativeness=1.0)
     sched = Scheduler(cfg)
     ex = FakeExecutor(20, 4)
@@ -208,125 +203,6 @@ def test_admission_refuses_head_of_line_until_the_reservation_fits(monkeypatch: 
     plans = _run(sched, ex)  # both get in once small's and big's outputs have shrunk enough
     assert {nr.request_id for p in plans for nr in p.new_requests} == {"long", "tiny"}
     assert sched.num_preemptions == 0
-
-
-# ---- the finish-time check (SGLang's PrefillAdder.add_one_req_ignore_eos) ----------------------------------------
-def _head_start_run(head_start: int, finish_time: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, int], int]:
-    """r0 runs alone for head_start steps, then r1 and r2 arrive; 16-token prompts + 64 outputs (5 blocks each) in
-    a pool of 12. Returns the step each of r1, r2 started at, and the preemptions."""
-    monkeypatch.setattr(admission, "FINISH_TIME", finish_time)
-    cfg = EngineConfig(num_blocks=12, block_size=16, max_num_seqs=8, max_model_len=128, eos_token_ids={0},
-                       schedule_conservativeness=1.0)
-    core = EngineCore(cfg, FakeExecutor(12, 16), overlap=False)
-    sp = SamplingParams(max_tokens=64, ignore_eos=True)
-    core.add_request("r0", list(range(1, 17)), sp)
-    for _ in range(head_start):
-        core.step()
-    core.add_request("r1", list(range(21, 37)), sp)
-    core.add_request("r2", list(range(41, 57)), sp)
-    started: dict[str, int] = {}
-    step = 0
-    while core.has_work():
-        core.step()
-        step += 1
-        for rid in ("r1", "r2"):
-            req = core.get_request(rid)
-            if rid not in started and (req is None or req.num_computed_tokens > 0):
-                started[rid] = step
-    return started, core.stats().num_preemptions
-
-
-def test_finish_time_check_starts_a_request_the_sum_holds_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    # r0 has 15 outputs left after 49 steps: the sum reserves 15 + 64 + 64 tokens, 5 spare blocks hold 80
-    started, preempted = _head_start_run(49, False, monkeypatch)
-    assert started == {"r1": 1, "r2": 16} and preempted == 0  # r2 waits for r0
-    # r0 gives its 5 blocks back after 15 steps, before r1 and r2 outgrow the pool: both start at once
-    started, preempted = _head_start_run(49, True, monkeypatch)
-    assert started == {"r1": 1, "r2": 1} and preempted == 0
-
-
-def test_finish_time_check_refuses_what_would_outgrow_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    # r0 with 40 outputs left: all three would need 13 of the 12 blocks before r0 finishes, so r2 waits
-    started, preempted = _head_start_run(25, True, monkeypatch)
-    assert started["r1"] == 1 and started["r2"] > 1 and preempted == 0
-
-
-def test_finish_time_check_waits_for_a_prompt_still_prefilling() -> None:
-    """The new request's prompt goes in at the budget left beside one decode row per request, so it finishes
-    later than its outputs alone say: a 40-token rest at 5 tokens a step adds 7 steps (the 8th chunk's step
-    samples its first output), and the peak then needs 16 spare blocks where 14 would do without them."""
-    rsv = OutputReservation(1.0, block_size=4, step_tokens=7)
-    a = _req("a", 8, 10, generated=2, ignore_eos=True)  # 8 outputs left, 10 tokens now (3 blocks)
-    a.block_ids = [0, 1, 2]
-    rsv.running = [a]
-    rsv.admitted(a)
-    new = _req("b", 44, 4, ignore_eos=True)  # first chunk 4 tokens (1 block), 40 to come, 4 outputs
-    # a finishes first (8 steps; b: 4 + 7): (10 + 44 tokens + 2 x 8) / 4 + 2 margin - 4 held = 15.5 blocks
-    assert rsv.fits_by_finish_time(new, spare_blocks=16, extra_tokens=40)
-    assert not rsv.fits_by_finish_time(new, spare_blocks=15, extra_tokens=40)
-    assert rsv.fits_by_finish_time(new, spare_blocks=14, extra_tokens=0)  # the same outputs, its prompt all in
-    rsv.step_tokens = 2  # no budget left beside the decodes: prompts would starve, nothing to simulate
-    assert not rsv.fits_by_finish_time(new, spare_blocks=100, extra_tokens=40)
-
-
-def test_finish_time_check_keeps_shared_prefixes_held(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A finish gives back only the blocks no one else holds: with every block of `a` shared by the new request's
-    prefix hit, a's finish frees nothing, and b must fit beside what a held."""
-    rsv = OutputReservation(1.0, block_size=4, step_tokens=64)
-    a = _req("a", 8, 4, generated=2, ignore_eos=True)  # 2 outputs left, 10 tokens now, blocks 0..2
-    a.block_ids = [0, 1, 2]
-    rsv.running = [a]
-    rsv.admitted(a)
-    b = _req("b", 8, 20, ignore_eos=True)  # its 8-token prompt: 2 blocks; 28 tokens (7 blocks) when done
-    # after a finishes b needs 7 + 1 margin - 2 held = 6 blocks more: 4 spare + a's 3 without a hit, + 1 with one
-    free_after_a = rsv.fits_by_finish_time(b, spare_blocks=4, extra_tokens=0, hit=[])
-    keeps_shared = rsv.fits_by_finish_time(b, spare_blocks=4, extra_tokens=0, hit=[0, 1])
-    assert free_after_a and not keeps_shared
-
-
-def test_finish_time_check_never_preempts_where_the_sum_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Random ignore_eos workloads (shared prefixes, arrivals while others run, small step budgets, both loops):
-    the check admits requests the sum refuses, and no seed preempts with it unless it also does without."""
-    admitted = 0
-    real = OutputReservation.fits_by_finish_time
-
-    def counting(self: OutputReservation, *args: object, **kwargs: object) -> bool:
-        nonlocal admitted
-        ok = real(self, *args, **kwargs)  # type: ignore[arg-type]
-        admitted += ok
-        return ok
-
-    monkeypatch.setattr(OutputReservation, "fits_by_finish_time", counting)
-    for seed in range(300):
-        runs = {}
-        for on in (True, False):
-            monkeypatch.setattr(admission, "FINISH_TIME", on)
-            runs[on] = _ignore_eos_run(seed)
-        assert runs[True] == 0 or runs[False] > 0, seed
-    assert admitted > 200
-
-
-def _ignore_eos_run(seed: int) -> int:
-    """Preemptions of one random ignore_eos workload; every block accounted for at the end."""
-    rng = random.Random(seed)
-    nb = rng.randint(12, 60)
-    cfg = EngineConfig(num_blocks=nb, block_size=4, max_num_seqs=rng.randint(2, 8),
-                       chunked_prefill_size=rng.choice([8, 16, 32, 64]), max_model_len=min(nb * 4, 96),
-                       eos_token_ids={0}, schedule_conservativeness=1.0)
-    core = EngineCore(cfg, FakeExecutor(nb, 4, vocab_size=40), overlap=rng.random() < 0.5)
-    shared = [rng.randrange(1, 39) for _ in range(16)]
-    for i in range(rng.randint(3, 20)):
-        prompt = shared[: rng.choice([0, 4, 8, 16])] + [rng.randrange(1, 39) for _ in range(rng.randint(1, 40))]
-        core.add_request(f"r{i}", prompt[: cfg.max_model_len - 1],
-                         SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True))
-        if rng.random() < 0.3:
-            for _ in range(rng.randint(0, 10)):
-                if core.has_work():
-                    core.step()
-    while core.has_work():
-        core.step()
-    assert core.check_accounting().ok
-    return core.stats().num_preemptions
 
 
 def _random_workload(seed: int, n: int = 24) -> list[tuple[list[int], SamplingParams]]:

@@ -1,6 +1,6 @@
 """tools/sim_tput.py: the modelled run accounts for every token, the roofline fit meets the measured steps, and
 the ramp, partial-reservation and sum-only what-ifs do what they say. Runs in subprocesses: a what-if patches
-the engine's classes for its whole process. (The finish-time admission itself is tested in test_admission.py.)"""
+the engine's classes for its whole process. (The finish-time check: test_admission_finish_time.py.)"""
 from __future__ import annotations
 
 import json
