@@ -1,6 +1,6 @@
 """The lab tools of this session's measurements on the CPU (--smoke: tiny shapes; the GPU gives the figures):
 lab_ab's token comparison and A/B runs, lab_eager's per-run eager-step timings, its --forward table and its
-first-run excess, lab_blas' GEMM table, lab_prefill's config check."""
+first-run excess, lab_blas' GEMM table, lab_prefill's config check, lab_decode_chain's op and chain checks."""
 from __future__ import annotations
 
 import json
@@ -79,3 +79,18 @@ def test_lab_prefill_checks_every_config_against_the_registered_one() -> None:
     assert rows[0]["case"] == "smoke" and rows[0]["registered_vs_reference"] <= 2e-2
     assert [r["config"] for r in rows[1:]] == ["64:64:4:2", "16:16:4:2", "32:64:4:1"]
     assert rows[1]["err"] == 0.0 and all(r["err"] <= 2e-2 for r in rows[2:])  # bf16 outputs of order one
+
+
+def test_lab_decode_chain_checks_the_fused_ops_and_the_chain() -> None:
+    """On the CPU the lab checks each fused op against its reference and the fused chain against the unfused
+    layers (bf16, two layers; the interpreter truncates to bf16, so errors of a few ulps); the GPU times them."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "lab_decode_chain.py"), "--smoke", "--rows", "1,3"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines()]
+    ops = [r for r in rows if "op" in r]
+    assert {r["op"] for r in ops} == {"norm_prep", "gemv_normed_rope_store", "gemv_normed_silu", "gemv_residual"}
+    assert all(v <= 3e-2 for r in ops for k, v in r.items() if k != "op")
+    chains = [r for r in rows if r.get("check")]
+    assert [r["rows"] for r in chains] == [1, 3] and all(0 < r["rel"] <= 3e-2 for r in chains)

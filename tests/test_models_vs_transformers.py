@@ -2,7 +2,7 @@
 prefix caching and preemption (CPU, float32, tiny random-weight models)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -35,12 +35,16 @@ def greedy_references(archs: list[str], make_tiny_model, hf_greedy) -> dict[str,
     return {arch: hf_greedy(make_tiny_model(arch), PROMPTS, NEW) for arch in archs}
 
 
-def each_setup_matching(path, refs: list, **llm_kwargs) -> Iterator[tuple[str, dict, LLM]]:
-    """For each of SETUPS: an LLM on path whose greedy tokens and logprobs on PROMPTS were checked against refs
-    (and the cumulative logprob against their sum); the caller checks the rest before the next one."""
+def each_setup_matching(path, refs: list, prepare: Callable[[LLM], None] | None = None,
+                        **llm_kwargs) -> Iterator[tuple[str, dict, LLM]]:
+    """For each of SETUPS: an LLM on path (handed to `prepare` first, when given) whose greedy tokens and logprobs
+    on PROMPTS were checked against refs (and the cumulative logprob against their sum); the caller checks the
+    rest before the next one."""
     params = greedy_params()
     for name, overrides in SETUPS:
         llm = LLM(model=str(path), dtype="float32", block_size=4, **llm_kwargs, **overrides)
+        if prepare is not None:
+            prepare(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         for out, (ref_tokens, ref_lps) in zip(outs, refs):
             got = out.outputs[0]

@@ -122,6 +122,24 @@ def test_greedy_matches_transformers(family: str, family_dir, hf_greedy) -> None
         assert llm.engine.check_accounting().ok
 
 
+def test_decode_chain_stays_off_for_moe_families(family_dir) -> None:
+    """The fused decode chain (layers/decode_chain.py) serves dense layers only: each family's model, with every
+    projection bound to a GEMV as on a GPU, declines it with a reason and keeps running its own layers."""
+    from appliance.kernels.registry import get
+    from appliance.layers import decode_chain
+
+    for family in FAMILIES:
+        llm = LLM(model=str(family_dir(family)), dtype="float32", block_size=4, skip_tokenizer_init=True)
+        model = llm.executor.runner.model
+        for module in model.modules():
+            if hasattr(module, "gemv"):
+                module.gemv = get("gemv", "torch")
+        assert decode_chain.unserved_reason(model.model, "torch"), family
+        assert not model.model.use_decode_chain("torch") and model.model.chain is None, family
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0.0, max_tokens=2))
+        assert len(out[0].outputs[0].token_ids) == 2
+
+
 def test_mla_cache_holds_latents_only(family_dir) -> None:
     """The MLA layers ask for one kv head of kv_lora_rank + rope dims: the compressed cache."""
     llm, _ = run_greedy(family_dir("deepseek_v3"))

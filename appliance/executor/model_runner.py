@@ -161,6 +161,9 @@ class ModelRunner:
         apply_quantization(model, self.config.precision.quantization, self.hf_config, self.backend)
         if self.device.type == "cuda":  # decode-sized batches stream weights through the backend's GEMV
             use_gemv_kernel(model, self.backend)
+            inner = getattr(model, "model", None)
+            if hasattr(inner, "use_decode_chain"):  # and, where served, through the fused decode chain
+                inner.use_decode_chain(self.backend)
         return model.eval()
 
     def _count_blocks(self) -> int:

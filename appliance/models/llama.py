@@ -14,6 +14,7 @@ from torch import nn
 
 from appliance.layers.activation import SiluAndMul
 from appliance.layers.attention import Attention, AttentionMetadata, fused_rope_store
+from appliance.layers.decode_chain import DecodeChain
 from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from appliance.layers.linear import (
     MergedColumnParallelLinear,
@@ -118,6 +119,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    chain: DecodeChain | None = None  # use_decode_chain builds one once the GEMVs are bound
+
     def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -125,8 +128,16 @@ class LlamaModel(nn.Module):
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
+    def use_decode_chain(self, backend: str) -> bool:
+        """Run batches of up to 16 rows through `backend`'s fused decode chain where every layer is served
+        (layers/decode_chain.py); call after binding the GEMV kernel. Returns whether the chain is on."""
+        self.chain = DecodeChain.build(self, backend)
+        return self.chain is not None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.chain is not None and self.chain.serves(x):
+            return self.chain.forward(x, positions, meta)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)

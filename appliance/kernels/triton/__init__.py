@@ -10,6 +10,7 @@ from appliance.kernels.triton import (  # noqa: F401
     cache,
     decode,
     gemv,
+    gemv_chain,
     norm,
     positions,
     prefill,

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from appliance.kernels.registry import get
+from appliance.kernels.triton.selfcheck_chain import CHAIN_OPS, chain_args, chain_errors, op_args, op_bytes
 
 BIGK_MIN = 2100  # above sampling.BLOCK
 TOL = {torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -205,6 +206,13 @@ def sample_inputs(batch: int, vocab: int, dtype: torch.dtype, device: str, mode:
     return Inputs(args, logits.numel() * logits.element_size())
 
 
+def chain_inputs(op: str, spec: tuple[Any, ...], device: str) -> Inputs:
+    """A decode-chain op's inputs (selfcheck_chain.chain_args: rows, hidden, inter, heads, kv heads, head_dim,
+    dtype, qkv bias, cache dtype)."""
+    args = op_args(op, chain_args(*spec, device))
+    return Inputs(args, op_bytes(op, args))
+
+
 def compare(op: str, inputs: Inputs, case: str) -> CheckResult:
     """Run the triton op and the reference on the same inputs (cloned: some ops write in place)."""
     fast: Callable[..., Any] = get(op, "triton")
@@ -222,6 +230,8 @@ def compare(op: str, inputs: Inputs, case: str) -> CheckResult:
     if op == "sample":
         mismatch = float((out != want).float().mean())
         return CheckResult(op, case, mismatch, 0.0)
+    if op in CHAIN_OPS:
+        return CheckResult(op, case, chain_errors(op, a, r, out, want, rel_err), TOL[dtype])
     outs = out if isinstance(out, tuple) else (out,)
     wants = want if isinstance(want, tuple) else (want,)
     err = max(rel_err(o, w) for o, w in zip(outs, wants))
@@ -277,6 +287,8 @@ def small_cases(device: str = "cpu") -> list[Case]:
         ("gemv", "f32-m16-splitk3", lambda: gemv_inputs(16, 33, 200, f32, d, split_k=3)),
         ("skinny_gemm", "bf16-m40-ragged-bias", lambda: skinny_inputs(40, 50, 70, bf, d, bias=True)),
         ("skinny_gemm", "f16-m130-ragged", lambda: skinny_inputs(130, 33, 100, f16, d)),
+        *[(op, "f16-m5-bias", lambda op=op: chain_inputs(op, (5, 96, 160, 2, 1, 64, f16, True, f16), d))
+          for op in CHAIN_OPS],
         ("sample", "greedy-bf16", lambda: sample_inputs(4, 700, bf, d, "greedy")),
         ("sample", "plain-f32", lambda: sample_inputs(4, 300, f32, d, "plain")),
         ("sample", "filtered-f32", lambda: sample_inputs(6, 500, f32, d, "filtered")),
@@ -324,6 +336,8 @@ def realistic_cases(device: str = "cuda") -> list[Case]:
                 256, 16, 8, 128, 16, torch.randint(1, 1500, (256,), generator=g).tolist(), dt, d,
                 longest_first=True)),
         ]
+        cases += [(op, f"{name}-llama-8b-m{m}", lambda op=op, m=m, dt=dt: chain_inputs(
+            op, (m, 4096, 14336, 32, 8, 128, dt, False, dt), d)) for op in CHAIN_OPS for m in (1, 16)]
     cases += [
         ("sample", "mixed-bf16", lambda: sample_inputs(64, 32000, bf, d, "mixed")),
         ("sample", "greedy-f32", lambda: sample_inputs(16, 128256, torch.float32, d, "greedy")),
