@@ -131,6 +131,8 @@ def test_bad_arguments_raise_clear_errors() -> None:
         gemv_chain.gemv_residual(torch.zeros(17, 64), w, torch.zeros(17, 8), None)
     with pytest.raises(ValueError, match="residual"):
         gemv_chain.gemv_residual(torch.zeros(2, 64), w, torch.zeros(2, 9), None)
+    with pytest.raises(ValueError, match="partials"):
+        gemv_chain.gemv_normed_silu(torch.zeros(2, 64), torch.zeros(16, 64), torch.ones(3, 1), 1e-6)
     cache = torch.zeros(2, 4, 1, 48)
     with pytest.raises(ValueError, match="head_dim 48"):
         gemv_chain.gemv_normed_rope_store(torch.zeros(1, 64), torch.zeros(192, 64), None, torch.ones(1, 1), 1e-6,

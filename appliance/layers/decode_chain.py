@@ -71,6 +71,7 @@ class DecodeChain:
 
     @staticmethod
     def serves(x: torch.Tensor) -> bool:
+        """Whether a forward over these embedded tokens takes the chain (at most GEMV_MAX_ROWS of them)."""
         return ENABLED and 0 < x.shape[0] <= GEMV_MAX_ROWS
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

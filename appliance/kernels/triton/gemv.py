@@ -49,6 +49,25 @@ def config_for(n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
+def weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, n_mask, M, k_start, k_end, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] float32 = W[offs_n, k_start:k_end] x[:, k_start:k_end]^T: y^T = W x^T, so the weight
+    tile is the MMA's left operand as stored (no transpose on the way in). Shared with gemv_chain.py."""
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        acc += mma(w, x, UPCAST)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
                  UPCAST: tl.constexpr, GDC: tl.constexpr):
@@ -60,18 +79,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
     n_mask = offs_n < N
     if GDC:  # launched early: x is the kernel before's output
         tl.extra.cuda.gdc_wait()
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    # y^T = W x^T: the weight tile is the MMA's left operand as stored (no transpose on the way in)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None],
-                    other=0.0)
-        acc += mma(w, x, UPCAST)
+    acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, n_mask, M, k_start,
+                        tl.minimum(k_start + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
     out = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     mask = m_mask[None, :] & n_mask[:, None]
     if ATOMIC:

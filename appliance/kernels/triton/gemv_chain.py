@@ -25,7 +25,8 @@ import triton.language as tl
 from appliance.kernels.reference.gemv_chain import PAIRS, rope_store_fits
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, mma, pdl_enter, pdl_kwargs
+from appliance.kernels.triton.common import INTERPRET, pdl_enter, pdl_kwargs
+from appliance.kernels.triton.gemv import weight_stream
 
 _PAIRS = tl.constexpr(PAIRS)  # what the kernels may read of it
 BLOCK_M = tl.constexpr(16)  # rows padded to the MMA's narrowest operand
@@ -50,24 +51,6 @@ def _tiles(n: int, k: int) -> tuple[int, int, int, int]:
     if INTERPRET:
         return 16, 32, 2, 4
     return TILES.get((n, k)) or ((32, 256, 6, 4) if k > 2 * n else (64, 128, 6, 4))
-
-
-@triton.jit
-def _stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, n_mask, M, K, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] = W[offs_n] x^T over all of K, float32."""
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None],
-                    other=0.0)
-        acc += mma(w, x, UPCAST)
-    return acc
 
 
 @triton.jit
@@ -128,7 +111,8 @@ def _residual_kernel(x_ptr, w_ptr, res_ptr, g_ptr, xs_ptr, part_ptr, M, N, K, st
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     _enter(GDC, NEXT)
-    acc = _stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, n_mask, M, K, BLOCK_N, BLOCK_K, UPCAST)
+    acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, n_mask, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                        UPCAST)
     _streamed(GDC, NEXT)
     offs_m = tl.arange(0, BLOCK_M)
     mask = n_mask[:, None] & (offs_m < M)[None, :]
@@ -154,7 +138,8 @@ def _silu_kernel(x_ptr, w_ptr, part_ptr, out_ptr, M, INTER, K, P, eps, stride_xm
     offs_n = tl.where(i < HALF_N, col, INTER + col)  # gate rows, then the up rows of the same columns
     _enter(GDC, NEXT)
     scale = _row_scale(part_ptr, M, P, K, eps, BLOCK_P)
-    acc = _stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, col < INTER, M, K, BLOCK_N, BLOCK_K, UPCAST)
+    acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, col < INTER, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                        UPCAST)
     _streamed(GDC, NEXT)
     gate, up = _halves(acc * scale, out_ptr.dtype.element_ty, HALF_N)
     out = gate / (1.0 + tl.exp(-gate)) * up
@@ -188,7 +173,8 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
     slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
     slot_off = ((slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs)[None, :]
     store = (m_mask & (slot >= 0))[None, :]
-    acc = _stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, offs_n >= 0, M, K, BLOCK_N, BLOCK_K, UPCAST)
+    acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, offs_n >= 0, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                        UPCAST)
     _streamed(GDC, NEXT)
     acc = acc * scale
     if HAS_BIAS:
@@ -217,13 +203,17 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
         tl.store(v_dst, acc.to(ty).to(cache_ty), mask=store)
 
 
-def _check(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(name: str, x: torch.Tensor, weight: torch.Tensor, partials: torch.Tensor | None = None) -> None:
     m, k = x.shape if x.dim() == 2 else (0, -1)
     if x.dim() != 2 or weight.shape[1] != k or not 0 < m <= MAX_M or x.dtype != weight.dtype:
         raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
                          f"{weight.dtype} (1 to {MAX_M} rows, one dtype)")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"{name}: the K axis of x and weight must be contiguous")
+    if partials is not None and (partials.dim() != 2 or partials.shape[0] != m or not partials.is_contiguous()
+                                 or partials.dtype != torch.float32):
+        raise ValueError(f"{name}: partials {tuple(partials.shape)} {partials.dtype} are not contiguous float32 "
+                         f"[{m}, P]")
 
 
 @register("norm_prep", "triton")
@@ -260,7 +250,7 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
 
 @register("gemv_normed_silu", "triton")
 def gemv_normed_silu(xs: torch.Tensor, weight: torch.Tensor, partials: torch.Tensor, eps: float) -> torch.Tensor:
-    _check("gemv_normed_silu", xs, weight)
+    _check("gemv_normed_silu", xs, weight, partials)
     m, k = xs.shape
     inter = weight.shape[0] // 2
     block_n, block_k, stages, warps = _tiles(weight.shape[0], k)
@@ -278,10 +268,11 @@ def gemv_normed_rope_store(xs: torch.Tensor, weight: torch.Tensor, bias: torch.T
                            partials: torch.Tensor, eps: float, positions: torch.Tensor, num_heads: int,
                            num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    _check("gemv_normed_rope_store", xs, weight)
+    _check("gemv_normed_rope_store", xs, weight, partials)
     if not rope_store_fits(head_dim, cos_sin_cache.shape[-1], True, False):
         raise ValueError(f"gemv_normed_rope_store: head_dim {head_dim} with a rotary width of "
-                         f"{cos_sin_cache.shape[-1]} is not served (whole-head neox rotary, half a multiple of {PAIRS})")
+                         f"{cos_sin_cache.shape[-1]} is not served (whole-head neox rotary, half a multiple of "
+                         f"{PAIRS})")
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim or k_cache.stride() != v_cache.stride():
         raise ValueError(f"gemv_normed_rope_store: weight {tuple(weight.shape)} or the caches do not fit "
                          f"{num_heads} + 2 x {num_kv_heads} heads of {head_dim}")
