@@ -55,3 +55,73 @@ def test_graph_with_pdl_matches_without(rows: int) -> None:
         common.PDL = saved
     assert torch.equal(outs[True], outs[False]) and torch.equal(outs[False], eager)
     assert torch.isfinite(eager).all() and eager.abs().sum() > 0
+
+
+def _attention_step(args: dict, res: torch.Tensor) -> torch.Tensor:
+    """The decode chain around attention, as a layer runs it: the qkv GEMV storing the newest K/V rows (at one row
+    it lets the attention launch as it starts), decode attention, the o GEMV adding to the residual."""
+    from appliance.kernels.registry import get
+
+    import appliance.kernels.triton  # noqa: F401
+
+    q = get("gemv_normed_rope_store", "triton")(args["xs"], args["w_qkv"], None, args["partials"], 1e-6,
+                                                args["positions"], 8, 2, 128, args["cos_sin"], args["k_cache"],
+                                                args["v_cache"], args["slots"])
+    attn = get("decode_attention", "triton")(q, args["k_cache"], args["v_cache"], args["table"], args["lens"],
+                                             128**-0.5)
+    get("gemv_residual", "triton")(attn.view(q.shape[0], -1), args["w_o"], res, None)
+    return res
+
+
+@pytest.mark.parametrize("lens", [[1000], [300, 17, 1]])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_attention_under_pdl_sees_the_newest_row(lens: list[int]) -> None:
+    """Captured with PDL, the decode attention launched early still reads the newest K/V rows the qkv kernel just
+    wrote (zeroed before each replay, so a read before the write shows); equal to plain launches bit for bit."""
+    torch.manual_seed(0)
+    dev, dt, page, m = "cuda", torch.bfloat16, 16, len(lens)
+    blocks = sum(-(-n // page) for n in lens) + 8
+    perm = torch.randperm(blocks - 1) + 1
+    table = torch.zeros(m, 64, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        table[i, : -(-n // page)] = perm[used : used + -(-n // page)].to(torch.int32)
+        used += -(-n // page)
+    slots = torch.tensor([int(table[i, (n - 1) // page]) * page + (n - 1) % page for i, n in enumerate(lens)])
+    inv = 1.0 / (10000 ** (torch.arange(0, 128, 2).float() / 128))
+    freqs = torch.arange(2048).float()[:, None] * inv[None, :]
+    h = torch.randn(m, 1024, device=dev, dtype=dt)
+    args = {"xs": h, "partials": h.float().pow(2).sum(-1, keepdim=True),
+            "positions": torch.tensor(lens, device=dev) - 1,
+            "w_qkv": torch.randn(12 * 128, 1024, device=dev, dtype=dt) / 32,
+            "w_o": torch.randn(1024, 1024, device=dev, dtype=dt) / 32,
+            "cos_sin": torch.cat((freqs.cos(), freqs.sin()), -1).to(dev), "slots": slots.to(dev),
+            "table": table.to(dev), "lens": torch.tensor(lens, dtype=torch.int32, device=dev),
+            "k_cache": torch.randn(blocks, page, 2, 128, device=dev, dtype=dt),
+            "v_cache": torch.randn(blocks, page, 2, 128, device=dev, dtype=dt)}
+    res0 = torch.randn(m, 1024, device=dev, dtype=dt)
+    eager = _attention_step(args, res0.clone())
+    outs = {}
+    saved = common.PDL
+    try:
+        for pdl in (True, False):
+            common.PDL = pdl
+            res = res0.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _attention_step(args, res)
+            outs[pdl] = []
+            for _ in range(3):
+                res.copy_(res0)
+                # the newest rows: only the replay writes them
+                args["k_cache"].view(-1, 2, 128)[args["slots"]] = 0.0
+                args["v_cache"].view(-1, 2, 128)[args["slots"]] = 0.0
+                graph.replay()
+                torch.cuda.synchronize()
+                outs[pdl].append(res.clone())
+    finally:
+        common.PDL = saved
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b) and torch.equal(b, eager)
+    assert torch.isfinite(eager).all()

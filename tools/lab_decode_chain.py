@@ -230,20 +230,21 @@ def main() -> int:
                 continue
             from appliance.kernels.triton import gemv_chain
 
-            def fused(launch_next: int) -> Any:
+            def fused(launch_next: int, qkv_one_row: int = 1) -> Any:
                 def run() -> torch.Tensor:
-                    gemv_chain.LAUNCH_NEXT = launch_next
+                    gemv_chain.LAUNCH_NEXT, gemv_chain.QKV_LAUNCH_NEXT_ONE_ROW = launch_next, qkv_one_row
                     return chain.fused("triton")
                 return run
 
             variants = {"unfused": lambda: chain.unfused("triton"),
                         **{f"fused, LAUNCH_NEXT={v}": fused(int(v)) for v in args.launch_next.split(",")},
+                        **({"fused, qkv at one row LAUNCH_NEXT=2": fused(2, 2)} if m == 1 else {}),
                         "gemv+attention only (bound)": lambda: chain.unfused("triton", small=False)}
             times: dict[str, list[float]] = {k: [] for k in variants}
             for _ in range(args.rounds):
                 for name, fn in variants.items():
                     times[name].append(graph_ms(fn, args.reps))
-            gemv_chain.LAUNCH_NEXT = 2
+            gemv_chain.LAUNCH_NEXT, gemv_chain.QKV_LAUNCH_NEXT_ONE_ROW = 2, 1
             for name, ts in times.items():
                 emit(rows=m, layers=layers, variant=name, ms=round(statistics.median(ts), 4), rounds=ts)
     return 0

@@ -39,6 +39,9 @@ BLOCK_M = tl.constexpr(16)  # rows padded to the MMA's narrowest operand
 # Measured (tools/lab_decode_chain.py, Llama-8B's 32 layers): 0 / 1 / 2 gave 5.202 / 5.143 / 5.156 ms at 1 row,
 # 5.720 / 5.716 / 5.664 at 8.
 LAUNCH_NEXT = 2
+# The qkv kernel at one row lets the decode attention launch as its programs start (its 96 programs leave SMs
+# idle for the attention's to wait on): 5.109-5.125 against 5.151-5.158 ms; at 8 rows that lost (5.69 vs 5.64).
+QKV_LAUNCH_NEXT_ONE_ROW = 1
 
 # (n, k) of a weight -> (block_n, block_k, num_stages, num_warps) for it, over the default below (tuning:
 # tools/lab_decode_chain.py --sweep). The qkv kernel's block_n is fixed by its rotary pairs.
@@ -287,5 +290,5 @@ def gemv_normed_rope_store(xs: torch.Tensor, weight: torch.Tensor, bias: torch.T
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NQ=num_heads, NKV=num_kv_heads, D=head_dim, PAGE=k_cache.shape[1], BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(p), HAS_BIAS=bias is not None, UPCAST=INTERPRET, num_warps=warps,
-        num_stages=stages, NEXT=LAUNCH_NEXT, **pdl_kwargs(xs))
+        num_stages=stages, NEXT=QKV_LAUNCH_NEXT_ONE_ROW if m == 1 else LAUNCH_NEXT, **pdl_kwargs(xs))
     return q
