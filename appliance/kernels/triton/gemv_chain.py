@@ -26,7 +26,7 @@ from appliance.kernels.reference.gemv_chain import PAIRS, rope_store_fits
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import INTERPRET, pdl_enter, pdl_kwargs
-from appliance.kernels.triton.gemv import weight_stream
+from appliance.kernels.triton.gemv import config_for, weight_stream
 
 _PAIRS = tl.constexpr(PAIRS)  # what the kernels may read of it
 BLOCK_M = tl.constexpr(16)  # rows padded to the MMA's narrowest operand
@@ -49,11 +49,11 @@ TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
 
 def _tiles(n: int, k: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_stages, num_warps): gemv.config_for's measured choice (tall weights: 32 rows,
-    longer K) unless TILES names the shape."""
-    if INTERPRET:
-        return 16, 32, 2, 4
-    return TILES.get((n, k)) or ((32, 256, 6, 4) if k > 2 * n else (64, 128, 6, 4))
+    """(block_n, block_k, num_stages, num_warps): the plain GEMV's measured choice (gemv.config_for) unless
+    TILES names the shape."""
+    cfg = config_for(n, k)
+    return (TILES.get((n, k)) if not INTERPRET else None) or (cfg.block_n, cfg.block_k, cfg.num_stages,
+                                                              cfg.num_warps)
 
 
 @triton.jit
