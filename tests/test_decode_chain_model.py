@@ -90,22 +90,24 @@ def divergence_at_near_ties(on: list, off: list, tol: float) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_runner_turns_the_chain_on_and_it_matches_the_layers(make_tiny_model):
-    """bf16 with the Triton backend: the runner builds the chain and decode graphs replay it; greedy runs with and
-    without it agree up to bf16 rounding (logprobs close; a token differs only at a near tie)."""
+@pytest.mark.parametrize("chunk", [8192, 16], ids=["decode_graphs", "piecewise_chunks_of_16"])
+def test_gpu_runner_turns_the_chain_on_and_it_matches_the_layers(make_tiny_model, chunk: int):
+    """bf16 with the Triton backend: the runner builds the chain, and decode graphs replay it (and, with 16-token
+    chunks, the piecewise graphs of the mixed steps); greedy runs with and without it agree up to bf16 rounding
+    (logprobs close; a token differs only at a near tie)."""
     from appliance import SamplingParams
 
     path = make_tiny_model("llama3", hidden_size=256, intermediate_size=512, head_dim=128)
     llm = LLM(model=str(path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
-              attention_backend="triton")
+              attention_backend="triton", chunked_prefill_size=chunk)
     runner = llm.executor.runner
     inner = runner.model.model
-    assert inner.chain is not None
+    assert inner.chain is not None and (chunk > 16 or runner.pieces is not None)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     on = [o.outputs[0] for o in llm.generate(prompts, params)]
     chain, inner.chain = inner.chain, None
-    runner.graphs = runner._make_graphs()  # recaptured without the chain
+    runner.graphs, runner.pieces = runner._make_graphs(), runner._make_pieces()  # recaptured without the chain
     off = [o.outputs[0] for o in llm.generate(prompts, params)]
     inner.chain = chain
     assert not divergence_at_near_ties(on, off, 0.1)  # bf16 logprobs near -3: an ulp is 0.016
