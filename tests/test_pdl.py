@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flashinfer_cases import paged_kv
 
+from appliance.kernels.reference.rope import cos_sin_cache
 from appliance.kernels.triton import common
 
 
@@ -81,25 +83,16 @@ def test_attention_under_pdl_sees_the_newest_row(lens: list[int]) -> None:
     wrote (zeroed before each replay, so a read before the write shows); equal to plain launches bit for bit."""
     torch.manual_seed(0)
     dev, dt, page, m = "cuda", torch.bfloat16, 16, len(lens)
-    blocks = sum(-(-n // page) for n in lens) + 8
-    perm = torch.randperm(blocks - 1) + 1
-    table = torch.zeros(m, 64, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(lens):
-        table[i, : -(-n // page)] = perm[used : used + -(-n // page)].to(torch.int32)
-        used += -(-n // page)
+    k_cache, v_cache, table = paged_kv(lens, page, 2, 128, dt, dev, spare_cols=64 - max(-(-n // page) for n in lens))
     slots = torch.tensor([int(table[i, (n - 1) // page]) * page + (n - 1) % page for i, n in enumerate(lens)])
-    inv = 1.0 / (10000 ** (torch.arange(0, 128, 2).float() / 128))
-    freqs = torch.arange(2048).float()[:, None] * inv[None, :]
     h = torch.randn(m, 1024, device=dev, dtype=dt)
     args = {"xs": h, "partials": h.float().pow(2).sum(-1, keepdim=True),
             "positions": torch.tensor(lens, device=dev) - 1,
             "w_qkv": torch.randn(12 * 128, 1024, device=dev, dtype=dt) / 32,
             "w_o": torch.randn(1024, 1024, device=dev, dtype=dt) / 32,
-            "cos_sin": torch.cat((freqs.cos(), freqs.sin()), -1).to(dev), "slots": slots.to(dev),
-            "table": table.to(dev), "lens": torch.tensor(lens, dtype=torch.int32, device=dev),
-            "k_cache": torch.randn(blocks, page, 2, 128, device=dev, dtype=dt),
-            "v_cache": torch.randn(blocks, page, 2, 128, device=dev, dtype=dt)}
+            "cos_sin": cos_sin_cache(128, 2048).to(dev), "slots": slots.to(dev),
+            "table": table, "lens": torch.tensor(lens, dtype=torch.int32, device=dev),
+            "k_cache": k_cache, "v_cache": v_cache}
     res0 = torch.randn(m, 1024, device=dev, dtype=dt)
     eager = _attention_step(args, res0.clone())
     outs = {}

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import appliance.kernels.triton  # noqa: F401  (registers the ops)
+from appliance.kernels.reference.rope import cos_sin_cache
 from appliance.kernels.registry import get as get_op
 from appliance.kernels.triton import decode, gemv
 
@@ -301,9 +302,7 @@ def rope_store_case(args: argparse.Namespace, name: str, t: int, dev: str, dtype
                torch.randn(blocks, page, hkv, d, device=dev, dtype=dtype)) for _ in range(COPIES)]
     slots = torch.randperm(blocks * page, device=dev)[:t]
     positions = torch.randint(0, 4096, (t,), device=dev)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
-    freqs = torch.arange(4096, device=dev).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1)
+    cos_sin = cos_sin_cache(d, 4096, 1e6).to(dev)
     qw, kw = ((1 + 0.1 * torch.randn(d, device=dev)).to(dtype) if qk_norm else None for _ in range(2))
 
     def run_fused(i: int) -> torch.Tensor:

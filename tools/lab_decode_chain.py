@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+from kernel_lab import decode_case
 
 import appliance.kernels.reference  # noqa: F401  (registers the torch ops)
 import appliance.kernels.triton  # noqa: F401
+from appliance.kernels.reference.rope import cos_sin_cache
 from appliance.kernels.registry import get as op
 
 LLAMA_8B = {"hidden": 4096, "inter": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128, "context": 1024}
@@ -58,20 +61,13 @@ class Chain:
                         "g1": g(h), "g2": g(h)} for _ in range(layers)]
         self.final = g(h)
         ctx = shape["context"]
-        blocks_per = -(-(ctx + 1) // PAGE)
-        blocks = rows * blocks_per + 1
-        width = max(16, 1 << (blocks_per - 1).bit_length())  # the runner's power-of-two table width
-        self.caches = [(torch.randn(blocks, PAGE, self.nkv, d, device=dev, dtype=dtype),
-                        torch.randn(blocks, PAGE, self.nkv, d, device=dev, dtype=dtype)) for _ in range(layers)]
-        perm = torch.randperm(blocks - 1)[: rows * blocks_per] + 1
-        self.table = torch.zeros(rows, width, dtype=torch.int32, device=dev)
-        self.table[:, :blocks_per] = perm.view(rows, blocks_per).to(torch.int32)
-        self.lens = torch.full((rows,), ctx + 1, dtype=torch.int32, device=dev)
+        # the runner's power-of-two table width (executor/cuda_graph.width_bucket); one table, each layer's caches
+        width = PAGE * max(16, 1 << (-(-(ctx + 1) // PAGE) - 1).bit_length())
+        _, self.caches, self.table, self.lens, _ = decode_case([ctx + 1] * rows, self.nq, self.nkv, width, dev,
+                                                               dtype, PAGE, copies=layers, d=d)
         self.positions = torch.full((rows,), ctx, dtype=torch.int64, device=dev)
-        self.slots = (self.table[:, ctx // PAGE].long() * PAGE + ctx % PAGE).to(dev)
-        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        freqs = torch.outer(torch.arange(ctx + 8, dtype=torch.float32), inv)
-        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1).to(dev)
+        self.slots = self.table[:, ctx // PAGE].long() * PAGE + ctx % PAGE
+        self.cos_sin = cos_sin_cache(d, ctx + 8).to(dev)
         self.x0 = torch.randn(rows, h, device=dev, dtype=dtype)
         self.scale = d**-0.5
         self.splits: int | None = None  # the decode attention's heuristic unless set

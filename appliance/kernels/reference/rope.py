@@ -5,6 +5,14 @@ import torch
 from appliance.kernels.registry import register
 
 
+def cos_sin_cache(rot_dim: int, max_pos: int, base: float = 10000.0) -> torch.Tensor:
+    """The unscaled cache the `rope` ops read, [max_pos, rot_dim] float32 rows of cat(cos, sin): random-input
+    checks and labs (the models build theirs with scaling, layers/rotary.py)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), -1)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
     rot = cos.shape[-1] * 2
     x_rot, x_pass = x[..., :rot].float(), x[..., rot:]

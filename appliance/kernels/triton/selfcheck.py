@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from appliance.kernels.reference.rope import cos_sin_cache
 from appliance.kernels.registry import get
 from appliance.kernels.triton.selfcheck_chain import CHAIN_OPS, chain_args, chain_errors, op_args, op_bytes
 
@@ -114,9 +115,7 @@ def rope_inputs(tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: 
                 dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
     max_pos = 4 * tokens + 8
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
-    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
-    cache = torch.cat((freqs.cos(), freqs.sin()), -1).to(device)
+    cache = cos_sin_cache(rot_dim, max_pos).to(device)
     positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
     q = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype).to(device)
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype).to(device)

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from appliance.kernels.reference.rope import cos_sin_cache
+
 CHAIN_OPS = ("norm_prep", "gemv_residual", "gemv_normed_silu", "gemv_normed_rope_store")
 PAGE = 4
 
@@ -25,8 +27,6 @@ def chain_args(m: int, hidden: int, inter: int, nq: int, nkv: int, d: int, dtype
         return (torch.randn(*shape, generator=gen) * scale).to(ty).to(device)
 
     max_pos = 64
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.arange(max_pos).float()[:, None] * inv[None, :]
     blocks = (m + PAGE - 1) // PAGE + 2
     slots = torch.randperm(blocks * PAGE, generator=gen)[:m]
     slots[1::4] = -1
@@ -39,7 +39,7 @@ def chain_args(m: int, hidden: int, inter: int, nq: int, nkv: int, d: int, dtype
         "b_qkv": rnd((nq + 2 * nkv) * d) if bias else None, "w_gu": rnd(2 * inter, hidden, scale=hidden**-0.5),
         "w_down": rnd(hidden, inter, scale=inter**-0.5), "act": rnd(m, inter), "nq": nq, "nkv": nkv, "d": d,
         "positions": torch.randint(0, max_pos, (m,), generator=gen).to(device),
-        "cos_sin": torch.cat((freqs.cos(), freqs.sin()), -1).to(device), "slots": slots.to(device),
+        "cos_sin": cos_sin_cache(d, max_pos).to(device), "slots": slots.to(device),
         "k_cache": rnd(blocks, PAGE, nkv, d, ty=cache_dtype), "v_cache": rnd(blocks, PAGE, nkv, d, ty=cache_dtype),
     }
 
