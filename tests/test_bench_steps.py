@@ -74,23 +74,60 @@ def test_run_summary_names_the_largest_waits_and_collector_pauses() -> None:
 def test_gc_pauses_records_a_collection() -> None:
     import gc
 
-    tool = load_tool("bench_steps")
-    pauses = tool.gc_pauses()
+    pauses = load_tool("step_diagnostics").GcPauses()
     try:
         gc.collect(1)
         assert pauses and pauses[-1][0] == 1 and pauses[-1][1] >= 0.0
     finally:
-        gc.callbacks.pop()
+        summary = pauses.stop()
+    assert summary["gen1"][0] >= 1 and pauses.stop() == summary  # stopped: nothing more recorded
+    gc.collect(1)
+    assert pauses.stop() == summary
 
 
 def test_gc_census_names_what_a_full_collection_walks() -> None:
     import gc
 
-    tool = load_tool("bench_steps")
     census: list[dict[str, int]] = []
-    tool.gc_pauses(census)
+    pauses = load_tool("step_diagnostics").GcPauses(census)
     try:
         gc.collect(2)
         assert census and census[-1]["objects"] > 1000 and len(census[-1]) == 12
     finally:
-        gc.callbacks.pop()
+        pauses.stop()
+
+
+def test_step_phases_time_each_engine_call_and_restore_the_methods() -> None:
+    """StepPhases wraps the engine's schedule / submit / collect / update for a block: each step's ms, the
+    medians, and afterwards the classes' own methods again."""
+    import time
+
+    tool = load_tool("step_diagnostics")
+
+    class Part:
+        def schedule(self) -> int:
+            return 1
+
+        def update(self) -> None:
+            return None
+
+        def submit(self, slow: bool) -> str:
+            time.sleep(0.02 if slow else 0.001)
+            return "handle"
+
+        def collect(self) -> None:
+            return None
+
+    class Engine:
+        scheduler, executor = Part(), Part()
+
+    eng = Engine()
+    with tool.StepPhases(eng, stacks=True) as phases:
+        for i in range(6):
+            eng.scheduler.schedule()
+            assert eng.executor.submit(i == 4) == "handle"
+            eng.executor.collect()
+            eng.scheduler.update()
+    assert len(phases.steps) == 6 and phases.at(4)["submit"] >= 15.0 > phases.median()["submit"]
+    assert any("submit" in " ".join(st) for _, st in phases.slow_submit_stacks())
+    assert "submit" not in vars(eng.executor)  # the instance wrappers are gone

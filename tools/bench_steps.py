@@ -21,12 +21,13 @@ import json
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import PRESETS
+from step_diagnostics import GcPauses
 from gpu_measure import (
     QWEN_SMOKE_SHAPE,
     _llm,
@@ -128,26 +129,6 @@ def run_summary(steps: list[dict[str, Any]], pauses: list[tuple[int, float]], to
             "largest_waits": [[round(w, 2), k, i] for w, k, i in waits], "gc": gcs}
 
 
-def gc_pauses(census: list[dict[str, int]] | None = None) -> list[tuple[int, float]]:
-    """Record every collection as (generation, ms) into the returned list (clear it between runs); with a
-    census list, each full collection first appends the 10 most common types of the objects it will walk."""
-    out: list[tuple[int, float]] = []
-    began: list[float] = []
-
-    def callback(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            if census is not None and info["generation"] == 2:
-                objects = gc.get_objects()
-                top = Counter(type(o).__name__ for o in objects).most_common(10)
-                census.append({"frozen": gc.get_freeze_count(), "objects": len(objects), **dict(top)})
-            began.append(time.perf_counter())
-        elif began:
-            out.append((int(info["generation"]), (time.perf_counter() - began.pop()) * 1e3))
-
-    gc.callbacks.append(callback)
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3-0.6b", choices=("qwen3-0.6b", "llama-3.1-8b"))
@@ -176,7 +157,7 @@ def main() -> int:
     steps: list[dict[str, Any]] = []
     instrument(llm, steps)
     census: list[dict[str, int]] | None = [] if args.census else None
-    pauses = gc_pauses(census)
+    pauses = GcPauses(census)
     for run in range(args.runs):
         steps.clear()
         pauses.clear()

@@ -5,11 +5,13 @@ concept; bench_gpu.py adds this folder to sys.path.
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
+
+from step_diagnostics import GcPauses, StepPhases, device_allocs
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
@@ -150,26 +152,40 @@ def _throughput(llm: Any, prompts: list[dict[str, list[int]]], out_lens: list[in
             "outside_engine_ms_per_step": round((elapsed - acc["step"]) / steps * 1e3, 3)}
 
 
-def _tpot(llm: Any, prompt: list[int], out_len: int) -> dict[str, float]:
+def _tpot(llm: Any, prompt: list[int], out_len: int, stacks: bool | None = None) -> dict[str, Any]:
     """Time to the first token and the gaps between the later tokens of one request alone, taken when each token
     reaches the caller: in overlap mode a step() returns the previous step's token, so step wall times would
-    shift the prefill into the first "decode" interval."""
+    shift the prefill into the first "decode" interval. Also: the gaps that lift the mean off the median, with the
+    engine phases of their steps; with APPLIANCE_B1_STACKS=1 the main thread's stacks during slow submits."""
     from appliance import SamplingParams
 
     eng = llm.engine
     rid = f"b1-{time.monotonic_ns()}"
+    pauses = GcPauses()
+    allocs = device_allocs()
+    stacks = os.environ.get("APPLIANCE_B1_STACKS") == "1" if stacks is None else stacks
+    phases = StepPhases(eng, stacks)
     start = time.perf_counter()
     eng.add_request(rid, prompt, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=out_len, ignore_eos=True))
     arrivals: list[float] = []
     steps = 0
-    while eng.has_work():
-        deltas = eng.step()
-        steps += 1
-        now = time.perf_counter()
-        arrivals += [now] * sum(len(d.new_token_ids) for d in deltas)
+    with phases:
+        while eng.has_work():
+            deltas = eng.step()
+            steps += 1
+            now = time.perf_counter()
+            arrivals += [now] * sum(len(d.new_token_ids) for d in deltas)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    p50 = statistics.median(gaps)
+    slow = [(i, round(g * 1e3, 2)) for i, g in enumerate(gaps) if g > 1.2 * p50]  # what lifts the mean off p50
     return {"ttft_ms": round((arrivals[0] - start) * 1e3, 2), "tpot_ms": round(statistics.mean(gaps) * 1e3, 3),
-            "tpot_p50_ms": round(statistics.median(gaps) * 1e3, 3), "steps": steps}
+            "tpot_p50_ms": round(p50 * 1e3, 3), "tpot_max_ms": round(max(gaps) * 1e3, 3),
+            "slow_gaps": {"count": len(slow), "first": slow[:8],
+                          "phases_ms": [[phases.at(j) for j in (i, i + 1, i + 2)] for i, _ in slow[:3]]},
+            "phases_p50_ms": phases.median(),
+            **({"slow_submit_stacks": phases.slow_submit_stacks()} if stacks else {}),
+            "gc": pauses.stop(),
+            "device_allocs": {k: v - allocs.get(k, 0) for k, v in device_allocs().items()}, "steps": steps}
 
 
 def replay_ms(replay: Any, reps: int, after: Any = None) -> float:

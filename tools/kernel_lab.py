@@ -65,6 +65,8 @@ def gemv_configs(smoke: bool, tall: bool) -> list[gemv.GemvConfig]:
     if smoke:
         return [gemv.GemvConfig(16, 32, s, 4, 2) for s in (1, 2)]
     out = [gemv.GemvConfig(bn, bk, 1, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 5))]
+    out += [gemv.GemvConfig(bn, bk, 1, w, st) for bn, bk, w, st in
+            itertools.product((32, 64, 128), (128, 256), (4, 8), (4, 6)) if bn < 128 or w == 8]
     if tall:
         out += [gemv.GemvConfig(bn, bk, sk, 4, st) for bn, bk, sk, st in
                 itertools.product((8, 16, 32), (128, 256, 512), (1, 2, 4), (3, 5)) if (bn, sk) != (16, 1)
@@ -76,7 +78,7 @@ def section_gemv(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> dict
     """Per shape and M: cuBLAS vs every config; returns the best config per (shape, M)."""
     best: dict[str, Any] = {}
     shapes = SMOKE if args.smoke else LLAMA_8B
-    for (name, (n, k)), m in itertools.product(shapes.items(), (1, 8, 16)):
+    for (name, (n, k)), m in itertools.product(shapes.items(), [int(r) for r in args.gemv_rows.split(",")]):
         if args.gemv_shapes and name not in args.gemv_shapes.split(","):
             continue
         if time.time() - T0 > args.budget_s:
@@ -93,7 +95,7 @@ def section_gemv(args: argparse.Namespace, dev: str, dtype: torch.dtype) -> dict
 
         us = timed_us(cublas, args.smoke)
         rows = [emit(section="gemv", shape=name, m=m, impl="cublas", us=us, GBps=nbytes / us / 1e3)]
-        for cfg in gemv_configs(args.smoke, tall=k > 2 * n):
+        for cfg in [gemv.config_for(n, k), *gemv_configs(args.smoke, tall=k > 2 * n)]:  # the registered one first
             try:
                 err = rel(gemv.gemv(x, ws[0], config=cfg), ref)
                 us = timed_us(lambda cfg=cfg: [gemv.gemv(x, w, config=cfg) for w in ws], args.smoke)
@@ -339,6 +341,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv-shapes", default="", help="comma list of LLAMA_8B shapes to sweep (default: all)")
+    ap.add_argument("--gemv-rows", default="1,8,16", help="comma list of row counts the GEMV sweep times")
     ap.add_argument("--decode-cases", default="", help="comma list of fragments of decode case names to run")
     ap.add_argument("--decode-splits-only", action="store_true", help="decode: only the split factor varies")
     ap.add_argument("--decode-knobs", default="", help="decode: BLOCK_N:warps:stages:splits,... to time ('-' splits: "

@@ -123,11 +123,13 @@ def llama_b1(llm: Any, knob: Knob, vocab: int, rounds: int, k: int) -> dict[str,
             name = knob.label(value)
             switch(runner, knob, value)
             _tpot(llm, prompt, 8)  # captures the graph this key uses
-            tpot = _tpot(llm, prompt, 256 // k)["tpot_ms"]
+            run = _tpot(llm, prompt, 256 // k)
+            tpot = run["tpot_ms"]
             replay = _replay_ms(runner)
             res.setdefault(f"{name}_tpot", []).append(tpot)
             res.setdefault(f"{name}_replay", []).append(replay["ms"] if replay else float("nan"))
-            print(json.dumps({"round": r, "mode": name, "tpot_ms": tpot, "replay": replay}), flush=True)
+            print(json.dumps({"round": r, "mode": name, "tpot_ms": tpot, "tpot_p50_ms": run["tpot_p50_ms"],
+                              "slow_gaps": run["slow_gaps"]["count"], "replay": replay}), flush=True)
     return {key: round(statistics.median(v), 3) for key, v in res.items()}
 
 

@@ -4,7 +4,8 @@ One program serves all query heads that share a kv head (GQA: the kv tiles are r
 query head) over one split of the context. The split count is chosen on the host from the block table's width
 (its capacity), never from seq_lens, so no host sync happens and the launch is CUDA-graph safe; splits that start
 past a sequence's end exit at once. With more than one split a second pass merges the partial results by their
-log-sum-exp. Programs are numbered kv head fastest: a sequence's heads run side by side, reading neighbouring
+log-sum-exp; splits of one tile (small batches) run _decode_tile_kernel, which reads the cache before waiting for
+the kernel before it. Programs are numbered kv head fastest: a sequence's heads run side by side, reading neighbouring
 bytes of each cache row. An optional `order` (the rows longest context first, layers/attention.py
 `longest_first`) says which sequence each program row serves: one program per SM runs at a time on large batches,
 and starting the longest first keeps the last ones from running alone at the end of the launch.
@@ -39,6 +40,9 @@ MIN_SPLIT_TOKENS = 64  # measured: b1 x kv1024 in a 2048-token table: 32 splits 
 PROGRAMS_PER_SM = 2  # measured: b64 x kv1024 (512 programs) is fastest unsplit
 NUM_WARPS = 4
 NUM_STAGES = 3
+# Splits of one tile (small batches) run _decode_tile_kernel, which reads all but q and the newest cache row before
+# its wait. A lab switch (tools/lab_decode_chain.py --timeline).
+TILE_SPLITS = True
 
 
 @triton.jit
@@ -94,12 +98,64 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mi
         tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # partials: mid_o [B, H, S, D] normalised, mid_lse [B, H, S] in log2 units (-inf for an empty split)
-        base = (b * (GROUP * tl.num_programs(0)) + head) * num_splits + split
-        o = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(mid_o_ptr + base[:, None] * D + offs_d[None, :], o, mask=out_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(mid_lse_ptr + base, lse, mask=h_mask)
+        _store_partial(mid_o_ptr, mid_lse_ptr, acc, l_i, m_i, b, head, split, num_splits, offs_d, h_mask, out_mask,
+                       GROUP, D)
+
+
+@triton.jit
+def _store_partial(mid_o_ptr, mid_lse_ptr, acc, l_i, m_i, b, head, split, num_splits, offs_d, h_mask, out_mask,
+                   GROUP: tl.constexpr, D: tl.constexpr):
+    """One split's partial result: mid_o [B, H, S, D] normalised, mid_lse [B, H, S] in log2 units (-inf for an
+    empty split)."""
+    base = (b * (GROUP * tl.num_programs(0)) + head) * num_splits + split
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(mid_o_ptr + base[:, None] * D + offs_d[None, :], o, mask=out_mask)
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+    tl.store(mid_lse_ptr + base, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_tile_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+                        stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, num_splits,
+                        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ORDERED: tl.constexpr, UPCAST: tl.constexpr,
+                        GDC: tl.constexpr):
+    """Splits of one BLOCK_N-token tile each (small batches). Only q and each sequence's newest cache row come
+    from the kernels before (a decode row adds one token); the lengths, the block table and every older row were
+    written before this step's first kernel. So those are read before the wait: under programmatic dependent
+    launch the programs run while the qkv projection streams, and after the wait only q and one row are read."""
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    if ORDERED:
+        b = tl.load(order_ptr + b).to(tl.int32)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    pos = split * BLOCK_N + offs_n
+    n_mask = pos < seq_len
+    blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+    rows = (blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch)[:, None] + offs_d[None, :]
+    older = (pos < seq_len - 1)[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + rows, mask=older, other=0.0)
+    v = tl.load(v_ptr + rows, mask=older, other=0.0)
+    pdl_enter(GDC)
+    newest = (pos == seq_len - 1)[:, None] & d_mask[None, :]
+    k = tl.where(newest, tl.load(k_ptr + rows, mask=newest, other=0.0), k)
+    v = tl.where(newest, tl.load(v_ptr + rows, mask=newest, other=0.0), v)
+    offs_h = tl.arange(0, BLOCK_H)
+    head = kvh * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    s = tl.where(n_mask[None, :], mma(q, tl.trans(k), UPCAST) * qk_scale, float("-inf"))
+    m_i = tl.max(s, 1)
+    p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])  # an empty split: p = 0, l = 0
+    l_i = tl.sum(p, 1)
+    acc = mma(p.to(v.dtype), v, UPCAST)
+    _store_partial(mid_o_ptr, mid_lse_ptr, acc, l_i, m_i, b, head, split, num_splits, offs_d, h_mask,
+                   h_mask[:, None] & d_mask[None, :], GROUP, D)
 
 
 @triton.jit
@@ -171,17 +227,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = triton.next_power_of_2(d)
     block_n = BLOCK_N_UNSPLIT if direct and block_d <= 128 else BLOCK_N
     pdl = pdl_kwargs(q)  # both launches
-    _decode_kernel[(hkv, bsz, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order, out, mid_o, mid_lse,
-        scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        split_tokens, splits,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=block_n, DIRECT=direct, ORDERED=order is not None, UPCAST=INTERPRET,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        **pdl,
-    )
+    order_arg = seq_lens if order is None else order
+    heads = {"GROUP": group, "BLOCK_H": max(16, triton.next_power_of_2(group)), "D": d, "BLOCK_D": block_d,
+             "PAGE": page, "ORDERED": order is not None, "UPCAST": INTERPRET}
+    if not direct and split_tokens == BLOCK_N and TILE_SPLITS:
+        _decode_tile_kernel[(hkv, bsz, splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, order_arg, mid_o, mid_lse, scale * LOG2E,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), splits, BLOCK_N=BLOCK_N, **heads, num_warps=NUM_WARPS, num_stages=1, **pdl)
+    else:
+        _decode_kernel[(hkv, bsz, splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, order_arg, out, mid_o, mid_lse, scale * LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            split_tokens, splits, BLOCK_N=block_n, DIRECT=direct, **heads, num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES, **pdl)
     if not direct:
         _merge_kernel[(bsz, h)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, h,
                                 D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,

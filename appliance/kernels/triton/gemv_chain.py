@@ -25,6 +25,7 @@ import triton.language as tl
 from appliance.kernels.reference.gemv_chain import PAIRS, rope_store_fits
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
+from appliance.kernels.triton import probe
 from appliance.kernels.triton.common import INTERPRET, pdl_enter, pdl_kwargs
 from appliance.kernels.triton.gemv import config_for, weight_stream
 
@@ -108,14 +109,17 @@ def _norm_prep_kernel(h_ptr, g_ptr, xs_ptr, part_ptr, N, stride_hm, stride_sm, P
 
 @triton.jit
 def _residual_kernel(x_ptr, w_ptr, res_ptr, g_ptr, xs_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
-                     stride_sm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREP: tl.constexpr,
-                     UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr):
+                     stride_sm, probe_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREP: tl.constexpr,
+                     UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr, PROBE: tl.constexpr):
     pid = tl.program_id(0)
+    t0 = probe.now(pid, PROBE)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     _enter(GDC, NEXT)
+    t1, c1 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, n_mask, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                         UPCAST)
+    t2, c2 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     _streamed(GDC, NEXT)
     offs_m = tl.arange(0, BLOCK_M)
     mask = n_mask[:, None] & (offs_m < M)[None, :]
@@ -128,21 +132,25 @@ def _residual_kernel(x_ptr, w_ptr, res_ptr, g_ptr, xs_ptr, part_ptr, M, N, K, st
         g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(xs_ptr + offs_m[None, :] * stride_sm + offs_n[:, None], (hf * g[:, None]).to(ty), mask=mask)
         tl.store(part_ptr + offs_m * tl.num_programs(0) + pid, tl.sum(hf * hf, 0), mask=offs_m < M)
+    probe.write(probe_ptr, pid, t0, t1, t2, c1, c2, PROBE)
 
 
 @triton.jit
-def _silu_kernel(x_ptr, w_ptr, part_ptr, out_ptr, M, INTER, K, P, eps, stride_xm, stride_wn, stride_om,
+def _silu_kernel(x_ptr, w_ptr, part_ptr, out_ptr, M, INTER, K, P, eps, stride_xm, stride_wn, stride_om, probe_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, UPCAST: tl.constexpr,
-                 GDC: tl.constexpr, NEXT: tl.constexpr):
+                 GDC: tl.constexpr, NEXT: tl.constexpr, PROBE: tl.constexpr):
     HALF_N: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
     i = tl.arange(0, BLOCK_N)
     col = pid * HALF_N + i % HALF_N
     offs_n = tl.where(i < HALF_N, col, INTER + col)  # gate rows, then the up rows of the same columns
+    t0 = probe.now(pid, PROBE)
     _enter(GDC, NEXT)
+    t1, c1 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     scale = _row_scale(part_ptr, M, P, K, eps, BLOCK_P)
     acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, col < INTER, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                         UPCAST)
+    t2, c2 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     _streamed(GDC, NEXT)
     gate, up = _halves(acc * scale, out_ptr.dtype.element_ty, HALF_N)
     out = gate / (1.0 + tl.exp(-gate)) * up
@@ -150,14 +158,15 @@ def _silu_kernel(x_ptr, w_ptr, part_ptr, out_ptr, M, INTER, K, P, eps, stride_xm
     offs_m = tl.arange(0, BLOCK_M)
     tl.store(out_ptr + offs_m[None, :] * stride_om + cols[:, None], out.to(out_ptr.dtype.element_ty),
              mask=(cols < INTER)[:, None] & (offs_m < M)[None, :])
+    probe.write(probe_ptr, pid, t0, t1, t2, c1, c2, PROBE)
 
 
 @triton.jit
 def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                        M, K, P, eps, stride_xm, stride_wn, stride_c, stride_qm, stride_cb, stride_cs, stride_ch,
-                       NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                       probe_ptr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr):
+                       UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr, PROBE: tl.constexpr):
     HALF: tl.constexpr = D // 2
     BLOCK_N: tl.constexpr = 2 * _PAIRS
     PER_HEAD: tl.constexpr = HALF // _PAIRS
@@ -169,7 +178,9 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
     rows_rope = head * D + tl.where(i < _PAIRS, j0 + i, HALF + j0 + i - _PAIRS)
     rows_v = (NQ + NKV) * D + (pid - ROPE_PROGRAMS) * BLOCK_N + i
     offs_n = tl.where(pid < ROPE_PROGRAMS, rows_rope, rows_v)
+    t0 = probe.now(pid, PROBE)
     _enter(GDC, NEXT)
+    t1, c1 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     scale = _row_scale(part_ptr, M, P, K, eps, BLOCK_P)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -178,6 +189,7 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
     store = (m_mask & (slot >= 0))[None, :]
     acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, offs_n >= 0, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                         UPCAST)
+    t2, c2 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     _streamed(GDC, NEXT)
     acc = acc * scale
     if HAS_BIAS:
@@ -204,6 +216,7 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
         v_row = (pid - ROPE_PROGRAMS) * BLOCK_N + i
         v_dst = v_cache_ptr + slot_off + ((v_row // D) * stride_ch + v_row % D)[:, None]
         tl.store(v_dst, acc.to(ty).to(cache_ty), mask=store)
+    probe.write(probe_ptr, pid, t0, t1, t2, c1, c2, PROBE)
 
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, partials: torch.Tensor | None = None) -> None:
@@ -247,7 +260,8 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     _residual_kernel[(grid,)](x, weight, residual, norm_weight if prep else residual, xs, partials, m, n, k,
                               x.stride(0), weight.stride(0), residual.stride(0), xs.stride(0), BLOCK_N=block_n,
                               BLOCK_K=block_k, PREP=prep, UPCAST=INTERPRET, num_warps=warps, num_stages=stages,
-                              NEXT=LAUNCH_NEXT, **pdl_kwargs(x))
+                              NEXT=LAUNCH_NEXT, **pdl_kwargs(x),
+                              **probe.launch_kwargs(f"residual {n}x{k}", grid, x))
     return (xs, partials) if prep else None
 
 
@@ -259,10 +273,11 @@ def gemv_normed_silu(xs: torch.Tensor, weight: torch.Tensor, partials: torch.Ten
     block_n, block_k, stages, warps = _tiles(weight.shape[0], k)
     out = torch.empty(m, inter, dtype=xs.dtype, device=xs.device)
     p = partials.shape[1]
-    _silu_kernel[(triton.cdiv(inter, block_n // 2),)](
+    grid = triton.cdiv(inter, block_n // 2)
+    _silu_kernel[(grid,)](
         xs, weight, partials, out, m, inter, k, p, eps, xs.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_P=triton.next_power_of_2(p), UPCAST=INTERPRET, num_warps=warps,
-        num_stages=stages, NEXT=LAUNCH_NEXT, **pdl_kwargs(xs))
+        num_stages=stages, NEXT=LAUNCH_NEXT, **pdl_kwargs(xs), **probe.launch_kwargs("silu", grid, xs))
     return out
 
 
@@ -287,7 +302,7 @@ def gemv_normed_rope_store(xs: torch.Tensor, weight: torch.Tensor, bias: torch.T
     _rope_store_kernel[(programs,)](
         xs, weight, bias if bias is not None else xs, partials, positions, cos_sin_cache, q, k_cache, v_cache,
         slot_mapping, m, k, p, eps, xs.stride(0), weight.stride(0), cos_sin_cache.stride(0), q.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **probe.launch_kwargs("qkv", programs, xs),
         NQ=num_heads, NKV=num_kv_heads, D=head_dim, PAGE=k_cache.shape[1], BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(p), HAS_BIAS=bias is not None, UPCAST=INTERPRET, num_warps=warps,
         num_stages=stages, NEXT=QKV_LAUNCH_NEXT_ONE_ROW if m == 1 else LAUNCH_NEXT, **pdl_kwargs(xs))

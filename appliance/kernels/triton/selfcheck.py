@@ -261,6 +261,11 @@ def small_cases(device: str = "cpu") -> list[Case]:
                                                                        longest_first=True)),
         ("decode_attention", "f32-longest-first-split", lambda: decode_inputs(3, 4, 2, 64, 16, [40, 300, 7], f32, d,
                                                                             num_splits=2, longest_first=True)),
+        # splits of one 64-token tile (decode._decode_tile_kernel): newest rows at a tile's start and end
+        ("decode_attention", "bf16-one-tile-splits", lambda: decode_inputs(4, 4, 2, 64, 16, [0, 65, 64, 130], bf, d,
+                                                                         num_splits=3)),
+        ("decode_attention", "f32-one-tile-splits-longest-first", lambda: decode_inputs(
+            3, 8, 2, 64, 16, [129, 1, 70], f32, d, num_splits=4, longest_first=True)),
         ("prefill_attention", "bf16-prefix", lambda: prefill_inputs([5, 1, 70], [0, 20, 33], 4, 2, 64, 16, bf, d)),
         ("prefill_attention", "f16-empty-seq-d128", lambda: prefill_inputs([3, 0, 17], [4, 9, 0], 2, 1, 128, 8,
                                                                          f16, d)),
