@@ -24,6 +24,11 @@ def interpreted_rows(module: str, *, timeout: float, threads: int = 2) -> list[d
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def interpreted_cases(module: str, *, timeout: float, threads: int = 2) -> dict[str, dict]:
+    """interpreted_rows keyed by their "case"."""
+    return {r["case"]: r for r in interpreted_rows(module, timeout=timeout, threads=threads)}
+
+
 def print_case_rows(cases: dict[str, Any], run_case: Callable[[Any, str], dict[str, Any]]) -> None:
     """A test module run as a script under TRITON_INTERPRET=1 (interpreted_rows): one JSON row per case, on the
     CPU; a case that raises prints its error instead, so it cannot hide the others."""

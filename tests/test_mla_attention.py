@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from selfcheck_runner import interpreted_rows
+from selfcheck_runner import interpreted_cases
 from test_moe_models import (
     PROMPTS,
     YARN_V2,
@@ -153,7 +153,7 @@ def test_v3_mtp_layer_loads_and_leaves_generation_alone(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
     pytest.importorskip("triton")
-    return {r["case"]: r for r in interpreted_rows("appliance.kernels.mla.selfcheck", timeout=120, threads=1)}
+    return interpreted_cases("appliance.kernels.mla.selfcheck", timeout=120, threads=1)
 
 
 def _case_names(cases: str) -> list[str]:

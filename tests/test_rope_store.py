@@ -110,10 +110,9 @@ def check_row(row: dict[str, Any], spec: tuple[Any, ...], limits: dict[torch.dty
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict[str, Any]]:
     pytest.importorskip("triton")
-    from selfcheck_runner import interpreted_rows
+    from selfcheck_runner import interpreted_cases
 
-    rows = interpreted_rows("tests.test_rope_store", timeout=180)
-    return {r["case"]: r for r in rows}
+    return interpreted_cases("tests.test_rope_store", timeout=180)
 
 
 @pytest.mark.parametrize("name", list(CASES))

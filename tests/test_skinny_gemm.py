@@ -77,9 +77,9 @@ def main() -> None:
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict[str, Any]]:
     pytest.importorskip("triton")
-    from selfcheck_runner import interpreted_rows
+    from selfcheck_runner import interpreted_cases
 
-    return {r["case"]: r for r in interpreted_rows("tests.test_skinny_gemm", timeout=240)}
+    return interpreted_cases("tests.test_skinny_gemm", timeout=240)
 
 
 @pytest.mark.parametrize("name", list(CASES))
