@@ -11,7 +11,9 @@ generation_config.json, so `LLM(model=path)` and `AutoTokenizer.from_pretrained(
 """
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -151,3 +153,28 @@ def hf_greedy_reference(model_dir: Path, prompts: list[list[int]],
 def hf_greedy() -> Callable[..., list[tuple[list[int], list[float]]]]:
     """hf_greedy(model_dir, prompts, max_new_tokens) -> [(tokens, logprobs)] from transformers, per prompt."""
     return hf_greedy_reference
+
+
+_GPU_LEFT: list[tuple[str, float]] = []  # (test, GiB it left allocated): engines a GPU test did not let go
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_left(request: pytest.FixtureRequest) -> Any:
+    """GPU tests share one process: one that keeps an engine alive shrinks every later test's memory. Records
+    what each leaves allocated once collected (pytest_terminal_summary lists it)."""
+    torch = sys.modules.get("torch")
+    if request.node.get_closest_marker("gpu") is None or torch is None or not torch.cuda.is_available():
+        yield
+        return
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    yield
+    gc.collect()
+    left = (torch.cuda.memory_allocated() - before) / 2**30
+    if left > 0.25:
+        _GPU_LEFT.append((request.node.nodeid, round(left, 2)))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for nodeid, gib in _GPU_LEFT:
+        terminalreporter.write_line(f"GPU memory left allocated: {gib} GiB after {nodeid}")

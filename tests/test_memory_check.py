@@ -228,3 +228,34 @@ def test_deepseek_v3_on_one_gpu_fails_before_allocating(tmp_path: Path) -> None:
             gpu_memory_utilization=0.88, skip_tokenizer_init=True, max_model_len=4096)
     assert time.monotonic() - start < 30
     assert torch.cuda.mem_get_info()[0] >= free_before - (1 << 30)  # nothing of the weights was allocated
+
+
+def test_kv_blocks_stop_at_start_up_when_the_gpu_share_is_not_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_memory_utilization is a share of the whole GPU; when less than the KV part of it is free (another
+    engine of the process holds memory), start-up names the numbers instead of failing inside torch.zeros."""
+    from appliance.executor import kv_cache
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=80 * gib))
+    spec = kv_cache.KVCacheSpec(2, 2, 16, 16, torch.bfloat16)  # 4 KiB a block
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 80 * gib))
+    assert kv_cache.blocks_for_gpu(spec, torch.device("cuda", 0), 0.3, 2 * gib) == 22 * gib // spec.bytes_per_block
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    with pytest.raises(RuntimeError, match=r"needs 22\.0 GiB .*0\.3 of 80\.0 GiB.*peak of 2\.0 GiB.* only 10\.0 GiB"):
+        kv_cache.blocks_for_gpu(spec, torch.device("cuda", 0), 0.3, 2 * gib)
+
+
+def test_a_dropped_engine_gives_its_kv_memory_back(tiny_model: Path) -> None:
+    """The runner's finalizer empties the cache storage: a stray reference to a cache tensor (as seen on the GPU
+    with the Triton backend) no longer keeps the pool's memory."""
+    import gc
+
+    from appliance import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_model), dtype="float32", skip_tokenizer_init=True, max_total_tokens=512)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3))
+    stray = llm.executor.runner.kv_caches[0][0]
+    assert stray.untyped_storage().nbytes() == stray.numel() * stray.element_size() > 0
+    del llm
+    gc.collect()
+    assert stray.untyped_storage().nbytes() == 0

@@ -8,10 +8,11 @@ import json
 import os
 import random
 import statistics
+import threading
 import time
 from typing import Any
 
-from step_diagnostics import GcPauses, StepPhases, device_allocs
+from step_diagnostics import GcPauses, HostCounters, StepPhases, device_allocs
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
@@ -161,20 +162,24 @@ def _tpot(llm: Any, prompt: list[int], out_len: int, stacks: bool | None = None)
 
     eng = llm.engine
     rid = f"b1-{time.monotonic_ns()}"
-    pauses = GcPauses()
     allocs = device_allocs()
     stacks = os.environ.get("APPLIANCE_B1_STACKS") == "1" if stacks is None else stacks
     phases = StepPhases(eng, stacks)
+    host = HostCounters()
+    pauses = GcPauses()
     start = time.perf_counter()
     eng.add_request(rid, prompt, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=out_len, ignore_eos=True))
     arrivals: list[float] = []
     steps = 0
-    with phases:
-        while eng.has_work():
-            deltas = eng.step()
-            steps += 1
-            now = time.perf_counter()
-            arrivals += [now] * sum(len(d.new_token_ids) for d in deltas)
+    try:
+        with phases:
+            while eng.has_work():
+                deltas = eng.step()
+                steps += 1
+                now = time.perf_counter()
+                arrivals += [now] * sum(len(d.new_token_ids) for d in deltas)
+    finally:
+        gc_pauses = pauses.stop()
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     p50 = statistics.median(gaps)
     slow = [(i, round(g * 1e3, 2)) for i, g in enumerate(gaps) if g > 1.2 * p50]  # what lifts the mean off p50
@@ -184,7 +189,7 @@ def _tpot(llm: Any, prompt: list[int], out_len: int, stacks: bool | None = None)
                           "phases_ms": [[phases.at(j) for j in (i, i + 1, i + 2)] for i, _ in slow[:3]]},
             "phases_p50_ms": phases.median(),
             **({"slow_submit_stacks": phases.slow_submit_stacks()} if stacks else {}),
-            "gc": pauses.stop(),
+            "gc": gc_pauses, "host": host.stop(), "py_threads": [t.name for t in threading.enumerate()],
             "device_allocs": {k: v - allocs.get(k, 0) for k, v in device_allocs().items()}, "steps": steps}
 
 

@@ -92,14 +92,19 @@ class StepPhases:
         def call(*a: Any, **k: Any) -> Any:
             if name == "schedule":
                 self.steps.append({})
+            before = _thread_usage() if name == "submit" else None
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
                 end = time.perf_counter()
                 self.steps[-1][name] = round((end - t) * 1e3, 3)
-                if name == "submit":
+                if before is not None:
                     self.submits.append((t, end))
+                    # how the main thread spent a submit: on a CPU (cpu_ms), blocked (waits: futex, ioctl),
+                    # preempted (preempts: throttled or descheduled) or in page faults
+                    after = _thread_usage()
+                    self.steps[-1].update({f"submit_{k}": round(after[k] - before[k], 3) for k in after})
         return call
 
     def slow_submit_stacks(self, top: int = 4) -> list[tuple[int, tuple[str, ...]]]:
@@ -114,6 +119,67 @@ class StepPhases:
 
     def median(self) -> dict[str, float]:
         return {name: round(statistics.median(s.get(name, 0.0) for s in self.steps), 3) for _, name in self.NAMES}
+
+
+def _thread_usage() -> dict[str, float]:
+    """The calling thread's CPU ms, voluntary / involuntary context switches and page faults so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return {"cpu_ms": (r.ru_utime + r.ru_stime) * 1e3, "waits": r.ru_nvcsw, "preempts": r.ru_nivcsw,
+            "faults": r.ru_minflt + r.ru_majflt}
+
+
+class HostCounters:
+    """Process-wide host counters over a block: the cgroup's CPU throttling, the kernel's memory compaction
+    stalls, and each thread's CPU ms. Any of them can stall a CUDA call that the main thread makes."""
+
+    CGROUP = (Path("/sys/fs/cgroup/cpu.stat"), Path("/sys/fs/cgroup/cpu/cpu.stat"))
+    VMSTAT = ("compact_stall", "thp_fault_alloc", "pgmajfault", "allocstall_normal")
+
+    def __init__(self) -> None:
+        self.start = self.snapshot()
+
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for path in self.CGROUP:
+            if path.exists():
+                out.update({f"cg_{k}": int(v) for k, v in (ln.split() for ln in path.read_text().splitlines())
+                            if "throttled" in k})
+                break
+        vm = Path("/proc/vmstat")
+        if vm.exists():
+            out.update({k: int(v) for k, v in (ln.split() for ln in vm.read_text().splitlines()) if k in self.VMSTAT})
+        out["threads"] = _thread_cpu_ms()
+        return out
+
+    def stop(self) -> dict[str, Any]:
+        """Deltas since construction; threads that used over 10 ms of CPU, by name."""
+        end = self.snapshot()
+        out: dict[str, Any] = {k: v - self.start.get(k, 0) for k, v in end.items() if k != "threads"}
+        busy: Counter[str] = Counter()
+        for tid, (name, ms) in end["threads"].items():
+            busy[name] += ms - self.start["threads"].get(tid, (name, 0.0))[1]
+        out["thread_cpu_ms"] = {n: round(ms, 1) for n, ms in busy.most_common() if ms > 10}
+        out["thread_count"] = len(end["threads"])
+        return out
+
+
+def _thread_cpu_ms() -> dict[str, tuple[str, float]]:
+    """tid -> (name, user + system CPU ms) for every thread of this process (Linux /proc)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[str, tuple[str, float]] = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[task.name] = (name, (int(fields[11]) + int(fields[12])) * 1e3 / tick)
+    return out
 
 
 def device_allocs() -> dict[str, int]:

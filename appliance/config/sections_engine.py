@@ -192,7 +192,8 @@ class CacheSection(Section):
 
     block_size: int = param(16, "Tokens per KV cache block (a power of two).", ge=1, le=256)
     gpu_memory_utilization: float = param(
-        0.9, "Fraction of GPU memory for weights, activations and KV cache; lower it to leave headroom.",
+        0.9, "Fraction of the GPU's total memory for weights, activations and KV cache; lower it to leave "
+        "headroom. Start-up stops with the numbers when that much is not free.",
         flags=("--gpu-memory-utilization", "--mem-fraction-static"), gt=0, le=1)
     max_total_tokens: int | None = param(
         None, "Size of the KV token pool. Unset: computed from gpu_memory_utilization (on CPU: enough for "

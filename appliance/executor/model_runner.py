@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import weakref
 from collections import deque
 from typing import Any
 
@@ -101,6 +102,7 @@ class ModelRunner:
                                             "torch" if self.backend == "torch" else None)
         self.num_blocks = self._count_blocks()
         self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
+        weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
         self.sampler = Sampler(self.eos_token_ids, m.seed)
