@@ -1,5 +1,6 @@
-"""Where a benchmark's host time goes, step by step: the engine phases of each step (with, on request, stack
-samples of the main thread), the garbage collector's pauses, the device allocator's cudaMalloc / cudaFree calls.
+"""Where a benchmark's host time goes, step by step: the engine phases of each step (with how the main thread
+spent each submit and, on request, stack samples of it), the garbage collector's pauses, the device allocator's
+cudaMalloc / cudaFree calls, the process's CPU throttling and the kernel's compaction stalls.
 Shared by gpu_measure._tpot (the batch-1 figure) and bench_steps (whole runs)."""
 from __future__ import annotations
 
