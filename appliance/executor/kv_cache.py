@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from appliance.executor.memory_check import GIB
+
 CPU_KV_BYTES = 1 << 30  # CPU default when max_total_tokens is unset: at most 1 GiB of KV
 
 _KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -56,16 +58,15 @@ def blocks_for_gpu(spec: KVCacheSpec, device: torch.device, utilization: float, 
     total = torch.cuda.get_device_properties(device).total_memory
     free_for_kv = int(total * utilization) - peak_bytes
     n = free_for_kv // spec.bytes_per_block
-    gib = 2**30
     if n < 1:
-        raise RuntimeError(f"no memory left for the KV cache: {utilization:.0%} of {total / gib:.1f} GiB is "
-                           f"{total * utilization / gib:.1f} GiB and the model peaks at {peak_bytes / gib:.1f} "
+        raise RuntimeError(f"no memory left for the KV cache: {utilization:.0%} of {total / GIB:.1f} GiB is "
+                           f"{total * utilization / GIB:.1f} GiB and the model peaks at {peak_bytes / GIB:.1f} "
                            f"GiB; raise cache.gpu_memory_utilization or use a smaller model / more parallelism")
     free, _ = torch.cuda.mem_get_info(device)
     if n * spec.bytes_per_block > free:
-        raise RuntimeError(f"the KV cache needs {n * spec.bytes_per_block / gib:.1f} GiB (cache.gpu_memory_utilization "
-                           f"{utilization:g} of {total / gib:.1f} GiB, less the model's peak of "
-                           f"{peak_bytes / gib:.1f} GiB) but only {free / gib:.1f} GiB of the GPU is free: other "
+        raise RuntimeError(f"the KV cache needs {n * spec.bytes_per_block / GIB:.1f} GiB (cache.gpu_memory_utilization "
+                           f"{utilization:g} of {total / GIB:.1f} GiB, less the model's peak of "
+                           f"{peak_bytes / GIB:.1f} GiB) but only {free / GIB:.1f} GiB of the GPU is free: other "
                            f"processes or engines hold the rest. Lower cache.gpu_memory_utilization, set "
                            f"cache.max_total_tokens, or free the GPU")
     return int(n)
