@@ -83,7 +83,8 @@ class ModelRunner:
         self.hf_config = load_hf_config(self.model_dir, m.hf_overrides, m.trust_remote_code)
         self.dtype = resolve_dtype(config.precision.dtype, self.hf_config, self.device)
         self.backend = resolve_backend(config.backends.attention, self.device)
-        self.max_model_len = resolve_max_model_len(m.max_model_len, self.hf_config)
+        windowed = bool(getattr(model_class(self.hf_config), "sliding_window_attention", False))
+        self.max_model_len = resolve_max_model_len(m.max_model_len, self.hf_config, windowed)
         self.block_size = config.cache.block_size
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend)  # fail before allocating
         self._mem_baseline = memory_profile.allocated_by_others(self.device)

@@ -46,10 +46,11 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return "torch"
 
 
-def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+def resolve_max_model_len(requested: int | None, hf_config: Any, windowed: bool = False) -> int:
+    """`windowed`: the model applies its sliding windows (Gemma 3, gpt-oss), so sliding_window caps nothing."""
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
     window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
+    if window and getattr(hf_config, "use_sliding_window", True) and not windowed:
         # attention here is full attention: beyond the window the model would see more than it was trained to
         limit = min(limit or window, int(window))
     if requested is None:

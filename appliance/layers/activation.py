@@ -5,6 +5,9 @@ from torch import nn
 
 from appliance.layers.kernels import kernel
 
+# HF hidden_act / hidden_activation -> the registry's gate-times-up op over a fused gate_up projection
+GATED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up over the two halves of the fused gate_up projection."""
@@ -12,6 +15,20 @@ class SiluAndMul(nn.Module):
     def __init__(self, backend: str = "torch") -> None:
         super().__init__()
         self._op = kernel("silu_and_mul", backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x)
+
+
+class GatedActivation(nn.Module):
+    """act(gate) * up for any act in GATED_ACTIVATIONS (a clear error for the others)."""
+
+    def __init__(self, hidden_act: str, backend: str = "torch") -> None:
+        super().__init__()
+        if hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"hidden activation {hidden_act!r} is not supported "
+                             f"(supported: {', '.join(GATED_ACTIVATIONS)})")
+        self._op = kernel(GATED_ACTIVATIONS[hidden_act], backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x)

@@ -6,6 +6,10 @@ op, see `fused_rope_store`) calls `attend(q, meta)`.
 One forward mixes decodes and prefill chunks. The runner puts the single-token rows first (they go through
 `decode_attention`) and the multi-token chunks after them (`prefill_attention`, which also sees the cached
 prefix), so both kernels get contiguous slices.
+
+Two per-layer properties reach the kernels as keywords (only when set, so every backend serves plain layers):
+`sliding_window` (Gemma 3's local layers, gpt-oss's banded layers) and `sinks`, one learned logit per query
+head that joins the softmax (gpt-oss). Backends that lack them are refused when the layer is built.
 """
 from __future__ import annotations
 
@@ -18,6 +22,10 @@ from torch import nn
 
 from appliance.kernels import registry
 from appliance.layers.kernels import kernel
+from appliance.layers.parallel_state import get_tp_rank, get_tp_size
+
+# attention backends whose decode and prefill kernels take sliding_window= and sinks=
+WINDOW_SINK_BACKENDS = ("torch",)
 
 
 @dataclass(frozen=True)
@@ -75,14 +83,42 @@ def fused_rope_store(backend: str) -> Callable[..., Any] | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: str = "torch") -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: str = "torch",
+                 sliding_window: int | None = None, sinks: bool = False) -> None:
+        """num_heads / num_kv_heads: this rank's. `sliding_window`: keys older than the last W tokens are hidden;
+        `sinks`: a `sinks` parameter of this rank's heads (the checkpoint's [all heads] tensor is sliced)."""
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        if (sliding_window is not None or sinks) and backend not in WINDOW_SINK_BACKENDS:
+            raise ValueError(f"backends.attention = {backend!r} has no sliding-window / attention-sink kernels, "
+                             f"which this model needs (supported: {', '.join(WINDOW_SINK_BACKENDS)})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("sinks", None)
         self._store = kernel("store_kv", backend)
         self._decode = kernel("decode_attention", backend)
         self._prefill = kernel("prefill_attention", backend)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != (self.num_heads * get_tp_size(),):
+            raise ValueError(f"sinks of shape {tuple(loaded.shape)} do not fit {self.num_heads * get_tp_size()} heads")
+        param.data.copy_(loaded.narrow(0, get_tp_rank() * self.num_heads, self.num_heads))
+
+    def _extra(self) -> dict[str, Any]:
+        """The window / sink keywords of this layer's kernels (none for a plain layer)."""
+        extra: dict[str, Any] = {}
+        if self.sliding_window is not None:
+            extra["sliding_window"] = self.sliding_window
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
+        return extra
 
     def bind_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -110,18 +146,20 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         out = None if out is None else out.view(t, self.num_heads, self.head_dim)
         nd = meta.num_decode_tokens
+        extra = self._extra()
         # one kind of row (every decode step, most prefill steps): the kernel's output is the answer, no copy
         if nd == t:
-            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                self.scale, order=meta.decode_order, out=out).view(t, self.num_heads * self.head_dim)
+            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                                order=meta.decode_order, out=out, **extra).view(t, self.num_heads * self.head_dim)
         if nd == 0:
             return self._prefill(q, k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
-                                 meta.prefill_block_tables, self.scale, out=out).view(t, self.num_heads * self.head_dim)
+                                 meta.prefill_block_tables, self.scale, out=out,
+                                 **extra).view(t, self.num_heads * self.head_dim)
         out = torch.empty_like(q) if out is None else out  # both kernels write their rows of it
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                         order=meta.decode_order, out=out[:nd])
+                         order=meta.decode_order, out=out[:nd], **extra)
         if nd < t:
             self._prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
-                          meta.prefill_block_tables, self.scale, out=out[nd:])
+                          meta.prefill_block_tables, self.scale, out=out[nd:], **extra)
         return out.view(t, self.num_heads * self.head_dim)

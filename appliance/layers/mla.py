@@ -14,7 +14,6 @@ rope dims only, and YaRN scaling adds an attention factor to cos/sin plus mscale
 from __future__ import annotations
 
 import json
-import math
 import weakref
 from typing import Any
 
@@ -27,33 +26,7 @@ from appliance.layers.fp8 import Fp8BlockConfig, dense_weight, make_linear
 from appliance.layers.kernels import kernel
 from appliance.layers.norm import RMSNorm
 from appliance.layers.parallel_state import divide, get_tp_size
-from appliance.layers.rotary import rope_parameters
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _yarn_inv_freq(dim: int, base: float, factor: float, scaling: dict[str, Any]) -> torch.Tensor:
-    """NTK-by-parts interpolation: high-frequency dims kept, low-frequency dims divided by factor."""
-    beta_fast = float(scaling.get("beta_fast") or 32)
-    beta_slow = float(scaling.get("beta_slow") or 1)
-    old_ctx = float(scaling["original_max_position_embeddings"])
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolate = 1 - ramp
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
-
+from appliance.layers.rotary import rope_parameters, yarn_factors, yarn_inv_freq, yarn_mscale
 
 # one cos/sin table per shape and device, shared by every layer (weakly held: freed with the last model using
 # it): 62 DeepSeek-V3 layers at 163840 positions would otherwise hold 2.6 GB of identical copies per GPU
@@ -71,18 +44,9 @@ def rope_cache_and_mscale(cfg: Any, dim: int) -> tuple[torch.Tensor, float]:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "yarn":
             raise ValueError(f"DeepSeek rope scaling {kind!r} is not supported (supported: default, yarn)")
-        factor = scaling.get("factor")
-        if factor is None:
-            factor = max_pos / float(scaling["original_max_position_embeddings"])
-        factor = float(factor)
-        inv_freq = _yarn_inv_freq(dim, base, factor, scaling)
-        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if scaling.get("attention_factor") is not None:
-            attn_factor = float(scaling["attention_factor"])
-        elif mscale and mscale_all:
-            attn_factor = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all))
-        else:
-            attn_factor = yarn_mscale(factor)
+        factor, attn_factor = yarn_factors(scaling, max_pos)
+        inv_freq = yarn_inv_freq(dim, base, factor, scaling)
+        mscale_all = scaling.get("mscale_all_dim")
         if mscale_all:
             softmax_mult = yarn_mscale(factor, float(mscale_all)) ** 2
     key = (base, json.dumps(scaling, sort_keys=True, default=str), max_pos, dim, str(inv_freq.device))

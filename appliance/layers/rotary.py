@@ -1,7 +1,9 @@
 """Rotary position embeddings: a cos/sin cache per position, applied through the kernel registry's `rope` op.
 
 Scaling follows the HF `rope_parameters` / `rope_scaling` dict: default, linear, llama3 (Llama 3.1's
-wavelength-dependent frequency interpolation). Any other rope_type is an error rather than silently unscaled.
+wavelength-dependent frequency interpolation), yarn (NTK-by-parts with an attention factor on cos/sin, gpt-oss;
+DeepSeek's MLA builds its own table from the same helpers). Any other rope_type is an error rather than silently
+unscaled.
 """
 from __future__ import annotations
 
@@ -46,6 +48,43 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(dim: int, base: float, factor: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """NTK-by-parts interpolation: high-frequency dims kept, low-frequency dims divided by factor."""
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+    old_ctx = float(scaling["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
+def yarn_factors(scaling: dict[str, Any], max_position: int) -> tuple[float, float]:
+    """(factor, attention factor on cos/sin) of a YaRN scaling dict, as transformers derives them."""
+    factor = scaling.get("factor")
+    factor = float(factor if factor is not None else max_position / float(scaling["original_max_position_embeddings"]))
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if scaling.get("attention_factor") is not None:
+        return factor, float(scaling["attention_factor"])
+    if mscale and mscale_all:
+        return factor, yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all))
+    return factor, yarn_mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
                  scaling: dict[str, Any] | None = None, is_neox: bool = True, backend: str = "torch") -> None:
@@ -53,16 +92,21 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.rotary_dim, self.is_neox = head_dim, rotary_dim, is_neox
         inv_freq = _inv_freq(rotary_dim, base)
         positions = torch.arange(max_position, dtype=torch.float32)
+        attn_factor = 1.0
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind == "llama3":
                 inv_freq = _llama3_inv_freq(inv_freq, scaling)
             elif kind == "linear":
                 positions = positions / float(scaling["factor"])
+            elif kind == "yarn":
+                factor, attn_factor = yarn_factors(scaling, max_position)
+                inv_freq = yarn_inv_freq(rotary_dim, base, factor, scaling)
             else:
-                raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+                raise ValueError(f"rope scaling type {kind!r} is not supported "
+                                 "(supported: default, linear, llama3, yarn)")
         freqs = torch.outer(positions, inv_freq)
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        cache = torch.cat((freqs.cos() * attn_factor, freqs.sin() * attn_factor), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self._op = kernel("rope", backend)
 

@@ -35,7 +35,12 @@ _STACKED = (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str, *, sliding_window: int | None = None,
+                 sinks: bool = False, scale: float | None = None,
+                 rope: tuple[float, dict[str, Any] | None] | None = None, norm: type[RMSNorm] = RMSNorm) -> None:
+        """The keywords serve the families built on this attention: a per-layer sliding window and attention sinks
+        (gpt-oss, Gemma 3), a softmax scale other than head_dim^-0.5 and per-layer rotary (theta, scaling) (Gemma 3),
+        and the q/k norm's class (Gemma's 1 + weight)."""
         super().__init__()
         hidden = cfg.hidden_size
         n_heads = cfg.num_attention_heads
@@ -47,14 +52,16 @@ class LlamaAttention(nn.Module):
                                         bias=bool(getattr(cfg, "attention_bias", False)))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        theta, scaling = rope_parameters(cfg)
+        theta, scaling = rope if rope is not None else rope_parameters(cfg)
         rotary_dim = int(self.head_dim * float(getattr(cfg, "partial_rotary_factor", 1.0)))
         self.rotary = RotaryEmbedding(self.head_dim, rotary_dim, cfg.max_position_embeddings, theta, scaling,
                                       is_neox=True, backend=backend)
         eps = cfg.rms_norm_eps
-        self.q_norm = RMSNorm(self.head_dim, eps, backend) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps, backend) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, backend)
+        self.q_norm = norm(self.head_dim, eps, backend) if qk_norm else None
+        self.k_norm = norm(self.head_dim, eps, backend) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                              self.head_dim**-0.5 if scale is None else scale, backend,
+                              sliding_window=sliding_window, sinks=sinks)
         # norm + rotary + KV store in one launch when the attention backend has it; the modules above keep
         # owning the parameters (checkpoint names, loading) and serve the unfused path
         self._rope_store = fused_rope_store(backend)

@@ -6,6 +6,8 @@ from typing import Any
 from torch import nn
 
 from appliance.models.deepseek import MODELS as DEEPSEEK_MODELS
+from appliance.models.gemma3 import MODELS as GEMMA3_MODELS
+from appliance.models.gpt_oss import MODELS as GPT_OSS_MODELS
 from appliance.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -23,6 +25,8 @@ MODELS: dict[str, type[nn.Module]] = {
     **MIXTRAL_MODELS,  # MixtralForCausalLM
     **QWEN_MOE_MODELS,  # Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
     **DEEPSEEK_MODELS,  # DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    **GEMMA3_MODELS,  # Gemma3ForCausalLM
+    **GPT_OSS_MODELS,  # GptOssForCausalLM
 }
 
 

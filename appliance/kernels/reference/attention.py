@@ -2,6 +2,12 @@
 
 Caches are [num_blocks, block_size, num_kv_heads, head_dim]; a request's tokens live in the blocks its block
 table names, token t in block_table[t // block_size] at offset t % block_size.
+
+Two optional arguments serve gpt-oss and Gemma 3 (None: plain causal attention):
+- `sliding_window` W: a query at position p sees keys at positions > p - W (the last W tokens, itself included),
+  as transformers' sliding-window mask does;
+- `sinks` [H] float: a learned logit per query head that joins each row's softmax and is then dropped (its
+  probability mass goes nowhere), gpt-oss's attention sinks.
 """
 from __future__ import annotations
 
@@ -39,37 +45,47 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+            sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Tq,H,D] at positions q_pos; k, v [Tk,Hkv,D] at positions 0..Tk-1; causal; float32 math."""
     h, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(h // hkv, dim=1)
     v = v.repeat_interleave(h // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     k_pos = torch.arange(k.shape[0], device=q.device)
-    scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    hidden = k_pos[None, None, :] > q_pos[None, :, None]
+    if sliding_window is not None:
+        hidden = hidden | (k_pos[None, None, :] <= q_pos[None, :, None] - sliding_window)
+    scores.masked_fill_(hidden, float("-inf"))
+    if sinks is not None:  # one more logit per row, dropped after the softmax
+        sink = sinks.float()[:, None, None].expand(h, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
 
 
 @register("decode_attention", "torch")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, sliding_window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`order`: the order a kernel may take the rows in (a scheduling hint; results never depend on it). `out`:
-    where to write (attention_out)."""
+    where to write (attention_out). `sliding_window`, `sinks`: see the module docstring."""
     out = attention_out("decode_attention", q, out)
     for b, length in enumerate(seq_lens.tolist()):
         k = _gather(k_cache, block_tables[b], length)
         v = _gather(v_cache, block_tables[b], length)
         pos = torch.tensor([length - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1], k, v, pos, scale)[0]
+        out[b] = _attend(q[b : b + 1], k, v, pos, scale, sliding_window, sinks)[0]
     return out
 
 
 @register("prefill_attention", "torch")
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, sliding_window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     out = attention_out("prefill_attention", q, out)
     cu = cu_seqlens_q.tolist()
     for b, length in enumerate(seq_lens.tolist()):
@@ -79,5 +95,5 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k = _gather(k_cache, block_tables[b], length)
         v = _gather(v_cache, block_tables[b], length)
         pos = torch.arange(length - (end - start), length, device=q.device)
-        out[start:end] = _attend(q[start:end], k, v, pos, scale)
+        out[start:end] = _attend(q[start:end], k, v, pos, scale, sliding_window, sinks)
     return out

@@ -1,0 +1,125 @@
+"""Gemma 3 text (Gemma3ForCausalLM; the text half of Gemma3ForConditionalGeneration checkpoints).
+
+What sets it apart from the Llama decoder it is built from:
+- `layer_types`: local layers attend over a sliding window of `sliding_window` tokens, global layers over the
+  whole context (5 local to 1 global in the released models), each kind with its own rotary parameters
+  (`rope_parameters[layer_type]`: theta 10k local, 1M global, linear scaling on 27B's global layers);
+- q/k RMSNorm per head, softmax scale query_pre_attn_scalar^-0.5;
+- four norms per layer (after attention and around the MLP), all of them Gemma's (1 + weight) RMSNorm;
+- embeddings scaled by sqrt(hidden_size) (in the model's dtype, as transformers does), tied to the LM head;
+- a GeGLU MLP (gelu, tanh approximation); an optional final logit soft-cap.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from appliance.layers.activation import GatedActivation
+from appliance.layers.attention import Attention, AttentionMetadata
+from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from appliance.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from appliance.layers.norm import GemmaRMSNorm
+from appliance.models.layer_types import SLIDING, layer_types
+from appliance.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+def layer_rope(cfg: Any, layer_type: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None) of one layer kind, from transformers' per-layer-type rope_parameters."""
+    params = (getattr(cfg, "rope_parameters", None) or {}).get(layer_type)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise ValueError(f"rope_parameters has no entry for {layer_type!r} layers")
+    return float(params["rope_theta"]), None if params.get("rope_type", "default") == "default" else dict(params)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, cfg: Any, backend: str) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias=False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False)
+        self.act = GatedActivation(act, backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_type: str, backend: str) -> None:
+        super().__init__()
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise ValueError("attn_logit_softcapping is not supported (Gemma 3 ships without it)")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention (encoder use) is not supported: this is a causal decoder")
+        window = int(cfg.sliding_window) if layer_type == SLIDING else None
+        self.self_attn = LlamaAttention(cfg, bool(getattr(cfg, "attention_bias", False)), True, backend,
+                                        sliding_window=window, scale=float(cfg.query_pre_attn_scalar) ** -0.5,
+                                        rope=layer_rope(cfg, layer_type), norm=GemmaRMSNorm)
+        self.mlp = GemmaMLP(cfg, backend)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, backend)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, backend)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, backend)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (the MLP's normed output, the residual stream before it): the next norm adds them."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, meta))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: Any, backend: str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = float(cfg.hidden_size) ** 0.5
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, kind, backend) for kind in layer_types(cfg))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the dtype first, like transformers
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        out, _ = self.norm(x, residual)
+        return out
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Loads through LlamaForCausalLM.load_weights (q/k/v and gate/up fused); GemmaRMSNorm loads 1 + weight."""
+
+    supports_cuda_graphs = True
+    piecewise_graphs = True
+    sliding_window_attention = True  # windows are applied, so max_model_len is not capped at sliding_window
+
+    def __init__(self, hf_config: Any, backend: str = "torch") -> None:
+        nn.Module.__init__(self)
+        self.config = hf_config
+        self.model = Gemma3Model(hf_config, backend)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.softcap = getattr(hf_config, "final_logit_softcapping", None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+MODELS: dict[str, type[nn.Module]] = {"Gemma3ForCausalLM": Gemma3ForCausalLM}

@@ -1,0 +1,164 @@
+"""gpt-oss (GptOssForCausalLM): the Llama decoder with attention sinks, banded layers and its own MoE.
+
+- Attention: q/k/v/o biases, learned per-head sink logits in the softmax (`self_attn.sinks`), layers listed as
+  `sliding_attention` in `layer_types` see the last `sliding_window` tokens (alternating with full layers),
+  YaRN rotary (neox halves) with its attention factor.
+- MoE: a biased linear router, top-k of the logits then softmax over the chosen k; experts with biases and a
+  clamped SwiGLU, gate = min(g, limit), up = clamp(u, -limit, limit), out = (up + 1) * gate * sigmoid(alpha gate),
+  where the checkpoint interleaves gate and up columns (even / odd).
+- Expert weights ship in MXFP4 (layers/mxfp4.py), `<proj>_blocks` + `<proj>_scales`, and are dequantized to the
+  model's dtype at load; transformers' own save writes them in float ([E, H, 2I] / [E, I, H]). Both load.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from appliance.layers import mxfp4
+from appliance.layers.attention import Attention
+from appliance.layers.embedding import ParallelLMHead
+from appliance.layers.parallel_state import divide, get_ep_size, get_tp_rank, get_tp_size, tp_all_reduce
+from appliance.models.layer_types import SLIDING, layer_types
+from appliance.models.llama import LlamaAttention, LlamaForCausalLM
+from appliance.models.mixtral import MoEDecoderLayer, MoEModel
+
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)"
+                            r"(?P<kind>_blocks|_scales|_bias|)$")
+
+
+class GptOssExperts(nn.Module):
+    """All experts of a layer: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], their biases. Tensor
+    parallelism splits I; the down bias is added on rank 0 only (the ranks' partial sums are all-reduced)."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        if get_ep_size() > 1:
+            raise ValueError("gpt-oss experts do not support expert parallelism yet (tensor parallelism does)")
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        e, h = cfg.num_local_experts, cfg.hidden_size
+        self.num_experts, self.hidden_size = e, h
+        self.full_intermediate = cfg.intermediate_size
+        self.intermediate = divide(cfg.intermediate_size, self.tp_size)
+        self.limit = float(cfg.swiglu_limit)
+        self.alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
+        i = self.intermediate
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
+
+    def load(self, proj: str, kind: str, tensor: torch.Tensor) -> str:
+        """One expert tensor in the checkpoint's orientation (output rows, input columns: gate_up [E, 2I, H]
+        interleaved, down [E, H, I]; biases [E, 2I] / [E, H]); returns the parameter it filled."""
+        i, r = self.intermediate, self.tp_rank
+        if proj == "gate_up_proj":
+            gate, up = tensor[:, 0::2], tensor[:, 1::2]  # interleaved gate / up outputs
+            fused = torch.cat((gate[:, r * i:(r + 1) * i], up[:, r * i:(r + 1) * i]), dim=1)
+            param = self.w13_bias if kind == "_bias" else self.w13_weight
+        elif kind == "_bias":
+            fused, param = tensor, self.w2_bias
+        else:
+            fused, param = tensor[..., r * i:(r + 1) * i], self.w2_weight
+        if fused.shape != param.shape:
+            raise ValueError(f"experts.{proj}{kind} of shape {tuple(tensor.shape)} does not fit "
+                             f"{self.num_experts} experts x hidden {self.hidden_size} x intermediate "
+                             f"{self.full_intermediate}")
+        param.data.copy_(fused)
+        return "w13" if param is self.w13_weight or param is self.w13_bias else "w2"
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each expert that was chosen runs over its tokens (a host-side loop: the torch reference path)."""
+        out = torch.zeros_like(x)
+        i = self.intermediate
+        for e in torch.unique(ids).tolist():
+            token, slot = torch.where(ids == e)
+            h = F.linear(x[token], self.w13_weight[e], self.w13_bias[e])
+            gate = h[:, :i].clamp(max=self.limit)
+            up = h[:, i:].clamp(min=-self.limit, max=self.limit)
+            y = F.linear((up + 1) * gate * torch.sigmoid(gate * self.alpha), self.w2_weight[e],
+                         self.w2_bias[e] if self.tp_rank == 0 else None)
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+        return out
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.top_k = int(cfg.num_experts_per_tok)
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=True)
+        self.router.requires_grad_(False)
+        self.experts = GptOssExperts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=1, dtype=top.dtype)
+        return tp_all_reduce(self.experts(x, weights, ids))
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    is_moe = False  # its experts are its own (GptOssExperts), not the fused_moe kernels backends.moe picks
+    supports_cuda_graphs = False  # the experts loop on the host
+    piecewise_graphs = False
+    sliding_window_attention = True  # windows are applied, so max_model_len is not capped at sliding_window
+
+    def __init__(self, hf_config: Any, backend: str = "torch") -> None:
+        nn.Module.__init__(self)
+        qc = getattr(hf_config, "quantization_config", None)
+        method = (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method") if qc else None
+        if method not in (None, "mxfp4"):
+            raise ValueError(f"gpt-oss checkpoint quantization {method!r} is not supported (mxfp4 or none)")
+        self.config = hf_config
+        window = int(hf_config.sliding_window)
+        layers = [MoEDecoderLayer(hf_config, LlamaAttention(hf_config, True, False, backend, sinks=True,
+                                                            sliding_window=window if kind == SLIDING else None),
+                                  GptOssMoE(hf_config), backend)
+                  for kind in layer_types(hf_config)]
+        self.model = MoEModel(hf_config, layers, backend)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        loaded |= super().load_weights(self._experts_and_sinks(weights, loaded))
+        return loaded
+
+    def _experts_and_sinks(self, weights: Iterable[tuple[str, torch.Tensor]],
+                           loaded: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Expert tensors (MXFP4 pairs dequantized once both halves arrived) go to GptOssExperts.load; sinks
+        move under the attention layer; the rest follows the Llama loader."""
+        pending: dict[str, torch.Tensor] = {}  # a blocks / scales half waiting for its partner
+        for name, tensor in weights:
+            m = _EXPERT_TENSOR.match(name)
+            if m is None:
+                yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
+                continue
+            prefix, proj, kind = m["prefix"], m["proj"], m["kind"]
+            if kind in ("_blocks", "_scales"):
+                other = f"{prefix}.{proj}{'_scales' if kind == '_blocks' else '_blocks'}"
+                if other not in pending:
+                    pending[name] = tensor
+                    continue
+                blocks, scales = (tensor, pending.pop(other)) if kind == "_blocks" else (pending.pop(other), tensor)
+                tensor, kind = mxfp4.dequantize(blocks, scales, self.model.embed_tokens.weight.dtype), ""
+            elif kind == "":  # transformers' float layout is transposed: [E, H, 2I] / [E, I, H]
+                tensor = tensor.transpose(1, 2)
+            experts = self.get_submodule(prefix)
+            if not isinstance(experts, GptOssExperts):
+                raise KeyError(f"checkpoint tensor {name!r} names experts, but {prefix} is not an expert layer")
+            loaded.add(f"{prefix}.{experts.load(proj, kind, tensor)}_{'bias' if kind == '_bias' else 'weight'}")
+        if pending:
+            raise ValueError(f"mxfp4 expert tensors without their blocks/scales partner: {sorted(pending)[:4]}")
+
+
+MODELS: dict[str, type[nn.Module]] = {"GptOssForCausalLM": GptOssForCausalLM}

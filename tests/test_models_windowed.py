@@ -1,0 +1,204 @@
+"""Gemma 3 and gpt-oss (CPU, float32, tiny random weights): greedy tokens and logprobs through `LLM` equal
+transformers' with prefix caching (a second pass hits the cache), 16-token chunked prefill and preemption, on
+configs whose sliding window (6 tokens) is shorter than most prompts, with both layer kinds, attention sinks and
+random norms / biases; gpt-oss also from an MXFP4 checkpoint in the layout it ships in. The window and sink
+arguments of the torch attention ops are checked against a dense computation."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from appliance.kernels.reference.attention import decode_attention, prefill_attention
+from appliance.layers import mxfp4
+from appliance.models import registry
+from test_models_vs_transformers import NEW, PROMPTS, each_setup_matching, greedy_params
+
+WINDOW = 6
+TINY: dict[str, Any] = {"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "head_dim": 16, "max_position_embeddings": 512, "initializer_range": 0.1, "rms_norm_eps": 1e-6,
+                        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "sliding_window": WINDOW}
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # local and global layers with their own rotary (linear scaling on the global one), tied embeddings
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "intermediate_size": 128, "num_hidden_layers": 3, "query_pre_attn_scalar": 24, "tie_word_embeddings": True,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}}),
+    # alternating banded / full layers with sinks, YaRN on a short original context, top-2 of 4 experts with a
+    # SwiGLU clamp the random activations reach
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "intermediate_size": 32, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "swiglu_limit": 0.5, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0}}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def build_family(family: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random model whose norms, sinks and biases are random too (transformers starts them at 0 or 1), with
+    gpt-oss's expert weights rounded to MXFP4 values so the float and MXFP4 checkpoints hold the same model."""
+    import transformers
+
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**{**TINY, **extra})).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(("sinks", "bias")):
+                param.copy_(torch.randn_like(param) * 0.5)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                param.copy_(mxfp4.dequantize(*mxfp4.quantize(param.transpose(1, 2))).transpose(1, 2))
+    model.save_pretrained(str(out_dir))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out_dir / f.name)
+    return out_dir
+
+
+def to_mxfp4_checkpoint(src: Path, dst: Path) -> Path:
+    """gpt-oss as shipped: every expert matrix as `<proj>_blocks` / `<proj>_scales` in the checkpoint's output x
+    input orientation, and quantization_config naming mxfp4."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(tensors.pop(name).transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks.contiguous(), scales.contiguous()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path):
+    cache: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in cache:
+            if family == "gpt_oss_mxfp4":
+                cache[family] = to_mxfp4_checkpoint(make("gpt_oss"), tmp_path_factory.mktemp("x") / "mxfp4")
+            else:
+                cache[family] = build_family(family, tmp_path_factory.mktemp(family), tiny_tokenizer_dir)
+        return cache[family]
+
+    return make
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_matches_transformers(family: str, family_dir, hf_greedy) -> None:
+
+    path = family_dir(family)
+    refs = hf_greedy(path, PROMPTS, NEW)
+    assert max(len(p) for p in PROMPTS) > 4 * WINDOW  # the window hides most of the longest prompt
+    for name, overrides, llm in each_setup_matching(path, refs):
+        stats = llm.engine.stats()
+        if name.startswith("preempt"):
+            assert stats.num_preemptions > 0, "the tiny cache should have forced preemption"
+        elif overrides["enable_prefix_caching"]:
+            again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())
+            assert [o.outputs[0].token_ids for o in again] == [r[0] for r in refs]
+            assert sum(o.num_cached_tokens for o in again) > 0
+        assert llm.engine.check_accounting().ok
+        layers = llm.executor.runner.model.attention_layers()
+        assert {a.sliding_window for a in layers} == {WINDOW, None}, "both layer kinds"
+
+
+def test_mxfp4_checkpoint_loads_as_shipped(family_dir, hf_greedy) -> None:
+    """The MXFP4 checkpoint (blocks + scales) gives the tokens transformers gives on the same values in float."""
+    from appliance import LLM
+
+    refs = hf_greedy(family_dir("gpt_oss"), PROMPTS, NEW)
+    llm = LLM(model=str(family_dir("gpt_oss_mxfp4")), dtype="float32", block_size=4, chunked_prefill_size=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())
+    assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]
+    experts = llm.executor.runner.model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.float32 and experts.w13_weight.abs().sum() > 0
+
+
+def test_mxfp4_dequantize_matches_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 16, 64) * 4
+    blocks, scales = mxfp4.quantize(w)
+    assert blocks.shape == (3, 16, 2, 16) and scales.shape == (3, 16, 2)
+    ours = mxfp4.dequantize(blocks, scales)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # transposed: [E, K, N]
+    assert torch.equal(ours, theirs.transpose(1, 2))
+    assert (ours - w).abs().max() <= w.abs().amax() / 6  # within half of the coarsest step
+    with pytest.raises(ValueError, match="uint8"):
+        mxfp4.dequantize(blocks.int(), scales)
+
+
+def test_registry_and_context_length(family_dir) -> None:
+    """Both classes are registered and, since they apply their windows, max_model_len is not capped at it."""
+    from appliance import LLM
+
+    assert registry.MODELS["Gemma3ForCausalLM"].__name__ == "Gemma3ForCausalLM"
+    assert registry.MODELS["GptOssForCausalLM"].__name__ == "GptOssForCausalLM"
+    llm = LLM(model=str(family_dir("gemma3")), dtype="float32", skip_tokenizer_init=True)
+    assert llm.executor.runner.max_model_len == TINY["max_position_embeddings"] > WINDOW
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention of the last len(q) positions over k/v [L, H, D] (one kv head per head), written out by hand."""
+    length, scale, out = k.shape[0], q.shape[-1] ** -0.5, torch.empty_like(q)
+    for i in range(q.shape[0]):
+        p = length - q.shape[0] + i
+        lo = 0 if window is None else max(0, p - window + 1)
+        for h in range(q.shape[1]):
+            s = [float(q[i, h] @ k[j, h]) * scale for j in range(lo, p + 1)]
+            m = max(s + ([float(sinks[h])] if sinks is not None else []))
+            e = [math.exp(x - m) for x in s]
+            z = sum(e) + (math.exp(float(sinks[h]) - m) if sinks is not None else 0.0)
+            out[i, h] = sum(w / z * v[lo + j, h] for j, w in enumerate(e))
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 64])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_reference_window_and_sinks(window: int | None, with_sinks: bool) -> None:
+    torch.manual_seed(1)
+    length, heads, d, page = 13, 2, 8, 4
+    k, v = torch.randn(length, heads, d), torch.randn(length, heads, d)
+    q = torch.randn(5, heads, d)
+    sinks = torch.randn(heads) if with_sinks else None
+    table = torch.tensor([[3, 0, 2, 1]], dtype=torch.int32)  # blocks out of order
+    k_cache, v_cache = torch.zeros(4, page, heads, d), torch.zeros(4, page, heads, d)
+    for t in range(length):
+        k_cache[table[0, t // page], t % page], v_cache[table[0, t // page], t % page] = k[t], v[t]
+    want = _dense(q, k, v, window, sinks)
+    lens = torch.tensor([length], dtype=torch.int32)
+    got = prefill_attention(q, k_cache, v_cache, torch.tensor([0, 5], dtype=torch.int32), lens, table, d**-0.5,
+                            sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    one = decode_attention(q[-1:], k_cache, v_cache, table, lens, d**-0.5, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(one, want[-1:], rtol=1e-5, atol=1e-5)
+
+
+def test_backend_without_window_kernels_is_refused() -> None:
+    from appliance.layers.attention import Attention
+
+    with pytest.raises(ValueError, match="sliding-window"):
+        Attention(4, 16, 2, 0.25, backend="flashinfer", sliding_window=8)
+    with pytest.raises(ValueError, match="at least 1"):
+        Attention(4, 16, 2, 0.25, sliding_window=0)
