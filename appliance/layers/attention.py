@@ -25,7 +25,7 @@ from appliance.layers.kernels import kernel
 from appliance.layers.parallel_state import get_tp_rank, get_tp_size
 
 # attention backends whose decode and prefill kernels take sliding_window= and sinks=
-WINDOW_SINK_BACKENDS = ("torch",)
+WINDOW_SINK_BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mi
                    split_tokens, num_splits,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, ORDERED: tl.constexpr,
-                   UPCAST: tl.constexpr, GDC: tl.constexpr):
+                   UPCAST: tl.constexpr, GDC: tl.constexpr, window=0, sinks_ptr=None,
+                   WINDOW: tl.constexpr = False, SINKS: tl.constexpr = False):
     pdl_enter(GDC)  # q, the lengths and the newest cache row come from the kernels before
     kvh = tl.program_id(0)  # kv head fastest: a sequence's heads run side by side (docs/kernels.md)
     b = tl.program_id(1)
@@ -62,6 +63,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mi
     seq_len = tl.load(lens_ptr + b)
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, seq_len)
+    if WINDOW:  # keys before the window: splits wholly before it are empty, the one it starts in starts there
+        start = tl.maximum(start, seq_len - window)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -94,12 +97,23 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mi
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     if DIRECT:
+        if SINKS:  # the sink joins the softmax's denominator only
+            m_i, l_i, acc = _with_sink(sinks_ptr, head, h_mask, m_i, l_i, acc)
         o = acc / tl.maximum(l_i, 1e-30)[:, None]  # seq_len 0 (a padding row) gives zeros, like the reference
         tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         _store_partial(mid_o_ptr, mid_lse_ptr, acc, l_i, m_i, b, head, split, num_splits, offs_d, h_mask, out_mask,
                        GROUP, D)
+
+
+@triton.jit
+def _with_sink(sinks_ptr, head, h_mask, m_i, l_i, acc):
+    """Fold each head's sink logit (natural units, like the scaled scores) into a finished online softmax."""
+    sink = tl.load(sinks_ptr + head, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
 
 
 @triton.jit
@@ -119,7 +133,7 @@ def _decode_tile_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, mid_o_
                         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, num_splits,
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ORDERED: tl.constexpr, UPCAST: tl.constexpr,
-                        GDC: tl.constexpr):
+                        GDC: tl.constexpr, window=0, WINDOW: tl.constexpr = False):
     """Splits of one BLOCK_N-token tile each (small batches). Only q and each sequence's newest cache row come
     from the kernels before (a decode row adds one token); the lengths, the block table and every older row were
     written before this step's first kernel. So those are read before the wait: under programmatic dependent
@@ -135,6 +149,8 @@ def _decode_tile_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, mid_o_
     d_mask = offs_d < D
     pos = split * BLOCK_N + offs_n
     n_mask = pos < seq_len
+    if WINDOW:
+        n_mask = n_mask & (pos >= seq_len - window)
     blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
     rows = (blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch)[:, None] + offs_d[None, :]
     older = (pos < seq_len - 1)[:, None] & d_mask[None, :]
@@ -160,7 +176,8 @@ def _decode_tile_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, mid_o_
 
 @triton.jit
 def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits, H,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr,
+                  sinks_ptr=None, SINKS: tl.constexpr = False):
     pdl_enter(GDC)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -170,11 +187,17 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_spl
     base = (b * H + h) * num_splits
     lse = tl.load(mid_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
+    if SINKS:  # the sink is one more term of the denominator, with no value
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len 0): zeros, not NaN
     w = tl.where(s_mask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
     o = tl.load(mid_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :],
                 mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0)
-    res = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    denominator = tl.sum(w, 0)
+    if SINKS:
+        denominator += tl.exp2(sink - m)
+    res = tl.sum(o * w[:, None], 0) / tl.maximum(denominator, 1e-30)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
@@ -196,10 +219,12 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, sms: int) ->
 @register("decode_attention", "triton")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                     order: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     order: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`num_splits` overrides the heuristic (tests and tuning). A row with seq_len 0 (padding) gets zeros.
     `order` ([B] integers, a permutation of the rows) is the order the programs take the rows in; the result does
-    not depend on it. `out`: where to write (reference.attention.attention_out)."""
+    not depend on it. `out`: where to write (reference.attention.attention_out). `sliding_window`, `sinks`: as
+    the reference's; splits wholly before a row's window exit at once (the split count stays the table's)."""
     bsz, h, d = q.shape
     _, page, hkv, dk = k_cache.shape
     if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
@@ -228,22 +253,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n = BLOCK_N_UNSPLIT if direct and block_d <= 128 else BLOCK_N
     pdl = pdl_kwargs(q)  # both launches
     order_arg = seq_lens if order is None else order
+    if sinks is not None and sinks.shape != (h,):
+        raise ValueError(f"decode_attention: sinks {tuple(sinks.shape)} is not [{h}]")
+    window = {} if sliding_window is None else {"window": int(sliding_window), "WINDOW": True}
+    sink = {} if sinks is None else {"sinks_ptr": sinks, "SINKS": True}
     heads = {"GROUP": group, "BLOCK_H": max(16, triton.next_power_of_2(group)), "D": d, "BLOCK_D": block_d,
              "PAGE": page, "ORDERED": order is not None, "UPCAST": INTERPRET}
     if not direct and split_tokens == BLOCK_N and TILE_SPLITS:
         _decode_tile_kernel[(hkv, bsz, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, order_arg, mid_o, mid_lse, scale * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), splits, BLOCK_N=BLOCK_N, **heads, num_warps=NUM_WARPS, num_stages=1, **pdl)
+            block_tables.stride(0), splits, BLOCK_N=BLOCK_N, **heads, **window, num_warps=NUM_WARPS, num_stages=1,
+            **pdl)
     else:
         _decode_kernel[(hkv, bsz, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, order_arg, out, mid_o, mid_lse, scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            split_tokens, splits, BLOCK_N=block_n, DIRECT=direct, **heads, num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES, **pdl)
+            split_tokens, splits, BLOCK_N=block_n, DIRECT=direct, **heads, **window, **(sink if direct else {}),
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)
     if not direct:
         _merge_kernel[(bsz, h)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, h,
                                 D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
-                                **pdl)
+                                **sink, **pdl)
     return out

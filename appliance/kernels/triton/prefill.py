@@ -1,6 +1,7 @@
 """Prefill / extend attention: causal, varlen queries over a paged KV cache that already holds the new tokens.
 
-Query tiles never straddle sequences. Which sequence a program serves comes from `cu_tiles` (a prefix sum of
+Query tiles never straddle sequences. A sliding window (`sliding_window`) starts each tile's key loop at the
+first key its first row sees and masks every tile; sinks (`sinks`) join each row's softmax denominator at the end. Which sequence a program serves comes from `cu_tiles` (a prefix sum of
 tiles per sequence, built with torch ops on the device, once per step: kernels/step_cache.py) by binary search in
 the kernel, so the grid size is an upper bound known on the host (T / BLOCK_M + B) and nothing syncs.
 """
@@ -25,7 +26,8 @@ _TILES = StepCache()  # the step's cu_tiles: the same for every layer (~6 small 
 @triton.jit
 def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end, q_pos,
              m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, window=0,
+             WINDOW: tl.constexpr = False):
     """One online-softmax step over kv positions n0 .. n0 + BLOCK_N; MASKED applies the causal and end masks."""
     pos = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -47,6 +49,8 @@ def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_
     s = mma(q, tl.trans(k), UPCAST) * qk_scale
     if MASKED:
         keep = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet stays empty
@@ -65,7 +69,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt, num_seqs,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_SEQS: tl.constexpr, UPCAST: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_SEQS: tl.constexpr, UPCAST: tl.constexpr,
+                    window=0, sinks_ptr=None, WINDOW: tl.constexpr = False, SINKS: tl.constexpr = False):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     total_tiles = tl.load(cu_tiles_ptr + num_seqs)
@@ -90,12 +95,23 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
     # kv tiles wholly at or before the tile's first query position are visible to every row: no masks there
     full_end = ((seq_len - q_len + m0 + 1) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(seq_len, seq_len - q_len + m0 + BLOCK_M)  # last query row of the tile sees up to here
-    for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end,
-                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, PAGE, BLOCK_N, False, UPCAST)
+    if WINDOW:  # from the tile that holds the first row's first visible key, every tile masked
+        first = tl.maximum(seq_len - q_len + m0 - window + 1, 0)
+        full_end = (first // BLOCK_N) * BLOCK_N
+    else:
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0,
+                                     kv_end, q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, PAGE, BLOCK_N, False, UPCAST)
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end,
-                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, PAGE, BLOCK_N, True, UPCAST)
+                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, PAGE, BLOCK_N, True, UPCAST,
+                                 window, WINDOW)
+    if SINKS:  # the sink joins the denominator only
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -113,7 +129,8 @@ def _cu_tiles(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
 @register("prefill_attention", "triton")
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, sliding_window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     t, h, d = q.shape
     _, page, hkv, dk = k_cache.shape
     bsz = seq_lens.shape[0]
@@ -123,6 +140,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError("prefill_attention: cu_seqlens_q must be [B+1] and block_tables [B, M] for B = len(seq_lens)")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("prefill_attention: the head_dim axis must be contiguous")
+    if sinks is not None and sinks.shape != (h,):
+        raise ValueError(f"prefill_attention: sinks {tuple(sinks.shape)} is not [{h}]")
     out = attention_out("prefill_attention", q, out)
     if t == 0 or bsz == 0:
         return out
@@ -135,5 +154,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=h // hkv, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, LOG_SEQS=max(1, (bsz).bit_length()),
         UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **({} if sliding_window is None else {"window": int(sliding_window), "WINDOW": True}),
+        **({} if sinks is None else {"sinks_ptr": sinks, "SINKS": True}),
     )
     return out

@@ -38,6 +38,7 @@ class Inputs:
     args: tuple[Any, ...]
     nbytes: int
     fast_kwargs: tuple[tuple[str, Any], ...] = ()  # extra keyword args for the triton op only (e.g. num_splits)
+    kwargs: tuple[tuple[str, Any], ...] = ()  # keyword args of both ops (sliding_window, sinks)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -63,8 +64,9 @@ def _paged_kv(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dty
 
 def decode_inputs(batch: int, heads: int, kv_heads: int, head_dim: int, page: int, seq_lens: list[int],
                   dtype: torch.dtype, device: str, seed: int = 0, num_splits: int | None = None,
-                  longest_first: bool = False) -> Inputs:
-    """`longest_first`: the kernel takes the rows in the order the runner gives it on large batches."""
+                  longest_first: bool = False, sliding_window: int | None = None, sinks: bool = False) -> Inputs:
+    """`longest_first`: the kernel takes the rows in the order the runner gives it on large batches.
+    `sliding_window`, `sinks`: the op's window and (random) per-head sink logits."""
     gen = torch.Generator().manual_seed(seed)
     k, v, table = _paged_kv(seq_lens, page, kv_heads, head_dim, dtype, device, gen)
     q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype).to(device)
@@ -73,11 +75,21 @@ def decode_inputs(batch: int, heads: int, kv_heads: int, head_dim: int, page: in
     extra: tuple[tuple[str, Any], ...] = (("num_splits", num_splits),) if num_splits else ()
     if longest_first:
         extra += (("order", torch.argsort(lens, descending=True)),)
-    return Inputs((q, k, v, table, lens, head_dim**-0.5), kv_bytes + 2 * q.numel() * q.element_size(), extra)
+    return Inputs((q, k, v, table, lens, head_dim**-0.5), kv_bytes + 2 * q.numel() * q.element_size(), extra,
+                  _window_sinks(sliding_window, sinks, heads, gen, device))
+
+
+def _window_sinks(sliding_window: int | None, sinks: bool, heads: int, gen: torch.Generator,
+                  device: str) -> tuple[tuple[str, Any], ...]:
+    kwargs: tuple[tuple[str, Any], ...] = (("sliding_window", sliding_window),) if sliding_window else ()
+    if sinks:  # float32 like a checkpoint's sinks in any model dtype; large enough to take real mass
+        kwargs += (("sinks", (2 * torch.randn(heads, generator=gen)).to(device)),)
+    return kwargs
 
 
 def prefill_inputs(q_lens: list[int], prefix_lens: list[int], heads: int, kv_heads: int, head_dim: int, page: int,
-                   dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
+                   dtype: torch.dtype, device: str, seed: int = 0, sliding_window: int | None = None,
+                   sinks: bool = False) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
     k, v, table = _paged_kv(seq_lens, page, kv_heads, head_dim, dtype, device, gen)
@@ -85,7 +97,8 @@ def prefill_inputs(q_lens: list[int], prefix_lens: list[int], heads: int, kv_hea
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     kv_bytes = 2 * sum(seq_lens) * kv_heads * head_dim * k.element_size()
-    return Inputs((q, k, v, cu, lens, table, head_dim**-0.5), kv_bytes + 2 * q.numel() * q.element_size())
+    return Inputs((q, k, v, cu, lens, table, head_dim**-0.5), kv_bytes + 2 * q.numel() * q.element_size(),
+                  kwargs=_window_sinks(sliding_window, sinks, heads, gen, device))
 
 
 def store_kv_inputs(tokens: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype, device: str,
@@ -218,7 +231,7 @@ def compare(op: str, inputs: Inputs, case: str) -> CheckResult:
     ref: Callable[..., Any] = get(op, "torch")
     a = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs.args)
     r = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs.args)
-    out, want = fast(*a, **dict(inputs.fast_kwargs)), ref(*r)
+    out, want = fast(*a, **dict(inputs.fast_kwargs), **dict(inputs.kwargs)), ref(*r, **dict(inputs.kwargs))
     dtype = inputs.args[1].dtype if op in ("rope", "rope_store_kv") else inputs.args[0].dtype
     if op == "store_kv":
         err = max(rel_err(a[2], r[2]), rel_err(a[3], r[3]))
@@ -238,6 +251,29 @@ def compare(op: str, inputs: Inputs, case: str) -> CheckResult:
 
 
 Case = tuple[str, str, Callable[[], Inputs]]
+
+
+def window_sink_cases(d: str) -> list[Case]:
+    """Sliding windows shorter and longer than the context, attention sinks, both together, on every decode path
+    (unsplit, split-K with its merge, one-tile splits) and the prefill's (prefix, long prefix, empty sequence)."""
+    bf, f32 = torch.bfloat16, torch.float32
+    return [
+        ("decode_attention", "f32-window20", lambda: decode_inputs(4, 4, 2, 64, 16, [37, 1, 100, 0], f32, d,
+                                                                   sliding_window=20)),
+        ("decode_attention", "bf16-sinks", lambda: decode_inputs(3, 8, 2, 64, 16, [1, 37, 100], bf, d, sinks=True)),
+        ("decode_attention", "f32-window70-sinks-splitk3", lambda: decode_inputs(
+            3, 4, 2, 64, 16, [300, 1, 130], f32, d, num_splits=3, sliding_window=70, sinks=True)),
+        ("decode_attention", "bf16-window5-sinks-one-tile-splits", lambda: decode_inputs(
+            4, 4, 2, 64, 16, [0, 65, 64, 130], bf, d, num_splits=3, sliding_window=5, sinks=True)),
+        ("prefill_attention", "f32-window10-prefix", lambda: prefill_inputs([5, 1, 70], [0, 20, 33], 4, 2, 64, 16,
+                                                                            f32, d, sliding_window=10)),
+        ("prefill_attention", "bf16-window70-sinks-long-prefix", lambda: prefill_inputs(
+            [20, 70], [130, 64], 2, 1, 64, 16, bf, d, sliding_window=70, sinks=True)),
+        ("prefill_attention", "f32-sinks-empty-seq", lambda: prefill_inputs([3, 0, 17], [4, 9, 0], 2, 1, 64, 8,
+                                                                            f32, d, sinks=True)),
+        ("prefill_attention", "f32-window1", lambda: prefill_inputs([9], [7], 2, 2, 64, 16, f32, d,
+                                                                    sliding_window=1)),
+    ]
 
 
 def small_cases(device: str = "cpu") -> list[Case]:
@@ -272,6 +308,7 @@ def small_cases(device: str = "cpu") -> list[Case]:
         ("prefill_attention", "bf16-long-prefix-unmasked-tiles", lambda: prefill_inputs(
             [20, 70], [130, 64], 2, 1, 64, 16, bf, d)),
         ("prefill_attention", "f32-page32", lambda: prefill_inputs([40], [50], 2, 2, 64, 32, f32, d)),
+        *window_sink_cases(d),
         ("rms_norm", "bf16-residual", lambda: rms_norm_inputs(5, 96, bf, d, True)),
         ("rms_norm", "f16", lambda: rms_norm_inputs(4, 256, f16, d, False)),
         ("rms_norm", "f32-residual", lambda: rms_norm_inputs(3, 130, f32, d, True)),
