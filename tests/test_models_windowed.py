@@ -202,3 +202,40 @@ def test_backend_without_window_kernels_is_refused() -> None:
         Attention(4, 16, 2, 0.25, backend="flashinfer", sliding_window=8)
     with pytest.raises(ValueError, match="at least 1"):
         Attention(4, 16, 2, 0.25, sliding_window=0)
+
+
+TRITON_SCRIPT = """
+import json, sys
+import torch
+from appliance import LLM, SamplingParams
+torch.set_num_threads(1)
+sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+prompts = json.loads(sys.argv[2])
+llm = LLM(model=sys.argv[1], dtype="float32", block_size=4, skip_tokenizer_init=True, attention_backend="triton",
+          chunked_prefill_size=16)
+assert llm.executor.runner.backend == "triton"
+runs = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+        for _ in range(2)]  # the second pass hits the prefix cache
+print(json.dumps(runs))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_triton_backend_matches_transformers_interpreted(family: str, family_dir, hf_greedy) -> None:
+    """The Triton store / rope_store_kv / decode / prefill kernels with windows and sinks, under the interpreter,
+    give transformers' greedy tokens, with chunked prefill and a second pass over the prefix cache."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    prompts = [PROMPTS[1], PROMPTS[2]]  # 19 and 29 tokens: both past the window, one chunked
+    refs = [t[:4] for t, _ in hf_greedy(family_dir(family), prompts, 4)]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(family_dir(family)), json.dumps(prompts)],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [refs, refs]

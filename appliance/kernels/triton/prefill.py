@@ -1,7 +1,8 @@
 """Prefill / extend attention: causal, varlen queries over a paged KV cache that already holds the new tokens.
 
 Query tiles never straddle sequences. A sliding window (`sliding_window`) starts each tile's key loop at the
-first key its first row sees and masks every tile; sinks (`sinks`) join each row's softmax denominator at the end. Which sequence a program serves comes from `cu_tiles` (a prefix sum of
+first key its first row sees and masks every tile; sinks (`sinks`) join each row's softmax denominator at the end.
+Which sequence a program serves comes from `cu_tiles` (a prefix sum of
 tiles per sequence, built with torch ops on the device, once per step: kernels/step_cache.py) by binary search in
 the kernel, so the grid size is an upper bound known on the host (T / BLOCK_M + B) and nothing syncs.
 """
