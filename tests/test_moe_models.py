@@ -43,6 +43,17 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                     dict(MLA, q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                          first_k_dense_replace=1, n_group=4, topk_group=2, rope_parameters=YARN_V3,
                          num_nextn_predict_layers=0)),
+    # GLM-4.5: q/k/v bias without o bias, q/k norm, half the head rotated, V3 routing over 2 of 4 groups + shared
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 {"num_key_value_heads": 2, "head_dim": 32, "attention_bias": True, "use_qk_norm": True,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                  "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                  "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5,
+                  "num_nextn_predict_layers": 0}),
+    # MiniMax-M2: q/k norm over all heads, a quarter of each head rotated, sigmoid routing with a correction bias
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   {"num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                    "intermediate_size": 32, "rotary_dim": 8}),
 }
 
 SHARED = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41]

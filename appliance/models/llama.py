@@ -34,13 +34,27 @@ _STACKED = (
 )
 
 
+def partial_rotary_factor(cfg: Any) -> float:
+    """The share of head_dim that rotates: transformers 5 keeps it in rope_parameters, older configs at the top
+    (MiniMax-M2 checkpoints as rotary_dim)."""
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+        return float(params["partial_rotary_factor"])
+    if getattr(cfg, "partial_rotary_factor", None) is not None:
+        return float(cfg.partial_rotary_factor)
+    rotary_dim = getattr(cfg, "rotary_dim", None)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return float(rotary_dim) / head_dim if rotary_dim else 1.0
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str, *, sliding_window: int | None = None,
                  sinks: bool = False, scale: float | None = None,
-                 rope: tuple[float, dict[str, Any] | None] | None = None, norm: type[RMSNorm] = RMSNorm) -> None:
+                 rope: tuple[float, dict[str, Any] | None] | None = None, norm: type[RMSNorm] = RMSNorm,
+                 o_bias: bool | None = None) -> None:
         """The keywords serve the families built on this attention: a per-layer sliding window and attention sinks
         (gpt-oss, Gemma 3), a softmax scale other than head_dim^-0.5 and per-layer rotary (theta, scaling) (Gemma 3),
-        and the q/k norm's class (Gemma's 1 + weight)."""
+        the q/k norm's class (Gemma's 1 + weight), o_proj's bias when it is not attention_bias (GLM-4.5)."""
         super().__init__()
         hidden = cfg.hidden_size
         n_heads = cfg.num_attention_heads
@@ -48,12 +62,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or hidden // n_heads
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, n_heads, n_kv, bias=qkv_bias)
         # Llama/Qwen3 put `attention_bias` on o_proj too; Qwen2's q/k/v bias never reaches o_proj
-        self.o_proj = RowParallelLinear(n_heads * self.head_dim, hidden,
-                                        bias=bool(getattr(cfg, "attention_bias", False)))
+        if o_bias is None:
+            o_bias = bool(getattr(cfg, "attention_bias", False))
+        self.o_proj = RowParallelLinear(n_heads * self.head_dim, hidden, bias=o_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         theta, scaling = rope if rope is not None else rope_parameters(cfg)
-        rotary_dim = int(self.head_dim * float(getattr(cfg, "partial_rotary_factor", 1.0)))
+        rotary_dim = int(self.head_dim * partial_rotary_factor(cfg))
         self.rotary = RotaryEmbedding(self.head_dim, rotary_dim, cfg.max_position_embeddings, theta, scaling,
                                       is_neox=True, backend=backend)
         eps = cfg.rms_norm_eps

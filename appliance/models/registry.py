@@ -7,6 +7,7 @@ from torch import nn
 
 from appliance.models.deepseek import MODELS as DEEPSEEK_MODELS
 from appliance.models.gemma3 import MODELS as GEMMA3_MODELS
+from appliance.models.glm4_moe import MODELS as GLM4_MOE_MODELS
 from appliance.models.gpt_oss import MODELS as GPT_OSS_MODELS
 from appliance.models.llama import (
     LlamaForCausalLM,
@@ -14,6 +15,7 @@ from appliance.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from appliance.models.minimax_m2 import MODELS as MINIMAX_M2_MODELS
 from appliance.models.mixtral import MODELS as MIXTRAL_MODELS
 from appliance.models.qwen_moe import MODELS as QWEN_MOE_MODELS
 
@@ -27,6 +29,8 @@ MODELS: dict[str, type[nn.Module]] = {
     **DEEPSEEK_MODELS,  # DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     **GEMMA3_MODELS,  # Gemma3ForCausalLM
     **GPT_OSS_MODELS,  # GptOssForCausalLM
+    **GLM4_MOE_MODELS,  # Glm4MoeForCausalLM (GLM-4.5 / 4.6 / 4.7)
+    **MINIMAX_M2_MODELS,  # MiniMaxM2ForCausalLM
 }
 
 
