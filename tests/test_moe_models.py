@@ -118,6 +118,26 @@ def assert_matches(outs: list[Any], refs: list[tuple[list[int], list[float]]], l
         assert ours == pytest.approx(ref_lps, abs=2e-4), label
 
 
+def test_kimi_k2_checkpoint_layout_loads(tmp_path: Path, hf_greedy) -> None:
+    """Kimi-K2 ships DeepSeek-V3 weights under model_type kimi_k2 with remote code (auto_map), which transformers
+    will not read without trust_remote_code: it loads as DeepseekV3 (K2's routing: one group, scaling 2.827) and
+    matches transformers' DeepseekV3 on the same weights."""
+    import json
+    import shutil
+
+    v3 = build_family("deepseek_v3", tmp_path / "v3", n_group=1, topk_group=1, routed_scaling_factor=2.827)
+    kimi = tmp_path / "kimi"
+    shutil.copytree(v3, kimi)
+    config = json.loads((kimi / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                                                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (kimi / "config.json").write_text(json.dumps(config))
+    refs = hf_greedy(v3, PROMPTS, NEW)
+    llm, outs = run_greedy(kimi, chunked_prefill_size=16)
+    assert type(llm.executor.runner.model).__name__ == "DeepseekV3ForCausalLM"
+    assert_matches(outs, refs, "kimi_k2")
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_matches_transformers(family: str, family_dir, hf_greedy) -> None:
     path = family_dir(family)

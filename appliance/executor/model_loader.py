@@ -24,13 +24,37 @@ def load_hf_config(model_dir: Path, hf_overrides: dict[str, Any] | None = None,
     """The transformers config of a local model with `hf_overrides` applied (unknown keys are added)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+    try:
+        cfg = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+    except ValueError:
+        cfg = _config_by_architecture(model_dir)
+        if cfg is None:
+            raise
     for key, value in (hf_overrides or {}).items():
         current = getattr(cfg, key, None)
         if isinstance(current, dict) and isinstance(value, dict):
             value = {**current, **value}  # nested override (e.g. rope_parameters) merges
         setattr(cfg, key, value)
     return cfg
+
+
+def _config_by_architecture(model_dir: Path) -> Any | None:
+    """A checkpoint whose model_type transformers does not know, but whose architecture it does (Kimi-K2 ships
+    model_type kimi_k2 with remote code for DeepseekV3ForCausalLM): its config.json read by that architecture's
+    config class, without running the checkpoint's code. None when the architecture is not one we serve."""
+    import transformers
+
+    from appliance.models.registry import MODELS
+
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    for arch in raw.get("architectures") or []:
+        config_cls = getattr(transformers, arch.removesuffix("ForCausalLM") + "Config", None)
+        if arch in MODELS and config_cls is not None:
+            return config_cls.from_dict({k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
+    return None
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
