@@ -9,10 +9,15 @@ from appliance.config.fields import param
 from appliance.config.sections_engine import AttentionBackend, Section
 
 SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "NGRAM"]
-ReasoningParser = Literal["base", "qwen3", "deepseek_r1", "deepseek_v31", "kimi_k25", "glm45", "gpt_oss"]
+ReasoningParser = Literal[
+    "base", "qwen3", "deepseek_r1", "deepseek_v31", "kimi_k25", "glm45", "gpt_oss",
+    "deepseek_v32", "kimi_k2", "minimax_m2", "minimax", "gpt-oss", "openai_gptoss", "mistral",
+]
 ToolCallParser = Literal[
     "json", "passthrough", "qwen", "hermes", "qwen3_coder", "kimik2", "deepseek_v3", "deepseek_v31", "deepseek_v4",
     "llama3_json", "pythonic", "mistral",
+    "qwen25", "llama3", "deepseek_v32", "glm45", "glm47", "kimi_k2", "minimax_m2", "minimax-m2", "gpt_oss", "gpt-oss",
+    "openai",
 ]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 

@@ -9,6 +9,7 @@ from appliance.server.parsers.reasoning.budget import (
     ThinkingDecision,
     resolve_thinking,
 )
+from appliance.server.parsers.reasoning.harmony import HarmonyParser
 from appliance.server.parsers.reasoning.parser import ReasoningFormat, ReasoningParser, prompt_opens_reasoning
 
 _FORMATS: dict[str, ReasoningFormat] = {
@@ -21,10 +22,23 @@ _FORMATS: dict[str, ReasoningFormat] = {
     "deepseek_v31": ReasoningFormat(),
     "kimi_k2": ReasoningFormat(),
     "kimi_k25": ReasoningFormat(),
+    # DeepSeek V3.2 opens the block in its template like V3.1; GLM-4.5/4.6/4.7 open it themselves or get an
+    # empty one in the prompt when thinking is off, as Qwen3 does
+    "deepseek_v32": ReasoningFormat(),
+    "glm45": ReasoningFormat(),
+    # MiniMax-M2 never writes the start tag: its output starts inside the block
+    "minimax_m2": ReasoningFormat(starts_in_reasoning=True),
+    "minimax": ReasoningFormat(starts_in_reasoning=True),  # SGLang's name
+    # gpt-oss: harmony messages, the analysis channel is the reasoning (the tags serve the thinking budget)
+    "gpt_oss": ReasoningFormat(start="<|channel|>analysis<|message|>", end="<|end|>", needs_special_tokens=True,
+                               harmony=True),
     "base": ReasoningFormat(),
     # Magistral / Mistral v13+ reasoning models use special tokens [THINK]...[/THINK].
     "mistral": ReasoningFormat(start="[THINK]", end="[/THINK]", needs_special_tokens=True),
 }
+
+
+_FORMATS["gpt-oss"] = _FORMATS["openai_gptoss"] = _FORMATS["gpt_oss"]  # SGLang's and vLLM's names
 
 
 def reasoning_parser_names() -> list[str]:
@@ -54,7 +68,8 @@ def get_reasoning_parser(
     end: str | None = None,
 ) -> ReasoningParser:
     fmt = get_reasoning_format(name, start=start, end=end)
-    return ReasoningParser(fmt, thinking_enabled=thinking_enabled, prompt_text=prompt_text)
+    cls = HarmonyParser if fmt.harmony else ReasoningParser
+    return cls(fmt, thinking_enabled=thinking_enabled, prompt_text=prompt_text)
 
 
 __all__ = [

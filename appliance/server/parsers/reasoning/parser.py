@@ -23,6 +23,7 @@ class ReasoningFormat:
     end: str = "</think>"
     starts_in_reasoning: bool = False  # the chat template always opens the block at the end of the prompt
     needs_special_tokens: bool = False  # the tags are special tokens a detokenizer skipping them would drop
+    harmony: bool = False  # gpt-oss's channelled messages (reasoning/harmony.py) rather than one tagged block
 
 
 def prompt_opens_reasoning(prompt_text: str | None, fmt: ReasoningFormat) -> bool:

@@ -4,7 +4,11 @@ from __future__ import annotations
 from appliance.server.parsers.tool_calls.base import BlockSyntax, ToolParser
 from appliance.server.parsers.tool_calls.deepseek import DeepSeekV3ToolParser
 from appliance.server.parsers.tool_calls.forced import ForcedToolStream, forced_tool_spec, parse_forced_output
+from appliance.server.parsers.tool_calls.glm import Glm45ToolParser
+from appliance.server.parsers.tool_calls.harmony import HarmonyToolParser
 from appliance.server.parsers.tool_calls.hermes import HermesToolParser
+from appliance.server.parsers.tool_calls.invoke_xml import DeepSeekV32ToolParser, MiniMaxM2ToolParser
+from appliance.server.parsers.tool_calls.kimi_k2 import KimiK2ToolParser
 from appliance.server.parsers.tool_calls.llama3_json import Llama3JsonToolParser
 from appliance.server.parsers.tool_calls.mistral import MistralToolParser
 from appliance.server.parsers.tool_calls.pythonic import PythonicToolParser
@@ -29,6 +33,16 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v31": DeepSeekV3ToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
+    "deepseek_v32": DeepSeekV32ToolParser,
+    "glm45": Glm45ToolParser,
+    "glm47": Glm45ToolParser,  # the same calls without the newlines
+    "kimi_k2": KimiK2ToolParser,
+    "kimik2": KimiK2ToolParser,  # TokenSpeed's spelling
+    "minimax_m2": MiniMaxM2ToolParser,
+    "minimax-m2": MiniMaxM2ToolParser,  # SGLang's spelling
+    "gpt_oss": HarmonyToolParser,
+    "gpt-oss": HarmonyToolParser,  # SGLang's spelling
+    "openai": HarmonyToolParser,  # vLLM's name for the gpt-oss (harmony) parser
 }
 
 

@@ -56,13 +56,13 @@ class Qwen3CoderToolParser(ToolParser):
             last = match.end()
             key = match.group(1).strip()
             prop = props.get(key)
-            args[key] = _typed(_unwrap(match.group(2)), prop if isinstance(prop, dict) else {})
+            args[key] = typed_value(unwrap_newlines(match.group(2)), prop if isinstance(prop, dict) else {})
         if body[last:].strip():
             raise BlockError(f"unexpected text in <function={name}>: {body[last:].strip()[:40]!r}")
         return RawCall(name=name, arguments=args)
 
 
-def _unwrap(raw: str) -> str:
+def unwrap_newlines(raw: str) -> str:
     if raw.startswith("\n"):
         raw = raw[1:]
     if raw.endswith("\n"):
@@ -70,7 +70,7 @@ def _unwrap(raw: str) -> str:
     return raw
 
 
-def _typed(raw: str, schema: dict[str, Any]) -> Any:
+def typed_value(raw: str, schema: dict[str, Any]) -> Any:
     declared = schema.get("type")
     names = declared if isinstance(declared, list) else [declared] if declared else []
     if "string" in names:
