@@ -40,6 +40,10 @@ def test_recipe_contents() -> None:
     assert build_config(REPO_ROOT / "recipes" / "llama-3.1-70b.toml", env={}).parallelism.tp == 4
     assert build_config(REPO_ROOT / "recipes" / "qwen3-30b-a3b.toml", env={}).parallelism.effective_ep > 1
     assert build_config(REPO_ROOT / "recipes" / "default.toml", env={}).model.path is None
+    oss = build_config(REPO_ROOT / "recipes" / "gpt-oss-120b.toml", env={})
+    assert oss.parallelism.tp == 8 and oss.api.reasoning_parser == oss.api.tool_call_parser == "gpt_oss"
+    assert build_config(REPO_ROOT / "recipes" / "glm-4.5-air.toml", env={}).api.tool_call_parser == "glm45"
+    assert build_config(REPO_ROOT / "recipes" / "gemma-3-27b.toml", env={}).parallelism.tp == 1
 
 
 def test_validate_reports_each_problem_and_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -239,3 +239,30 @@ def test_triton_backend_matches_transformers_interpreted(family: str, family_dir
                           env=env, cwd=root, capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [refs, refs]
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_language_model(family_dir, tmp_path: Path, hf_greedy) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint (text_config, `language_model.model.*` names, a vision tower)
+    loads its language model and gives the text model's tokens."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config
+
+    from appliance import LLM
+
+    text_dir = family_dir("gemma3")
+    mm = tmp_path / "mm"
+    shutil.copytree(text_dir, mm)
+    text = json.loads((text_dir / "config.json").read_text())
+    config = Gemma3Config(text_config={k: v for k, v in text.items() if k not in ("architectures", "model_type")},
+                          vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                         "num_attention_heads": 2, "image_size": 28, "patch_size": 14})
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    config.save_pretrained(str(mm))
+    tensors = {f"language_model.{k}": v for k, v in load_file(str(text_dir / "model.safetensors")).items()}
+    tensors["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(32)
+    save_file(tensors, str(mm / "model.safetensors"), metadata={"format": "pt"})
+    refs = hf_greedy(text_dir, PROMPTS[:3], NEW)
+    llm = LLM(model=str(mm), dtype="float32", block_size=4)
+    assert type(llm.executor.runner.model).__name__ == "Gemma3ForConditionalGeneration"
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], greedy_params())
+    assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]

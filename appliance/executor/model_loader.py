@@ -30,12 +30,29 @@ def load_hf_config(model_dir: Path, hf_overrides: dict[str, Any] | None = None,
         cfg = _config_by_architecture(model_dir)
         if cfg is None:
             raise
+    cfg = _text_config(cfg)
     for key, value in (hf_overrides or {}).items():
         current = getattr(cfg, key, None)
         if isinstance(current, dict) and isinstance(value, dict):
             value = {**current, **value}  # nested override (e.g. rope_parameters) merges
         setattr(cfg, key, value)
     return cfg
+
+
+# multimodal checkpoints served as text models: their text_config is the model's config
+TEXT_ONLY_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+
+
+def _text_config(cfg: Any) -> Any:
+    archs = list(getattr(cfg, "architectures", None) or [])
+    text = getattr(cfg, "text_config", None)
+    if text is None or not any(a in TEXT_ONLY_ARCHITECTURES for a in archs):
+        return cfg
+    text.architectures = archs  # the registry picks the class that reads the multimodal checkpoint's names
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(text, key, None) is None and getattr(cfg, key, None) is not None:
+            setattr(text, key, getattr(cfg, key))
+    return text
 
 
 def _config_by_architecture(model_dir: Path) -> Any | None:

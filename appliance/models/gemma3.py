@@ -8,9 +8,13 @@ What sets it apart from the Llama decoder it is built from:
 - four norms per layer (after attention and around the MLP), all of them Gemma's (1 + weight) RMSNorm;
 - embeddings scaled by sqrt(hidden_size) (in the model's dtype, as transformers does), tied to the LM head;
 - a GeGLU MLP (gelu, tanh approximation); an optional final logit soft-cap.
+
+Gemma3ForConditionalGeneration checkpoints (the released 4B-27B) are served text-only: the loader hands over their
+text_config (executor/model_loader.py) and the vision tower's tensors are skipped.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -122,4 +126,26 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return [layer.self_attn.attn for layer in self.model.layers]
 
 
-MODELS: dict[str, type[nn.Module]] = {"Gemma3ForCausalLM": Gemma3ForCausalLM}
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The language model of a multimodal Gemma 3 checkpoint: `language_model.model.*` (as released) or
+    `model.language_model.*` (as transformers 5 saves it); vision tower and projector skipped."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._text_tensors(weights))
+
+    @staticmethod
+    def _text_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            for prefix, ours in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                                 ("language_model.lm_head.", "lm_head.")):
+                if name.startswith(prefix):
+                    yield ours + name[len(prefix):], tensor
+                    break
+            else:
+                if name.startswith("lm_head."):
+                    yield name, tensor
+                # anything else belongs to the vision tower or its projector
+
+
+MODELS: dict[str, type[nn.Module]] = {"Gemma3ForCausalLM": Gemma3ForCausalLM,
+                                      "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration}
