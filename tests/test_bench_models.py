@@ -1,0 +1,19 @@
+"""benchmarks/models.py --quick: the gpt-oss and Gemma 3 measurements run end to end on tiny CPU shapes."""
+from __future__ import annotations
+
+import pytest
+
+
+def test_quick_run_measures_every_model() -> None:
+    from benchmarks import models
+
+    results = models.main(["--quick"])
+    assert [r["model"] for r in results] == list(models.MODELS)
+    for r in results:
+        kv = r["kv_per_sequence"]
+        # two tiny layers, one of each kind: the window (8 of 64 tokens) saves half of the sliding layer's share
+        assert kv["layers"] == 2 and kv["sliding_layers"] == 1
+        assert kv["window_share_gib"] == pytest.approx(kv["allocated_gib"] * (1 + 8 / 64) / 2)
+        assert r["batch1_decode_ms_per_token"] > 0
+        tp = r["throughput"]
+        assert tp["output_tok_s"] == pytest.approx(tp["num_prompts"] * tp["output_len"] / tp["seconds"])
