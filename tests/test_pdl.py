@@ -82,9 +82,9 @@ def test_attention_under_pdl_sees_the_newest_row(lens: list[int]) -> None:
     """Captured with PDL, the decode attention launched early still reads the newest K/V rows the qkv kernel just
     wrote (zeroed before each replay, so a read before the write shows); equal to plain launches bit for bit."""
     torch.manual_seed(0)
-    dev, dt, page, m = "cuda", torch.bfloat16, 16, len(lens)
-    k_cache, v_cache, table = paged_kv(lens, page, 2, 128, dt, dev, spare_cols=64 - max(-(-n // page) for n in lens))
-    slots = torch.tensor([int(table[i, (n - 1) // page]) * page + (n - 1) % page for i, n in enumerate(lens)])
+    dev, dt, block_size, m = "cuda", torch.bfloat16, 16, len(lens)
+    k_cache, v_cache, table = paged_kv(lens, block_size, 2, 128, dt, dev, spare_cols=64 - max(-(-n // block_size) for n in lens))
+    slots = torch.tensor([int(table[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)])
     h = torch.randn(m, 1024, device=dev, dtype=dt)
     args = {"xs": h, "partials": h.float().pow(2).sum(-1, keepdim=True),
             "positions": torch.tensor(lens, device=dev) - 1,
