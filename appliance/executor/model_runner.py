@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from appliance.engine.config import StepTokens
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import (
@@ -84,6 +85,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.precision.dtype, self.hf_config, self.device)
         self.backend = resolve_backend(config.backends.attention, self.device)
         self.max_model_len = resolve_max_model_len(m.max_model_len, self.hf_config)
+        sched = config.scheduler
+        self.step_tokens = StepTokens.of(sched.chunked_prefill_size, sched.max_prefill_tokens, self.max_model_len)
         self.block_size = config.cache.block_size
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend)  # fail before allocating
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
@@ -130,7 +133,7 @@ class ModelRunner:
 
     def _make_pieces(self) -> PiecewiseGraphs | None:
         limit = piecewise_max_tokens(self.config, self.model, self.graphs is not None, get_tp_size(),
-                                     self.max_model_len)
+                                     self.step_tokens)
         return None if limit is None else PiecewiseGraphs(self.model, self.device, self.dtype, limit)
 
     def _make_graphs(self) -> DecodeGraphs | None:
@@ -174,7 +177,7 @@ class ModelRunner:
             return kv_cache.blocks_from_tokens(cache.max_total_tokens, self.block_size)
         if self.device.type != "cuda":
             return kv_cache.blocks_for_cpu(self.kv_spec, self.max_model_len, self.config.scheduler.max_num_seqs)
-        peak = memory_profile.peak_bytes(self.model, self.config, self.kv_spec, self.max_model_len, self.device,
+        peak = memory_profile.peak_bytes(self.model, self.config, self.kv_spec, self.step_tokens, self.device,
                                          self._mem_baseline)
         return kv_cache.blocks_for_gpu(self.kv_spec, self.device, cache.gpu_memory_utilization, peak)
 

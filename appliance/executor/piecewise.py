@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from appliance.engine.config import StepTokens
 from appliance.layers import attention as attention_layer
 from appliance.layers.attention import Attention, AttentionMetadata, PieceBreak
 
@@ -236,20 +237,20 @@ class PiecewiseGraphs:
 
 
 def piecewise_max_tokens(config: Any, model: torch.nn.Module, decode_graphs: bool, tp_size: int,
-                         max_model_len: int) -> int | None:
-    """The largest step run in pieces (backends.piecewise_cuda_graph_max_tokens, capped by the chunk budget the
+                         step_tokens: StepTokens) -> int | None:
+    """The largest step run in pieces (backends.piecewise_cuda_graph_max_tokens, capped by the largest chunk the
     KV sizing's profile counted), or None when they are off or cannot apply here (logged)."""
-    b, chunk = config.backends, config.scheduler.chunked_prefill_size
+    b = config.backends
     why = ("backends.piecewise_cuda_graph is off" if not b.piecewise_cuda_graph
            else "decode graphs are off (CPU, enforce_eager or the backend)" if not decode_graphs
            else f"{type(model).__name__} does not declare piecewise graph support" if not model_supports_pieces(model)
            else "tensor parallelism (one GPU only so far)" if tp_size != 1
-           else "chunked prefill is off" if chunk <= 0 else None)
+           else "chunked prefill is off" if not step_tokens.chunking else None)
     if why is not None:
         if b.piecewise_cuda_graph and decode_graphs:
             log.info("mixed / prefill steps run eagerly: %s", why)
         return None
-    return min(b.piecewise_cuda_graph_max_tokens or chunk, chunk, max_model_len)
+    return min(b.piecewise_cuda_graph_max_tokens or step_tokens.budget, step_tokens.largest_chunk)
 
 
 def model_supports_pieces(model: torch.nn.Module) -> bool:

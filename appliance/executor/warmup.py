@@ -65,9 +65,7 @@ def warm_up(runner: ModelRunner, graph_context: int = 2048) -> float:
 
 def _prefills(runner: ModelRunner) -> None:
     """Two tokens per sequence, all in block 0 (no request holds it yet), for 1, 2, 4, ... sequences."""
-    sched = runner.config.scheduler
-    budget = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens
-    most = max(1, min(sched.max_num_seqs, budget // 2))
+    most = max(1, min(runner.config.scheduler.max_num_seqs, runner.step_tokens.budget // 2))
     n = 1
     while True:
         states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams()) for i in range(n)]
