@@ -281,16 +281,17 @@ def test_tuned_table_covers_every_row_count_once_and_fits_the_gpu() -> None:
     from appliance.kernels.reference.linear import SKINNY_GEMM_MAX_ROWS
     from appliance.kernels.triton import skinny_gemm as S
 
-    for (n, k), buckets in S.TUNED.items():
+    for (n, k), buckets in S.tuned_table("sm90").items():
         rows = [r for r, _ in buckets]
         assert rows == sorted(set(rows)) and rows[-1] == SKINNY_GEMM_MAX_ROWS, (n, k, rows)
         for r, cfg in buckets:
-            assert S.tuned_config(r, n, k) is cfg and S.tuned_config(SKINNY_GEMM_MAX_ROWS + 1, n, k) is None
+            assert S.tuned_config(r, n, k, "sm90") is cfg
+            assert S.tuned_config(SKINNY_GEMM_MAX_ROWS + 1, n, k, "sm90") is None
             if cfg is not None:
                 assert (cfg.block_m + cfg.block_n) * cfg.block_k * 2 * cfg.num_stages <= 200 * 1024, cfg
-    assert S.tuned_config(64, 4096, 1024) is S.TUNED[(4096, 1024)][1][1]  # qkv at 49-96 rows
-    assert S.tuned_config(200, 6144, 1024) is None  # gate_up: cuBLAS won there
-    assert S.tuned_config(32, 6144, 4096) is None  # Llama-3.1-8B's shapes were not wins
+    assert S.tuned_config(64, 4096, 1024, "sm90") is S.tuned_table("sm90")[(4096, 1024)][1][1]  # qkv at 49-96 rows
+    assert S.tuned_config(200, 6144, 1024, "sm90") is None  # gate_up: cuBLAS won there
+    assert S.tuned_config(32, 6144, 4096, "sm90") is None  # Llama-3.1-8B's shapes were not wins
     x, w = torch.randn(64, 1024, dtype=bf), torch.randn(4096, 1024, dtype=bf)
     assert torch.equal(S.skinny_gemm(x, w), F.linear(x, w))  # a CPU tensor: cuBLAS's place, torch
 
@@ -319,7 +320,7 @@ def test_gpu_decode_shapes_match_f_linear(shape: str, m: int) -> None:
     from appliance.kernels import cublaslt
 
     routed = skinny_gemm(x, w, b)  # the measured winner, or cuBLAS itself (with cublaslt's measured algorithm)
-    if tuned_config(m, n, k) is None and cublaslt.tuned(x, w, b) is None:
+    if tuned_config(m, n, k, "sm90") is None and cublaslt.tuned_algo(x, w, b) is None:
         assert torch.equal(routed, F.linear(x, w, b))
     else:
         assert max_err(routed, x, w, b) <= GPU_TOL

@@ -36,7 +36,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
            skinny: Gemv | None = None) -> torch.Tensor:
     """x W^T + b: decode-sized batches (<= GEMV_MAX_ROWS rows) through the bound GEMV kernel, batches of up to
     SKINNY_ROWS rows through the bound skinny GEMM, the rest through torch (cuBLAS on a GPU; with a kernel
-    backend bound, at the row count cublaslt.PADDED measured faster). Only 2-D half precision inputs in the
+    backend bound, at the row count cublaslt.LtTables.padded measured faster). Only 2-D half precision inputs in the
     weight's dtype are routed."""
     if x.dim() != 2 or x.dtype != weight.dtype or x.dtype not in _HALF:
         return F.linear(x, weight, bias)
