@@ -87,7 +87,8 @@ def mixed_step(backend: str, dtype: torch.dtype, device: str, layers: int = 3,
         table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     positions = [n - 1 for n in dec_lens] + [p + j for p, q in zip(pre_prefix, pre_q) for j in range(q)]
     owners = [0, 1] + [2 + b for b, q in enumerate(pre_q) for _ in range(q)]
-    slots = torch.tensor([table[o, p // block_size].item() * block_size + p % block_size for o, p in zip(owners, positions)])
+    slots = torch.tensor([table[o, p // block_size].item() * block_size + p % block_size
+                          for o, p in zip(owners, positions)])
     t = len(positions)
     meta = AttentionMetadata(
         slot_mapping=slots.to(device), num_decode_tokens=2, decode_block_tables=table[:2].to(device),

@@ -1,5 +1,5 @@
 """The skinny GEMM (kernels/triton/skinny_gemm.py) against F.linear in fp32, its argument checks, its table of
-measured winners, its routing in layers.linear.matmul behind SKINNY_ROWS, and tools/lab_gemm.py's harness.
+measured winners, its routing in layers.linear.matmul (17..256 rows), and tools/lab_gemm.py's harness.
 
 CPU: the kernel runs under TRITON_INTERPRET=1 in a subprocess (this file run as a script prints one JSON row per
 case; the variable must be set before triton is imported, which this process has done), and compiles for sm_90
@@ -202,7 +202,7 @@ class Recorder:
         return F.linear(x, w, b) + self.mark  # marked, so the test sees whose result came back
 
 
-def test_matmul_routes_to_the_skinny_gemm_only_while_skinny_rows_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matmul_routes_17_to_256_rows_to_the_skinny_gemm() -> None:
     from appliance.layers import linear
 
     gemv, skinny = Recorder(1.0), Recorder(2.0)
@@ -216,20 +216,13 @@ def test_matmul_routes_to_the_skinny_gemm_only_while_skinny_rows_says_so(monkeyp
         return next(name for name, mark in (("torch", 0.0), ("gemv", 1.0), ("skinny", 2.0))
                     if torch.equal(y, want + mark if mark else want))
 
-    assert linear.SKINNY_ROWS == 256  # on: the op itself keeps cuBLAS where its kernel did not win
+    # the op itself keeps cuBLAS where its kernel did not win; past its contract's 256 rows, torch
     assert [whose(r) for r in plain] == ["gemv", "gemv", "skinny", "skinny", "skinny", "torch"]
     assert skinny.rows == [17, 100, 256]
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 0)  # read at call time: a lab switch needs no rebind
-    assert [whose(r) for r in plain] == ["gemv", "gemv", "torch", "torch", "torch", "torch"]
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 256)
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 100)
-    assert [whose(r) for r in (17, 100, 256)] == ["skinny", "skinny", "torch"]
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 10_000)  # capped at the op's contract
-    assert whose(257) == "torch"
     x = plain[100]
     assert torch.equal(linear.matmul(x.float(), w.float(), None, gemv, skinny), F.linear(x.float(), w.float()))
     assert torch.equal(linear.matmul(x, w, None, gemv, None), F.linear(x, w))  # nothing bound: torch
-    assert skinny.rows == [17, 100, 256, 17, 100]
+    assert skinny.rows == [17, 100, 256]
 
 
 def test_layers_and_lm_head_take_the_bound_skinny_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,9 +248,6 @@ def test_layers_and_lm_head_take_the_bound_skinny_gemm(monkeypatch: pytest.Monke
     for m in model.values():
         m.skinny = rec
     x = torch.randn(40, 32, dtype=bf)
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 0)
-    assert torch.equal(model["qkv"](x), F.linear(x, model["qkv"].weight, model["qkv"].bias))
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 64)
     assert torch.equal(model["qkv"](x), F.linear(x, model["qkv"].weight, model["qkv"].bias) + 2.0)
     assert model["o"](torch.randn(40, 48, dtype=bf)).shape == (40, 32)
     assert model["head"](x).shape == (40, 100)

@@ -18,8 +18,8 @@ Prints one JSON line per shape and row count; with --emit, then writes the winne
 at least --min-gain to the algos file. Qwen3's shapes skip the row counts the Triton skinny GEMM already takes.
 --workspace-mb lets candidates use a workspace, and --splitk adds split-K variants of the fastest 8 (the op itself
 passes no workspace: neither measured faster at 208-224 rows). --pad times F.linear at every piecewise
-token bucket past 256 rows against padded_linear to each larger bucket within reach (the padded file: where cuBLAS's pick
-at M rows is slower than its pick at a few more).
+token bucket past 256 rows against padded_linear to each larger bucket within reach (the padded file: where
+cuBLAS's pick at M rows is slower than its pick at a few more).
 """
 from __future__ import annotations
 
@@ -169,8 +169,8 @@ def emit_pads(torch: Any, results: list[dict[str, Any]], min_gain: float, reach:
         if kept:
             table[tuned.shape_key(*SHAPES[r["shape"]])] = kept
     arch = tuned.arch_name(torch.cuda.get_device_capability())
-    print(tuned.write("cublaslt_padded", arch, f"python tools/lab_cublaslt.py --pad {reach} --emit --min-gain {min_gain}",
-                      measured_on(torch), table))
+    command = f"python tools/lab_cublaslt.py --pad {reach} --emit --min-gain {min_gain}"
+    print(tuned.write("cublaslt_padded", arch, command, measured_on(torch), table))
 
 
 def main() -> int:

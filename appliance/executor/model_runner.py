@@ -59,13 +59,13 @@ from appliance.executor.piecewise import PiecewiseGraphs, piecewise_max_tokens
 from appliance.executor.request_table import DeviceBlockTable, LiveRequests
 from appliance.executor.runner_setup import (
     _check_supported,
+    bind_decode_kernels,
     read_eos_token_ids,
     resolve_backend,
     resolve_device,
     resolve_max_model_len,
 )
 from appliance.executor.sampler import Sampler
-from appliance.layers.linear import use_gemv_kernel
 from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
 
@@ -164,11 +164,8 @@ class ModelRunner:
         else:
             load_weights(model, self.model_dir, load_format)
         apply_quantization(model, self.config.precision.quantization, self.hf_config, self.backend)
-        if self.device.type == "cuda":  # decode-sized batches stream weights through the backend's GEMV
-            use_gemv_kernel(model, self.backend)
-            inner = getattr(model, "model", None)
-            if hasattr(inner, "use_decode_chain"):  # and, where served, through the fused decode chain
-                inner.use_decode_chain(self.backend)
+        if self.device.type == "cuda":
+            bind_decode_kernels(model, self.backend, self.config.backends.decode_chain)
         return model.eval()
 
     def _count_blocks(self) -> int:

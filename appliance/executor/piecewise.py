@@ -39,7 +39,6 @@ SMALL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 # (Llama-8B prefill) pays at most 12.5% padding, and 27 more buckets reach 8,192 tokens. Buckets of 512 cost the 8B's
 # mixed serving steps up to 50% (a 1,030-token step ran as 1,536).
 GROWTH, ALIGN = 1.125, 64
-ENABLED = True  # a lab switch (tools/lab_ab.py --knob appliance.executor.piecewise.ENABLED=True,False)
 
 
 @functools.cache
@@ -190,7 +189,7 @@ class PiecewiseGraphs:
         """Hidden states [T, hidden] of an eager step, or None when its token count has no bucket."""
         t = int(input_ids.shape[0])
         b = bucket_for(t, self.max_tokens)
-        if b is None or self.failed or not ENABLED:
+        if b is None or self.failed:
             return None
         if not self.cuda:
             return self._emulate(input_ids, positions, meta, b)

@@ -95,7 +95,8 @@ def mla_prefill(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor
                               qa.stride(0), qa.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
                               o_lat.stride(0), o_lat.stride(1),
                               R=rank, DR=rope, BLOCK_R=triton.next_power_of_2(rank),
-                              BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=cache.shape[1], BLOCK_M=BLOCK_M,
+                              BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=cache.shape[1],
+                              BLOCK_M=BLOCK_M,
                               BLOCK_N=BLOCK_N, LOG_SEQS=max(1, bsz.bit_length()),
                               UPCAST=INTERPRET or q.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=2)
     return torch.einsum("thr,hvr->thv", o_lat, w_uv.to(q.dtype))

@@ -41,8 +41,7 @@ PROGRAMS_PER_SM = 2  # measured: b64 x kv1024 (512 programs) is fastest unsplit
 NUM_WARPS = 4
 NUM_STAGES = 3
 # Splits of one tile (small batches) run _decode_tile_kernel, which reads all but q and the newest cache row before
-# its wait. A lab switch (tools/lab_decode_chain.py --timeline).
-TILE_SPLITS = True
+# its wait.
 
 
 @triton.jit
@@ -230,7 +229,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     order_arg = seq_lens if order is None else order
     heads = {"GROUP": group, "BLOCK_H": max(16, triton.next_power_of_2(group)), "D": d, "BLOCK_D": block_d,
              "BLOCK_SIZE": block_size, "ORDERED": order is not None, "UPCAST": INTERPRET}
-    if not direct and split_tokens == BLOCK_N and TILE_SPLITS:
+    if not direct and split_tokens == BLOCK_N:
         _decode_tile_kernel[(hkv, bsz, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, order_arg, mid_o, mid_lse, scale * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

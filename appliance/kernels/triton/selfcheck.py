@@ -168,9 +168,9 @@ def gemv_inputs(rows: int, n: int, k: int, dtype: torch.dtype, device: str, bias
 
 
 def skinny_inputs(rows: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool = False) -> Inputs:
-    """gemv_inputs past the GEMV's 16 rows, with the config the kernel runs: the one measured on sm_90 where its table has
-    it, else config_for's. Always the kernel: without a config the op answers with cuBLAS wherever the table has
-    no winner, and would be checked against itself."""
+    """gemv_inputs past the GEMV's 16 rows, with the config the kernel runs: the one measured on sm_90 where its
+    table has it, else config_for's. Always the kernel: without a config the op answers with cuBLAS wherever the
+    table has no winner, and would be checked against itself."""
     from appliance.kernels.triton.skinny_gemm import config_for, tuned_config
 
     inputs = gemv_inputs(rows, n, k, dtype, device, bias)

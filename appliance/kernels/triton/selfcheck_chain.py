@@ -40,7 +40,8 @@ def chain_args(m: int, hidden: int, inter: int, nq: int, nkv: int, d: int, dtype
         "w_down": rnd(hidden, inter, scale=inter**-0.5), "act": rnd(m, inter), "nq": nq, "nkv": nkv, "d": d,
         "positions": torch.randint(0, max_pos, (m,), generator=gen).to(device),
         "cos_sin": cos_sin_cache(d, max_pos).to(device), "slots": slots.to(device),
-        "k_cache": rnd(blocks, BLOCK_SIZE, nkv, d, ty=cache_dtype), "v_cache": rnd(blocks, BLOCK_SIZE, nkv, d, ty=cache_dtype),
+        "k_cache": rnd(blocks, BLOCK_SIZE, nkv, d, ty=cache_dtype),
+        "v_cache": rnd(blocks, BLOCK_SIZE, nkv, d, ty=cache_dtype),
     }
 
 
