@@ -52,12 +52,14 @@ def use_gemv_kernel(model: nn.Module, backend: str) -> int:
     if backend == "torch":
         return 0
     try:
-        op = registry.get("gemv", backend)
+        served_by, op = registry.resolve("gemv", backend)  # flashinfer's: triton's (the registry's fallback order)
     except KeyError:
+        return 0
+    if served_by == "torch":
         return 0
     try:
         skinny: Gemv | None = registry.get("skinny_gemm", backend)
-    except KeyError:  # e.g. flashinfer, which borrows only the GEMV from triton
+    except KeyError:  # e.g. flashinfer, whose fallback to triton covers the GEMV only
         skinny = None
     bound = 0
     for module in model.modules():
