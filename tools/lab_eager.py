@@ -64,7 +64,8 @@ def forward_ab(llm: Any, smoke: bool) -> None:
     import torch
 
     from appliance.engine.sampling_params import SamplingParams as Params
-    from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+    from appliance.executor.input_batch import Chunk, build_inputs
+    from appliance.executor.request_table import RequestState
     from appliance.kernels.triton import common
 
     runner = llm.executor.runner

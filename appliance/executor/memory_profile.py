@@ -10,7 +10,8 @@ import torch
 from appliance.engine.config import StepTokens
 from appliance.engine.sampling_params import SamplingParams
 from appliance.executor import kv_cache
-from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+from appliance.executor.input_batch import Chunk, build_inputs
+from appliance.executor.request_table import RequestState
 
 
 def allocated_by_others(device: torch.device) -> int:

@@ -10,10 +10,12 @@ prompt rows of requests that asked for prompt logprobs).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -39,13 +41,7 @@ from appliance.executor.cuda_graph import (
     width_bucket,
 )
 from appliance.executor.inflight import StepHandle
-from appliance.executor.input_batch import (
-    Chunk,
-    RequestState,
-    Stager,
-    build_inputs,
-    table_width,
-)
+from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
 from appliance.executor.memory_check import check_weight_memory
 from appliance.executor.model_loader import (
     apply_quantization,
@@ -56,7 +52,11 @@ from appliance.executor.model_loader import (
     resolve_model_dir,
 )
 from appliance.executor.piecewise import PiecewiseGraphs, piecewise_max_tokens
-from appliance.executor.request_table import DeviceBlockTable, LiveRequests
+from appliance.executor.request_table import (
+    DeviceBlockTable,
+    LiveRequests,
+    RequestState,
+)
 from appliance.executor.runner_setup import (
     _check_supported,
     bind_decode_kernels,
@@ -130,6 +130,21 @@ class ModelRunner:
         """Pay every first-use cost a run would meet (executor/warmup.py); returns the seconds taken. It writes
         KV into block 0: call it before serving (the constructor does), never with blocks cached."""
         return warmup.warm_up(self, graph_context)
+
+    def host_inputs(self, chunks: list[Chunk]) -> StepInputs:
+        """One step's inputs with positions and tables built on the host (no device table rows): the warm-up's
+        and the MTP drafter's own steps."""
+        return build_inputs(chunks, self.block_size, self.device, 1, self._stager, self._pad_prefills)
+
+    @contextlib.contextmanager
+    def noise_seeds_kept(self) -> Iterator[None]:
+        """Requests added inside draw their GPU-sampler noise seeds from a stream given back afterwards, so the
+        seeds of the requests served later do not depend on what ran inside (the warm-up)."""
+        state = self._noise_seeds.getstate()
+        try:
+            yield
+        finally:
+            self._noise_seeds.setstate(state)
 
     def _make_pieces(self) -> PiecewiseGraphs | None:
         limit = piecewise_max_tokens(self.config, self.model, self.graphs is not None, get_tp_size(),
