@@ -26,7 +26,7 @@ _TILES = StepCache()  # the step's cu_tiles: the same for every layer (~6 small 
 
 @triton.jit
 def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end, q_pos,
-             m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+             m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, window=0,
              WINDOW: tl.constexpr = False):
     """One online-softmax step over kv positions n0 .. n0 + BLOCK_N; MASKED applies the causal and end masks."""
@@ -35,12 +35,12 @@ def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_
     d_mask = offs_d < D
     if MASKED:
         n_mask = pos < kv_end
-        blk = tl.load(bt_ptr + kv_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        blk = tl.load(bt_ptr + kv_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
     else:
-        blk = tl.load(bt_ptr + kv_row + pos // PAGE).to(tl.int64)
+        blk = tl.load(bt_ptr + kv_row + pos // BLOCK_SIZE).to(tl.int64)
         kv_mask = (pos >= 0)[:, None] & d_mask[None, :]
-    row = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
+    row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
     if MASKED or BLOCK_D != D:
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -69,7 +69,7 @@ def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu_tiles_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt, num_seqs,
-                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_SEQS: tl.constexpr, UPCAST: tl.constexpr,
                     window=0, sinks_ptr=None, WINDOW: tl.constexpr = False, SINKS: tl.constexpr = False):
     tile = tl.program_id(0)
@@ -102,10 +102,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
     else:
         for n0 in range(0, full_end, BLOCK_N):
             m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0,
-                                     kv_end, q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, PAGE, BLOCK_N, False, UPCAST)
+                                     kv_end, q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, UPCAST)
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end,
-                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, PAGE, BLOCK_N, True, UPCAST,
+                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, UPCAST,
                                  window, WINDOW)
     if SINKS:  # the sink joins the denominator only
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
@@ -133,7 +133,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       out: torch.Tensor | None = None, sliding_window: int | None = None,
                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     t, h, d = q.shape
-    _, page, hkv, dk = k_cache.shape
+    _, block_size, hkv, dk = k_cache.shape
     bsz = seq_lens.shape[0]
     if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(f"prefill_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
@@ -152,7 +152,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, cu_tiles, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), bsz,
-        GROUP=h // hkv, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page,
+        GROUP=h // hkv, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, LOG_SEQS=max(1, (bsz).bit_length()),
         UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         **({} if sliding_window is None else {"window": int(sliding_window), "WINDOW": True}),
