@@ -1,6 +1,7 @@
 """gpt-oss and Gemma 3 served by the real pipeline (`appliance run`: supervisor, tokenizer, scheduler, worker
 processes) answer the official openai client with transformers' greedy tokens, streamed and not, with 16-token
-chunked prefill and prefix-cache hits on the second pass."""
+chunked prefill and prefix-cache hits on the second pass; alone and split over two tensor-parallel workers (gloo):
+heads, sinks and the experts' intermediate dimension sliced per rank."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,9 @@ NEW = 6
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_served_greedy_matches_transformers(family: str, tmp_path: Path, tiny_tokenizer_dir: Path,
+def test_served_greedy_matches_transformers(family: str, tp: int, tmp_path: Path, tiny_tokenizer_dir: Path,
                                             hf_greedy: Any) -> None:
     from transformers import AutoTokenizer
 
@@ -38,6 +40,8 @@ max_total_tokens = 1024
 enable_prefix_caching = true
 [scheduler]
 chunked_prefill_size = 16
+[parallelism]
+tp = {tp}
 [api]
 port = {port}
 served_model_name = "tiny"
