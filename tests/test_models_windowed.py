@@ -214,6 +214,7 @@ prompts = json.loads(sys.argv[2])
 llm = LLM(model=sys.argv[1], dtype="float32", block_size=4, skip_tokenizer_init=True, attention_backend="triton",
           chunked_prefill_size=16)
 assert llm.executor.runner.backend == "triton"
+assert getattr(llm.executor.runner.model, "moe_backend", "triton") == "triton"  # gpt-oss: the Triton fused MoE
 runs = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
         for _ in range(2)]  # the second pass hits the prefix cache
 print(json.dumps(runs))
@@ -223,8 +224,9 @@ print(json.dumps(runs))
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_triton_backend_matches_transformers_interpreted(family: str, family_dir, hf_greedy) -> None:
-    """The Triton store / rope_store_kv / decode / prefill kernels with windows and sinks, under the interpreter,
-    give transformers' greedy tokens, with chunked prefill and a second pass over the prefix cache."""
+    """The Triton store / rope_store_kv / decode / prefill kernels with windows and sinks (and gpt-oss's experts
+    in the Triton fused MoE with biases and the clamped SwiGLU), under the interpreter, give transformers' greedy
+    tokens, with chunked prefill and a second pass over the prefix cache."""
     import os
     import subprocess
     import sys

@@ -5,7 +5,8 @@
   YaRN rotary (neox halves) with its attention factor.
 - MoE: a biased linear router, top-k of the logits then softmax over the chosen k; experts with biases and a
   clamped SwiGLU, gate = min(g, limit), up = clamp(u, -limit, limit), out = (up + 1) * gate * sigmoid(alpha gate),
-  where the checkpoint interleaves gate and up columns (even / odd).
+  where the checkpoint interleaves gate and up columns (even / odd). They run through the `fused_moe` op of
+  backends.moe (its bias and swiglu_limit arguments), so with the Triton one decode is CUDA-graph capturable.
 - Expert weights ship in MXFP4 (layers/mxfp4.py), `<proj>_blocks` + `<proj>_scales`, and are dequantized to the
   model's dtype at load; transformers' own save writes them in float ([E, H, 2I] / [E, I, H]). Both load.
 """
@@ -16,12 +17,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import appliance.kernels.moe  # noqa: F401  (registers the fused_moe kernels)
 from appliance.layers import mxfp4
 from appliance.layers.attention import Attention
 from appliance.layers.embedding import ParallelLMHead
+from appliance.layers.kernels import kernel
 from appliance.layers.parallel_state import divide, get_ep_size, get_tp_rank, get_tp_size, tp_all_reduce
 from appliance.models.layer_types import SLIDING, layer_types
 from appliance.models.llama import LlamaAttention, LlamaForCausalLM
@@ -35,7 +37,7 @@ class GptOssExperts(nn.Module):
     """All experts of a layer: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], their biases. Tensor
     parallelism splits I; the down bias is added on rank 0 only (the ranks' partial sums are all-reduced)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, moe_backend: str) -> None:
         super().__init__()
         if get_ep_size() > 1:
             raise ValueError("gpt-oss experts do not support expert parallelism yet (tensor parallelism does)")
@@ -51,6 +53,7 @@ class GptOssExperts(nn.Module):
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
+        self._op = kernel("fused_moe", moe_backend)
 
     def load(self, proj: str, kind: str, tensor: torch.Tensor) -> str:
         """One expert tensor in the checkpoint's orientation (output rows, input columns: gate_up [E, 2I, H]
@@ -72,27 +75,18 @@ class GptOssExperts(nn.Module):
         return "w13" if param is self.w13_weight or param is self.w13_bias else "w2"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each expert that was chosen runs over its tokens (a host-side loop: the torch reference path)."""
-        out = torch.zeros_like(x)
-        i = self.intermediate
-        for e in torch.unique(ids).tolist():
-            token, slot = torch.where(ids == e)
-            h = F.linear(x[token], self.w13_weight[e], self.w13_bias[e])
-            gate = h[:, :i].clamp(max=self.limit)
-            up = h[:, i:].clamp(min=-self.limit, max=self.limit)
-            y = F.linear((up + 1) * gate * torch.sigmoid(gate * self.alpha), self.w2_weight[e],
-                         self.w2_bias[e] if self.tp_rank == 0 else None)
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
-        return out
+        return self._op(x, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
+                        w2_bias=self.w2_bias if self.tp_rank == 0 else None, swiglu_limit=self.limit,
+                        swiglu_alpha=self.alpha)
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, moe_backend: str) -> None:
         super().__init__()
         self.top_k = int(cfg.num_experts_per_tok)
         self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=True)
         self.router.requires_grad_(False)
-        self.experts = GptOssExperts(cfg)
+        self.experts = GptOssExperts(cfg, moe_backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)
@@ -102,13 +96,13 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    is_moe = False  # its experts are its own (GptOssExperts), not the fused_moe kernels backends.moe picks
-    supports_cuda_graphs = False  # the experts loop on the host
+    is_moe = True  # the model runner passes moe_backend (backends.moe) for the experts' fused_moe op
     piecewise_graphs = False
     sliding_window_attention = True  # windows are applied, so max_model_len is not capped at sliding_window
 
-    def __init__(self, hf_config: Any, backend: str = "torch") -> None:
+    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
         nn.Module.__init__(self)
+        self.moe_backend = moe_backend or backend
         qc = getattr(hf_config, "quantization_config", None)
         method = (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method") if qc else None
         if method not in (None, "mxfp4"):
@@ -117,13 +111,18 @@ class GptOssForCausalLM(LlamaForCausalLM):
         window = int(hf_config.sliding_window)
         layers = [MoEDecoderLayer(hf_config, LlamaAttention(hf_config, True, False, backend, sinks=True,
                                                             sliding_window=window if kind == SLIDING else None),
-                                  GptOssMoE(hf_config), backend)
+                                  GptOssMoE(hf_config, self.moe_backend), backend)
                   for kind in layer_types(hf_config)]
         self.model = MoEModel(hf_config, layers, backend)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    @property
+    def supports_cuda_graphs(self) -> bool:  # type: ignore[override]
+        """With the Triton fused MoE (its expert sort never syncs with the host); the torch one loops on the host."""
+        return self.moe_backend == "triton"
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -48,10 +48,24 @@ def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int,
     return dequantize_blocks(w[e], scale[e], block_shape).to(dtype)
 
 
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float | None,
+                     swiglu_alpha: float) -> torch.Tensor:
+    """silu(gate) * up; with `swiglu_limit`, gpt-oss's clamped SwiGLU: gate clamped above and up on both sides
+    at the limit, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    if swiglu_limit is None:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return (up + 1) * gate * torch.sigmoid(gate * swiglu_alpha)
+
+
 @register("fused_moe", "torch")
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+              block_shape: tuple[int, int] | None = None, *, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, swiglu_limit: float | None = None,
+              swiglu_alpha: float = 1.702) -> torch.Tensor:
+    """Biases ([E, 2I] / [E, H]) and the clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`) serve gpt-oss."""
     if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} do not match")
@@ -61,8 +75,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if not 0 <= e < w13.shape[0]:
             raise ValueError(f"fused_moe: expert id {e} outside 0..{w13.shape[0] - 1}")
         token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        h = F.linear(x[token], _expert_weight(w13, w13_scale, e, block_shape, x.dtype))
+        h = F.linear(x[token], _expert_weight(w13, w13_scale, e, block_shape, x.dtype),
+                     None if w13_bias is None else w13_bias[e])
         gate, up = h.chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, _expert_weight(w2, w2_scale, e, block_shape, x.dtype))
+        y = F.linear(gated_activation(gate, up, swiglu_limit, swiglu_alpha),
+                     _expert_weight(w2, w2_scale, e, block_shape, x.dtype), None if w2_bias is None else w2_bias[e])
         out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
     return out.to(x.dtype)

@@ -25,6 +25,7 @@ class Case:
     dtype: torch.dtype
     fp8_block: tuple[int, int] | None = None
     tol: float = 2e-3
+    gpt_oss: bool = False  # expert biases and the clamped SwiGLU
 
 
 def small_cases() -> list[Case]:
@@ -35,6 +36,8 @@ def small_cases() -> list[Case]:
         Case("bf16", 20, 64, 64, 6, 2, torch.bfloat16, tol=3e-2),
         Case("fp8_blocks", 19, 64, 64, 4, 2, torch.float32, fp8_block=(32, 32), tol=2e-3),
         Case("fp8_fine_blocks", 11, 64, 48, 4, 2, torch.float32, fp8_block=(16, 16), tol=2e-3),  # tiles shrink
+        Case("gpt_oss_bias_clamp", 13, 64, 48, 8, 4, torch.float32, gpt_oss=True),
+        Case("gpt_oss_prefill_bf16", 70, 64, 32, 4, 4, torch.bfloat16, gpt_oss=True, tol=3e-2),
     ]
 
 
@@ -44,6 +47,8 @@ def gpu_cases() -> list[Case]:
         Case("deepseek_v3_fp8_batch1", 1, 7168, 2048, 32, 8, torch.bfloat16, fp8_block=(128, 128), tol=3e-2),
         Case("deepseek_v2_lite_prefill", 2048, 2048, 1408, 64, 6, torch.bfloat16, tol=3e-2),
         Case("deepseek_v3_fp8", 256, 7168, 2048, 32, 8, torch.bfloat16, fp8_block=(128, 128), tol=3e-2),
+        Case("gpt_oss_20b_decode", 1, 2880, 2880, 32, 4, torch.bfloat16, gpt_oss=True, tol=3e-2),
+        Case("gpt_oss_20b_batch256", 256, 2880, 2880, 32, 4, torch.bfloat16, gpt_oss=True, tol=3e-2),
     ]
 
 
@@ -67,8 +72,13 @@ def run_case(case: Case, device: str) -> dict[str, object]:
     else:
         w13, w2 = w13.to(case.dtype), w2.to(case.dtype)
     args = (x.to(case.dtype).to(device), w13.to(device), w2.to(device), weights.to(device), ids.to(device))
-    ref = registry.get("fused_moe", "torch")(*args, *scales, case.fp8_block).float()
-    got = registry.get("fused_moe", "triton")(*args, *scales, case.fp8_block).float()
+    extra: dict[str, object] = {}
+    if case.gpt_oss:  # limit 1: the random pre-activations (about unit scale) cross it on both sides
+        extra = {"w13_bias": torch.randn(case.experts, 2 * case.inter, generator=gen).to(case.dtype).to(device),
+                 "w2_bias": torch.randn(case.experts, case.hidden, generator=gen).to(case.dtype).to(device),
+                 "swiglu_limit": 1.0, "swiglu_alpha": 1.702}
+    ref = registry.get("fused_moe", "torch")(*args, *scales, case.fp8_block, **extra).float()
+    got = registry.get("fused_moe", "triton")(*args, *scales, case.fp8_block, **extra).float()
     err = ((got - ref).norm() / ref.norm().clamp(min=1e-6)).item()
     return {"op": "fused_moe", "case": case.name, "err": err, "tol": case.tol}
 

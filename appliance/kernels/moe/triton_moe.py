@@ -8,7 +8,8 @@
 3. `_down_kernel`: that [T*K, I] activation @ w2[e]^T, times the routing weight, into [T*K, H]; the K slots of
    each token are summed in torch.
 fp8 weights (block scales) are dequantized tile by tile inside both GEMMs (weight-only; activations stay in
-the model dtype).
+the model dtype). gpt-oss adds expert biases to both GEMMs and clamps its SwiGLU (constexpr-guarded: BIAS,
+CLAMPED; reference.gated_activation).
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pairs, inter, hidden,
                     stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
+                    BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+                    bias_ptr=None, limit=0.0, alpha=1.702, BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(experts_ptr + pid_m)
@@ -98,7 +100,15 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
                              stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
         acc_g += mma(a, g.to(a.dtype), UPCAST)
         acc_u += mma(a, u.to(a.dtype), UPCAST)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if BIAS:  # [E, 2I]: gate biases, then up biases
+        acc_g += tl.load(bias_ptr + e * 2 * inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_ptr + e * 2 * inter + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED:
+        gate = tl.minimum(acc_g, limit)
+        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        act = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+    else:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -107,7 +117,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
 def _down_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr, num_pairs, hidden, inter,
                  stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
+                 BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+                 bias_ptr=None, BIAS: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(experts_ptr + pid_m)
@@ -127,6 +138,8 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
         w = load_weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
                              stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
         acc += mma(a, w.to(a.dtype), UPCAST)
+    if BIAS:  # [E, H]
+        acc += tl.load(bias_ptr + e * hidden + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     route = tl.load(weights_ptr + pair, mask=m_mask, other=0.0)
     acc = acc * route[:, None]
     tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -142,7 +155,10 @@ def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tens
 @register("fused_moe", "triton")
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+              block_shape: tuple[int, int] | None = None, *, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, swiglu_limit: float | None = None,
+              swiglu_alpha: float = 1.702) -> torch.Tensor:
+    """As the reference's (kernels/moe/reference.py), biases and clamped SwiGLU included."""
     t, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -164,7 +180,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _gate_up_kernel[grid](x, w13, s13, act, sorted_ids, block_experts, pairs, inter, hidden,
                           x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), s13e, s13n, s13k, act.stride(0),
                           TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile_n, BLOCK_K=tile_k, BN_Q=bn_q, BK_Q=bk_q,
-                          FP8=fp8, UPCAST=upcast, num_stages=tiles.num_stages)
+                          FP8=fp8, UPCAST=upcast, num_stages=tiles.num_stages,
+                          **({} if w13_bias is None else {"bias_ptr": w13_bias.contiguous(), "BIAS": True}),
+                          **({} if swiglu_limit is None else {"limit": float(swiglu_limit),
+                                                              "alpha": float(swiglu_alpha), "CLAMPED": True}))
     out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
     s2, s2e, s2n, s2k = _scale_args(w2_scale, w2)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -172,5 +191,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _down_kernel[grid](act, w2, s2, out, sorted_ids, block_experts, weights, pairs, hidden, inter,
                        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), s2e, s2n, s2k, out.stride(0),
                        BLOCK_M=tiles.block_m, BLOCK_N=tile_n, BLOCK_K=tile_k, BN_Q=bn_q, BK_Q=bk_q, FP8=fp8,
-                       UPCAST=upcast, num_stages=tiles.num_stages)
+                       UPCAST=upcast, num_stages=tiles.num_stages,
+                       **({} if w2_bias is None else {"bias_ptr": w2_bias.contiguous(), "BIAS": True}))
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
