@@ -63,7 +63,7 @@ def test_kimi_keeps_the_model_call_id() -> None:
 
 
 @pytest.mark.parametrize("alias,name", [("kimik2", "kimi_k2"), ("minimax-m2", "minimax_m2"), ("openai", "gpt_oss"),
-                                        ("gpt-oss", "gpt_oss")])
+                                        ("gpt-oss", "gpt_oss"), ("deepseekv32", "deepseek_v32")])
 def test_other_engines_spellings(alias: str, name: str) -> None:
     assert get_tool_parser(alias) is get_tool_parser(name)
     assert build_config(flat={"tool_call_parser": alias}).api.tool_call_parser == alias

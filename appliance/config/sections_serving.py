@@ -16,7 +16,7 @@ ReasoningParser = Literal[
 ToolCallParser = Literal[
     "json", "passthrough", "qwen", "hermes", "qwen3_coder", "kimik2", "deepseek_v3", "deepseek_v31", "deepseek_v4",
     "llama3_json", "pythonic", "mistral",
-    "qwen25", "llama3", "deepseek_v32", "glm45", "glm47", "kimi_k2", "minimax_m2", "minimax-m2", "gpt_oss", "gpt-oss",
+    "qwen25", "llama3", "deepseek_v32", "deepseekv32", "glm45", "glm47", "kimi_k2", "minimax_m2", "minimax-m2", "gpt_oss", "gpt-oss",
     "openai",
 ]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]

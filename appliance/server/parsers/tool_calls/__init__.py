@@ -34,6 +34,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "deepseek_v32": DeepSeekV32ToolParser,
+    "deepseekv32": DeepSeekV32ToolParser,  # SGLang's spelling
     "glm45": Glm45ToolParser,
     "glm47": Glm45ToolParser,  # the same calls without the newlines
     "kimi_k2": KimiK2ToolParser,
