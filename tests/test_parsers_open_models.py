@@ -1,6 +1,6 @@
-"""Tool-call and reasoning formats of gpt-oss (harmony), GLM-4.5 / 4.7, Kimi-K2, MiniMax-M2 and DeepSeek-V3.2:
-each model's documented output parsed whole and streamed one character at a time (the finest a tokenizer can
-split it), the two agreeing; malformed blocks come back as content with the reason."""
+"""Tool-call and reasoning formats of gpt-oss (harmony), GLM-4.5 / 4.7, Kimi-K2, MiniMax-M2, DeepSeek-V3.2 and
+Step-3: each model's documented output parsed whole and streamed one character at a time (the finest a tokenizer
+can split it), the two agreeing; malformed blocks come back as content with the reason."""
 from __future__ import annotations
 
 import itertools
@@ -32,6 +32,10 @@ TOOL_OUTPUTS: dict[str, tuple[str, str | None]] = {
                      "<｜DSML｜parameter name=\"city\" string=\"true\">Beijing</｜DSML｜parameter>\n"
                      "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n"
                      "</｜DSML｜invoke>\n</｜DSML｜function_calls>", None),
+    "step3": ("Let me help.\n<｜tool_calls_begin｜>\n<｜tool_call_begin｜>function<｜tool_sep｜>"
+              '<steptml:invoke name="get_weather">\n<steptml:parameter name="city">Beijing</steptml:parameter>\n'
+              '<steptml:parameter name="days">3</steptml:parameter>\n</steptml:invoke><｜tool_call_end｜>\n'
+              "<｜tool_calls_end｜>", "Let me help."),
     "gpt_oss": ('<|channel|>commentary to=functions.get_weather<|message|>{"city": "Beijing", "days": 3}<|call|>',
                 None),
 }
@@ -74,8 +78,9 @@ def test_other_engines_spellings(alias: str, name: str) -> None:
     ("glm45", "<tool_call>nope\n<arg_key>city</arg_key><arg_value>x</arg_value></tool_call>"),  # unknown tool
     ("minimax_m2", '<minimax:tool_call><invoke name="get_weather"><parameter name="days">3</parameter>'
                    "</invoke></minimax:tool_call>"),  # misses the required city
+    # the string="false" value is not JSON
     ("deepseek_v32", '<｜DSML｜function_calls><｜DSML｜invoke name="get_weather"><｜DSML｜parameter name="city" '
-                     'string="false">Beijing</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜function_calls>'),  # not JSON
+                     'string="false">Beijing</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜function_calls>'),
     ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0{}<|tool_call_end|>"
                 "<|tool_calls_section_end|>"),  # no argument marker
     ("gpt_oss", "<|channel|>commentary to=browser.search<|message|>{}<|call|>"),  # not a function
@@ -109,8 +114,9 @@ def test_harmony_final_answer() -> None:
 def test_harmony_tool_call_through_the_message_parser(stream: bool) -> None:
     """analysis -> reasoning_content; the commentary call (recipient in the channel part, a json constraint)
     -> one tool call; the recipient may also follow the role."""
-    for text in (HARMONY_CALL, HARMONY_CALL.replace("<|start|>assistant<|channel|>commentary to=functions.get_weather",
-                                                    "<|start|>assistant to=functions.get_weather<|channel|>commentary")):
+    role_recipient = HARMONY_CALL.replace("<|start|>assistant<|channel|>commentary to=functions.get_weather",
+                                          "<|start|>assistant to=functions.get_weather<|channel|>commentary")
+    for text in (HARMONY_CALL, role_recipient):
         mp = build_message_parser(reasoning_parser="gpt_oss", tool_call_parser="openai", tools=TOOLS)
         if stream:
             deltas = [d for ch in text for d in [mp.feed(ch)] if d is not None] + [d for d in [mp.finish()] if d]

@@ -17,7 +17,7 @@ ToolCallParser = Literal[
     "json", "passthrough", "qwen", "hermes", "qwen3_coder", "kimik2", "deepseek_v3", "deepseek_v31", "deepseek_v4",
     "llama3_json", "pythonic", "mistral",
     "qwen25", "llama3", "deepseek_v32", "deepseekv32", "glm45", "glm47", "kimi_k2", "minimax_m2", "minimax-m2", "gpt_oss", "gpt-oss",
-    "openai",
+    "openai", "step3",
 ]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 

@@ -7,7 +7,11 @@ from appliance.server.parsers.tool_calls.forced import ForcedToolStream, forced_
 from appliance.server.parsers.tool_calls.glm import Glm45ToolParser
 from appliance.server.parsers.tool_calls.harmony import HarmonyToolParser
 from appliance.server.parsers.tool_calls.hermes import HermesToolParser
-from appliance.server.parsers.tool_calls.invoke_xml import DeepSeekV32ToolParser, MiniMaxM2ToolParser
+from appliance.server.parsers.tool_calls.invoke_xml import (
+    DeepSeekV32ToolParser,
+    MiniMaxM2ToolParser,
+    Step3ToolParser,
+)
 from appliance.server.parsers.tool_calls.kimi_k2 import KimiK2ToolParser
 from appliance.server.parsers.tool_calls.llama3_json import Llama3JsonToolParser
 from appliance.server.parsers.tool_calls.mistral import MistralToolParser
@@ -41,6 +45,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "kimik2": KimiK2ToolParser,  # TokenSpeed's spelling
     "minimax_m2": MiniMaxM2ToolParser,
     "minimax-m2": MiniMaxM2ToolParser,  # SGLang's spelling
+    "step3": Step3ToolParser,
     "gpt_oss": HarmonyToolParser,
     "gpt-oss": HarmonyToolParser,  # SGLang's spelling
     "openai": HarmonyToolParser,  # vLLM's name for the gpt-oss (harmony) parser

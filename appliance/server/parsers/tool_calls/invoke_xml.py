@@ -1,4 +1,4 @@
-"""Tool calls as `invoke` elements with one `parameter` element per argument: MiniMax-M2 and DeepSeek-V3.2.
+"""Tool calls as `invoke` elements with one `parameter` element per argument: MiniMax-M2, DeepSeek-V3.2, Step-3.
 
 MiniMax-M2 (minimax_m2):
 
@@ -15,6 +15,11 @@ DeepSeek-V3.2 (deepseek_v32), DSML tags with U+FF5C bars and each parameter sayi
     <｜DSML｜parameter name="city" string="true">Beijing</｜DSML｜parameter>
     </｜DSML｜invoke>
     </｜DSML｜function_calls>
+
+Step-3 (step3) wraps each invoke in DeepSeek-style call markers, `steptml:` tags inside:
+
+    <｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="get_weather">
+    <steptml:parameter name="city">Beijing</steptml:parameter></steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>
 
 A block may hold several invokes. Values are typed by the tool's schema (qwen3_coder.typed_value); a DSML
 parameter with string="false" is read as JSON.
@@ -34,16 +39,19 @@ class InvokeToolParser(ToolParser):
     prefix: ClassVar[str] = ""  # the tag namespace ("" or the DSML marker)
 
     def parse_block(self, block: str, syntax: BlockSyntax) -> BlockParse:
+        return BlockParse(calls=tuple(self._invokes(syntax.body(block))))
+
+    def _invokes(self, body: str) -> list[RawCall]:
         p = re.escape(self.prefix)
         invoke = re.compile(rf'\s*<{p}invoke name="([^"]+)">(.*?)</{p}invoke>', re.DOTALL)
-        body, calls = syntax.body(block), []
+        calls = []
         while body.strip():
             match = invoke.match(body)
             if match is None:
                 raise BlockError(f"expected <{self.prefix}invoke name=...>, got {body.strip()[:40]!r}")
             calls.append(self._call(match.group(1), match.group(2)))
             body = body[match.end():]
-        return BlockParse(calls=tuple(calls))
+        return calls
 
     def _call(self, name: str, body: str) -> RawCall:
         p = re.escape(self.prefix)
@@ -80,3 +88,23 @@ class DeepSeekV32ToolParser(InvokeToolParser):
     name = "deepseek_v32"
     prefix = "｜DSML｜"
     blocks = (BlockSyntax("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"),)
+
+
+_STEP3_CALL = re.compile(r"\s*<｜tool_call_begin｜>\s*function\s*<｜tool_sep｜>(.*?)<｜tool_call_end｜>", re.DOTALL)
+
+
+class Step3ToolParser(InvokeToolParser):
+    name = "step3"
+    prefix = "steptml:"
+    blocks = (BlockSyntax("<｜tool_calls_begin｜>", "<｜tool_calls_end｜>"),)
+    needs_special_tokens = True
+
+    def parse_block(self, block: str, syntax: BlockSyntax) -> BlockParse:
+        body, calls = syntax.body(block), []
+        while body.strip():
+            match = _STEP3_CALL.match(body)
+            if match is None:
+                raise BlockError(f"expected <｜tool_call_begin｜>function<｜tool_sep｜>..., got {body.strip()[:40]!r}")
+            calls.extend(self._invokes(match.group(1)))
+            body = body[match.end():]
+        return BlockParse(calls=tuple(calls))
