@@ -72,20 +72,13 @@ class DeepseekMTPLayer(MoEDecoderLayer):
         return self.shared_head.head.compute_logits(self.shared_head.norm(hidden))
 
 
-class DeepseekV2ForCausalLM(MoECausalLM):
-    version = 2
-    supports_fp8 = True
-    piecewise_graphs = False  # MLA attention is not reached through Attention.attend, where the pieces break
+class MtpDrafter:
+    """Speculative decoding with the model's own MTP layers (`self.mtp`, DeepseekMTPLayer each; executor/
+    speculative.py). The first MTP layer drafts every step of a chain (DeepSeek-V3 / R1 and GLM-4.5 ship one),
+    as SGLang and vLLM do."""
 
-    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
-        self.quant = Fp8BlockConfig.from_hf(hf_config)  # plain attribute: set before nn.Module init is fine
-        super().__init__(hf_config, backend, moe_backend)
-        n_mtp = num_mtp_layers(hf_config) if self.version == 3 else 0
-        first = hf_config.num_hidden_layers
-        self.mtp = nn.ModuleList(self._mtp_layer(first + i, backend) for i in range(n_mtp))
+    mtp: nn.ModuleList
 
-    # ---- multi-token prediction for speculative decoding (executor/speculative.py) -------------------------
-    # The first MTP layer drafts every step of a chain (DeepSeek-V3 / R1 ship one), as SGLang and vLLM do.
     def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
         """Draft rows (token at i + 1, hidden state at i) at positions i; returns the hidden states before the
@@ -96,9 +89,31 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         return self.mtp[0].draft_logits(hidden)
 
     def mtp_attention_layers(self) -> list[nn.Module]:
-        """The drafting MTP layer's latent-cache attention (its cache shares the model's block table); [] when
-        the model has no MTP layer."""
+        """The drafting MTP layer's attention (its cache shares the model's block table); [] when the model has
+        no MTP layer."""
         return [self.mtp[0].self_attn.attn] if len(self.mtp) else []
+
+    def mtp_name(self, name: str, num_layers: int) -> str | None:
+        """A checkpoint's layer num_layers + i is MTP layer i: `mtp.{i}.*`; None for MTP layers this model was
+        built without. Names of the main layers come back unchanged."""
+        m = _LAYER.match(name)
+        if m is None or int(m[1]) < num_layers:
+            return name
+        index = int(m[1]) - num_layers
+        return f"mtp.{index}.{m[2]}" if index < len(self.mtp) else None
+
+
+class DeepseekV2ForCausalLM(MtpDrafter, MoECausalLM):
+    version = 2
+    supports_fp8 = True
+    piecewise_graphs = False  # MLA attention is not reached through Attention.attend, where the pieces break
+
+    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
+        self.quant = Fp8BlockConfig.from_hf(hf_config)  # plain attribute: set before nn.Module init is fine
+        super().__init__(hf_config, backend, moe_backend)
+        n_mtp = num_mtp_layers(hf_config) if self.version == 3 else 0
+        first = hf_config.num_hidden_layers
+        self.mtp = nn.ModuleList(self._mtp_layer(first + i, backend) for i in range(n_mtp))
 
     @property
     def supports_cuda_graphs(self) -> bool:  # type: ignore[override]
@@ -149,16 +164,8 @@ class DeepseekV2ForCausalLM(MoECausalLM):
 
     # ---- loading -----------------------------------------------------------------------------------------
     def rename(self, name: str) -> str | None:
-        m = _LAYER.match(name)
-        if m is None:
-            return name
-        index = int(m[1])
-        first = self.config.num_hidden_layers
-        if index < first:
-            return name
-        if index - first < len(self.mtp):
-            return f"mtp.{index - first}.{m[2]}"
-        return None  # MTP layers of a model built without them (V2, or num_nextn_predict_layers = 0)
+        # MTP layers of a model built without them (V2, or num_nextn_predict_layers = 0) are skipped
+        return self.mtp_name(name, self.config.num_hidden_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

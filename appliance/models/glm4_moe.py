@@ -5,35 +5,50 @@
 - The first `first_k_dense_replace` layers have a dense MLP; the rest route with DeepSeek-V3's router (sigmoid
   scores, e_score_correction_bias for the choice, n_group / topk_group, norm_topk_prob, routed_scaling_factor:
   layers/moe.py select_experts) and add n_shared_experts x moe_intermediate_size shared experts.
-- The checkpoint's multi-token-prediction layer (layer index num_hidden_layers) is skipped at load: this build
-  drafts with DeepSeek's MTP only.
+- The checkpoint's multi-token-prediction layer (layer num_hidden_layers, num_nextn_predict_layers of them) is
+  DeepSeek's MTP layer around a GLM decoder layer; loaded into `mtp`, it drafts for speculative.algorithm = MTP
+  (deepseek.MtpDrafter). A checkpoint without it (transformers drops it on save) leaves `mtp` empty.
 """
 from __future__ import annotations
 
-import re
+from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from appliance.layers.moe import GatedMLP, RouterConfig, SparseMoeBlock
+from appliance.models.deepseek import DeepseekMTPLayer, MtpDrafter, num_mtp_layers
 from appliance.models.llama import LlamaAttention
 from appliance.models.mixtral import MoECausalLM, MoEDecoderLayer
 
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
+class Glm4MoeForCausalLM(MtpDrafter, MoECausalLM):
+    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
+        super().__init__(hf_config, backend, moe_backend)
+        self.mtp = nn.ModuleList(
+            DeepseekMTPLayer(hf_config, self._attention(backend), v3_moe_block(hf_config, backend, self.moe_backend),
+                             backend) for _ in range(num_mtp_layers(hf_config)))
 
-class Glm4MoeForCausalLM(MoECausalLM):
     def rename(self, name: str) -> str | None:
-        m = _LAYER_INDEX.match(name)
-        if m is not None and int(m[1]) >= self.config.num_hidden_layers:
-            return None  # the MTP layer
-        return super().rename(name)
+        ours = self.mtp_name(name, self.config.num_hidden_layers)
+        return None if ours is None else super().rename(ours)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(weights)
+        if len(self.mtp) and not any(n.startswith("mtp.") for n in loaded):
+            self.mtp = nn.ModuleList()  # the checkpoint has no MTP layer: nothing to keep
+        return loaded
+
+    def _attention(self, backend: str) -> LlamaAttention:
+        cfg = self.config
+        return LlamaAttention(cfg, bool(getattr(cfg, "attention_bias", False)),
+                              bool(getattr(cfg, "use_qk_norm", False)), backend, o_bias=False)
 
     def make_layer(self, index: int, backend: str) -> nn.Module:
         cfg = self.config
         act = getattr(cfg, "hidden_act", "silu")
-        attn = LlamaAttention(cfg, bool(getattr(cfg, "attention_bias", False)),
-                              bool(getattr(cfg, "use_qk_norm", False)), backend, o_bias=False)
+        attn = self._attention(backend)
         if index < int(getattr(cfg, "first_k_dense_replace", 0) or 0):
             return MoEDecoderLayer(cfg, attn, GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, backend=backend),
                                    backend)
