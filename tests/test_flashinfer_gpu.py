@@ -24,7 +24,7 @@ def _flashinfer_importable() -> bool:
 
 
 needs_flashinfer = pytest.mark.skipif(not _flashinfer_importable(), reason="needs CUDA and flashinfer")
-# Each (dtype, head_dim) pair is one more JIT-compiled decode and prefill module on a fresh box (~11 s and ~80 s):
+# Each (dtype, head_dim) pair is one more JIT-compiled decode and prefill module on a fresh machine (~11 s and ~80 s):
 # two pairs, the one of Llama-8B (also timed by tools/flashinfer_gpu.sh) and the one of the tiny models below.
 # Head counts are runtime arguments of those modules, so every case loops over several GQA shapes.
 CONFIGS = [pytest.param(torch.bfloat16, 128, id="bf16-d128"), pytest.param(torch.float16, 64, id="fp16-d64")]

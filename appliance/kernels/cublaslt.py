@@ -50,7 +50,7 @@ class LtAlgo:
 
 
 # (N, K) of the weight -> {rows: the algorithm that beat cuBLAS's pick there by >= 3%}; a row count not listed
-# goes to F.linear. From `tools/lab_cublaslt.py --emit` on the H100 (torch 2.11 + CUDA 13, session 13): the decode
+# goes to F.linear. From `tools/lab_cublaslt.py --emit` on an H100 (torch 2.11 + CUDA 13): the decode
 # capture sizes 24..256 of Llama-3.1-8B's linear layers, and of Qwen3-0.6B's where the Triton skinny GEMM does not
 # run. Rows are exact: a decode graph replays at its capture size.
 TUNED: dict[tuple[int, int], dict[int, LtAlgo]] = {  # comments: the confirmed speedup over F.linear
@@ -166,7 +166,7 @@ TUNED: dict[tuple[int, int], dict[int, LtAlgo]] = {  # comments: the confirmed s
 # (N, K) of the weight -> {rows: the larger row count cuBLAS's own pick runs faster at}. At some row counts the
 # library's heuristic picks a kernel far slower than the one it picks a few rows later (Llama-3.1-8B's gate_up: 293
 # us at 448 rows, 162 at 512); a call there runs on zero-padded input and keeps its own rows. From
-# `tools/lab_cublaslt.py --pad 1.3 --emit` on the H100 (session 14): the piecewise graphs' token buckets up to 8,192,
+# `tools/lab_cublaslt.py --pad 1.3 --emit` on an H100: the piecewise graphs' token buckets up to 8,192,
 # timed as padded_linear runs (the padding's copy included), kept where >= 1.05x faster.
 PADDED: dict[tuple[int, int], dict[int, int]] = {  # comments: F.linear at the rows -> padded, us
     (6144, 4096): {320: 384, 832: 960},  # 37.6 -> 34.2, 89.0 -> 74.5

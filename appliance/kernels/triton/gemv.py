@@ -11,11 +11,10 @@ shapes measured so far.
 
 Inside captured decode graphs the kernel is launched with programmatic dependent launch (common.py): its
 programs start while the kernel before (a norm, the attention merge, SiLU-and-mul) still runs and wait for it
-before reading x. Tried and dropped: asking L2 for the first 8 / 24 MB of the weight before that wait (ninth
-run: the batch-1 graph took 5.53 / 5.68 ms against 5.46 without), loading one weight tile before the wait in a
-chain of GEMVs only (fifth run), fusing the RMSNorm, SiLU-and-mul and residual add into these GEMVs (sixth run),
-prefetching the next GEMV's weight from this one's programs, where it competes with this one's stream (seventh
-run).
+before reading x. Tried and dropped: asking L2 for the first 8 / 24 MB of the weight before that wait (the
+batch-1 graph took 5.53 / 5.68 ms against 5.46 without), loading one weight tile before the wait in a
+chain of GEMVs only, fusing the RMSNorm, SiLU-and-mul and residual add into these GEMVs (streamed at half speed),
+prefetching the next GEMV's weight from this one's programs, where it competes with this one's stream.
 """
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def _cfg(bm: int, bn: int, warps: int, stages: int, w_left: bool) -> SkinnyGemmC
 
 
 # (N, K) -> ((up to this many rows, the config), ...), rows ascending; None: cuBLAS. Measured on the H100 in CUDA
-# graphs of 20 [PDL elementwise kernel -> GEMM] pairs (tools/lab_gemm.py, session 10: docs/kernels.md "Skinny
+# graphs of 20 [PDL elementwise kernel -> GEMM] pairs (docs/kernels.md "Skinny
 # GEMM"), at 32 / 64 / 128 / 192 / 256 rows; each bucket reaches halfway to the next measured count. Kept: wins of
 # >= 1.08x. The shapes are Qwen3-0.6B's; Llama-3.1-8B's won at most 1.06x, so they stay on cuBLAS.
 TUNED: dict[tuple[int, int], tuple[tuple[int, SkinnyGemmConfig | None], ...]] = {
