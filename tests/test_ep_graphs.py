@@ -91,6 +91,5 @@ def test_gpu_ep2_captured_graphs_match_eager(tmp_path: Path) -> None:
     assert all(rep["captured"] > 0 for rep in reports)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":  # run as a script: tests/ is sys.path[0]
     _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
