@@ -242,7 +242,10 @@ def _latency_keys(args: argparse.Namespace) -> list[str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from appliance.bench import client
+    try:
+        from appliance.bench import client
+    except ModuleNotFoundError as exc:
+        raise BenchError(f"{exc.name} is missing: pip install 'appliance[bench]'") from exc
     from appliance.bench.report import format_report, throughput_rows, timing_metrics
     from appliance.bench.workloads import length_range, random_text_requests
 

@@ -39,7 +39,7 @@ class GemvConfig:
 
 
 def config_for(n: int, k: int) -> GemvConfig:
-    """Measured on the H100 (tools/kernel_lab.py; docs/kernels.md "GEMV"): 64 output rows per program (one
+    """Measured on an H100 (docs/kernels.md "GEMV"): 64 output rows per program (one
     warpgroup MMA) for the wide and square shapes, 32 rows and deeper K tiles for the tall ones (Llama-8B's down
     projection: 41.9 vs 42.9 us at M = 1)."""
     if INTERPRET:
