@@ -94,7 +94,7 @@ def _sampler(runner: ModelRunner) -> None:
 def _logit_rows(runner: ModelRunner) -> None:
     """The LM head runs eagerly after every step on the rows it samples, padded to a decode graph's capture size
     (ModelRunner.logits): one GEMM per size. (Warming every row count 1..256 instead took the 8B's warm-up from
-    26.5 to 40.3 s: docs/benchmarks.md, twelfth run.)"""
+    26.5 to 40.3 s on an H100.)"""
     if runner.graphs is None:
         return
     sizes = runner.graphs.sizes
