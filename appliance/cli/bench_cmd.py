@@ -123,8 +123,9 @@ def _workload_flags(args: argparse.Namespace, defaults: dict[str, int]) -> dict[
     for name, default in defaults.items():
         given = getattr(args, name)
         if given is not None:
-            if given < 1:
-                raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {given}")
+            least = 0 if name == "num_iters_warmup" else 1
+            if given < least:
+                raise BenchError(f"--{name.replace('_', '-')} must be >= {least}, got {given}")
             out[name] = length_range(given, ratio) if name.endswith("_len") else given
         elif published is not None:
             out[name] = getattr(published, name)
