@@ -67,3 +67,25 @@ def test_a_planted_line_is_found() -> None:
     fine = ["the first run of a process pays its compiles", "a session-scoped pytest fixture",
             "start_new_session=True", "a text box", "issues a warning"]
     assert findings("\n".join(fine), "x") == []
+
+
+_REPO_PATH = re.compile(r"(?<![\w/.])((?:tools|benchmarks|docs|tests|recipes|appliance|schemas)/[\w/.-]*\w"
+                        r"\.(?:py|sh|md|toml))")
+
+
+def test_repository_paths_named_in_the_tree_exist() -> None:
+    """A file the tree points a reader at (a tool, a suite, a doc) exists: deleted scripts leave no references."""
+    missing = []
+    for path in tracked_files():
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            for m in _REPO_PATH.finditer(line):
+                name = m.group(1)
+                if not any(part.isupper() for part in re.split(r"[/.]", name)) and not (ROOT / name).exists():
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {name}")
+    assert not missing, "\n".join(missing)

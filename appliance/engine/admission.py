@@ -51,7 +51,7 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
 CLIP_MAX_NEW_TOKENS = 4096
-FINISH_TIME = True  # lab switch (tools/lab_ab.py, tools/sim_tput.py): the finish-time check after the sum's refusal
+FINISH_TIME = True  # lab switch: the finish-time check after the sum's refusal
 
 
 class OutputReservation:

@@ -38,7 +38,7 @@ SMALL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 # (Llama-8B prefill) pays at most 12.5% padding, and 27 more buckets reach 8,192 tokens. Buckets of 512 cost the 8B's
 # mixed serving steps up to 50% (a 1,030-token step ran as 1,536).
 GROWTH, ALIGN = 1.125, 64
-ENABLED = True  # a lab switch (tools/lab_ab.py --knob appliance.executor.piecewise.ENABLED=True,False)
+ENABLED = True  # a lab switch (False: eager steps run without pieces)
 
 
 @functools.cache

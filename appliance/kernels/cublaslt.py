@@ -27,7 +27,7 @@ from appliance.kernels.capability import capability
 
 log = logging.getLogger(__name__)
 
-ENABLED = True  # lab switch (tools/lab_ab.py --knob appliance.kernels.cublaslt.ENABLED=True,False), read per call
+ENABLED = True  # lab switch, read per call
 COMPUTE_32F, R_32F, R_16BF, OP_N, OP_T = 68, 0, 14, 0, 1  # cublasComputeType_t, cudaDataType_t, cublasOperation_t
 DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE = 3, 4, 1
 # cublasLtMatmulAlgoConfigAttributes_t ids and the byte width of each value

@@ -9,8 +9,8 @@ next layer's norm. The residual stream is one tensor updated in place.
 
 Served: dense Llama-family layers (tp 1; no per-head q/k norm; whole-head neox rotary; no bias on o, gate_up or
 down) whose four projections stream through a bound GEMV kernel, on a backend that has the chain's ops. Anything
-else, or more rows, runs the layers' own forwards. `ENABLED` is a lab switch (tools/lab_ab.py --knob
-appliance.layers.decode_chain.ENABLED=True,False); tools/lab_decode_chain.py times the chain alone.
+else, or more rows, runs the layers' own forwards. `ENABLED` is a lab switch
+(False: the layers' own forwards).
 """
 from __future__ import annotations
 

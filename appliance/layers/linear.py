@@ -26,8 +26,8 @@ Gemv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tenso
 _HALF = (torch.bfloat16, torch.float16)  # fp32 stays on torch: tl.dot would round it through tf32
 
 # Batches of GEMV_MAX_ROWS < M <= SKINNY_ROWS rows go to the bound skinny GEMM op, which runs its Triton kernel
-# where it measured faster than cuBLAS (kernels/triton/skinny_gemm.py TUNED) and cuBLAS elsewhere. A lab switch
-# (tools/lab_ab.py --knob appliance.layers.linear.SKINNY_ROWS=256,0), read at every call so that a switch takes
+# where it measured faster than cuBLAS (kernels/triton/skinny_gemm.py TUNED) and cuBLAS elsewhere. A lab switch,
+# read at every call so that a switch takes
 # effect at the next capture; 0 = never. At most SKINNY_GEMM_MAX_ROWS, the op's contract.
 SKINNY_ROWS = SKINNY_GEMM_MAX_ROWS
 

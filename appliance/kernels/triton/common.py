@@ -20,8 +20,8 @@ LOG2E = 1.4426950408889634  # the attention kernels work in exp2 / log2 units: s
 # dependent kernels per layer, most of them a few microseconds long. Launched with it, a kernel's programs start
 # while the previous kernel runs and wait (gdc_wait) before touching anything an earlier kernel wrote; the small
 # kernels let the next one launch as soon as they start. Eager launches never use it: there it doubled the host
-# time of a Qwen3 prefill forward (30 vs 16 ms) for no device gain. APPLIANCE_PDL=0 turns it off for A/B timing
-# (tools/lab_ab.py, the default knob); docs/kernels.md has the figures.
+# time of a Qwen3 prefill forward (30 vs 16 ms) for no device gain. APPLIANCE_PDL=0 turns it off for A/B timing;
+# docs/kernels.md has the figures.
 PDL = os.environ.get("APPLIANCE_PDL", "1") != "0"
 
 

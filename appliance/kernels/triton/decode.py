@@ -41,7 +41,7 @@ PROGRAMS_PER_SM = 2  # measured: b64 x kv1024 (512 programs) is fastest unsplit
 NUM_WARPS = 4
 NUM_STAGES = 3
 # Splits of one tile (small batches) run _decode_tile_kernel, which reads all but q and the newest cache row before
-# its wait. A lab switch (tools/lab_decode_chain.py --timeline).
+# its wait. A lab switch.
 TILE_SPLITS = True
 
 
