@@ -109,6 +109,22 @@ async def detokenize(ctx: ServerContext, request: Request) -> Response:
     return JSONResponse({"prompt": await ctx.off_loop(ctx.decode_off_loop, req.tokens, False)})
 
 
+async def load(ctx: ServerContext, request: Request) -> Response:
+    """vLLM's server load: the engine requests open now (queued or running)."""
+    return JSONResponse({"server_load": int(getattr(ctx.engine, "num_open", 0))})
+
+
+async def invocations(ctx: ServerContext, request: Request) -> Response:
+    """SageMaker's one inference route: the body's shape picks chat (messages), completions (prompt) or
+    responses (input)."""
+    body = await read_json(request, ctx.config.api.caps.max_body_bytes)
+    routes = (("messages", create_chat_completion), ("prompt", create_completion), ("input", create_response))
+    for key, handler in routes:
+        if isinstance(body, dict) and key in body:
+            return await handler(ctx, request, body)
+    raise ApiError(400, "/invocations needs a chat (messages), completions (prompt) or responses (input) body")
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     message = {404: "Not Found", 405: "Method Not Allowed"}.get(status, "error")
