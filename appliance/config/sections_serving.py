@@ -90,6 +90,8 @@ class ApiSection(Section):
                                         "applies below it. Unset: no ceiling.",
                                         flags=("--thinking-budget", "--max-thinking-budget"), ge=0)
     allowed_hosts: list[str] | None = param(None, "Accepted HTTP Host header values. Unset: any.")
+    responses_store_size: int = param(1024, "Responses kept in memory for /v1/responses' previous_response_id "
+                                      "(the oldest dropped first); 0 turns the store off.", ge=0)
     enable_force_include_usage: bool = param(False, "Send the usage chunk at the end of every stream, as if "
                                              "each request set stream_options.include_usage.",
                                              flags="--enable-force-include-usage")

@@ -20,6 +20,7 @@ from appliance.server.completions import create_completion
 from appliance.server.context import ServerContext
 from appliance.server.engine_client import EngineDead, QueueFull
 from appliance.server.errors import ApiError, internal_error
+from appliance.server.messages import anthropic_error_response, count_tokens, create_message
 from appliance.server.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -27,6 +28,7 @@ from appliance.server.protocol import (
     parse_tokenize,
 )
 from appliance.server.request_body import read_json
+from appliance.server.responses import create_response
 from appliance.server.text import token_text
 
 log = logging.getLogger("appliance.server")
@@ -34,8 +36,10 @@ log = logging.getLogger("appliance.server")
 Handler = Callable[[ServerContext, Request], Awaitable[Response]]
 
 
-def _guarded(ctx: ServerContext, fn: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """Every failure becomes an OpenAI-shaped error response; nothing internal leaks into the body."""
+def _guarded(ctx: ServerContext, fn: Handler, shape: Callable[[ApiError], Response] = ApiError.response
+             ) -> Callable[[Request], Awaitable[Response]]:
+    """Every failure becomes an error response, OpenAI's shape unless `shape` says otherwise (Anthropic's on
+    /v1/messages); nothing internal leaks into the body."""
 
     @functools.wraps(fn)
     async def endpoint(request: Request) -> Response:
@@ -50,7 +54,7 @@ def _guarded(ctx: ServerContext, fn: Handler) -> Callable[[Request], Awaitable[R
         except Exception as exc:  # noqa: BLE001 - a bug: log it, answer a generic 500
             err = internal_error(exc)
         ctx.http_error(err.status)
-        return err.response()
+        return shape(err)
 
     return endpoint
 
@@ -156,6 +160,11 @@ def build_app(ctx: ServerContext) -> Starlette:
         Route("/v1/models", _guarded(ctx, list_models), methods=["GET"]),
         Route("/v1/completions", _guarded(ctx, create_completion), methods=["POST"]),
         Route("/v1/chat/completions", _guarded(ctx, create_chat_completion), methods=["POST"]),
+        Route("/v1/responses", _guarded(ctx, create_response), methods=["POST"]),
+        Route("/v1/messages", _guarded(ctx, create_message, anthropic_error_response), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _guarded(ctx, count_tokens, anthropic_error_response), methods=["POST"]),
+        Route("/invocations", _guarded(ctx, invocations), methods=["POST"]),
+        Route("/load", _guarded(ctx, load), methods=["GET"]),
         Route("/tokenize", _guarded(ctx, tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(ctx, detokenize), methods=["POST"]),
         Route("/health", _guarded(ctx, health), methods=["GET"]),
