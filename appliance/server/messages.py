@@ -230,8 +230,8 @@ async def _collect(run: MessageRun) -> dict[str, Any]:
     got = await collect_choices(with_deadline(run.prepared.gen.stream(), run.ctx.request_timeout))
     proc = run.prepared.processors[0]
     finish, stop = got.reasons(0)
-    finish = proc.finish_reason(finish)
     blocks = blocks_of_message(proc.final(got.text(0)))
+    finish = proc.finish_reason(finish)  # after `final`: "tool_calls" once the parser found calls
     body = run.message([content_block(b) for b in blocks], *stop_reason(finish, stop))
     run.record(finish, got.text(0), body)
     return body
