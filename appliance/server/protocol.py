@@ -85,7 +85,7 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
-    logprobs: int | None = Field(None, ge=-1)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
     response_format: dict[str, Any] | None = None  # read from the raw body (server/constraints.py)
