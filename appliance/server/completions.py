@@ -31,7 +31,7 @@ from appliance.server.protocol import CompletionRequest, parse_body
 from appliance.server.sampling import build_sampling, truncate_prompt
 from appliance.server.shaping import AnswerShaper, StreamTail, finite, prompt_logprobs_field
 from appliance.server.sse import SSEResponse, run_until_disconnect
-from appliance.server.text import token_text
+from appliance.server.text import token_text, tokenizer_free
 
 
 def prompt_token_lists(ctx: ServerContext, prompt: Any) -> list[list[int]]:
@@ -63,6 +63,9 @@ async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exc
     req: CompletionRequest = parse_body(CompletionRequest, body)
     ctx.admit(req.model, req.n, num_prompts(req.prompt) * req.n)  # before any tokenization work
     spec = output_spec(body)
+    if tokenizer_free(ctx.tokenizer) and (spec is not None or req.stop):
+        raise bad_request("stop strings and output constraints need a tokenizer; this server runs without one "
+                          "(model.skip_tokenizer_init): use stop_token_ids", "stop" if req.stop else None)
     prompts = [truncate_prompt(ids, req, ctx.limits) for ids in await ctx.off_loop(prompt_token_lists, ctx, req.prompt)]
     rid = new_request_id("cmpl")
     gens = []
@@ -91,6 +94,7 @@ class _Shaper(AnswerShaper):
         super().__init__(ctx, rid, exchange, req.stream_options)
         self.req, self.gens = req, gens
         self.prompt_only = req.echo and req.max_tokens == 0
+        self.return_token_ids = req.return_token_ids or tokenizer_free(ctx.tokenizer)  # ids are the only output
         self.offsets: dict[int, int] = {}  # text_offset per choice
 
     def _stream(self) -> AsyncIterator[ChoiceDelta]:
@@ -164,7 +168,7 @@ class _Shaper(AnswerShaper):
         if self.req.prompt_logprobs is not None and first:
             choice["prompt_logprobs"] = prompt_logprobs_field(self.ctx.tokenizer, g.prompt_logprobs,
                                                               g.params.prompt_logprobs or 0)
-        if self.req.return_token_ids:
+        if self.return_token_ids:
             if first:
                 choice["prompt_token_ids"] = g.prompt_token_ids
             choice["token_ids"] = token_ids if token_ids is not None else self.token_ids.get(index, [])
