@@ -20,7 +20,11 @@ from appliance.server.completions import create_completion
 from appliance.server.context import ServerContext
 from appliance.server.engine_client import EngineDead, QueueFull
 from appliance.server.errors import ApiError, internal_error
-from appliance.server.messages import anthropic_error_response, count_tokens, create_message
+from appliance.server.messages import (
+    anthropic_error_response,
+    count_tokens,
+    create_message,
+)
 from appliance.server.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,

@@ -37,7 +37,12 @@ from appliance.server.generation import (
 )
 from appliance.server.protocol import ChatCompletionRequest, parse_body
 from appliance.server.sampling import build_sampling, truncate_prompt
-from appliance.server.shaping import AnswerShaper, StreamTail, finite, prompt_logprobs_field
+from appliance.server.shaping import (
+    AnswerShaper,
+    StreamTail,
+    finite,
+    prompt_logprobs_field,
+)
 from appliance.server.sse import SSEResponse, run_until_disconnect
 
 log = logging.getLogger("appliance.server")

@@ -24,7 +24,12 @@ from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError, bad_request
 from appliance.server.exchange import Exchange, run_exchange
 from appliance.server.generation import collect_choices, with_deadline
-from appliance.server.protocol import ChatCompletionRequest, TokenizeChatRequest, _Body, parse_body
+from appliance.server.protocol import (
+    ChatCompletionRequest,
+    RequestBody,
+    TokenizeChatRequest,
+    parse_body,
+)
 from appliance.server.request_body import read_json
 from appliance.server.sse import run_until_disconnect
 
@@ -43,12 +48,12 @@ def anthropic_error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(anthropic_error_body(err), status_code=err.status, headers=err.headers)
 
 
-class ThinkingConfig(_Body):
+class ThinkingConfig(RequestBody):
     type: str  # "enabled" | "disabled"
     budget_tokens: int | None = Field(None, ge=0)
 
 
-class MessagesRequest(_Body):
+class MessagesRequest(RequestBody):
     model: str | None = None
     max_tokens: int = Field(ge=1)
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -64,7 +69,7 @@ class MessagesRequest(_Body):
     metadata: dict[str, Any] | None = None
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(RequestBody):
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None

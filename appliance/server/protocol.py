@@ -16,18 +16,18 @@ TokenIds = list[int]
 log = logging.getLogger("appliance.server")
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     # extra="ignore": clients send fields we do not model; parse_body logs each such name once (WARNING), the
     # ones that would change generation are declared below and refused when unsupported.
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(RequestBody):
     model: str | None = None
     n: int = Field(1, ge=1)
     best_of: int | None = Field(None, ge=1)
@@ -141,14 +141,14 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeCompletionRequest(_Body):
+class TokenizeCompletionRequest(RequestBody):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Body):
+class TokenizeChatRequest(RequestBody):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -159,7 +159,7 @@ class TokenizeChatRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

@@ -28,11 +28,11 @@ from appliance.server.context import ServerContext
 from appliance.server.errors import ApiError, bad_request
 from appliance.server.exchange import Exchange, run_exchange
 from appliance.server.generation import collect_choices, with_deadline
-from appliance.server.protocol import ChatCompletionRequest, _Body, parse_body
+from appliance.server.protocol import ChatCompletionRequest, RequestBody, parse_body
 from appliance.server.sse import run_until_disconnect
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

@@ -24,7 +24,7 @@ LOGPROB_FLOOR = -9999.0
 def finite(logprob: float | None) -> float | None:
     if logprob is None:
         return None
-    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN never comes from log_softmax
+    return max(LOGPROB_FLOOR, logprob)  # NaN never comes from log_softmax
 
 
 def prompt_logprobs_field(tokenizer: Any, entries: list[list[tuple[int, float]] | None] | None,
