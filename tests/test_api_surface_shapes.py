@@ -127,3 +127,19 @@ def test_anthropic_blocks_become_chat_messages() -> None:
         {"role": "tool", "tool_call_id": "t1", "content": "r"}, {"role": "user", "content": "next"}]
     assert (body["tool_choice"], body["parallel_tool_calls"]) == ("required", False)
     assert body["thinking"] == {"budget_tokens": 9} and body["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+def test_force_include_usage(tokenizer: Any) -> None:
+    with _served(tokenizer, FakeEngine([5, 6]), make_config(enable_force_include_usage=True)) as base:
+        o = openai.OpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0)
+        chunks = list(o.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=3, stream=True))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_unbounded_max_logprobs_is_refused_at_start_up() -> None:
+    from appliance.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="max_logprobs"):
+        build_config(dotlist=["api.caps.max_logprobs=-1"])
