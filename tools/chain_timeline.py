@@ -65,7 +65,7 @@ TIMED = ("gap", "span", "stream_med", "imbalance", "epilogue")
 def timeline(chain: Chain, m: int, reps: int, rounds: int) -> None:
     """Where each GEMV's time goes, for the chain as registered and for variants of it (one line each: per op
     the medians over layers 1..n-2 of TIMED, and the layer's median total), alternating `rounds` times; then one
-    middle layer in full. The variants: one-tile decode splits run by the general kernel (decode.TILE_SPLITS); the
+    middle layer in full. The variants: the
     attention without its merge (wrong results: timing only); no attention."""
     from contextlib import ExitStack
     from unittest import mock
@@ -78,7 +78,6 @@ def timeline(chain: Chain, m: int, reps: int, rounds: int) -> None:
 
     variants: dict[str, list[Any]] = {
         "chain": [],
-        "attention: splits of one tile in the loop kernel": [mock.patch.object(decode, "TILE_SPLITS", False)],
         "attention without merge": [mock.patch.object(decode, "_merge_kernel", _Skip())],
         "no attention": [mock.patch.object(chain, "attend", lambda q, i, backend: q.view(q.shape[0], -1))],
     }

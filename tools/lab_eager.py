@@ -64,7 +64,8 @@ def forward_ab(llm: Any, smoke: bool) -> None:
     import torch
 
     from appliance.engine.sampling_params import SamplingParams as Params
-    from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+    from appliance.executor.input_batch import Chunk, build_inputs
+    from appliance.executor.request_table import RequestState
     from appliance.kernels.triton import common
 
     runner = llm.executor.runner
@@ -94,9 +95,10 @@ def forward_ab(llm: Any, smoke: bool) -> None:
             torch.cuda.synchronize()
         return host * 1e3, (time.perf_counter() - t) * 1e3
 
+    real_pdl_on = common.pdl_on
     with torch.inference_mode():
         for pdl in (True, False, True, False):
-            common.PDL = pdl
+            common.pdl_on = real_pdl_on if pdl else (lambda t: False)
             for name, make in cases.items():
                 same = [once(make(0)) for _ in range(4)][1:]
                 new = [once(make(1 + i)) for i in range(3)]
@@ -110,7 +112,7 @@ def forward_ab(llm: Any, smoke: bool) -> None:
         from appliance.kernels.triton.norm import rms_norm
 
         for pdl in (True, False):
-            common.PDL = pdl
+            common.pdl_on = real_pdl_on if pdl else (lambda t: False)
             for label, fn in (("triton_rms_norm", lambda: rms_norm(x, w, 1e-6)),
                               ("torch_linear", lambda: torch.nn.functional.linear(x, lin))):
                 if smoke and label.startswith("triton"):
@@ -125,7 +127,7 @@ def forward_ab(llm: Any, smoke: bool) -> None:
                 if cuda:
                     torch.cuda.synchronize()
                 print(json.dumps({"pdl": pdl, "launch": label, "host_us": round(host, 2)}), flush=True)
-    common.PDL = True
+    common.pdl_on = real_pdl_on
 
 
 def main() -> int:

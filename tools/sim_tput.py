@@ -155,7 +155,7 @@ def apply_what_if(spec: str) -> None:
     for item in spec.split("+"):
         name, _, arg = item.partition(":")
         if name == "sum-only":
-            admission.FINISH_TIME = False
+            admission.OutputReservation.fits_by_finish_time = lambda *args, **kwargs: False  # the sum alone
         elif name == "ramp":
             ramp_admission(float(arg))
         elif name == "reserve":
