@@ -171,8 +171,9 @@ class _Shaper(AnswerShaper):
                                   "finish_reason": finish, "stop_reason": stop_reason}
         g = self._gen(index)
         if self.req.prompt_logprobs is not None and first:
-            choice["prompt_logprobs"] = prompt_logprobs_field(self.ctx.tokenizer, g.prompt_logprobs,
-                                                              g.params.prompt_logprobs or 0)
+            asked = self.req.prompt_logprobs  # the engine may score more (echo's logprobs k): show what was asked
+            k = g.params.prompt_logprobs if asked == -1 else asked
+            choice["prompt_logprobs"] = prompt_logprobs_field(self.ctx.tokenizer, g.prompt_logprobs, k or 0)
         if self.return_token_ids:
             if first:
                 choice["prompt_token_ids"] = g.prompt_token_ids
