@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Tensor parallelism on 2 GPUs: tp=2 vs tp=1 greedy tokens, batch-1 decode time and 1024/1024 throughput with the
 one-shot CUDA-IPC all-reduce on and off (parallelism.disable_custom_all_reduce), and the all-reduce alone.
 
-    python tools/bench_tp.py --output-json bench_tp.json           # 2 GPUs: Llama-3.1-8B shape, dummy bf16
-    python tools/bench_tp.py --smoke --output-json /tmp/smoke.json  # CPU: tiny shape, gloo, tp=2
+    python -m benchmarks.tp --output-json tp.json                  # 2 GPUs: Llama-3.1-8B shape, dummy bf16
+    python -m benchmarks.tp --smoke --output-json /tmp/smoke.json  # CPU: tiny shape, gloo, tp=2
 
 Every engine runs in a child process of its own (so each starts with empty GPUs; tp=1 uses GPU 0); the child's
 log is scanned for the line each worker prints at start-up ("tensor-parallel all-reduce: ..."), so the table says
@@ -24,22 +23,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from appliance.bench.presets import SHAPES
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _child_env() -> dict[str, str]:
-    """The children import appliance from this checkout and keep any PYTHONPATH the caller set (the GPU box
-    carries pydantic & co. there)."""
+    """The children import appliance from this checkout and keep any PYTHONPATH the caller set (a GPU host
+    may carry pydantic & co. there)."""
     extra = os.environ.get("PYTHONPATH", "")
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([extra] if extra else []))}
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu", "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
-}
+
+
+LLAMA_8B = SHAPES["llama-3.1-8b"]
 TINY = {**LLAMA_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 4096, "rope_scaling": None}
 AR_LINE = "tensor-parallel all-reduce:"
@@ -387,5 +383,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

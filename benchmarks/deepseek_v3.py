@@ -1,24 +1,24 @@
-"""Issue 12 in one command: recipes/deepseek-v3.toml served by `appliance run` on the DeepSeek-V3 shape with dummy
+"""recipes/deepseek-v3.toml served by `appliance run` on the DeepSeek-V3 shape with dummy
 block-fp8 weights, MTP off and on: start-up time, memory per GPU, batch-1 ITL / TPOT / TTFT, output tok/s at
 1024 in / 1024 out with 256 concurrent requests, and MTP's acceptance counters. Prints one table, writes JSON.
 
-    python3 tools/bench_v3.py                      # the real thing: 8 GPUs, the recipe as shipped (tp 8, ep)
-    python3 tools/bench_v3.py --layers 4 --tp 2    # reduced: 4 layers (3 dense + 1 MoE) on 2 GPUs
-    python3 tools/bench_v3.py --smoke              # CPU: tiny dims, tp 2 over gloo, short lengths
+    python -m benchmarks.deepseek_v3                      # the real thing: 8 GPUs, the recipe as shipped (tp 8, ep)
+    python -m benchmarks.deepseek_v3 --layers 4 --tp 2    # reduced: 4 layers (3 dense + 1 MoE) on 2 GPUs
+    python -m benchmarks.deepseek_v3 --smoke              # CPU: tiny dims, tp 2 over gloo, short lengths
 
 Per mode the bench writes a model dir (config.json of the V3 shape: transformers' DeepseekV3Config defaults with
 num_nextn_predict_layers=1, the checkpoint's YaRN rope and fp8 quantization_config (e4m3, 128x128 weight blocks),
 num_hidden_layers from --layers; a generation_config; a word-level tokenizer with exactly vocab_size ids, written
-by tools/gpu_sections_serving.py), starts `appliance run recipes/deepseek-v3.toml --set model.path=DIR --set
+by appliance/bench/presets.py), starts `appliance run recipes/deepseek-v3.toml --set model.path=DIR --set
 model.load_format=dummy ...` in its own session, times launch -> /health 200, reads memory per GPU (nvidia-smi;
-on the CPU the RSS of the worker processes), runs tools/bench_serving.py (a short warm-up, batch-1, then the
+on the CPU the RSS of the worker processes), runs `appliance bench serve` (a short warm-up, batch-1, then the
 throughput level; ignore_eos, greedy), reads the spec counters of GET /v1/internal/stats (deltas over the measured
 levels) and stops the server (SIGTERM, then SIGKILL of anything left in its session; also on a time-out, SIGTERM
 or Ctrl-C). MTP off = `--set speculative.algorithm=null` plus the other speculative keys back at their defaults
 (config/checks.py refuses speculative settings without an algorithm).
 
 Settings changed from the recipe, all visible in the JSON's `command`: model.path / load_format (dummy weights),
-api.host / port, api.served_model_name = "bench" (what tools/gpu_sections_serving.run_level asks for), and with
+api.host / port, api.served_model_name = "bench" (what benchmarks/server.run_level asks for), and with
 --tp the tp; --smoke also sets model.device=cpu, a short max_model_len and a small KV pool; --set adds more.
 
 Dummy weights make the MTP layer's drafts random, so acceptance is ~0: "MTP on" measures the overhead of drafting
@@ -38,21 +38,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-TOOLS = Path(__file__).resolve().parent
-ROOT = TOOLS.parent
-sys.path.insert(0, str(TOOLS))
-
-from gpu_sections_serving import (
-    _stop,
-    _wait_healthy,
-    run_level,
-    term_with_parent,
-    write_word_tokenizer,
-)
-
+from appliance.bench.presets import write_word_tokenizer
 from appliance.runtime.process import session_members, stage_children
 from appliance.runtime.topology import free_port
+from benchmarks.server import run_level, stop, term_with_parent, wait_healthy
 
+ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "deepseek-v3.toml"
 V3_LAYERS = 61
 FP8_V3 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -175,7 +166,7 @@ def acceptance(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
 
 def stop_server(proc: subprocess.Popen, stages: list[int]) -> dict[str, Any]:
     """The serving section's stop (SIGTERM, 30 s, SIGKILL, stages checked), then anything else in the session."""
-    info = _stop(proc, stages)
+    info = stop(proc, stages)
     left = session_members(proc.pid)
     for pid in left:
         try:
@@ -227,7 +218,7 @@ def run_mode(rec: dict[str, Any], args: argparse.Namespace, model_dir: Path, wor
     stages: list[int] = []
     try:
         base = f"http://127.0.0.1:{port}"
-        rec["start_s"] = _wait_healthy(proc, base, args.start_timeout)
+        rec["start_s"] = wait_healthy(proc, base, args.start_timeout)
         stages = list(stage_children(proc.pid))
         rec["memory"] = memory(proc.pid, args.smoke, args.tp or 8)  # 8: the recipe's tp
         # the first requests' one-off costs stay out of the batch-1 figures
@@ -315,8 +306,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra recipe override for both modes (repeatable; wins over the bench's own)")
     p.add_argument("--start-timeout", type=float, default=None, help="s to /health 200 (default 1800; smoke 240)")
-    p.add_argument("--bench-timeout", type=float, default=3600.0, help="s per bench_serving level")
-    p.add_argument("--output-json", default="bench_v3.json")
+    p.add_argument("--bench-timeout", type=float, default=3600.0, help="s per `appliance bench serve` level")
+    p.add_argument("--output-json", default="deepseek_v3.json")
     args = p.parse_args(argv)
     for key, (real, smoke) in DEFAULTS.items():
         if getattr(args, key) is None:
@@ -352,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output_json)
     result: dict[str, Any] = {"recipe": str(RECIPE), "smoke": args.smoke, "layers": args.layers,
                               "tp": args.tp or "recipe", "workload": asdict(wl), "modes": []}
-    with tempfile.TemporaryDirectory(prefix="bench_v3_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="deepseek_v3_") as tmp:
         work = out.resolve().parent / (out.stem + "_logs")
         work.mkdir(parents=True, exist_ok=True)
         model_dir = write_model_dir(Path(tmp) / "DeepSeek-V3", args.layers, args.smoke)

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The flashinfer backend on the GPU box, in one command (< 8 minutes on a fresh H100; most of it is flashinfer's
+# The flashinfer backend on a GPU host, in one command (< 8 minutes on a fresh H100; most of it is flashinfer's
 # JIT compile: ~80 s per prefill module, two of them):
 #   1. decode attention timed, flashinfer against our Triton kernel, on Llama-8B heads (32 q / 8 kv heads,
 #      head_dim 128, bf16, page 16) at batch 1 x 1024 and batch 64 x 1024 tokens: us per call, plus the host
 #      cost of flashinfer's per-step plan (first: it compiles only the decode module, ~15 s);
 #   2. the GPU tests, tests/test_flashinfer_gpu.py (every flashinfer op against the torch reference, tiny
 #      Llama / Qwen3 greedy against the triton backend); they compile the rest (2 x ~80 s of FA3 prefill).
-# Prepare here: WITH_FLASHINFER=1 tools/device_wheels.sh, then run on the box (carry .whl): tools/flashinfer_gpu.sh
+# Prepare: WITH_FLASHINFER=1 bash tools/device_wheels.sh, copy .whl/ with the checkout, then on the GPU host:
+#   bash benchmarks/flashinfer.sh
 #   TIMING_TIMEOUT_S=90 TESTS_TIMEOUT_S=360 (defaults) bound the two parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-py="${PYTHON:-python3}"  # the GPU box has python3 only
+py="${PYTHON:-python3}"
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer_ws}"  # JIT cache: writable, local
 export TVM_FFI_CACHE_DIR="${TVM_FFI_CACHE_DIR:-/tmp/tvm_ffi_cache}"
 mkdir -p "$FLASHINFER_WORKSPACE_BASE" "$TVM_FFI_CACHE_DIR"
@@ -19,16 +20,16 @@ if ! "$py" -c "import flashinfer, pydantic" 2>/dev/null; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     echo "== installing .whl/ into /tmp/site" >&2
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      || { echo "flashinfer_gpu: installing .whl/ failed" >&2; exit 1; }
+      || { echo "benchmarks/flashinfer.sh: installing .whl/ failed" >&2; exit 1; }
     export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   fi
 fi
 export PYTHONPATH="${PYTHONPATH:-$PWD}"
 if ! "$py" -c "import flashinfer; print('flashinfer', flashinfer.__version__)"; then
-  echo "flashinfer_gpu: flashinfer does not import: run WITH_FLASHINFER=1 tools/device_wheels.sh here and carry .whl" >&2
+  echo "benchmarks/flashinfer.sh: flashinfer does not import: run WITH_FLASHINFER=1 tools/device_wheels.sh and copy .whl/ here" >&2
   exit 1
 fi
-"$py" -m pytest --version >/dev/null 2>&1 || { echo "flashinfer_gpu: pytest is missing on this box" >&2; exit 1; }
+"$py" -m pytest --version >/dev/null 2>&1 || { echo "benchmarks/flashinfer.sh: pytest is missing on this host" >&2; exit 1; }
 
 status=0
 echo "== decode timing: flashinfer vs triton, Llama-8B heads" >&2

@@ -1,13 +1,12 @@
-#!/usr/bin/env python3
-"""One command for the H100: check every triton kernel against its torch reference, then time them.
+"""One command for a GPU: check every triton kernel against its torch reference, then time them.
 
-    python3 tools/gpu_suite.py [--quick] [--sweep] [--json PATH]
+    python -m benchmarks.kernels [--quick] [--sweep] [--json PATH]
 
 Correctness runs appliance.kernels.triton.selfcheck.realistic_cases (bf16 and fp16, Llama-3.1-8B heads). Timing
 uses triton.testing (median of the repeats, CUDA events) on random inputs: "us" is per call replayed from a CUDA
 graph (GPU time, as the model runner's graphs see it), "eager_us" per plain launch (includes Python launch cost);
 achieved GB/s counts the least bytes each kernel must move (selfcheck.Inputs.nbytes). --sweep also times decode
-split-K factors and prefill tile / warp / stage settings. JSON goes to --json, or $OUT/gpu_suite.json when OUT is set.
+split-K factors and prefill tile / warp / stage settings. JSON goes to --json, or $OUT/kernels.json when OUT is set.
 Needs only torch and triton: the appliance's server dependencies are not imported.
 """
 from __future__ import annotations
@@ -21,8 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
@@ -32,7 +29,7 @@ from appliance.kernels.registry import get
 from appliance.kernels.triton import decode, prefill
 from appliance.kernels.triton import selfcheck as sc
 
-# Published on this box (docs/../shared/notes/gpu-box.md), flashinfer 0.6.14, median of 50.
+# flashinfer 0.6.14 on an H100 80GB HBM3, median of 50 (docs/kernels.md).
 FLASHINFER_US = {"decode b64 kv1024": 144.7, "prefill 8x512 over 512": 167.2, "rms_norm 256x4096": 17.1,
                  "sample 256x128256 k50 p0.9": 224.6}
 BF = torch.bfloat16
@@ -198,7 +195,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_suite: no CUDA GPU", file=sys.stderr)
+        print("benchmarks.kernels: no CUDA GPU", file=sys.stderr)
         return 2
     props = torch.cuda.get_device_properties(0)
     info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
@@ -215,7 +212,7 @@ def main() -> int:
         result["sweep"] = sweep()
         print(f"sweep took {time.time() - t0:.0f} s", flush=True)
     result["timings"] = timings(args.quick)
-    path = args.json or (os.path.join(os.environ["OUT"], "gpu_suite.json") if os.environ.get("OUT") else None)
+    path = args.json or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else None)
     if path:
         Path(path).write_text(json.dumps(result, indent=1))
     print_table(result["timings"])
