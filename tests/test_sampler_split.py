@@ -158,13 +158,13 @@ def test_kernels_compile_for_hopper() -> None:
         pytest.skip("this process imported the kernels under TRITON_INTERPRET")
     common = {"logits_ptr": "*bf16", "stride": "i32", "vocab": "i32", "temp_ptr": "*fp32", "topk_ptr": "*i32",
               "topp_ptr": "*fp32", "minp_ptr": "*fp32", "seed_ptr": "*i64", "step_ptr": "*i64"}
-    chunk_sig = {**common, "chunk_len": "i32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "BLOCK": "constexpr"}
+    chunk_sig = {**common, "chunk_len": "i32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "BLOCK_V": "constexpr"}
     chunk_sig = {k: chunk_sig[k] for k in S._chunk_kernel.arg_names}
-    builds = [(S._chunk_kernel, chunk_sig, {"BLOCK": S.CHUNK_BLOCK}, 4)]
+    builds = [(S._chunk_kernel, chunk_sig, {"BLOCK_V": S.CHUNK_BLOCK}, 4)]
     row_sig = {**common, "out_ptr": "*i64", "scratch_ptr": "*fp32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",
-               "chunks": "i32", "BLOCK": "constexpr", "CAP": "constexpr", "CBLOCK": "constexpr"}
+               "chunks": "i32", "BLOCK_V": "constexpr", "CAP": "constexpr", "BLOCK_CHUNKS": "constexpr"}
     row_sig = {k: row_sig[k] for k in S._sample_kernel.arg_names}
-    consts = {"BLOCK": S.BLOCK, "CAP": S.CAP, "CBLOCK": S.MAX_CHUNKS}
+    consts = {"BLOCK_V": S.BLOCK_V, "CAP": S.CAP, "BLOCK_CHUNKS": S.MAX_CHUNKS}
     for ones in ((), ("chunks",)):
         builds.append((S._sample_kernel, {**row_sig, **{k: "constexpr" for k in ones}},
                        {**consts, **{k: 1 for k in ones}}, 8))

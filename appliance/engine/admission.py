@@ -51,7 +51,6 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
 CLIP_MAX_NEW_TOKENS = 4096
-FINISH_TIME = True  # lab switch: the finish-time check after the sum's refusal
 
 
 class OutputReservation:
@@ -141,8 +140,7 @@ class OutputReservation:
             return True
         if self.reserved_tokens(req, extra_tokens) <= spare_blocks * self.block_size:
             return True
-        return FINISH_TIME and req.sampling_params.ignore_eos and self.fits_by_finish_time(req, spare_blocks,
-                                                                                           extra_tokens, hit)
+        return req.sampling_params.ignore_eos and self.fits_by_finish_time(req, spare_blocks, extra_tokens, hit)
 
     def fits_by_finish_time(self, req: Request, spare_blocks: int, extra_tokens: int = 0,
                             hit: Sequence[int] = ()) -> bool:

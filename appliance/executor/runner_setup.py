@@ -46,6 +46,21 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return "torch"
 
 
+def bind_decode_kernels(model: torch.nn.Module, backend: str, decode_chain: bool) -> None:
+    """Decode-sized batches stream weights through `backend`'s GEMV (layers/linear.py use_gemv_kernel) and, where
+    backends.decode_chain is on and every layer is served, through the fused decode chain (layers/decode_chain.py);
+    off, the model keeps no chain. The model runner calls it on CUDA devices."""
+    from appliance.layers.linear import use_gemv_kernel
+
+    use_gemv_kernel(model, backend)
+    inner = getattr(model, "model", None)
+    if hasattr(inner, "use_decode_chain"):
+        if decode_chain:
+            inner.use_decode_chain(backend)
+        else:
+            inner.chain = None
+
+
 def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
     window = getattr(hf_config, "sliding_window", None)

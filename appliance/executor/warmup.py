@@ -25,7 +25,8 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, ScheduledRequest, StepPlan
-from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+from appliance.executor.input_batch import Chunk
+from appliance.executor.request_table import RequestState
 
 if TYPE_CHECKING:
     from appliance.executor.model_runner import ModelRunner
@@ -65,14 +66,11 @@ def warm_up(runner: ModelRunner, graph_context: int = 2048) -> float:
 
 def _prefills(runner: ModelRunner) -> None:
     """Two tokens per sequence, all in block 0 (no request holds it yet), for 1, 2, 4, ... sequences."""
-    sched = runner.config.scheduler
-    budget = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens
-    most = max(1, min(sched.max_num_seqs, budget // 2))
+    most = max(1, min(runner.config.scheduler.max_num_seqs, runner.step_tokens.budget // 2))
     n = 1
     while True:
         states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams()) for i in range(n)]
-        inputs = build_inputs([Chunk(st, 0, 2, False) for st in states], runner.block_size, runner.device, 1,
-                              runner._stager, runner._pad_prefills)
+        inputs = runner.host_inputs([Chunk(st, 0, 2, False) for st in states])
         runner.model(inputs.input_ids, inputs.positions, inputs.meta)
         if n >= most:
             break
@@ -111,7 +109,6 @@ def _steps(runner: ModelRunner) -> None:
     back. Skipped when a request cannot hold STEP_TOKENS tokens (max_model_len)."""
     if runner.max_model_len < STEP_TOKENS:
         return
-    seeds = runner._noise_seeds.getstate()
     greedy = SamplingParams(temperature=0.0).to_dict()
     rand = SamplingParams(temperature=1.0).to_dict() if runner.batch_sampler.gpu_op is not None else greedy
     capacity = runner.block_table.num_free
@@ -125,12 +122,12 @@ def _steps(runner: ModelRunner) -> None:
     if len(new) > k:
         plans.append(StepPlan(2, new[k:], [ScheduledRequest(r, 1, [], True) for r in ids[:k]]
                               + [ScheduledRequest(ids[k], 2, [], True)]))
-    try:
-        handles = [runner.launch(plan) for plan in plans]
-        for handle in handles:
-            runner.finish(handle)
-    finally:
-        runner.flush()
-        for rid in ids:
-            runner.requests.pop(rid, None)
-        runner._noise_seeds.setstate(seeds)
+    with runner.noise_seeds_kept():
+        try:
+            handles = [runner.launch(plan) for plan in plans]
+            for handle in handles:
+                runner.finish(handle)
+        finally:
+            runner.flush()
+            for rid in ids:
+                runner.requests.pop(rid, None)
