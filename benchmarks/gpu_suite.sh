@@ -25,7 +25,9 @@
 #      wheels) copied into .peer/ of the checkout (ignored by git);
 #   3. copy the checkout with .whl/ and .peer/ to the GPU machine and run this script from its root, e.g.
 #      `OUT=/tmp/out bash benchmarks/gpu_suite.sh b1 qwen peer-small`, `... tput8b`, `... peer-8b`,
-#      `... serve peer-serve`.
+#      `... serve peer-serve`. The installs land in /tmp/site (ours) and /tmp/vllm-site (the peer's) and later
+#      commands on the same machine reuse them, so where a transfer is limited (the tree ~27 MB, .whl/ ~8 MB,
+#      .peer/ ~39 MB) the first command can bring .whl/ and a later one .peer/.
 # Limits per command: PART_TIMEOUT_S (default 560) bounds each part. The serve parts take SERVE_MODEL (a model dir
 # with a tokenizer; default: the 8B shape written by appliance.bench.presets), SERVE_ARGS (default: --load-format
 # dummy --dtype bfloat16), SERVE_LEVELS (concurrency:prompts, default "1:8 16:64 64:192") and SERVE_LENS (in:out,
@@ -44,6 +46,9 @@ levels="${SERVE_LEVELS:-1:8 16:64 64:192}"
 lens="${SERVE_LENS:-1024:256}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
+if ! "$py" -c "import pydantic, zmq, starlette" 2>/dev/null && [[ -d /tmp/site ]]; then
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # installed by an earlier command on this machine
+fi
 if ! "$py" -c "import pydantic, zmq, starlette" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   echo "== installing .whl/ into /tmp/site" >&2
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
