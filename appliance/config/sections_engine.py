@@ -23,15 +23,28 @@ class Section(BaseModel):
 
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
-KvCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
+KvCacheDtype = Literal[
+    "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "mxfp8", "nvfp4"
+]
+# every method the source engines name (support.py says which this build runs); names are vLLM/SGLang's
 Quantization = Literal[
-    "fp8", "nvfp4", "mxfp4", "w8a8_fp8", "w8a8_int8", "compressed-tensors", "awq", "gptq", "modelopt"
+    "fp8", "nvfp4", "mxfp4", "mxfp8", "w8a8_fp8", "w8a8_int8", "w4afp8", "compressed-tensors", "awq", "awq_marlin",
+    "gptq", "gptq_marlin", "moe_wna16", "modelopt", "modelopt_fp4", "bitsandbytes", "gguf", "quark", "ascend",
 ]
 LoadFormat = Literal["auto", "pt", "safetensors", "npcache", "dummy"]
+# the appliance's names first, then every backend the source engines name (vLLM's in lower case), so that a
+# translated deployment keeps its choice; support.py says which this build runs
 AttentionBackend = Literal[
-    "auto", "torch", "triton", "flashinfer", "mha", "fa3", "fa4", "trtllm_mla", "tokenspeed_mla"
+    "auto", "torch", "triton", "flashinfer", "mha", "mla", "fa3", "fa4", "trtllm", "trtllm_mha", "trtllm_mla",
+    "tokenspeed_mla", "flashinfer_mla", "flashmla", "flashmla_sparse", "cutlass_mla", "triton_mla", "flex_attention",
+    "nsa", "xformers", "tree_attn", "dual_chunk_flash_attn", "aiter", "wave", "rocm_attn", "rocm_aiter_fa",
+    "rocm_aiter_mha", "rocm_aiter_mla", "rocm_aiter_triton_mla", "rocm_aiter_unified_attn", "ascend", "intel_amx",
+    "intel_xpu", "cpu_attn", "pallas",
 ]
-MoeBackend = Literal["auto", "torch", "triton", "deepep", "cutlass", "flashinfer_trtllm", "flashinfer_cutlass"]
+MoeBackend = Literal[
+    "auto", "torch", "triton", "triton_kernel", "deepep", "deep_gemm", "cutlass", "marlin", "flashinfer_trtllm",
+    "flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_mxfp4", "aiter", "mega_moe",
+]
 All2AllBackend = Literal["auto", "naive", "allgather_reducescatter", "deepep", "pplx"]
 
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
@@ -88,7 +101,7 @@ class PrecisionSection(Section):
 
 
 class ParallelismSection(Section):
-    """How the model is split over GPUs and nodes. world size = tp x dp (x nothing else in this build)."""
+    """How the model is split over GPUs and nodes. world size = tp x pp x dp."""
 
     tp: int = param(1, "Tensor-parallel size of attention (the familiar --tensor-parallel-size).",
                     flags=("--tensor-parallel-size", "--tp", "--attn-tp-size", "--tp-size"), ge=1)
@@ -98,14 +111,19 @@ class ParallelismSection(Section):
                                "expert parallelism).", flags="--moe-tp-size", ge=1)
     dp: int = param(1, "Number of data-parallel replicas.", flags=("--data-parallel-size", "--dp-size", "--dp"),
                     ge=1)
+    pp: int = param(1, "Pipeline-parallel size: the layers split into this many stages, each on its own tp group.",
+                    flags=("--pipeline-parallel-size", "--pp-size", "--pp"), ge=1)
+    dcp: int = param(1, "Decode context-parallel size: the KV cache of a sequence split over this many ranks of "
+                     "the tp group during decode (must divide tp).", flags=("--decode-context-parallel-size",
+                                                                           "--dcp"), ge=1)
     enable_expert_parallel: bool = param(
         False, "Shard MoE experts over the ranks instead of tensor-splitting them. ep defaults to tp x dp.",
         flags=("--enable-expert-parallel", "--enable-ep-moe"))
     ep: int | None = param(
         None, "Expert-parallel size. Unset: tp x dp when enable_expert_parallel, else 1. Must divide world size.",
         flags=("--expert-parallel-size", "--ep-size", "--ep"), ge=1)
-    world_size: int | None = param(None, "Total worker processes over all nodes. Unset: tp x dp; when set it "
-                                   "must equal that.", ge=1)
+    world_size: int | None = param(None, "Total worker processes over all nodes. Unset: tp x pp x dp; when set "
+                                   "it must equal that.", ge=1)
     nprocs_per_node: int | None = param(None, "Worker processes per node. Unset: world_size / nnodes.", ge=1)
     nnodes: int = param(1, "Number of nodes.", ge=1)
     node_rank: int = param(0, "Rank of this node (0 is the head).", ge=0)
@@ -135,7 +153,7 @@ class ParallelismSection(Section):
 
     @property
     def effective_world_size(self) -> int:
-        return self.world_size if self.world_size is not None else self.tp * self.dp
+        return self.world_size if self.world_size is not None else self.tp * self.pp * self.dp
 
 
 class SchedulerSection(Section):
@@ -199,6 +217,47 @@ class CacheSection(Section):
         None, "Size of the KV token pool. Unset: computed from gpu_memory_utilization (on CPU: enough for "
         "max_num_seqs full sequences, capped).", ge=1)
     enable_prefix_caching: bool = param(True, "Reuse KV blocks of identical prompt prefixes across requests.")
+    host_cache: bool = param(
+        False, "A host-memory tier under the GPU KV cache: blocks evicted from the GPU stay reusable from host memory "
+        "(SGLang's hierarchical cache, TokenSpeed's KVStore).",
+        flags=("--host-cache", "--enable-hierarchical-cache"))
+    host_cache_ratio: float | None = param(
+        None, "Host tier size as a multiple of the GPU KV pool. Unset: the engine's default (2).",
+        flags=("--host-cache-ratio", "--hicache-ratio", "--kvstore-ratio"), gt=0)
+    host_cache_size_gb: float | None = param(
+        None, "Host tier size in GB; overrides host_cache_ratio.",
+        flags=("--host-cache-size-gb", "--hicache-size", "--kvstore-size"), ge=0)
+    host_cache_io_backend: Literal["direct", "kernel"] | None = param(
+        None, "How blocks move between GPU and host: `kernel` (GPU copy kernels) or `direct` (cudaMemcpy).",
+        flags=("--host-cache-io-backend", "--hicache-io-backend", "--kvstore-io-backend"))
+    host_cache_mem_layout: Literal["layer_first", "page_first", "page_first_direct", "page_head"] | None = param(
+        None, "Layout of the host pool.", flags=("--host-cache-mem-layout", "--hicache-mem-layout",
+                                                 "--kvstore-mem-layout"))
+    host_cache_write_policy: Literal["write_through", "write_through_selective", "write_back"] | None = param(
+        None, "When GPU blocks are copied to the host tier.", flags=("--host-cache-write-policy",
+                                                                      "--hicache-write-policy"))
+    host_cache_storage_backend: str | None = param(
+        None, "A storage tier under the host tier (mooncake, hf3fs, file, nixl, ...). Unset: none.",
+        flags=("--host-cache-storage-backend", "--hicache-storage-backend", "--kvstore-storage-backend"))
+    host_cache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] | None = param(
+        None, "How long a request waits for blocks prefetched from the storage tier.",
+        flags=("--host-cache-storage-prefetch-policy", "--hicache-storage-prefetch-policy"))
+    host_cache_storage_config: dict[str, Any] = param(
+        default_factory=dict, description="Extra settings of the storage backend (a JSON object).", flags=None,
+        json_flag="--host-cache-storage-config")
+    disk_cache: bool = param(
+        False, "A disk tier for KV blocks of preempted and idle sequences (Atlas's high-speed swap).",
+        flags=("--disk-cache", "--high-speed-swap"))
+    disk_cache_dir: str | None = param(None, "Directory of the disk tier.",
+                                       flags=("--disk-cache-dir", "--high-speed-swap-dir"))
+    disk_cache_size_gb: float | None = param(None, "Disk tier size in GB.",
+                                             flags=("--disk-cache-size-gb", "--high-speed-swap-gb"), gt=0)
+    ssm_cache_slots: int | None = param(
+        None, "State slots of hybrid SSM (Mamba-style) layers: how many sequences' recurrent states are kept "
+        "(Atlas's --ssm-cache-slots). Unset: one per max_num_seqs.", flags=("--ssm-cache-slots",), ge=1)
+    ssm_checkpoint_interval: int | None = param(
+        None, "Tokens between snapshots of SSM states kept for prefix reuse (Atlas's --ssm-checkpoint-interval). "
+        "Unset: no snapshots.", flags=("--ssm-checkpoint-interval",), ge=1)
 
     @field_validator("block_size")
     @classmethod

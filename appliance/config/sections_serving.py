@@ -8,11 +8,21 @@ from pydantic import field_validator
 from appliance.config.fields import param
 from appliance.config.sections_engine import AttentionBackend, Section
 
-SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "NGRAM"]
-ReasoningParser = Literal["base", "qwen3", "deepseek_r1", "deepseek_v31", "kimi_k25", "glm45", "gpt_oss"]
+SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "NGRAM", "STANDALONE"]
+# Every parser name vLLM, SGLang and TokenSpeed use (SGLang's spellings normalised: deepseekv3 -> deepseek_v3,
+# gpt-oss -> gpt_oss); support.py refuses the ones appliance.server.parsers does not implement.
+ReasoningParser = Literal[
+    "base", "qwen3", "qwen3_thinking", "deepseek_r1", "deepseek_v3", "deepseek_v31", "deepseek_v4", "kimi", "kimi_k2",
+    "kimi_k25", "glm45", "glm47", "gpt_oss", "minimax_m2", "minimax_m2_append_think", "minimax_m3", "mistral",
+    "step3", "step3p5", "gemma4", "ernie45", "granite", "hunyuan_a13b", "seed_oss", "olmo3", "nano_v3", "interns1",
+    "mimo", "poolside_v1",
+]
 ToolCallParser = Literal[
-    "json", "passthrough", "qwen", "hermes", "qwen3_coder", "kimik2", "deepseek_v3", "deepseek_v31", "deepseek_v4",
-    "llama3_json", "pythonic", "mistral",
+    "json", "passthrough", "qwen", "qwen25", "qwen_coder", "hermes", "qwen3_coder", "qwen3_xml", "kimik2", "kimi_k2",
+    "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "llama3", "llama3_json", "llama4_json",
+    "llama4_pythonic", "pythonic", "mistral", "glm", "glm45", "glm47", "gpt_oss", "minimax", "minimax_m2",
+    "minimax_m3", "step3", "step3p5", "gemma4", "ernie45", "granite", "hunyuan_a13b", "internlm", "interns1", "jamba",
+    "longcat", "seed_oss", "olmo3", "xlam", "phi4_mini_json", "gigachat3", "mimo", "poolside_v1",
 ]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -22,8 +32,9 @@ class SpeculativeSection(Section):
     understands vLLM's keys (method, model, num_speculative_tokens, quantization)."""
 
     algorithm: SpecAlgorithm | None = param(
-        None, "Speculative algorithm: EAGLE, EAGLE3 (need draft_model_path), MTP (the model's own "
-        "multi-token-prediction layers), DFLASH (block-diffusion drafter), NGRAM (prompt lookup).",
+        None, "Speculative algorithm: EAGLE, EAGLE3, STANDALONE (a smaller LLM drafts tokens; these three need "
+        "draft_model_path), MTP (the model's own multi-token-prediction layers), DFLASH (block-diffusion drafter), "
+        "NGRAM (prompt lookup).",
         flags="--speculative-algorithm")
     draft_model_path: str | None = param(None, "Draft model path or repo id.",
                                          flags=("--speculative-draft-model-path", "--speculative-draft-model"))
@@ -33,6 +44,12 @@ class SpeculativeSection(Section):
     num_draft_tokens: int | None = param(None, "Draft tokens verified per step. Unset: num_steps + 1.",
                                          flags="--speculative-num-draft-tokens", ge=1)
     eagle_topk: int = param(1, "EAGLE tree branching (top-k per step).", flags="--speculative-eagle-topk", ge=1)
+    prompt_lookup_min: int | None = param(
+        None, "NGRAM: shortest n-gram matched against the prompt and output so far. Unset: the algorithm's "
+        "default.", flags=("--prompt-lookup-min", "--speculative-ngram-min-match-window-size"), ge=1)
+    prompt_lookup_max: int | None = param(
+        None, "NGRAM: longest n-gram matched. Unset: the algorithm's default.",
+        flags=("--prompt-lookup-max", "--speculative-ngram-max-match-window-size"), ge=1)
     eagle3_layers_to_capture: list[int] | None = param(
         None, "Target layers whose hidden states feed an EAGLE3 drafter. Unset: the drafter's default.",
         flags="--eagle3-layers-to-capture")

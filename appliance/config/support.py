@@ -28,6 +28,22 @@ def _importable(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+def _parser_missing(kind: str, name: str | None) -> bool:
+    """Whether the server lacks the named parser. The server's registry is the one list of parsers that exist;
+    it is read lazily (it imports no web stack), so config stays importable without the server."""
+    if name is None:
+        return False
+    from appliance.server.parsers import reasoning_parser_names, tool_parser_names
+
+    return name not in (reasoning_parser_names() if kind == "reasoning" else tool_parser_names())
+
+
+def _host_tier_set(c: ApplianceConfig) -> bool:
+    cache, defaults = c.cache, type(c.cache)()
+    return any(getattr(cache, k) != getattr(defaults, k) for k in type(cache).model_fields
+               if k.startswith(("host_cache", "disk_cache")))
+
+
 UNSUPPORTED: list[Unsupported] = [
     Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm not in (None, "MTP"),
                 "only MTP speculative decoding (the model's own multi-token-prediction layers) exists in this build"),
@@ -60,6 +76,22 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("parallelism.nnodes", lambda c: c.parallelism.nnodes > 1 and c.parallelism.dp > 1,
                 "several nodes run tensor parallelism across nodes (dp = 1); data-parallel replicas across nodes "
                 "are not supported in this build"),
+    Unsupported("parallelism.pp", lambda c: c.parallelism.pp > 1,
+                "pipeline parallelism is not supported in this build (tp x dp only)"),
+    Unsupported("parallelism.dcp", lambda c: c.parallelism.dcp > 1,
+                "decode context parallelism is not supported in this build"),
+    Unsupported("cache.host_cache", _host_tier_set,
+                "host-memory and disk KV cache tiers are not supported in this build (the KV cache lives on the GPU)"),
+    Unsupported("cache.ssm_cache_slots", lambda c: c.cache.ssm_cache_slots is not None,
+                "hybrid SSM models (state slots) are not supported in this build"),
+    Unsupported("cache.ssm_checkpoint_interval", lambda c: c.cache.ssm_checkpoint_interval is not None,
+                "hybrid SSM models (state snapshots) are not supported in this build"),
+    Unsupported("api.reasoning_parser", lambda c: _parser_missing("reasoning", c.api.reasoning_parser),
+                "this reasoning parser is not implemented in this build (appliance.server.parsers lists the ones "
+                "that are)"),
+    Unsupported("api.tool_call_parser", lambda c: _parser_missing("tool", c.api.tool_call_parser),
+                "this tool-call parser is not implemented in this build (appliance.server.parsers lists the ones "
+                "that are)"),
     Unsupported("backends.attention",
                 lambda c: c.backends.attention not in ("auto", "torch", "triton", "flashinfer"),
                 "only the auto, torch, triton and flashinfer attention backends exist in this build"),
