@@ -8,7 +8,7 @@ from typing import Any
 
 from appliance.translate import schema_view
 from appliance.translate.argv import FlagUse
-from appliance.translate.result import Pending, Translation
+from appliance.translate.result import Pending, Translation, Use
 from appliance.translate.shell import restore, unresolved_refs
 from appliance.translate.spec import NO_VALUE, Flag
 
@@ -97,6 +97,18 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _implied(use: FlagUse) -> bool:
+    """A use that needs no setting: the appliance always behaves that way, or the value changes nothing here."""
+    flag, raw = use.flag, use.value
+    if flag is None or use.problem:
+        return False
+    if flag.status == "implied":
+        return True
+    if flag.status in ("none", "removed"):
+        return (isinstance(raw, str) and raw.lower() in flag.neutral) or (flag.arity == "flag" and raw is False)
+    return False
+
+
 class Applier:
     def __init__(self, out: Translation) -> None:
         self.out = out
@@ -104,6 +116,7 @@ class Applier:
 
     def apply(self, use: FlagUse) -> None:
         flag, out = use.flag, self.out
+        out.uses.append(Use(use.written, use.display, _implied(use)))
         if use.problem and flag is None:
             out.warn(use.written, use.problem, unmapped=True)
             return

@@ -25,6 +25,15 @@ class Pending:
 
 
 @dataclass(frozen=True)
+class Use:
+    """One setting the source command made (a flag, a config-file key, an engine environment variable)."""
+
+    written: str  # the option as written: "--tp"
+    display: str  # with its value: "--tp 8"
+    implied: bool  # needs no setting here: the appliance behaves that way (or the value is its default)
+
+
+@dataclass(frozen=True)
 class Finding:
     level: Literal["warning", "note"]
     subject: str  # the flag / variable / wrapper it is about
@@ -44,6 +53,7 @@ class Translation:
     context: list[str] = field(default_factory=list)  # docker / environment facts worth keeping as comments
     problems: list[str] = field(default_factory=list)  # validation problems of the result
     unsupported: list[str] = field(default_factory=list)  # valid, but not honoured by this build yet
+    uses: list[Use] = field(default_factory=list)  # every setting the source command made, for coverage
 
     def set(self, path: str, value: Any, source: str, note: str = "") -> None:
         self.settings.pop(path, None)  # re-insert: a later source (command line over --config) wins
