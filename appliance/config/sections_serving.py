@@ -8,7 +8,7 @@ from pydantic import field_validator
 from appliance.config.fields import param
 from appliance.config.sections_engine import AttentionBackend, Section
 
-SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "NGRAM", "STANDALONE"]
+SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "DSPARK", "NGRAM", "STANDALONE"]
 # Every parser name vLLM, SGLang and TokenSpeed use (SGLang's spellings normalised: deepseekv3 -> deepseek_v3,
 # gpt-oss -> gpt_oss); support.py refuses the ones appliance.server.parsers does not implement.
 ReasoningParser = Literal[
@@ -34,7 +34,7 @@ class SpeculativeSection(Section):
     algorithm: SpecAlgorithm | None = param(
         None, "Speculative algorithm: EAGLE, EAGLE3, STANDALONE (a smaller LLM drafts tokens; these three need "
         "draft_model_path), MTP (the model's own multi-token-prediction layers), DFLASH (block-diffusion drafter), "
-        "NGRAM (prompt lookup).",
+        "DSPARK (TokenSpeed's and vLLM's DSpark drafter), NGRAM (prompt lookup).",
         flags="--speculative-algorithm")
     draft_model_path: str | None = param(None, "Draft model path or repo id.",
                                          flags=("--speculative-draft-model-path", "--speculative-draft-model"))

@@ -8,11 +8,12 @@ from typing import Any
 
 from appliance.translate import schema_view
 from appliance.translate.argv import FlagUse
+from appliance.translate.placeholders import interpolated
 from appliance.translate.result import Pending, Translation, Use
 from appliance.translate.shell import restore, unresolved_refs
 from appliance.translate.spec import NO_VALUE, Flag
 
-PLACEHOLDER = re.compile(r"^<[^<>]+>$|^\{\{.*\}\}$|^YOUR[_-][A-Z0-9_-]+$|/path/to/|^\.\.\.$|^xxx+$", re.I)
+PLACEHOLDER = re.compile(r"<[A-Za-z_][^<>\s]*>|\{\{.*\}\}|^YOUR[_-][A-Z0-9_-]+$|/path/to/|^\.\.\.$|^xxx+$", re.I)
 
 
 # where a scratch value (combined by rules.py) ends up, for values that have to be left to the user
@@ -181,9 +182,7 @@ class Applier:
         for w in words:
             why = undecided(w)
             if why:
-                key = SCRATCH_KEYS.get(target, target)
-                out.pending.append(Pending(key, restore(" ".join(words)), source, why))
-                out.warn(source, f"{why}: {key} is left commented out; fill it in")
+                self._undecided(target, words, source, why)
                 return
         if from_word and isinstance(raw, str):
             mapped = flag.value_map().get(restore(raw).lower(), NO_VALUE)
@@ -196,6 +195,34 @@ class Applier:
             self.scratch[target] = (raw if not isinstance(raw, str) else restore(raw), source)
             return
         self.store(target, raw, source, flag.note if flag.status == "similar" else "")
+
+    def _undecided(self, target: str, words: list[str], source: str, why: str) -> None:
+        """A value the script leaves to its environment: `${oc.env:VAR}` interpolation where one variable (or a
+        named placeholder) stands for it, verbatim in a text field, else pending (commented out)."""
+        out = self.out
+        key = SCRATCH_KEYS.get(target, target)
+        info = schema_view.key_info(key)
+        text_field = info is not None and info.kind == "str" and info.choices is None
+        interp = interpolated(words[0]) if len(words) == 1 else None
+        if interp is not None and (text_field or target.startswith("@") or info is not None):
+            names = ", ".join(interp.variables)
+            out.note(source, f"{why}: kept as {interp.text}, resolved from the environment when the appliance "
+                     f"starts (set {names} there)")
+            if target.startswith("@"):
+                self.scratch[target] = (interp.text, source)
+            else:
+                out.set(target, interp.text, source)
+            return
+        if text_field or target == "@dist_host":
+            text = restore(" ".join(words))
+            out.note(source, f"{why}: {key} keeps {text!r} verbatim; replace it before use")
+            if target.startswith("@"):
+                self.scratch[target] = (text, source)
+            else:
+                out.set(target, text, source)
+            return
+        out.pending.append(Pending(key, restore(" ".join(words)), source, why))
+        out.warn(source, f"{why}: {key} is left commented out; fill it in")
 
     def store(self, target: str, raw: Any, source: str, note: str = "") -> None:
         out = self.out

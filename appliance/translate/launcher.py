@@ -150,7 +150,9 @@ def detect(argv: list[str] | tuple[str, ...], env: dict[str, str] | None = None)
                 return Launch("vllm", args, positional_model=False, env=env)
             if module == "vllm.entrypoints.cli.main" and args[:1] == ["serve"]:
                 return Launch("vllm", args[1:], env=env)
-            if module in ("sglang.launch_server", "sglang.srt.server"):
+            if module in ("sglang.launch_server", "sglang.srt.server", "sglang_router.launch_server"):
+                # the router launcher starts dp workers behind SGLang's router: the same server arguments, plus
+                # `--router-*` options (tables/sglang.py); the appliance routes among its dp replicas itself
                 return Launch("sglang", args, positional_model=False, env=env)
             if module.startswith("tokenspeed") and "serve" in args[:1]:
                 return Launch("tokenspeed", args[1:], env=env)

@@ -5,6 +5,7 @@ prefill switched off, an EP size that implies expert parallelism, the visible de
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from appliance.translate import schema_view
@@ -19,10 +20,15 @@ def finish(out: Translation, applier: Applier, uses: list[FlagUse], table: Engin
     scratch = applier.scratch
     _chunked_prefill(out, scratch)
     _dist_addr(out, scratch)
+    _dp_attention(out, scratch)
     _dp_layout(out, scratch)
+    _world(out)
     _expert_parallel(out)
     _deepep_mode(out, uses)
+    _draft_only(out)
+    _eagle_as_mtp(out)
     _mtp(out)
+    _host_tier(out)
     _devices(out, env, devices)
     _engine_defaults(out, table)
 
@@ -89,6 +95,39 @@ def _dp_layout(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None:
                 f"first DP rank {start} / {local} replicas per node")
 
 
+def _dp_attention(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None:
+    """SGLang's `--tp T --dp D --enable-dp-attention`: T ranks in all, attention in D replicas of T/D."""
+    if scratch.get("@dp_attention", (False, ""))[0] is not True:
+        return
+    source = scratch["@dp_attention"][1]
+    tp, dp = out.get("parallelism.tp", 1), out.get("parallelism.dp", 1)
+    if not isinstance(tp, int) or not isinstance(dp, int) or dp < 2 or tp % dp:
+        out.note(source, f"tp {tp} and dp {dp}: no attention replicas to split (dp must divide tp); nothing set")
+        return
+    note = f"attention tp {tp // dp} x dp {dp} = {tp} ranks; dense layers tensor-parallel over all {tp}"
+    out.set("parallelism.tp", tp // dp, source, note)
+    if "parallelism.dense_tp" not in out.settings:
+        out.set("parallelism.dense_tp", tp, source, note)
+    if "parallelism.moe_tp" not in out.settings and not out.get("parallelism.enable_expert_parallel", False):
+        out.set("parallelism.moe_tp", tp, source, "MoE layers tensor-parallel over all ranks too")
+
+
+def _world(out: Translation) -> None:
+    """An explicit world size with one of tp / dp left out (TokenSpeed's split form): the other follows."""
+    world = out.settings.get("parallelism.world_size")
+    if world is None or not isinstance(world.value, int):
+        return
+    tp, dp, pp = (out.get(f"parallelism.{k}", 1) for k in ("tp", "dp", "pp"))
+    if not all(isinstance(v, int) and v > 0 for v in (tp, dp, pp)) or world.value == tp * dp * pp:
+        return
+    if "parallelism.tp" not in out.settings and world.value % (dp * pp) == 0:
+        out.set("parallelism.tp", world.value // (dp * pp), world.source,
+                "no attention TP size given: it spans the world (world_size / dp / pp)")
+    elif "parallelism.dp" not in out.settings and world.value % (tp * pp) == 0:
+        out.set("parallelism.dp", world.value // (tp * pp), world.source,
+                "attention replicas: world_size / attention tp / pp (TokenSpeed's data-parallel attention)")
+
+
 def _expert_parallel(out: Translation) -> None:
     ep = out.settings.get("parallelism.ep")
     if ep is not None and isinstance(ep.value, int) and ep.value > 1 and \
@@ -102,6 +141,43 @@ def _deepep_mode(out: Translation, uses: list[FlagUse]) -> None:
             mode = {"deepep_low_latency": "low_latency", "deepep_high_throughput": "normal"}.get(use.value.lower())
             if mode and "backends.deepep_mode" not in out.settings:
                 out.set("backends.deepep_mode", mode, use.display, "the DeepEP mode vLLM's backend name carries")
+
+
+# architectures with their own multi-token-prediction (NextN) layers, by the names their checkpoints carry
+MTP_ARCHITECTURES = re.compile(r"deepseek-(v3|r1|v4)|mimo|glm-?4\.[5-9]|glm-?5|qwen3-next|qwen3\.[5-9]|step-?3\.5"
+                               r"|ernie-?4\.5|longcat", re.I)
+
+
+def _draft_only(out: Translation) -> None:
+    """vLLM's speculative config without a method: the draft model's name decides (as vLLM does)."""
+    draft = out.settings.get("speculative.draft_model_path")
+    if draft is None or "speculative.algorithm" in out.settings:
+        return
+    name = str(draft.value).lower()
+    algorithm = "EAGLE3" if "eagle3" in name else "EAGLE" if "eagle" in name else "STANDALONE"
+    out.set("speculative.algorithm", algorithm, draft.source, "no method given: vLLM infers it from the draft "
+            f"model's name ({algorithm}: {'an EAGLE head' if 'EAGLE' in algorithm else 'a smaller LLM drafts'})")
+
+
+def _eagle_as_mtp(out: Translation) -> None:
+    """SGLang's EAGLE without a draft model runs the target's own MTP (NextN) layers as the drafter."""
+    algo = out.settings.get("speculative.algorithm")
+    if algo is None or algo.value != "EAGLE" or "speculative.draft_model_path" in out.settings \
+            or any(p.path == "speculative.draft_model_path" for p in out.pending):
+        return
+    model = str(out.get("model.path", ""))
+    known = MTP_ARCHITECTURES.search(model)
+    why = f"{model} has its own MTP layers" if known else \
+        "no draft model is given, so the engine drafts with the model's own MTP (NextN) layers"
+    out.set("speculative.algorithm", "MTP", algo.source, f"EAGLE without a draft model is SGLang's way to run the "
+            f"model's multi-token-prediction layers: algorithm MTP ({why})")
+
+
+def _host_tier(out: Translation) -> None:
+    """A host-tier size or policy (TokenSpeed's KVStore is on unless --disable-kvstore) turns the tier on."""
+    tier = [s for k, s in out.settings.items() if k.startswith("cache.host_cache_")]
+    if tier and "cache.host_cache" not in out.settings:
+        out.set("cache.host_cache", True, tier[0].source, "a host-tier setting turns the host tier on")
 
 
 def _mtp(out: Translation) -> None:

@@ -101,8 +101,23 @@ def keys(section: str) -> tuple[str, ...]:
     return tuple(flat + nested)
 
 
+def _resolved(document: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The document with `${oc.env:VAR}` values resolved as `appliance validate` does (an unset variable: the
+    raw text in a text field, else the default), and the resolution errors."""
+    import copy
+
+    from appliance.config.interpolation import interpolate
+
+    data = copy.deepcopy(document)
+    errors, _ = interpolate(data, strict=False)
+    return data, [f"{p.path}: {p.message}" for p in errors]
+
+
 def validate(document: dict[str, Any]) -> list[str]:
     """Schema and cross-field problems of a nested config dict, as `path: message` lines (empty when valid)."""
+    document, errors = _resolved(document)
+    if errors:
+        return errors
     try:
         _root().model_validate(document)
     except ValidationError as exc:
@@ -115,7 +130,7 @@ def unsupported(document: dict[str, Any]) -> list[str]:
     from appliance.config import check_supported
 
     try:
-        config = _root().model_validate(document)
+        config = _root().model_validate(_resolved(document)[0])
     except ValidationError:
         return []
     return check_supported(config)

@@ -135,7 +135,8 @@ FLAGS = (
     similar("--speculative-algorithm", "speculative.algorithm",
             "NEXTN is SGLang's name for the model's own MTP layers: algorithm MTP", SD,
             values=(("NEXTN", "MTP"), ("EAGLE", "EAGLE"), ("EAGLE3", "EAGLE3"), ("NGRAM", "NGRAM"),
-                    ("MTP", "MTP"), ("DFLASH", "DFLASH")), closed=True),
+                    ("MTP", "MTP"), ("DFLASH", "DFLASH"), ("STANDALONE", "STANDALONE"), ("DSPARK", "DSPARK")),
+            closed=True),
     same(("--speculative-draft-model-path", "--speculative-draft-model"), "speculative.draft_model_path", SD),
     same("--speculative-num-steps", "speculative.num_steps", SD),
     same("--speculative-eagle-topk", "speculative.eagle_topk", SD),
@@ -146,8 +147,9 @@ FLAGS = (
     *nones(SD, "not configurable", "--speculative-draft-model-revision", "--speculative-draft-load-format",
            "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
            "--speculative-token-map", "--speculative-attention-mode", "--speculative-moe-a2a-backend"),
-    *nones(SD, "n-gram drafting is not tunable", "--speculative-ngram-min-match-window-size",
-           "--speculative-ngram-max-match-window-size", "--speculative-ngram-min-bfs-breadth",
+    same("--speculative-ngram-min-match-window-size", "speculative.prompt_lookup_min", SD),
+    same("--speculative-ngram-max-match-window-size", "speculative.prompt_lookup_max", SD),
+    *nones(SD, "n-gram drafting is not tunable beyond its match window", "--speculative-ngram-min-bfs-breadth",
            "--speculative-ngram-max-bfs-breadth", "--speculative-ngram-match-type",
            "--speculative-ngram-branch-length", "--speculative-ngram-capacity"),
     similar(("--expert-parallel-size", "--ep-size", "--ep"), "parallelism.ep",
@@ -216,8 +218,9 @@ FLAGS = (
               "--enable-pdmux", "--enable-broadcast-mm-inputs-process", "--mm-enable-dp-encoder",
               "--encoder-only", "--language-only", "--disaggregation-decode-enable-offload-kvcache",
               "--disaggregation-decode-enable-fake-auto"),
-    no("--enable-dp-attention", "attention data parallelism inside a TP group is not available; parallelism.dp "
-       "replicates the whole model", O, arity="flag"),
+    similar("--enable-dp-attention", "@dp_attention", "attention runs data-parallel: --tp T --dp D becomes "
+            "attention tp T/D in dp D replicas, with dense and MoE layers tensor-parallel over all T ranks "
+            "(dense_tp, moe_tp), TokenSpeed's split-parallel form", O, arity="flag"),
     *nones(O, "not available", "--tbo-token-distribution-threshold", "--piecewise-cuda-graph-tokens",
            "--piecewise-cuda-graph-compiler", "--torch-compile-max-bs",
            "--torchao-config", "--triton-attention-num-kv-splits", "--triton-attention-split-tile-size",
@@ -246,5 +249,7 @@ TABLE = EngineTable(
     title="SGLang",
     flags=FLAGS,
     defaults=(("api.port", 30000, "SGLang's default port"),),
+    families=(("--router-", "an option of SGLang's router (`python -m sglang_router.launch_server`): the appliance "
+               "routes among its dp replicas itself (least open requests, sticky per request)"),),
     source="python/sglang/srt/server_args.py; SGLang server-arguments docs (seed 002)",
 )

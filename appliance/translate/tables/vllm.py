@@ -17,9 +17,11 @@ M, LD, P, C, S, SO = "Model", "Load", "Parallelism", "Cache", "Scheduler", "Stru
 CO, SD, F, OB, LO, MM = "Compilation", "Speculative decoding", "Frontend (HTTP)", "Observability", "LoRA", \
     "Multimodal"
 NO_PP = "pipeline parallelism is not available; tp x dp covers the GPUs"
+# vLLM's speculative methods; every `<arch>_mtp` is the model's own MTP layers (rules.py maps names not listed)
 SPEC_METHODS = (("mtp", "MTP"), ("deepseek_mtp", "MTP"), ("qwen3_next_mtp", "MTP"), ("glm4_moe_mtp", "MTP"),
-                ("ernie_mtp", "MTP"), ("mimo_mtp", "MTP"), ("eagle", "EAGLE"), ("eagle3", "EAGLE3"),
-                ("ngram", "NGRAM"), ("[ngram]", "NGRAM"))
+                ("ernie_mtp", "MTP"), ("mimo_mtp", "MTP"), ("qwen3_5_mtp", "MTP"), ("step3p5_mtp", "MTP"),
+                ("longcat_flash_mtp", "MTP"), ("eagle", "EAGLE"), ("eagle3", "EAGLE3"), ("ngram", "NGRAM"),
+                ("[ngram]", "NGRAM"), ("draft_model", "STANDALONE"), ("dflash", "DFLASH"), ("dspark", "DSPARK"))
 
 _FLAGS = (
     same("--model", "model.path", M),
@@ -144,6 +146,8 @@ _FLAGS = (
             subkeys=(("method", "speculative.algorithm"), ("model", "speculative.draft_model_path"),
                      ("num_speculative_tokens", "speculative.num_steps"),
                      ("quantization", "speculative.draft_model_quantization"),
+                     ("prompt_lookup_min", "speculative.prompt_lookup_min"),
+                     ("prompt_lookup_max", "speculative.prompt_lookup_max"),
                      ("draft_tensor_parallel_size", "-"))),
     same("--kv-events-config", "observability.kv_events", OB, arity="json"),
     no("--kv-transfer-config", "KV transfer (disaggregated prefill) is not available", SD),
