@@ -17,16 +17,26 @@ FIXTURES = Path(__file__).parent / "fixtures" / "translate"
 RECIPE = FIXTURES / "full_recipe.toml"
 
 
-def test_translates_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert translate_cmd.run([str(FIXTURES / "sglang_deepseek_v3.sh")]) == 0
+@pytest.fixture
+def with_unmapped(tmp_path: Path) -> Path:
+    """The SGLang DeepSeek fixture plus a flag without an equivalent here (torch.compile)."""
+    script = tmp_path / "dsv3.sh"
+    script.write_text((FIXTURES / "sglang_deepseek_v3.sh").read_text().rstrip() + " --enable-torch-compile\n")
+    return script
+
+
+def test_translates_to_stdout(with_unmapped: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert translate_cmd.run([str(with_unmapped)]) == 0
     out, err = capsys.readouterr()
     assert tomllib.loads(out)["parallelism"]["tp"] == 8
-    assert "warning:" in err and "--enable-dp-attention" in err  # unmapped: stderr and the TOML
-    assert "--enable-dp-attention" in out
+    assert "warning:" in err and "--enable-torch-compile" in err  # unmapped: stderr and the TOML
+    assert "--enable-torch-compile" in out
+    assert "--enable-dp-attention" in out  # tp 8 without dp: noted, nothing to split
 
 
-def test_strict_fails_on_unmapped_and_writes_nothing(capsys: pytest.CaptureFixture[str]) -> None:
-    assert translate_cmd.run(["--strict", str(FIXTURES / "sglang_deepseek_v3.sh")]) == 1
+def test_strict_fails_on_unmapped_and_writes_nothing(with_unmapped: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert translate_cmd.run(["--strict", str(with_unmapped)]) == 1
     out, err = capsys.readouterr()
     assert out == "" and "--strict" in err
 
