@@ -163,7 +163,8 @@ def test_tokenspeed(tmp_path: Path) -> None:
     assert doc["speculative"] == {"algorithm": "MTP", "num_steps": 3}
     assert doc["scheduler"]["chunked_prefill_size"] == 8192 and tr.settings["parallelism.tp"].note
     assert doc["backends"]["attention"] == "trtllm_mla"
-    assert "--kvstore-size" in warned(tr)
+    assert doc["cache"]["host_cache_size_gb"] == 64 and doc["cache"]["host_cache"] is True  # KVStore: host tier
+    assert any(u.startswith("cache.host_cache:") for u in tr.unsupported)
 
 
 def test_ts_alias_and_every_tokenspeed_flag_family(tmp_path: Path) -> None:
@@ -214,8 +215,12 @@ def test_backend_names_are_mapped_with_notes(tmp_path: Path) -> None:
     doc = assert_valid(tr, tmp_path)
     assert doc["backends"] == {"attention": "flashinfer", "all2all": "deepep", "deepep_mode": "low_latency"}
     assert tr.settings["backends.attention"].note
-    (tr,) = translate("vllm serve m --attention-backend XFORMERS\n")
-    assert "XFORMERS" in warned(tr) and tr.unmapped and "backends.attention" not in tr.settings
+    # a backend this build lacks is still written, and start-up refuses it (tr.unsupported is support.py's list)
+    (tr,) = translate("vllm serve m --attention-backend ROCM_AITER_FA\n")
+    assert assert_valid(tr, tmp_path)["backends"] == {"attention": "rocm_aiter_fa"}
+    assert any(u.startswith("backends.attention:") for u in tr.unsupported)
+    (tr,) = translate("vllm serve m --attention-backend NO_SUCH_BACKEND\n")  # not a vLLM name at all
+    assert "NO_SUCH_BACKEND" in warned(tr) and tr.unmapped and "backends.attention" not in tr.settings
 
 
 def test_bash_c_inside_docker(tmp_path: Path) -> None:

@@ -31,7 +31,10 @@ Quantization = Literal[
     "fp8", "nvfp4", "mxfp4", "mxfp8", "w8a8_fp8", "w8a8_int8", "w4afp8", "compressed-tensors", "awq", "awq_marlin",
     "gptq", "gptq_marlin", "moe_wna16", "modelopt", "modelopt_fp4", "bitsandbytes", "gguf", "quark", "ascend",
 ]
-LoadFormat = Literal["auto", "pt", "safetensors", "npcache", "dummy"]
+LoadFormat = Literal[
+    "auto", "pt", "safetensors", "npcache", "dummy", "fastsafetensors", "mistral", "gguf", "bitsandbytes",
+    "runai_streamer", "sharded_state", "layered",
+]
 # the appliance's names first, then every backend the source engines name (vLLM's in lower case), so that a
 # translated deployment keeps its choice; support.py says which this build runs
 AttentionBackend = Literal[
@@ -58,13 +61,18 @@ class ModelSection(Section):
         "(appliance/assets/default_model), so `appliance run` works with no download.",
         flags=("--model", "--model-path"))
     tokenizer: str | None = param(None, "Tokenizer path or repo id when it differs from the model path.")
-    tokenizer_mode: Literal["auto", "slow"] = param(
-        "auto", "Tokenizer behaviour: `auto` uses the fast tokenizer when available, `slow` forces the Python one.")
+    tokenizer_mode: Literal["auto", "slow", "mistral", "deepseek_v4"] = param(
+        "auto", "Tokenizer behaviour: `auto` uses the fast tokenizer when available, `slow` forces the Python one; "
+        "`mistral` (mistral-common) and `deepseek_v4` are the source engines' model-specific tokenizers.")
     skip_tokenizer_init: bool = param(
         False, "Do not load a tokenizer; requests must carry token ids and responses carry token ids only.")
     load_format: LoadFormat = param(
         "auto", "Weight format: `auto` prefers safetensors, `pt` PyTorch bins, `npcache` a numpy cache, "
-        "`dummy` random weights (benchmarks without a checkpoint).")
+        "`dummy` random weights (benchmarks without a checkpoint); the others are the source engines' loaders "
+        "(fastsafetensors, mistral's consolidated files, gguf, bitsandbytes, runai_streamer, sharded_state, "
+        "layered).")
+    config_format: Literal["auto", "hf", "mistral"] = param(
+        "auto", "Format of the model's config: `auto` and `hf` read config.json; `mistral` reads params.json.")
     trust_remote_code: bool = param(False, "Allow model code shipped in the model repository to run.")
     revision: str | None = param(None, "Model branch, tag or commit to load.")
     download_dir: str | None = param(None, "Hugging Face download/cache directory.")
@@ -225,7 +233,7 @@ class CacheSection(Section):
         None, "Host tier size as a multiple of the GPU KV pool. Unset: the engine's default (2).",
         flags=("--host-cache-ratio", "--hicache-ratio", "--kvstore-ratio"), gt=0)
     host_cache_size_gb: float | None = param(
-        None, "Host tier size in GB; overrides host_cache_ratio.",
+        None, "Host tier size in GB; overrides host_cache_ratio when above 0.",
         flags=("--host-cache-size-gb", "--hicache-size", "--kvstore-size"), ge=0)
     host_cache_io_backend: Literal["direct", "kernel"] | None = param(
         None, "How blocks move between GPU and host: `kernel` (GPU copy kernels) or `direct` (cudaMemcpy).",

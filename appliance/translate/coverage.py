@@ -12,7 +12,7 @@ Outcome = Literal["exact", "pending", "noted"]
 
 
 def outcome(tr: Translation, use: Use) -> Outcome:
-    if use.implied:
+    if use.implied or use.display in tr.implied_sources:
         return "exact"
     if any(p.source == use.display for p in tr.pending):
         return "pending"

@@ -38,7 +38,7 @@ def _chunked_prefill(out: Translation, scratch: dict[str, tuple[Any, str]]) -> N
         return
     on, source = scratch["@chunked_prefill"]
     if on is True:
-        out.note(source, "chunked prefill is on by default here")
+        out.implied(source, "chunked prefill is on by default here")
         return
     budget = out.settings.get("scheduler.chunked_prefill_size")
     if budget is not None:
@@ -105,6 +105,8 @@ def _dp_attention(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None
         out.note(source, f"tp {tp} and dp {dp}: no attention replicas to split (dp must divide tp); nothing set")
         return
     note = f"attention tp {tp // dp} x dp {dp} = {tp} ranks; dense layers tensor-parallel over all {tp}"
+    source = " ".join(s.source for k in ("parallelism.tp", "parallelism.dp")
+                      if (s := out.settings.get(k)) is not None) + " " + source
     out.set("parallelism.tp", tp // dp, source, note)
     if "parallelism.dense_tp" not in out.settings:
         out.set("parallelism.dense_tp", tp, source, note)

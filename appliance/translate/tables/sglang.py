@@ -13,7 +13,7 @@ M, H, Q, S, R = "Model and tokenizer", "HTTP server", "Quantization and data typ
     "Runtime options"
 L, A, P, B, SD = "Logging and metrics", "API", "Parallelism", "Kernel backends", "Speculative decoding"
 EP, C, O = "Expert parallelism", "Caches and offloading", "Optimization and debug"
-NO_PP = "pipeline parallelism is not available; tp x dp covers the GPUs"
+NO_PP = "pipeline micro-batching is not tunable (parallelism.pp sets the stages)"
 BACKEND_NOTE = "name is aligned; the available values are the appliance's (see backends.*)"
 
 FLAGS = (
@@ -72,7 +72,7 @@ FLAGS = (
     same("--nnodes", "parallelism.nnodes", P),
     same("--node-rank", "parallelism.node_rank", P),
     same("--disable-custom-all-reduce", "parallelism.disable_custom_all_reduce", P, arity="flag"),
-    no(("--pipeline-parallel-size", "--pp-size"), NO_PP, P, neutral=("1",)),
+    same(("--pipeline-parallel-size", "--pp-size"), "parallelism.pp", P),
     *nones(P, NO_PP, "--pp-max-micro-batch-size", "--pp-async-batch-depth"),
     no("--load-balance-method", "data-parallel replicas are balanced by the scheduler, not configurable", P),
     switches(P, "not configurable", "--prefill-round-robin-balance")[0],
@@ -186,12 +186,17 @@ FLAGS = (
     same("--disable-overlap-schedule", "scheduler.enable_overlap", O, arity="flag", const=False),
     *nones(C, "Mamba / hybrid-state caches are not available", "--max-mamba-cache-size", "--mamba-ssm-dtype",
            "--mamba-full-memory-ratio", "--mamba-scheduler-strategy", "--mamba-track-interval"),
-    *switches(C, "hierarchical (host / storage) KV caches are not available", "--enable-hierarchical-cache",
-              "--enable-lmcache", "--enable-double-sparsity", "--enable-prefix-mm-cache"),
-    *nones(C, "hierarchical (host / storage) KV caches are not available", "--hicache-ratio", "--hicache-size",
-           "--hicache-write-policy", "--radix-eviction-policy", "--hicache-io-backend", "--hicache-mem-layout",
-           "--hicache-storage-backend", "--hicache-storage-prefetch-policy",
-           "--hicache-storage-backend-extra-config"),
+    same("--enable-hierarchical-cache", "cache.host_cache", C, arity="flag"),
+    same("--hicache-ratio", "cache.host_cache_ratio", C),
+    same("--hicache-size", "cache.host_cache_size_gb", C),
+    same("--hicache-write-policy", "cache.host_cache_write_policy", C),
+    same("--hicache-io-backend", "cache.host_cache_io_backend", C),
+    same("--hicache-mem-layout", "cache.host_cache_mem_layout", C),
+    same("--hicache-storage-backend", "cache.host_cache_storage_backend", C),
+    same("--hicache-storage-prefetch-policy", "cache.host_cache_storage_prefetch_policy", C),
+    same("--hicache-storage-backend-extra-config", "cache.host_cache_storage_config", C, arity="json"),
+    *switches(C, "not available", "--enable-lmcache", "--enable-double-sparsity", "--enable-prefix-mm-cache"),
+    no("--radix-eviction-policy", "prefix blocks are evicted least recently used first", C, neutral=("lru",)),
     *nones(C, "CPU-offloaded (KTransformers) experts are not available", "--kt-weight-path", "--kt-method",
            "--kt-cpuinfer", "--kt-threadpool-count", "--kt-num-gpu-experts", "--kt-max-deferred-experts-per-token"),
     *nones(C, "double sparsity is not available", "--ds-channel-config-path", "--ds-heavy-channel-num",

@@ -16,12 +16,23 @@ from appliance.translate.spec import none as no
 M, LD, P, C, S, SO = "Model", "Load", "Parallelism", "Cache", "Scheduler", "Structured outputs and parsers"
 CO, SD, F, OB, LO, MM = "Compilation", "Speculative decoding", "Frontend (HTTP)", "Observability", "LoRA", \
     "Multimodal"
-NO_PP = "pipeline parallelism is not available; tp x dp covers the GPUs"
 # vLLM's speculative methods; every `<arch>_mtp` is the model's own MTP layers (rules.py maps names not listed)
 SPEC_METHODS = (("mtp", "MTP"), ("deepseek_mtp", "MTP"), ("qwen3_next_mtp", "MTP"), ("glm4_moe_mtp", "MTP"),
                 ("ernie_mtp", "MTP"), ("mimo_mtp", "MTP"), ("qwen3_5_mtp", "MTP"), ("step3p5_mtp", "MTP"),
                 ("longcat_flash_mtp", "MTP"), ("eagle", "EAGLE"), ("eagle3", "EAGLE3"), ("ngram", "NGRAM"),
                 ("[ngram]", "NGRAM"), ("draft_model", "STANDALONE"), ("dflash", "DFLASH"), ("dspark", "DSPARK"))
+
+# vLLM's attention backend names (AttentionBackendEnum) -> the appliance's (support.py says which run here)
+VLLM_ATTENTION = (
+    ("FLASH_ATTN", "fa3"), ("TRITON_ATTN", "triton"), ("TORCH_SDPA", "torch"), ("FLASHINFER", "flashinfer"),
+    ("FLASHINFER_MLA", "flashinfer_mla"), ("FLASHMLA", "flashmla"), ("FLASHMLA_SPARSE", "flashmla_sparse"),
+    ("CUTLASS_MLA", "cutlass_mla"), ("TRITON_MLA", "triton_mla"), ("FLASH_ATTN_MLA", "fa3"),
+    ("FLEX_ATTENTION", "flex_attention"), ("XFORMERS", "xformers"), ("TREE_ATTN", "tree_attn"),
+    ("ROCM_ATTN", "rocm_attn"), ("ROCM_AITER_FA", "rocm_aiter_fa"), ("ROCM_AITER_MHA", "rocm_aiter_mha"),
+    ("ROCM_AITER_MLA", "rocm_aiter_mla"), ("ROCM_AITER_TRITON_MLA", "rocm_aiter_triton_mla"),
+    ("ROCM_AITER_UNIFIED_ATTN", "rocm_aiter_unified_attn"), ("CPU_ATTN", "cpu_attn"), ("PALLAS", "pallas"),
+    ("ASCEND", "ascend"), ("IPEX", "intel_xpu"),
+)
 
 _FLAGS = (
     same("--model", "model.path", M),
@@ -52,14 +63,18 @@ _FLAGS = (
     no("--convert", "no model conversion (pooling / classification)", M, neutral=("auto", "none")),
     no("--task", "only text generation is served (vLLM deprecated --task)", M, neutral=("auto", "generate")),
     *nones(M, "not configurable", "--hf-config-path", "--code-revision", "--tokenizer-revision",
-           "--allowed-local-media-path", "--logprobs-mode", "--config-format", "--hf-token", "--pooler-config",
+           "--allowed-local-media-path", "--logprobs-mode", "--hf-token", "--pooler-config",
            "--override-pooler-config", "--logits-processor-pattern", "--override-attention-dtype",
            "--io-processor-plugin"),
     no("--model-impl", "models are the appliance's own implementations", M, neutral=("auto", "vllm")),
     *nones(M, "not configurable", "--allowed-media-domains", "--logits-processors", arity="list"),
-    *switches(M, "not available", "--disable-sliding-window", "--disable-cascade-attn", "--enable-prompt-embeds",
+    implied("--disable-cascade-attn", "there is no cascade attention here", M, arity="flag"),
+    implied("--language-model-only", "only the language model is served here (no multimodal encoders)", M,
+            arity="flag"),
+    *switches(M, "not available", "--disable-sliding-window", "--enable-prompt-embeds",
               "--enable-sleep-mode"),
     same("--load-format", "model.load_format", LD),
+    same("--config-format", "model.config_format", LD),
     same("--download-dir", "model.download_dir", LD),
     *nones(LD, "weights are read with safetensors' defaults", "--safetensors-load-strategy",
            "--model-loader-extra-config", "--pt-load-map-location"),
@@ -85,8 +100,8 @@ _FLAGS = (
             values=(("naive", "naive"), ("pplx", "pplx"), ("allgather_reducescatter", "allgather_reducescatter"),
                     ("deepep_high_throughput", "deepep"), ("deepep_low_latency", "deepep")), closed=True),
     implied("--headless", "a node with node_rank > 0 runs workers only", P, arity="flag"),
-    no(("--pipeline-parallel-size", "-pp"), NO_PP, P, neutral=("1",)),
-    no(("--decode-context-parallel-size", "-dcp"), "context parallelism is not available", P, neutral=("1",)),
+    same(("--pipeline-parallel-size", "-pp"), "parallelism.pp", P),
+    same(("--decode-context-parallel-size", "-dcp"), "parallelism.dcp", P),
     no(("--data-parallel-rank", "-dpn"), "external DP load balancing is not available", P),
     no(("--data-parallel-backend", "-dpb"), "DP replicas are started by the supervisor", P, neutral=("mp",)),
     no(("--api-server-count", "-asc"), "one HTTP process serves the API", P, neutral=("1",)),
@@ -131,15 +146,17 @@ _FLAGS = (
     same("--cudagraph-capture-sizes", "backends.cuda_graph_sizes", CO, arity="list"),
     same("--max-cudagraph-capture-size", "backends.cuda_graph_max_bs", CO),
     similar(("--compilation-config", "-O", "-cc"), "backends", "only the CUDA graph sizes carry over: there is "
-            "no torch.compile (levels / modes)", CO, arity="json",
+            "no torch.compile (levels / modes); cudagraph_mode FULL_DECODE_ONLY is decode graphs without piecewise prefill "
+            "graphs", CO, arity="json",
             subkeys=(("cudagraph_capture_sizes", "backends.cuda_graph_sizes"),
                      ("max_cudagraph_capture_size", "backends.cuda_graph_max_bs"),
-                     ("level", "-"), ("mode", "-"))),
+                     ("cudagraph_mode", "backends.piecewise_cuda_graph"), ("level", "-"), ("mode", "-")),
+            values=(("full_decode_only", False), ("full_and_piecewise", True), ("piecewise", True))),
     no("--optimization-level", "no torch.compile optimization levels; CUDA graphs are backends.enforce_eager", CO),
-    similar("--attention-backend", "backends.attention", "vLLM backend names mapped: FLASHINFER -> flashinfer, "
-            "TRITON_ATTN -> triton, TORCH_SDPA -> torch, FLASH_ATTN -> fa3, FLASHMLA -> trtllm_mla", CO,
-         values=(("FLASHINFER", "flashinfer"), ("TRITON_ATTN", "triton"), ("TORCH_SDPA", "torch"),
-                 ("FLASHMLA", "trtllm_mla"), ("FLASH_ATTN", "fa3")), closed=True),
+    similar("--attention-backend", "backends.attention", "vLLM's backend names in the appliance's spelling: "
+            "FLASH_ATTN -> fa3 (vLLM picks FlashAttention 2 or 3 by GPU), TRITON_ATTN -> triton, TORCH_SDPA -> "
+            "torch, the rest lower-cased", CO, values=VLLM_ATTENTION, closed=True),
+    same("--moe-backend", "backends.moe", CO),
     similar("--speculative-config", "speculative", "vLLM's method / model / num_speculative_tokens become "
             "algorithm / draft_model_path / num_steps (a chain: eagle_topk 1, num_steps + 1 tokens verified)", SD,
             arity="json", values=SPEC_METHODS,
@@ -207,7 +224,8 @@ _FLAGS = (
     removed("--ngram-prompt-lookup-max", "removed from vLLM; use --speculative-config", SD),
     removed("--ngram-prompt-lookup-min", "removed from vLLM; use --speculative-config", SD),
     removed("--spec-decoding-acceptance-method", "removed from vLLM V1", SD),
-    removed("--guided-decoding-backend", "renamed in vLLM to --structured-outputs-config backend", SO),
+    removed("--guided-decoding-backend", "renamed in vLLM to --structured-outputs-config backend; structured "
+            "outputs here are xgrammar's", SO, neutral=("xgrammar", "auto")),
     removed("--preemption-mode", "removed from vLLM V1 (always recompute)", S),
     removed("--scheduler-delay-factor", "removed from vLLM V1", S),
     removed("--tokenizer-pool-size", "removed from vLLM", M),
