@@ -89,6 +89,14 @@ def convert(raw: Any, kind: str, choices: tuple[Any, ...] | None) -> Any:
     return value
 
 
+def _spelling(raw: Any, choices: tuple[Any, ...] | None) -> Any:
+    """SGLang's and vLLM's spellings of one name (`gpt-oss`, `DeepSeek-R1`) as the schema's (`gpt_oss`)."""
+    if not isinstance(raw, str) or not choices or restore(raw) in choices:
+        return raw
+    spelt = restore(raw).lower().replace("-", "_")
+    return spelt if spelt in choices else raw
+
+
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """`--hf-overrides '{...}' --hf-overrides.a.b 1`: later keys win, nested objects are merged."""
     merged = dict(base)
@@ -244,7 +252,7 @@ class Applier:
                     out.warn(source, f"only the first of {len(raw)} values is kept ({target} takes one)",
                              unmapped=True)
                 raw = raw[0]
-            value = convert(raw, info.kind, info.choices)
+            value = convert(_spelling(raw, info.choices), info.kind, info.choices)
         except BadValue as exc:
             out.warn(source, f"{exc}; {target} not set", unmapped=True)
             return

@@ -112,7 +112,9 @@ FLAGS = (
                  ("kimi_k2", "kimi_k25"))),
     same("--tool-call-parser", "api.tool_call_parser", A,
          values=(("qwen25", "qwen"), ("qwen", "qwen"), ("llama3", "llama3_json"), ("deepseekv3", "deepseek_v3"),
-                 ("deepseekv31", "deepseek_v31"), ("kimi_k2", "kimik2"))),
+                 ("deepseekv31", "deepseek_v31"), ("deepseekv32", "deepseek_v32"), ("kimi_k2", "kimik2"))),
+    implied("--enable-auto-tool-choice", "tool calls are parsed whenever api.tool_call_parser is set (a vLLM "
+            "flag; SGLang behaves this way too)", A, arity="flag"),
     same("--enable-custom-logit-processor", "api.enable_custom_logit_processor", A, arity="flag"),
     no("--admin-api-key", "one API key guards every route", A),
     no("--weight-version", "no weight versions", A, neutral=("default",)),

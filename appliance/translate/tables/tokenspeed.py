@@ -72,6 +72,8 @@ FLAGS = (
     same("--dp-sampling", "backends.dp_sampling", B, arity="flag"),
     same("--reasoning-parser", "api.reasoning_parser", R),
     same("--tool-call-parser", "api.tool_call_parser", R),
+    implied("--enable-auto-tool-choice", "tool calls are parsed whenever api.tool_call_parser is set", R,
+            arity="flag"),
     same("--enable-custom-logit-processor", "api.enable_custom_logit_processor", R, arity="flag"),
     same("--speculative-config", "speculative", SD, arity="json", values=SPEC_METHODS,
          subkeys=(("algorithm", "speculative.algorithm"), ("draft_model_path", "speculative.draft_model_path"),
