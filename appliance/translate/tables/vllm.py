@@ -117,6 +117,8 @@ _FLAGS = (
     same("--gpu-memory-utilization", "cache.gpu_memory_utilization", C),
     same("--kv-cache-dtype", "precision.kv_cache_dtype", C),
     same("--enable-prefix-caching", "cache.enable_prefix_caching", C, arity="flag"),
+    similar("--quantization-param-path", "precision.quantization_param_path", "dropped from vLLM (fp8 KV scales "
+            "now come with the checkpoint); here the JSON file of KV cache scales", C),
     no("--calculate-kv-scales", "KV scales are not computed on the fly; give them with "
        "precision.quantization_param_path", C, arity="flag"),
     no("--kv-cache-memory-bytes", "size the KV pool with cache.max_total_tokens or cache.gpu_memory_utilization",
