@@ -55,3 +55,15 @@ def interpolated(word: str) -> Interpolated | None:
         return None
     out = _MUSTACHE.sub(named, _ANGLE.sub(named, out))
     return Interpolated(out, tuple(dict.fromkeys(names))) if names else None
+
+
+_INTERP = re.compile(r"\$\{oc\.env:([A-Za-z_]\w*)(?:,((?:\\.|[^}\\])*))?\}")
+
+
+def to_shell(text: str) -> str:
+    """`${oc.env:VAR}` / `${oc.env:VAR,default}` back to the shell's `${VAR}` / `${VAR:-default}`."""
+    def sub(m: re.Match[str]) -> str:
+        default = m.group(2)
+        return "${" + m.group(1) + ("" if default is None else ":-" + re.sub(r"\\(.)", r"\1", default)) + "}"
+
+    return _INTERP.sub(sub, text)
