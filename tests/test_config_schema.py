@@ -68,8 +68,8 @@ def test_defaults_follow_the_seeds() -> None:
     ("scheduler", {"chunked_prefill_size": -2}),
     ("scheduler", {"policy": "random"}),
     ("api", {"port": 70000}),
-    ("api", {"tool_call_parser": "nope"}),
-    ("backends", {"attention": "cudnn"}),
+    ("api", {"tool_call_parser": "no pe"}),  # any engine's parser name is accepted, not any text
+    ("backends", {"attention": "cu/dnn"}),
     ("observability", {"kv_events": {"publisher": "kafka"}}),
     ("model", {"pathh": "x"}),
     ("parallelism", {"tp": 0}),
@@ -133,3 +133,18 @@ def test_dump_and_validate_round_trip() -> None:
     })
     again = ApplianceConfig.model_validate(cfg.model_dump(mode="json"))
     assert again == cfg and again.parallelism.effective_ep == 4
+
+
+def test_engine_names_are_kept_and_refused_at_start_up() -> None:
+    """Parser and backend names: every source engine's spelling is accepted (`-` read as `_`, any case), so a
+    translated deployment keeps it; check_supported (start-up) refuses the ones this build lacks."""
+    from appliance.config import check_supported
+
+    cfg = ApplianceConfig.model_validate({"api": {"tool_call_parser": "Kimi-K2"},
+                                          "backends": {"attention": "ROCM_AITER_FA", "moe": "deep_gemm"}})
+    assert (cfg.api.tool_call_parser, cfg.backends.attention) == ("kimi_k2", "rocm_aiter_fa")
+    refused = {m.split(":")[0] for m in check_supported(cfg)}
+    assert refused == {"api.tool_call_parser", "backends.attention", "backends.moe"}
+    ok = ApplianceConfig.model_validate({"api": {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"},
+                                         "backends": {"attention": "triton"}})
+    assert check_supported(ok) == []

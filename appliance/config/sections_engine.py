@@ -6,9 +6,9 @@ descriptions are user documentation: docs/parameters.md is generated from them.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, StringConstraints, field_validator
 
 from appliance.config.fields import param
 
@@ -35,19 +35,16 @@ LoadFormat = Literal[
     "auto", "pt", "safetensors", "npcache", "dummy", "fastsafetensors", "mistral", "gguf", "bitsandbytes",
     "runai_streamer", "sharded_state", "layered",
 ]
-# the appliance's names first, then every backend the source engines name (vLLM's in lower case), so that a
-# translated deployment keeps its choice; support.py says which this build runs
-AttentionBackend = Literal[
-    "auto", "torch", "triton", "flashinfer", "mha", "mla", "fa3", "fa4", "trtllm", "trtllm_mha", "trtllm_mla",
-    "tokenspeed_mla", "flashinfer_mla", "flashmla", "flashmla_sparse", "cutlass_mla", "triton_mla", "flex_attention",
-    "nsa", "xformers", "tree_attn", "dual_chunk_flash_attn", "aiter", "wave", "rocm_attn", "rocm_aiter_fa",
-    "rocm_aiter_mha", "rocm_aiter_mla", "rocm_aiter_triton_mla", "rocm_aiter_unified_attn", "ascend", "intel_amx",
-    "intel_xpu", "cpu_attn", "pallas",
-]
-MoeBackend = Literal[
-    "auto", "torch", "triton", "triton_kernel", "deepep", "deep_gemm", "cutlass", "marlin", "flashinfer_trtllm",
-    "flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_mxfp4", "aiter", "mega_moe",
-]
+
+
+def _name(value: Any) -> Any:
+    """Engine spellings of one name agree: `TRITON_ATTN`, `deepseek-r1` -> `triton_attn`, `deepseek_r1`."""
+    return value.strip().lower().replace("-", "_") if isinstance(value, str) else value
+
+
+# A kernel backend or parser name. Any name a source engine uses is accepted, so that a translated deployment
+# keeps its choice; support.py refuses at start-up the ones this build does not have.
+Name = Annotated[str, BeforeValidator(_name), StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.]*$")]
 All2AllBackend = Literal["auto", "naive", "allgather_reducescatter", "deepep", "pplx"]
 
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
@@ -61,7 +58,7 @@ class ModelSection(Section):
         "(appliance/assets/default_model), so `appliance run` works with no download.",
         flags=("--model", "--model-path"))
     tokenizer: str | None = param(None, "Tokenizer path or repo id when it differs from the model path.")
-    tokenizer_mode: Literal["auto", "slow", "mistral", "deepseek_v4"] = param(
+    tokenizer_mode: Literal["auto", "slow", "mistral", "deepseek_v4", "deepseek_v32", "inkling"] = param(
         "auto", "Tokenizer behaviour: `auto` uses the fast tokenizer when available, `slow` forces the Python one; "
         "`mistral` (mistral-common) and `deepseek_v4` are the source engines' model-specific tokenizers.")
     skip_tokenizer_init: bool = param(
@@ -278,14 +275,17 @@ class CacheSection(Section):
 class BackendsSection(Section):
     """Kernel and runtime backends. `auto` picks per device; set them explicitly in production."""
 
-    attention: AttentionBackend = param("auto", "Attention kernels: `auto` (triton on GPU, torch on CPU), "
-                                        "`torch` (reference), `triton`, `flashinfer`, ...",
-                                        flags="--attention-backend")
-    drafter_attention: AttentionBackend | None = param(
+    attention: Name = param("auto", "Attention kernels: `auto` (triton on GPU, torch on CPU), `torch` "
+                            "(reference), `triton`, `flashinfer`; the source engines' other names (fa3, trtllm_mla, "
+                            "rocm_aiter_fa, ascend, ...) are kept and refused at start-up.",
+                            flags="--attention-backend")
+    drafter_attention: Name | None = param(
         None, "Attention backend of the speculative drafter. Unset: same as attention.",
         flags="--drafter-attention-backend")
-    moe: MoeBackend = param("auto", "Fused MoE kernels.", flags="--moe-backend")
-    draft_moe: MoeBackend | None = param(None, "MoE backend of the draft model. Unset: same as moe.",
+    moe: Name = param("auto", "Fused MoE kernels: `auto`, `torch`, `triton`; the source engines' other names "
+                      "(deep_gemm, flashinfer_trtllm, cutlass, aiter, ...) are kept and refused at start-up.",
+                      flags="--moe-backend")
+    draft_moe: Name | None = param(None, "MoE backend of the draft model. Unset: same as moe.",
                                          flags="--draft-moe-backend")
     all2all: All2AllBackend = param("auto", "All-to-all of MoE tokens under expert parallelism.",
                                     flags="--all2all-backend")

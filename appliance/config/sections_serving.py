@@ -6,24 +6,9 @@ from typing import Any, Literal
 from pydantic import field_validator
 
 from appliance.config.fields import param
-from appliance.config.sections_engine import AttentionBackend, Section
+from appliance.config.sections_engine import Name, Section
 
 SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "DSPARK", "NGRAM", "STANDALONE"]
-# Every parser name vLLM, SGLang and TokenSpeed use (SGLang's spellings normalised: deepseekv3 -> deepseek_v3,
-# gpt-oss -> gpt_oss); support.py refuses the ones appliance.server.parsers does not implement.
-ReasoningParser = Literal[
-    "base", "qwen3", "qwen3_thinking", "deepseek_r1", "deepseek_v3", "deepseek_v31", "deepseek_v4", "kimi", "kimi_k2",
-    "kimi_k25", "glm45", "glm47", "gpt_oss", "minimax_m2", "minimax_m2_append_think", "minimax_m3", "mistral",
-    "step3", "step3p5", "gemma4", "ernie45", "granite", "hunyuan_a13b", "seed_oss", "olmo3", "nano_v3", "interns1",
-    "mimo", "poolside_v1",
-]
-ToolCallParser = Literal[
-    "json", "passthrough", "qwen", "qwen25", "qwen_coder", "hermes", "qwen3_coder", "qwen3_xml", "kimik2", "kimi_k2",
-    "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "llama3", "llama3_json", "llama4_json",
-    "llama4_pythonic", "pythonic", "mistral", "glm", "glm45", "glm47", "gpt_oss", "minimax", "minimax_m2",
-    "minimax_m3", "step3", "step3p5", "gemma4", "ernie45", "granite", "hunyuan_a13b", "internlm", "interns1", "jamba",
-    "longcat", "seed_oss", "olmo3", "xlam", "phi4_mini_json", "gigachat3", "mimo", "poolside_v1",
-]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -96,10 +81,12 @@ class ApiSection(Section):
                                    "no timeout.", ge=0)
     shutdown_grace_period: float = param(5.0, "Seconds open requests get to finish after SIGTERM (new ones are "
                                          "refused meanwhile); then the pipeline is stopped.", ge=0)
-    reasoning_parser: ReasoningParser | None = param(
-        None, "Splits reasoning (thinking) text into `reasoning_content`. Unset: no split.")
-    tool_call_parser: ToolCallParser | None = param(
-        None, "Parses tool calls out of model text into OpenAI `tool_calls`. Unset: tool calls are not parsed.")
+    reasoning_parser: Name | None = param(
+        None, "Splits reasoning (thinking) text into `reasoning_content`. Unset: no split. Any name vLLM, SGLang or "
+        "TokenSpeed use is accepted (`-` read as `_`); start-up refuses one appliance.server.parsers lacks.")
+    tool_call_parser: Name | None = param(
+        None, "Parses tool calls out of model text into OpenAI `tool_calls`. Unset: tool calls are not parsed. Any "
+        "name vLLM, SGLang or TokenSpeed use is accepted; start-up refuses one appliance.server.parsers lacks.")
     enable_custom_logit_processor: bool = param(False, "Allow requests to carry custom logit processors.")
     disable_thinking: bool = param(False, "Force thinking off whatever the request asks (chat template "
                                    "`enable_thinking=False`, reasoning budget 0).", flags=("--disable-thinking",))
@@ -167,6 +154,6 @@ class ObservabilitySection(Section):
 
 
 __all__ = [
-    "ApiCaps", "ApiSection", "AttentionBackend", "KvEventsConfig", "ObservabilitySection", "SamplingSection",
+    "ApiCaps", "ApiSection", "KvEventsConfig", "ObservabilitySection", "SamplingSection",
     "SpeculativeSection",
 ]

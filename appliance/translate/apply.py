@@ -113,9 +113,9 @@ def _implied(use: FlagUse) -> bool:
         return False
     if flag.status == "implied":
         return True
-    if flag.status in ("none", "removed"):
-        return (isinstance(raw, str) and raw.lower() in flag.neutral) or (flag.arity == "flag" and raw is False)
-    return False
+    if isinstance(raw, str) and raw.lower() in flag.neutral:
+        return True
+    return flag.status in ("none", "removed") and flag.arity == "flag" and raw is False
 
 
 class Applier:
@@ -149,6 +149,9 @@ class Applier:
             return
         if flag.status == "implied":
             out.note(use.display, flag.note)
+            return
+        if word and word.lower() in flag.neutral:  # e.g. --max-model-len auto: the unset key means the same
+            out.note(use.display, f"{word} is what {flag.target} means when unset; nothing to set")
             return
         assert flag.target is not None
         if flag.arity == "json" or use.subkey is not None:
@@ -253,7 +256,9 @@ class Applier:
                              unmapped=True)
                 raw = raw[0]
             value = convert(_spelling(raw, info.choices), info.kind, info.choices)
-        except BadValue as exc:
+            if info.kind not in ("dict", "any"):
+                value = schema_view.normalized(target, value)
+        except (BadValue, ValueError) as exc:
             out.warn(source, f"{exc}; {target} not set", unmapped=True)
             return
         if parent_info is not None and parent_info.kind == "dict":  # a key inside a free dict (hf_overrides)

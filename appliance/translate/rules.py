@@ -19,7 +19,7 @@ def finish(out: Translation, applier: Applier, uses: list[FlagUse], table: Engin
            env: dict[str, str], devices: list[str] | None) -> None:
     scratch = applier.scratch
     _chunked_prefill(out, scratch)
-    _dist_addr(out, scratch)
+    _dist_addr(out, scratch, table)
     _dp_attention(out, scratch)
     _dp_layout(out, scratch)
     _world(out)
@@ -47,10 +47,17 @@ def _chunked_prefill(out: Translation, scratch: dict[str, tuple[Any, str]]) -> N
     out.set("scheduler.chunked_prefill_size", -1, source, "-1 turns chunked prefill off")
 
 
-def _dist_addr(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None:
+# the rendezvous port an engine uses when the command names only the host
+DEFAULT_MASTER_PORT = {"vllm": (29501, "vLLM's default --master-port")}
+
+
+def _dist_addr(out: Translation, scratch: dict[str, tuple[Any, str]], table: EngineTable) -> None:
     host, port = scratch.get("@dist_host"), scratch.get("@dist_port")
     if host is None and port is None:
         return
+    if host is not None and port is None and table.name in DEFAULT_MASTER_PORT:
+        value, why = DEFAULT_MASTER_PORT[table.name]
+        port = (value, f"({why})")
     if host is None or port is None:
         if any(p.path == "parallelism.dist_init_addr" for p in out.pending):
             return  # the other half is unresolved: already reported
@@ -110,7 +117,8 @@ def _dp_attention(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None
     out.set("parallelism.tp", tp // dp, source, note)
     if "parallelism.dense_tp" not in out.settings:
         out.set("parallelism.dense_tp", tp, source, note)
-    if "parallelism.moe_tp" not in out.settings and not out.get("parallelism.enable_expert_parallel", False):
+    expert_parallel = out.get("parallelism.enable_expert_parallel", False) or out.get("parallelism.ep", 1) != 1
+    if "parallelism.moe_tp" not in out.settings and not expert_parallel:
         out.set("parallelism.moe_tp", tp, source, "MoE layers tensor-parallel over all ranks too")
 
 

@@ -42,7 +42,7 @@ _FLAGS = (
     same("--dtype", "precision.dtype", M),
     same("--seed", "model.seed", M),
     same("--revision", "model.revision", M),
-    same("--max-model-len", "model.max_model_len", M),
+    same("--max-model-len", "model.max_model_len", M, neutral=("auto", "-1")),
     same(("--quantization", "-q"), "precision.quantization", M),
     same("--enforce-eager", "backends.enforce_eager", M, arity="flag"),
     same("--max-logprobs", "api.caps.max_logprobs", M),
@@ -58,7 +58,7 @@ _FLAGS = (
                      ("top_k", "sampling.top_k"), ("min_p", "sampling.min_p"),
                      ("repetition_penalty", "sampling.repetition_penalty"))),
     no("--generation-config", "the model's generation_config.json is not read; set [sampling] defaults", M,
-       neutral=("auto",)),
+       neutral=("vllm",)),
     no("--runner", "only generative models are served", M, neutral=("auto", "generate")),
     no("--convert", "no model conversion (pooling / classification)", M, neutral=("auto", "none")),
     no("--task", "only text generation is served (vLLM deprecated --task)", M, neutral=("auto", "generate")),
@@ -157,7 +157,7 @@ _FLAGS = (
     no("--optimization-level", "no torch.compile optimization levels; CUDA graphs are backends.enforce_eager", CO),
     similar("--attention-backend", "backends.attention", "vLLM's backend names in the appliance's spelling: "
             "FLASH_ATTN -> fa3 (vLLM picks FlashAttention 2 or 3 by GPU), TRITON_ATTN -> triton, TORCH_SDPA -> "
-            "torch, the rest lower-cased", CO, values=VLLM_ATTENTION, closed=True),
+            "torch, the rest lower-cased", CO, values=VLLM_ATTENTION),
     same("--moe-backend", "backends.moe", CO),
     similar("--speculative-config", "speculative", "vLLM's method / model / num_speculative_tokens become "
             "algorithm / draft_model_path / num_steps (a chain: eagle_topk 1, num_steps + 1 tokens verified)", SD,
