@@ -278,3 +278,19 @@ def test_validate_never_checks_the_embedded_model_in_place_of_the_configured_one
     path.write_text("[parallelism]\ntp = 8\n")  # no path: the embedded model is the one named, and checked
     with pytest.raises(ConfigError, match="attention heads are not divisible by tp 8"):
         resolve(path, env={}, run_env=False)
+
+
+@pytest.mark.parametrize("line", [
+    "$ vllm serve org/m -tp 2",  # a copied prompt
+    "(venv) $ vllm serve org/m -tp 2",
+    "kubectl exec pod-0 -- vllm serve org/m -tp 2",
+    "ray job submit -- vllm serve org/m -tp 2",
+    "uvx vllm serve org/m -tp 2",
+    "apptainer exec --nv -B /models:/models vllm.sif vllm serve org/m -tp 2",
+    "torchrun --nproc-per-node 2 -m sglang.launch_server --model-path org/m --tp 2",
+    "docker run --gpus all --entrypoint /bin/bash lmsysorg/sglang -c 'python3 -m sglang.launch_server "
+    "--model-path org/m --tp 2'",
+])
+def test_launch_wrappers(line: str) -> None:
+    tr = one(line + "\n")
+    assert value(tr, "model.path") == "org/m" and value(tr, "parallelism.tp") == 2

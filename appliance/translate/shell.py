@@ -174,6 +174,8 @@ def _expand(word: str, env: dict[str, str], missing: list[str]) -> list[str]:
     return [expanded.replace(QUOTED_DOLLAR, "$")]
 
 
+# a copied terminal prompt in front of a command (`$ vllm serve ...`, `(venv) $ ...`): not valid shell anyway
+_PROMPT = re.compile(r"^[ \t]*(?:\([\w.-]+\)[ \t]*)?[$%][ \t]+(?=\S)", re.M)
 _HEREDOC = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_]\w*)\2")
 _WRITES = re.compile(r"^\s*(?:cat\b[^>|]*>\s*|cat\b.*\|\s*(?:sudo\s+)?tee\s+(?:-a\s+)?)([^\s;&|<>]+)")
 
@@ -211,7 +213,7 @@ def parse_script(text: str, env: dict[str, str] | None = None,
     exported: dict[str, str] = dict(env or {})
     aliases: dict[str, list[str]] = {}
     out: list[ShellCommand] = []
-    text, written = heredocs(text)
+    text, written = heredocs(_PROMPT.sub("", text))
     if files is not None:
         files.update(written)
     for line, logical in _logical_lines(text):
