@@ -294,3 +294,16 @@ def test_validate_never_checks_the_embedded_model_in_place_of_the_configured_one
 def test_launch_wrappers(line: str) -> None:
     tr = one(line + "\n")
     assert value(tr, "model.path") == "org/m" and value(tr, "parallelism.tp") == 2
+
+
+def test_multimodal_settings_are_written_and_refused_unless_text_only(tmp_path: Path) -> None:
+    tr = one("vllm serve Qwen/Qwen3-VL-8B --mm-encoder-tp-mode data --mm-processor-cache-gb 32 "
+             "--limit-mm-per-prompt '{\"image\": 4}' --limit-mm-per-prompt.video 0\n")
+    assert tr.document()["multimodal"] == {"encoder_tp_mode": "data", "processor_cache_gb": 32,
+                                           "limit_per_prompt": {"image": 4, "video": 0}}
+    assert any(u.startswith("multimodal:") for u in tr.unsupported)
+    validated(tr, tmp_path)
+    tr = one("vllm serve Qwen/Qwen3-VL-8B --limit-mm-per-prompt '{\"image\": 0, \"video\": 0}' "
+             "--mm-processor-cache-gb 0 --language-model-only\n")
+    assert tr.document()["multimodal"] == {"limit_per_prompt": {"image": 0, "video": 0}, "processor_cache_gb": 0}
+    assert tr.unsupported == []  # text only: what this build serves

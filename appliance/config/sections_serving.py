@@ -49,6 +49,38 @@ class SpeculativeSection(Section):
         return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
 
 
+class MultimodalSection(Section):
+    """Image / video inputs. This build serves text only: the keys are here so that a deployment translated from
+    a vision-language recipe keeps its settings, and start-up refuses them (support.py)."""
+
+    encoder_tp_mode: Literal["weights", "data"] | None = param(
+        None, "How the vision encoder uses the tp group: `weights` splits its weights, `data` runs whole items "
+        "data-parallel.", flags=("--mm-encoder-tp-mode",))
+    encoder_attention: Name | None = param(None, "Attention backend of the vision encoder.",
+                                           flags=("--mm-encoder-attn-backend", "--mm-attention-backend"))
+    processor_cache_gb: float | None = param(
+        None, "Cache of preprocessed media in GB; 0 turns it off.", flags=("--mm-processor-cache-gb",), ge=0)
+    processor_cache_type: Literal["lru", "shm"] | None = param(None, "Where preprocessed media are cached.",
+                                                               flags=("--mm-processor-cache-type",))
+    limit_per_prompt: dict[str, Any] = param(
+        default_factory=dict, description="Most items of each modality per prompt (`{image = 4, video = 0}`); all "
+        "0 means text only.", flags=None, json_flag="--limit-mm-per-prompt")
+    processor_kwargs: dict[str, Any] = param(default_factory=dict, description="Arguments of the media processor.",
+                                             flags=None, json_flag="--mm-processor-kwargs")
+    media_io_kwargs: dict[str, Any] = param(default_factory=dict, description="Arguments of media loading.",
+                                            flags=None, json_flag="--media-io-kwargs")
+    allowed_local_media_path: str | None = param(None, "Directory whose files requests may name as media.",
+                                                 flags=("--allowed-local-media-path",))
+
+    def text_only(self) -> bool:
+        """Whether these settings leave the server text-only (what this build serves)."""
+        defaults = type(self)()
+        changed = {k for k in type(self).model_fields if getattr(self, k) != getattr(defaults, k)}
+        changed -= {"processor_cache_gb"} if self.processor_cache_gb == 0 else set()
+        changed -= {"limit_per_prompt"} if not any(self.limit_per_prompt.values()) else set()
+        return not changed
+
+
 class ApiCaps(Section):
     """Upper bounds on what one request may ask for; a request over a cap gets HTTP 400."""
 
@@ -154,6 +186,6 @@ class ObservabilitySection(Section):
 
 
 __all__ = [
-    "ApiCaps", "ApiSection", "KvEventsConfig", "ObservabilitySection", "SamplingSection",
+    "ApiCaps", "ApiSection", "KvEventsConfig", "MultimodalSection", "ObservabilitySection", "SamplingSection",
     "SpeculativeSection",
 ]

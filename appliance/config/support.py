@@ -86,6 +86,8 @@ UNSUPPORTED: list[Unsupported] = [
                 "hybrid SSM models (state slots) are not supported in this build"),
     Unsupported("cache.ssm_checkpoint_interval", lambda c: c.cache.ssm_checkpoint_interval is not None,
                 "hybrid SSM models (state snapshots) are not supported in this build"),
+    Unsupported("multimodal", lambda c: not c.multimodal.text_only(),
+                "image and video inputs are not supported in this build (text only)"),
     Unsupported("api.reasoning_parser", lambda c: _parser_missing("reasoning", c.api.reasoning_parser),
                 "this reasoning parser is not implemented in this build (appliance.server.parsers lists the ones "
                 "that are)"),

@@ -115,7 +115,8 @@ FLAGS = (
     similar("--prefill-graph-max-tokens", "backends.piecewise_cuda_graph_max_tokens", "the largest prefill step "
             "run as captured graphs", B),
     implied("--enable-mixed-batch", "steps mix prefill chunks and decodes here", S, arity="flag"),
-    *nones(B, "not available", "--linear-backend", "--mm-encoder-tp-mode", "--low-latency-max-num-tokens-per-gpu"),
+    same("--mm-encoder-tp-mode", "multimodal.encoder_tp_mode", M),
+    *nones(B, "not available", "--linear-backend", "--low-latency-max-num-tokens-per-gpu"),
     *switches(B, "not available", "--disable-cuda-graph-padding", "--attention-use-fp4-indexer-cache",
               "--enable-flashinfer-autotune"),
 )
