@@ -17,7 +17,7 @@ CONTRACT = {
     "scheduler": "max_num_seqs chunked_prefill_size max_prefill_tokens max_queued_requests policy slo_tbt_ms",
     "cache": "block_size gpu_memory_utilization max_total_tokens enable_prefix_caching host_cache host_cache_ratio "
              "host_cache_size_gb disk_cache ssm_cache_slots ssm_checkpoint_interval",
-    "backends": "attention drafter_attention moe draft_moe all2all deepep_mode sampling enforce_eager "
+    "backends": "attention drafter_attention moe draft_moe linear all2all deepep_mode sampling enforce_eager "
                 "cuda_graph_max_bs cuda_graph_sizes",
     "speculative": "algorithm draft_model_path draft_model_quantization num_steps num_draft_tokens eagle_topk "
                    "prompt_lookup_min prompt_lookup_max eagle3_layers_to_capture",

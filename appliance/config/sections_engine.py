@@ -287,6 +287,8 @@ class BackendsSection(Section):
                       flags="--moe-backend")
     draft_moe: Name | None = param(None, "MoE backend of the draft model. Unset: same as moe.",
                                          flags="--draft-moe-backend")
+    linear: Name = param("auto", "Dense GEMM kernels: `auto` picks per device and dtype; the source engines' "
+                         "names (aiter, emulation, ...) are kept and refused at start-up.", flags="--linear-backend")
     all2all: All2AllBackend = param("auto", "All-to-all of MoE tokens under expert parallelism.",
                                     flags="--all2all-backend")
     deepep_mode: Literal["auto", "normal", "low_latency"] = param("auto", "DeepEP mode.")

@@ -103,6 +103,8 @@ UNSUPPORTED: list[Unsupported] = [
                 "extra), which is not installed here"),
     Unsupported("backends.moe", lambda c: c.backends.moe not in ("auto", "torch", "triton"),
                 "only the auto, torch and triton MoE backends exist in this build"),
+    Unsupported("backends.linear", lambda c: c.backends.linear != "auto",
+                "only the auto dense GEMM backend exists in this build"),
     Unsupported("backends.all2all", lambda c: c.backends.all2all != "auto",
                 "MoE all-to-all backends are not supported in this build"),
     Unsupported("backends.deepep_mode", lambda c: c.backends.deepep_mode != "auto",

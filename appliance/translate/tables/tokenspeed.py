@@ -116,7 +116,8 @@ FLAGS = (
             "run as captured graphs", B),
     implied("--enable-mixed-batch", "steps mix prefill chunks and decodes here", S, arity="flag"),
     same("--mm-encoder-tp-mode", "multimodal.encoder_tp_mode", M),
-    *nones(B, "not available", "--linear-backend", "--low-latency-max-num-tokens-per-gpu"),
+    same("--linear-backend", "backends.linear", B),
+    *nones(B, "not available", "--low-latency-max-num-tokens-per-gpu"),
     *switches(B, "not available", "--disable-cuda-graph-padding", "--attention-use-fp4-indexer-cache",
               "--enable-flashinfer-autotune"),
 )
