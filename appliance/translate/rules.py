@@ -193,8 +193,12 @@ def _host_tier(out: Translation) -> None:
 def _mtp(out: Translation) -> None:
     if out.get("speculative.algorithm") in ("MTP", "NGRAM") and "speculative.draft_model_path" in out.settings:
         dropped = out.settings.pop("speculative.draft_model_path")
-        out.note(dropped.source, f"{out.get('speculative.algorithm')} uses no separate draft model; the model "
-                 f"{dropped.value!r} is not needed here")
+        algorithm = out.get("speculative.algorithm")
+        if dropped.value == out.get("model.path"):  # the target's own checkpoint holds its MTP layers
+            out.implied(dropped.source, f"{algorithm} drafts with the model's own layers: nothing to set")
+        else:
+            out.note(dropped.source, f"{algorithm} uses no separate draft model; the model {dropped.value!r} is "
+                     "not needed here")
 
 
 def _devices(out: Translation, env: dict[str, str], devices: list[str] | None) -> None:

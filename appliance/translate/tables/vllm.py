@@ -159,6 +159,7 @@ _FLAGS = (
             "FLASH_ATTN -> fa3 (vLLM picks FlashAttention 2 or 3 by GPU), TRITON_ATTN -> triton, TORCH_SDPA -> "
             "torch, the rest lower-cased", CO, values=VLLM_ATTENTION),
     same("--moe-backend", "backends.moe", CO),
+    same("--linear-backend", "backends.linear", CO),
     similar("--speculative-config", "speculative", "vLLM's method / model / num_speculative_tokens become "
             "algorithm / draft_model_path / num_steps (a chain: eagle_topk 1, num_steps + 1 tokens verified)", SD,
             arity="json", values=SPEC_METHODS,
