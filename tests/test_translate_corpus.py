@@ -59,7 +59,7 @@ def test_corpus_translates_validates_and_carries_its_settings() -> None:
     assert report.failures == []
     assert report.translated == report.scripts >= 80 and report.valid == report.commands >= report.scripts
     assert report.outcomes["pending"] <= 1  # one JSON document with a placeholder inside: not valid JSON
-    assert report.exact_share >= 0.96, report.summary()  # the rest are notes: multimodal, torch.compile, ...
+    assert report.exact_share >= 0.975, report.summary()  # the rest are notes: torch.compile, PD transfer, ...
 
 
 def test_placeholders_become_environment_interpolation(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ Quantization = Literal[
 ]
 LoadFormat = Literal[
     "auto", "pt", "safetensors", "npcache", "dummy", "fastsafetensors", "mistral", "gguf", "bitsandbytes",
-    "runai_streamer", "sharded_state", "layered",
+    "runai_streamer", "sharded_state", "layered", "instanttensor",
 ]
 
 
@@ -67,7 +67,7 @@ class ModelSection(Section):
         "auto", "Weight format: `auto` prefers safetensors, `pt` PyTorch bins, `npcache` a numpy cache, "
         "`dummy` random weights (benchmarks without a checkpoint); the others are the source engines' loaders "
         "(fastsafetensors, mistral's consolidated files, gguf, bitsandbytes, runai_streamer, sharded_state, "
-        "layered).")
+        "layered, instanttensor).")
     config_format: Literal["auto", "hf", "mistral"] = param(
         "auto", "Format of the model's config: `auto` and `hf` read config.json; `mistral` reads params.json.")
     trust_remote_code: bool = param(False, "Allow model code shipped in the model repository to run.")
