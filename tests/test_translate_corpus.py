@@ -18,7 +18,7 @@ from appliance.translate.translator import translate_text
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "fixtures" / "translate" / "corpus"
 sys.path.insert(0, str(ROOT / "tools"))
-import translate_corpus  # noqa: E402
+import translate_corpus
 
 
 def corpus(name: str) -> list[Translation]:
@@ -263,8 +263,7 @@ def test_config_heredoc_model_variables_router_and_docker(tmp_path: Path) -> Non
     tr = one("alias dr='docker run --rm -it --gpus all --ipc=host'\n"
              "dr vllm/vllm-openai:latest --model org/m --tensor-parallel-size 4\n")
     assert tr.engine == "vllm" and value(tr, "parallelism.tp") == 4
-    for t in (tr,):
-        validated(t, tmp_path)
+    validated(tr, tmp_path)
 
 
 def test_validate_never_checks_the_embedded_model_in_place_of_the_configured_one(tmp_path: Path) -> None:
@@ -288,8 +287,8 @@ def test_validate_never_checks_the_embedded_model_in_place_of_the_configured_one
     "uvx vllm serve org/m -tp 2",
     "apptainer exec --nv -B /models:/models vllm.sif vllm serve org/m -tp 2",
     "torchrun --nproc-per-node 2 -m sglang.launch_server --model-path org/m --tp 2",
-    "docker run --gpus all --entrypoint /bin/bash lmsysorg/sglang -c 'python3 -m sglang.launch_server "
-    "--model-path org/m --tp 2'",
+    ("docker run --gpus all --entrypoint /bin/bash lmsysorg/sglang -c 'python3 -m sglang.launch_server "
+     "--model-path org/m --tp 2'"),
 ])
 def test_launch_wrappers(line: str) -> None:
     tr = one(line + "\n")

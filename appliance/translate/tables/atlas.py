@@ -5,7 +5,7 @@ argparse abbreviations; its boolean options with `[<BOOL>]` take an optional tru
 """
 from __future__ import annotations
 
-from appliance.translate.spec import EngineTable, implied, nones, same, similar, switches
+from appliance.translate.spec import EngineTable, implied, nones, same, similar
 from appliance.translate.spec import none as no
 
 M, S, K, SD, P, A, SA, X = ("Model", "Scheduler and memory", "KV cache", "Speculative decoding", "Parallelism",

@@ -14,6 +14,8 @@ M, H, Q, S, R = "Model and tokenizer", "HTTP server", "Quantization and data typ
 L, A, P, B, SD = "Logging and metrics", "API", "Parallelism", "Kernel backends", "Speculative decoding"
 EP, C, O = "Expert parallelism", "Caches and offloading", "Optimization and debug"
 NO_PP = "pipeline micro-batching is not tunable (parallelism.pp sets the stages)"
+ROUTER = ("an option of SGLang's router (`python -m sglang_router.launch_server`): the appliance routes among its "
+          "dp replicas itself (least open requests, sticky per request)")
 BACKEND_NOTE = "name is aligned; the available values are the appliance's (see backends.*)"
 
 FLAGS = (
@@ -257,7 +259,6 @@ TABLE = EngineTable(
     title="SGLang",
     flags=FLAGS,
     defaults=(("api.port", 30000, "SGLang's default port"),),
-    families=(("--router-", "an option of SGLang's router (`python -m sglang_router.launch_server`): the appliance "
-               "routes among its dp replicas itself (least open requests, sticky per request)"),),
+    families=(("--router-", ROUTER),),
     source="python/sglang/srt/server_args.py; SGLang server-arguments docs (seed 002)",
 )
