@@ -22,6 +22,7 @@ from appliance.config.errors import Problem
 from appliance.config.paths import KeyPath, _flatten, coerce_text, resolve_path
 
 MARK = "${"
+_UNSET_BELOW = re.compile(r"Environment variable '([A-Za-z_]\w*)' not found")
 _ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(,[^}]*)?\}")
 
 
@@ -75,7 +76,10 @@ def interpolate(data: dict[str, Any], *, strict: bool,
     leaves = list(_leaves(data))
     if not leaves:
         return errors, warnings
-    tree = OmegaConf.create(data)
+    try:
+        tree = OmegaConf.create(data)
+    except OmegaConfBaseException as exc:  # a value omegaconf cannot hold (a TOML date, say)
+        return [Problem("", f"cannot resolve interpolations: {str(exc).splitlines()[0]}", "error")], warnings
     for path, text in leaves:
         dotted = ".".join(path)
         missing = unset_variables(text)
@@ -93,6 +97,12 @@ def interpolate(data: dict[str, Any], *, strict: bool,
             value = OmegaConf.select(tree, dotted, throw_on_resolution_failure=True)
         except OmegaConfBaseException as exc:
             why = f"environment variable {', '.join(missing)} is not set" if missing else str(exc).splitlines()[0]
+            unset_below = _UNSET_BELOW.search(why)  # a key reference to a value that reads an unset variable
+            if unset_below and not strict:
+                warnings.append(Problem(dotted, f"{text!r} reads environment variable {unset_below.group(1)}, "
+                                        "which is not set here: checked with the default", "warning", locate(path)))
+                _drop(data, path)
+                continue
             errors.append(Problem(dotted, f"cannot resolve {text!r}: {why}", "error", locate(path)))
             continue
         try:
