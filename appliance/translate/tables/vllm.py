@@ -177,6 +177,8 @@ _FLAGS = (
     same("--port", "api.port", F),
     same("--api-key", "api.api_key", F),
     same("--chat-template", "api.chat_template", F),
+    no("--chat-template-content-format", "message content reaches the chat template as one string (text parts "
+       "joined)", F, neutral=("string",)),
     same("--tool-call-parser", "api.tool_call_parser", F, values=(("hermes", "hermes"), ("llama3_json", "llama3_json"),
          ("deepseek_v3", "deepseek_v3"), ("deepseek_v31", "deepseek_v31"), ("kimi_k2", "kimik2"),
          ("qwen3_coder", "qwen3_coder"), ("pythonic", "pythonic"), ("mistral", "mistral"))),
@@ -194,7 +196,7 @@ _FLAGS = (
     *nones(OB, "not available", "--show-hidden-metrics-for-version", "--otlp-traces-endpoint",
            "--collect-detailed-traces", "--log-config-file"),
     switches(OB, "not available", "--kv-cache-metrics")[0],
-    *nones(F, "not available", "--uds", "--chat-template-content-format", "--response-role", "--ssl-keyfile",
+    *nones(F, "not available", "--uds", "--response-role", "--ssl-keyfile",
            "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path", "--tool-parser-plugin",
            "--tool-server", "--h11-max-incomplete-event-size", "--h11-max-header-count",
            "--reasoning-parser-plugin", "--structured-outputs-config"),
