@@ -15,9 +15,6 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from appliance.config.errors import Problem
 from appliance.config.paths import KeyPath, _flatten, coerce_text, resolve_path
 
@@ -76,6 +73,9 @@ def interpolate(data: dict[str, Any], *, strict: bool,
     leaves = list(_leaves(data))
     if not leaves:
         return errors, warnings
+    from omegaconf import OmegaConf  # only configs that interpolate pay for the import
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         tree = OmegaConf.create(data)
     except OmegaConfBaseException as exc:  # a value omegaconf cannot hold (a TOML date, say)
