@@ -3,7 +3,6 @@ public recipe or doc it was copied from) and one test per kind of command the tr
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,11 +13,10 @@ from appliance.config.loader import resolve
 from appliance.translate.emit import to_toml
 from appliance.translate.result import Translation
 from appliance.translate.translator import translate_text
+from tools import translate_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "fixtures" / "translate" / "corpus"
-sys.path.insert(0, str(ROOT / "tools"))
-import translate_corpus
 
 
 def corpus(name: str) -> list[Translation]:

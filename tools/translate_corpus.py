@@ -4,7 +4,7 @@ For every script: does it translate (no exit-2 error), does each resulting confi
 warnings allowed, errors not), and how many of the settings the source commands make are carried exactly
 (appliance/translate/coverage.py: landed in the config, or need none here) versus left pending or only noted.
 
-    python tools/translate_corpus.py [DIR] [--list]     # --list: every setting that is not exact
+    python -m tools.translate_corpus [DIR] [--list]     # --list: every setting that is not exact
 """
 from __future__ import annotations
 

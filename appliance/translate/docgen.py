@@ -42,7 +42,7 @@ are vLLM's dotted JSON forms (`--speculative-config.method mtp`), `--flag_with_u
 argparse abbreviations. SGLang's `--speculative-algorithm EAGLE` without a draft model (DeepSeek-V3/R1, MiMo,
 GLM-4.5+, Qwen3-Next) means the model's own MTP layers: algorithm MTP, with a note.
 
-`python tools/translate_corpus.py` measures all this on tests/fixtures/translate/corpus, launch scripts copied
+`python -m tools.translate_corpus` measures all this on tests/fixtures/translate/corpus, launch scripts copied
 from public recipes and docs (each names its source): how many translate, how many results validate, and the
 share of source settings carried exactly (`--list` prints the rest).
 """
