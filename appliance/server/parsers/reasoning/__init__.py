@@ -38,7 +38,7 @@ _FORMATS: dict[str, ReasoningFormat] = {
 }
 
 
-_FORMATS["gpt-oss"] = _FORMATS["openai_gptoss"] = _FORMATS["gpt_oss"]  # SGLang's and vLLM's names
+_FORMATS["openai_gptoss"] = _FORMATS["gpt_oss"]  # vLLM's name (SGLang's gpt-oss arrives as gpt_oss: config/Name)
 
 
 def reasoning_parser_names() -> list[str]:

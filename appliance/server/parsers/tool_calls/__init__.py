@@ -44,10 +44,8 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "kimi_k2": KimiK2ToolParser,
     "kimik2": KimiK2ToolParser,  # TokenSpeed's spelling
     "minimax_m2": MiniMaxM2ToolParser,
-    "minimax-m2": MiniMaxM2ToolParser,  # SGLang's spelling
     "step3": Step3ToolParser,
     "gpt_oss": HarmonyToolParser,
-    "gpt-oss": HarmonyToolParser,  # SGLang's spelling
     "openai": HarmonyToolParser,  # vLLM's name for the gpt-oss (harmony) parser
 }
 
