@@ -56,6 +56,27 @@ SHAPES: dict[str, dict[str, Any]] = {
         "attention_bias": False, "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
         "max_window_layers": 48, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    # sliding-window families (benchmarks/models.py): layer_types marks the windowed layers
+    "gpt-oss-20b": {  # 32 experts (top-4), attention sinks, 128-token windows on every other layer, ~21B (3.6B active)
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "attention_bias": True, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 199998, "eos_token_id": 200002, "pad_token_id": 199999,
+    },
+    "gemma-3-12b": {  # five 1024-token window layers to each global one, head_dim 256, ~12B
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208,
+        "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 1024,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 8, "max_position_embeddings": 131072,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+    },
 }
 
 
