@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.bench import offline
-from appliance.bench.presets import SHAPES, write_model_dir
+from appliance.bench.presets import write_model_dir
 from appliance.bench.workloads import random_workload
 
 MODELS = ("gpt-oss-20b", "gemma-3-12b")
