@@ -23,7 +23,7 @@ from appliance.executor.logits_processors import (
 )
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import Sampler
-from appliance.structured import StructuredSpec
+from appliance.structured import GrammarMatcher, StructuredSpec
 
 pytest.importorskip("xgrammar")
 
@@ -80,7 +80,7 @@ def test_grammar_processor_forces_valid_output(registry_factory: Any, tokenizer:
     compiler = registry_factory({}).compiler
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
-        proc = GrammarProcessor(compiler.matcher(spec), EOS)
+        proc = GrammarProcessor(GrammarMatcher(compiler.compile(spec)), EOS)
         tokens: list[int] = []
         for _ in range(80):
             row = torch.randn(VOCAB, generator=g) * 3

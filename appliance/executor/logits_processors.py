@@ -188,9 +188,9 @@ class LogitsProcessors:
                 prompt = state.token_ids[: state.num_prompt_tokens]
                 out.append(ThinkingBudgetProcessor(thinking_budget_from_dict(extra["thinking_budget"], prompt)))
             if extra.get("structured") is not None:
-                from appliance.structured import StructuredSpec
+                from appliance.structured import GrammarMatcher, StructuredSpec
 
-                matcher = self.compiler.matcher(StructuredSpec.from_dict(extra["structured"]))
+                matcher = GrammarMatcher(self.compiler.compile(StructuredSpec.from_dict(extra["structured"])))
                 out.append(GrammarProcessor(matcher, eos))
         except Exception as exc:  # noqa: BLE001 - one bad request must not take the worker down
             log.error("request %s: cannot build its logits processors (%s); ending it", state.request_id, exc)

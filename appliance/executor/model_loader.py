@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from appliance.executor.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
+from appliance.config.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

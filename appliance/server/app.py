@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -13,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import appliance
 from appliance.server.auth import AuthMiddleware, load_api_keys, warn_if_exposed
 from appliance.server.chat import create_chat_completion, render_prompt
 from appliance.server.completions import create_completion
@@ -30,6 +30,10 @@ from appliance.server.request_body import read_json
 from appliance.server.text import token_text
 
 log = logging.getLogger("appliance.server")
+try:
+    VERSION = importlib.metadata.version("appliance")  # the installed distribution's (pyproject.toml)
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    VERSION = "0+unknown"
 
 Handler = Callable[[ServerContext, Request], Awaitable[Response]]
 
@@ -71,7 +75,7 @@ async def health(ctx: ServerContext, request: Request) -> Response:
 
 
 async def version(ctx: ServerContext, request: Request) -> Response:
-    return JSONResponse({"version": getattr(appliance, "__version__", "0.1.0")})
+    return JSONResponse({"version": VERSION})
 
 
 async def metrics(ctx: ServerContext, request: Request) -> Response:
