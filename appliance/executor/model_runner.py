@@ -16,7 +16,7 @@ import random
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -69,11 +69,14 @@ from appliance.executor.sampler import Sampler
 from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
 
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
+
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: ApplianceConfig) -> None:
         from appliance.config import resolve_model_path
 
         m = config.model

@@ -24,13 +24,16 @@ import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from appliance.engine.config import StepTokens
 from appliance.layers import attention as attention_layer
 from appliance.layers.attention import Attention, AttentionMetadata, PieceBreak
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +238,7 @@ class PiecewiseGraphs:
             return self.model(self.ids[:b], self.positions[:b], self._meta(b))[:t]
 
 
-def piecewise_max_tokens(config: Any, model: torch.nn.Module, decode_graphs: bool, tp_size: int,
+def piecewise_max_tokens(config: ApplianceConfig, model: torch.nn.Module, decode_graphs: bool, tp_size: int,
                          step_tokens: StepTokens) -> int | None:
     """The largest step run in pieces (backends.piecewise_cuda_graph_max_tokens, capped by the largest chunk the
     KV sizing's profile counted), or None when they are off or cannot apply here (logged)."""

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -33,6 +33,9 @@ from appliance.runtime.messages import (
     StageReady,
 )
 from appliance.runtime.topology import Topology, replica_peers
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 log = logging.getLogger("appliance.runtime")
 
@@ -51,7 +54,8 @@ class StageProc:
 
 
 class Supervisor:
-    def __init__(self, config: Any, *, ready_timeout: float = 900.0, grace_period: float | None = None) -> None:
+    def __init__(self, config: ApplianceConfig, *, ready_timeout: float = 900.0,
+                 grace_period: float | None = None) -> None:
         self.config = config
         self.ready_timeout = ready_timeout
         # api.shutdown_grace_period: how long the HTTP process may drain open requests after SIGTERM

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -23,9 +23,12 @@ from appliance.runtime.messages import CONTROL_CODEC, StageFailed, StageReady
 from appliance.runtime.remote_executor import RemoteExecutor
 from appliance.runtime.topology import Topology, replica_peers
 
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
+
 
 class WorkerGroupExecutor(Executor):
-    def __init__(self, config: Any, *, ready_timeout: float = 900.0) -> None:
+    def __init__(self, config: ApplianceConfig, *, ready_timeout: float = 900.0) -> None:
         topo = Topology.from_config(config)
         if topo.dp != 1 or topo.nnodes != 1:
             raise ValueError(f"the offline LLM runs one tensor-parallel group on one node (dp={topo.dp}, "

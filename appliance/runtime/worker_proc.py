@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import traceback
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import zmq
 
@@ -27,6 +27,11 @@ from appliance.runtime.messages import (
 )
 from appliance.runtime.process import parent_alive
 from appliance.runtime.topology import scheduler_binds
+
+if TYPE_CHECKING:
+    from appliance.executor.runner_protocol import ModelRunnerProtocol
+    from appliance.engine.step import StepPlan
+    from appliance.executor.inflight import StepHandle
 
 log = logging.getLogger("appliance.worker")
 
@@ -88,9 +93,9 @@ class StepLoop:
     mode the scheduler sends plan N+1 before it waits for step N, so the device runs N+1 right after N. A step
     with no successor is answered as soon as its sampled ids are on the host."""
 
-    def __init__(self, runner: Any, results: zmq.Socket, rank: bytes, rank_index: int) -> None:
+    def __init__(self, runner: ModelRunnerProtocol, results: zmq.Socket, rank: bytes, rank_index: int) -> None:
         self.runner, self.results, self.rank, self.rank_index = runner, results, rank, rank_index
-        self.previous: Any = None  # the launched step not answered yet (an inflight.StepHandle)
+        self.previous: StepHandle | None = None  # the launched step not answered yet
 
     def wait_for_plan(self, plans: zmq.Socket) -> bool:
         """Whether a plan is waiting; meanwhile answer the step in flight once its ids have arrived."""
@@ -107,7 +112,7 @@ class StepLoop:
             time.sleep(50e-6)
         return False
 
-    def run(self, plan: Any) -> None:
+    def run(self, plan: StepPlan) -> None:
         if self.previous is not None and (self.previous.event is None or self.previous.event.query()):
             self._answer()  # its ids are here already (or the device computes synchronously, as a CPU does)
         try:

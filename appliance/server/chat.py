@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -38,6 +38,9 @@ from appliance.server.protocol import ChatCompletionRequest, parse_body
 from appliance.server.sampling import build_sampling
 from appliance.server.shaping import AnswerShaper, StreamTail
 from appliance.server.sse import SSEResponse, run_until_disconnect
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 log = logging.getLogger("appliance.server")
 
@@ -105,7 +108,7 @@ class ParsedOutput:
         return "tool_calls" if self.called_tools and reason in ("stop", None) else reason
 
 
-def uses_parsers(config: Any, req: Any) -> bool:
+def uses_parsers(config: ApplianceConfig, req: Any) -> bool:
     return bool(config.api.reasoning_parser or req.tools)
 
 
