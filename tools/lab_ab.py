@@ -8,9 +8,9 @@ each value is worth.
     python3 tools/lab_ab.py --preset llama-3.1-8b --tput-prompts 1000 [--rounds 1] [--knob ...]  # N x 1024/1024
     python3 tools/lab_ab.py --smoke          # a tiny Qwen3 on any device (the harness only)
 
-The knob defaults to programmatic dependent launch on / off (appliance.kernels.triton.common.PDL=True,False);
-others: appliance.layers.attention.LONGEST_FIRST_MIN_ROWS=96,100000 or
-appliance.kernels.triton.decode.PROGRAMS_PER_SM=2,4. Values are Python literals; the first is the baseline.
+The knob defaults to appliance.layers.attention.LONGEST_FIRST_MIN_ROWS=96,100000; another:
+appliance.kernels.triton.decode.PROGRAMS_PER_SM=2,4 (tuning constants: settings a deployment may change are config
+fields, backends.* / scheduler.*). Values are Python literals; the first is the baseline.
 Each switch rebuilds the runner's decode and piecewise graphs (a graph keeps the launches it captured); the
 throughput runs capture every size and bucket before timing. Prints one JSON line per measure, then RESULT.
 """
@@ -40,7 +40,7 @@ from gpu_measure import (
     run_params,
 )
 
-DEFAULT_KNOB = "appliance.kernels.triton.common.PDL=True,False"
+DEFAULT_KNOB = "appliance.layers.attention.LONGEST_FIRST_MIN_ROWS=96,100000"
 
 
 class Knob:
