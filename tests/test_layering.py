@@ -1,7 +1,8 @@
 """The declared layer order of the packages, checked on every import in the tree (lazy imports inside functions
 included; imports under `if TYPE_CHECKING:` are type-only and exempt): a package imports only packages of its own
-tier or below, config imports none of them, and no modules import each other in a cycle. Every package of
-appliance/ must be placed here, so a new one is placed on purpose.
+tier or below, config imports none of them, no two packages import each other, no modules import each other at
+import time, and the kernel registry imports no backend. Every package of appliance/ must be placed here, so a new
+one is placed on purpose.
 
     python -m pytest -q tests/test_layering.py
 """
@@ -19,7 +20,7 @@ ROOT = Path(appliance.__file__).parent
 
 # top to bottom (docs/architecture.md); a package may import its own tier and the tiers below it
 TIERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "cli", "entrypoints"),  # entry points: the CLI, the offline LLM, the package's own exports
+    ("__init__", "cli", "entrypoints", "bench"),  # the CLI, the offline LLM, `appliance bench`, the package exports
     ("runtime", "translate"),  # processes and sockets; launch-command translation (cli only)
     ("server", "observability"),  # HTTP front end; metrics, KV events, request log
     ("executor",),  # the model runner (torch): runs the engine's step plans
@@ -48,9 +49,9 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(path: Path, name: str, modules: set[str]) -> Iterator[str]:
-    """The appliance modules `path` imports at run time. `from pkg import sub` names the submodule (Python imports
-    pkg first, but a package importing its own submodules is no cycle of interest)."""
+def _imports(path: Path, name: str, modules: set[str], lazy: bool = True) -> Iterator[str]:
+    """The appliance modules `path` imports at run time (lazy: also inside functions). `from pkg import sub` names
+    the submodule (Python imports pkg first, but a package importing its own submodules is no cycle of interest)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
 
     def walk(node: ast.AST) -> Iterator[ast.AST]:
@@ -59,6 +60,8 @@ def _imports(path: Path, name: str, modules: set[str]) -> Iterator[str]:
                 for stmt in child.orelse:
                     yield stmt
                     yield from walk(stmt)
+                continue
+            if not lazy and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 continue
             yield child
             yield from walk(child)
@@ -81,11 +84,19 @@ def _imports(path: Path, name: str, modules: set[str]) -> Iterator[str]:
                 yield from (s for s in subs if s in modules)
 
 
-def import_graph() -> Graph:
+def import_graph(lazy: bool = True) -> Graph:
+    """Module -> the modules it imports; lazy: with the imports inside functions (run when called)."""
     modules = _modules()
     names = set(modules)
-    return {name: {m for m in _imports(path, name, names) if m in names and m != name}
+    return {name: {m for m in _imports(path, name, names, lazy) if m in names and m != name}
             for name, path in modules.items()}
+
+
+def package_graph(graph: Graph) -> Graph:
+    out: Graph = {}
+    for module, targets in graph.items():
+        out.setdefault(package_of(module), set()).update(package_of(t) for t in targets)
+    return {p: targets - {p} for p, targets in out.items()}
 
 
 def package_of(module: str) -> str:
@@ -168,8 +179,16 @@ def test_the_tree_follows_the_layer_order() -> None:
     assert layer_violations(graph) == []
 
 
-def test_no_modules_import_each_other_in_a_cycle() -> None:
-    assert cycles(import_graph()) == []
+def test_no_import_cycles() -> None:
+    """No two packages import each other, lazily or not; no modules import each other at import time (a cycle
+    through an import inside a function, within one package, is how a module reaches its own helper lazily)."""
+    assert cycles(package_graph(import_graph())) == []
+    assert cycles(import_graph(lazy=False)) == []
+
+
+def test_the_kernel_registry_is_a_leaf() -> None:
+    """kernels/registry.py imports no backend (it names their modules): backends import it, never the reverse."""
+    assert import_graph()["appliance.kernels.registry"] == set()
 
 
 @pytest.mark.parametrize(("module", "target"), [
@@ -185,10 +204,14 @@ def test_a_planted_import_is_caught(module: str, target: str) -> None:
 
 
 def test_a_planted_cycle_is_caught() -> None:
-    graph = import_graph()
+    graph = import_graph(lazy=False)
     assert "appliance.kernels.tuned" in graph["appliance.kernels.cublaslt"]
     planted = {**graph, "appliance.kernels.tuned": graph["appliance.kernels.tuned"] | {"appliance.kernels.cublaslt"}}
     assert ["appliance.kernels.cublaslt", "appliance.kernels.tuned"] in cycles(planted)
+    # engine and executor are adjacent tiers: an engine module importing the executor is caught as a cycle too
+    full = import_graph()
+    planted = {**full, "appliance.engine.step": full["appliance.engine.step"] | {"appliance.executor.inflight"}}
+    assert ["engine", "executor"] in cycles(package_graph(planted))
 
 
 def test_type_checking_imports_are_exempt_and_lazy_ones_count(tmp_path: Path) -> None:
@@ -197,6 +220,7 @@ def test_type_checking_imports_are_exempt_and_lazy_ones_count(tmp_path: Path) ->
                    "def f():\n    from appliance.layers import linear\n")
     names = {"appliance.server.app", "appliance.layers.linear", "appliance.layers", "appliance.server"}
     assert list(_imports(src, "appliance.kernels.mod", names)) == ["appliance.layers.linear"]
+    assert list(_imports(src, "appliance.kernels.mod", names, lazy=False)) == []
 
 
 def test_the_thinking_budget_is_one_class_for_both_layers() -> None:

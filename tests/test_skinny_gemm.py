@@ -8,8 +8,12 @@ in-process (PDL, the prefetch and both orientations: the first GPU run is not a 
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +40,8 @@ CASES: dict[str, tuple[Any, ...]] = {
 }
 # max |out - ref| over max |ref|: the output is rounded once to its dtype (the interpreter truncates to bf16)
 TOL = {bf: 2e-2, f16: 2e-3}
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def inputs(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, device: str, x_pad: int = 0,
@@ -94,10 +100,12 @@ def test_interpreted_kernel_matches_f_linear(interpreted: dict[str, dict[str, An
 
 
 def test_lab_smoke_runs_and_every_variant_matches() -> None:
-    """tools/lab_gemm.py --smoke (tiny shapes, the interpreter): every variant is checked, and it summarises."""
-    from test_kernel_lab import smoke_rows
-
-    rows = smoke_rows("lab_gemm.py")
+    """`python -m tools.lab_gemm --smoke` (tiny shapes, the interpreter): every variant is checked, and it summarises."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tools.lab_gemm", "--smoke"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     timed = [r for r in rows if r.get("section") == "gemm"]
     assert {r["variant"] for r in timed} >= {"cublas", "triton", "triton-guess", "triton-best-nopdl"}, timed
     assert not [r for r in timed if "error" in r]

@@ -1,18 +1,17 @@
-#!/usr/bin/env python3
 """The cuBLASLt algorithms for the decode GEMMs, timed against F.linear (cuBLAS's own pick): writes
 appliance/kernels/tuned/<arch>_cublaslt_algos.json; with --pad, <arch>_cublaslt_padded.json (kernels/cublaslt.py
 reads both).
 
-    python3 tools/lab_cublaslt.py [--rows 128,216,256] [--shapes llama] [--emit] [--min-gain 1.03]
-    python3 tools/lab_cublaslt.py ... [--workspace-mb 64] [--splitk 2,3,4]   # algorithms that need a workspace too
-    python3 tools/lab_cublaslt.py --pad 1.3 [--pad-max 8192] --emit --min-gain 1.05
+    python -m tools.lab_cublaslt [--rows 128,216,256] [--shapes llama] [--emit] [--min-gain 1.03]
+    python -m tools.lab_cublaslt ... [--workspace-mb 64] [--splitk 2,3,4]   # algorithms that need a workspace too
+    python -m tools.lab_cublaslt --pad 1.3 [--pad-max 8192] --emit --min-gain 1.05
 
 For each weight shape (N, K) and row count M (default: the decode capture sizes past the GEMV, 24..256 step 8),
 bf16, y = x W^T:
 - the pool: the heuristic's workspace-free candidates for M and for other row counts, each also with every
   thread-block cluster shape seen among them, deduplicated, kept where cublasLtMatmulAlgoCheck accepts them;
 - each candidate checked against F.linear on random inputs (max error within bf16 rounding of the output), then
-  timed like tools/lab_blas.py: a CUDA graph over enough weight copies to exceed L2, median of 5 replays;
+  timed in a CUDA graph over enough weight copies to exceed L2, median of 5 replays;
 - the fastest timed again beside F.linear, alternating, 3 rounds (best of each): the confirmed speedup.
 Prints one JSON line per shape and row count; with --emit, then writes the winners whose confirmed speedup is
 at least --min-gain to the algos file. Qwen3's shapes skip the row counts the Triton skinny GEMM already takes.
@@ -25,13 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
+import statistics
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_measure import graph_call_us
 
 from appliance.kernels import cublaslt as lt_mod
 from appliance.kernels import tuned
@@ -43,6 +37,29 @@ SHAPES = {  # name -> (N, K) of y = x W^T
     "llama.lm_head": (128256, 4096), "qwen.lm_head": (151936, 1024),
 }
 OTHER_ROWS = (32, 64, 128, 160, 192, 224, 256, 384, 512, 1024)  # whose heuristic picks join every pool
+
+
+def graph_call_us(call: Any, copies: int, reps: int = 5) -> float:
+    """Per-call microseconds of `call(i)` for i over `copies` (weight copies that exceed L2, so each call reads
+    HBM), captured in one CUDA graph after two warm-up calls: median of `reps` replays, divided by the copies."""
+    import torch
+
+    for i in range(min(2, copies)):
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return round(statistics.median(times) * 1e3 / copies, 2)
 
 
 def pool(lt: Lt, m: int, n: int, k: int, count: int, ws: int) -> list[tuple[LtAlgo, Algo]]:
@@ -130,7 +147,7 @@ def emit(torch: Any, results: list[dict[str, Any]], min_gain: float) -> None:
             table.setdefault(tuned.shape_key(*SHAPES[r["shape"]]), {})[str(r["rows"])] = {
                 **fields, "speedup": r["speedup"]}
     arch = tuned.arch_name(torch.cuda.get_device_capability())
-    print(tuned.write("cublaslt_algos", arch, f"python tools/lab_cublaslt.py --emit --min-gain {min_gain}",
+    print(tuned.write("cublaslt_algos", arch, f"python -m tools.lab_cublaslt --emit --min-gain {min_gain}",
                       measured_on(torch), table))
 
 
@@ -169,7 +186,7 @@ def emit_pads(torch: Any, results: list[dict[str, Any]], min_gain: float, reach:
         if kept:
             table[tuned.shape_key(*SHAPES[r["shape"]])] = kept
     arch = tuned.arch_name(torch.cuda.get_device_capability())
-    command = f"python tools/lab_cublaslt.py --pad {reach} --emit --min-gain {min_gain}"
+    command = f"python -m tools.lab_cublaslt --pad {reach} --emit --min-gain {min_gain}"
     print(tuned.write("cublaslt_padded", arch, command, measured_on(torch), table))
 
 

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """The skinny GEMM (appliance/kernels/triton/skinny_gemm.py) against cuBLAS at decode shapes, as a decode graph
 runs them: whether it beats F.linear for 17 < M <= 256 rows and with which config. Needs only torch and triton.
 
-    python3 tools/lab_gemm.py [--budget-s 210] [--models qwen3-0.6b,llama-3.1-8b] [--ms 32,64,128,192,256]
-    TRITON_INTERPRET=1 python3 tools/lab_gemm.py --smoke      # tiny shapes on the CPU: checks the harness
+    python -m tools.lab_gemm [--budget-s 210] [--models qwen3-0.6b,llama-3.1-8b] [--ms 32,64,128,192,256]
+    TRITON_INTERPRET=1 python -m tools.lab_gemm --smoke      # tiny shapes on the CPU: checks the harness
 
 Each variant is timed in a CUDA graph of REPS repetitions of [a small Triton elementwise kernel launched with
 programmatic dependent launch that writes x, then the GEMM reading x] (a decode layer's dependency: the norm or
@@ -27,13 +26,9 @@ import itertools
 import json
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F

@@ -170,8 +170,7 @@ class SchedulerSection(Section):
         "after a preemption. When that sum refuses an ignore_eos request, SGLang's finish-time check may still "
         "admit it: the running requests' finishes, simulated in order, must never need more blocks than there are. "
         "0: no reservation (admit while the next chunk's blocks are free; running requests may then outgrow the "
-        "cache and be preempted). 1, SGLang's default too: the 1000-prompt Llama-3.1-8B benchmark ran 7,660 "
-        "output tok/s without a preemption, against 7,370 with 153 at 0 (docs/benchmarks.md).",
+        "cache and be preempted). The default 1 is SGLang's too; docs/benchmarks.md shows its effect.",
         flags=("--schedule-conservativeness",), ge=0, allow_inf_nan=False)
 
     @field_validator("chunked_prefill_size")

@@ -90,6 +90,11 @@ class ApiSection(Section):
                                         "applies below it. Unset: no ceiling.",
                                         flags=("--thinking-budget", "--max-thinking-budget"), ge=0)
     allowed_hosts: list[str] | None = param(None, "Accepted HTTP Host header values. Unset: any.")
+    responses_store_size: int = param(1024, "Responses kept in memory for /v1/responses' previous_response_id "
+                                      "(the oldest dropped first); 0 turns the store off.", ge=0)
+    enable_force_include_usage: bool = param(False, "Send the usage chunk at the end of every stream, as if "
+                                             "each request set stream_options.include_usage.",
+                                             flags="--enable-force-include-usage")
     caps: ApiCaps = param(default_factory=ApiCaps, description="Per-request resource caps.", flags=None)
 
 
@@ -109,8 +114,8 @@ class SamplingSection(Section):
 
 
 class KvEventsConfig(Section):
-    """Publishing of KV cache block stores and removals (the seeds' wire format: topic, 8-byte big-endian
-    sequence number, msgpack KVEventBatch)."""
+    """Publishing of KV cache block stores and removals (a ZMQ multipart message per batch: topic, 8-byte
+    big-endian sequence number, msgpack KVEventBatch)."""
 
     enable_kv_cache_events: bool = param(False, "Publish KV cache events.", flags=None)
     publisher: Literal["null", "zmq"] = param("null", "Publisher: `zmq` publishes, `null` drops.", flags=None)
@@ -137,7 +142,8 @@ class ObservabilitySection(Section):
     metrics_reporters: list[Literal["prometheus"]] = param(default_factory=lambda: ["prometheus"],
                                                            description="Metrics reporters.")
     decode_log_interval: int = param(40, "Log a decode-batch summary every N steps.", ge=1)
-    enable_cache_report: bool = param(False, "Report cached prompt tokens in usage.prompt_tokens_details.")
+    enable_cache_report: bool = param(True, "Report cached prompt tokens in usage.prompt_tokens_details "
+                                      "(OpenAI's shape); false leaves prompt_tokens_details out.")
     kv_events: KvEventsConfig = param(default_factory=KvEventsConfig, description="KV cache events publisher.",
                                       flags=None, json_flag="--kv-events-config")
     dump_path: str | None = param(None, "Append every chat/completions request and its response as JSON lines "

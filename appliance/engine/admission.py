@@ -18,7 +18,7 @@ the running requests' finishes are simulated in order, each growing one token pe
 and the request is admitted if the pool covers the peak of that schedule: just before each finish, every request
 still running has grown by the finisher's remaining output, and the finished ones have given their blocks back.
 The sum reserves every output at once, though the shortest finish first; with a staggered running set (a small
-step budget, docs/benchmarks.md "Fifteenth run") the simulation admits up to the seat limit where the sum stops
+step budget, as recipes/llama-3.1-8b.toml's chunked_prefill_size 640) the simulation admits up to the seat limit where the sum stops
 at what the pool holds with every output whole. Requests decode one token a step (the scheduler plans decodes
 first); prompts still to prefill go in at the step budget left beside the decode rows. A block of margin per
 request covers a step off either way, and preemption stays the backstop. O(running) with a sort, only when the

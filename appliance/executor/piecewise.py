@@ -2,7 +2,7 @@
 attention calls, which run eagerly on each step's own metadata.
 
 Why: an eager Qwen3-0.6B step of 8,192 tokens makes ~170 Triton and ~112 cuBLAS launches plus their Python, 19-31
-ms of host time against ~25 ms of device time (docs/benchmarks.md, tenth run); on a slower host the device waits.
+ms of host time against ~25 ms of device time (measured on an H100); on a slower host the device waits.
 Replayed, a piece is one launch. vLLM does the same by default (cudagraph_mode PIECEWISE, its compiled graph split
 at the attention op); here the split comes from `Attention.attend` itself: while a forward is captured
 (`attention_breaks`), each attention call copies q into a shared static buffer, ends the current graph, and hands

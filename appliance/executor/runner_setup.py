@@ -100,7 +100,7 @@ def _check_supported(config: ApplianceConfig, device: torch.device) -> None:
     if sampling in ("flashinfer", "flashinfer_full"):
         # flashinfer's samplers draw from their own Philox streams: a seeded request would not give the tokens the
         # torch and Triton samplers give (they share per-request (seed, step) uniforms bit for bit), and min_p with
-        # top-k/top-p needs a chain of its renorm kernels; its JIT compile also takes ~4 minutes per fresh box
+        # top-k/top-p needs a chain of its renorm kernels; its JIT compile also takes ~4 minutes per fresh machine
         raise ValueError(f"backends.sampling={sampling!r} is not supported by this executor: flashinfer's samplers "
                          "are not wired (its attention kernels are: backends.attention = flashinfer); "
                          "supported: auto, torch")

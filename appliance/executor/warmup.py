@@ -3,9 +3,9 @@
 On a GPU the first launch of a kernel variant costs milliseconds: Triton compiles (or loads) each specialisation,
 cuBLAS chooses a kernel per problem shape and CUDA loads each kernel's module lazily, and pinned staging buffers
 are allocated on first use. Steps that meet these in the middle of a run stall the host, and the overlapped loop
-then leaves the device idle: the twelfth benchmark run found 279 ms of extra `linear` host time in the first
-Qwen3 run of a process (the LM head meeting new row counts), plus first uses of the step's gathers, scatters and
-stagers (docs/benchmarks.md). So the warm-up runs:
+then leaves the device idle: without the warm-up, the first Qwen3 throughput run of a process spent 279 ms
+more host time in `linear` (the LM head meeting new row counts), plus first uses of the step's gathers, scatters and
+stagers. So the warm-up runs:
 - a prefill for every padded sequence count (the Triton prefill kernel's variants, input_batch.padded_count);
 - the GPU sampler at 1, 2 and 16 rows (Triton specialises integer arguments equal to 1 and divisible by 16);
 - the LM head at each row count it runs on (the decode graphs' capture sizes: ModelRunner.logits);
@@ -92,7 +92,7 @@ def _sampler(runner: ModelRunner) -> None:
 def _logit_rows(runner: ModelRunner) -> None:
     """The LM head runs eagerly after every step on the rows it samples, padded to a decode graph's capture size
     (ModelRunner.logits): one GEMM per size. (Warming every row count 1..256 instead took the 8B's warm-up from
-    26.5 to 40.3 s: docs/benchmarks.md, twelfth run.)"""
+    26.5 to 40.3 s on an H100.)"""
     if runner.graphs is None:
         return
     sizes = runner.graphs.sizes

@@ -105,7 +105,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def _compile_decode_once(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
     """Plan the decode wrapper once for these shapes, from the first prefill: planning JIT-compiles its module
-    (~11 s on a fresh box), so the runner's start-up forward (a prefill) pays it instead of the first served
+    (~11 s on a fresh machine), so the runner's start-up forward (a prefill) pays it instead of the first served
     decode step. The throwaway plan is forgotten, so the next decode call plans its own step."""
     key = _decode_key(q, k_cache)
     if key in _DECODE_COMPILED:

@@ -33,7 +33,7 @@ _SMS_FALLBACK = 132
 # Tuned on the H100 (docs/kernels.md): the tile of kv tokens per loop step, and the split-K heuristic inputs.
 BLOCK_N = 64
 # unsplit launches (large batches) take longer tiles: ragged Qwen3-shaped batches of 32 / 128 / 256 sequences ran
-# 53.5 / 204.6 / 397.7 us against 55.2 / 212.5 / 403.8 with 64 (tools/kernel_lab.py); head_dim <= 128 only, as
+# 53.5 / 204.6 / 397.7 us against 55.2 / 212.5 / 403.8 with 64 (an H100); head_dim <= 128 only, as
 # three stages of 128-token K and V tiles of a wider head would not fit the shared memory
 BLOCK_N_UNSPLIT = 128
 MIN_SPLIT_TOKENS = 64  # measured: b1 x kv1024 in a 2048-token table: 32 splits 6.4 us, 8 splits 9.3 us

@@ -2,8 +2,8 @@
 
 A batch-1 decode layer runs ten kernels: RMSNorm, the qkv GEMV, rope + KV store, attention and its split merge,
 the o GEMV, residual add + RMSNorm, the gate_up GEMV, SiLU-and-mul, the down GEMV. Folding the small ones into
-the GEMVs' epilogues leaves six, and no new work inside a GEMV's weight stream (the sixth run's fused GEMV did
-its norm math inside the K loop and streamed at half speed):
+the GEMVs' epilogues leaves six, and no new work inside a GEMV's weight stream (a fused GEMV that did its norm
+math inside the K loop streamed at half speed):
 
 - the o and down GEMVs (`gemv_residual`) add their product to the residual stream and write h * g and each
   program's partial sum of h^2: the producer half of the next RMSNorm (kernels/reference/gemv_chain.py);

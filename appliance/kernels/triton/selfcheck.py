@@ -1,6 +1,6 @@
 """Random inputs for every triton op and their comparison with the torch reference.
 
-Shared by the tests (small shapes, CPU under TRITON_INTERPRET=1) and tools/gpu_suite.py (realistic shapes on the
+Shared by the tests (small shapes, CPU under TRITON_INTERPRET=1) and benchmarks/kernels.py (realistic shapes on the
 GPU), so both check the same thing. Inputs are random normals (never zeros); paged KV uses a random permutation of
 cache blocks so wrong block indexing cannot pass; outputs are compared by ||out - ref|| / ||ref|| in float64.
 """

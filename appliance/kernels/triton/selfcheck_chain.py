@@ -1,6 +1,6 @@
 """Random inputs for the decode chain's ops (kernels/triton/gemv_chain.py) and how their outputs compare with the
 torch reference's: shared by tests/test_decode_chain.py (small shapes, CPU under TRITON_INTERPRET=1) and
-selfcheck.py's cases, which tools/gpu_suite.py runs at Llama-3.1-8B shapes.
+selfcheck.py's cases, which benchmarks/kernels.py runs at Llama-3.1-8B shapes.
 
 Partial sums are compared by their row sums (a backend writes as many columns as it likes); the residual and the
 KV caches, which the ops write in place, are compared in full.
