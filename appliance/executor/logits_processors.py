@@ -232,16 +232,14 @@ class LogitsProcessors:
 
 
 def processors_for(runner: ModelRunnerProtocol) -> LogitsProcessors:
-    reg = getattr(runner, "_logits_processors", None)
-    if reg is None:
-        reg = LogitsProcessors.for_runner(runner)
-        runner._logits_processors = reg
-    return reg
+    if runner.logits_processors is None:
+        runner.logits_processors = LogitsProcessors.for_runner(runner)
+    return runner.logits_processors
 
 
 def forget_idle(runner: ModelRunnerProtocol) -> None:
     """A step without constrained rows: drop the processors of requests that finished meanwhile."""
-    idle = getattr(runner, "_logits_processors", None)
+    idle = runner.logits_processors
     if idle is not None and idle._entries:
         idle._forget_finished()
 

@@ -115,6 +115,8 @@ class ModelRunner:
         self.batch_sampler = BatchSampler(self.sampler, self.device,
                                           gpu_sample_op(self.device, config.backends.sampling))
         self.requests = LiveRequests(self.block_table)  # adding a request gives it a table row, dropping frees it
+        # per-request grammar / thinking-budget processors, made on the first request that needs them
+        self.logits_processors: logits_processors.LogitsProcessors | None = None
         self._noise_seeds = random.Random(m.seed)  # per-request streams of the GPU sampler
         self._stager = Stager(self.device)
         self._pending_stager, self._rows_stager = Stager(self.device), Stager(self.device)

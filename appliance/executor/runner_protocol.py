@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from appliance.engine.step import StepPlan, StepResult
     from appliance.executor.batch_sampler import BatchSampler
     from appliance.executor.inflight import StepHandle
+    from appliance.executor.logits_processors import LogitsProcessors
     from appliance.executor.request_table import LiveRequests
 
 
@@ -26,6 +27,7 @@ class ModelRunnerProtocol(Protocol):
     eos_token_ids: list[int]
     requests: LiveRequests  # the live requests' worker-side state
     batch_sampler: BatchSampler
+    logits_processors: LogitsProcessors | None  # made on the first request that needs one (logits_processors.py)
 
     def launch(self, plan: StepPlan) -> StepHandle:
         """Start a step; its result may stay on the device until finish()."""
