@@ -198,6 +198,11 @@ class CacheSection(Section):
         None, "Size of the KV token pool. Unset: computed from gpu_memory_utilization (on CPU: enough for "
         "max_num_seqs full sequences, capped).", ge=1)
     enable_prefix_caching: bool = param(True, "Reuse KV blocks of identical prompt prefixes across requests.")
+    compile_cache_dir: str = param(
+        "~/.cache/appliance", "Directory of the persistent compile cache: Triton's compiled kernels (its "
+        "`triton/` subdirectory, TRITON_CACHE_DIR of every process) and torch inductor's (`inductor/`), reused "
+        "by every later start on this machine. Put it on a persistent volume to keep replicas' starts warm.",
+        flags=None, min_length=1)
 
     @field_validator("block_size")
     @classmethod
