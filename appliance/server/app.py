@@ -139,6 +139,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return ApiError(status, message).response()
 
 
+STARTING = "the server is starting"
+
+
 class StartingGate:
     """The ASGI app while the stages behind the HTTP server load: every route answers 503, so probes see the port
     early; `open(app)` hands over to the real app once the pipeline is ready. `progress()` is the start-up's
@@ -147,7 +150,7 @@ class StartingGate:
 
     def __init__(self, progress: Callable[[], dict[str, Any]] | None = None) -> None:
         self.app: Any = None
-        self.progress = progress or (lambda: {"status": "starting", "message": "the server is starting"})
+        self.progress = progress or (lambda: {"status": "starting", "message": STARTING})
 
     def open(self, app: Any) -> None:
         self.app = app
@@ -160,8 +163,9 @@ class StartingGate:
             if scope.get("path") == "/health":
                 response: Response = JSONResponse(state, status_code=503, headers={"Retry-After": "1"})
             else:
-                message = state.get("message") or "the server is starting"
-                response = ApiError(503, f"the server is starting: {message}", headers={"Retry-After": "1"}).response()
+                message = state.get("message") or STARTING
+                text = message if message == STARTING else f"{STARTING}: {message}"
+                response = ApiError(503, text, headers={"Retry-After": "1"}).response()
             await response(scope, receive, send)
 
 
