@@ -106,6 +106,27 @@ def test_an_unusable_compile_cache_dir_is_an_error_naming_the_setting(tmp_path: 
         use_compile_cache(str(tmp_path / "file"))
 
 
+def test_the_runner_reports_its_phases_and_the_warm_up_counts_items(tiny_model: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the constructor runs no warm-up (no graphs); run it directly: every phase is reported in order,
+    and a phase with items ends with all of them done."""
+    from appliance.config import build_config
+    from appliance.executor.model_runner import ModelRunner
+    from appliance.executor.startup import STARTUP
+
+    seen: list = []
+    monkeypatch.setattr(STARTUP, "sink", seen.append)
+    runner = ModelRunner(build_config(flat=dict(model=str(tiny_model), max_num_seqs=5, max_total_tokens=256), env={}))
+    runner.warmup()
+    phases = list(dict.fromkeys(p.phase for p in seen))
+    assert phases == ["building the model", "loading weights", "profiling memory", "allocating the KV cache",
+                      "compiling prefill kernels", "compiling the sampler", "warming the LM head",
+                      "capturing decode graphs", "capturing piecewise buckets", "warm-up steps"]
+    prefills = [p for p in seen if p.phase == "compiling prefill kernels"]
+    assert [(p.done, p.total) for p in prefills] == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]  # 1, 2, 4, 5 seqs
+    assert set(phases) <= set(STARTUP.took)
+
+
 @pytest.mark.slow
 def test_health_is_503_with_progress_until_ready_then_200(tmp_path: Path) -> None:
     """The embedded default model, held in its last start-up phase by the test hook: /health answers 503 with
