@@ -32,7 +32,7 @@ def test_phases_count_items_and_add_up_in_the_breakdown() -> None:
     clock, seen = Clock(), []
     log = StartupLog(clock)
     log.sink = seen.append
-    clock.now += 2.0  # before the first phase: "other"
+    clock.now += 2.0  # before the first phase: "process start"
     with log.phase("loading weights"):
         clock.now += 3.0
     log.enter("capturing decode graphs", total=3)
@@ -41,13 +41,15 @@ def test_phases_count_items_and_add_up_in_the_breakdown() -> None:
         log.advance()
     clock.now += 1.0
     assert log.finish() == pytest.approx(7.5)
-    assert log.took == {"loading weights": pytest.approx(3.0), "capturing decode graphs": pytest.approx(2.5)}
+    clock.now += 0.5  # between phases: "other"
+    assert log.took == {"process start": pytest.approx(2.0), "loading weights": pytest.approx(3.0),
+                        "capturing decode graphs": pytest.approx(2.5)}
     assert [(p.phase, p.done, p.total) for p in seen] == [
         ("loading weights", 0, 0), ("capturing decode graphs", 0, 3), ("capturing decode graphs", 1, 3),
         ("capturing decode graphs", 2, 3), ("capturing decode graphs", 3, 3)]
     assert seen[-1].elapsed_s == pytest.approx(6.5)
-    assert log.breakdown() == ("start-up 7.5 s: loading weights 3.0 s, capturing decode graphs 2.5 s, "
-                               "other 2.0 s")
+    assert log.breakdown() == ("start-up 8.0 s: process start 2.0 s, loading weights 3.0 s, "
+                               "capturing decode graphs 2.5 s, other 0.5 s")
 
 
 def test_elapsed_counts_from_the_spawn() -> None:
@@ -119,7 +121,7 @@ def test_the_runner_reports_its_phases_and_the_warm_up_counts_items(tiny_model: 
     runner = ModelRunner(build_config(flat=dict(model=str(tiny_model), max_num_seqs=5, max_total_tokens=256), env={}))
     runner.warmup()
     phases = list(dict.fromkeys(p.phase for p in seen))
-    assert phases == ["building the model", "loading weights", "profiling memory", "allocating the KV cache",
+    assert phases == ["reading the model config", "building the model", "loading weights", "profiling memory", "allocating the KV cache",
                       "compiling prefill kernels", "compiling the sampler", "warming the LM head",
                       "capturing decode graphs", "capturing piecewise buckets", "warm-up steps"]
     prefills = [p for p in seen if p.phase == "compiling prefill kernels"]
@@ -161,6 +163,6 @@ def test_health_is_503_with_progress_until_ready_then_200(tmp_path: Path) -> Non
     finally:
         terminate(proc)
     out = proc.stdout.read() if proc.stdout else ""
-    for line in (f"TRITON_CACHE_DIR={cache / 'triton'}", "worker0: imports", "worker0: building the model", "worker0: allocating the KV cache",
+    for line in (f"TRITON_CACHE_DIR={cache / 'triton'}", "worker0: imports", "worker0: reading the model config", "worker0: building the model", "worker0: allocating the KV cache",
                  f"worker0: held by {HOLD_ENV}", "worker 0 start-up "):
         assert line in out, out

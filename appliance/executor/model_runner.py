@@ -79,6 +79,7 @@ class ModelRunner:
 
         m = config.model
         self.config = config
+        STARTUP.enter("reading the model config")  # ends where the next phase begins
         self.device = resolve_device(m.device)
         _check_supported(config, self.device)
         self.model_dir = resolve_model_dir(resolve_model_path(m.path), m.revision, m.download_dir)

@@ -72,7 +72,8 @@ def run_worker(boot: Bootstrap) -> None:
             "vocab_size": int(getattr(runner.hf_config, "vocab_size", 0) or 0)}
     hold_for_test()
     # a full collection's pass would stall the GPU (gc_heap.py)
-    info["gc_frozen_objects"] = freeze_startup_heap(f"worker {boot.rank}")
+    with STARTUP.phase("freezing the start-up heap"):
+        info["gc_frozen_objects"] = freeze_startup_heap(f"worker {boot.rank}")
     STARTUP.finish()
     STARTUP.sink = None
     log.info("worker %d %s", boot.rank, STARTUP.breakdown())
