@@ -70,7 +70,8 @@ def test_the_board_logs_phase_changes_and_throttles_items(caplog: pytest.LogCapt
     board.update(StageProgress("worker0", 1, "capturing decode graphs", 40, 140, 52.2))
     board.update(StageProgress("worker0", 1, "capturing piecewise buckets", 0, 40, 52.3))
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["worker0: capturing decode graphs 0/140 (50.0 s)", "worker0: capturing decode graphs 40/140 (52.2 s)",
+    assert lines == ["worker0: capturing decode graphs 0/140 (50.0 s)",
+                     "worker0: capturing decode graphs 40/140 (52.2 s)",
                      "worker0: capturing piecewise buckets 0/40 (52.3 s)"]
     frame = PROGRESS_CODEC.decode(PROGRESS_CODEC.encode(board.frame()))
     assert [(p.stage, p.phase, p.done, p.total) for p in frame.stages] == [
@@ -121,7 +122,8 @@ def test_the_runner_reports_its_phases_and_the_warm_up_counts_items(tiny_model: 
     runner = ModelRunner(build_config(flat=dict(model=str(tiny_model), max_num_seqs=5, max_total_tokens=256), env={}))
     runner.warmup()
     phases = list(dict.fromkeys(p.phase for p in seen))
-    assert phases == ["reading the model config", "building the model", "loading weights", "profiling memory", "allocating the KV cache",
+    assert phases == ["reading the model config", "building the model", "loading weights", "profiling memory",
+                      "allocating the KV cache",
                       "compiling prefill kernels", "compiling the sampler", "warming the LM head",
                       "capturing decode graphs", "capturing piecewise buckets", "warm-up steps"]
     prefills = [p for p in seen if p.phase == "compiling prefill kernels"]
@@ -163,6 +165,7 @@ def test_health_is_503_with_progress_until_ready_then_200(tmp_path: Path) -> Non
     finally:
         terminate(proc)
     out = proc.stdout.read() if proc.stdout else ""
-    for line in (f"TRITON_CACHE_DIR={cache / 'triton'}", "worker0: imports", "worker0: reading the model config", "worker0: building the model", "worker0: allocating the KV cache",
+    for line in (f"TRITON_CACHE_DIR={cache / 'triton'}", "worker0: imports", "worker0: reading the model config",
+                 "worker0: building the model", "worker0: allocating the KV cache",
                  f"worker0: held by {HOLD_ENV}", "worker 0 start-up "):
         assert line in out, out

@@ -57,15 +57,17 @@ def warm_up(runner: ModelRunner, graph_context: int = 2048) -> float:
         return out
 
     counts = _prefill_counts(runner)
-    graph_keys = runner.graphs.keys_up_to(min(graph_context, runner.max_model_len)) if runner.graphs else []
-    sizes = runner.graphs.sizes if runner.graphs is not None else []
+    graphs, pieces = runner.graphs, runner.pieces
+    graph_keys = graphs.keys_up_to(min(graph_context, runner.max_model_len)) if graphs is not None else []
+    sizes = graphs.sizes if graphs is not None else []
+    samplers = len(SAMPLER_ROWS) if runner.batch_sampler.gpu_op is not None else 0
     timed("prefills", "compiling prefill kernels", len(counts), lambda: _prefills(runner, counts, tick))
-    timed("sampler", "compiling the sampler", len(SAMPLER_ROWS) if runner.batch_sampler.gpu_op else 0, lambda: _sampler(runner, tick))
+    timed("sampler", "compiling the sampler", samplers, lambda: _sampler(runner, tick))
     timed("LM head", "warming the LM head", len(sizes), lambda: _logit_rows(runner, tick))
     count = timed("decode graphs", "capturing decode graphs", len(graph_keys),
                   lambda: runner.capture_graphs(graph_context, tick))
-    pieces = runner.pieces
-    buckets = timed("piecewise buckets", "capturing piecewise buckets", len(all_buckets(pieces.max_tokens)) if pieces else 0,
+    buckets = timed("piecewise buckets", "capturing piecewise buckets",
+                    len(all_buckets(pieces.max_tokens)) if pieces is not None else 0,
                     lambda: pieces.capture_all(tick) if pieces is not None else 0)
     timed("steps", "warm-up steps", 0, lambda: _steps(runner))
     total = time.perf_counter() - start
