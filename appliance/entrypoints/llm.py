@@ -75,6 +75,9 @@ class LLM:
         from appliance.engine.core import EngineCore
         from appliance.executor.in_process import InProcessExecutor
 
+        from appliance.executor.compile_cache import use_compile_cache
+
+        use_compile_cache(self.config.cache.compile_cache_dir)  # before the first kernel compiles
         p = self.config.parallelism
         if p.tp * p.dp > 1:  # one worker process per rank, driven from here (runtime/worker_group.py)
             from appliance.runtime.worker_group import WorkerGroupExecutor

@@ -22,7 +22,7 @@ import bisect
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -182,10 +182,13 @@ class PiecewiseGraphs:
         log.debug("captured %d forward pieces for %d tokens", len(rec.pieces.graphs), t)
         return rec.pieces
 
-    def capture_all(self) -> int:
-        """Capture every bucket (the runner's warm-up), so that no served step pays a capture; returns the count."""
+    def capture_all(self, on_captured: Callable[[], None] | None = None) -> int:
+        """Capture every bucket (the runner's warm-up), so that no served step pays a capture, calling on_captured
+        after each; returns the count."""
         for b in all_buckets(self.max_tokens):
             self.capture(b)
+            if on_captured is not None:
+                on_captured()
         return len(self.pieces)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:

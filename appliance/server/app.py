@@ -143,12 +143,18 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return ApiError(status, message).response()
 
 
-class StartingGate:
-    """The ASGI app while the stages behind the HTTP server load: every route (/health included) answers 503,
-    so probes see the port early; `open(app)` hands over to the real app once the pipeline is ready."""
+STARTING = "the server is starting"
 
-    def __init__(self) -> None:
+
+class StartingGate:
+    """The ASGI app while the stages behind the HTTP server load: every route answers 503, so probes see the port
+    early; `open(app)` hands over to the real app once the pipeline is ready. `progress()` is the start-up's
+    state ({"status": "starting", "message": ..., ...}): /health answers it as its body, the other routes put its
+    message in their error."""
+
+    def __init__(self, progress: Callable[[], dict[str, Any]] | None = None) -> None:
         self.app: Any = None
+        self.progress = progress or (lambda: {"status": "starting", "message": STARTING})
 
     def open(self, app: Any) -> None:
         self.app = app
@@ -157,8 +163,14 @@ class StartingGate:
         if self.app is not None:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
-            await ApiError(503, "the server is starting", headers={"Retry-After": "1"}).response()(
-                scope, receive, send)
+            state = self.progress()
+            if scope.get("path") == "/health":
+                response: Response = JSONResponse(state, status_code=503, headers={"Retry-After": "1"})
+            else:
+                message = state.get("message") or STARTING
+                text = message if message == STARTING else f"{STARTING}: {message}"
+                response = ApiError(503, text, headers={"Retry-After": "1"}).response()
+            await response(scope, receive, send)
 
 
 def build_app(ctx: ServerContext) -> Starlette:
