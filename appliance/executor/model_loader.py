@@ -9,12 +9,15 @@ import glob
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from appliance.executor.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
+from appliance.config.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -43,7 +46,7 @@ def load_hf_config(model_dir: Path, hf_overrides: dict[str, Any] | None = None,
 TEXT_ONLY_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
 
-def _text_config(cfg: Any) -> Any:
+def _text_config(cfg: PretrainedConfig) -> PretrainedConfig:
     archs = list(getattr(cfg, "architectures", None) or [])
     text = getattr(cfg, "text_config", None)
     if text is None or not any(a in TEXT_ONLY_ARCHITECTURES for a in archs):
@@ -55,7 +58,7 @@ def _text_config(cfg: Any) -> Any:
     return text
 
 
-def _config_by_architecture(model_dir: Path) -> Any | None:
+def _config_by_architecture(model_dir: Path) -> PretrainedConfig | None:
     """A checkpoint whose model_type transformers does not know, but whose architecture it does (Kimi-K2 ships
     model_type kimi_k2 with remote code for DeepseekV3ForCausalLM): its config.json read by that architecture's
     config class, without running the checkpoint's code. None when the architecture is not one we serve."""
@@ -74,7 +77,7 @@ def _config_by_architecture(model_dir: Path) -> Any | None:
     return None
 
 
-def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """`auto`: the checkpoint's dtype, with float32 on the CPU in place of half precision."""
     if dtype != "auto":
         if dtype not in _DTYPES:
@@ -162,7 +165,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.data.uniform_(-1e-3, 1e-3, generator=gen)
 
 
-def apply_quantization(model: nn.Module, quantization: str | None, hf_config: Any, backend: str) -> None:
+def apply_quantization(model: nn.Module, quantization: str | None, hf_config: PretrainedConfig, backend: str) -> None:
     """precision.quantization after the weights are in (loaded or dummy): "fp8" on a float checkpoint quantizes
     the linear layers and experts to e4m3 with 128x128 tile scales (the layout DeepSeek-V3 ships, run by the
     same block-scaled GEMMs); on a checkpoint that ships block fp8 it only confirms the format."""

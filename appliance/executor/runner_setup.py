@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from appliance.executor import speculative
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from appliance.config.schema import ApplianceConfig
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,7 +66,7 @@ def bind_decode_kernels(model: torch.nn.Module, backend: str, decode_chain: bool
             inner.chain = None
 
 
-def resolve_max_model_len(requested: int | None, hf_config: Any, windowed: bool = False) -> int:
+def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig, windowed: bool = False) -> int:
     """`windowed`: the model applies its sliding windows (Gemma 3, gpt-oss), so sliding_window caps nothing."""
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
     window = getattr(hf_config, "sliding_window", None)
@@ -78,7 +83,7 @@ def resolve_max_model_len(requested: int | None, hf_config: Any, windowed: bool 
     return requested
 
 
-def read_eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
+def read_eos_token_ids(model_dir: Path | None, hf_config: PretrainedConfig) -> list[int]:
     """EOS ids from generation_config.json (which may list several) and config.json."""
     ids: list[int] = []
     sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
@@ -92,7 +97,7 @@ def read_eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
     return ids
 
 
-def _check_supported(config: Any, device: torch.device) -> None:
+def _check_supported(config: ApplianceConfig, device: torch.device) -> None:
     """Settings this executor cannot honour are errors (or, for CUDA graphs, a warning), never silently dropped."""
     sampling = config.backends.sampling
     if sampling in ("flashinfer", "flashinfer_full"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,12 +28,16 @@ from appliance.layers.norm import RMSNorm
 from appliance.layers.parallel_state import divide, get_tp_size
 from appliance.layers.rotary import rope_parameters, yarn_factors, yarn_inv_freq, yarn_mscale
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
 # one cos/sin table per shape and device, shared by every layer (weakly held: freed with the last model using
 # it): 62 DeepSeek-V3 layers at 163840 positions would otherwise hold 2.6 GB of identical copies per GPU
 _ROPE_TABLES: weakref.WeakValueDictionary[tuple[Any, ...], torch.Tensor] = weakref.WeakValueDictionary()
 
 
-def rope_cache_and_mscale(cfg: Any, dim: int) -> tuple[torch.Tensor, float]:
+def rope_cache_and_mscale(cfg: PretrainedConfig, dim: int) -> tuple[torch.Tensor, float]:
     """(cos_sin_cache [max_pos, dim], softmax-scale multiplier) for DeepSeek's default or YaRN rope."""
     base, scaling = rope_parameters(cfg)
     max_pos = int(cfg.max_position_embeddings)
@@ -115,7 +119,7 @@ class MultiHeadLatentAttention(nn.Module):
     projections are replicated.
     """
 
-    def __init__(self, cfg: Any, quant: Fp8BlockConfig | None = None, prefix: str = "",
+    def __init__(self, cfg: PretrainedConfig, quant: Fp8BlockConfig | None = None, prefix: str = "",
                  backend: str = "torch") -> None:
         super().__init__()
         hidden, total_heads = cfg.hidden_size, cfg.num_attention_heads

@@ -15,7 +15,7 @@ text_config (executor/model_loader.py) and the vision tower's tensors are skippe
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,8 +28,11 @@ from appliance.layers.norm import GemmaRMSNorm
 from appliance.models.layer_types import SLIDING, layer_types
 from appliance.models.llama import LlamaAttention, LlamaForCausalLM
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def layer_rope(cfg: Any, layer_type: str) -> tuple[float, dict[str, Any] | None]:
+
+def layer_rope(cfg: PretrainedConfig, layer_type: str) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling or None) of one layer kind, from transformers' per-layer-type rope_parameters."""
     params = (getattr(cfg, "rope_parameters", None) or {}).get(layer_type)
     if not isinstance(params, dict) or "rope_theta" not in params:
@@ -38,7 +41,7 @@ def layer_rope(cfg: Any, layer_type: str) -> tuple[float, dict[str, Any] | None]
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, cfg: Any, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, backend: str) -> None:
         super().__init__()
         inter = cfg.intermediate_size
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
@@ -51,7 +54,7 @@ class GemmaMLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_type: str, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, layer_type: str, backend: str) -> None:
         super().__init__()
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
             raise ValueError("attn_logit_softcapping is not supported (Gemma 3 ships without it)")
@@ -82,7 +85,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, cfg: Any, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, backend: str) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = float(cfg.hidden_size) ** 0.5
@@ -106,7 +109,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     piecewise_graphs = True
     sliding_window_attention = True  # windows are applied, so max_model_len is not capped at sliding_window
 
-    def __init__(self, hf_config: Any, backend: str = "torch") -> None:
+    def __init__(self, hf_config: PretrainedConfig, backend: str = "torch") -> None:
         nn.Module.__init__(self)
         self.config = hf_config
         self.model = Gemma3Model(hf_config, backend)

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,9 +22,12 @@ from appliance.models.deepseek import DeepseekMTPLayer, MtpDrafter, num_mtp_laye
 from appliance.models.llama import LlamaAttention
 from appliance.models.mixtral import MoECausalLM, MoEDecoderLayer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 class Glm4MoeForCausalLM(MtpDrafter, MoECausalLM):
-    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
+    def __init__(self, hf_config: PretrainedConfig, backend: str = "torch", moe_backend: str | None = None) -> None:
         super().__init__(hf_config, backend, moe_backend)
         self.mtp = nn.ModuleList(
             DeepseekMTPLayer(hf_config, self._attention(backend), v3_moe_block(hf_config, backend, self.moe_backend),
@@ -55,7 +58,7 @@ class Glm4MoeForCausalLM(MtpDrafter, MoECausalLM):
         return MoEDecoderLayer(cfg, attn, v3_moe_block(cfg, backend, self.moe_backend), backend)
 
 
-def v3_moe_block(cfg: Any, backend: str, moe_backend: str) -> SparseMoeBlock:
+def v3_moe_block(cfg: PretrainedConfig, backend: str, moe_backend: str) -> SparseMoeBlock:
     """Sigmoid-scored grouped routing with a correction bias, plus shared experts (DeepSeek-V3's layout)."""
     act = getattr(cfg, "hidden_act", "silu")
     router = RouterConfig(num_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring="sigmoid",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from appliance.models.layer_types import SLIDING, layer_types
 from appliance.models.llama import LlamaAttention, LlamaForCausalLM
 from appliance.models.mixtral import MoEDecoderLayer, MoEModel
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)"
                             r"(?P<kind>_blocks|_scales|_bias|)$")
 
@@ -37,7 +40,7 @@ class GptOssExperts(nn.Module):
     """All experts of a layer: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], their biases. Tensor
     parallelism splits I; the down bias is added on rank 0 only (the ranks' partial sums are all-reduced)."""
 
-    def __init__(self, cfg: Any, moe_backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, moe_backend: str) -> None:
         super().__init__()
         if get_ep_size() > 1:
             raise ValueError("gpt-oss experts do not support expert parallelism yet (tensor parallelism does)")
@@ -81,7 +84,7 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, cfg: Any, moe_backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, moe_backend: str) -> None:
         super().__init__()
         self.top_k = int(cfg.num_experts_per_tok)
         self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=True)
@@ -100,7 +103,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     piecewise_graphs = False
     sliding_window_attention = True  # windows are applied, so max_model_len is not capped at sliding_window
 
-    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
+    def __init__(self, hf_config: PretrainedConfig, backend: str = "torch", moe_backend: str | None = None) -> None:
         nn.Module.__init__(self)
         self.moe_backend = moe_backend or backend
         qc = getattr(hf_config, "quantization_config", None)

@@ -7,7 +7,7 @@ fused `qkv_proj` and `gate_up_proj`, which `load_weights` fills from the separat
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from appliance.layers.linear import (
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import RotaryEmbedding, rope_parameters
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 # checkpoint name fragment -> (our fused parameter fragment, shard id)
 _STACKED = (
     ("q_proj", "qkv_proj", "q"),
@@ -34,7 +37,7 @@ _STACKED = (
 )
 
 
-def partial_rotary_factor(cfg: Any) -> float:
+def partial_rotary_factor(cfg: PretrainedConfig) -> float:
     """The share of head_dim that rotates: transformers 5 keeps it in rope_parameters, older configs at the top
     (MiniMax-M2 checkpoints as rotary_dim)."""
     params = getattr(cfg, "rope_parameters", None)
@@ -48,8 +51,8 @@ def partial_rotary_factor(cfg: Any) -> float:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str, *, sliding_window: int | None = None,
-                 sinks: bool = False, scale: float | None = None,
+    def __init__(self, cfg: PretrainedConfig, qkv_bias: bool, qk_norm: bool, backend: str, *,
+                 sliding_window: int | None = None, sinks: bool = False, scale: float | None = None,
                  rope: tuple[float, dict[str, Any] | None] | None = None, norm: type[RMSNorm] = RMSNorm,
                  o_bias: bool | None = None) -> None:
         """The keywords serve the families built on this attention: a per-layer sliding window and attention sinks
@@ -105,7 +108,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, backend: str) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
@@ -121,7 +124,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, backend)
         self.mlp = LlamaMLP(cfg, backend)
@@ -143,7 +146,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     chain: DecodeChain | None = None  # use_decode_chain builds one once the GEMVs are bound
 
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, qk_norm, backend)
@@ -173,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
     supports_cuda_graphs = True  # the forward never syncs with the host (executor/cuda_graph.py)
     piecewise_graphs = True  # dense: everything but attention may be captured for eager steps (executor/piecewise.py)
 
-    def __init__(self, hf_config: Any, backend: str = "torch") -> None:
+    def __init__(self, hf_config: PretrainedConfig, backend: str = "torch") -> None:
         super().__init__()
         self.config = hf_config
         qkv_bias = self.qkv_bias or bool(getattr(hf_config, "attention_bias", False))

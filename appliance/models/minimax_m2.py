@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -18,13 +20,16 @@ from appliance.layers.parallel_state import get_tp_size
 from appliance.models.llama import LlamaAttention
 from appliance.models.mixtral import MoECausalLM, MoEDecoderLayer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 class MiniMaxM2Attention(LlamaAttention):
-    def __init__(self, cfg: object, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, backend: str) -> None:
         if get_tp_size() > 1:  # the q/k norm spans every head: its variance would need the other ranks' heads
             raise ValueError("MiniMax-M2 under tensor parallelism is not supported yet (its q/k norm spans all heads)")
         super().__init__(cfg, False, False, backend)
-        eps = cfg.rms_norm_eps  # type: ignore[attr-defined]
+        eps = cfg.rms_norm_eps
         self.q_norm = RMSNorm(self.q_size, eps, backend)
         self.k_norm = RMSNorm(self.kv_size, eps, backend)
         self._rope_store = None  # the fused prologue norms per head
