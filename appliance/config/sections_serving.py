@@ -8,7 +8,7 @@ from pydantic import field_validator
 from appliance.config.fields import param
 from appliance.config.sections_engine import AttentionBackend, Section
 
-SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "NGRAM"]
+SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "NGRAM", "STANDALONE"]
 ReasoningParser = Literal["base", "qwen3", "deepseek_r1", "deepseek_v31", "kimi_k25", "glm45", "gpt_oss"]
 ToolCallParser = Literal[
     "json", "passthrough", "qwen", "hermes", "qwen3_coder", "kimik2", "deepseek_v3", "deepseek_v31", "deepseek_v4",
@@ -22,8 +22,9 @@ class SpeculativeSection(Section):
     understands vLLM's keys (method, model, num_speculative_tokens, quantization)."""
 
     algorithm: SpecAlgorithm | None = param(
-        None, "Speculative algorithm: EAGLE, EAGLE3 (need draft_model_path), MTP (the model's own "
-        "multi-token-prediction layers), DFLASH (block-diffusion drafter), NGRAM (prompt lookup).",
+        None, "Speculative algorithm: EAGLE, EAGLE3 (a draft head fed the target's hidden states; need "
+        "draft_model_path), STANDALONE (a smaller model sharing the tokenizer; needs draft_model_path), MTP (the "
+        "model's own multi-token-prediction layers), DFLASH (block-diffusion drafter), NGRAM (prompt lookup).",
         flags="--speculative-algorithm")
     draft_model_path: str | None = param(None, "Draft model path or repo id.",
                                          flags=("--speculative-draft-model-path", "--speculative-draft-model"))
@@ -36,6 +37,25 @@ class SpeculativeSection(Section):
     eagle3_layers_to_capture: list[int] | None = param(
         None, "Target layers whose hidden states feed an EAGLE3 drafter. Unset: the drafter's default.",
         flags="--eagle3-layers-to-capture")
+    prompt_lookup_min: int = param(1, "NGRAM: shortest suffix of the sequence matched against its earlier tokens.",
+                                   flags="--speculative-ngram-min-match-window-size", ge=1)
+    prompt_lookup_max: int = param(3, "NGRAM: longest suffix matched; the longest suffix that recurs wins, its "
+                                   "latest earlier occurrence proposes the tokens that followed it.",
+                                   flags="--speculative-ngram-max-match-window-size", ge=1)
+    disable_by_batch_size: int | None = param(
+        None, "Verify no drafts while more than this many requests decode (drafting stops paying at large "
+        "batches). Unset: always speculate.", flags="--speculative-disable-by-batch-size", ge=1)
+    synthetic_acceptance_length: float | None = param(
+        None, "Benchmarks only: force the accept decision so that a verification keeps this many tokens on "
+        "average (accepted drafts + 1; between 1 and num_steps + 1). The drafter and the verify forward still run; "
+        "outputs are not the model's. Needs enable_synthetic_acceptance.", flags=None, ge=1.0)
+    synthetic_acceptance_rates: list[float] | None = param(
+        None, "Benchmarks only: force draft j to be accepted with probability rates[j] (given the drafts before it "
+        "were). The drafter and the verify forward still run; outputs are not the model's. Needs "
+        "enable_synthetic_acceptance.", flags=None)
+    enable_synthetic_acceptance: bool = param(
+        False, "Allow synthetic_acceptance_length / synthetic_acceptance_rates, which make outputs differ from the "
+        "model's: for benchmarks with dummy weights only.", flags=None)
 
     @field_validator("algorithm", mode="before")
     @classmethod

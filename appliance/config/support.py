@@ -29,14 +29,15 @@ def _importable(package: str) -> bool:
 
 
 UNSUPPORTED: list[Unsupported] = [
-    Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm not in (None, "MTP"),
-                "only MTP speculative decoding (the model's own multi-token-prediction layers) exists in this build"),
+    Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm == "DFLASH",
+                "DFLASH (block-diffusion drafting) is not supported in this build; EAGLE, EAGLE3, STANDALONE, "
+                "NGRAM and MTP are"),
     Unsupported("speculative.eagle_topk", lambda c: c.speculative.algorithm is not None and c.speculative.eagle_topk > 1,
-                "draft trees (eagle_topk > 1) are not supported in this build; MTP drafts one chain"),
+                "draft trees (eagle_topk > 1) are not supported in this build; drafts are one chain"),
     Unsupported("speculative.num_draft_tokens",
                 lambda c: c.speculative.algorithm is not None
                 and c.speculative.effective_num_draft_tokens != c.speculative.num_steps + 1,
-                "an MTP chain verifies num_steps + 1 tokens in this build (leave num_draft_tokens unset)"),
+                "a draft chain verifies num_steps + 1 tokens in this build (leave num_draft_tokens unset)"),
     Unsupported("scheduler.enable_overlap",
                 lambda c: c.speculative.algorithm is not None and c.scheduler.enable_overlap,
                 "overlap scheduling with speculative decoding is not supported in this build"),

@@ -32,8 +32,10 @@ class EngineConfig:
     max_queued_requests: int | None = None
     policy: str = "fcfs"
     lpm_scan_limit: int = 128  # lpm compares at most this many waiting requests per admission
-    # speculative decoding (MTP): drafts the workers propose after every sample, verified in the next step; 0 = off
+    # speculative decoding: drafts the workers propose after every sample, verified in the next step; 0 = off
     num_speculative_tokens: int = 0
+    # above this many decoding requests a step verifies no drafts (speculative.disable_by_batch_size); None: never
+    spec_disable_batch_size: int | None = None
     schedule_conservativeness: float = 0.0
 
     def __post_init__(self) -> None:
@@ -94,13 +96,14 @@ class EngineConfig:
             max_queued_requests=sched.max_queued_requests,
             policy=sched.policy,
             num_speculative_tokens=num_speculative_tokens(config),
+            spec_disable_batch_size=getattr(getattr(config, "speculative", None), "disable_by_batch_size", None),
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
         )
 
 
 def num_speculative_tokens(config: Any) -> int:
-    """Drafts per verification: MTP's chain of num_steps tokens (eagle_topk 1), 0 without speculative decoding."""
+    """Drafts per verification: a chain of num_steps tokens (eagle_topk 1), 0 without speculative decoding."""
     spec = getattr(config, "speculative", None)
     if spec is None or spec.algorithm is None:
         return 0

@@ -144,10 +144,12 @@ class Scheduler:
         if self._chunking and len(decoding) > st.tokens:
             # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves.
             decoding.sort(key=lambda r: r.last_issue_seq)
+        off_above = self.config.spec_disable_batch_size
+        speculate = self._num_spec and (off_above is None or len(decoding) <= off_above)
         for req in decoding:
             if req.status is PREEMPTED:  # a victim of an earlier request in this loop
                 continue
-            if self._num_spec:
+            if speculate:
                 self._schedule_chunk(req, st, True)
             else:
                 self._schedule_decode(req, st)
@@ -265,6 +267,7 @@ class Scheduler:
         req.transition(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
         req.num_pending = 0  # an in-flight sample is dropped; recompute samples it again
+        req.num_drafts_held = 0  # workers drop its drafts with its state
         req.num_preemptions += 1
         if not req.prompt_logprobs_done:
             req.prompt_logprobs = []
@@ -315,6 +318,7 @@ class Scheduler:
                 cache.store(req)
                 continue
             req.num_pending -= 1
+            req.num_drafts_held = result.drafts.get(s.request_id, 0)
             tok = sampled.get(s.request_id)
             if tok is None:
                 raise ValueError(f"executor did not sample a token for {s.request_id!r}")

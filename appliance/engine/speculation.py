@@ -1,7 +1,9 @@
 """Speculative decoding, the engine's side (pure Python): which requests verify drafts, and the counters.
 
-Drafts live on the workers. After every step that samples a request, an MTP worker proposes
-`num_speculative_tokens` (k) draft tokens for it and keeps them; the next step verifies d <= k of them: the
+Drafts live on the workers. After every step that samples a request, a worker proposes up to
+`num_speculative_tokens` (k) draft tokens for it (executor/speculative.py: MTP, EAGLE, a draft model, n-gram
+lookup), keeps them and reports how many it holds (StepResult.drafts, kept in Request.num_drafts_held); the next
+step verifies d <= that many: the
 scheduler schedules the decode with num_tokens = 1 + d (and KV blocks for that lookahead plus the k - 1
 positions the worker's next draft chain writes), and the worker answers with 1 to d + 1 SampledTokens of the
 request, in order (the accepted drafts, then the target's own token at the first mismatch or after the last
@@ -30,11 +32,11 @@ def drafts_allowed(params: SamplingParams) -> bool:
 
 def num_drafts(req: Request, k: int) -> int:
     """Drafts the workers hold for a decoding request that it may verify now (0 without speculation, k = 0)."""
-    if not k or req.status is not RequestStatus.DECODING or not drafts_allowed(req.sampling_params):
+    if not k or not req.num_drafts_held or req.status is not RequestStatus.DECODING:
         return 0
     # every accepted draft and the bonus token must fit max_tokens and max_model_len
     room = min(req.max_output_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens) - 1
-    return max(0, min(k, room))
+    return max(0, min(k, req.num_drafts_held, room))
 
 
 def table_tokens(req: Request, start: int, n: int, k: int) -> int:
