@@ -14,7 +14,7 @@ workers' logits processors follow) is never verified: it decodes one token per s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.sampling_params import SamplingParams
@@ -50,16 +50,22 @@ def table_tokens(req: Request, start: int, n: int, k: int) -> int:
 
 @dataclass
 class SpecCounters:
-    """Cumulative over the engine's life (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens)."""
+    """Cumulative over the engine's life (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens
+    / _num_accepted_tokens_per_pos). Emitted tokens of verifications = accepted + one per verification."""
 
     num_drafts: int = 0  # verifications of at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: verifications that accepted draft j
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
+        if num_accepted > len(self.accepted_per_pos):
+            self.accepted_per_pos += [0] * (num_accepted - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
 
     def as_tuple(self) -> tuple[int, int, int]:
         return self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
