@@ -44,13 +44,15 @@ class AuxCapture:
 
     def __init__(self, layers: list[int], hidden_size: int, rows: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.slot = {layer: i for i, layer in enumerate(layers)}
+        self.slots: dict[int, list[int]] = {}  # a layer may be listed twice
+        for i, layer in enumerate(layers):
+            self.slots.setdefault(layer, []).append(i)
         self.hidden_size = hidden_size
         self.buffer = torch.zeros(rows, len(layers) * hidden_size, dtype=dtype, device=device)
 
     def write(self, layer: int, x: torch.Tensor, residual: torch.Tensor) -> None:
-        slot = self.slot.get(layer)
-        if slot is None:
+        slots = self.slots.get(layer)
+        if slots is None:
             return
         n = x.shape[0]
         if n > self.buffer.shape[0]:
@@ -58,7 +60,9 @@ class AuxCapture:
                 raise RuntimeError(f"EAGLE-3 capture buffer of {self.buffer.shape[0]} rows met a captured step of {n}")
             self.buffer = torch.zeros(n, self.buffer.shape[1], dtype=self.buffer.dtype, device=self.buffer.device)
         h = self.hidden_size
-        self.buffer[:n, slot * h : (slot + 1) * h].copy_(x + residual)
+        out = x + residual
+        for slot in slots:
+            self.buffer[:n, slot * h : (slot + 1) * h].copy_(out)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         return self.buffer[index]
