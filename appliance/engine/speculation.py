@@ -9,8 +9,9 @@ positions the worker's next draft chain writes), and the worker answers with 1 t
 request, in order (the accepted drafts, then the target's own token at the first mismatch or after the last
 draft). The scheduler applies them one by one under every stop rule and moves num_computed by the count.
 
-A request whose sampling depends on processor state (structured outputs, thinking budget: extra keys the
-workers' logits processors follow) is never verified: it decodes one token per step, as without drafts.
+A request with structured outputs verifies drafts under its grammar (executor/logits_processors.py
+mask_drafts: row j masked as after the first j drafts, the matcher rolled back afterwards). One with a thinking
+budget (a processor without rollback) gets no drafts: it decodes one token per step, as without speculation.
 """
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ from dataclasses import dataclass, field
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.sampling_params import SamplingParams
 
-# SamplingParams.extra keys that give a request logits processors (executor/logits_processors.py): their
-# matcher state would have to follow drafts that may be rejected
-PROCESSOR_KEYS = ("structured", "thinking_budget")
+# SamplingParams.extra keys of logits processors that cannot follow drafts that may be rejected (no rollback)
+PROCESSOR_KEYS = ("thinking_budget",)
 
 
 def drafts_allowed(params: SamplingParams) -> bool:

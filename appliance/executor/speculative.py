@@ -12,8 +12,9 @@ the drafts this worker holds for the request):
    sampling: x is accepted with probability p(x), and a rejection emits a sample of p with x removed,
    renormalised. So every emitted token is distributed as the target's; greedy rows, seeded rows (their noise
    is keyed on the tokens generated so far) and the GPU fast path (keyed on the same count) emit exactly what
-   they emit without drafts, and logprobs are the target's for each emitted token. Rows with logits processors
-   never get drafts;
+   they emit without drafts, and logprobs are the target's for each emitted token. Structured-output rows are
+   masked as after the drafts before them (a draft the grammar refuses is rejected); thinking-budget requests
+   get no drafts;
 3. proposal (the drafter's `_propose`): the drafter catches up over the chunk's confirmed positions and drafts up
    to num_steps tokens for each request that sampled; the result reports how many it holds (StepResult.drafts),
    and the next plan verifies at most that many. Above speculative.disable_by_batch_size sampling rows a step
@@ -287,8 +288,17 @@ class Speculator:
 
     def _verify(self, logits: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
         at = torch.tensor([i + j for _, i, d in verify_at for j in range(d + 1)], device=logits.device)
-        # no logits processors here: requests that have them never get drafts (drafts_allowed)
-        emitted = verify(self.runner.batch_sampler, logits[at], [(c.state, d) for c, _, d in verify_at], self.forced)
+        rows = logits[at]
+        masked: list[int] = []  # structured outputs: each row masked as after the drafts before it
+        first = 0
+        for c, _, d in verify_at:
+            if logits_processors.wants_processors(c.state.params.extra):
+                logits_processors.processors_for(self.runner).mask_drafts(rows[first : first + d + 1], c.state, d)
+                masked += range(first, first + d + 1)
+            first += d + 1
+        sampler = self.runner.batch_sampler
+        emitted = verify(lambda lg, states: logits_processors.draw(sampler, lg, states, masked), rows,
+                         [(c.state, d) for c, _, d in verify_at], self.forced)
         for (c, _, _), results in zip(verify_at, emitted):
             rid = c.state.request_id
             out.sampled += [SampledToken(rid, x.token_id, x.logprob, x.top_logprobs, x.rank) for x in results]
