@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import tempfile
 import time
@@ -29,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance import LLM, SamplingParams
+from appliance.bench.presets import SHAPES
 from appliance.config import resolve_model_path
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
 EAGLE3_LLAMA_8B = {  # the published Llama-3.1-8B EAGLE-3 heads' shape
     "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -80,15 +79,6 @@ class Run:
     @property
     def ms_per_token(self) -> float:
         return 1000.0 * self.seconds / (self.output_tokens / self.batch)
-
-
-def llama_8b_preset() -> dict[str, Any]:
-    """tools/bench_offline.py's Llama-3.1-8B config (one copy of the shape)."""
-    spec = importlib.util.spec_from_file_location("bench_offline", TOOLS / "bench_offline.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return dict(module.PRESETS["llama-3.1-8b"])
 
 
 def write_config(directory: Path, config: dict[str, Any]) -> Path:
@@ -142,7 +132,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
     quick = a.quick
     input_len, output_len, big_batch = (32, 8, 4) if quick else (1024, 256, 32)
     work = Path(tempfile.mkdtemp(prefix="spec-bench-"))
-    target_cfg = TINY if quick else llama_8b_preset()
+    target_cfg = TINY if quick else SHAPES["llama-3.1-8b"]
     head_cfg = ({**EAGLE3_LLAMA_8B, **{k: TINY[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                                           "num_key_value_heads", "vocab_size")},
                  "draft_vocab_size": 128, "torch_dtype": "float32"} if quick else EAGLE3_LLAMA_8B)

@@ -34,7 +34,8 @@ import torch
 from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
 from appliance.executor import logits_processors
-from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+from appliance.executor.input_batch import Chunk
+from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import SampleResult
 from appliance.executor.speculative_forced import ForcedAcceptance
 from appliance.layers.attention import AttentionMetadata
@@ -318,7 +319,7 @@ class Speculator:
             rid = c.state.request_id
             own.append(Chunk(c.state, c.start, emitted[rid] if rid in verifying else c.num_tokens, c.sample))
             target_first[rid] = first
-        inputs = build_inputs(own, r.block_size, r.device, 1, r._stager, r._pad_prefills)
+        inputs = r.host_inputs(own)
         ids: list[int] = []
         take: list[int] = []
         for c in inputs.chunks:

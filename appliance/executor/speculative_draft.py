@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from appliance.executor.input_batch import Chunk, build_inputs
+from appliance.executor.input_batch import Chunk
 from appliance.executor.model_loader import init_dummy_weights, iterate_weights, load_hf_config, resolve_model_dir
 from appliance.executor.speculative import Speculator
 from appliance.models.eagle import AuxCapture, Eagle3Head, EagleHead, default_capture_layers, head_class
@@ -139,7 +139,7 @@ class DraftModelSpeculator(Speculator):
             # the token just sampled is the first draft's input, if its position fits the table and the model
             fits = c.sample and c.start + n < self.draft_limit(c.state)
             own.append(Chunk(c.state, c.start, n + 1 if fits else n, fits))
-        inputs = build_inputs(own, r.block_size, r.device, 1, r._stager, r._pad_prefills)
+        inputs = r.host_inputs(own)
         h = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         states, rows = self.last_rows(inputs)
         if not states:
