@@ -248,3 +248,17 @@ def test_eagle3_drafts_equal_a_from_scratch_pass_of_the_head(make_tiny_model: Ca
             tok, h = ref.step([want[-1]], h)
             want.append(int(tok[0]))
         assert drafts == want, history
+
+
+@pytest.mark.slow
+def test_tensor_parallel_eagle3_equals_one_process_without_speculation(tiny_model: Path, drafters: dict[str, Path],
+                                                                       reference: list[Any]) -> None:
+    """Two CPU worker processes (gloo): the head is sharded like the target (its fc gathers its output, the draft
+    vocabulary is split over the ranks), and the greedy tokens are the one-process ones."""
+    llm = make_llm(tiny_model, tensor_parallel_size=2, **spec_kwargs("EAGLE3", drafters["eagle3"]))
+    try:
+        outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        assert llm.engine.stats().spec_num_drafts > 0 and llm.engine.check_accounting().ok
+    finally:
+        llm.shutdown()
