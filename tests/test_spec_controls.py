@@ -132,3 +132,22 @@ def test_forced_per_position_rates(tiny_model: Path, draft: Path) -> None:
     per_pos = stats.spec_accepted_per_pos
     assert per_pos[0] == stats.spec_num_drafts and len(per_pos) == 2  # draft 0 always, draft 2 never
     assert per_pos[1] / per_pos[0] == pytest.approx(0.5, abs=0.12)
+
+
+def test_serve_flags_reach_the_speculative_section() -> None:
+    from appliance.config import parse_serve_args
+
+    c = parse_serve_args(["m", "--speculative-algorithm", "ngram", "--speculative-num-steps", "4",
+                          "--speculative-ngram-min-match-window-size", "2",
+                          "--speculative-ngram-max-match-window-size", "5",
+                          "--speculative-disable-by-batch-size", "8"], env={}).speculative
+    assert (c.algorithm, c.num_steps, c.prompt_lookup_min, c.prompt_lookup_max, c.disable_by_batch_size) == (
+        "NGRAM", 4, 2, 5, 8)
+    s = parse_serve_args(["m", "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
+                          "--speculative-enable-synthetic-acceptance", "--speculative-synthetic-acceptance-length",
+                          "2.6"], env={}).speculative
+    assert (s.algorithm, s.draft_model_path, s.enable_synthetic_acceptance, s.synthetic_acceptance_length) == (
+        "STANDALONE", "d", True, 2.6)
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        parse_serve_args(["m", "--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "4",
+                          "--speculative-ngram-max-match-window-size", "2"], env={})
