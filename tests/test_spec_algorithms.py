@@ -135,11 +135,20 @@ def test_a_drafter_of_the_wrong_kind_is_refused(tiny_model: Path, drafters: dict
         make_llm(tiny_model, eagle3_layers_to_capture=[0, 1, 5], **spec_kwargs("EAGLE3", drafters["eagle3"]))
 
 
-def test_a_draft_model_with_another_kv_layout_is_refused(tiny_model: Path,
-                                                         make_tiny_model: Callable[..., Path]) -> None:
-    other = make_tiny_model("llama", seed=3, num_hidden_layers=1, num_key_value_heads=4)
-    with pytest.raises(ValueError, match="KV layout"):
-        make_llm(tiny_model, **spec_kwargs("STANDALONE", other))
+def test_a_draft_model_with_another_kv_layout_gets_caches_of_its_shape(tiny_model: Path, reference: list[Any],
+                                                                       make_tiny_model: Callable[..., Path]) -> None:
+    """A draft with 4 KV heads of 8 (the target: 2 of 16): its caches take its shape, the block budget counts both."""
+    other = make_tiny_model("llama", seed=3, num_hidden_layers=1, num_key_value_heads=4, head_dim=8)
+    llm = make_llm(tiny_model, max_total_tokens=1024, **spec_kwargs("STANDALONE", other))
+    runner = llm.executor.runner
+    spec = runner.kv_spec
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 16)
+    assert spec.drafter is not None and (spec.drafter.num_layers, spec.drafter.num_kv_heads, spec.drafter.head_dim) == (1, 4, 8)
+    assert spec.bytes_per_block == 2 * 4 * 4 * (2 * 2 * 16 + 4 * 8)  # K and V, 4 tokens, float32
+    assert runner.draft_model.model.layers[0].self_attn.attn.k_cache.shape[1:] == (4, 4, 8)
+    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert llm.engine.stats().spec_num_drafts > 0
 
 
 # ---- EAGLE-3: the engine's drafts equal a from-scratch pass of the published head recurrence ------------------

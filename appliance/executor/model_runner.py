@@ -96,10 +96,8 @@ class ModelRunner:
         self.draft_model = speculative.load_drafter(config, self)
         layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model,
                                                                                     self.draft_model)
-        self.kv_spec = kv_cache.KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
-                                            self.block_size, kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype,
-                                                                                     self.dtype),
-                                            num_tensors=2 if getattr(layers[0], "uses_v_cache", True) else 1)
+        self.kv_spec = kv_cache.KVCacheSpec.of(layers, self.block_size,
+                                               kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype, self.dtype))
         self.max_blocks = -(-self.max_model_len // self.block_size)
         # before the profile, so its peak (and so the KV budget) counts it; one row per request the scheduler
         # may run at once (prefilling ones included; speculative decoding adds rows to no request)

@@ -1,7 +1,7 @@
 """Drafting with a separate model: a standalone draft model sharing the tokenizer (speculative.algorithm =
 STANDALONE; SGLang's STANDALONE, vLLM's draft_model) and EAGLE / EAGLE-3 heads (models/eagle.py). Their KV
-caches live beside the target's in the same blocks, so they share the block tables and the KV budget
-(ModelRunner allocates them; a drafter whose KV layout differs from the target's is refused).
+caches live beside the target's in the same blocks (of their own shape where their KV heads or head size
+differ: kv_cache.KVCacheSpec.drafter), so they share the block tables and the KV budget.
 
 Standalone: the draft model runs over the chunk's confirmed positions and the token just sampled (row i: the
 token at i), so its cache holds every computed position; the last row drafts the first token, then num_steps - 1
@@ -113,15 +113,6 @@ def _capture(config: Any, runner: Any, draft_cfg: Any) -> None:
     sched = config.scheduler
     rows = max(sched.chunked_prefill_size, sched.max_prefill_tokens) + sched.max_num_seqs * (config.speculative.num_steps + 1)
     inner.aux = AuxCapture(layers, int(runner.hf_config.hidden_size), rows, runner.dtype, runner.device)
-
-
-def check_kv_layout(target: list[Any], draft: list[Any]) -> None:
-    """The drafter's caches are allocated like the target's (one spec): its KV layout must match."""
-    t, d = target[0], draft[0]
-    if (t.num_kv_heads, t.head_dim) != (d.num_kv_heads, d.head_dim):
-        raise ValueError(f"the draft model's KV layout ({d.num_kv_heads} KV heads of {d.head_dim} per rank) differs "
-                         f"from the target's ({t.num_kv_heads} of {t.head_dim}); this build keeps both in one cache "
-                         "layout, so pick a draft model with the same KV heads and head size")
 
 
 class DraftModelSpeculator(Speculator):
