@@ -271,3 +271,18 @@ def test_tensor_parallel_eagle3_equals_one_process_without_speculation(tiny_mode
         assert llm.engine.stats().spec_num_drafts > 0 and llm.engine.check_accounting().ok
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("algorithm,key", [("STANDALONE", "draft"), ("EAGLE3", "eagle3")])
+def test_preemption_with_drafts_keeps_the_greedy_tokens(tiny_model: Path, drafters: dict[str, Path],
+                                                        reference: list[Any], algorithm: str, key: str) -> None:
+    """A pool too small for all four requests: preempted requests come back, their drafter caches are rebuilt
+    by the recompute, and every output still equals the target's greedy tokens; the pool is whole afterwards."""
+    drafter = tiny_model if algorithm == "STANDALONE" else drafters[key]  # accepted drafts: long verifications
+    llm = make_llm(tiny_model, max_total_tokens=64, max_model_len=48, enable_prefix_caching=False,
+                   schedule_conservativeness=0.0, **spec_kwargs(algorithm, drafter))
+    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_drafts > 0 and stats.blocks_owned == 0
+    assert llm.engine.check_accounting().ok
