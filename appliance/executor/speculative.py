@@ -187,6 +187,7 @@ class Speculator:
         self.drafts: dict[str, list[int]] = {}
         self.drafting = True  # this step proposes (False above disable_by_batch_size sampling rows)
         self._chain_stager = Stager(runner.device)  # a draft chain's inputs, one upload per step
+        self._index_stager = Stager(runner.device)  # the drafter's row indices
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -323,14 +324,16 @@ class Speculator:
             ids += c.state.token_ids[c.start + 1 : c.start + c.num_tokens + 1]
             first = target_first[c.state.request_id]
             take += range(first, first + c.num_tokens)
-        input_ids = torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(device)
-        return inputs, input_ids, torch.tensor(take, device=device)
+        sent = self._index_stager.send(np.asarray(ids + take, dtype=np.int64))
+        return inputs, sent[: len(ids)], sent[len(ids) :]
 
-    def last_rows(self, inputs: Any) -> tuple[list[RequestState], list[int]]:
-        """The requests this step drafts for and their last catch-up row."""
+    def last_rows(self, inputs: Any) -> tuple[list[RequestState], torch.Tensor]:
+        """The requests this step drafts for and their last catch-up rows (on the device, staged: a plain copy
+        would wait for the catch-up forward)."""
         drafting = [(c.state, s + c.num_tokens - 1) for c, s in zip(inputs.chunks, inputs.row_starts)
                     if self.wants_drafts(c)]
-        return [s for s, _ in drafting], [row for _, row in drafting]
+        rows = self._chain_stager.send(np.asarray([row for _, row in drafting], dtype=np.int64)) if drafting else None
+        return [s for s, _ in drafting], rows  # type: ignore[return-value]
 
     def wants_drafts(self, c: Chunk) -> bool:
         """Whether this step proposes for the chunk's request."""

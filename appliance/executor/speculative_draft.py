@@ -135,7 +135,7 @@ class DraftModelSpeculator(Speculator):
         states, rows = self.last_rows(inputs)
         if not states:
             return
-        first = self.model.compute_logits(h[torch.tensor(rows, device=h.device)]).argmax(dim=-1)
+        first = self.model.compute_logits(h[rows]).argmax(dim=-1)
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, _: Any) -> tuple[torch.Tensor, None]:
             return self.model.compute_logits(self.model(tokens, positions, meta)).argmax(dim=-1), None
@@ -164,7 +164,7 @@ class EagleSpeculator(Speculator):
         states, rows = self.last_rows(inputs)
         if not states:
             return
-        at = torch.tensor(rows, device=device)
+        at = rows
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, h: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:

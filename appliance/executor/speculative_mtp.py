@@ -43,7 +43,7 @@ class MtpSpeculator(Speculator):
         states, rows = self.last_rows(inputs)
         if not states:
             return
-        h = h[torch.tensor(rows, device=device)]
+        h = h[rows]
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, h: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
