@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from appliance import LLM, SamplingParams
 from appliance.config import build_config
@@ -151,3 +152,35 @@ def test_serve_flags_reach_the_speculative_section() -> None:
     with pytest.raises(ConfigError, match="prompt_lookup_min"):
         parse_serve_args(["m", "--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "4",
                           "--speculative-ngram-max-match-window-size", "2"], env={})
+
+
+@pytest.mark.parametrize("flat,path", [
+    ({"speculative_algorithm": "MTP", "speculative_draft_model_quantization": "fp8"},
+     "speculative.draft_model_quantization"),
+    ({"speculative_algorithm": "MTP", "attention_backend": "torch", "drafter_attention_backend": "triton"},
+     "backends.drafter_attention"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "d", "drafter_attention_backend": "flashinfer"},
+     "backends.drafter_attention"),
+    ({"speculative_algorithm": "MTP", "moe_backend": "torch", "draft_moe_backend": "triton"}, "backends.draft_moe"),
+])
+def test_drafter_settings_this_build_cannot_honour_are_refused(flat: dict[str, Any], path: str) -> None:
+    from appliance.config import check_supported
+
+    assert any(m.startswith(path + ":") for m in check_supported(build_config(flat=flat, env={})))
+
+
+def test_a_standalone_drafter_runs_on_its_own_attention_backend(tiny_model: Path, draft: Path) -> None:
+    from appliance.config import check_supported
+
+    kw: dict[str, Any] = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(draft),
+                          "drafter_attention_backend": "torch"}
+    assert check_supported(build_config(flat={"model": str(tiny_model), **kw}, env={})) == []
+    from appliance.executor.speculative_draft import _drafter_backend
+
+    target = SimpleNamespace(backend="triton", device=torch.device("cpu"))  # a target on another backend
+    unset = SimpleNamespace(backends=SimpleNamespace(drafter_attention=None))
+    assert _drafter_backend(unset, target) == "triton"
+    assert _drafter_backend(SimpleNamespace(backends=SimpleNamespace(drafter_attention="torch")), target) == "torch"
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True, **kw)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert llm.engine.stats().spec_num_drafts > 0

@@ -38,6 +38,17 @@ UNSUPPORTED: list[Unsupported] = [
                 lambda c: c.speculative.algorithm is not None
                 and c.speculative.effective_num_draft_tokens != c.speculative.num_steps + 1,
                 "a draft chain verifies num_steps + 1 tokens in this build (leave num_draft_tokens unset)"),
+    Unsupported("speculative.draft_model_quantization", lambda c: c.speculative.draft_model_quantization != "unquant",
+                "the drafter's weights are used as stored in this build (unquant)"),
+    Unsupported("backends.drafter_attention",
+                lambda c: c.backends.drafter_attention not in (None, "auto", "torch", "triton")
+                or (c.speculative.algorithm == "MTP" and c.backends.drafter_attention not in (None, c.backends.attention)),
+                "the drafter's attention runs on auto, torch or triton in this build (MTP's layers on "
+                "backends.attention)"),
+    Unsupported("backends.draft_moe",
+                lambda c: c.backends.draft_moe not in (None, "auto", "torch", "triton")
+                or (c.speculative.algorithm == "MTP" and c.backends.draft_moe not in (None, c.backends.moe)),
+                "the draft model's MoE runs on auto, torch or triton in this build (MTP's layers on backends.moe)"),
     Unsupported("scheduler.enable_overlap",
                 lambda c: c.speculative.algorithm is not None and c.scheduler.enable_overlap,
                 "overlap scheduling with speculative decoding is not supported in this build"),

@@ -41,8 +41,9 @@ def load_draft_model(config: Any, runner: Any) -> nn.Module:
     if head is None and int(cfg.vocab_size) != int(runner.hf_config.vocab_size):
         raise ValueError(f"speculative.draft_model_path: the draft model's vocabulary ({cfg.vocab_size}) differs "
                          f"from the target's ({runner.hf_config.vocab_size}); STANDALONE needs a shared tokenizer")
-    model = _construct(runner, lambda: (model_class(cfg)(cfg, backend=runner.backend) if head is None
-                                        else head(cfg, runner.hf_config, runner.backend)))
+    backend = _drafter_backend(config, runner)
+    model = _construct(runner, lambda: (_draft_model(cfg, backend, config) if head is None
+                                        else head(cfg, runner.hf_config, backend)))
     if m.load_format == "dummy":
         init_dummy_weights(model, m.seed + 1)
     else:
@@ -50,10 +51,30 @@ def load_draft_model(config: Any, runner: Any) -> nn.Module:
     if runner.device.type == "cuda":
         from appliance.layers.linear import use_gemv_kernel
 
-        use_gemv_kernel(model, runner.backend)
+        use_gemv_kernel(model, backend)
     if head is Eagle3Head:
         _capture(config, runner, cfg)
     return model.eval()
+
+
+def _drafter_backend(config: Any, runner: Any) -> str:
+    """backends.drafter_attention, or the target's backend when unset."""
+    name = config.backends.drafter_attention
+    if name is None:
+        return runner.backend
+    from appliance.executor.runner_setup import resolve_backend
+
+    return resolve_backend(name, runner.device)
+
+
+def _draft_model(cfg: Any, backend: str, config: Any) -> nn.Module:
+    cls = model_class(cfg)
+    if not getattr(cls, "is_moe", False):
+        return cls(cfg, backend=backend)
+    from appliance.layers.moe import resolve_moe_backend
+
+    return cls(cfg, backend=backend, moe_backend=resolve_moe_backend(config.backends.draft_moe or config.backends.moe,
+                                                                      backend))
 
 
 def _construct(runner: Any, build: Any) -> nn.Module:
