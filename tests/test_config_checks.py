@@ -96,7 +96,7 @@ def test_unsupported_settings_are_warnings_and_start_up_errors(tmp_path: Path) -
     assert [w.where for w in r.warnings] == [f"{f}:2"]
     assert [w.path for w in r.warnings] == ["speculative.algorithm"]
     assert check_supported(r.config) == [
-        ("speculative.algorithm: DFLASH (block-diffusion drafting) is not supported in this build; EAGLE, EAGLE3, "
+        ("speculative.algorithm: DFLASH and DSPARK drafting are not supported in this build; EAGLE, EAGLE3, "
          "STANDALONE, NGRAM and MTP are (remove the setting or use its default)")]
     assert check_supported(build_config(env={})) == []
     for algorithm in ("MTP", "NGRAM"):  # the algorithms that run pass the start-up gate

@@ -3,7 +3,8 @@
 After a step samples a request, the longest suffix of its tokens of prompt_lookup_max down to prompt_lookup_min
 tokens that occurred earlier proposes the up to num_steps tokens that followed its latest earlier occurrence
 (vLLM's ngram proposer, SGLang's NGRAM with one branch). No match: no drafts, and the next step is a plain
-decode. There is no drafter model and no cache, so nothing runs on the device for the proposal.
+decode. There is no drafter model and no cache, so nothing runs on the device for the proposal. Unset, the
+lengths are 1 and 3 (prompt_lookup_max at least prompt_lookup_min).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from appliance.executor.input_batch import Chunk
 from appliance.executor.speculative import Speculator
+
+DEFAULT_MIN, DEFAULT_MAX = 1, 3
 
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -34,7 +37,8 @@ class NgramSpeculator(Speculator):
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
         s = runner.config.speculative
-        self.min_n, self.max_n = int(s.prompt_lookup_min), int(s.prompt_lookup_max)
+        self.min_n = s.prompt_lookup_min or DEFAULT_MIN
+        self.max_n = s.prompt_lookup_max or max(DEFAULT_MAX, self.min_n)
 
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
