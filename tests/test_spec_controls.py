@@ -184,3 +184,34 @@ def test_a_standalone_drafter_runs_on_its_own_attention_backend(tiny_model: Path
     llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True, **kw)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert llm.engine.stats().spec_num_drafts > 0
+
+
+def test_the_lookahead_blocks_follow_the_drafter() -> None:
+    from appliance.engine.speculation import lookahead_tokens
+
+    assert [lookahead_tokens(a, 3) for a in ("MTP", "EAGLE3", "EAGLE", "STANDALONE", "NGRAM", None)] == [2, 2, 2, 3, 0, 0]
+    flat = {"speculative_algorithm": "NGRAM", "speculative_num_steps": 3}
+    cfg = EngineConfig.from_appliance(build_config(flat=flat, env={}), 1024, [], 512)
+    assert (cfg.num_speculative_tokens, cfg.lookahead) == (3, 0)
+
+
+def test_a_draft_model_holds_every_draft_at_block_boundaries(tiny_model: Path, draft: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's lookahead covers the draft model's chain (one position further than MTP's), so with
+    max_model_len far away a draft model always holds num_steps drafts, whatever the block boundaries."""
+    from appliance.executor.speculative import Speculator
+
+    held: list[int] = []
+    real = Speculator.execute
+
+    def record(self: Speculator, plan: Any) -> Any:
+        result = real(self, plan)
+        held.extend(result.drafts.values())
+        return result
+
+    monkeypatch.setattr(Speculator, "execute", record)
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
+              speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft), speculative_num_steps=3)
+    llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 4, 5, 6)],
+                 SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert len(held) > 40 and set(held) == {3}

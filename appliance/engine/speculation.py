@@ -4,8 +4,8 @@ Drafts live on the workers. After every step that samples a request, a worker pr
 `num_speculative_tokens` (k) draft tokens for it (executor/speculative.py: MTP, EAGLE, a draft model, n-gram
 lookup), keeps them and reports how many it holds (StepResult.drafts, kept in Request.num_drafts_held); the next
 step verifies d <= that many: the
-scheduler schedules the decode with num_tokens = 1 + d (and KV blocks for that lookahead plus the k - 1
-positions the worker's next draft chain writes), and the worker answers with 1 to d + 1 SampledTokens of the
+scheduler schedules the decode with num_tokens = 1 + d (and KV blocks for that lookahead plus the positions
+the worker's next draft chain writes: lookahead_tokens), and the worker answers with 1 to d + 1 SampledTokens of the
 request, in order (the accepted drafts, then the target's own token at the first mismatch or after the last
 draft). The scheduler applies them one by one under every stop rule and moves num_computed by the count.
 
@@ -39,13 +39,22 @@ def num_drafts(req: Request, k: int) -> int:
     return max(0, min(k, req.num_drafts_held, room))
 
 
-def table_tokens(req: Request, start: int, n: int, k: int) -> int:
-    """Tokens the block table must cover for a chunk of n tokens from start: the chunk, plus the positions
-    the workers' draft chain of k tokens writes after a chunk that samples."""
+def table_tokens(req: Request, start: int, n: int, lookahead: int) -> int:
+    """Tokens the block table must cover for a chunk of n tokens from start: the chunk, plus the `lookahead`
+    positions past it that the workers' drafter writes after a chunk that samples (EngineConfig.spec_lookahead)."""
     end = start + n
-    if k > 1 and end >= req.num_tokens + req.num_pending and drafts_allowed(req.sampling_params):
-        return max(end, min(end + k - 1, req.max_model_len))
+    if lookahead > 0 and end >= req.num_tokens + req.num_pending and drafts_allowed(req.sampling_params):
+        return max(end, min(end + lookahead, req.max_model_len))
     return end
+
+
+def lookahead_tokens(algorithm: str | None, k: int) -> int:
+    """Positions past a sampling chunk that a chain of k drafts writes into the drafter's cache: k - 1 for MTP
+    and EAGLE (row i reads the token at i + 1), k for a draft model (row i reads the token at i: the sampled
+    token's own row comes first), none for n-gram lookup (no cache) or without speculation."""
+    if algorithm is None or algorithm == "NGRAM" or k == 0:
+        return 0
+    return k if algorithm == "STANDALONE" else k - 1
 
 
 @dataclass
