@@ -115,3 +115,46 @@ def test_cli_sweeps_concurrency(server: Server, tmp_path: Path) -> None:
     assert [res["levels"][c]["completed"] for c in ("1", "2")] == [2, 4]
     assert res["largest_concurrency"] == 2 and res["levels"]["2"]["p90_tok_s_per_user"] > 0
     assert res["levels"]["2"]["computed_prefill_throughput"] > 0
+
+
+def test_priority_is_refused_by_fcfs(server: Server) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none")
+    with pytest.raises(openai.BadRequestError, match="priority needs scheduler.policy"):
+        client.completions.create(model="default-sessions", prompt=[5, 6, 7], max_tokens=2,
+                                  extra_body={"priority": 1})
+    ok = client.completions.create(model="default-sessions", prompt=[5, 6, 7], max_tokens=2,
+                                   extra_body={"priority": 0})
+    assert ok.usage.completion_tokens == 2
+
+
+def test_slo_policy_serves_priorities_and_sessions(tmp_path: Path) -> None:
+    import openai
+
+    port = free_port()
+    srv = launch(f'''
+[model]
+device = "cpu"
+[scheduler]
+policy = "slo"
+slo_tbt_ms = 50
+chunked_prefill_size = 64
+[api]
+port = {port}
+[observability]
+log_level = "warning"
+''', port, cfg_path=tmp_path / "slo.toml")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base}/v1", api_key="none")
+        outs = [client.completions.create(model=client.models.list().data[0].id, prompt=list(range(10, 10 + n)),
+                                          max_tokens=3, temperature=0, extra_body={"priority": p, "ignore_eos": True})
+                for n, p in ((200, 2), (20, -1), (90, 0))]
+        assert [o.usage.completion_tokens for o in outs] == [3, 3, 3]
+        w = sessions.SessionWorkload(3, 2, system_len=100, user_len=20, tool_len=10, output_len=6, id_high=900)
+        results, _ = asyncio.run(sessions.run_sessions(ServeTarget(srv.base, "/v1/completions", outs[0].model),
+                                                       w, concurrency=3))
+        assert len(results) == 6 and all(r.timing.success for r in results), [r.timing.error for r in results]
+        assert srv.wait_idle()["accounting_ok"]
+    finally:
+        stop(srv)

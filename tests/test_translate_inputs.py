@@ -187,6 +187,7 @@ def test_atlas_in_docker(tmp_path: Path) -> None:
     assert doc["observability"]["dump_path"] == "/var/log/atlas.jsonl"
     assert doc["cache"]["ssm_cache_slots"] == 16  # written; start-up refuses it until hybrid SSM models land
     assert any(u.startswith("cache.ssm_cache_slots:") for u in tr.unsupported)
+    assert any(u.startswith("scheduler.policy:") for u in tr.unsupported)  # slo without chunked prefill
 
 
 def test_atlas_speculative_and_no_abbreviations(tmp_path: Path) -> None:

@@ -125,8 +125,9 @@ UNSUPPORTED: list[Unsupported] = [
                 "MLA attention is not supported in this build"),
     Unsupported("backends.enable_mla_l1_5_cache", lambda c: c.backends.enable_mla_l1_5_cache,
                 "MLA attention is not supported in this build"),
-    Unsupported("scheduler.policy", lambda c: c.scheduler.policy == "slo",
-                "the slo scheduling policy is not implemented in this build (fcfs and lpm are)"),
+    Unsupported("scheduler.policy", lambda c: c.scheduler.policy == "slo" and c.scheduler.chunked_prefill_size == -1,
+                "the slo policy sizes prefill chunks to the decodes' deadlines: it needs chunked prefill "
+                "(scheduler.chunked_prefill_size > 0)"),
     Unsupported("api.enable_custom_logit_processor", lambda c: c.api.enable_custom_logit_processor,
                 "custom logit processors are not supported in this build"),
     Unsupported("api.stream_output", lambda c: c.api.stream_output,

@@ -5,7 +5,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-POLICIES = ("fcfs", "lpm")
+POLICIES = ("fcfs", "lpm", "slo")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class EngineConfig:
     eos_token_ids: frozenset[int] = frozenset()
     max_queued_requests: int | None = None
     policy: str = "fcfs"
+    slo_tbt_ms: float = 100.0  # policy slo: the time-between-tokens deadline (slo.py)
     lpm_scan_limit: int = 128  # lpm compares at most this many waiting requests per admission
     # speculative decoding (MTP): drafts the workers propose after every sample, verified in the next step; 0 = off
     num_speculative_tokens: int = 0
@@ -55,6 +56,11 @@ class EngineConfig:
                              f"got {self.schedule_conservativeness}")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler policy {self.policy!r} is not implemented; the engine supports {POLICIES}")
+        if self.policy == "slo" and not self.chunking:
+            raise ValueError("scheduler policy slo sizes prefill chunks to the decodes' deadlines: it needs "
+                             "chunked prefill (scheduler.chunked_prefill_size > 0)")
+        if not self.slo_tbt_ms > 0:
+            raise ValueError(f"EngineConfig.slo_tbt_ms must be > 0, got {self.slo_tbt_ms}")
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
             # One sequence of max_model_len must fit alone, or it could preempt itself forever.
@@ -97,6 +103,7 @@ class EngineConfig:
             eos_token_ids=frozenset(eos_token_ids),
             max_queued_requests=sched.max_queued_requests,
             policy=sched.policy,
+            slo_tbt_ms=float(getattr(sched, "slo_tbt_ms", 100.0)),
             num_speculative_tokens=num_speculative_tokens(config),
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),

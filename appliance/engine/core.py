@@ -82,7 +82,7 @@ class EngineCore:
                              "scheduler.enable_overlap off")
         self.config = config
         self.executor = executor
-        self.scheduler = Scheduler(config, on_kv_event)
+        self.scheduler = Scheduler(config, on_kv_event, clock)
         self._clock = clock
         self._num_steps = 0
         self.overlap = overlap

@@ -2,7 +2,7 @@
 
 Each step, in this order:
 1. running requests that decode (one token each), then running requests in the middle of a chunked prefill;
-2. waiting requests (preempted ones first, then by policy: fcfs or lpm), while the step has budget, a seat
+2. waiting requests (preempted ones first, then by policy: fcfs, lpm, or slo: slo.py), while the step has budget, a seat
    (max_num_seqs) and blocks (with schedule_conservativeness > 0 also room for the running requests' outputs:
    admission.py); a waiting request never preempts a running one, and none is admitted in a step that preempted.
 When a running request needs a block and none is free or evictable, the newest running request not yet
@@ -33,8 +33,10 @@ hit does not cover (vLLM does the same).
 """
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from itertools import islice
 
 from appliance.engine.admission import OutputReservation
@@ -48,6 +50,7 @@ from appliance.engine.outputs import (
     take_prompt_logprobs,
 )
 from appliance.engine.prefix_cache import KVEventSink, PrefixCache
+from appliance.engine.slo import SloPolicy
 from appliance.engine.request import (
     DECODING,
     PREEMPTED,
@@ -66,8 +69,13 @@ class QueueFull(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, on_kv_event: KVEventSink | None = None) -> None:
+    def __init__(self, config: EngineConfig, on_kv_event: KVEventSink | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
+        self.slo = SloPolicy(config.slo_tbt_ms / 1000.0) if config.policy == "slo" else None
+        self._planned_at: dict[int, tuple[float, int]] = {}  # step id -> (clock, prefill tokens): policy slo
+        self._last_update_at = 0.0
         self.pool = BlockPool(config.num_blocks)
         self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event)
         self.waiting: deque[Request] = deque()
@@ -99,6 +107,9 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.status is not RequestStatus.WAITING:
             raise ValueError(f"request {req.request_id!r} is {req.status.value}, not waiting")
+        if req.sampling_params.priority and self.slo is None:
+            raise ValueError(f"request {req.request_id!r}: priority needs scheduler.policy = \"slo\" "
+                             f"(this engine runs {self.config.policy})")
         if not self.can_queue():
             raise QueueFull(f"{len(self.waiting)} requests are waiting (scheduler.max_queued_requests)")
         self.requests[req.request_id] = req
@@ -132,7 +143,20 @@ class Scheduler:
         self._next_step_id += 1
         self._forget = []
         self._in_flight[plan.step_id] = st.issued
+        if self.slo is not None:
+            prefill = sum(sc.num_tokens for sc, req, _, _ in st.issued if req.status is not DECODING)
+            self._planned_at[plan.step_id] = (self._clock(), prefill)
         return plan
+
+    def _cap_prefills(self, st: StepBudget) -> None:
+        """Policy slo: the prefill chunks still to plan get only what keeps this step within the decodes' slack."""
+        assert self.slo is not None
+        decoding = [req for _, req, _, _ in st.issued if req.status is DECODING]
+        cap = self.slo.prefill_cap(decoding, self._clock())
+        if cap is None:
+            return
+        prefill = sum(sc.num_tokens for sc, req, _, _ in st.issued if req.status is not DECODING)
+        st.tokens = min(st.tokens, max(cap - prefill, 0))
 
     def _schedule_running(self, st: StepBudget) -> None:
         # Whether a request decodes is decided here, once: planning one request changes no other's answer
@@ -142,8 +166,11 @@ class Scheduler:
         for req in self.running:
             (decoding if req.status is DECODING or _decodes(req) else prefilling).append(req)
         if self._chunking and len(decoding) > st.tokens:
-            # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves.
-            decoding.sort(key=lambda r: r.last_issue_seq)
+            # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves;
+            # policy slo: the nearest deadline first.
+            decoding.sort(key=self.slo.decode_key if self.slo is not None else lambda r: r.last_issue_seq)
+        if self.slo is not None:
+            prefilling.sort(key=self.slo.prefill_key)
         for req in decoding:
             if req.status is PREEMPTED:  # a victim of an earlier request in this loop
                 continue
@@ -151,6 +178,8 @@ class Scheduler:
                 self._schedule_chunk(req, st, True)
             else:
                 self._schedule_decode(req, st)
+        if self.slo is not None:
+            self._cap_prefills(st)
         for req in prefilling:
             if req.status is not PREEMPTED:
                 self._schedule_chunk(req, st, False)
@@ -207,6 +236,8 @@ class Scheduler:
             return list(islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running))))
         preempted = [r for r in self.waiting if r.status is RequestStatus.PREEMPTED]
         fresh = [r for r in self.waiting if r.status is RequestStatus.WAITING]
+        if self.slo is not None:
+            return preempted + sorted(fresh, key=self.slo.waiting_key)
         k = self.config.lpm_scan_limit
         head = sorted(fresh[:k], key=lambda r: -len(self.cache.match(r)))  # stable: ties stay fcfs
         return preempted + head + fresh[k:]
@@ -254,10 +285,12 @@ class Scheduler:
 
     # ---- preemption and retirement -----------------------------------------------------------------------
     def _victim(self, st: StepBudget) -> Request:
-        for req in reversed(self.running):
-            if req.last_issue_seq < st.first_issue_seq:  # not scheduled in this step
-                return req
-        raise AssertionError("no preemptable request although the current one is unscheduled")
+        unscheduled = [r for r in reversed(self.running) if r.last_issue_seq < st.first_issue_seq]
+        if not unscheduled:
+            raise AssertionError("no preemptable request although the current one is unscheduled")
+        if self.slo is not None:  # the lowest priority (largest value), newest among equals
+            return max(unscheduled, key=lambda r: r.sampling_params.priority)
+        return unscheduled[0]
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -265,6 +298,7 @@ class Scheduler:
         req.transition(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
         req.num_pending = 0  # an in-flight sample is dropped; recompute samples it again
+        req.last_token_time = None  # no deadline until it decodes again
         req.num_preemptions += 1
         if not req.prompt_logprobs_done:
             req.prompt_logprobs = []
@@ -303,6 +337,7 @@ class Scheduler:
         cache = self.cache
         reserve = self._reserve
         prompt_logprobs = result.prompt_logprobs
+        now = self._observe_step(plan.step_id) if self.slo is not None else 0.0
         deltas: list[RequestDelta] = []
         for s, req, num_preemptions, drafts in scheduled:
             status = req.status
@@ -322,11 +357,21 @@ class Scheduler:
                 delta = append_verified(req, verified.get(s.request_id, [tok]), drafts, cache, reserve, self.spec)
             else:
                 delta = append_token(req, tok, cache, reserve)
+            req.last_token_time = now
             if delta.finish_reason is not None:
                 self.running.remove(req)
                 self._retire(req, FinishReason(delta.finish_reason))
             deltas.append(delta)
         return deltas
+
+    def _observe_step(self, step_id: int) -> float:
+        """Policy slo: feed the step's duration to the cost model; returns now (the step's tokens' time)."""
+        assert self.slo is not None
+        now = self._clock()
+        planned, prefill = self._planned_at.pop(step_id)
+        self.slo.cost.observe(now - max(planned, self._last_update_at), prefill)
+        self._last_update_at = now
+        return now
 
     @property
     def num_in_flight(self) -> int:
