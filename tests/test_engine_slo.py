@@ -3,6 +3,8 @@ ordering, priority's preemption victim, and decodes kept within slo_tbt_ms while
 fcfs on the same simulated clock)."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from appliance.engine.config import EngineConfig
@@ -114,7 +116,7 @@ def test_preemption_takes_the_lowest_priority_first() -> None:
 
 def decode_gaps(h: Harness, rid: str) -> list[float]:
     t = h.token_times[rid]
-    return [b - a for a, b in zip(t, t[1:], strict=False)]
+    return [b - a for a, b in pairwise(t)]
 
 
 @pytest.mark.parametrize("policy", ["slo", "fcfs"])

@@ -36,6 +36,7 @@ class EngineConfig:
     # speculative decoding (MTP): drafts the workers propose after every sample, verified in the next step; 0 = off
     num_speculative_tokens: int = 0
     schedule_conservativeness: float = 0.0
+    num_host_blocks: int = 0  # the host tier's slots (host_tier.py); 0: no host tier
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
@@ -49,6 +50,8 @@ class EngineConfig:
             )
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"EngineConfig.max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.num_host_blocks < 0:
+            raise ValueError(f"EngineConfig.num_host_blocks must be >= 0, got {self.num_host_blocks}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"EngineConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if not 0 <= self.schedule_conservativeness < float("inf"):  # NaN fails too
@@ -107,6 +110,7 @@ class EngineConfig:
             num_speculative_tokens=num_speculative_tokens(config),
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
+            num_host_blocks=host_blocks(cache, num_blocks),
         )
 
 
@@ -130,6 +134,15 @@ class StepTokens:
         if chunked_prefill_size > 0:
             return cls(chunked_prefill_size, min(chunked_prefill_size, max_model_len), True)
         return cls(max_prefill_tokens, max(max_prefill_tokens, max_model_len), False)
+
+
+def host_blocks(cache: Any, num_blocks: int) -> int:
+    """The host tier's blocks: cache.host_cache_ratio x the device's (SGLang's --hicache-ratio, default 2 as
+    there); 0 without cache.host_cache. Read by the workers too, so both sides size the same pool."""
+    if not getattr(cache, "host_cache", False):
+        return 0
+    ratio = cache.host_cache_ratio if cache.host_cache_ratio is not None else 2.0
+    return max(1, int(num_blocks * ratio))
 
 
 def num_speculative_tokens(config: Any) -> int:

@@ -50,7 +50,6 @@ from appliance.engine.outputs import (
     take_prompt_logprobs,
 )
 from appliance.engine.prefix_cache import KVEventSink, PrefixCache
-from appliance.engine.slo import SloPolicy
 from appliance.engine.request import (
     DECODING,
     PREEMPTED,
@@ -59,6 +58,7 @@ from appliance.engine.request import (
     Request,
     RequestStatus,
 )
+from appliance.engine.slo import SloPolicy
 from appliance.engine.speculation import SpecCounters, table_tokens
 from appliance.engine.step import StepPlan, StepResult
 from appliance.engine.step_budget import Issued, StepBudget
@@ -77,7 +77,8 @@ class Scheduler:
         self._planned_at: dict[int, tuple[float, int]] = {}  # step id -> (clock, prefill tokens): policy slo
         self._last_update_at = 0.0
         self.pool = BlockPool(config.num_blocks)
-        self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event)
+        self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event,
+                                 config.num_host_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # live requests (waiting or running)
@@ -139,7 +140,8 @@ class Scheduler:
             self._reserve.step_done(self.running, st.preempted)
         if not st.plan_sched:
             return None
-        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget)
+        copies = self.cache.host.take_copies() if self.cache.host is not None else []
+        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget, copies)
         self._next_step_id += 1
         self._forget = []
         self._in_flight[plan.step_id] = st.issued
@@ -246,13 +248,18 @@ class Scheduler:
         bs = self.config.block_size
         # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
         hit = self.cache.match(req) if req.sampling_params.prompt_logprobs is None else []
-        if hit and self.config.num_speculative_tokens:
-            hit = hit[:-1]  # the drafter's cache at the hit's last position saw another next token (see top)
-        num_hit = len(hit) * bs
+        host_hit = self.cache.match_host(req, len(hit)) if req.sampling_params.prompt_logprobs is None else []
+        if self.config.num_speculative_tokens:
+            # the drafter's cache at the hit's last position saw another next token (see top)
+            if host_hit:
+                host_hit = host_hit[:-1]
+            elif hit:
+                hit = hit[:-1]
+        num_hit = (len(hit) + len(host_hit)) * bs
         n = st.prefill_size(req.num_tokens - num_hit)
         if n == 0:
             return False
-        need = self._blocks_for(table_tokens(req, num_hit, n, self._num_spec)) - len(hit)
+        need = self._blocks_for(table_tokens(req, num_hit, n, self._num_spec)) - len(hit)  # host hits included
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         spare = self.pool.num_available - need - revived  # blocks left after this chunk's
         rsv = self._reserve  # it also wants room for the rest of the prompt and the outputs (admission.py)
@@ -260,9 +267,14 @@ class Scheduler:
             return False
         for b in hit:  # take the hits before allocating, so allocation cannot evict them
             self.pool.incref(b)
-        req.block_ids = hit + self.pool.allocate(need)
+        if host_hit:  # nor reuse the host slots about to be loaded
+            self.cache.host.pin(host_hit)
+        new_blocks = self.pool.allocate(need)
+        if host_hit:
+            self.cache.load_host(host_hit, new_blocks[:len(host_hit)])
+        req.block_ids = hit + new_blocks
         req.num_computed_tokens = num_hit
-        req.num_stored_blocks = len(hit)
+        req.num_stored_blocks = len(hit) + len(host_hit)
         if req.status is RequestStatus.WAITING:
             req.num_cached_tokens = num_hit
             self.cache.record_lookup(req.num_tokens, num_hit)
