@@ -11,9 +11,8 @@
 #             system prompt, 256-token first message, 128-token answers, 320-token tool results: the combined
 #             final history is ~32 x 6.3k = 203k tokens, ~3x the pool. Reports TTFT p50 of turns 2-10 and the
 #             reported cache hit against the ideal.
-#   tier      the same with the host tier (cache.host_cache, host_cache_ratio = 4). This build refuses
-#             cache.host_cache at start-up until the tier's worker copies land: the part then fails with that
-#             message.
+#   tier      the same with the host tier (cache.host_cache, host_cache_ratio = 4: 256k tokens, 32 GiB of pinned
+#             host memory on this shape).
 #   peer      `vllm serve` with --num-gpu-blocks-override POOL_TOKENS/16 and --enable-prompt-tokens-details,
 #             the same sessions.
 #   slo, fcfs mixed load: 16 sessions decoding 1024-token answers while 4 prompts of 32000 tokens arrive

@@ -81,6 +81,38 @@ def allocate(spec: KVCacheSpec, num_blocks: int,
             for _ in range(spec.num_layers)]
 
 
+def allocate_host(spec: KVCacheSpec, num_slots: int,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The host tier's slots (engine/host_tier.py), shaped like the device caches: pinned host memory beside a
+    GPU, so the copies are asynchronous DMA; empty without a tier."""
+    if num_slots == 0:
+        return []
+    shape = (num_slots, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    pin = device.type == "cuda"
+    return [(torch.zeros(shape, dtype=spec.dtype, pin_memory=pin),
+             torch.zeros(shape, dtype=spec.dtype, pin_memory=pin) if spec.num_tensors == 2 else None)
+            for _ in range(spec.num_layers)]
+
+
+def copy_host_blocks(device_caches: list[tuple[torch.Tensor, torch.Tensor | None]],
+                     host_caches: list[tuple[torch.Tensor, torch.Tensor | None]],
+                     copies: list[tuple[int, int, int]]) -> None:
+    """Run a plan's host-tier copies in order: (0, block, slot) device -> host, (1, block, slot) host -> device.
+    Every copy is enqueued on the current stream (non_blocking from / to pinned memory), so it is ordered
+    before the step's forward and after the steps launched before it, without waiting on the host."""
+    if copies and not host_caches:
+        raise RuntimeError("the plan carries host-tier copies but this worker has no host tier")
+    for direction, block, slot in copies:
+        for dev_pair, host_pair in zip(device_caches, host_caches, strict=True):
+            for dev, host in zip(dev_pair, host_pair, strict=True):
+                if dev is None or host is None:
+                    continue
+                if direction == 0:
+                    host[slot].copy_(dev[block], non_blocking=True)
+                else:
+                    dev[block].copy_(host[slot], non_blocking=True)
+
+
 def release(caches: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
     """Give the caches' memory back now (the runner's finalizer). On a GPU with the Triton backend a tensor
     object of the cache outlived its dropped engine, held by a reference gc cannot see (found by
