@@ -158,3 +158,38 @@ log_level = "warning"
         assert srv.wait_idle()["accounting_ok"]
     finally:
         stop(srv)
+
+
+@pytest.mark.parametrize("host_cache", [True, False])
+def test_host_tier_keeps_oversubscribed_histories(tmp_path: Path, host_cache: bool) -> None:
+    # 4 sessions whose histories reach ~560 tokens each, 2.2x the 1024-token device pool, interleaved by turn
+    port = free_port()
+    srv = launch(f'''
+[model]
+device = "cpu"
+max_model_len = 1024
+[cache]
+block_size = {BLOCK}
+max_total_tokens = 1024
+host_cache = {str(host_cache).lower()}
+host_cache_ratio = 4
+[api]
+port = {port}
+served_model_name = "tier"
+[observability]
+log_level = "warning"
+''', port, cfg_path=tmp_path / "tier.toml")
+    try:
+        w = sessions.SessionWorkload(4, 4, system_len=16, user_len=300, tool_len=64, output_len=16, id_high=900)
+        results, duration = asyncio.run(sessions.run_sessions(ServeTarget(srv.base, "/v1/completions", "tier"),
+                                                              w, concurrency=4))
+        assert all(r.timing.success for r in results), [r.timing.error for r in results]
+        m = sessions.session_metrics(results, duration)
+        stats = srv.wait_idle()
+        assert stats["accounting_ok"]
+        if host_cache:
+            assert m["hit_vs_ideal"] > 0.9, m
+        else:
+            assert m["hit_vs_ideal"] < 0.9, m
+    finally:
+        stop(srv)
