@@ -73,7 +73,7 @@ run_mixed() {  # 16 decoding sessions, 32k-token prompts arriving beside them
   bench serve --base-url "$base" --model bench --random-input-len 32000 --random-output-len 1 --num-prompts 4 \
     --request-rate 0.2 --ignore-eos --disable-tqdm --result-filename "$out/$1_long.json" --save-result &
   local long=$!
-  bench sessions --base-url "$base" --model bench --num-sessions 16 --max-concurrency 16 --turns 2 \
+  bench sessions --base-url "$base" --model bench --num-sessions=16 --max-concurrency 16 --turns 2 \
     --system-len 1024 --user-len 64 --output-len 1024 --tool-len 64 --save-result --result-filename "$out/$1.json"
   local rc=$?
   wait "$long" || rc=1

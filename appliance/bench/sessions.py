@@ -4,7 +4,7 @@ OpenAI-compatible /v1/completions server.
 Every session starts from one system prompt that all sessions share and a first user message of its own. Each turn
 sends the whole history as token ids, streams the answer with `return_token_ids` (the server's own generated
 tokens), appends those tokens and a tool result to the history and waits the think time before the next turn.
-`concurrency` sessions run at once; a worker starts its next session when one ends (closed loop).
+`concurrency` sessions run at once; a worker then starts another (closed loop).
 
 The ideal hit of a turn is the part of its prompt an earlier request already computed: the previous turn's prompt
 and output except the output's last token (sampled, never fed back), or the system prompt once a request carrying
@@ -81,7 +81,7 @@ async def run_sessions(target: ServeTarget, w: SessionWorkload, concurrency: int
         nonlocal system_sent
         rng = np.random.default_rng([w.seed, i + 1])
         history = system + _ids(rng, w.user_len, w)
-        computed = 0  # tokens of the history an earlier turn of this session computed
+        computed = 0  # tokens of the history its earlier turns computed
         for turn in range(1, w.turns + 1):
             ideal = max(computed, w.system_len if system_sent else 0)
             system_sent = True

@@ -4,7 +4,7 @@
     appliance bench throughput --preset qwen3-0.6b            # the published workload on the shape, dummy weights
     appliance bench latency --preset llama-3.1-8b --save-result --result-filename b1.json
     appliance bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 16 --ignore-eos
-    appliance bench sessions --base-url http://127.0.0.1:8000 --num-sessions 16 --turns 10 --max-concurrency 4,8,16
+    appliance bench sessions --base-url http://127.0.0.1:8000 --num-sessions=16 --turns 10 --max-concurrency 4,8,16
 
 throughput and latency build an `appliance.LLM` in this process from --model / --preset, an optional --config
 file and --set overrides (as `appliance run`); serve and sessions (multi-turn, bench/sessions.py) measure a
