@@ -172,7 +172,7 @@ max_model_len = 1024
 block_size = {BLOCK}
 max_total_tokens = 1024
 host_cache = {str(host_cache).lower()}
-host_cache_ratio = 4
+host_cache_size_gb = 0.025  # 273 blocks of 96 KiB: the workers size it and tell the scheduler
 [api]
 port = {port}
 served_model_name = "tier"

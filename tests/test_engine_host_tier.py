@@ -98,3 +98,17 @@ def test_kv_event_wire_names_the_host_medium() -> None:
     c("BlockRemoved", 7, None, (), medium="CPU")
     assert c.take() == [["BlockStored", [7], None, [1, 2, 3, 4], BS], ["BlockStored", [7], None, [1, 2, 3, 4], BS,
                                                                        None, "CPU"], ["BlockRemoved", [7], "CPU"]]
+
+
+def test_host_tier_size_in_gb_needs_the_block_bytes() -> None:
+    import pytest
+
+    from appliance.config import build_config
+    from appliance.engine.config import host_blocks
+
+    cache = build_config(dotlist=["cache.host_cache=true", "cache.host_cache_size_gb=1"]).cache
+    assert host_blocks(cache, 100, bytes_per_block=1 << 20) == 1024
+    with pytest.raises(ValueError, match="sized by the workers"):
+        host_blocks(cache, 100)
+    ratio = build_config(dotlist=["cache.host_cache=true", "cache.host_cache_ratio=3"]).cache
+    assert host_blocks(ratio, 100) == 300 and host_blocks(build_config().cache, 100) == 0

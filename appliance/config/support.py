@@ -40,8 +40,8 @@ def _parser_missing(kind: str, name: str | None) -> bool:
 
 # What the host tier of this build is (engine/host_tier.py): blocks copied to host memory when the device evicts
 # them (SGLang's write_back), per-layer tensors shaped like the device cache (layer_first) moved by plain async
-# copies (direct), sized by host_cache_ratio. Any other choice of these keys is refused, and so is a setting of
-# the keys it lacks (a size in GB, a storage backend, the disk tier).
+# copies (direct), sized by host_cache_size_gb or host_cache_ratio. Any other choice of these keys is refused, and so
+# is a setting of the keys it lacks (a storage backend, the disk tier).
 _HOST_TIER_HONOURED = {"host_cache_write_policy": (None, "write_back"), "host_cache_io_backend": (None, "direct"),
                        "host_cache_mem_layout": (None, "layer_first")}
 
@@ -49,7 +49,9 @@ _HOST_TIER_HONOURED = {"host_cache_write_policy": (None, "write_back"), "host_ca
 def _host_tier_set(c: ApplianceConfig) -> bool:
     cache, defaults = c.cache, type(c.cache)()
     for k in type(cache).model_fields:
-        if k in ("host_cache", "host_cache_ratio") or not k.startswith(("host_cache", "disk_cache")):
+        if k in ("host_cache", "host_cache_ratio", "host_cache_size_gb"):
+            continue
+        if not k.startswith(("host_cache", "disk_cache")):
             continue
         value = getattr(cache, k)
         if value not in _HOST_TIER_HONOURED.get(k, (getattr(defaults, k),)):
@@ -95,8 +97,8 @@ UNSUPPORTED: list[Unsupported] = [
                 "decode context parallelism is not supported in this build"),
     Unsupported("cache.host_cache", _host_tier_set,
                 "this build's host tier copies blocks on eviction (write_policy write_back, io_backend direct, "
-                "mem_layout layer_first), is sized by host_cache_ratio and sits under the prefix cache "
-                "(enable_prefix_caching); host_cache_size_gb, storage backends and the disk tier are not supported"),
+                "mem_layout layer_first), is sized by host_cache_size_gb or host_cache_ratio and sits under the prefix "
+                "cache (enable_prefix_caching); storage backends and the disk tier are not supported"),
     Unsupported("cache.ssm_cache_slots", lambda c: c.cache.ssm_cache_slots is not None,
                 "hybrid SSM models (state slots) are not supported in this build"),
     Unsupported("cache.ssm_checkpoint_interval", lambda c: c.cache.ssm_checkpoint_interval is not None,

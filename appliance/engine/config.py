@@ -86,12 +86,14 @@ class EngineConfig:
 
     @classmethod
     def from_appliance(
-        cls, config: Any, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int
+        cls, config: Any, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
+        num_host_blocks: int | None = None
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
 
         num_blocks comes from the executor's memory profiling, eos_token_ids and max_model_len from the
-        model (max_model_len already resolved against model.max_model_len by the caller).
+        model (max_model_len already resolved against model.max_model_len by the caller). num_host_blocks: the
+        host tier's slots the workers allocated (host_blocks); None: from host_cache_ratio alone.
         """
         sched = config.scheduler
         cache = config.cache
@@ -110,7 +112,7 @@ class EngineConfig:
             num_speculative_tokens=num_speculative_tokens(config),
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
-            num_host_blocks=host_blocks(cache, num_blocks),
+            num_host_blocks=host_blocks(cache, num_blocks) if num_host_blocks is None else num_host_blocks,
         )
 
 
@@ -136,11 +138,20 @@ class StepTokens:
         return cls(max_prefill_tokens, max(max_prefill_tokens, max_model_len), False)
 
 
-def host_blocks(cache: Any, num_blocks: int) -> int:
-    """The host tier's blocks: cache.host_cache_ratio x the device's (SGLang's --hicache-ratio, default 2 as
-    there); 0 without cache.host_cache. Read by the workers too, so both sides size the same pool."""
+def host_blocks(cache: Any, num_blocks: int, bytes_per_block: int | None = None) -> int:
+    """The host tier's blocks: cache.host_cache_size_gb of them when set (> 0; needs the workers' bytes per
+    block), else cache.host_cache_ratio x the device's (SGLang's --hicache-ratio, default 2 as there); 0 without
+    cache.host_cache. The workers size their slots with it and report the count to the scheduler."""
     if not getattr(cache, "host_cache", False):
         return 0
+    size_gb = getattr(cache, "host_cache_size_gb", None)
+    if size_gb:
+        if bytes_per_block is None:
+            raise ValueError("cache.host_cache_size_gb is sized by the workers (bytes per KV block)")
+        n = int(size_gb * (1 << 30)) // bytes_per_block
+        if n < 1:
+            raise ValueError(f"cache.host_cache_size_gb={size_gb} holds no KV block of {bytes_per_block} bytes")
+        return n
     ratio = cache.host_cache_ratio if cache.host_cache_ratio is not None else 2.0
     return max(1, int(num_blocks * ratio))
 

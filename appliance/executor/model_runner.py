@@ -107,7 +107,8 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
         # the host tier's slots (cache.host_cache): as many as the scheduler's (engine/config.py host_blocks)
-        self.host_kv = kv_cache.allocate_host(self.kv_spec, host_blocks(config.cache, self.num_blocks), self.device)
+        self.num_host_blocks = host_blocks(config.cache, self.num_blocks, self.kv_spec.bytes_per_block)
+        self.host_kv = kv_cache.allocate_host(self.kv_spec, self.num_host_blocks, self.device)
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
         self.sampler = Sampler(self.eos_token_ids, m.seed)
