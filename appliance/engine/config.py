@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
+    from appliance.config.sections_engine import CacheSection
 
 POLICIES = ("fcfs", "lpm", "slo")
 
@@ -86,7 +90,7 @@ class EngineConfig:
 
     @classmethod
     def from_appliance(
-        cls, config: Any, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
+        cls, config: ApplianceConfig, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
         num_host_blocks: int | None = None
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
@@ -138,13 +142,13 @@ class StepTokens:
         return cls(max_prefill_tokens, max(max_prefill_tokens, max_model_len), False)
 
 
-def host_blocks(cache: Any, num_blocks: int, bytes_per_block: int | None = None) -> int:
+def host_blocks(cache: CacheSection, num_blocks: int, bytes_per_block: int | None = None) -> int:
     """The host tier's blocks: cache.host_cache_size_gb of them when set (> 0; needs the workers' bytes per
     block), else cache.host_cache_ratio x the device's (SGLang's --hicache-ratio, default 2 as there); 0 without
     cache.host_cache. The workers size their slots with it and report the count to the scheduler."""
-    if not getattr(cache, "host_cache", False):
+    if not cache.host_cache:
         return 0
-    size_gb = getattr(cache, "host_cache_size_gb", None)
+    size_gb = cache.host_cache_size_gb
     if size_gb:
         if bytes_per_block is None:
             raise ValueError("cache.host_cache_size_gb is sized by the workers (bytes per KV block)")
@@ -156,7 +160,7 @@ def host_blocks(cache: Any, num_blocks: int, bytes_per_block: int | None = None)
     return max(1, int(num_blocks * ratio))
 
 
-def num_speculative_tokens(config: Any) -> int:
+def num_speculative_tokens(config: ApplianceConfig) -> int:
     """Drafts per verification: MTP's chain of num_steps tokens (eagle_topk 1), 0 without speculative decoding."""
     spec = getattr(config, "speculative", None)
     if spec is None or spec.algorithm is None:
