@@ -240,7 +240,7 @@ def test_host_kv_tiers(tmp_path: Path) -> None:
          "ssm_checkpoint_interval": 512}
     assert doc["scheduler"]["policy"] == "slo" and doc["scheduler"]["slo_tbt_ms"] == 40
     assert {u.split(":")[0] for u in tr.unsupported} >= {"cache.host_cache", "cache.ssm_cache_slots",
-                                                        "cache.ssm_checkpoint_interval", "scheduler.policy"}
+                                                        "cache.ssm_checkpoint_interval"}
     validated(tr, tmp_path)
 
 

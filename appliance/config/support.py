@@ -38,21 +38,48 @@ def _parser_missing(kind: str, name: str | None) -> bool:
     return name not in (reasoning_parser_names() if kind == "reasoning" else tool_parser_names())
 
 
+# What the host tier of this build is (engine/host_tier.py): blocks copied to host memory when the device evicts
+# them (SGLang's write_back), per-layer tensors shaped like the device cache (layer_first) moved by plain async
+# copies (direct), sized by host_cache_size_gb or host_cache_ratio. Any other choice of these keys is refused, and so
+# is a setting of the keys it lacks (a storage backend, the disk tier).
+_HOST_TIER_HONOURED = {"host_cache_write_policy": (None, "write_back"), "host_cache_io_backend": (None, "direct"),
+                       "host_cache_mem_layout": (None, "layer_first")}
+
+
 def _host_tier_set(c: ApplianceConfig) -> bool:
     cache, defaults = c.cache, type(c.cache)()
-    return any(getattr(cache, k) != getattr(defaults, k) for k in type(cache).model_fields
-               if k.startswith(("host_cache", "disk_cache")))
+    for k in type(cache).model_fields:
+        if k in ("host_cache", "host_cache_ratio", "host_cache_size_gb"):
+            continue
+        if not k.startswith(("host_cache", "disk_cache")):
+            continue
+        value = getattr(cache, k)
+        if value not in _HOST_TIER_HONOURED.get(k, (getattr(defaults, k),)):
+            return True
+    return cache.host_cache and not cache.enable_prefix_caching
 
 
 UNSUPPORTED: list[Unsupported] = [
-    Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm not in (None, "MTP"),
-                "only MTP speculative decoding (the model's own multi-token-prediction layers) exists in this build"),
+    Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm in ("DFLASH", "DSPARK"),
+                "DFLASH and DSPARK drafting are not supported in this build; EAGLE, EAGLE3, STANDALONE, NGRAM and "
+                "MTP are"),
     Unsupported("speculative.eagle_topk", lambda c: c.speculative.algorithm is not None and c.speculative.eagle_topk > 1,
-                "draft trees (eagle_topk > 1) are not supported in this build; MTP drafts one chain"),
+                "draft trees (eagle_topk > 1) are not supported in this build; drafts are one chain"),
     Unsupported("speculative.num_draft_tokens",
                 lambda c: c.speculative.algorithm is not None
                 and c.speculative.effective_num_draft_tokens != c.speculative.num_steps + 1,
-                "an MTP chain verifies num_steps + 1 tokens in this build (leave num_draft_tokens unset)"),
+                "a draft chain verifies num_steps + 1 tokens in this build (leave num_draft_tokens unset)"),
+    Unsupported("speculative.draft_model_quantization", lambda c: c.speculative.draft_model_quantization != "unquant",
+                "the drafter's weights are used as stored in this build (unquant)"),
+    Unsupported("backends.drafter_attention",
+                lambda c: c.backends.drafter_attention not in (None, "auto", "torch", "triton")
+                or (c.speculative.algorithm == "MTP" and c.backends.drafter_attention not in (None, c.backends.attention)),
+                "the drafter's attention runs on auto, torch or triton in this build (MTP's layers on "
+                "backends.attention)"),
+    Unsupported("backends.draft_moe",
+                lambda c: c.backends.draft_moe not in (None, "auto", "torch", "triton")
+                or (c.speculative.algorithm == "MTP" and c.backends.draft_moe not in (None, c.backends.moe)),
+                "the draft model's MoE runs on auto, torch or triton in this build (MTP's layers on backends.moe)"),
     Unsupported("scheduler.enable_overlap",
                 lambda c: c.speculative.algorithm is not None and c.scheduler.enable_overlap,
                 "overlap scheduling with speculative decoding is not supported in this build"),
@@ -81,7 +108,9 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("parallelism.dcp", lambda c: c.parallelism.dcp > 1,
                 "decode context parallelism is not supported in this build"),
     Unsupported("cache.host_cache", _host_tier_set,
-                "host-memory and disk KV cache tiers are not supported in this build (the KV cache lives on the GPU)"),
+                "this build's host tier copies blocks on eviction (write_policy write_back, io_backend direct, "
+                "mem_layout layer_first), is sized by host_cache_size_gb or host_cache_ratio and sits under the prefix "
+                "cache (enable_prefix_caching); storage backends and the disk tier are not supported"),
     Unsupported("cache.ssm_cache_slots", lambda c: c.cache.ssm_cache_slots is not None,
                 "hybrid SSM models (state slots) are not supported in this build"),
     Unsupported("cache.ssm_checkpoint_interval", lambda c: c.cache.ssm_checkpoint_interval is not None,
@@ -126,8 +155,9 @@ UNSUPPORTED: list[Unsupported] = [
                 "MLA prefill expands the whole context at once in this build; it has no chunks to size"),
     Unsupported("backends.enable_mla_l1_5_cache", lambda c: c.backends.enable_mla_l1_5_cache,
                 "TokenSpeed's MLA L1.5 cache is not implemented in this build"),
-    Unsupported("scheduler.policy", lambda c: c.scheduler.policy == "slo",
-                "the slo scheduling policy is not implemented in this build (fcfs and lpm are)"),
+    Unsupported("scheduler.policy", lambda c: c.scheduler.policy == "slo" and c.scheduler.chunked_prefill_size == -1,
+                "the slo policy sizes prefill chunks to the decodes' deadlines: it needs chunked prefill "
+                "(scheduler.chunked_prefill_size > 0)"),
     Unsupported("api.enable_custom_logit_processor", lambda c: c.api.enable_custom_logit_processor,
                 "custom logit processors are not supported in this build"),
     Unsupported("api.stream_output", lambda c: c.api.stream_output,

@@ -22,7 +22,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from appliance.engine.block_pool import AccountingReport
 from appliance.engine.config import EngineConfig
@@ -56,6 +56,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [j]: verifications that accepted draft j
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -66,6 +67,11 @@ class EngineStats:
     def spec_mean_accepted_length(self) -> float:
         """Tokens emitted per verification: 1 + accepted drafts / verifications (vLLM's mean acceptance length)."""
         return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
+    @property
+    def spec_num_emitted_tokens(self) -> int:
+        """Tokens verifications emitted: the accepted drafts plus one token of the target's each."""
+        return self.spec_num_accepted_tokens + self.spec_num_drafts
 
 
 class EngineCore:
@@ -82,7 +88,7 @@ class EngineCore:
                              "scheduler.enable_overlap off")
         self.config = config
         self.executor = executor
-        self.scheduler = Scheduler(config, on_kv_event)
+        self.scheduler = Scheduler(config, on_kv_event, clock)
         self._clock = clock
         self._num_steps = 0
         self.overlap = overlap
@@ -173,6 +179,7 @@ class EngineCore:
             spec_num_drafts=s.spec.num_drafts,
             spec_num_draft_tokens=s.spec.num_draft_tokens,
             spec_num_accepted_tokens=s.spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(s.spec.accepted_per_pos),
         )
 
     def spec_counts(self) -> tuple[int, int, int]:
@@ -181,7 +188,11 @@ class EngineCore:
 
     def check_accounting(self) -> AccountingReport:
         """free + cached + owned == total, and every refcount equals the number of live tables holding it."""
-        return self.scheduler.pool.check_accounting(self.scheduler.live_block_refs())
+        rep = self.scheduler.pool.check_accounting(self.scheduler.live_block_refs())
+        host = self.scheduler.cache.host
+        if host is not None and (problems := host.check()):
+            rep = replace(rep, problems=rep.problems + tuple(problems))
+        return rep
 
     def shutdown(self) -> None:
         pending, self._pending = self._pending, None

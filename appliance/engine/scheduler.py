@@ -2,7 +2,7 @@
 
 Each step, in this order:
 1. running requests that decode (one token each), then running requests in the middle of a chunked prefill;
-2. waiting requests (preempted ones first, then by policy: fcfs or lpm), while the step has budget, a seat
+2. waiting requests (preempted ones first, then by policy: fcfs, lpm, or slo: slo.py), while the step has budget, a seat
    (max_num_seqs) and blocks (with schedule_conservativeness > 0 also room for the running requests' outputs:
    admission.py); a waiting request never preempts a running one, and none is admitted in a step that preempted.
 When a running request needs a block and none is free or evictable, the newest running request not yet
@@ -26,15 +26,18 @@ one that stops on EOS or a stop token, is aborted or preempted meanwhile has its
 
 Speculative decoding (config.num_speculative_tokens = k > 0, synchronous loop only; see speculation.py): a
 decoding request verifies d = min(k, what its limits leave) drafts the workers hold, as one chunk of 1 + d
-tokens; its table grows to cover the chunk plus the k - 1 positions the next draft chain writes (capped at
+tokens; its table grows to cover the chunk plus the positions the next draft chain writes (config.lookahead: k - 1
+for MTP and EAGLE, k for a draft model, none for n-gram lookup; capped at
 max_model_len). The result carries 1..d+1 tokens for it (outputs.py). A prefix hit gives back its last
 block: the drafter's cache entry at a block's last position depends on the next block's first token, which the
 hit does not cover (vLLM does the same).
 """
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from itertools import islice
 
 from appliance.engine.admission import OutputReservation
@@ -56,6 +59,7 @@ from appliance.engine.request import (
     Request,
     RequestStatus,
 )
+from appliance.engine.slo import SloPolicy
 from appliance.engine.speculation import SpecCounters, table_tokens
 from appliance.engine.step import StepPlan, StepResult
 from appliance.engine.step_budget import Issued, StepBudget
@@ -66,10 +70,16 @@ class QueueFull(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, on_kv_event: KVEventSink | None = None) -> None:
+    def __init__(self, config: EngineConfig, on_kv_event: KVEventSink | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
+        self.slo = SloPolicy(config.slo_tbt_ms / 1000.0) if config.policy == "slo" else None
+        self._planned_at: dict[int, tuple[float, int]] = {}  # step id -> (clock, prefill tokens): policy slo
+        self._last_update_at = 0.0
         self.pool = BlockPool(config.num_blocks)
-        self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event)
+        self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event,
+                                 config.num_host_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # live requests (waiting or running)
@@ -83,6 +93,7 @@ class Scheduler:
         self._chunking = config.chunking
         self._block_size = config.block_size
         self._num_spec = config.num_speculative_tokens
+        self._lookahead = config.lookahead
         # room reserved at admission for the running requests' outputs (admission.py); None: none, no bookkeeping
         c = config.schedule_conservativeness
         self._reserve = (OutputReservation(c, config.block_size, self.running, self._shared_blocks,
@@ -99,6 +110,9 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.status is not RequestStatus.WAITING:
             raise ValueError(f"request {req.request_id!r} is {req.status.value}, not waiting")
+        if req.sampling_params.priority and self.slo is None:
+            raise ValueError(f"request {req.request_id!r}: priority needs scheduler.policy = \"slo\" "
+                             f"(this engine runs {self.config.policy})")
         if not self.can_queue():
             raise QueueFull(f"{len(self.waiting)} requests are waiting (scheduler.max_queued_requests)")
         self.requests[req.request_id] = req
@@ -128,11 +142,25 @@ class Scheduler:
             self._reserve.step_done(self.running, st.preempted)
         if not st.plan_sched:
             return None
-        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget)
+        copies = self.cache.host.take_copies() if self.cache.host is not None else []
+        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget, copies)
         self._next_step_id += 1
         self._forget = []
         self._in_flight[plan.step_id] = st.issued
+        if self.slo is not None:
+            prefill = sum(sc.num_tokens for sc, req, _, _ in st.issued if req.status is not DECODING)
+            self._planned_at[plan.step_id] = (self._clock(), prefill)
         return plan
+
+    def _cap_prefills(self, st: StepBudget) -> None:
+        """Policy slo: the prefill chunks still to plan get only what keeps this step within the decodes' slack."""
+        assert self.slo is not None
+        decoding = [req for _, req, _, _ in st.issued if req.status is DECODING]
+        cap = self.slo.prefill_cap(decoding, self._clock())
+        if cap is None:
+            return
+        prefill = sum(sc.num_tokens for sc, req, _, _ in st.issued if req.status is not DECODING)
+        st.tokens = min(st.tokens, max(cap - prefill, 0))
 
     def _schedule_running(self, st: StepBudget) -> None:
         # Whether a request decodes is decided here, once: planning one request changes no other's answer
@@ -142,15 +170,22 @@ class Scheduler:
         for req in self.running:
             (decoding if req.status is DECODING or _decodes(req) else prefilling).append(req)
         if self._chunking and len(decoding) > st.tokens:
-            # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves.
-            decoding.sort(key=lambda r: r.last_issue_seq)
+            # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves;
+            # policy slo: the nearest deadline first.
+            decoding.sort(key=self.slo.decode_key if self.slo is not None else lambda r: r.last_issue_seq)
+        if self.slo is not None:
+            prefilling.sort(key=self.slo.prefill_key)
+        off_above = self.config.spec_disable_batch_size
+        speculate = self._num_spec and (off_above is None or len(decoding) <= off_above)
         for req in decoding:
             if req.status is PREEMPTED:  # a victim of an earlier request in this loop
                 continue
-            if self._num_spec:
+            if speculate:
                 self._schedule_chunk(req, st, True)
             else:
                 self._schedule_decode(req, st)
+        if self.slo is not None:
+            self._cap_prefills(st)
         for req in prefilling:
             if req.status is not PREEMPTED:
                 self._schedule_chunk(req, st, False)
@@ -175,7 +210,7 @@ class Scheduler:
         n = st.chunk(req, decodes)
         if n == 0:
             return
-        need = self._blocks_for(table_tokens(req, req.num_computed_tokens, n, self._num_spec)) - len(req.block_ids)
+        need = self._blocks_for(table_tokens(req, req.num_computed_tokens, n, self._lookahead)) - len(req.block_ids)
         # need < 0: rejected drafts left lookahead blocks, which the table keeps
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []
         if new_blocks is not None:
@@ -207,6 +242,8 @@ class Scheduler:
             return list(islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running))))
         preempted = [r for r in self.waiting if r.status is RequestStatus.PREEMPTED]
         fresh = [r for r in self.waiting if r.status is RequestStatus.WAITING]
+        if self.slo is not None:
+            return preempted + sorted(fresh, key=self.slo.waiting_key)
         k = self.config.lpm_scan_limit
         head = sorted(fresh[:k], key=lambda r: -len(self.cache.match(r)))  # stable: ties stay fcfs
         return preempted + head + fresh[k:]
@@ -215,13 +252,18 @@ class Scheduler:
         bs = self.config.block_size
         # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
         hit = self.cache.match(req) if req.sampling_params.prompt_logprobs is None else []
-        if hit and self.config.num_speculative_tokens:
-            hit = hit[:-1]  # the drafter's cache at the hit's last position saw another next token (see top)
-        num_hit = len(hit) * bs
+        host_hit = self.cache.match_host(req, len(hit)) if req.sampling_params.prompt_logprobs is None else []
+        if self.config.num_speculative_tokens:
+            # the drafter's cache at the hit's last position saw another next token (see top)
+            if host_hit:
+                host_hit = host_hit[:-1]
+            elif hit:
+                hit = hit[:-1]
+        num_hit = (len(hit) + len(host_hit)) * bs
         n = st.prefill_size(req.num_tokens - num_hit)
         if n == 0:
             return False
-        need = self._blocks_for(table_tokens(req, num_hit, n, self._num_spec)) - len(hit)
+        need = self._blocks_for(table_tokens(req, num_hit, n, self._lookahead)) - len(hit)  # host hits included
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         spare = self.pool.num_available - need - revived  # blocks left after this chunk's
         rsv = self._reserve  # it also wants room for the rest of the prompt and the outputs (admission.py)
@@ -229,9 +271,14 @@ class Scheduler:
             return False
         for b in hit:  # take the hits before allocating, so allocation cannot evict them
             self.pool.incref(b)
-        req.block_ids = hit + self.pool.allocate(need)
+        if host_hit:  # nor reuse the host slots about to be loaded
+            self.cache.host.pin(host_hit)
+        new_blocks = self.pool.allocate(need)
+        if host_hit:
+            self.cache.load_host(host_hit, new_blocks[:len(host_hit)])
+        req.block_ids = hit + new_blocks
         req.num_computed_tokens = num_hit
-        req.num_stored_blocks = len(hit)
+        req.num_stored_blocks = len(hit) + len(host_hit)
         if req.status is RequestStatus.WAITING:
             req.num_cached_tokens = num_hit
             self.cache.record_lookup(req.num_tokens, num_hit)
@@ -254,10 +301,12 @@ class Scheduler:
 
     # ---- preemption and retirement -----------------------------------------------------------------------
     def _victim(self, st: StepBudget) -> Request:
-        for req in reversed(self.running):
-            if req.last_issue_seq < st.first_issue_seq:  # not scheduled in this step
-                return req
-        raise AssertionError("no preemptable request although the current one is unscheduled")
+        unscheduled = [r for r in reversed(self.running) if r.last_issue_seq < st.first_issue_seq]
+        if not unscheduled:
+            raise AssertionError("no preemptable request although the current one is unscheduled")
+        if self.slo is not None:  # the lowest priority (largest value), newest among equals
+            return max(unscheduled, key=lambda r: r.sampling_params.priority)
+        return unscheduled[0]
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -265,6 +314,8 @@ class Scheduler:
         req.transition(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
         req.num_pending = 0  # an in-flight sample is dropped; recompute samples it again
+        req.num_drafts_held = 0  # workers drop its drafts with its state
+        req.last_token_time = None  # no deadline until it decodes again
         req.num_preemptions += 1
         if not req.prompt_logprobs_done:
             req.prompt_logprobs = []
@@ -303,6 +354,7 @@ class Scheduler:
         cache = self.cache
         reserve = self._reserve
         prompt_logprobs = result.prompt_logprobs
+        now = self._observe_step(plan.step_id) if self.slo is not None else 0.0
         deltas: list[RequestDelta] = []
         for s, req, num_preemptions, drafts in scheduled:
             status = req.status
@@ -315,6 +367,7 @@ class Scheduler:
                 cache.store(req)
                 continue
             req.num_pending -= 1
+            req.num_drafts_held = result.drafts.get(s.request_id, 0)
             tok = sampled.get(s.request_id)
             if tok is None:
                 raise ValueError(f"executor did not sample a token for {s.request_id!r}")
@@ -322,11 +375,21 @@ class Scheduler:
                 delta = append_verified(req, verified.get(s.request_id, [tok]), drafts, cache, reserve, self.spec)
             else:
                 delta = append_token(req, tok, cache, reserve)
+            req.last_token_time = now
             if delta.finish_reason is not None:
                 self.running.remove(req)
                 self._retire(req, FinishReason(delta.finish_reason))
             deltas.append(delta)
         return deltas
+
+    def _observe_step(self, step_id: int) -> float:
+        """Policy slo: feed the step's duration to the cost model; returns now (the step's tokens' time)."""
+        assert self.slo is not None
+        now = self._clock()
+        planned, prefill = self._planned_at.pop(step_id)
+        self.slo.cost.observe(now - max(planned, self._last_update_at), prefill)
+        self._last_update_at = now
+        return now
 
     @property
     def num_in_flight(self) -> int:

@@ -39,6 +39,9 @@ class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # forget these before running the step
+    # host-tier copies (engine/host_tier.py), run in order before the forward: (0, block, slot) device -> host,
+    # (1, block, slot) host -> device
+    host_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +63,9 @@ class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)
     # prompt logprobs per request when asked: one entry per prompt position (None for the first)
     prompt_logprobs: dict[str, list[list[tuple[int, float]] | None]] = field(default_factory=dict)
+    # speculative decoding: drafts the workers hold after this step, per request that sampled and has some
+    # (the next step verifies at most that many; absent = none, e.g. no n-gram match)
+    drafts: dict[str, int] = field(default_factory=dict)
 
 
 class Executor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,11 +21,25 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     num_tensors: int = 2  # K and V; 1 for MLA's latent cache (layers that declare uses_v_cache = False)
+    # a draft model's layers of another layout (speculative decoding), allocated after these on the same blocks
+    drafter: KVCacheSpec | None = None
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_tensors * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        own = self.num_tensors * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return own + (self.drafter.bytes_per_block if self.drafter is not None else 0)
+
+    @classmethod
+    def of(cls, layers: list[Any], block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The spec of attention layers (num_kv_heads, head_dim, uses_v_cache); layers after the first run of
+        one layout (a draft model's) become the `drafter` spec."""
+        first = layers[0]
+        layout = (first.num_kv_heads, first.head_dim, getattr(first, "uses_v_cache", True))
+        n = next((i for i, x in enumerate(layers)
+                  if (x.num_kv_heads, x.head_dim, getattr(x, "uses_v_cache", True)) != layout), len(layers))
+        return cls(n, layout[0], layout[1], block_size, dtype, 2 if layout[2] else 1,
+                   cls.of(layers[n:], block_size, dtype) if n < len(layers) else None)
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -76,9 +91,58 @@ def allocate(spec: KVCacheSpec, num_blocks: int,
              device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(K, V) per layer; V is None for a one-tensor (MLA latent) cache."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
-             torch.zeros(shape, dtype=spec.dtype, device=device) if spec.num_tensors == 2 else None)
+    own = [(torch.zeros(shape, dtype=spec.dtype, device=device),
+            torch.zeros(shape, dtype=spec.dtype, device=device) if spec.num_tensors == 2 else None)
+           for _ in range(spec.num_layers)]
+    return own + (allocate(spec.drafter, num_blocks, device) if spec.drafter is not None else [])
+
+
+def allocate_host(spec: KVCacheSpec, num_slots: int,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The host tier's slots (engine/host_tier.py), shaped like the device caches: pinned host memory beside a
+    GPU, so the copies are asynchronous DMA; empty without a tier."""
+    if num_slots == 0:
+        return []
+    shape = (num_slots, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    pin = device.type == "cuda"
+    return [(torch.zeros(shape, dtype=spec.dtype, pin_memory=pin),
+             torch.zeros(shape, dtype=spec.dtype, pin_memory=pin) if spec.num_tensors == 2 else None)
             for _ in range(spec.num_layers)]
+
+
+def copy_host_blocks(device_caches: list[tuple[torch.Tensor, torch.Tensor | None]],
+                     host_caches: list[tuple[torch.Tensor, torch.Tensor | None]],
+                     copies: list[tuple[int, int, int]]) -> None:
+    """Run a plan's host-tier copies in order: (0, block, slot) device -> host, (1, block, slot) host -> device.
+    Every copy is enqueued on the current stream (non_blocking from / to pinned memory), so it is ordered
+    before the step's forward and after the steps launched before it, without waiting on the host. Copies of
+    consecutive blocks to consecutive slots go as one range per tensor (slots and blocks are mostly handed out
+    in order), so a long history costs a few copies per layer rather than one per block."""
+    if copies and not host_caches:
+        raise RuntimeError("the plan carries host-tier copies but this worker has no host tier")
+    for direction, block, slot, n in coalesce(copies):
+        for dev_pair, host_pair in zip(device_caches, host_caches, strict=True):
+            for dev, host in zip(dev_pair, host_pair, strict=True):
+                if dev is None or host is None:
+                    continue
+                if direction == 0:
+                    host[slot:slot + n].copy_(dev[block:block + n], non_blocking=True)
+                else:
+                    dev[block:block + n].copy_(host[slot:slot + n], non_blocking=True)
+
+
+def coalesce(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """(direction, first block, first slot, count): runs of one direction whose blocks and slots both step by
+    one, in the given order."""
+    runs: list[tuple[int, int, int, int]] = []
+    for direction, block, slot in copies:
+        if runs:
+            d, b, s, n = runs[-1]
+            if d == direction and block == b + n and slot == s + n:
+                runs[-1] = (d, b, s, n + 1)
+                continue
+        runs.append((direction, block, slot, 1))
+    return runs
 
 
 def release(caches: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from appliance.engine.config import StepTokens
+from appliance.engine.config import StepTokens, host_blocks
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import (
@@ -98,12 +98,12 @@ class ModelRunner:
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
         self.model = self._build_model(m.load_format, m.seed)  # start-up phases: executor/startup.py
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
-        # the MTP drafter's caches share the block table and the KV budget (none without speculation)
-        layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model)
-        self.kv_spec = kv_cache.KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
-                                            self.block_size, kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype,
-                                                                                     self.dtype),
-                                            num_tensors=2 if getattr(layers[0], "uses_v_cache", True) else 1)
+        # a drafter's caches share the block table and the KV budget (none without speculation, or for n-gram)
+        self.draft_model = speculative.load_drafter(config, self)
+        layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model,
+                                                                                    self.draft_model)
+        self.kv_spec = kv_cache.KVCacheSpec.of(layers, self.block_size,
+                                               kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype, self.dtype))
         self.max_blocks = -(-self.max_model_len // self.block_size)
         # before the profile, so its peak (and so the KV budget) counts it; one row per request the scheduler
         # may run at once (prefilling ones included; speculative decoding adds rows to no request)
@@ -114,6 +114,9 @@ class ModelRunner:
         with STARTUP.phase("allocating the KV cache"):
             self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
+        # the host tier's slots (cache.host_cache): as many as the scheduler's (engine/config.py host_blocks)
+        self.num_host_blocks = host_blocks(config.cache, self.num_blocks, self.kv_spec.bytes_per_block)
+        self.host_kv = kv_cache.allocate_host(self.kv_spec, self.num_host_blocks, self.device)
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
         self.sampler = Sampler(self.eos_token_ids, m.seed)
@@ -131,12 +134,12 @@ class ModelRunner:
         self.pieces = self._make_pieces()  # mixed / prefill steps' forward in graph pieces (piecewise.py)
         # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
-        self.spec: speculative.MtpSpeculator | None = None  # the warm-up's steps run without it
+        self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
         # speculative decoding runs whole steps (executor/speculative.py)
         if config.speculative.algorithm is not None:
-            with STARTUP.phase("building the MTP drafter"):
-                self.spec = speculative.MtpSpeculator(self)
+            with STARTUP.phase("building the speculator"):
+                self.spec = speculative.make_speculator(self)
 
     def warmup(self, graph_context: int = 2048) -> float:
         """Pay every first-use cost a run would meet (executor/warmup.py); returns the seconds taken. It writes
@@ -216,6 +219,8 @@ class ModelRunner:
         """Start a step. When every sampled row samples on the device (inflight.py), its ids stay there until
         finish(), so the caller can plan and launch the next step meanwhile; any other step first finishes the
         steps in flight (its sampling reads the complete token history) and runs to completion here."""
+        if plan.host_copies:  # before anything of this step reads or writes those blocks
+            kv_cache.copy_host_blocks(self.kv_caches, self.host_kv, plan.host_copies)
         if self.spec is not None:  # never overlapped (refused at start-up): the step completes here
             return StepHandle(plan.step_id, self.spec.execute(plan))
         for rid in plan.finished_ids:
