@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from appliance.executor.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
+from appliance.executor.kv_scales import CheckpointKVScales
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -91,14 +92,18 @@ def iterate_weights(model_dir: Path, load_format: str) -> Iterator[tuple[str, to
         yield from state.items()
 
 
-def load_weights(model: nn.Module, model_dir: Path, load_format: str) -> None:
-    """Fill every parameter from the checkpoint; a parameter left unfilled is an error, not random weights."""
-    loaded = model.load_weights(iterate_weights(model_dir, load_format))  # type: ignore[operator]
+def load_weights(model: nn.Module, model_dir: Path, load_format: str) -> CheckpointKVScales:
+    """Fill every parameter from the checkpoint; a parameter left unfilled is an error, not random weights.
+    Returns the KV cache scales the checkpoint ships (no parameters: kv_scales.install gives them to the layers
+    of an fp8 cache)."""
+    kv = CheckpointKVScales()
+    loaded = model.load_weights(kv.filter(iterate_weights(model_dir, load_format)))  # type: ignore[operator]
     tied = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded and n not in tied)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks parameters: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+    return kv
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:

@@ -38,6 +38,8 @@ from appliance.executor.cuda_graph import (
     width_bucket,
 )
 from appliance.executor.inflight import StepHandle
+from appliance.executor.kv_scales import CheckpointKVScales
+from appliance.executor.kv_scales import setup as kv_scale_setup
 from appliance.executor.input_batch import (
     Chunk,
     RequestState,
@@ -64,6 +66,7 @@ from appliance.executor.runner_setup import (
     resolve_max_model_len,
 )
 from appliance.executor.sampler import Sampler
+from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.linear import use_gemv_kernel
 from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
@@ -91,10 +94,12 @@ class ModelRunner:
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
         # the MTP drafter's caches share the block table and the KV budget (none without speculation)
         layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model)
+        kv_dtype = kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype, self.dtype)
         self.kv_spec = kv_cache.KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
-                                            self.block_size, kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype,
-                                                                                     self.dtype),
+                                            self.block_size, kv_dtype,
                                             num_tensors=2 if getattr(layers[0], "uses_v_cache", True) else 1)
+        if is_fp8(kv_dtype):  # before the profile binds a cache
+            self.kv_scale_source = kv_scale_setup(config, self.model, layers, self._checkpoint_kv_scales)
         self.max_blocks = -(-self.max_model_len // self.block_size)
         # before the profile, so its peak (and so the KV budget) counts it; one row per request the scheduler
         # may run at once (prefilling ones included; speculative decoding adds rows to no request)
@@ -156,10 +161,11 @@ class ModelRunner:
                 model = cls(self.hf_config, backend=self.backend, **extra)
         finally:
             torch.set_default_dtype(previous)
+        self._checkpoint_kv_scales = CheckpointKVScales()
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         else:
-            load_weights(model, self.model_dir, load_format)
+            self._checkpoint_kv_scales = load_weights(model, self.model_dir, load_format)
         apply_quantization(model, self.config.precision.quantization, self.hf_config, self.backend)
         if self.device.type == "cuda":  # decode-sized batches stream weights through the backend's GEMV
             use_gemv_kernel(model, self.backend)
