@@ -215,3 +215,42 @@ def test_bad_scale_file_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> No
     scales.write_text(json.dumps({"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 1.0}}}}))
     with pytest.raises(ValueError, match="2 attention layers"):
         LLM(model=str(tiny_model), kv_cache_dtype="fp8", quantization_param_path=str(scales), **COMMON)
+
+
+# ---- the GPU build, without a GPU ----------------------------------------------------------------------------
+@pytest.mark.parametrize("fp8,fp8_max", [("fp8e4nv", 448.0), ("fp8e5", 57344.0)])
+def test_fp8_kernels_compile_for_hopper(fp8: str, fp8_max: float) -> None:
+    """Triton compiles every kernel's fp8 variant for sm_90 (the interpreter accepts what the compiler does not,
+    such as a name bound to two types in the branches of a runtime if)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from appliance.kernels.triton import cache, decode, prefill, rope_store
+
+    if not isinstance(decode._decode_kernel, triton.runtime.JITFunction):
+        pytest.skip("this process imported the kernels under TRITON_INTERPRET")
+    types = {"k_ptr": f"*{fp8}", "v_ptr": f"*{fp8}", "k_cache_ptr": f"*{fp8}", "v_cache_ptr": f"*{fp8}",
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+             "bt_ptr": "*i32", "lens_ptr": "*i32", "order_ptr": "*i64", "cu_q_ptr": "*i32", "cu_tiles_ptr": "*i32",
+             "slot_ptr": "*i64", "pos_ptr": "*i64", "cache_ptr": "*fp32", "qk_scale": "fp32", "eps": "fp32"}
+    fp = {"KV_FP8": True, "FP8_MAX": fp8_max}
+    heads = {"GROUP": 4, "BLOCK_H": 16, "D": 128, "BLOCK_D": 128, "PAGE": 16, "ORDERED": True, "UPCAST": False,
+             "GDC": False, **fp}
+    builds = [
+        (cache._store_kv_kernel, {"HKV": 8, "D": 128, "BLOCK_H": 8, "BLOCK_D": 128, "PAGE": 16, **fp}),
+        (decode._decode_kernel, {**heads, "BLOCK_N": 64, "DIRECT": False}),
+        (decode._decode_kernel, {**heads, "BLOCK_N": 128, "DIRECT": True}),
+        (decode._decode_tile_kernel, {**heads, "BLOCK_N": 64}),
+        (prefill._prefill_kernel, {"GROUP": 4, "D": 128, "BLOCK_D": 128, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 64,
+                                   "LOG_SEQS": 3, "UPCAST": False, **fp}),
+        (rope_store._rope_store_kernel, {"NQ": 32, "NKV": 8, "HALF": 64, "D": 128, "PAGE": 16, "BLOCK_H": 16,
+                                         "BLOCK_HALF": 64, "BLOCK_TAIL": 1, "BLOCK_D": 128, "IS_NEOX": True,
+                                         "HAS_NORM": True, "GDC": False, **fp}),
+    ]
+    for fn, const in builds:
+        sig = {a: "constexpr" if a in const else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+               for a in fn.arg_names}
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+        assert kernel.asm["cubin"], fn

@@ -212,12 +212,14 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
             tl.store(q_dst, y1, mask=m_mask[None, :])
             tl.store(q_dst + HALF, y2, mask=m_mask[None, :])
         else:
+            k_dst = k_cache_ptr + slot_off + (head - NQ) * stride_ch + offs_j
             if KV_FP8:  # the fp8 cache's saturating store (kv_fp8.py), the head's scale
                 ks = tl.load(k_scale_ptr + head - NQ)
-                y1, y2 = saturate(y1, ks, FP8_MAX), saturate(y2, ks, FP8_MAX)
-            k_dst = k_cache_ptr + slot_off + (head - NQ) * stride_ch + offs_j
-            tl.store(k_dst, y1.to(cache_ty), mask=store)
-            tl.store(k_dst + HALF, y2.to(cache_ty), mask=store)
+                tl.store(k_dst, saturate(y1, ks, FP8_MAX).to(cache_ty), mask=store)
+                tl.store(k_dst + HALF, saturate(y2, ks, FP8_MAX).to(cache_ty), mask=store)
+            else:
+                tl.store(k_dst, y1.to(cache_ty), mask=store)
+                tl.store(k_dst + HALF, y2.to(cache_ty), mask=store)
     else:
         v_row = (pid - ROPE_PROGRAMS) * BLOCK_N + i
         v_dst = v_cache_ptr + slot_off + ((v_row // D) * stride_ch + v_row % D)[:, None]
