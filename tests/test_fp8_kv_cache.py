@@ -23,7 +23,7 @@ from appliance.config import build_config, check_supported
 from appliance.executor import kv_cache
 from appliance.executor.kv_scales import kv_scale_name
 from appliance.kernels.reference.kv_quant import FP8_MAX, quantize
-from appliance.kernels.triton.selfcheck_fp8 import small_cases
+from appliance.kernels.triton.selfcheck_fp8 import compare_fp8, realistic_cases, small_cases
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SEQS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42] * 5, list(range(100, 130)), list(range(200, 260, 3))]
@@ -152,11 +152,15 @@ def _prompt_logprobs(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(lps), torch.tensor(top)
 
 
+def _stats(want: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+    """(mean |logprob difference|, top-1 agreement) of two _prompt_logprobs results."""
+    return float((got[0] - want[0]).abs().mean()), float((got[1] == want[1]).float().mean())
+
+
 def _compare(model: Path, **fp8_kwargs: object) -> tuple[float, float]:
-    """(mean |logprob difference|, top-1 agreement) of the fp8 cache against the 16-bit one."""
-    want, want_top = _prompt_logprobs(LLM(model=str(model), **COMMON))
-    got, got_top = _prompt_logprobs(LLM(model=str(model), **COMMON, **fp8_kwargs))
-    return float((got - want).abs().mean()), float((got_top == want_top).float().mean())
+    """_stats of the fp8 cache against the 16-bit one."""
+    return _stats(_prompt_logprobs(LLM(model=str(model), **COMMON)),
+                  _prompt_logprobs(LLM(model=str(model), **COMMON, **fp8_kwargs)))
 
 
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
@@ -254,3 +258,44 @@ def test_fp8_kernels_compile_for_hopper(fp8: str, fp8_max: float) -> None:
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
         assert kernel.asm["cubin"], fn
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------------------
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("op,case", [(op, case) for op, case, _ in realistic_cases("cuda")])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fp8_kernels_match_reference(op: str, case: str) -> None:
+    """Llama-3.1-8B shapes, e4m3 caches, on the GPU (selfcheck_fp8.realistic_cases)."""
+    import appliance.kernels.triton  # noqa: F401  (registers the ops)
+
+    build = next(b for o, c, b in realistic_cases("cuda") if (o, c) == (op, case))
+    args, kwargs, fast_kwargs = build()
+    err, tol = compare_fp8(op, args, kwargs, fast_kwargs, "cuda")
+    assert err <= tol, (op, case, err, tol)
+
+
+@pytest.mark.parametrize("chunk", [8192, 16], ids=["decode_graphs_and_chain", "piecewise_chunks_of_16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fp8_cache_through_graphs_and_the_decode_chain(make_tiny_model: Callable[..., Path], chunk: int) -> None:
+    """bf16, the Triton backend, decode graphs with the fused decode chain (and piecewise graphs of mixed steps
+    with 16-token chunks), prefix caching on: the fp8 cache stays within the CPU test's bounds of the 16-bit one,
+    and a repeated prompt (a prefix-cache hit on fp8 blocks) gives the same greedy tokens as its first run."""
+    path = make_tiny_model("llama3", hidden_size=256, intermediate_size=512, head_dim=128)
+    kw = {"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": 0.3, "attention_backend": "triton",
+          "chunked_prefill_size": chunk, "skip_tokenizer_init": True, "block_size": 16}
+    base, fp8 = (LLM(model=str(path), kv_cache_dtype=kv, **kw) for kv in ("auto", "fp8"))
+    runner = fp8.executor.runner
+    assert runner.kv_caches[0][0].dtype is E4M3 and runner.graphs is not None
+    assert runner.model.model.chain is not None
+    assert runner.num_blocks >= 1.9 * base.executor.runner.num_blocks  # the same share, a byte per value
+    mean, agree = _stats(_prompt_logprobs(base), _prompt_logprobs(fp8))
+    assert mean < 0.07 and agree >= 0.85, (mean, agree)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": s * 3} for s in SEQS]
+    first = [o.outputs[0].token_ids for o in fp8.generate(prompts, params)]
+    again = [o.outputs[0].token_ids for o in fp8.generate(prompts, params)]
+    assert first == again
