@@ -40,8 +40,10 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("scheduler.enable_overlap",
                 lambda c: c.speculative.algorithm is not None and c.scheduler.enable_overlap,
                 "overlap scheduling with speculative decoding is not supported in this build"),
-    Unsupported("precision.quantization", lambda c: c.precision.quantization not in (None, "fp8"),
-                "only block fp8 quantization (fp8) is supported in this build"),
+    Unsupported("precision.quantization",
+                lambda c: c.precision.quantization not in (None, "fp8", "w8a8_fp8", "modelopt", "compressed-tensors"),
+                "only fp8 quantization (fp8: block fp8 or online; w8a8_fp8; modelopt and compressed-tensors fp8 "
+                "checkpoints) is supported in this build"),
     Unsupported("precision.kv_cache_dtype", lambda c: c.precision.kv_cache_dtype == "nvfp4",
                 "nvfp4 KV caches are not supported in this build (fp8, fp8_e4m3 and fp8_e5m2 are)"),
     Unsupported("precision.kv_cache_dtype",

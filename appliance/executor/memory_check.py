@@ -70,14 +70,15 @@ def build_on_meta(model_cls: type[torch.nn.Module], hf_config: Any, dtype: torch
 
 
 def estimate_weights(model_cls: type[torch.nn.Module], hf_config: Any, dtype: torch.dtype,
-                     kwargs: dict[str, Any], quantization: str | None = None) -> WeightEstimate:
+                     kwargs: dict[str, Any], quantization: str | None = None,
+                     model_dir: Path | None = None) -> WeightEstimate:
     """Weight bytes of this rank's shard (parallel state as initialised now)."""
-    from appliance.layers.fp8 import online_fp8_needed, quantize_model_fp8
+    from appliance.executor.model_loader import apply_quantization, prepare_quantization
 
     model = build_on_meta(model_cls, hf_config, dtype, kwargs)
+    scaled = prepare_quantization(model, quantization, hf_config, model_dir)  # fp8 checkpoints load as fp8
     peak = module_bytes(model)
-    if online_fp8_needed(quantization, hf_config):
-        quantize_model_fp8(model)  # runs on meta tensors too: the final layout without any data
+    apply_quantization(model, quantization, hf_config, "torch", scaled)  # on meta tensors: the final layout
     return WeightEstimate(peak, module_bytes(model), _dtype_shares(model))
 
 
@@ -144,7 +145,7 @@ def shortfall_message(need: int, budget: MemoryBudget, what: str, device: torch.
 
 
 def check_weight_memory(config: Any, hf_config: Any, dtype: torch.dtype, device: torch.device,
-                        backend: str) -> WeightEstimate:
+                        backend: str, model_dir: Path | None = None) -> WeightEstimate:
     """Raise WeightMemoryError naming the shortfall when this rank's weights exceed its memory budget.
     Called by ModelRunner right before it builds the model (the parallel state is initialised by then)."""
     from appliance.layers.parallel_state import get_ep_size, get_tp_size
@@ -157,7 +158,7 @@ def check_weight_memory(config: Any, hf_config: Any, dtype: torch.dtype, device:
 
         kwargs["moe_backend"] = resolve_moe_backend(config.backends.moe, backend)
     quantization = config.precision.quantization
-    estimate = estimate_weights(cls, hf_config, dtype, kwargs, quantization)
+    estimate = estimate_weights(cls, hf_config, dtype, kwargs, quantization, model_dir)
     budget = memory_budget(device, float(config.cache.gpu_memory_utilization), local_workers(config.parallelism))
     if estimate.bytes_per_rank > budget.bytes:
         what = describe(hf_config, estimate, quantization, get_tp_size(), get_ep_size())

@@ -53,6 +53,7 @@ from appliance.executor.model_loader import (
     init_dummy_weights,
     load_hf_config,
     load_weights,
+    prepare_quantization,
     resolve_dtype,
     resolve_model_dir,
 )
@@ -88,7 +89,8 @@ class ModelRunner:
         self.backend = resolve_backend(config.backends.attention, self.device)
         self.max_model_len = resolve_max_model_len(m.max_model_len, self.hf_config)
         self.block_size = config.cache.block_size
-        check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend)  # fail before allocating
+        check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend,
+                            self.model_dir)  # fail before allocating
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
         self.model = self._build_model(m.load_format, m.seed)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
@@ -161,12 +163,14 @@ class ModelRunner:
                 model = cls(self.hf_config, backend=self.backend, **extra)
         finally:
             torch.set_default_dtype(previous)
+        quantization = self.config.precision.quantization
+        scaled = prepare_quantization(model, quantization, self.hf_config, self.model_dir)
         self._checkpoint_kv_scales = CheckpointKVScales()
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         else:
             self._checkpoint_kv_scales = load_weights(model, self.model_dir, load_format)
-        apply_quantization(model, self.config.precision.quantization, self.hf_config, self.backend)
+        apply_quantization(model, quantization, self.hf_config, self.backend, scaled)
         if self.device.type == "cuda":  # decode-sized batches stream weights through the backend's GEMV
             use_gemv_kernel(model, self.backend)
             inner = getattr(model, "model", None)
