@@ -224,13 +224,13 @@ def test_bad_scale_file_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> No
 # ---- the GPU build, without a GPU ----------------------------------------------------------------------------
 @pytest.mark.parametrize("fp8,fp8_max", [("fp8e4nv", 448.0), ("fp8e5", 57344.0)])
 def test_fp8_kernels_compile_for_hopper(fp8: str, fp8_max: float) -> None:
-    """Triton compiles every kernel's fp8 variant for sm_90 (the interpreter accepts what the compiler does not,
-    such as a name bound to two types in the branches of a runtime if)."""
+    """Triton compiles every kernel's fp8 variant for sm_90, and the activation quantizer (the interpreter
+    accepts what the compiler does not, such as a name bound to two types in the branches of a runtime if)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from appliance.kernels.triton import cache, decode, prefill, rope_store
+    from appliance.kernels.triton import act_quant, cache, decode, prefill, rope_store
 
     if not isinstance(decode._decode_kernel, triton.runtime.JITFunction):
         pytest.skip("this process imported the kernels under TRITON_INTERPRET")
@@ -251,9 +251,12 @@ def test_fp8_kernels_compile_for_hopper(fp8: str, fp8_max: float) -> None:
         (rope_store._rope_store_kernel, {"NQ": 32, "NKV": 8, "HALF": 64, "D": 128, "PAGE": 16, "BLOCK_H": 16,
                                          "BLOCK_HALF": 64, "BLOCK_TAIL": 1, "BLOCK_D": 128, "IS_NEOX": True,
                                          "HAS_NORM": True, "GDC": False, **fp}),
+        (act_quant._quant_rows, {"MIN_AMAX": 448e-12, "FP8_MAX": 448.0, "STATIC": False, "BLOCK": 1024}),
+        (act_quant._quant_rows, {"MIN_AMAX": 448e-12, "FP8_MAX": 448.0, "STATIC": True, "BLOCK": 1024}),
     ]
     for fn, const in builds:
-        sig = {a: "constexpr" if a in const else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+        own = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32"} if fn is act_quant._quant_rows else {}
+        sig = {a: "constexpr" if a in const else {**types, **own}.get(a, "*bf16" if a.endswith("_ptr") else "i32")
                for a in fn.arg_names}
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})

@@ -13,17 +13,20 @@ import functools
 
 import torch
 
+from appliance.kernels.registry import register
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-_MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros, not NaN
+MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros, not NaN
 
 
+@register("fp8_quant_act", "torch")
 def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): per token when `input_scale` is None, else the static
     per-tensor scale ([1]); saturating, so an outlier above a static scale's range clips instead of turning NaN."""
     xf = x.float()
     if input_scale is None:
-        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(_MIN_SCALE * FP8_MAX) / FP8_MAX
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_SCALE * FP8_MAX) / FP8_MAX
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
@@ -51,7 +54,12 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     """x [..., K] through an e4m3 weight [N, K] with per-row scales [N]; returns [..., N] in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    xq, xs = quantize_activation(x2, input_scale)
+    if x.is_cuda:  # one launch (kernels/triton/act_quant.py) instead of five torch ops
+        from appliance.kernels.triton.act_quant import quant_act
+
+        xq, xs = quant_act(x2.contiguous(), input_scale)
+    else:
+        xq, xs = quantize_activation(x2, input_scale)
     if cublas_ok(x2, weight):
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.float().reshape(1, -1),
                              out_dtype=x.dtype)

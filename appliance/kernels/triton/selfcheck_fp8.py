@@ -87,8 +87,12 @@ def compare_fp8(op: str, args: tuple[Any, ...], kwargs: dict[str, Any], fast_kwa
     a, r = tuple(_clone(x) for x in args), tuple(_clone(x) for x in args)
     out = get(op, "triton")(*a, **kwargs, **fast_kwargs)
     want = get(op, "torch")(*r, **kwargs)
-    ki, vi = CACHE_ARGS[op]
     store_tol = STORE_TOL["cuda" if device != "cpu" else "cpu"]
+    if op == "fp8_quant_act":  # the same scales (float32 ops in one order), then the same e4m3 values
+        if not rel_err(out[1], want[1]) <= 1e-6:
+            return float("inf"), store_tol
+        return _store_err(out[0], want[0]), store_tol
+    ki, vi = CACHE_ARGS[op]
     if op == "store_kv":
         return max(_store_err(a[ki], r[ki]), _store_err(a[vi], r[vi])), store_tol
     dtype = args[1].dtype if op == "rope_store_kv" else args[0].dtype
@@ -112,6 +116,18 @@ def _case(op: str, base: Callable[[], Inputs], dtype: torch.dtype) -> Callable[[
         inputs = base()
         args, kwargs = fp8_inputs(inputs, op, dtype)
         return args, kwargs, dict(inputs.fast_kwargs)
+    return build
+
+
+def act_inputs(rows: int, k: int, dtype: torch.dtype, device: str, static: bool) -> Callable[[], Any]:
+    """Rows of x with an outlier channel (40x) and one all-zero row; a static scale that saturates the outliers."""
+    def build() -> tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]]:
+        gen = torch.Generator().manual_seed(rows + k)
+        x = torch.randn(rows, k, generator=gen)
+        x[:, 3] *= 40
+        x[-1] = 0
+        scale = torch.tensor([float(x.abs().max()) / 4 / FP8_MAX[E4M3]], device=device) if static else None
+        return (x.to(dtype).to(device), scale), {}, {}
     return build
 
 
@@ -141,6 +157,8 @@ def small_cases(device: str = "cpu") -> list[Case]:
             ("gemv_normed_rope_store", f"{name}-f16-m5-saturating", _case(
                 "gemv_normed_rope_store", lambda: _chain(5, 96, 2, 1, 64, f16, d), fp8)),
         ]
+    cases += [("fp8_quant_act", "bf16-dynamic-outlier-k1500", act_inputs(5, 1500, bf, d, False)),
+              ("fp8_quant_act", "f16-static-saturating", act_inputs(3, 200, f16, d, True))]
     return cases
 
 
@@ -161,6 +179,8 @@ def realistic_cases(device: str = "cuda") -> list[Case]:
             300, 32, 8, 128, 128, True, False, bf, d, 16), E4M3)),
         ("gemv_normed_rope_store", "e4m3-llama-8b-m1", _case(
             "gemv_normed_rope_store", lambda: _chain(1, 4096, 32, 8, 128, bf, d), E4M3)),
+        ("fp8_quant_act", "bf16-dynamic-t1000-k14336", act_inputs(1000, 14336, bf, d, False)),
+        ("fp8_quant_act", "bf16-static-t64-k4096", act_inputs(64, 4096, bf, d, True)),
     ]
 
 
