@@ -302,3 +302,20 @@ def test_gpu_fp8_cache_through_graphs_and_the_decode_chain(make_tiny_model: Call
     first = [o.outputs[0].token_ids for o in fp8.generate(prompts, params)]
     again = [o.outputs[0].token_ids for o in fp8.generate(prompts, params)]
     assert first == again
+
+
+def test_high_precision_layers_keep_16_bit_caches(make_tiny_model: Callable[..., Path]) -> None:
+    """kv_cache_high_precision_layers = 1 on 4 layers: the first and last caches stay bf16, the others e4m3; the
+    block bytes follow (2 + 2 halves = 3/4 of the all-bf16 cache) and the model stays within the all-fp8 bounds."""
+    path = make_tiny_model("llama", num_hidden_layers=4)
+    llm = LLM(model=str(path), kv_cache_dtype="fp8", kv_cache_high_precision_layers=1, **COMMON)
+    runner = llm.executor.runner
+    assert [k.dtype for k, _ in runner.kv_caches] == [torch.bfloat16, E4M3, E4M3, torch.bfloat16]
+    assert [v.dtype for _, v in runner.kv_caches] == [torch.bfloat16, E4M3, E4M3, torch.bfloat16]
+    layers = runner.model.attention_layers()
+    assert layers[0].kv_scales == {} and set(layers[1].kv_scales) == {"k_scale", "v_scale"}
+    base = LLM(model=str(path), **COMMON)
+    assert 4 * runner.kv_spec.bytes_per_block == 3 * base.executor.runner.kv_spec.bytes_per_block
+    mean, agree = _stats(_prompt_logprobs(base), _prompt_logprobs(llm))
+    assert mean < 0.07 and agree >= 0.85, (mean, agree)
+    assert check_supported(build_config(flat={"kv_cache_high_precision_layers": 2}))  # needs an fp8 cache

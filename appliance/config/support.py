@@ -49,6 +49,10 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("precision.kv_cache_dtype",
                 lambda c: c.precision.kv_cache_dtype.startswith("fp8") and c.backends.attention == "flashinfer",
                 "an fp8 KV cache runs on the torch and triton attention backends in this build, not flashinfer"),
+    Unsupported("precision.kv_cache_high_precision_layers",
+                lambda c: c.precision.kv_cache_high_precision_layers > 0
+                and not c.precision.kv_cache_dtype.startswith("fp8"),
+                "16-bit KV layers apply to an fp8 KV cache (set precision.kv_cache_dtype to fp8)"),
     Unsupported("precision.kv_cache_quant_method", lambda c: c.precision.kv_cache_quant_method is not None,
                 "KV cache quantization is not supported in this build"),
     Unsupported("precision.quantization_param_path",

@@ -22,11 +22,24 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     num_tensors: int = 2  # K and V; 1 for MLA's latent cache (layers that declare uses_v_cache = False)
+    # layers whose cache stays in this dtype (an fp8 cache's precision.kv_cache_high_precision_layers)
+    high_precision_layers: tuple[int, ...] = ()
+    high_precision_dtype: torch.dtype | None = None
+
+    def layer_dtype(self, layer: int) -> torch.dtype:
+        if layer in self.high_precision_layers and self.high_precision_dtype is not None:
+            return self.high_precision_dtype
+        return self.dtype
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_tensors * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        elems = self.num_tensors * self.block_size * self.num_kv_heads * self.head_dim
+        return sum(elems * torch.empty((), dtype=self.layer_dtype(i)).element_size() for i in range(self.num_layers))
+
+
+def high_precision_layers(n: int, num_layers: int) -> tuple[int, ...]:
+    """The first and the last n of num_layers attention layers."""
+    return tuple(sorted(set(range(min(n, num_layers))) | set(range(max(0, num_layers - n), num_layers))))
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -78,9 +91,9 @@ def allocate(spec: KVCacheSpec, num_blocks: int,
              device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(K, V) per layer; V is None for a one-tensor (MLA latent) cache."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
-             torch.zeros(shape, dtype=spec.dtype, device=device) if spec.num_tensors == 2 else None)
-            for _ in range(spec.num_layers)]
+    return [(torch.zeros(shape, dtype=spec.layer_dtype(i), device=device),
+             torch.zeros(shape, dtype=spec.layer_dtype(i), device=device) if spec.num_tensors == 2 else None)
+            for i in range(spec.num_layers)]
 
 
 def release(caches: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:

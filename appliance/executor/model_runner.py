@@ -97,9 +97,12 @@ class ModelRunner:
         # the MTP drafter's caches share the block table and the KV budget (none without speculation)
         layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model)
         kv_dtype = kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype, self.dtype)
+        high = kv_cache.high_precision_layers(config.precision.kv_cache_high_precision_layers,
+                                              len(self.model.attention_layers()))
         self.kv_spec = kv_cache.KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
                                             self.block_size, kv_dtype,
-                                            num_tensors=2 if getattr(layers[0], "uses_v_cache", True) else 1)
+                                            num_tensors=2 if getattr(layers[0], "uses_v_cache", True) else 1,
+                                            high_precision_layers=high, high_precision_dtype=self.dtype)
         if is_fp8(kv_dtype):  # before the profile binds a cache
             self.kv_scale_source = kv_scale_setup(config, self.model, layers, self._checkpoint_kv_scales)
         self.max_blocks = -(-self.max_model_len // self.block_size)
