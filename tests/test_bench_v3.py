@@ -1,10 +1,9 @@
-"""tools/bench_v3.py's pure parts: the model dir it writes (V3 shape, block-fp8 quantization_config, layer count,
+"""benchmarks/deepseek_v3.py's pure parts: the model dir it writes (V3 shape, block-fp8 quantization_config, layer count,
 a tokenizer of exactly vocab_size ids), the recipe overrides it passes (MTP off / on resolve and are supported),
 the acceptance figures, the table and argument validation. The end-to-end run (`--smoke`) is too slow for CI."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +11,9 @@ import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import bench_v3 as bv
-
 from appliance.config import build_config, check_supported
 from appliance.layers.fp8 import FP8_DTYPE, Fp8BlockConfig
+from benchmarks import deepseek_v3 as bv
 
 
 def test_model_config_is_the_v3_shape_with_fp8_blocks_and_the_asked_layers() -> None:

@@ -239,16 +239,16 @@ def test_fp8_kernels_compile_for_hopper(fp8: str, fp8_max: float) -> None:
              "bt_ptr": "*i32", "lens_ptr": "*i32", "order_ptr": "*i64", "cu_q_ptr": "*i32", "cu_tiles_ptr": "*i32",
              "slot_ptr": "*i64", "pos_ptr": "*i64", "cache_ptr": "*fp32", "qk_scale": "fp32", "eps": "fp32"}
     fp = {"KV_FP8": True, "FP8_MAX": fp8_max}
-    heads = {"GROUP": 4, "BLOCK_H": 16, "D": 128, "BLOCK_D": 128, "PAGE": 16, "ORDERED": True, "UPCAST": False,
+    heads = {"GROUP": 4, "BLOCK_H": 16, "D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "ORDERED": True, "UPCAST": False,
              "GDC": False, **fp}
     builds = [
-        (cache._store_kv_kernel, {"HKV": 8, "D": 128, "BLOCK_H": 8, "BLOCK_D": 128, "PAGE": 16, **fp}),
+        (cache._store_kv_kernel, {"HKV": 8, "D": 128, "BLOCK_H": 8, "BLOCK_D": 128, "BLOCK_SIZE": 16, **fp}),
         (decode._decode_kernel, {**heads, "BLOCK_N": 64, "DIRECT": False}),
         (decode._decode_kernel, {**heads, "BLOCK_N": 128, "DIRECT": True}),
         (decode._decode_tile_kernel, {**heads, "BLOCK_N": 64}),
-        (prefill._prefill_kernel, {"GROUP": 4, "D": 128, "BLOCK_D": 128, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 64,
+        (prefill._prefill_kernel, {"GROUP": 4, "D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64,
                                    "LOG_SEQS": 3, "UPCAST": False, **fp}),
-        (rope_store._rope_store_kernel, {"NQ": 32, "NKV": 8, "HALF": 64, "D": 128, "PAGE": 16, "BLOCK_H": 16,
+        (rope_store._rope_store_kernel, {"NQ": 32, "NKV": 8, "HALF": 64, "D": 128, "BLOCK_SIZE": 16, "BLOCK_H": 16,
                                          "BLOCK_HALF": 64, "BLOCK_TAIL": 1, "BLOCK_D": 128, "IS_NEOX": True,
                                          "HAS_NORM": True, "GDC": False, **fp}),
         (act_quant._quant_rows, {"MIN_AMAX": 448e-12, "FP8_MAX": 448.0, "STATIC": False, "BLOCK": 1024}),

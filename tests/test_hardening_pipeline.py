@@ -257,7 +257,7 @@ def _probe_while_full(srv: Server) -> list[tuple[httpx.Response, float]]:
 
 def test_overload_answers_429_at_once_and_health_stays_up(server: Server) -> None:
     """The probes count only if the queue was still full after them: should the 2 running requests finish
-    first (a slow, loaded box), the attempt says nothing either way and is run again."""
+    first (a slow, loaded machine), the attempt says nothing either way and is run again."""
     for _ in range(3):
         leave = threading.Event()
         outs: list[dict[str, Any]] = []
@@ -278,7 +278,7 @@ def test_overload_answers_429_at_once_and_health_stays_up(server: Server) -> Non
     for r, took in answers[:4]:
         assert r.status_code == 429, r.text[:200]  # 429, not the 400 that rendering or tokenizing would give
         assert r.headers["retry-after"].isdigit() and r.json()["error"]["code"] == "queue_full"
-        assert took < 1.0, took  # no tokenization, no queueing: a shared 2-core CI box still answers fast
+        assert took < 1.0, took  # no tokenization, no queueing: a shared 2-core CI machine still answers fast
     for r, took in answers[4:]:
         assert r.status_code == 200 and took < 1.0, (r.status_code, took)
     m = httpx.get(f"{server.base}/metrics", timeout=5).text

@@ -175,8 +175,7 @@ class SchedulerSection(Section):
         "after a preemption. When that sum refuses an ignore_eos request, SGLang's finish-time check may still "
         "admit it: the running requests' finishes, simulated in order, must never need more blocks than there are. "
         "0: no reservation (admit while the next chunk's blocks are free; running requests may then outgrow the "
-        "cache and be preempted). 1, SGLang's default too: the 1000-prompt Llama-3.1-8B benchmark ran 7,660 "
-        "output tok/s without a preemption, against 7,370 with 153 at 0 (docs/benchmarks.md).",
+        "cache and be preempted). The default 1 is SGLang's too; docs/benchmarks.md shows its effect.",
         flags=("--schedule-conservativeness",), ge=0, allow_inf_nan=False)
 
     @field_validator("chunked_prefill_size")
@@ -250,6 +249,11 @@ class BackendsSection(Section):
     piecewise_cuda_graph_max_tokens: int | None = param(
         None, "Largest step, in tokens, run through the piecewise graphs (larger ones run eagerly); at most "
         "scheduler.chunked_prefill_size, which is the default.", flags="--piecewise-cuda-graph-max-tokens", ge=16)
+    decode_chain: bool = param(
+        True, "Run the Llama family's decoder layers as six fused kernels each (the norms, rotary + KV store and "
+        "SiLU-and-mul in the GEMVs' epilogues) for decode batches of at most 16 rows: on a GPU with a kernel "
+        "attention backend, tp 1, and layers the chain serves (dense MLP, no q/k norm, whole-head neox rotary, no "
+        "bias on o / gate_up / down). Off, those batches run each layer's own kernels.")
     enable_allreduce_fusion: bool = param(False, "Fuse all-reduce with the following RMSNorm.")
     comm_fusion_max_num_tokens: int | None = param(None, "Most tokens a fused communication kernel handles.", ge=1)
     mla_chunk_multiplier: int | None = param(None, "Chunk multiplier of MLA prefill attention.", ge=1)

@@ -109,8 +109,8 @@ class SamplingSection(Section):
 
 
 class KvEventsConfig(Section):
-    """Publishing of KV cache block stores and removals (the seeds' wire format: topic, 8-byte big-endian
-    sequence number, msgpack KVEventBatch)."""
+    """Publishing of KV cache block stores and removals (a ZMQ multipart message per batch: topic, 8-byte
+    big-endian sequence number, msgpack KVEventBatch)."""
 
     enable_kv_cache_events: bool = param(False, "Publish KV cache events.", flags=None)
     publisher: Literal["null", "zmq"] = param("null", "Publisher: `zmq` publishes, `null` drops.", flags=None)

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
-from appliance.executor.input_batch import RequestState, Stager
+from appliance.executor.input_batch import Stager
+from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import _GREEDY_EPS, Sampler, SampleResult, SamplingRow
 
 GREEDY, FAST, TORCH = "greedy", "fast", "torch"
