@@ -134,9 +134,9 @@ def setup(config: object, model: nn.Module, layers: list[nn.Module], checkpoint:
     from appliance.layers.parallel_state import get_tp_rank, get_tp_size
 
     precision = config.precision  # type: ignore[attr-defined]
-    if not all(getattr(layer, "uses_v_cache", True) and hasattr(layer, "set_kv_scales") for layer in layers):
-        raise ValueError(f"precision.kv_cache_dtype={precision.kv_cache_dtype}: this model's attention (the MLA "
-                         "latent cache of DeepSeek models) has no fp8 KV cache in this build; use auto")
+    if not all(hasattr(layer, "set_kv_scales") for layer in layers):
+        raise ValueError(f"precision.kv_cache_dtype={precision.kv_cache_dtype}: this model's attention layers "
+                         "have no fp8 KV cache in this build; use auto")
     source = install(model, layers, checkpoint, precision.quantization_param_path, get_tp_rank(), get_tp_size(),
                      precision.kv_cache_dtype)
     log.info("fp8 KV cache (%s): k/v scales from %s", precision.kv_cache_dtype, source)

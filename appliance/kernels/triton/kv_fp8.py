@@ -52,7 +52,7 @@ def _round_to_fp8_grid(y, FP8_MAX: tl.constexpr):
 @triton.jit
 def saturate(x, scale, FP8_MAX: tl.constexpr):
     """x / scale clamped to the fp8 format's finite range, in float32, ready for the cast to the cache dtype."""
-    y = x.to(tl.float32) / scale
+    y = tl.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's: the same fp8 value, not a step off
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     if _ROUND_FIRST:
         y = _round_to_fp8_grid(y, FP8_MAX)
