@@ -346,3 +346,29 @@ def test_mla_latent_cache_in_fp8(tmp_path: Path, arch: str) -> None:
     mean, agree = _stats(_prompt_logprobs(LLM(model=str(path), **COMMON)), _prompt_logprobs(fp8))
     bound, floor = (0.07, 0.85) if arch == "deepseek_v2" else (0.17, 0.7)
     assert mean < bound and agree >= floor, (mean, agree)
+
+
+def test_prefix_cache_hits_on_fp8_blocks(tiny_model: Path) -> None:
+    """A repeated prompt reuses its cached fp8 blocks (the prefix cache and its block hashes are dtype-blind) and
+    decodes the same greedy tokens as its first run, which computed every block."""
+    llm = LLM(model=str(tiny_model), kv_cache_dtype="fp8", enable_prefix_caching=True, **COMMON)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": s * 2} for s in SEQS]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    hits_before = llm.engine.stats().prefix_hit_tokens
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert first == again
+    assert llm.engine.stats().prefix_hit_tokens - hits_before >= sum(len(s) * 2 for s in SEQS) // 2
+
+
+def test_serve_flags_map_onto_the_precision_section() -> None:
+    from appliance.config import parse_serve_args
+
+    cfg = parse_serve_args(["m", "--kv-cache-dtype", "fp8_e5m2", "--quantization", "compressed-tensors",
+                            "--quantization-param-path", "s.json", "--kv-high-precision-layers", "2"], env={})
+    p = cfg.precision
+    assert (p.kv_cache_dtype, p.quantization, p.quantization_param_path, p.kv_cache_high_precision_layers) == (
+        "fp8_e5m2", "compressed-tensors", "s.json", 2)
+    for q in ("fp8", "modelopt", "w8a8_fp8"):
+        assert parse_serve_args(["m", "--quantization", q], env={}).precision.quantization == q
+    assert not check_supported(cfg)

@@ -108,6 +108,9 @@ class ModelRunner:
                                             high_precision_layers=high, high_precision_dtype=self.dtype)
         if is_fp8(kv_dtype):  # before the profile binds a cache
             self.kv_scale_source = kv_scale_setup(config, self.model, layers, self._checkpoint_kv_scales)
+        elif self._checkpoint_kv_scales.scales:
+            log.info("the checkpoint ships fp8 KV cache scales; a %s cache does not use them (they apply with "
+                     "precision.kv_cache_dtype = fp8)", kv_dtype)
         self.max_blocks = -(-self.max_model_len // self.block_size)
         # before the profile, so its peak (and so the KV budget) counts it; one row per request the scheduler
         # may run at once (prefilling ones included; speculative decoding adds rows to no request)
