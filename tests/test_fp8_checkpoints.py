@@ -20,8 +20,18 @@ from test_fp8_kv_cache import COMMON, SEQS, _prompt_logprobs, _stats
 
 from appliance import LLM
 from appliance.config import build_config, check_supported
-from appliance.kernels.fp8_gemm import FP8, FP8_MAX, quantize_activation, scaled_linear, scaled_mm_reference
-from appliance.layers.fp8_scaled import Fp8ScaledConfig, ScaledFp8QKVParallelLinear, scaled_config
+from appliance.kernels.fp8_gemm import (
+    FP8,
+    FP8_MAX,
+    quantize_activation,
+    scaled_linear,
+    scaled_mm_reference,
+)
+from appliance.layers.fp8_scaled import (
+    Fp8ScaledConfig,
+    ScaledFp8QKVParallelLinear,
+    scaled_config,
+)
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

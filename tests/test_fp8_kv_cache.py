@@ -23,7 +23,11 @@ from appliance.config import build_config, check_supported
 from appliance.executor import kv_cache
 from appliance.executor.kv_scales import kv_scale_name
 from appliance.kernels.reference.kv_quant import FP8_MAX, quantize
-from appliance.kernels.triton.selfcheck_fp8 import compare_fp8, realistic_cases, small_cases
+from appliance.kernels.triton.selfcheck_fp8 import (
+    compare_fp8,
+    realistic_cases,
+    small_cases,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SEQS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42] * 5, list(range(100, 130)), list(range(200, 260, 3))]
