@@ -25,8 +25,14 @@
 #      wheels) copied into .peer/ of the checkout (ignored by git);
 #   3. copy the checkout with .whl/ and .peer/ to the GPU machine and run this script from its root, e.g.
 #      `OUT=/tmp/out bash benchmarks/gpu_suite.sh b1 qwen peer-small`, `... tput8b`, `... peer-8b`,
-#      `... serve peer-serve`.
-# Limits per command: PART_TIMEOUT_S (default 560) bounds each part.
+#      `... serve peer-serve`. The installs land in /tmp/site (ours) and /tmp/vllm-site (the peer's) and later
+#      commands on the same machine reuse them, so where a transfer is limited (the tree ~27 MB, .whl/ ~8 MB,
+#      .peer/ ~39 MB) the first command can bring .whl/ and a later one .peer/.
+# Limits per command: PART_TIMEOUT_S (default 560) bounds each part. The serve parts take SERVE_MODEL (a model dir
+# with a tokenizer; default: the 8B shape written by appliance.bench.presets), SERVE_ARGS (default: --load-format
+# dummy --dtype bfloat16), SERVE_LEVELS (concurrency:prompts, default "1:8 16:64 64:192") and SERVE_LENS (in:out,
+# default 1024:256), so they can be dry-run on a CPU with a tiny model.
+#   e.g. SERVE_MODEL=DIR SERVE_ARGS="--dtype float32" SERVE_LEVELS="1:2 2:4" SERVE_LENS=16:4 bash benchmarks/gpu_suite.sh serve
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
@@ -34,8 +40,15 @@ out="${OUT:-${BENCH_OUT:-$(mktemp -d)}}"
 mkdir -p "$out"
 limit="${PART_TIMEOUT_S:-560}"
 models="${MODELS_DIR:-/tmp/appliance_bench_models}"
+serve_model="${SERVE_MODEL:-$models/llama-3.1-8b}"
+read -r -a serve_args <<< "${SERVE_ARGS:---load-format dummy --dtype bfloat16}"
+levels="${SERVE_LEVELS:-1:8 16:64 64:192}"
+lens="${SERVE_LENS:-1024:256}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
+if ! "$py" -c "import pydantic, zmq, starlette" 2>/dev/null && [[ -d /tmp/site ]]; then
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # installed by an earlier command on this machine
+fi
 if ! "$py" -c "import pydantic, zmq, starlette" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   echo "== installing .whl/ into /tmp/site" >&2
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -66,11 +79,11 @@ serve_levels() {
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   echo "{\"start_ms\": $ms}" > "$out/${name}_start.json"
   echo "== $name: /health after $ms ms" >&2
-  bench serve --base-url http://127.0.0.1:8100 --model bench --tokenizer "$models/llama-3.1-8b" \
-    --random-input-len 64 --random-output-len 8 --num-prompts 2 --max-concurrency 2 --ignore-eos >/dev/null  # warm-up
-  for level in 1:8 16:64 64:192; do
-    bench serve --base-url http://127.0.0.1:8100 --model bench --tokenizer "$models/llama-3.1-8b" \
-      --random-input-len 1024 --random-output-len 256 --ignore-eos --max-concurrency "${level%%:*}" \
+  bench serve --base-url http://127.0.0.1:8100 --model bench --tokenizer "$serve_model" \
+    --random-input-len 16 --random-output-len 8 --num-prompts 2 --max-concurrency 2 --ignore-eos >/dev/null  # warm-up
+  for level in $levels; do
+    bench serve --base-url http://127.0.0.1:8100 --model bench --tokenizer "$serve_model" \
+      --random-input-len "${lens%%:*}" --random-output-len "${lens##*:}" --ignore-eos --max-concurrency "${level%%:*}" \
       --num-prompts "${level##*:}" --metric-percentiles 50,99 --result-filename "$out/${name}_c${level%%:*}.json"
   done
   kill -TERM "$pid"; wait "$pid"
@@ -87,14 +100,15 @@ part() {
       bench throughput --preset llama-3.1-8b --num-prompts "$n" --set scheduler.chunked_prefill_size=640 \
         --output-json "$out/tput8b_640.json" ;;
     serve)
-      "$py" -m appliance.bench.presets "$models" --tokenizer --only llama-3.1-8b >/dev/null
-      serve_levels serve "$py" -m appliance.cli.main serve "$models/llama-3.1-8b" --load-format dummy \
-        --dtype bfloat16 --host 127.0.0.1 --port 8100 --seed 0 --served-model-name bench ;;
+      [[ -n "${SERVE_MODEL:-}" ]] || "$py" -m appliance.bench.presets "$models" --tokenizer --only llama-3.1-8b >/dev/null
+      serve_levels serve "$py" -m appliance.cli.main serve "$serve_model" "${serve_args[@]}" --host 127.0.0.1 \
+        --port 8100 --seed 0 --served-model-name bench ;;
     peer-small) B1=1 A_SIZES=none peer offline llama "$out/peer_b1.json"; peer offline qwen "$out/peer_qwen.json" ;;
     peer-8b) B1=0 A_SIZES="${NUM_PROMPTS:-1000}" peer offline llama "$out/peer_8b.json" ;;
     peer-serve)
-      "$py" -m appliance.bench.presets "$models" --tokenizer --only llama-3.1-8b >/dev/null
-      serve_levels peer_serve bash .peer/run_vllm.sh serve "$models/llama-3.1-8b" 8100 --served-model-name bench ;;
+      [[ -f .peer/run_vllm.sh ]] || { echo "gpu_suite: .peer/run_vllm.sh is missing (see the set-up above)" >&2; return 1; }
+      [[ -n "${SERVE_MODEL:-}" ]] || "$py" -m appliance.bench.presets "$models" --tokenizer --only llama-3.1-8b >/dev/null
+      serve_levels peer_serve bash .peer/run_vllm.sh serve "$serve_model" 8100 --served-model-name bench ;;
     summary) ;;
     *) echo "gpu_suite: unknown part $1 (b1 qwen tput8b serve peer-small peer-8b peer-serve summary all)" >&2
        return 2 ;;

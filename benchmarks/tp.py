@@ -37,7 +37,8 @@ def _child_env() -> dict[str, str]:
 
 LLAMA_8B = SHAPES["llama-3.1-8b"]
 TINY = {**LLAMA_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 4096, "rope_scaling": None}
+        "head_dim": 64, "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 4096,
+        "rope_scaling": None}
 AR_LINE = "tensor-parallel all-reduce:"
 ON, OFF = {"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "disable_custom_all_reduce": True}
 # name: (overrides, --skip part, real checkpoint, batch-1 ITL, throughput)

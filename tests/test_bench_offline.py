@@ -96,3 +96,20 @@ def test_published_workload_is_the_qwen_one() -> None:
     rng = random.Random(0)
     assert [len(x) for x in w.prompts] == [rng.randint(100, 1024) for _ in range(256)]
     assert w.output_lens == [rng.randint(100, 1024) for _ in range(256)]
+
+
+def test_preset_with_its_published_batch_and_the_weight_floor(tmp_path: Path) -> None:
+    """--preset writes the shape and runs dummy weights; flags not given come from its published workload (batch
+    size 1 for latency); hf_overrides shrink the shape for a CPU."""
+    out = tmp_path / "p.json"
+    r = bench("latency", "--preset", "qwen3-0.6b", "--input-len", "8", "--output-len", "3", "--num-iters", "2",
+              "--num-iters-warmup", "0", "--dtype", "float32", "--weight-floor", "--output-json", str(out),
+              "--set", 'model.hf_overrides={"num_hidden_layers": 1, "vocab_size": 4096}',
+              "--set", "model.max_model_len=64", "--set", "cache.max_total_tokens=256")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["batch_size"] == 1 and res["completed"] == 2 and res["total_output_tokens"] == 6
+    # one layer of Qwen3-0.6B's width and a tied 4096-row embedding: ~19.9M float32 parameters
+    assert 0.07 < res["active_weight_GB"] < 0.09 and res["floor_ms"] > 0
+    assert res["tpot_over_floor"] == pytest.approx(res["mean_tpot_ms"] / res["floor_ms"])
+    assert "Weight-read floor (ms):" in r.stdout

@@ -67,3 +67,24 @@ def test_a_planted_line_is_found() -> None:
     fine = ["the first run of a process pays its compiles", "a session-scoped pytest fixture",
             "start_new_session=True", "a text box", "issues a warning"]
     assert findings("\n".join(fine), "x") == []
+
+
+_SCRIPT_PATH = re.compile(r"(?<![\w/.])((?:tools|benchmarks)/[\w/.-]*\w\.(?:py|sh))")
+
+
+def test_scripts_named_in_the_tree_exist() -> None:
+    """A tool or suite the tree points a reader at exists: deleted scripts leave no references."""
+    missing = []
+    for path in tracked_files():
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            for m in _SCRIPT_PATH.finditer(line):
+                name = m.group(1)
+                if not any(part.isupper() for part in re.split(r"[/.]", name)) and not (ROOT / name).exists():
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {name}")
+    assert not missing, "\n".join(missing)

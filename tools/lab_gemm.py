@@ -1,5 +1,6 @@
 """The skinny GEMM (appliance/kernels/triton/skinny_gemm.py) against cuBLAS at decode shapes, as a decode graph
 runs them: whether it beats F.linear for 17 < M <= 256 rows and with which config. Needs only torch and triton.
+Its summary lines give the entries of appliance/kernels/triton/skinny_gemm.py's TUNED (the wins of >= 1.08x).
 
     python -m tools.lab_gemm [--budget-s 210] [--models qwen3-0.6b,llama-3.1-8b] [--ms 32,64,128,192,256]
     TRITON_INTERPRET=1 python -m tools.lab_gemm --smoke      # tiny shapes on the CPU: checks the harness

@@ -24,13 +24,14 @@ def _percentiles(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
-def _common(p: argparse.ArgumentParser, *, percentile_metrics: str) -> None:
+def _common(p: argparse.ArgumentParser, *, percentile_metrics: str | None, ranged: str = "lengths") -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-range-ratio", type=float, default=None,
-                   help="lengths uniform in [len * (1 - r), len * (1 + r)] (default 0: fixed)")
-    p.add_argument("--percentile-metrics", default=percentile_metrics,
-                   help=f"comma-separated, of {','.join(LATENCY_KEYS)}")
-    p.add_argument("--metric-percentiles", type=_percentiles, default=[99], help="e.g. 50,90,99")
+                   help=f"{ranged} uniform in [len * (1 - r), len * (1 + r)] (default 0: fixed)")
+    if percentile_metrics is not None:  # throughput times the run as a whole: no per-request latencies
+        p.add_argument("--percentile-metrics", default=percentile_metrics,
+                       help=f"comma-separated, of {','.join(LATENCY_KEYS)}")
+        p.add_argument("--metric-percentiles", type=_percentiles, default=[99], help="e.g. 50,90,99")
     p.add_argument("--save-result", action="store_true", help="write the result as JSON")
     p.add_argument("--result-filename", default=None, help="its file (default bench-<command>-<time>.json)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -63,7 +64,7 @@ def add_parser(subparsers: Any) -> None:
     tput.add_argument("--num-prompts", type=int, default=None, help="default 1000")
     tput.add_argument("--input-len", type=int, default=None, help="default 1024")
     tput.add_argument("--output-len", type=int, default=None, help="default 128")
-    _common(tput, percentile_metrics="")
+    _common(tput, percentile_metrics=None)
 
     lat = sub.add_parser("latency", help="batches run alone on the offline engine: latency, TTFT, TPOT, ITL")
     _engine_args(lat)
@@ -74,7 +75,7 @@ def add_parser(subparsers: Any) -> None:
     lat.add_argument("--num-iters-warmup", type=int, default=None, help="untimed batches first (default 10)")
     lat.add_argument("--weight-floor", action="store_true",
                      help="also the weight-read floor: weight bytes a batch-1 step reads / device copy bandwidth")
-    _common(lat, percentile_metrics="ttft,tpot,itl")
+    _common(lat, percentile_metrics="ttft,tpot,itl", ranged="prompt lengths (one output length)")
 
     serve = sub.add_parser("serve", help="streamed requests to an OpenAI-compatible server")
     serve.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
@@ -112,8 +113,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
 
-def _workload_flags(args: argparse.Namespace, defaults: dict[str, int]) -> dict[str, Any]:
-    """The workload's flags: those given, else the preset's published workload, else vLLM's defaults."""
+def _workload_flags(args: argparse.Namespace, defaults: dict[str, int],
+                    ranged: tuple[str, ...] = ("input_len", "output_len")) -> dict[str, Any]:
+    """The workload's flags: those given, else the preset's published workload, else vLLM's defaults; the range
+    ratio widens the `ranged` lengths into [lo, hi] ranges (the others stay fixed)."""
     from appliance.bench.presets import PUBLISHED
     from appliance.bench.workloads import length_range
 
@@ -123,13 +126,18 @@ def _workload_flags(args: argparse.Namespace, defaults: dict[str, int]) -> dict[
     for name, default in defaults.items():
         given = getattr(args, name)
         if given is not None:
-            if given < 1:
-                raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {given}")
-            out[name] = length_range(given, ratio) if name.endswith("_len") else given
+            least = 0 if name == "num_iters_warmup" else 1
+            if given < least:
+                raise BenchError(f"--{name.replace('_', '-')} must be >= {least}, got {given}")
+            value = given
         elif published is not None:
             out[name] = getattr(published, name)
+            continue
         else:
-            out[name] = length_range(default, ratio) if name.endswith("_len") else default
+            value = default
+        if name.endswith("_len"):
+            value = length_range(value, ratio if name in ranged else 0.0)
+        out[name] = value
     return out
 
 
@@ -194,9 +202,7 @@ def _latency(args: argparse.Namespace) -> int:
     from appliance.bench.workloads import random_workload
 
     w = _workload_flags(args, {"input_len": 32, "output_len": 128, "batch_size": 8, "num_iters": 30,
-                               "num_iters_warmup": 10})
-    if w["output_len"][0] != w["output_len"][1]:
-        raise BenchError("latency runs one output length: --random-range-ratio applies to --input-len only")
+                               "num_iters_warmup": 10}, ranged=("input_len",))
     keys = _latency_keys(args)
     with tempfile.TemporaryDirectory() as tmp:
         llm = _llm(args, Path(tmp))

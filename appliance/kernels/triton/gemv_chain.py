@@ -38,7 +38,7 @@ BLOCK_M = tl.constexpr(16)  # rows padded to the MMA's narrowest operand
 # of a kernel that never says), 1 as its programs start, 2 when a program's weight stream is done. The next
 # kernel's programs wait (gdc_wait) before reading anything, so any choice is correct; it decides only how early
 # they occupy the SMs the running kernel leaves idle.
-# Measured (tools/lab_decode_chain.py, Llama-8B's 32 layers): 0 / 1 / 2 gave 5.202 / 5.143 / 5.156 ms at 1 row,
+# Measured (H100, Llama-8B's 32 layers): 0 / 1 / 2 gave 5.202 / 5.143 / 5.156 ms at 1 row,
 # 5.720 / 5.716 / 5.664 at 8.
 LAUNCH_NEXT = 2
 # The qkv kernel at one row lets the decode attention launch as its programs start (its 96 programs leave SMs
@@ -46,7 +46,7 @@ LAUNCH_NEXT = 2
 QKV_LAUNCH_NEXT_ONE_ROW = 1
 
 # (n, k) of a weight -> (block_n, block_k, num_stages, num_warps) for it, over the default below (tuning:
-# tools/lab_decode_chain.py --sweep). The qkv kernel's block_n is fixed by its rotary pairs.
+# none measured better than the default). The qkv kernel's block_n is fixed by its rotary pairs.
 TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
 

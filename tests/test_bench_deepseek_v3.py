@@ -1,6 +1,7 @@
-"""benchmarks/deepseek_v3.py's pure parts: the model dir it writes (V3 shape, block-fp8 quantization_config, layer count,
-a tokenizer of exactly vocab_size ids), the recipe overrides it passes (MTP off / on resolve and are supported),
-the acceptance figures, the table and argument validation. The end-to-end run (`--smoke`) is too slow for CI."""
+"""benchmarks/deepseek_v3.py's pure parts: the model dir it writes (V3 shape, block-fp8 quantization_config, layer
+count, a tokenizer of exactly vocab_size ids), the recipe overrides it passes (MTP off / on resolve and are
+supported), the acceptance figures, the table and argument validation. The end-to-end run (`python -m
+benchmarks.deepseek_v3 --smoke`) is too slow for CI."""
 from __future__ import annotations
 
 import json
