@@ -10,7 +10,7 @@ so in bf16 their caches may differ by one fp8 step here and there: bounded by ha
 whole cache (HALF_STEP); in fp16 they are exact too. Attention outputs are within selfcheck.TOL.
 
 `python -m appliance.kernels.triton.selfcheck_fp8 cpu|gpu`: one JSON line per case (the CPU tests run it under
-TRITON_INTERPRET=1; tools/gpu_suite.py-style GPU runs at Llama-3.1-8B shapes).
+TRITON_INTERPRET=1; `gpu` runs realistic_cases, Llama-3.1-8B shapes).
 """
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def realistic_cases(device: str = "cuda") -> list[Case]:
 def main() -> None:
     import appliance.kernels.triton  # noqa: F401  (registers the ops)
 
-    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    device = {"gpu": "cuda"}.get(sys.argv[1], sys.argv[1]) if len(sys.argv) > 1 else "cpu"
     cases = small_cases(device) if device == "cpu" else realistic_cases(device)
     for op, case, build in cases:
         try:
