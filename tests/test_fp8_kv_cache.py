@@ -397,3 +397,46 @@ def test_mtp_speculation_on_an_fp8_latent_cache(tmp_path_factory: pytest.TempPat
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     stats = llm.engine.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+TRITON_MODEL_SCRIPT = """
+import json, sys
+import torch
+from appliance import LLM, SamplingParams
+torch.set_num_threads(1)
+path, prompts, scales = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+out = {}
+for be in ("torch", "triton"):
+    llm = LLM(model=path, dtype="float32", block_size=4, skip_tokenizer_init=True, attention_backend=be,
+              kv_cache_dtype="fp8", chunked_prefill_size=8, quantization_param_path=scales)
+    assert llm.executor.runner.backend == be
+    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    out[be] = [[o.token_ids, [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]] for o in outs]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_triton_fp8_model_matches_torch_kernels_interpreted(tiny_model: Path, tmp_path: Path) -> None:
+    """A tiny Llama with an fp8 cache (scales 0.05 and 0.1 from a scale file, so the kernels' scale folding
+    counts) through the Triton backend's kernels (fused rope + store, decode and prefill with 8-token chunks
+    over cached fp8 prefixes), under the CPU interpreter, against the torch kernels: the same greedy tokens and
+    logprobs within 1e-3."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    scales = tmp_path / "scales.json"
+    scales.write_text(json.dumps({"kv_cache": {"scaling_factor": {"0": {"0": 0.05, "1": 0.1}}}}))
+    proc = subprocess.run([sys.executable, "-c", TRITON_MODEL_SCRIPT, str(tiny_model), json.dumps(SEQS[:3]),
+                           str(scales)],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (tok_t, lp_t), (tok_r, lp_r) in zip(out["triton"], out["torch"]):
+        assert tok_t == tok_r
+        assert lp_t == pytest.approx(lp_r, abs=1e-3)
