@@ -19,9 +19,13 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +132,12 @@ def install(model: nn.Module, layers: list[nn.Module], checkpoint: CheckpointKVS
     return "default 1.0"
 
 
-def setup(config: object, model: nn.Module, layers: list[nn.Module], checkpoint: CheckpointKVScales) -> str:
+def setup(config: ApplianceConfig, model: nn.Module, layers: list[nn.Module], checkpoint: CheckpointKVScales) -> str:
     """The runner's entry for an fp8 KV cache: refuse what this build cannot quantize, install the scales, log
     where they came from (returned too)."""
     from appliance.layers.parallel_state import get_tp_rank, get_tp_size
 
-    precision = config.precision  # type: ignore[attr-defined]
+    precision = config.precision
     if not all(hasattr(layer, "set_kv_scales") for layer in layers):
         raise ValueError(f"precision.kv_cache_dtype={precision.kv_cache_dtype}: this model's attention layers "
                          "have no fp8 KV cache in this build; use auto")

@@ -9,13 +9,18 @@ import glob
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from appliance.executor.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
+from appliance.config.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
 from appliance.executor.kv_scales import CheckpointKVScales
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from appliance.layers.fp8_scaled import Fp8ScaledConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -34,7 +39,7 @@ def load_hf_config(model_dir: Path, hf_overrides: dict[str, Any] | None = None,
     return cfg
 
 
-def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """`auto`: the checkpoint's dtype, with float32 on the CPU in place of half precision."""
     if dtype != "auto":
         if dtype not in _DTYPES:
@@ -126,8 +131,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.data.uniform_(-1e-3, 1e-3, generator=gen)
 
 
-def prepare_quantization(model: nn.Module, quantization: str | None, hf_config: Any,
-                         model_dir: Path | None) -> Any:
+def prepare_quantization(model: nn.Module, quantization: str | None, hf_config: PretrainedConfig,
+                         model_dir: Path | None) -> Fp8ScaledConfig | None:
     """Before the weights go in: a compressed-tensors or ModelOpt fp8 checkpoint's linear layers get e4m3
     weights and scale parameters (layers/fp8_scaled.py). Returns the scaled-fp8 scheme (or None) for
     apply_quantization."""
@@ -139,8 +144,8 @@ def prepare_quantization(model: nn.Module, quantization: str | None, hf_config: 
     return scaled
 
 
-def apply_quantization(model: nn.Module, quantization: str | None, hf_config: Any, backend: str,
-                       scaled: Any = None) -> None:
+def apply_quantization(model: nn.Module, quantization: str | None, hf_config: PretrainedConfig, backend: str,
+                       scaled: Fp8ScaledConfig | None = None) -> None:
     """precision.quantization after the weights are in (loaded or dummy): "fp8" on a float checkpoint quantizes
     the linear layers and experts to e4m3 with 128x128 tile scales (the layout DeepSeek-V3 ships, run by the
     same block-scaled GEMMs); on a checkpoint that ships block fp8 it only confirms the format. "w8a8_fp8" on a

@@ -21,7 +21,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from appliance.layers.linear import (
     RowParallelLinear,
 )
 from appliance.layers.parallel_state import tp_all_gather, tp_all_reduce
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SCALED_METHODS = ("compressed-tensors", "modelopt", "w8a8_fp8")
 
@@ -85,7 +88,7 @@ def _modelopt(qc: dict[str, Any]) -> Fp8ScaledConfig:
     return Fp8ScaledConfig("modelopt", True, tuple(qc.get("exclude_modules") or qc.get("ignore") or ()))
 
 
-def checkpoint_quant(hf_config: Any, model_dir: Path | None) -> dict[str, Any] | None:
+def checkpoint_quant(hf_config: PretrainedConfig, model_dir: Path | None) -> dict[str, Any] | None:
     """The checkpoint's quantization description: config.json's quantization_config, or ModelOpt's
     hf_quant_config.json `quantization` section (as a quant_method modelopt dict)."""
     qc = getattr(hf_config, "quantization_config", None)
@@ -97,7 +100,8 @@ def checkpoint_quant(hf_config: Any, model_dir: Path | None) -> dict[str, Any] |
     return None
 
 
-def scaled_config(quantization: str | None, hf_config: Any, model_dir: Path | None) -> Fp8ScaledConfig | None:
+def scaled_config(quantization: str | None, hf_config: PretrainedConfig,
+                  model_dir: Path | None) -> Fp8ScaledConfig | None:
     """The scaled-fp8 scheme to run, or None when this module has no part in it (16-bit, or block fp8). A
     requested scheme the checkpoint does not ship is an error."""
     qc = checkpoint_quant(hf_config, model_dir)
