@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from appliance.kernels import registry
+from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.kernels import kernel
 
 
@@ -83,9 +84,27 @@ class Attention(nn.Module):
         self._prefill = kernel("prefill_attention", backend)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # an fp8 cache's per-kv-head scales ([Hkv] float32: stored = x / scale), set by the runner (executor/
+        # kv_scales.py) before a cache is bound; read by every op that touches the cache, through `kv_scales`
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        self.kv_scales: dict[str, torch.Tensor] = {}  # the ops' scale keywords for the bound cache ({} if 16-bit)
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t.shape != (self.num_kv_heads,) or t.dtype != torch.float32:
+                raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} is not [{self.num_kv_heads}] float32")
+        self.k_scale, self.v_scale = k_scale, v_scale
 
     def bind_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.kv_scales = {}
+        if k_cache is not None and is_fp8(k_cache.dtype):
+            if self.k_scale is None or self.v_scale is None:
+                self.set_kv_scales(*(torch.ones(self.num_kv_heads, device=k_cache.device) for _ in range(2)))
+            assert self.k_scale is not None and self.v_scale is not None
+            self.k_scale, self.v_scale = self.k_scale.to(k_cache.device), self.v_scale.to(k_cache.device)
+            self.kv_scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k_cache is None or self.v_cache is None:
@@ -97,7 +116,7 @@ class Attention(nn.Module):
         t = q.shape[0]
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping, **self.kv_scales)
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,16 +131,18 @@ class Attention(nn.Module):
         nd = meta.num_decode_tokens
         # one kind of row (every decode step, most prefill steps): the kernel's output is the answer, no copy
         if nd == t:
-            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                self.scale, order=meta.decode_order, out=out).view(t, self.num_heads * self.head_dim)
+            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                                order=meta.decode_order, out=out,
+                                **self.kv_scales).view(t, self.num_heads * self.head_dim)
         if nd == 0:
             return self._prefill(q, k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
-                                 meta.prefill_block_tables, self.scale, out=out).view(t, self.num_heads * self.head_dim)
+                                 meta.prefill_block_tables, self.scale, out=out,
+                                 **self.kv_scales).view(t, self.num_heads * self.head_dim)
         out = torch.empty_like(q) if out is None else out  # both kernels write their rows of it
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                         order=meta.decode_order, out=out[:nd])
+                         order=meta.decode_order, out=out[:nd], **self.kv_scales)
         if nd < t:
             self._prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
-                          meta.prefill_block_tables, self.scale, out=out[nd:])
+                          meta.prefill_block_tables, self.scale, out=out[nd:], **self.kv_scales)
         return out.view(t, self.num_heads * self.head_dim)
