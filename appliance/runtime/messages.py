@@ -67,6 +67,7 @@ class OutputBatch:
     outputs: list[RequestOutput]
     num_running: int = 0
     num_waiting: int = 0
+    num_received: int = 0  # GenerateRequests the scheduler has taken in so far (the queue estimate's baseline)
 
 
 @dataclass(frozen=True)

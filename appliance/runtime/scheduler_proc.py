@@ -92,6 +92,7 @@ class SchedulerLoop:
         self.parent_pid = parent_pid
         self.accounting_ok = True
         self._busy = False
+        self.num_received = 0  # GenerateRequests taken in: the tokenizer process counts what is still on the way
         self.first_scheduled = FirstScheduled()
         self._ended_since_check: deque[str] = deque(maxlen=64)  # named in a drift report: the likely culprits
 
@@ -125,6 +126,7 @@ class SchedulerLoop:
                 break
             msg = REQUEST_CODEC.decode_or_none(frame)
             if isinstance(msg, GenerateRequest):
+                self.num_received += 1
                 err = self._add(msg)
                 if err is not None:
                     rejected.append(err)
@@ -157,7 +159,7 @@ class SchedulerLoop:
 
     def _send(self, outputs: list[RequestOutput]) -> None:
         s = self.core.stats()
-        self.outputs.send(OUTPUT_CODEC.encode(OutputBatch(outputs, s.num_running, s.num_waiting)))
+        self.outputs.send(OUTPUT_CODEC.encode(OutputBatch(outputs, s.num_running, s.num_waiting, self.num_received)))
 
     def _check_accounting(self) -> None:
         report = self.core.check_accounting()

@@ -7,7 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from appliance.server.constraints import check_compatible, output_spec, with_extra
+from appliance.server.constraints import check_compatible, checked_output_spec, with_extra
 from appliance.server.context import ServerContext
 from appliance.server.errors import bad_request
 from appliance.server.exchange import Exchange, run_exchange
@@ -56,7 +56,7 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
 async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exchange) -> Response:
     req: CompletionRequest = parse_body(CompletionRequest, body)
     ctx.admit(req.model, req.n, num_prompts(req.prompt) * req.n)  # before any tokenization work
-    spec = output_spec(body)
+    spec = await checked_output_spec(ctx, body)
     prompts = await ctx.off_loop(prompt_token_lists, ctx, req.prompt)
     rid = new_request_id("cmpl")
     gens = []
