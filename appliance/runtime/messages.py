@@ -30,6 +30,7 @@ class StageReady:
 class StageFailed:
     stage: str
     message: str
+    dump_stacks: bool = False  # a hang (runtime/watchdog.py): every stage logs its Python stacks first
 
 
 @dataclass(frozen=True)

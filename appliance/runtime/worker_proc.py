@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import zmq
 
+from appliance import fault_injection
 from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.gc_heap import freeze_startup_heap
 from appliance.runtime.messages import (
@@ -91,6 +92,8 @@ class StepLoop:
     def __init__(self, runner: Any, results: zmq.Socket, rank: bytes, rank_index: int) -> None:
         self.runner, self.results, self.rank, self.rank_index = runner, results, rank, rank_index
         self.previous: Any = None  # the launched step not answered yet (an inflight.StepHandle)
+        self.num_steps = 0
+        self.faults = fault_injection.faults()  # APPLIANCE_FAULT_INJECTION, for the tests; None unless set
 
     def wait_for_plan(self, plans: zmq.Socket) -> bool:
         """Whether a plan is waiting; meanwhile answer the step in flight once its ids have arrived."""
@@ -110,7 +113,10 @@ class StepLoop:
     def run(self, plan: Any) -> None:
         if self.previous is not None and (self.previous.event is None or self.previous.event.query()):
             self._answer()  # its ids are here already (or the device computes synchronously, as a CPU does)
+        self.num_steps += 1
         try:
+            if self.faults is not None:
+                self.faults.before_forward(self.num_steps)
             handle = self.runner.launch(plan)
         except Exception as exc:
             self._fail(plan.step_id, exc)
