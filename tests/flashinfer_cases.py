@@ -10,14 +10,14 @@ from appliance.kernels import registry
 from appliance.layers.attention import Attention, AttentionMetadata
 
 
-def paged_kv(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dtype, device: str, seed: int = 0,
+def paged_kv(seq_lens: list[int], block_size: int, hkv: int, d: int, dtype: torch.dtype, device: str, seed: int = 0,
              spare_cols: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random caches, each sequence on a random set of blocks; block table rows padded with 0 (a real block)."""
     gen = torch.Generator().manual_seed(seed)
-    per_seq = [(n + page - 1) // page for n in seq_lens]
+    per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(per_seq) + 3
-    k = torch.randn(num_blocks, page, hkv, d, generator=gen).to(dtype).to(device)
-    v = torch.randn(num_blocks, page, hkv, d, generator=gen).to(dtype).to(device)
+    k = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(device)
     perm = torch.randperm(num_blocks, generator=gen)
     table = torch.zeros(len(seq_lens), max(per_seq, default=0) + spare_cols, dtype=torch.int32)
     used = 0
@@ -57,10 +57,10 @@ def prefill_case(q_lens: list[int], prefixes: list[int], h: int, hkv: int, d: in
 
 def store_case(n: int, hkv: int, d: int, dtype: torch.dtype, device: str, skip_every: int = 0, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
-    blocks, page = 9, 16
-    base = torch.randn(blocks, page, hkv, d, generator=gen).to(dtype).to(device)
+    blocks, block_size = 9, 16
+    base = torch.randn(blocks, block_size, hkv, d, generator=gen).to(dtype).to(device)
     key, value = (torch.randn(n, hkv, d, generator=gen).to(dtype).to(device) for _ in range(2))
-    slots = torch.randperm(blocks * page, generator=gen)[:n]
+    slots = torch.randperm(blocks * block_size, generator=gen)[:n]
     if skip_every:
         slots[::skip_every] = -1
     slots = slots.to(device)
@@ -75,7 +75,7 @@ def mixed_step(backend: str, dtype: torch.dtype, device: str, layers: int = 3,
                d: int = 64) -> tuple[list[torch.Tensor], torch.Tensor]:
     """`layers` Attention layers over one step of 2 decodes + 2 prefill chunks (one over a cached prefix) + one
     empty padding sequence, all sharing one AttentionMetadata; returns each layer's output and the first k cache."""
-    h, hkv, page = 8, 2, 16
+    h, hkv, block_size = 8, 2, 16
     gen = torch.Generator().manual_seed(7)
     dec_lens, pre_q, pre_prefix = [21, 40], [5, 17, 0], [30, 0, 0]
     pre_seq = [p + q for p, q in zip(pre_prefix, pre_q)]
@@ -87,7 +87,8 @@ def mixed_step(backend: str, dtype: torch.dtype, device: str, layers: int = 3,
         table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     positions = [n - 1 for n in dec_lens] + [p + j for p, q in zip(pre_prefix, pre_q) for j in range(q)]
     owners = [0, 1] + [2 + b for b, q in enumerate(pre_q) for _ in range(q)]
-    slots = torch.tensor([table[o, p // page].item() * page + p % page for o, p in zip(owners, positions)])
+    slots = torch.tensor([table[o, p // block_size].item() * block_size + p % block_size
+                          for o, p in zip(owners, positions)])
     t = len(positions)
     meta = AttentionMetadata(
         slot_mapping=slots.to(device), num_decode_tokens=2, decode_block_tables=table[:2].to(device),
@@ -98,8 +99,8 @@ def mixed_step(backend: str, dtype: torch.dtype, device: str, layers: int = 3,
     outs, first_cache = [], None
     for layer in range(layers):
         lgen = torch.Generator().manual_seed(100 + layer)
-        kc = torch.randn(blocks, page, hkv, d, generator=lgen).to(dtype).to(device)
-        vc = torch.randn(blocks, page, hkv, d, generator=lgen).to(dtype).to(device)
+        kc = torch.randn(blocks, block_size, hkv, d, generator=lgen).to(dtype).to(device)
+        vc = torch.randn(blocks, block_size, hkv, d, generator=lgen).to(dtype).to(device)
         q, k, v = (torch.randn(t, n * d, generator=lgen).to(dtype).to(device) for n in (h, hkv, hkv))
         attn = Attention(h, d, hkv, d**-0.5, backend)
         attn.bind_kv_cache(kc, vc)

@@ -56,32 +56,33 @@ class _FakeWrapper:
 
 class _FakeDecode(_FakeWrapper):
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, h: int, hkv: int,
-             d: int, page: int, *, q_data_type: torch.dtype, kv_data_type: torch.dtype, sm_scale: float) -> None:
-        self._plan(list(range(len(last_page_len) + 1)), indptr, indices, last_page_len, (h, hkv, d, page, q_data_type),
+             d: int, page_size: int, *, q_data_type: torch.dtype, kv_data_type: torch.dtype, sm_scale: float) -> None:
+        self._plan(list(range(len(last_page_len) + 1)), indptr, indices, last_page_len,
+                   (h, hkv, d, page_size, q_data_type),
                    sm_scale)
 
 
 class _FakePrefill(_FakeWrapper):
     def plan(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
-             h: int, hkv: int, d: int, page: int, *, causal: bool, sm_scale: float, q_data_type: torch.dtype,
+             h: int, hkv: int, d: int, page_size: int, *, causal: bool, sm_scale: float, q_data_type: torch.dtype,
              kv_data_type: torch.dtype) -> None:
         assert causal
-        self._plan(qo_indptr.tolist(), indptr, indices, last_page_len, (h, hkv, d, page, q_data_type), sm_scale)
+        self._plan(qo_indptr.tolist(), indptr, indices, last_page_len, (h, hkv, d, page_size, q_data_type), sm_scale)
 
 
 def _fake_append(key: torch.Tensor, value: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
                  cache: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
                  kv_last_page_len: torch.Tensor, kv_layout: str = "NHD") -> None:
-    """The append kernel's addressing: divmod(indptr[batch] * page + position, page) = (page_iter, entry), with no
-    way to skip a row (a negative position would write out of bounds on the GPU)."""
+    """The append kernel's addressing: divmod(indptr[batch] * page_size + position, page_size) = (page_iter, entry),
+    with no way to skip a row (a negative position would write out of bounds on the GPU)."""
     kc, vc = cache
-    page = kc.shape[1]
+    page_size = kc.shape[1]
     assert batch_indices.dtype == positions.dtype == torch.int32 and len(positions) == key.shape[0]
     assert int(positions.min()) >= 0
-    flat = kv_indptr.long()[batch_indices.long()] * page + positions.long()
-    blocks = kv_indices.long()[flat // page]
-    kc[blocks, flat % page] = key
-    vc[blocks, flat % page] = value
+    flat = kv_indptr.long()[batch_indices.long()] * page_size + positions.long()
+    blocks = kv_indices.long()[flat // page_size]
+    kc[blocks, flat % page_size] = key
+    vc[blocks, flat % page_size] = value
 
 
 def _fake_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -173,7 +173,7 @@ def test_admission_waits_for_room_for_outputs_instead_of_preempting_later() -> N
 
 def test_admission_refuses_head_of_line_until_the_reservation_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     # the sum alone (the check that follows its refusals: test_admission_finish_time.py)
-    monkeypatch.setattr(admission, "FINISH_TIME", False)
+    monkeypatch.setattr(admission.OutputReservation, "fits_by_finish_time", lambda *args, **kwargs: False)
     cfg = EngineConfig(num_blocks=20, block_size=4, max_model_len=64, schedule_conservativeness=1.0)
     sched = Scheduler(cfg)
     ex = FakeExecutor(20, 4)

@@ -9,15 +9,26 @@ import random
 import pytest
 from engine_workload import make_request
 
-from appliance.engine import EngineConfig, EngineCore, SamplingParams, admission
+from appliance.engine import EngineConfig, EngineCore, SamplingParams
 from appliance.engine.admission import OutputReservation
 from appliance.engine.fake_executor import FakeExecutor
+
+
+def _sum_alone(*args: object, **kwargs: object) -> bool:
+    """The finish-time check refusing everything: admission by the reservation sum alone."""
+    return False
 
 
 def _head_start_run(head_start: int, finish_time: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, int], int]:
     """r0 runs alone for head_start steps, then r1 and r2 arrive; 16-token prompts + 64 outputs (5 blocks each) in
     a pool of 12. Returns the step each of r1, r2 started at, and the preemptions."""
-    monkeypatch.setattr(admission, "FINISH_TIME", finish_time)
+    with monkeypatch.context() as patched:
+        if not finish_time:
+            patched.setattr(OutputReservation, "fits_by_finish_time", _sum_alone)
+        return _head_start(head_start)
+
+
+def _head_start(head_start: int) -> tuple[dict[str, int], int]:
     cfg = EngineConfig(num_blocks=12, block_size=16, max_num_seqs=8, max_model_len=128, eos_token_ids={0},
                        schedule_conservativeness=1.0)
     core = EngineCore(cfg, FakeExecutor(12, 16), overlap=False)
@@ -103,8 +114,10 @@ def test_finish_time_check_never_preempts_where_the_sum_does_not(monkeypatch: py
     for seed in range(300):
         runs = {}
         for on in (True, False):
-            monkeypatch.setattr(admission, "FINISH_TIME", on)
-            runs[on] = _ignore_eos_run(seed)
+            with monkeypatch.context() as patched:
+                if not on:
+                    patched.setattr(OutputReservation, "fits_by_finish_time", _sum_alone)
+                runs[on] = _ignore_eos_run(seed)
         assert runs[True] == 0 or runs[False] > 0, seed
     assert admitted > 200
 

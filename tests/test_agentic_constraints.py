@@ -44,7 +44,7 @@ def test_forced_tool_choice_specs() -> None:
     assert info.value.status == 400
 
 
-def test_missing_xgrammar_is_a_400_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_xgrammar_is_a_400_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     from appliance.structured import validate
 
     def missing() -> None:
@@ -53,7 +53,7 @@ def test_missing_xgrammar_is_a_400_naming_the_extra(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(validate, "require_xgrammar", missing)
     with pytest.raises(ApiError) as info:
         output_spec({"response_format": {"type": "json_object"}})
-    assert info.value.status == 400 and "appliance[xgrammar]" in info.value.message
+    assert info.value.status == 400 and "pip install xgrammar" in info.value.message
     assert info.value.param == "response_format"
     assert output_spec({"response_format": {"type": "text"}}) is None  # no constraint: xgrammar not needed
 

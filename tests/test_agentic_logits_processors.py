@@ -12,7 +12,6 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.batch_sampler import BatchSampler
-from appliance.executor.input_batch import RequestState
 from appliance.executor.logits_processors import (
     FinishNow,
     GrammarProcessor,
@@ -22,6 +21,7 @@ from appliance.executor.logits_processors import (
     thinking_budget_from_dict,
     unpack_bitmask,
 )
+from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import Sampler
 from appliance.structured import StructuredSpec
 

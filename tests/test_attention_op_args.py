@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
-from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+from appliance.executor.input_batch import Chunk, build_inputs
+from appliance.executor.request_table import RequestState
 from appliance.layers import attention
 
 BS = 4

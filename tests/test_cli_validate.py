@@ -28,9 +28,13 @@ def test_recipes_validate(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, out + err
     assert "error" not in out
     # every shipped recipe runs in this build as written (MTP speculative decoding, fp8, expert parallelism on
-    # deepseek-v3 included): no problem lines, and each file's summary says so
-    assert out == ""
-    assert err.splitlines() == [f"{r}: ok (0 errors, 0 warnings)" for r in RECIPES]
+    # deepseek-v3 included): the one warning a recipe may get is that its model (a Hugging Face repo id) is not a
+    # local directory here, so the checks against the model's config.json are skipped
+    lines = out.splitlines()
+    assert all("model.path" in line and "is not a local model directory here" in line for line in lines), out
+    counts = {str(r): sum(line.startswith(f"{r}:") for line in lines) for r in RECIPES}
+    assert err.splitlines() == [f"{r}: ok (0 errors, {counts[str(r)]} warnings)" for r in RECIPES]
+    assert all(n <= 1 for n in counts.values())
 
 
 def test_recipe_contents() -> None:

@@ -12,17 +12,20 @@ CONTRACT = {
     "model": "path tokenizer tokenizer_mode skip_tokenizer_init load_format trust_remote_code revision "
              "download_dir hf_overrides max_model_len seed device",
     "precision": "dtype kv_cache_dtype kv_cache_quant_method quantization quantization_param_path",
-    "parallelism": "tp dense_tp moe_tp dp enable_expert_parallel ep world_size nprocs_per_node nnodes node_rank "
-                   "dist_init_addr",
+    "parallelism": "tp dense_tp moe_tp dp pp dcp enable_expert_parallel ep world_size nprocs_per_node nnodes "
+                   "node_rank dist_init_addr",
     "scheduler": "max_num_seqs chunked_prefill_size max_prefill_tokens max_queued_requests policy slo_tbt_ms",
-    "cache": "block_size gpu_memory_utilization max_total_tokens enable_prefix_caching",
-    "backends": "attention drafter_attention moe draft_moe all2all deepep_mode sampling enforce_eager "
+    "cache": "block_size gpu_memory_utilization max_total_tokens enable_prefix_caching host_cache host_cache_ratio "
+             "host_cache_size_gb disk_cache ssm_cache_slots ssm_checkpoint_interval",
+    "backends": "attention drafter_attention moe draft_moe linear all2all deepep_mode sampling enforce_eager "
                 "cuda_graph_max_bs cuda_graph_sizes",
     "speculative": "algorithm draft_model_path draft_model_quantization num_steps num_draft_tokens eagle_topk "
-                   "eagle3_layers_to_capture",
+                   "prompt_lookup_min prompt_lookup_max eagle3_layers_to_capture",
     "api": "host port served_model_name api_key api_key_file chat_template stream_interval stream_output "
            "request_timeout reasoning_parser tool_call_parser enable_custom_logit_processor disable_thinking "
            "thinking_budget allowed_hosts caps",
+    "multimodal": "encoder_tp_mode encoder_attention processor_cache_gb processor_cache_type limit_per_prompt "
+                  "processor_kwargs media_io_kwargs allowed_local_media_path",
     "sampling": "temperature top_p top_k min_p top_n_sigma repetition_penalty",
     "observability": "log_level log_level_http enable_log_requests log_requests_level enable_metrics "
                      "metrics_reporters decode_log_interval enable_cache_report kv_events dump_path",
@@ -68,8 +71,8 @@ def test_defaults_follow_the_seeds() -> None:
     ("scheduler", {"chunked_prefill_size": -2}),
     ("scheduler", {"policy": "random"}),
     ("api", {"port": 70000}),
-    ("api", {"tool_call_parser": "nope"}),
-    ("backends", {"attention": "cudnn"}),
+    ("api", {"tool_call_parser": "no pe"}),  # any engine's parser name is accepted, not any text
+    ("backends", {"attention": "cu/dnn"}),
     ("observability", {"kv_events": {"publisher": "kafka"}}),
     ("model", {"pathh": "x"}),
     ("parallelism", {"tp": 0}),
@@ -133,3 +136,18 @@ def test_dump_and_validate_round_trip() -> None:
     })
     again = ApplianceConfig.model_validate(cfg.model_dump(mode="json"))
     assert again == cfg and again.parallelism.effective_ep == 4
+
+
+def test_engine_names_are_kept_and_refused_at_start_up() -> None:
+    """Parser and backend names: every source engine's spelling is accepted (`-` read as `_`, any case), so a
+    translated deployment keeps it; check_supported (start-up) refuses the ones this build lacks."""
+    from appliance.config import check_supported
+
+    cfg = ApplianceConfig.model_validate({"api": {"tool_call_parser": "Kimi-K2"},
+                                          "backends": {"attention": "ROCM_AITER_FA", "moe": "deep_gemm"}})
+    assert (cfg.api.tool_call_parser, cfg.backends.attention) == ("kimi_k2", "rocm_aiter_fa")
+    refused = {m.split(":")[0] for m in check_supported(cfg)}
+    assert refused == {"api.tool_call_parser", "backends.attention", "backends.moe"}
+    ok = ApplianceConfig.model_validate({"api": {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"},
+                                         "backends": {"attention": "triton"}})
+    assert check_supported(ok) == []

@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from appliance.kernels import cublaslt
-from appliance.kernels.cublaslt import PADDED, TUNED, LtAlgo
+from appliance.kernels.cublaslt import LtAlgo, LtTables
+
+SM90 = cublaslt.tables("sm90")
+TUNED, PADDED = SM90.algos, SM90.padded
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS, SKINNY_GEMM_MAX_ROWS
 
 gpu = pytest.mark.gpu
@@ -49,12 +52,11 @@ def test_cpu_and_untuned_calls_go_to_f_linear(monkeypatch: pytest.MonkeyPatch) -
     m = next(iter(by_rows))
     x = torch.randn(m, k, dtype=torch.bfloat16)
     w = torch.randn(n, k, dtype=torch.bfloat16)
-    assert cublaslt.tuned(x, w, None) is None  # CPU tensors
+    assert cublaslt.tuned_algo(x, w, None) is None  # CPU tensors
     assert torch.equal(cublaslt.linear(x, w), F.linear(x, w))
     b = torch.randn(n, dtype=torch.bfloat16)
     assert torch.equal(cublaslt.linear(x, w, b), F.linear(x, w, b))
-    monkeypatch.setattr(cublaslt, "ENABLED", False)
-    assert cublaslt.tuned(x, w, None) is None
+    assert cublaslt.tables("sm80") == LtTables({}, {})  # nothing measured there: cuBLAS's own pick
 
 
 def test_skinny_op_falls_back_through_cublaslt_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,10 +89,10 @@ def test_padded_linear_keeps_the_real_rows(monkeypatch: pytest.MonkeyPatch) -> N
         return real(x, w, b)
 
     monkeypatch.setattr(torch.nn.functional, "linear", recording)
-    monkeypatch.setitem(PADDED, (24, 16), {5: 8})
     x, w = torch.randn(5, 16), torch.randn(24, 16)
     assert torch.equal(cublaslt.linear(x, w), real(x, w)) and seen == [(5, 16)]  # CPU: not eligible
-    monkeypatch.setattr(cublaslt, "_eligible", lambda x, w, b: b is None)
+    padded = LtTables({}, {(24, 16): {5: 8}})
+    monkeypatch.setattr(cublaslt, "_eligible", lambda x, w, b: padded if b is None else None)
     seen.clear()
     out = cublaslt.linear(x, w)
     assert seen == [(8, 16)] and out.shape == (5, 24) and out.is_contiguous()
@@ -124,7 +126,7 @@ def test_gpu_every_tuned_algorithm_runs_and_matches(shape: tuple[int, int]) -> N
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
     for m in TUNED[shape]:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        assert cublaslt.tuned(x, w, None) == TUNED[shape][m]
+        assert cublaslt.tuned_algo(x, w, None) == TUNED[shape][m]
         out = cublaslt.linear(x, w)
         assert cublaslt._READY[(x.device.index, m, n, k)] is not None, f"{m} rows: the library refused the algorithm"
         _close(out, F.linear(x, w))
@@ -154,8 +156,9 @@ def test_gpu_captured_graph_replays_on_new_inputs() -> None:
 def test_gpu_skinny_op_runs_the_tuned_algorithm() -> None:
     from appliance.kernels.triton.skinny_gemm import skinny_gemm, tuned_config
 
-    (n, k), by_rows = next((s, r) for s, r in TUNED.items() if any(tuned_config(m, *s) is None for m in r))
-    m = next(m for m in by_rows if tuned_config(m, n, k) is None)
+    (n, k), by_rows = next((s, r) for s, r in TUNED.items()
+                           if any(tuned_config(m, *s, "sm90") is None for m in r))
+    m = next(m for m in by_rows if tuned_config(m, n, k, "sm90") is None)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     cublaslt._READY.pop((x.device.index, m, n, k), None)

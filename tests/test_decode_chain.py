@@ -154,10 +154,10 @@ def test_kernels_compile_for_hopper() -> None:
     types = {"part_ptr": "*fp32", "cs_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "probe_ptr": "*i64",
              "eps": "fp32"}
     tiles = {"BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_P": 64, "UPCAST": False, "GDC": True}
-    builds = [(G._norm_prep_kernel, {"BLOCK": 1024, "GDC": True}),
+    builds = [(G._norm_prep_kernel, {"BLOCK_N": 1024, "GDC": True}),
               (G._residual_kernel, {**tiles, "PREP": True}),
               (G._silu_kernel, tiles),
-              (G._rope_store_kernel, {"NQ": 32, "NKV": 8, "D": 128, "PAGE": 16, "BLOCK_K": 128, "BLOCK_P": 64,
+              (G._rope_store_kernel, {"NQ": 32, "NKV": 8, "D": 128, "BLOCK_SIZE": 16, "BLOCK_K": 128, "BLOCK_P": 64,
                                       "HAS_BIAS": True, "UPCAST": False, "GDC": True})]
     for fn, consts in builds:
         variants = [(nxt, False) for nxt in (0, 1, 2)] + [(2, True)] if "NEXT" in fn.arg_names else [(None, None)]

@@ -64,11 +64,30 @@ def test_chain_is_off_where_a_layer_is_not_served(make_tiny_model):
     assert llm.executor.runner.model.model.chain is None
 
 
-def test_chain_serves_only_small_batches(monkeypatch):
+def test_chain_serves_only_small_batches():
     assert decode_chain.DecodeChain.serves(torch.zeros(16, 8))
     assert not decode_chain.DecodeChain.serves(torch.zeros(17, 8))
-    monkeypatch.setattr(decode_chain, "ENABLED", False)
-    assert not decode_chain.DecodeChain.serves(torch.zeros(1, 8))
+    assert not decode_chain.DecodeChain.serves(torch.zeros(0, 8))
+
+
+def test_backends_decode_chain_decides_whether_the_runner_builds_it(make_tiny_model):
+    """bind_decode_kernels (what the runner calls on a GPU) with backends.decode_chain on builds the chain for served
+    layers, off leaves none; the setting reaches the runner from the config."""
+    from appliance.executor.runner_setup import bind_decode_kernels
+
+    llm = LLM(model=str(make_tiny_model("llama", head_dim=64)), dtype="float32", block_size=4, decode_chain=False)
+    runner = llm.executor.runner
+    assert runner.config.backends.decode_chain is False
+    model = runner.model
+    for module in model.modules():
+        if hasattr(module, "gemv"):
+            module.gemv = get("gemv", "torch")
+    bind_decode_kernels(model, "torch", runner.config.backends.decode_chain)
+    assert model.model.chain is None
+    bind_decode_kernels(model, "torch", True)
+    assert model.model.chain is not None
+    bind_decode_kernels(model, "torch", False)
+    assert model.model.chain is None
 
 
 def divergence_at_near_ties(on: list, off: list, tol: float) -> list[str]:

@@ -85,8 +85,7 @@ def test_bad_arguments_are_refused() -> None:
 
 
 _INTERPRETED = r"""
-import json, sys, torch
-sys.path.insert(0, "tests")
+import json, torch
 from test_decode_positions_kernel import _random_case, _run
 from appliance.kernels.registry import get
 import appliance.kernels.reference.positions, appliance.kernels.triton.positions
@@ -104,7 +103,7 @@ for seed, batch, cap, width, bs, dtype in [(0, 1, 4, 2, 16, torch.int64), (1, 9,
 def test_triton_kernel_matches_the_reference_interpreted() -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

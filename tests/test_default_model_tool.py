@@ -68,7 +68,7 @@ def test_cpu_smoke_run_writes_a_loadable_hf_layout(tool: Any, tmp_path: Path) ->
     out = tmp_path / "dm"
     tool.main(["--out", str(out), "--device", "cpu", "--tiny", "--max-steps", "2", "--max-files", "3",
                "--parse-samples", "1", "--max-file-mb", "0.2"])
-    assert (out / "model.safetensors.index.json").is_file()  # sharded: the device tool's file-size limit
+    assert (out / "model.safetensors.index.json").is_file()  # sharded: --max-file-mb
     tool.main(["--merge-shards", str(out)])
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
     from transformers import AutoModelForCausalLM, AutoTokenizer

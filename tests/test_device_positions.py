@@ -15,13 +15,14 @@ from decode_layout import build_decode_arrays
 
 from appliance import LLM, SamplingParams
 from appliance.executor.cuda_graph import DecodeGraphs
-from appliance.executor.input_batch import (
+from appliance.executor.input_batch import Chunk, graph_stride
+from appliance.executor.request_table import (
     UNKNOWN_POSITION,
-    Chunk,
+    ZERO_ROW,
+    DeviceBlockTable,
+    LiveRequests,
     RequestState,
-    graph_stride,
 )
-from appliance.executor.request_table import ZERO_ROW, DeviceBlockTable, LiveRequests
 
 CPU = torch.device("cpu")
 

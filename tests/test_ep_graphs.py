@@ -1,6 +1,6 @@
 """Decode graphs under expert parallelism (ep = tp = 2) on a tiny DeepSeek-V2 (MLA + routed and shared experts).
 
-graph_settings captures decode graphs with ep > 1 because this holds on GPUs (2x H200, session 4); the ranks here
+graph_settings captures decode graphs with ep > 1 because this holds on GPUs (measured on 2x H200); the ranks here
 build DecodeGraphs themselves, so the check runs whatever graph_settings says:
 - CPU (two gloo ranks, always run): the graphs' padded static-buffer path (no capture on a CPU) gives the greedy
   tokens of eager decoding on the same ranks and of one unsharded process. Padding rows go through the router,
@@ -73,7 +73,7 @@ def test_ep2_padded_graph_path_matches_eager_on_cpu(tmp_path: Path) -> None:
 
     model = build_family("deepseek_v2", tmp_path / "dsv2")
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: spin-waiting threads only cost time on a busy 2-core box
+    torch.set_num_threads(1)  # a tiny model: spin-waiting threads only cost time on a busy 2-core machine
     try:
         reference = _greedy(LLM(model=str(model), **LLM_ARGS))
     finally:
@@ -91,6 +91,5 @@ def test_gpu_ep2_captured_graphs_match_eager(tmp_path: Path) -> None:
     assert all(rep["captured"] > 0 for rep in reports)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":  # run as a script: tests/ is sys.path[0]
     _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])

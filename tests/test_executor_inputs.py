@@ -10,12 +10,15 @@ import torch
 from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.input_batch import (
     Chunk,
-    RequestState,
     build_graph_rows,
     build_inputs,
     graph_stride,
 )
-from appliance.executor.request_table import DeviceBlockTable, LiveRequests
+from appliance.executor.request_table import (
+    DeviceBlockTable,
+    LiveRequests,
+    RequestState,
+)
 
 BS = 4
 

@@ -14,7 +14,7 @@ from appliance.executor.batch_sampler import (
     route,
     sampling_row,
 )
-from appliance.executor.input_batch import RequestState
+from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import Sampler
 
 CPU = torch.device("cpu")

@@ -1,6 +1,6 @@
 """The flashinfer backend on a GPU (skipped without CUDA and an importable flashinfer): every registered op against
 the torch reference, and greedy decoding of tiny Llama / Qwen3 models against the triton backend. Run by
-tools/flashinfer_gpu.sh; the CPU side of the backend is tests/test_flashinfer_backend.py."""
+benchmarks/flashinfer.sh; the CPU side of the backend is tests/test_flashinfer_backend.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,8 +24,8 @@ def _flashinfer_importable() -> bool:
 
 
 needs_flashinfer = pytest.mark.skipif(not _flashinfer_importable(), reason="needs CUDA and flashinfer")
-# Each (dtype, head_dim) pair is one more JIT-compiled decode and prefill module on a fresh box (~11 s and ~80 s):
-# two pairs, the one of Llama-8B (also timed by tools/flashinfer_gpu.sh) and the one of the tiny models below.
+# Each (dtype, head_dim) pair is one more JIT-compiled decode and prefill module on a fresh machine (~11 s and ~80 s):
+# two pairs, the one of Llama-8B (also timed by benchmarks/flashinfer.sh) and the one of the tiny models below.
 # Head counts are runtime arguments of those modules, so every case loops over several GQA shapes.
 CONFIGS = [pytest.param(torch.bfloat16, 128, id="bf16-d128"), pytest.param(torch.float16, 64, id="fp16-d64")]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}

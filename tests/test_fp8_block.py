@@ -18,13 +18,10 @@ from test_moe_models import (
 
 from appliance import LLM, SamplingParams
 from appliance.kernels import registry
-from appliance.kernels.moe.reference import dequantize_blocks
+from appliance.kernels.moe.reference import FP8_DTYPE, FP8_MAX, block_quantize, dequantize_blocks
 from appliance.layers.fp8 import (
-    FP8_DTYPE,
-    FP8_MAX,
     Fp8BlockConfig,
     Fp8MergedColumnParallelLinear,
-    block_quantize,
     make_linear,
 )
 from appliance.layers.moe import FusedMoE

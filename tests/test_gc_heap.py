@@ -81,14 +81,14 @@ def test_generate_runs_with_the_heap_frozen(thawed, tiny_model) -> None:
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "mtp"])
 def test_a_dropped_engine_is_freed_by_refcounts_alone(thawed, request: pytest.FixtureRequest, spec: bool) -> None:
-    """On the GPU box something freezes the heap before the engine exists, so frozen_heap's freeze stays and a
-    reference cycle through the engine would keep its KV cache alive for good (session 10: the speculative
-    runner <-> speculator cycle held three 24 GB engines in one test process)."""
+    """On a GPU host something freezes the heap before the engine exists, so frozen_heap's freeze stays and a
+    reference cycle through the engine would keep its KV cache alive for good (a speculative runner <->
+    speculator cycle once held three 24 GB engines in one test process)."""
     from appliance import LLM, SamplingParams
 
     path = request.getfixturevalue("tiny_v3" if spec else "tiny_model")
     extra = {"speculative_algorithm": "MTP", "speculative_num_steps": 1} if spec else {}
-    gc.freeze()  # like the box: frozen before the engine was built
+    gc.freeze()  # like a GPU host: frozen before the engine was built
     gc.disable()  # only reference counts may free it
     try:
         llm = LLM(model=str(path), dtype="float32", block_size=16, max_total_tokens=1024, skip_tokenizer_init=True,

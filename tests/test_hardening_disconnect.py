@@ -1,4 +1,4 @@
-"""A client that leaves mid-prefill frees its KV blocks while the prefill still runs (issue 13).
+"""A client that leaves mid-prefill frees its KV blocks while the prefill still runs.
 
 Its own server: a long context and small chunks make the prefill take many steps, so the check does not depend on
 how fast one step is on the machine running the tests.

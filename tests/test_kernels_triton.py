@@ -141,7 +141,7 @@ def test_decode_tile_kernel_compiles_for_hopper() -> None:
     if not isinstance(decode._decode_tile_kernel, triton.runtime.JITFunction):
         pytest.skip("this process imported the kernels under TRITON_INTERPRET")
     fn = decode._decode_tile_kernel
-    const = {"GROUP": 4, "BLOCK_H": 16, "D": 128, "BLOCK_D": 128, "PAGE": 16, "BLOCK_N": 64, "ORDERED": True,
+    const = {"GROUP": 4, "BLOCK_H": 16, "D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64, "ORDERED": True,
              "UPCAST": False, "GDC": True}
     types = {"lens_ptr": "*i32", "bt_ptr": "*i32", "order_ptr": "*i64", "mid_o_ptr": "*fp32",
              "mid_lse_ptr": "*fp32", "qk_scale": "fp32"}

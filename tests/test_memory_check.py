@@ -175,7 +175,7 @@ def _v3_checkpoint_dir(path: Path) -> Path:
 @pytest.mark.slow
 def test_deepseek_v3_recipe_fails_at_start_up_naming_the_shortfall(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
     model = _v3_checkpoint_dir(tmp_path / "DeepSeek-V3")
-    # tp 1 keeps this to one worker process on a 2-core CI box (with the recipe's tp 8 the check is the same,
+    # tp 1 keeps this to one worker process on a 2-core CI machine (with the recipe's tp 8 the check is the same,
     # per worker, in 8 processes); speculative decoding is overridden away until MTP lands (support.py)
     overrides = [f"model.path={model}", f"model.tokenizer={tiny_tokenizer_dir}", "model.load_format=dummy",
                  "parallelism.tp=1", "parallelism.enable_expert_parallel=false", "speculative.algorithm=null",

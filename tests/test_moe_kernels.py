@@ -16,7 +16,7 @@ from selfcheck_runner import interpreted_rows
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: OpenMP spin-waiting on a busy CI box costs more than it gains
+    torch.set_num_threads(1)  # tiny shapes: OpenMP spin-waiting on a busy CI machine costs more than it gains
     yield
     torch.set_num_threads(before)
 

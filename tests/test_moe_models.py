@@ -57,7 +57,7 @@ SETUPS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny models run much faster on one thread (two spin-waiting OpenMP threads on a busy 2-core CI box
+    """Tiny models run much faster on one thread (two spin-waiting OpenMP threads on a busy 2-core CI machine
     cost up to 50x); restored afterwards so other modules keep their setting."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Observability of the REAL pipeline (supervisor + worker, scheduler, tokenizer processes on the CPU): /metrics
 moves as requests run, a ZMQ subscriber sees the prefix cache's BlockStored / BlockRemoved events frame by frame
-in the seeds' format, and the request dump replays to the same answers. One server for the module."""
+(ZMQ multipart, msgpack KVEventBatch), and the request dump replays to the same answers. One server for the module."""
 from __future__ import annotations
 
 import shutil

@@ -40,10 +40,10 @@ def test_graph_with_pdl_matches_without(rows: int) -> None:
     w_down = torch.randn(2048, 5632, device=dev, dtype=dt) * 0.02
     eager = _chain(x, w_norm, w_up, w_down)
     outs = {}
-    saved = common.PDL
+    real = common.pdl_on
     try:
         for pdl in (True, False):
-            common.PDL = pdl
+            common.pdl_on = real if pdl else (lambda t: False)
             _chain(x, w_norm, w_up, w_down)  # compile outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -54,7 +54,7 @@ def test_graph_with_pdl_matches_without(rows: int) -> None:
             torch.cuda.synchronize()
             outs[pdl] = out.clone()
     finally:
-        common.PDL = saved
+        common.pdl_on = real
     assert torch.equal(outs[True], outs[False]) and torch.equal(outs[False], eager)
     assert torch.isfinite(eager).all() and eager.abs().sum() > 0
 
@@ -82,9 +82,11 @@ def test_attention_under_pdl_sees_the_newest_row(lens: list[int]) -> None:
     """Captured with PDL, the decode attention launched early still reads the newest K/V rows the qkv kernel just
     wrote (zeroed before each replay, so a read before the write shows); equal to plain launches bit for bit."""
     torch.manual_seed(0)
-    dev, dt, page, m = "cuda", torch.bfloat16, 16, len(lens)
-    k_cache, v_cache, table = paged_kv(lens, page, 2, 128, dt, dev, spare_cols=64 - max(-(-n // page) for n in lens))
-    slots = torch.tensor([int(table[i, (n - 1) // page]) * page + (n - 1) % page for i, n in enumerate(lens)])
+    dev, dt, block_size, m = "cuda", torch.bfloat16, 16, len(lens)
+    k_cache, v_cache, table = paged_kv(lens, block_size, 2, 128, dt, dev,
+                                       spare_cols=64 - max(-(-n // block_size) for n in lens))
+    slots = torch.tensor([int(table[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for i, n in enumerate(lens)])
     h = torch.randn(m, 1024, device=dev, dtype=dt)
     args = {"xs": h, "partials": h.float().pow(2).sum(-1, keepdim=True),
             "positions": torch.tensor(lens, device=dev) - 1,
@@ -96,10 +98,10 @@ def test_attention_under_pdl_sees_the_newest_row(lens: list[int]) -> None:
     res0 = torch.randn(m, 1024, device=dev, dtype=dt)
     eager = _attention_step(args, res0.clone())
     outs = {}
-    saved = common.PDL
+    real = common.pdl_on
     try:
         for pdl in (True, False):
-            common.PDL = pdl
+            common.pdl_on = real if pdl else (lambda t: False)
             res = res0.clone()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -114,7 +116,7 @@ def test_attention_under_pdl_sees_the_newest_row(lens: list[int]) -> None:
                 torch.cuda.synchronize()
                 outs[pdl].append(res.clone())
     finally:
-        common.PDL = saved
+        common.pdl_on = real
     for a, b in zip(outs[True], outs[False]):
         assert torch.equal(a, b) and torch.equal(b, eager)
     assert torch.isfinite(eager).all()

@@ -12,6 +12,7 @@ from test_moe_models import FAMILIES as MOE_FAMILIES
 from test_moe_models import build_family
 
 from appliance import LLM, SamplingParams
+from appliance.engine.config import StepTokens
 from appliance.executor.piecewise import (
     SMALL_BUCKETS,
     PiecewiseGraphs,
@@ -152,7 +153,8 @@ def _settings(on: bool = True, max_tokens: int | None = None, chunk: int = 8192,
     cfg = SimpleNamespace(backends=SimpleNamespace(piecewise_cuda_graph=on, piecewise_cuda_graph_max_tokens=max_tokens),
                           scheduler=SimpleNamespace(chunked_prefill_size=chunk))
     dense = SimpleNamespace(supports_cuda_graphs=True, piecewise_graphs=True)
-    return piecewise_max_tokens(cfg, dense if model is None else model, graphs, tp, max_len)
+    steps = StepTokens.of(chunk, 8192, max_len)
+    return piecewise_max_tokens(cfg, dense if model is None else model, graphs, tp, steps)
 
 
 def test_settings_cap_the_largest_step_by_the_profiled_budget(caplog: pytest.LogCaptureFixture) -> None:

@@ -190,22 +190,6 @@ def test_error_cases_raw_http(server: Server) -> None:
         assert err["message"] and "Traceback" not in err["message"] and "/" not in err["type"]
 
 
-def test_bench_serving_against_the_pipeline(server: Server, make_tiny_model: Any) -> None:
-    from test_server_bench import bench
-
-    args = bench.build_parser().parse_args([
-        "--model", "tiny", "--base-url", server.base, "--num-prompts", "8", "--random-input-len", "24",
-        "--random-output-len", "6", "--max-concurrency", "4", "--ignore-eos", "--tokenizer",
-        str(make_tiny_model("llama"))])
-    from appliance.tokenization import load_tokenizer
-
-    reqs = bench.random_requests(8, 24, 6, 0.0, 0, load_tokenizer(args.tokenizer), seed=0)
-    results, duration = asyncio.run(bench.run_benchmark(args, reqs))
-    m = bench.compute_metrics(results, duration, [99])
-    assert m["completed"] == 8 and m["total_output_tokens"] == 48, m["errors"]
-    assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"] and m["mean_itl_ms"] > 0 and m["mean_tpot_ms"] > 0
-
-
 def test_killing_the_worker_stops_everything(server: Server) -> None:
     worker = next(pid for pid, name in server.stages.items() if name == "worker0")
     body = {"prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True}

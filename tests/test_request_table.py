@@ -11,8 +11,13 @@ from appliance.config import build_config
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, ScheduledRequest, StepPlan
 from appliance.executor.cuda_graph import DELTA_ROOM, DecodeGraphs, GraphKey
-from appliance.executor.input_batch import Chunk, RequestState, graph_stride
-from appliance.executor.request_table import ZERO_ROW, DeviceBlockTable, LiveRequests
+from appliance.executor.input_batch import Chunk, graph_stride
+from appliance.executor.request_table import (
+    ZERO_ROW,
+    DeviceBlockTable,
+    LiveRequests,
+    RequestState,
+)
 
 CPU = torch.device("cpu")
 

@@ -23,7 +23,7 @@ from appliance.kernels.triton.selfcheck import rope_store_inputs
 
 MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
-# name -> rope_store_inputs args: tokens, heads, kv heads, head_dim, rot_dim, neox, qk norm, dtype, page, row_pad
+# name -> rope_store_inputs args: tokens, heads, kv heads, head_dim, rot_dim, neox, qk norm, dtype, block_size, row_pad
 # [, its keyword args]
 CASES: dict[str, tuple[Any, ...]] = {
     "qwen3-like-bf16": (7, 4, 2, 64, 64, True, True, bf, 4, 0),
@@ -53,9 +53,9 @@ def head_ulps(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float
 
 def run_case(spec: tuple[Any, ...], device: str, seed: int = 0) -> dict[str, Any]:
     """Triton and reference on the same inputs; what the tests assert on."""
-    t, h, hkv, d, rot, neox, norm, dtype, page, pad = spec[:10]
+    t, h, hkv, d, rot, neox, norm, dtype, block_size, pad = spec[:10]
     extra = spec[10] if len(spec) > 10 else {}
-    args = rope_store_inputs(t, h, hkv, d, rot, neox, norm, dtype, device, page, row_pad=pad, seed=seed,
+    args = rope_store_inputs(t, h, hkv, d, rot, neox, norm, dtype, device, block_size, row_pad=pad, seed=seed,
                              **extra).args
     qkv, k0, v0, slots = args[1], args[10], args[11], args[12]
     fast_caches, ref_caches = (k0.clone(), v0.clone()), (k0.clone(), v0.clone())
@@ -179,7 +179,7 @@ def _layers_fused_and_unfused(qk_norm: bool, backend: str, device: str, dtype: t
     assert unfused._rope_store is None
     unfused.load_state_dict(fused.state_dict())
 
-    t, page = 6, 4
+    t, block_size = 6, 4
     i32 = {"dtype": torch.int32, "device": device}
     meta = AttentionMetadata(slot_mapping=torch.tensor([5, 6, 7, 8, 9, -1], device=device), num_decode_tokens=0,
                              decode_block_tables=torch.zeros(0, 3, **i32), decode_seq_lens=torch.zeros(0, **i32),
@@ -190,7 +190,7 @@ def _layers_fused_and_unfused(qk_norm: bool, backend: str, device: str, dtype: t
     positions = torch.tensor([0, 1, 2, 3, 4, 0], device=device)
     outs = []
     for layer in (fused, unfused):
-        caches = tuple(torch.randn(4, page, 2, 32, generator=torch.Generator().manual_seed(s)).to(device, dtype)
+        caches = tuple(torch.randn(4, block_size, 2, 32, generator=torch.Generator().manual_seed(s)).to(device, dtype)
                        for s in (1, 2))
         layer.attn.bind_kv_cache(*caches)
         with torch.inference_mode():

@@ -93,3 +93,17 @@ def test_random_structures_in_a_known_tag_are_checked(fields: object) -> None:
     except WireError:
         return
     assert all(isinstance(s, SampledToken) for s in msg.sampled)
+
+
+def test_a_rejected_frame_names_the_field_path() -> None:
+    frame = msgpack.packb(["StepResult", {"step_id": 1, "sampled": [{"request_id": "a", "token_id": "x"}]}])
+    with pytest.raises(WireError, match=r"StepResult\.sampled\[\]\.token_id: expected int, got str"):
+        RESULT_CODEC.decode(frame)
+    frame = msgpack.packb(["GenerateRequest", {"request_id": "r", "prompt_token_ids": [1, 2.5], "sampling": {}}])
+    with pytest.raises(WireError, match=r"GenerateRequest\.prompt_token_ids\[\]: expected int items"):
+        REQUEST_CODEC.decode(frame)
+
+
+def test_float_lists_accept_ints_and_come_back_as_floats() -> None:
+    out = OUTPUT_CODEC.decode(msgpack.packb(["OutputBatch", {"outputs": [{"request_id": "a", "logprobs": [0, -1.5]}]}]))
+    assert out.outputs[0].logprobs == [0.0, -1.5] and all(type(x) is float for x in out.outputs[0].logprobs)

@@ -133,6 +133,20 @@ def test_sampler_applies_penalties_before_greedy_argmax():
     assert Sampler()(logits, [SamplingRow(pres, [], [0, 0])])[0].token_id == 0
 
 
+def test_logit_bias_moves_the_draw_and_leaves_logprobs_raw():
+    logits = _logits(rows=2, vocab=40, seed=3)
+    raw = torch.log_softmax(logits, -1)
+    low = int(logits[0].argmin())
+    biased = SamplingParams(temperature=0, logit_bias=((low, 100.0),), logprobs=1)
+    banned = SamplingParams(temperature=0.7, seed=5, logit_bias=[[int(logits[1].argmax()), -100.0]])
+    got = Sampler()(logits.clone(), [SamplingRow(biased, [], []), SamplingRow(banned, [], [])])
+    assert got[0].token_id == low  # the least likely token wins once +100 is added
+    assert got[0].logprob == pytest.approx(raw[0, low].item())  # logprobs are of the raw distribution
+    assert got[1].token_id != int(logits[1].argmax())
+    # the wire form (lists of pairs) comes back as the same params
+    assert SamplingParams.from_dict(banned.to_dict()) == banned
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.tensor([[9.0, 8.0, 7.0, 1.0]])
     sampler = Sampler(eos_token_ids=[0])

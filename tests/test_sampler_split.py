@@ -145,18 +145,6 @@ def test_bad_knobs_raise_clear_errors() -> None:
         sample_split(args[0], *args[1:3], args[3][:2], *args[4:])
 
 
-def test_bench_smoke_runs_and_matches() -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_sampler.py"), "--smoke", "--dtypes", "fp32",
-                           "--programs-per-sm", "4"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {(r["case"], r["variant"]) for r in rows} >= {(c, v) for c in ("greedy-b1", "temp1-b4", "topk50-topp0.9-b2")
-                                                          for v in ("old", "new", "new-ppsm4")}
-    assert all(r["match_old"] and r["us"] > 0 for r in rows)
-
-
 def test_kernels_compile_for_hopper() -> None:
     """Triton compiles the kernels for sm_90 without a GPU: the first GPU run is not a compile-error hunt. Integer
     arguments equal to 1 (chunks) are specialised to constants there, which the interpreter never does."""
@@ -170,13 +158,13 @@ def test_kernels_compile_for_hopper() -> None:
         pytest.skip("this process imported the kernels under TRITON_INTERPRET")
     common = {"logits_ptr": "*bf16", "stride": "i32", "vocab": "i32", "temp_ptr": "*fp32", "topk_ptr": "*i32",
               "topp_ptr": "*fp32", "minp_ptr": "*fp32", "seed_ptr": "*i64", "step_ptr": "*i64"}
-    chunk_sig = {**common, "chunk_len": "i32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "BLOCK": "constexpr"}
+    chunk_sig = {**common, "chunk_len": "i32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "BLOCK_V": "constexpr"}
     chunk_sig = {k: chunk_sig[k] for k in S._chunk_kernel.arg_names}
-    builds = [(S._chunk_kernel, chunk_sig, {"BLOCK": S.CHUNK_BLOCK}, 4)]
+    builds = [(S._chunk_kernel, chunk_sig, {"BLOCK_V": S.CHUNK_BLOCK}, 4)]
     row_sig = {**common, "out_ptr": "*i64", "scratch_ptr": "*fp32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",
-               "chunks": "i32", "BLOCK": "constexpr", "CAP": "constexpr", "CBLOCK": "constexpr"}
+               "chunks": "i32", "BLOCK_V": "constexpr", "CAP": "constexpr", "BLOCK_CHUNKS": "constexpr"}
     row_sig = {k: row_sig[k] for k in S._sample_kernel.arg_names}
-    consts = {"BLOCK": S.BLOCK, "CAP": S.CAP, "CBLOCK": S.MAX_CHUNKS}
+    consts = {"BLOCK_V": S.BLOCK_V, "CAP": S.CAP, "BLOCK_CHUNKS": S.MAX_CHUNKS}
     for ones in ((), ("chunks",)):
         builds.append((S._sample_kernel, {**row_sig, **{k: "constexpr" for k in ones}},
                        {**consts, **{k: 1 for k in ones}}, 8))
@@ -239,5 +227,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

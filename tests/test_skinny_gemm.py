@@ -1,5 +1,5 @@
 """The skinny GEMM (kernels/triton/skinny_gemm.py) against F.linear in fp32, its argument checks, its table of
-measured winners, its routing in layers.linear.matmul behind SKINNY_ROWS, and tools/lab_gemm.py's harness.
+measured winners, its routing in layers.linear.matmul (17..256 rows), and tools/lab_gemm.py's harness.
 
 CPU: the kernel runs under TRITON_INTERPRET=1 in a subprocess (this file run as a script prints one JSON row per
 case; the variable must be set before triton is imported, which this process has done), and compiles for sm_90
@@ -8,8 +8,12 @@ in-process (PDL, the prefetch and both orientations: the first GPU run is not a 
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +40,8 @@ CASES: dict[str, tuple[Any, ...]] = {
 }
 # max |out - ref| over max |ref|: the output is rounded once to its dtype (the interpreter truncates to bf16)
 TOL = {bf: 2e-2, f16: 2e-3}
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def inputs(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, device: str, x_pad: int = 0,
@@ -94,10 +100,12 @@ def test_interpreted_kernel_matches_f_linear(interpreted: dict[str, dict[str, An
 
 
 def test_lab_smoke_runs_and_every_variant_matches() -> None:
-    """tools/lab_gemm.py --smoke (tiny shapes, the interpreter): every variant is checked, and it summarises."""
-    from test_kernel_lab import smoke_rows
-
-    rows = smoke_rows("lab_gemm.py")
+    """`python -m tools.lab_gemm --smoke` (tiny shapes, the interpreter): every variant is checked, and it summarises."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tools.lab_gemm", "--smoke"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     timed = [r for r in rows if r.get("section") == "gemm"]
     assert {r["variant"] for r in timed} >= {"cublas", "triton", "triton-guess", "triton-best-nopdl"}, timed
     assert not [r for r in timed if "error" in r]
@@ -202,7 +210,7 @@ class Recorder:
         return F.linear(x, w, b) + self.mark  # marked, so the test sees whose result came back
 
 
-def test_matmul_routes_to_the_skinny_gemm_only_while_skinny_rows_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matmul_routes_17_to_256_rows_to_the_skinny_gemm() -> None:
     from appliance.layers import linear
 
     gemv, skinny = Recorder(1.0), Recorder(2.0)
@@ -216,20 +224,13 @@ def test_matmul_routes_to_the_skinny_gemm_only_while_skinny_rows_says_so(monkeyp
         return next(name for name, mark in (("torch", 0.0), ("gemv", 1.0), ("skinny", 2.0))
                     if torch.equal(y, want + mark if mark else want))
 
-    assert linear.SKINNY_ROWS == 256  # on: the op itself keeps cuBLAS where its kernel did not win
+    # the op itself keeps cuBLAS where its kernel did not win; past its contract's 256 rows, torch
     assert [whose(r) for r in plain] == ["gemv", "gemv", "skinny", "skinny", "skinny", "torch"]
     assert skinny.rows == [17, 100, 256]
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 0)  # read at call time: a lab switch needs no rebind
-    assert [whose(r) for r in plain] == ["gemv", "gemv", "torch", "torch", "torch", "torch"]
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 256)
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 100)
-    assert [whose(r) for r in (17, 100, 256)] == ["skinny", "skinny", "torch"]
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 10_000)  # capped at the op's contract
-    assert whose(257) == "torch"
     x = plain[100]
     assert torch.equal(linear.matmul(x.float(), w.float(), None, gemv, skinny), F.linear(x.float(), w.float()))
     assert torch.equal(linear.matmul(x, w, None, gemv, None), F.linear(x, w))  # nothing bound: torch
-    assert skinny.rows == [17, 100, 256, 17, 100]
+    assert skinny.rows == [17, 100, 256]
 
 
 def test_layers_and_lm_head_take_the_bound_skinny_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,9 +256,6 @@ def test_layers_and_lm_head_take_the_bound_skinny_gemm(monkeypatch: pytest.Monke
     for m in model.values():
         m.skinny = rec
     x = torch.randn(40, 32, dtype=bf)
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 0)
-    assert torch.equal(model["qkv"](x), F.linear(x, model["qkv"].weight, model["qkv"].bias))
-    monkeypatch.setattr(linear, "SKINNY_ROWS", 64)
     assert torch.equal(model["qkv"](x), F.linear(x, model["qkv"].weight, model["qkv"].bias) + 2.0)
     assert model["o"](torch.randn(40, 48, dtype=bf)).shape == (40, 32)
     assert model["head"](x).shape == (40, 100)
@@ -281,16 +279,17 @@ def test_tuned_table_covers_every_row_count_once_and_fits_the_gpu() -> None:
     from appliance.kernels.reference.linear import SKINNY_GEMM_MAX_ROWS
     from appliance.kernels.triton import skinny_gemm as S
 
-    for (n, k), buckets in S.TUNED.items():
+    for (n, k), buckets in S.tuned_table("sm90").items():
         rows = [r for r, _ in buckets]
         assert rows == sorted(set(rows)) and rows[-1] == SKINNY_GEMM_MAX_ROWS, (n, k, rows)
         for r, cfg in buckets:
-            assert S.tuned_config(r, n, k) is cfg and S.tuned_config(SKINNY_GEMM_MAX_ROWS + 1, n, k) is None
+            assert S.tuned_config(r, n, k, "sm90") is cfg
+            assert S.tuned_config(SKINNY_GEMM_MAX_ROWS + 1, n, k, "sm90") is None
             if cfg is not None:
                 assert (cfg.block_m + cfg.block_n) * cfg.block_k * 2 * cfg.num_stages <= 200 * 1024, cfg
-    assert S.tuned_config(64, 4096, 1024) is S.TUNED[(4096, 1024)][1][1]  # qkv at 49-96 rows
-    assert S.tuned_config(200, 6144, 1024) is None  # gate_up: cuBLAS won there
-    assert S.tuned_config(32, 6144, 4096) is None  # Llama-3.1-8B's shapes were not wins
+    assert S.tuned_config(64, 4096, 1024, "sm90") is S.tuned_table("sm90")[(4096, 1024)][1][1]  # qkv at 49-96 rows
+    assert S.tuned_config(200, 6144, 1024, "sm90") is None  # gate_up: cuBLAS won there
+    assert S.tuned_config(32, 6144, 4096, "sm90") is None  # Llama-3.1-8B's shapes were not wins
     x, w = torch.randn(64, 1024, dtype=bf), torch.randn(4096, 1024, dtype=bf)
     assert torch.equal(S.skinny_gemm(x, w), F.linear(x, w))  # a CPU tensor: cuBLAS's place, torch
 
@@ -319,7 +318,7 @@ def test_gpu_decode_shapes_match_f_linear(shape: str, m: int) -> None:
     from appliance.kernels import cublaslt
 
     routed = skinny_gemm(x, w, b)  # the measured winner, or cuBLAS itself (with cublaslt's measured algorithm)
-    if tuned_config(m, n, k) is None and cublaslt.tuned(x, w, b) is None:
+    if tuned_config(m, n, k, "sm90") is None and cublaslt.tuned_algo(x, w, b) is None:
         assert torch.equal(routed, F.linear(x, w, b))
     else:
         assert max_err(routed, x, w, b) <= GPU_TOL

@@ -182,7 +182,7 @@ def test_memory_profile_computes_logits_for_every_row_a_spec_step_samples(
         return real(hidden)
 
     monkeypatch.setattr(runner.model, "compute_logits", compute_logits)
-    memory_profile.peak_bytes(runner.model, runner.config, runner.kv_spec, runner.max_model_len, runner.device, 0)
+    memory_profile.peak_bytes(runner.model, runner.config, runner.kv_spec, runner.step_tokens, runner.device, 0)
     assert rows == [3 * (1 + K) if spec else 3]
 
 

@@ -11,7 +11,7 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.batch_sampler import BatchSampler
-from appliance.executor.input_batch import RequestState
+from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import Sampler
 from appliance.executor.speculative import accepted_length, verify
 

@@ -140,7 +140,7 @@ def test_forced_output_back_to_tool_calls() -> None:
 
 
 # ------------------------------------------------------------------------------------ masked sampling
-xgr = pytest.importorskip("xgrammar", reason="structured-output enforcement needs xgrammar (appliance[xgrammar])")
+xgr = pytest.importorskip("xgrammar", reason="structured-output enforcement needs xgrammar")
 torch = pytest.importorskip("torch")
 
 

@@ -80,6 +80,5 @@ def test_tp2_padded_graph_path_matches_tp1_on_cpu(tiny_model: Path, tmp_path: Pa
     assert reports[0]["keys"] == reports[1]["keys"]  # every rank replays the same graph key every step
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":  # run as a script: tests/ is sys.path[0]
     _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

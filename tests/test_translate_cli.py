@@ -10,6 +10,7 @@ import pytest
 
 from appliance.cli import translate_cmd
 from appliance.config import build_config
+from appliance.translate.emit import to_toml
 from appliance.translate.reverse import leaves, to_command
 from appliance.translate.translator import translate_text
 
@@ -17,16 +18,26 @@ FIXTURES = Path(__file__).parent / "fixtures" / "translate"
 RECIPE = FIXTURES / "full_recipe.toml"
 
 
-def test_translates_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert translate_cmd.run([str(FIXTURES / "sglang_deepseek_v3.sh")]) == 0
+@pytest.fixture
+def with_unmapped(tmp_path: Path) -> Path:
+    """The SGLang DeepSeek fixture plus a flag without an equivalent here (torch.compile)."""
+    script = tmp_path / "dsv3.sh"
+    script.write_text((FIXTURES / "sglang_deepseek_v3.sh").read_text().rstrip() + " --enable-torch-compile\n")
+    return script
+
+
+def test_translates_to_stdout(with_unmapped: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert translate_cmd.run([str(with_unmapped)]) == 0
     out, err = capsys.readouterr()
     assert tomllib.loads(out)["parallelism"]["tp"] == 8
-    assert "warning:" in err and "--enable-dp-attention" in err  # unmapped: stderr and the TOML
-    assert "--enable-dp-attention" in out
+    assert "warning:" in err and "--enable-torch-compile" in err  # unmapped: stderr and the TOML
+    assert "--enable-torch-compile" in out
+    assert "--enable-dp-attention" in out  # tp 8 without dp: noted, nothing to split
 
 
-def test_strict_fails_on_unmapped_and_writes_nothing(capsys: pytest.CaptureFixture[str]) -> None:
-    assert translate_cmd.run(["--strict", str(FIXTURES / "sglang_deepseek_v3.sh")]) == 1
+def test_strict_fails_on_unmapped_and_writes_nothing(with_unmapped: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert translate_cmd.run(["--strict", str(with_unmapped)]) == 1
     out, err = capsys.readouterr()
     assert out == "" and "--strict" in err
 
@@ -124,3 +135,26 @@ def test_reverse_rejects_an_invalid_config(tmp_path: Path, capsys: pytest.Captur
     (tmp_path / "bad.toml").write_text("[parallelism]\ntp = 0\n")
     assert translate_cmd.run(["--to", "sglang", str(tmp_path / "bad.toml")]) == 2
     assert "parallelism.tp" in capsys.readouterr().err
+
+
+def test_round_trip_keeps_variables_split_parallelism_and_new_fields(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """SGLang -> ours -> SGLang -> ours: environment variables stay variables, DP attention, pp and the host
+    tier come back as they went in."""
+    command = ("python -m sglang.launch_server --model-path $MODEL --tp 8 --dp 8 --enable-dp-attention "
+               "--pp-size 2 --enable-hierarchical-cache --hicache-ratio 2 --dist-init-addr ${MASTER_IP}:5000 "
+               "--nnodes 2 --node-rank 0 --port ${PORT:-30000} --tool-call-parser glm47\n")
+    (first,) = translate_text(command).translations
+    assert first.document()["parallelism"]["tp"] == 1 and first.document()["parallelism"]["dense_tp"] == 8
+    back = to_command(first.document(), "sglang")
+    assert back.inexpressible == {}
+    text = back.render()
+    assert '--model-path "${MODEL}"' in text and '"${MASTER_IP}:5000"' in text and '"${PORT:-30000}"' in text
+    (second,) = translate_text(text).translations
+    assert second.document() == first.document()
+    path = tmp_path / "dp.toml"  # the CLI keeps the file's own ${oc.env:...} values when reading it back
+    path.write_text(to_toml(first))
+    assert translate_cmd.run(["--to", "vllm", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert 'vllm serve "${MODEL}"' in out and '--master-addr "${MASTER_IP}"' in out
+    assert "--pipeline-parallel-size 2" in out

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from appliance.config import build_config
+from appliance.config.errors import ConfigError
+from appliance.config.loader import resolve
 from appliance.translate.emit import to_toml
 from appliance.translate.result import Translation
 from appliance.translate.translator import TranslateError, translate_text
@@ -29,7 +31,8 @@ def assert_valid(tr: Translation, tmp_path: Path) -> dict:
     assert parsed == tr.document()  # comments carry the rest; the data is exactly the settings
     path = tmp_path / f"{tr.engine}-{tr.line}.toml"
     path.write_text(text)
-    build_config(path, env={})  # raises ConfigError when the output does not validate
+    # raises ConfigError when the output does not validate (`appliance validate`: an unset ${oc.env:VAR} warns)
+    resolve(path, env={}, run_env=False)
     assert tr.problems == []
     return parsed
 
@@ -67,8 +70,8 @@ def test_sglang_deepseek_v3_on_8_gpus(tmp_path: Path) -> None:
     assert doc["model"]["max_model_len"] == 65536
     assert doc["speculative"] == {"algorithm": "MTP", "num_steps": 1, "eagle_topk": 1, "num_draft_tokens": 2}
     assert doc["api"]["reasoning_parser"] == "deepseek_r1"
-    assert "--enable-dp-attention" in warned(tr)
-    assert [f.subject for f in tr.unmapped] == ["--enable-dp-attention"]
+    assert tr.unmapped == []  # --enable-dp-attention with tp 8 and no dp: nothing to split, noted
+    assert any(f.subject == "--enable-dp-attention" and f.level == "note" for f in tr.findings)
 
 
 def test_sglang_defaults_that_differ_are_written_out(tmp_path: Path) -> None:
@@ -132,15 +135,26 @@ def test_vllm_short_forms_json_and_dotted(tmp_path: Path) -> None:
     assert any(f.subject.startswith("-O3") for f in tr.findings)  # compilation level: noted
 
 
-def test_unresolved_variables_and_placeholders_are_never_guessed(tmp_path: Path) -> None:
+def test_unresolved_variables_and_placeholders_are_never_guessed(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     (tr,) = fixture("unresolved.sh")
     assert_valid(tr, tmp_path)
-    assert tr.settings == {}  # nothing could be decided
-    pending = {p.path: p.raw for p in tr.pending}
-    assert pending == {"model.path": "<MODEL_PATH>", "api.port": "$PORT", "api.api_key": "$API_KEY",
-                       "parallelism.tp": "${TP:-8}"}
+    # nothing is guessed: each value is read from the environment the appliance starts in
+    assert {k: s.value for k, s in tr.settings.items()} == {
+        "model.path": "${oc.env:MODEL_PATH}", "api.port": "${oc.env:PORT}", "api.api_key": "${oc.env:API_KEY}",
+        "parallelism.tp": "${oc.env:TP,8}"}
+    assert tr.pending == []
     text = to_toml(tr)
-    assert '# port = "$PORT"' in text and "placeholder" in text
+    assert 'port = "${oc.env:PORT}"' in text and "set PORT there" in text
+    path = tmp_path / "unresolved.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="environment variable PORT is not set"):
+        build_config(path, env={})  # what `appliance run` does without the variables
+    for name, value in {"MODEL_PATH": "org/m", "PORT": "9000", "API_KEY": "sk-1"}.items():
+        monkeypatch.setenv(name, value)
+    config = build_config(path, env={})
+    assert (config.model.path, config.api.port, config.api.api_key, config.parallelism.tp) == \
+        ("org/m", 9000, "sk-1", 8)  # typed by the schema; TP unset takes the script's default
 
 
 def test_tokenspeed(tmp_path: Path) -> None:
@@ -149,7 +163,8 @@ def test_tokenspeed(tmp_path: Path) -> None:
     assert doc["speculative"] == {"algorithm": "MTP", "num_steps": 3}
     assert doc["scheduler"]["chunked_prefill_size"] == 8192 and tr.settings["parallelism.tp"].note
     assert doc["backends"]["attention"] == "trtllm_mla"
-    assert "--kvstore-size" in warned(tr)
+    assert doc["cache"]["host_cache_size_gb"] == 64 and doc["cache"]["host_cache"] is True  # KVStore: host tier
+    assert any(u.startswith("cache.host_cache:") for u in tr.unsupported)
 
 
 def test_ts_alias_and_every_tokenspeed_flag_family(tmp_path: Path) -> None:
@@ -170,7 +185,8 @@ def test_atlas_in_docker(tmp_path: Path) -> None:
     assert doc["precision"]["kv_cache_dtype"] == "bfloat16" and doc["cache"]["enable_prefix_caching"] is True
     assert doc["api"]["port"] == 8888  # Atlas's default, kept
     assert doc["observability"]["dump_path"] == "/var/log/atlas.jsonl"
-    assert "--ssm-cache-slots" in warned(tr)
+    assert doc["cache"]["ssm_cache_slots"] == 16  # written; start-up refuses it until hybrid SSM models land
+    assert any(u.startswith("cache.ssm_cache_slots:") for u in tr.unsupported)
 
 
 def test_atlas_speculative_and_no_abbreviations(tmp_path: Path) -> None:
@@ -200,8 +216,15 @@ def test_backend_names_are_mapped_with_notes(tmp_path: Path) -> None:
     doc = assert_valid(tr, tmp_path)
     assert doc["backends"] == {"attention": "flashinfer", "all2all": "deepep", "deepep_mode": "low_latency"}
     assert tr.settings["backends.attention"].note
-    (tr,) = translate("vllm serve m --attention-backend XFORMERS\n")
-    assert "XFORMERS" in warned(tr) and tr.unmapped and "backends.attention" not in tr.settings
+    # a backend this build lacks is still written, and start-up refuses it (tr.unsupported is support.py's list)
+    (tr,) = translate("vllm serve m --attention-backend ROCM_AITER_FA\n")
+    assert assert_valid(tr, tmp_path)["backends"] == {"attention": "rocm_aiter_fa"}
+    assert any(u.startswith("backends.attention:") for u in tr.unsupported)
+    (tr,) = translate("vllm serve m --attention-backend HPC_ATTN\n")  # newer than the table: lower-cased, kept
+    assert tr.settings["backends.attention"].value == "hpc_attn" and tr.unmapped == []
+    assert any(u.startswith("backends.attention:") for u in tr.unsupported)
+    (tr,) = translate("vllm serve m --attention-backend 'NO SUCH'\n")  # not a name at all: a warning
+    assert "NO SUCH" in warned(tr) and tr.unmapped and "backends.attention" not in tr.settings
 
 
 def test_bash_c_inside_docker(tmp_path: Path) -> None:

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Downloads into .whl/ the cp312 wheels the GPU box lacks (its Python 3.12 has torch, triton, transformers, httpx,
+# Downloads into .whl/ the cp312 wheels a GPU host lacks (its Python 3.12 has torch, triton, transformers, httpx,
 # anyio, click, h11 but not the appliance's server/config dependencies), then prints the line to install them there.
-# Versions follow this machine's environment (what CI tests), so the box runs the same code paths.
+# Versions follow this machine's environment (what CI tests), so the GPU host runs the same code paths.
 #   tools/device_wheels.sh            # server + config + test deps
 #   WITH_XGRAMMAR=1 tools/device_wheels.sh   # also xgrammar (structured output)
-#   WITH_FLASHINFER=1 tools/device_wheels.sh # also the optional flashinfer kernel backend (tools/flashinfer_gpu.sh):
-#                                            # flashinfer-python 0.6.14 + apache-tvm-ffi (the pair tested on the box;
+#   WITH_FLASHINFER=1 tools/device_wheels.sh # also the optional flashinfer kernel backend (benchmarks/flashinfer.sh):
+#                                            # flashinfer-python 0.6.14 + apache-tvm-ffi (the pair tested on an H100;
 #                                            # its other declared dependencies are not needed for the kernels we use)
-# On the box (the device tool: carry ".whl"), start the command with the printed line.
+# On the GPU host (with .whl/ copied beside the checkout), start the command with the printed line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAMES=(pydantic pydantic_core annotated-types typing-inspection typing_extensions pydantic-settings python-dotenv
@@ -51,7 +51,7 @@ for spec in "${SPECS[@]}"; do  # one at a time so a missing one names itself
     "${PLATFORMS[@]}" -d .whl "$spec" || { echo "device_wheels: could not fetch $spec" >&2; exit 1; }
 done
 
-# Keep one version per project: two stop the whole install on the box.
+# Keep one version per project: two stop the whole install on the GPU host.
 python3 - <<'PY'
 import collections, pathlib, re
 seen = collections.defaultdict(list)
@@ -62,5 +62,5 @@ if dups:
     raise SystemExit(f"device_wheels: several versions in .whl/, delete the stale ones: {dups}")
 PY
 du -sh .whl
-echo "On the box (carry .whl), begin the command with:"
+echo "On the GPU host (with .whl/ in the checkout), begin the command with:"
 echo 'python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;'

@@ -1,38 +1,34 @@
-#!/usr/bin/env python3
-"""The cuBLASLt algorithms for the decode GEMMs, timed against F.linear (cuBLAS's own pick): fills
-appliance/kernels/cublaslt.py's TUNED table; with --pad, its PADDED table.
+"""The cuBLASLt algorithms for the decode GEMMs, timed against F.linear (cuBLAS's own pick): writes
+appliance/kernels/tuned/<arch>_cublaslt_algos.json; with --pad, <arch>_cublaslt_padded.json (kernels/cublaslt.py
+reads both).
 
-    python3 tools/lab_cublaslt.py [--rows 128,216,256] [--shapes llama] [--emit] [--min-gain 1.03]
-    python3 tools/lab_cublaslt.py ... [--workspace-mb 64] [--splitk 2,3,4]   # algorithms that need a workspace too
-    python3 tools/lab_cublaslt.py --pad 1.3 [--pad-max 8192] --emit --min-gain 1.05
+    python -m tools.lab_cublaslt [--rows 128,216,256] [--shapes llama] [--emit] [--min-gain 1.03]
+    python -m tools.lab_cublaslt ... [--workspace-mb 64] [--splitk 2,3,4]   # algorithms that need a workspace too
+    python -m tools.lab_cublaslt --pad 1.3 [--pad-max 8192] --emit --min-gain 1.05
 
 For each weight shape (N, K) and row count M (default: the decode capture sizes past the GEMV, 24..256 step 8),
 bf16, y = x W^T:
 - the pool: the heuristic's workspace-free candidates for M and for other row counts, each also with every
   thread-block cluster shape seen among them, deduplicated, kept where cublasLtMatmulAlgoCheck accepts them;
 - each candidate checked against F.linear on random inputs (max error within bf16 rounding of the output), then
-  timed like tools/lab_blas.py: a CUDA graph over enough weight copies to exceed L2, median of 5 replays;
+  timed in a CUDA graph over enough weight copies to exceed L2, median of 5 replays;
 - the fastest timed again beside F.linear, alternating, 3 rounds (best of each): the confirmed speedup.
-Prints one JSON line per shape and row count; with --emit, then the TUNED literal of the winners whose confirmed
-speedup is at least --min-gain. Qwen3's shapes skip the row counts the Triton skinny GEMM already takes.
+Prints one JSON line per shape and row count; with --emit, then writes the winners whose confirmed speedup is
+at least --min-gain to the algos file. Qwen3's shapes skip the row counts the Triton skinny GEMM already takes.
 --workspace-mb lets candidates use a workspace, and --splitk adds split-K variants of the fastest 8 (the op itself
-passes no workspace: session 14 found neither faster at 208-224 rows). --pad times F.linear at every piecewise
-token bucket past 256 rows against padded_linear to each larger bucket within reach (PADDED: where cuBLAS's pick
-at M rows is slower than its pick at a few more).
+passes no workspace: neither measured faster at 208-224 rows). --pad times F.linear at every piecewise
+token bucket past 256 rows against padded_linear to each larger bucket within reach (the padded file: where
+cuBLAS's pick at M rows is slower than its pick at a few more).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
+import statistics
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_measure import graph_call_us
-
 from appliance.kernels import cublaslt as lt_mod
+from appliance.kernels import tuned
 from appliance.kernels.cublaslt import Algo, Lt, LtAlgo, Problem
 
 SHAPES = {  # name -> (N, K) of y = x W^T
@@ -41,6 +37,29 @@ SHAPES = {  # name -> (N, K) of y = x W^T
     "llama.lm_head": (128256, 4096), "qwen.lm_head": (151936, 1024),
 }
 OTHER_ROWS = (32, 64, 128, 160, 192, 224, 256, 384, 512, 1024)  # whose heuristic picks join every pool
+
+
+def graph_call_us(call: Any, copies: int, reps: int = 5) -> float:
+    """Per-call microseconds of `call(i)` for i over `copies` (weight copies that exceed L2, so each call reads
+    HBM), captured in one CUDA graph after two warm-up calls: median of `reps` replays, divided by the copies."""
+    import torch
+
+    for i in range(min(2, copies)):
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return round(statistics.median(times) * 1e3 / copies, 2)
 
 
 def pool(lt: Lt, m: int, n: int, k: int, count: int, ws: int) -> list[tuple[LtAlgo, Algo]]:
@@ -114,27 +133,29 @@ def sweep(lt: Lt, torch: Any, name: str, m: int, n: int, k: int, count: int, ws:
             "next_us": [r[0] for r in rows[1:6]]}
 
 
-def emit(results: list[dict[str, Any]], min_gain: float) -> None:
-    table: dict[tuple[int, int], list[str]] = {}
+def measured_on(torch: Any) -> str:
+    return f"{torch.cuda.get_device_name()}, torch {torch.__version__} + CUDA {torch.version.cuda}"
+
+
+def emit(torch: Any, results: list[dict[str, Any]], min_gain: float) -> None:
+    """Write the winners to kernels/tuned/<arch>_cublaslt_algos.json (read by cublaslt.tables)."""
+    table: dict[str, dict[str, dict[str, Any]]] = {}
     for r in results:
         if r.get("speedup", 0) >= min_gain:
-            fields = ", ".join(f"{k}={v}" for k, v in r["best"].items() if v != LtAlgo.__dataclass_fields__[k].default
-                               or k in ("tile", "stages", "cluster"))
-            table.setdefault(SHAPES[r["shape"]], []).append(f"{r['rows']}: LtAlgo({fields}),  # {r['speedup']}x")
-    print("TUNED = {")
-    for shape, entries in table.items():
-        print(f"    {shape}: {{")
-        for e in entries:
-            print(f"        {e}")
-        print("    },")
-    print("}")
+            fields = {k: v for k, v in r["best"].items() if v != LtAlgo.__dataclass_fields__[k].default
+                      or k in ("tile", "stages", "cluster")}
+            table.setdefault(tuned.shape_key(*SHAPES[r["shape"]]), {})[str(r["rows"])] = {
+                **fields, "speedup": r["speedup"]}
+    arch = tuned.arch_name(torch.cuda.get_device_capability())
+    print(tuned.write("cublaslt_algos", arch, f"python tools/lab_cublaslt.py --emit --min-gain {min_gain}",
+                      measured_on(torch), table))
 
 
 def qwen_rows_left(n: int, k: int, rows: list[int]) -> list[int]:
     """Row counts the Triton skinny GEMM does not take for this shape (its TUNED says cuBLAS)."""
     from appliance.kernels.triton.skinny_gemm import tuned_config
 
-    return [m for m in rows if tuned_config(m, n, k) is None]
+    return [m for m in rows if tuned_config(m, n, k, "sm90") is None]
 
 
 def pad_sweep(torch: Any, name: str, n: int, k: int, rows: list[int], reach: float) -> dict[str, Any]:
@@ -142,13 +163,13 @@ def pad_sweep(torch: Any, name: str, n: int, k: int, rows: list[int], reach: flo
     included) to each larger row count within `reach` x: where cuBLAS's pick at M is slower than padding to M'."""
     import torch.nn.functional as F
 
-    lt_mod.PADDED.clear()  # time the library's own picks, not a table loaded before
     copies = max(2, -(-200 * 2**20 // (n * k * 2)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
     us, pads = {}, {}
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         us[m] = graph_call_us(lambda i, x=x: F.linear(x, weights[i]), copies)
+        # padded_linear pads once to r: the library's own pick at r, not a table's
         padded = {r: graph_call_us(lambda i, x=x, r=r: lt_mod.padded_linear(x, weights[i], r), copies)
                   for r in rows if m < r <= m * reach}
         best = min(padded, key=padded.__getitem__, default=None)
@@ -157,14 +178,16 @@ def pad_sweep(torch: Any, name: str, n: int, k: int, rows: list[int], reach: flo
     return {"shape": name, "us": us, "pads": pads}
 
 
-def emit_pads(results: list[dict[str, Any]], min_gain: float) -> None:
-    print("PADDED = {")
+def emit_pads(torch: Any, results: list[dict[str, Any]], min_gain: float, reach: float) -> None:
+    """Write the pads to kernels/tuned/<arch>_cublaslt_padded.json (read by cublaslt.tables)."""
+    table = {}
     for r in results:
-        kept = {m: p for m, p in r["pads"].items() if p["gain"] >= min_gain}
+        kept = {str(m): p["to"] for m, p in r["pads"].items() if p["gain"] >= min_gain}
         if kept:
-            print(f"    {SHAPES[r['shape']]}: {{" + ", ".join(f"{m}: {p['to']}" for m, p in kept.items())
-                  + "},  # " + ", ".join(f"{p['us']:.0f}->{p['padded_us']:.0f} us" for p in kept.values()))
-    print("}")
+            table[tuned.shape_key(*SHAPES[r["shape"]])] = kept
+    arch = tuned.arch_name(torch.cuda.get_device_capability())
+    command = f"python tools/lab_cublaslt.py --pad {reach} --emit --min-gain {min_gain}"
+    print(tuned.write("cublaslt_padded", arch, command, measured_on(torch), table))
 
 
 def main() -> int:
@@ -172,7 +195,7 @@ def main() -> int:
     ap.add_argument("--rows", default=",".join(str(r) for r in range(24, 257, 8)))
     ap.add_argument("--shapes", default="llama,qwen", help="name prefixes of SHAPES")
     ap.add_argument("--algos", type=int, default=32, help="candidates asked of the heuristic per row count")
-    ap.add_argument("--emit", action="store_true", help="print the TUNED literal at the end")
+    ap.add_argument("--emit", action="store_true", help="write the winners to kernels/tuned/ at the end")
     ap.add_argument("--min-gain", type=float, default=1.03)
     ap.add_argument("--workspace-mb", type=float, default=0.0,
                     help="let candidates use this much workspace (the op itself passes none)")
@@ -196,7 +219,7 @@ def main() -> int:
         for r in pads:
             print(json.dumps(r), flush=True)
         if args.emit:
-            emit_pads(pads, args.min_gain)
+            emit_pads(torch, pads, args.min_gain, args.pad)
         return 0
     lt = lt_mod.handle(torch.device("cuda", torch.cuda.current_device()))
     rows = [int(r) for r in args.rows.split(",")]
@@ -209,7 +232,7 @@ def main() -> int:
                                  tuple(int(f) for f in args.splitk.split(",") if f)))
             print(json.dumps(results[-1]), flush=True)
     if args.emit:
-        emit(results, args.min_gain)
+        emit(torch, results, args.min_gain)
     return 0
 
 

@@ -1,9 +1,9 @@
-#!/usr/bin/env python3
 """The skinny GEMM (appliance/kernels/triton/skinny_gemm.py) against cuBLAS at decode shapes, as a decode graph
 runs them: whether it beats F.linear for 17 < M <= 256 rows and with which config. Needs only torch and triton.
+Its summary lines give the entries of appliance/kernels/triton/skinny_gemm.py's TUNED (the wins of >= 1.08x).
 
-    python3 tools/lab_gemm.py [--budget-s 210] [--models qwen3-0.6b,llama-3.1-8b] [--ms 32,64,128,192,256]
-    TRITON_INTERPRET=1 python3 tools/lab_gemm.py --smoke      # tiny shapes on the CPU: checks the harness
+    python -m tools.lab_gemm [--budget-s 210] [--models qwen3-0.6b,llama-3.1-8b] [--ms 32,64,128,192,256]
+    TRITON_INTERPRET=1 python -m tools.lab_gemm --smoke      # tiny shapes on the CPU: checks the harness
 
 Each variant is timed in a CUDA graph of REPS repetitions of [a small Triton elementwise kernel launched with
 programmatic dependent launch that writes x, then the GEMM reading x] (a decode layer's dependency: the norm or
@@ -22,17 +22,14 @@ summary table (best Triton config vs cuBLAS) and one JSON "summary" line per (mo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import statistics
-import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +93,20 @@ def make_chain(src: torch.Tensor, x: torch.Tensor, ws: list[torch.Tensor], reps:
     return run
 
 
+PDL = {"on": True}  # this lab's launches: with programmatic dependent launch where the GPU has it, or (pdl_off) none
+
+
+@contextlib.contextmanager
+def pdl_off() -> Iterator[None]:
+    """Launches without programmatic dependent launch, captured or not (what PDL buys is the difference)."""
+    saved = common.pdl_on
+    PDL["on"], common.pdl_on = False, (lambda t: False)
+    try:
+        yield
+    finally:
+        PDL["on"], common.pdl_on = True, saved
+
+
 def graph_us(run: Chain, smoke: bool) -> tuple[float, list[torch.Tensor]]:
     """Median microseconds of one replay of `run` captured in a CUDA graph, and the outputs of the last replay
     (the interpreter: NaN and one eager run)."""
@@ -104,7 +115,7 @@ def graph_us(run: Chain, smoke: bool) -> tuple[float, list[torch.Tensor]]:
     # one eager run with the launches the capture will make (pdl_kwargs asks for PDL under capture only), so that
     # every kernel compiles, and a config that does not compile or fit fails, outside the capture
     saved = common.pdl_on
-    common.pdl_on = lambda t: common.PDL and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+    common.pdl_on = lambda t: PDL["on"] and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
     try:
         run()
     finally:
@@ -178,9 +189,9 @@ class Case:
         self.refs: list[torch.Tensor] = []
 
     def base_us(self) -> float:
-        if common.PDL not in self.base:
-            self.base[common.PDL] = graph_us(make_chain(self.src, self.x, self.ws, self.reps, None), self.smoke)[0]
-        return self.base[common.PDL]
+        if PDL["on"] not in self.base:
+            self.base[PDL["on"]] = graph_us(make_chain(self.src, self.x, self.ws, self.reps, None), self.smoke)[0]
+        return self.base[PDL["on"]]
 
     def time(self, variant: str, gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
              cfg: SkinnyGemmConfig | None = None) -> dict[str, Any] | None:
@@ -202,7 +213,7 @@ class Case:
         # cuBLAS's own error (fp32 accumulation, one rounding) sets the scale; a race on x is far above it
         ok = err <= 2 * (0.0 if math.isnan(self.ref_err) else self.ref_err) + 2e-2
         row = emit(section="gemm", **info, us=round(gemm_us, 3), chain_us=round(us, 2),
-                   base_us=round(base, 2), pdl=common.PDL, err=err, ok=ok)
+                   base_us=round(base, 2), pdl=PDL["on"], err=err, ok=ok)
         self.rows.append(row)
         return row
 
@@ -227,11 +238,8 @@ class Case:
         best = self.best()
         if best is not None:  # what PDL (with the prefetch) buys: the same launches without it
             cfg = SkinnyGemmConfig(**{f: best[f] for f in SkinnyGemmConfig.__dataclass_fields__})
-            saved, common.PDL = common.PDL, False
-            try:
+            with pdl_off():
                 self.time("triton-best-nopdl", lambda a, w: skinny_gemm(a, w, config=cfg), cfg)
-            finally:
-                common.PDL = saved
 
     def ranked(self) -> list[dict[str, Any]]:
         rows = [r for r in self.rows if r["variant"] in ("triton", "triton-guess") and r["ok"]]
@@ -298,7 +306,7 @@ def main() -> int:
         ms, reps, dev, dtype = tuple(int(m) for m in args.ms.split(",")), args.reps, "cuda", torch.bfloat16
     torch.manual_seed(0)
     emit(section="setup", device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
-         triton=triton.__version__, torch=torch.__version__, reps=reps, pdl=common.PDL, budget_s=args.budget_s)
+         triton=triton.__version__, torch=torch.__version__, reps=reps, pdl=PDL["on"], budget_s=args.budget_s)
     summaries = []
     for model, shapes in models.items():
         for shape, (n, k) in shapes.items():

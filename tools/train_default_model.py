@@ -12,10 +12,10 @@ generation_config.json) and report.json (corpus stats, loss curve, samples, pars
 Each phase is a module of tools/default_model/ (chat_format, corpus, tokenizer, training, export, report);
 this script is the command line and the order of the phases.
 
-    python3 tools/train_default_model.py --out /tmp/default_model --minutes 7.5        # one H100
-    python3 tools/train_default_model.py --out /tmp/dm --device cpu --max-steps 20 --tiny  # CPU smoke test
-    python3 tools/train_default_model.py --tokenizer-only --out /tmp/tok
-    python3 tools/train_default_model.py --merge-shards DIR   # re-join a sharded model.safetensors
+    python -m tools.train_default_model --out /tmp/default_model --minutes 7.5        # one H100
+    python -m tools.train_default_model --out /tmp/dm --device cpu --max-steps 20 --tiny  # CPU smoke test
+    python -m tools.train_default_model --tokenizer-only --out /tmp/tok
+    python -m tools.train_default_model --merge-shards DIR   # re-join a sharded model.safetensors
 
 Without --max-steps the step count is derived from --minutes and the measured step time and printed, so a
 run is repeated exactly by passing that count back as --max-steps (GPU kernels may still differ in the last bits).
@@ -25,18 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the default_model package beside this script
-
-from default_model.chat_format import BOS, CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, render_chat  # noqa: E402
-from default_model.corpus import chat_examples_from_source, collect_corpus, is_validation  # noqa: E402
-from default_model.export import merge_shards, save_weights, write_configs  # noqa: E402
-from default_model.report import first_block, parses, sample_report  # noqa: E402
-from default_model.tokenizer import encode_stream, train_tokenizer, write_tokenizer  # noqa: E402
-from default_model.training import model_config, train_model  # noqa: E402
+from tools.default_model.chat_format import BOS, CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, render_chat
+from tools.default_model.corpus import chat_examples_from_source, collect_corpus, is_validation
+from tools.default_model.export import merge_shards, save_weights, write_configs
+from tools.default_model.report import first_block, parses, sample_report
+from tools.default_model.tokenizer import encode_stream, train_tokenizer, write_tokenizer
+from tools.default_model.training import model_config, train_model
 
 __all__ = ["BOS", "CHAT_TEMPLATE", "EOS", "IM_END", "IM_START", "PAD", "chat_examples_from_source", "first_block",
            "is_validation", "main", "parse_args", "parses", "render_chat"]

@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("appliance.cli.config_cmd", "show the resolved config and where each value came from"),
     "schema": ("appliance.cli.schema_cmd", "write the JSON schema and docs/parameters.md"),
     "translate": ("appliance.cli.translate_cmd", "turn a vLLM/SGLang/TokenSpeed/Atlas command into TOML"),
-    "bench": ("appliance.cli.bench_cmd", "benchmark a running server"),
+    "bench": ("appliance.cli.bench_cmd", "benchmark the offline engine or a running server"),
 }
 
 

@@ -8,6 +8,7 @@ import argparse
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from appliance.translate import schema_view
 from appliance.translate.emit import to_toml
@@ -50,9 +51,30 @@ def _write(text: str, dest: str | None) -> None:
         Path(dest).write_text(text, encoding="utf-8")
 
 
+def _document(name: str) -> dict[str, Any]:
+    """The config as the appliance resolves it (`extends` included, defaults left out), with the file's own
+    `${oc.env:VAR}` values kept as written: the engine command reads the same variables."""
+    from appliance.config.interpolation import MARK
+    from appliance.config.loader import resolve
+    from appliance.config.sources import read_document
+
+    config = resolve(name, env={}, run_env=False).config
+    document = config.model_dump(mode="json", exclude_defaults=True)
+
+    def keep(raw: dict[str, Any], out: dict[str, Any]) -> None:
+        for key, value in raw.items():
+            if isinstance(value, dict):
+                keep(value, out.setdefault(key, {}))
+            elif isinstance(value, str) and MARK in value:
+                out[key] = value
+
+    keep(read_document(Path(name)).data, document)
+    return document
+
+
 def _reverse(args: argparse.Namespace) -> int:
     """The config as the appliance resolves it (`extends` included, defaults left out) -> an engine command."""
-    from appliance.config import ConfigError, build_config
+    from appliance.config import ConfigError
 
     try:
         if args.input == "-":
@@ -61,8 +83,7 @@ def _reverse(args: argparse.Namespace) -> int:
             if problems:
                 raise ValueError("; ".join(problems))
         else:
-            config = build_config(args.input, env={})
-            document = config.model_dump(mode="json", exclude_defaults=True)
+            document = _document(args.input)
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ConfigError, ValueError) as exc:
         print(f"error: cannot read {args.input} as an appliance config: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE

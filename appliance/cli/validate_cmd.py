@@ -1,7 +1,9 @@
 """`appliance validate FILE... | -`: schema and cross-field checks; exit 0 when every file is valid.
 
 One line per problem (`file:line: [warning: ]key.path: message`), or a JSON report with --json. Settings this
-build cannot honour yet are warnings (errors with --strict). The environment is not read: a file is judged alone.
+build cannot honour yet are warnings (errors with --strict). The environment is not read: a file is judged alone
+(`APPLIANCE_*` overrides are ignored, and a `${oc.env:VAR}` value whose variable is unset is a warning: it is
+resolved when the deployment starts).
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ def validate_one(name: str) -> tuple[list[Problem], list[Problem]]:
 
     try:
         if name == "-":
-            resolved = resolve("<stdin>", text=sys.stdin.read(), env={})
+            resolved = resolve("<stdin>", text=sys.stdin.read(), env={}, run_env=False)
         else:
-            resolved = resolve(name, env={})
+            resolved = resolve(name, env={}, run_env=False)
     except ConfigError as exc:
         return [_located(p, name) for p in exc.problems], []
     return [], [_located(p, name) for p in resolved.warnings]

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_model"
 
 # Algorithms that need a separate draft checkpoint; MTP uses the target's own layers, NGRAM needs no model.
-_NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "DFLASH")
+_NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "DFLASH", "STANDALONE")
 
 
 def resolve_model_path(path: str | None) -> str:
@@ -31,16 +31,18 @@ def check_consistency(cfg: ApplianceConfig) -> list[Problem]:
 def _parallel(cfg: ApplianceConfig) -> list[Problem]:
     p = cfg.parallelism
     out: list[Problem] = []
-    product = p.tp * p.dp
+    product = p.tp * p.pp * p.dp
     if p.world_size is not None and p.world_size != product:
         out.append(Problem("parallelism.world_size",
-                           f"world_size {p.world_size} != tp x dp = {p.tp} x {p.dp} = {product}"))
+                           f"world_size {p.world_size} != tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = {product}"))
+    if p.tp % p.dcp:
+        out.append(Problem("parallelism.dcp", f"dcp {p.dcp} must divide tp {p.tp}"))
     world = p.effective_world_size
     if p.ep is not None and p.ep > 1 and not p.enable_expert_parallel:
         out.append(Problem("parallelism.ep", f"ep = {p.ep} needs enable_expert_parallel = true"))
     ep = p.effective_ep
     if world % ep:
-        out.append(Problem("parallelism.ep", f"ep {ep} must divide the world size {world} (tp x dp)"))
+        out.append(Problem("parallelism.ep", f"ep {ep} must divide the world size {world} (tp x pp x dp)"))
     for key, size in (("dense_tp", p.dense_tp), ("moe_tp", p.moe_tp)):
         if size is not None and world % size:
             out.append(Problem(f"parallelism.{key}", f"{key} {size} must divide the world size {world}"))
@@ -58,7 +60,7 @@ def _parallel(cfg: ApplianceConfig) -> list[Problem]:
     per_node = p.nprocs_per_node or world // p.nnodes
     if p.devices is not None and len(p.devices) != per_node:
         out.append(Problem("parallelism.devices", f"{len(p.devices)} devices listed for {per_node} workers on this "
-                           "node (tp x dp / nnodes): list one device per worker"))
+                           "node (tp x pp x dp / nnodes): list one device per worker"))
     if p.devices is not None and cfg.model.device == "cpu":
         out.append(Problem("parallelism.devices", "devices are GPU indices; model.device is cpu"))
     return out
@@ -79,6 +81,13 @@ def _speculative(cfg: ApplianceConfig) -> list[Problem]:
     if s.algorithm in ("MTP", "NGRAM") and s.draft_model_path:
         out.append(Problem("speculative.draft_model_path",
                            f"algorithm {s.algorithm} uses no separate draft model; remove draft_model_path"))
+    if s.algorithm != "NGRAM":
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(s, key) is not None:
+                out.append(Problem(f"speculative.{key}", "only meaningful with algorithm NGRAM"))
+    if s.prompt_lookup_min is not None and s.prompt_lookup_max is not None \
+            and s.prompt_lookup_min > s.prompt_lookup_max:
+        out.append(Problem("speculative.prompt_lookup_min", "must not exceed prompt_lookup_max"))
     if s.eagle3_layers_to_capture is not None and s.algorithm != "EAGLE3":
         out.append(Problem("speculative.eagle3_layers_to_capture", "only meaningful with algorithm EAGLE3"))
     if s.eagle_topk == 1 and s.num_draft_tokens is not None and s.num_draft_tokens > s.num_steps + 1:
@@ -125,10 +134,15 @@ def read_model_config(cfg: ApplianceConfig) -> dict[str, Any] | None:
 
 
 def check_model(cfg: ApplianceConfig) -> list[Problem]:
-    """Checks against the model's config.json; none when it is not readable locally (e.g. a repo id)."""
+    """Checks against the model's config.json. A configured path that does not resolve to a local config.json
+    (a repo id, a path on another machine) skips them with a warning; the embedded default model is checked only
+    when model.path is unset, which is how a config names it."""
     mc = read_model_config(cfg)
     if mc is None:
-        return []
+        if cfg.model.path is None:
+            return []
+        return [Problem("model.path", f"{cfg.model.path!r} is not a local model directory here (no config.json): "
+                        "the checks against the model's config are skipped", "warning")]
     out: list[Problem] = []
     tp = cfg.parallelism.tp
     heads, kv_heads = mc.get("num_attention_heads"), mc.get("num_key_value_heads")

@@ -34,6 +34,8 @@ def json_schema_text() -> str:
 def _type_text(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # a constrained type (Name): the documented type is the base one
+        return _type_text(args[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, __import__("types").UnionType):

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from appliance.config.checks import check_consistency, check_model
 from appliance.config.errors import ConfigError, Problem, did_you_mean
 from appliance.config.flags import flat_table, typed_value
+from appliance.config.interpolation import interpolate
 from appliance.config.paths import KeyPath, coerce_text, resolve_path, split_dotted
 from appliance.config.schema import SKIP_CROSS_CHECKS, ApplianceConfig
 from appliance.config.sources import Document, extends_chain, parse_text, read_document
@@ -157,9 +158,11 @@ def _validation_problems(exc: ValidationError, layers: _Layers) -> list[Problem]
 
 def resolve(file: str | Path | None = None, *, text: str | None = None, flat: Mapping[str, Any] | None = None,
             dotlist: Sequence[str] = (), env: Mapping[str, str] | None = None,
-            flags: Sequence[tuple[KeyPath, Any, str]] = ()) -> Resolved:
+            flags: Sequence[tuple[KeyPath, Any, str]] = (), run_env: bool = True) -> Resolved:
     """Build a config from all layers. `text` (with `file` as its name, e.g. "<stdin>") replaces reading `file`.
-    Raises ConfigError listing every error; settings this build cannot honour come back as warnings."""
+    Raises ConfigError listing every error; settings this build cannot honour come back as warnings.
+    `${oc.env:VAR}` values are resolved from the environment; run_env False (validate: the file is judged
+    without its run-time environment) reports an unset variable as a warning instead of an error."""
     layers = _Layers()
     if file is not None or text is not None:
         name = str(file) if file is not None else "<stdin>"
@@ -173,6 +176,8 @@ def resolve(file: str | Path | None = None, *, text: str | None = None, flat: Ma
     problems += set_problems + flat_problems
     for path, value, origin in [*env_items, *flat_items, *flags, *set_items]:
         layers.put(path, value, origin)
+    interp_errors, interp_warnings = interpolate(layers.data, strict=run_env, where=layers.where)
+    problems += interp_errors
     if problems:
         raise ConfigError(problems)
     try:
@@ -184,7 +189,7 @@ def resolve(file: str | Path | None = None, *, text: str | None = None, flat: Ma
     errors = [p for p in checked if p.severity == "error"]
     if errors:
         raise ConfigError(errors)
-    warnings = [p for p in checked if p.severity == "warning"] + [
+    warnings = interp_warnings + [p for p in checked if p.severity == "warning"] + [
         Problem(p.path, p.message, p.severity, layers.where(split_dotted(p.path)))
         for p in unsupported_problems(config)]
     return Resolved(config, _provenance(config, layers), tuple(warnings))
@@ -203,7 +208,8 @@ def _checks_of_valid_sections(layers: _Layers, problems: list[Problem]) -> list[
         partial = ApplianceConfig.model_validate(good, context={SKIP_CROSS_CHECKS: True})
     except ValidationError:
         return []
-    found = check_consistency(partial) + check_model(partial)
+    # without a valid model section the partial config would name the embedded model: no model checks then
+    found = check_consistency(partial) + (check_model(partial) if "model" not in bad else [])
     return [p for p in _located(found, layers) if p.severity == "error" and p.path.split(".")[0] not in bad]
 
 

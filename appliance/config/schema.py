@@ -21,6 +21,7 @@ from appliance.config.sections_serving import (
     ApiCaps,
     ApiSection,
     KvEventsConfig,
+    MultimodalSection,
     ObservabilitySection,
     SamplingSection,
     SpeculativeSection,
@@ -47,6 +48,8 @@ class ApplianceConfig(BaseModel):
     speculative: SpeculativeSection = param(default_factory=SpeculativeSection,
                                             description="Speculative decoding.", flags=None,
                                             json_flag="--speculative-config")
+    multimodal: MultimodalSection = param(default_factory=MultimodalSection,
+                                          description="Image and video inputs.", flags=None)
     api: ApiSection = param(default_factory=ApiSection, description="HTTP API.", flags=None)
     sampling: SamplingSection = param(default_factory=SamplingSection, description="Default sampling.",
                                       flags=None)
@@ -84,6 +87,6 @@ SECTIONS: dict[str, type[Section]] = {
 
 __all__ = [
     "ApiCaps", "ApiSection", "ApplianceConfig", "BackendsSection", "CacheSection", "KvEventsConfig",
-    "ModelSection", "ObservabilitySection", "ParallelismSection", "PrecisionSection", "SECTIONS",
+    "ModelSection", "MultimodalSection", "ObservabilitySection", "ParallelismSection", "PrecisionSection", "SECTIONS",
     "SamplingSection", "SchedulerSection", "Section", "SpeculativeSection",
 ]

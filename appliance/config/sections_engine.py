@@ -6,9 +6,9 @@ descriptions are user documentation: docs/parameters.md is generated from them.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, StringConstraints, field_validator
 
 from appliance.config.fields import param
 
@@ -23,15 +23,28 @@ class Section(BaseModel):
 
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
-KvCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
+KvCacheDtype = Literal[
+    "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "mxfp8", "nvfp4"
+]
+# every method the source engines name (support.py says which this build runs); names are vLLM/SGLang's
 Quantization = Literal[
-    "fp8", "nvfp4", "mxfp4", "w8a8_fp8", "w8a8_int8", "compressed-tensors", "awq", "gptq", "modelopt"
+    "fp8", "nvfp4", "mxfp4", "mxfp8", "w8a8_fp8", "w8a8_int8", "w4afp8", "compressed-tensors", "awq", "awq_marlin",
+    "gptq", "gptq_marlin", "moe_wna16", "modelopt", "modelopt_fp4", "bitsandbytes", "gguf", "quark", "ascend",
 ]
-LoadFormat = Literal["auto", "pt", "safetensors", "npcache", "dummy"]
-AttentionBackend = Literal[
-    "auto", "torch", "triton", "flashinfer", "mha", "fa3", "fa4", "trtllm_mla", "tokenspeed_mla"
+LoadFormat = Literal[
+    "auto", "pt", "safetensors", "npcache", "dummy", "fastsafetensors", "mistral", "gguf", "bitsandbytes",
+    "runai_streamer", "sharded_state", "layered", "instanttensor",
 ]
-MoeBackend = Literal["auto", "torch", "triton", "deepep", "cutlass", "flashinfer_trtllm", "flashinfer_cutlass"]
+
+
+def _name(value: Any) -> Any:
+    """Engine spellings of one name agree: `TRITON_ATTN`, `deepseek-r1` -> `triton_attn`, `deepseek_r1`."""
+    return value.strip().lower().replace("-", "_") if isinstance(value, str) else value
+
+
+# A kernel backend or parser name. Any name a source engine uses is accepted, so that a translated deployment
+# keeps its choice; support.py refuses at start-up the ones this build does not have.
+Name = Annotated[str, BeforeValidator(_name), StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.]*$")]
 All2AllBackend = Literal["auto", "naive", "allgather_reducescatter", "deepep", "pplx"]
 
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
@@ -45,13 +58,18 @@ class ModelSection(Section):
         "(appliance/assets/default_model), so `appliance run` works with no download.",
         flags=("--model", "--model-path"))
     tokenizer: str | None = param(None, "Tokenizer path or repo id when it differs from the model path.")
-    tokenizer_mode: Literal["auto", "slow"] = param(
-        "auto", "Tokenizer behaviour: `auto` uses the fast tokenizer when available, `slow` forces the Python one.")
+    tokenizer_mode: Literal["auto", "slow", "mistral", "deepseek_v4", "deepseek_v32", "inkling"] = param(
+        "auto", "Tokenizer behaviour: `auto` uses the fast tokenizer when available, `slow` forces the Python one; "
+        "`mistral` (mistral-common) and `deepseek_v4` are the source engines' model-specific tokenizers.")
     skip_tokenizer_init: bool = param(
         False, "Do not load a tokenizer; requests must carry token ids and responses carry token ids only.")
     load_format: LoadFormat = param(
         "auto", "Weight format: `auto` prefers safetensors, `pt` PyTorch bins, `npcache` a numpy cache, "
-        "`dummy` random weights (benchmarks without a checkpoint).")
+        "`dummy` random weights (benchmarks without a checkpoint); the others are the source engines' loaders "
+        "(fastsafetensors, mistral's consolidated files, gguf, bitsandbytes, runai_streamer, sharded_state, "
+        "layered, instanttensor).")
+    config_format: Literal["auto", "hf", "mistral"] = param(
+        "auto", "Format of the model's config: `auto` and `hf` read config.json; `mistral` reads params.json.")
     trust_remote_code: bool = param(False, "Allow model code shipped in the model repository to run.")
     revision: str | None = param(None, "Model branch, tag or commit to load.")
     download_dir: str | None = param(None, "Hugging Face download/cache directory.")
@@ -88,7 +106,7 @@ class PrecisionSection(Section):
 
 
 class ParallelismSection(Section):
-    """How the model is split over GPUs and nodes. world size = tp x dp (x nothing else in this build)."""
+    """How the model is split over GPUs and nodes. world size = tp x pp x dp."""
 
     tp: int = param(1, "Tensor-parallel size of attention (the familiar --tensor-parallel-size).",
                     flags=("--tensor-parallel-size", "--tp", "--attn-tp-size", "--tp-size"), ge=1)
@@ -98,14 +116,19 @@ class ParallelismSection(Section):
                                "expert parallelism).", flags="--moe-tp-size", ge=1)
     dp: int = param(1, "Number of data-parallel replicas.", flags=("--data-parallel-size", "--dp-size", "--dp"),
                     ge=1)
+    pp: int = param(1, "Pipeline-parallel size: the layers split into this many stages, each on its own tp group.",
+                    flags=("--pipeline-parallel-size", "--pp-size", "--pp"), ge=1)
+    dcp: int = param(1, "Decode context-parallel size: the KV cache of a sequence split over this many ranks of "
+                     "the tp group during decode (must divide tp).", flags=("--decode-context-parallel-size",
+                                                                           "--dcp"), ge=1)
     enable_expert_parallel: bool = param(
         False, "Shard MoE experts over the ranks instead of tensor-splitting them. ep defaults to tp x dp.",
         flags=("--enable-expert-parallel", "--enable-ep-moe"))
     ep: int | None = param(
         None, "Expert-parallel size. Unset: tp x dp when enable_expert_parallel, else 1. Must divide world size.",
         flags=("--expert-parallel-size", "--ep-size", "--ep"), ge=1)
-    world_size: int | None = param(None, "Total worker processes over all nodes. Unset: tp x dp; when set it "
-                                   "must equal that.", ge=1)
+    world_size: int | None = param(None, "Total worker processes over all nodes. Unset: tp x pp x dp; when set "
+                                   "it must equal that.", ge=1)
     nprocs_per_node: int | None = param(None, "Worker processes per node. Unset: world_size / nnodes.", ge=1)
     nnodes: int = param(1, "Number of nodes.", ge=1)
     node_rank: int = param(0, "Rank of this node (0 is the head).", ge=0)
@@ -135,7 +158,7 @@ class ParallelismSection(Section):
 
     @property
     def effective_world_size(self) -> int:
-        return self.world_size if self.world_size is not None else self.tp * self.dp
+        return self.world_size if self.world_size is not None else self.tp * self.pp * self.dp
 
 
 class SchedulerSection(Section):
@@ -174,8 +197,7 @@ class SchedulerSection(Section):
         "after a preemption. When that sum refuses an ignore_eos request, SGLang's finish-time check may still "
         "admit it: the running requests' finishes, simulated in order, must never need more blocks than there are. "
         "0: no reservation (admit while the next chunk's blocks are free; running requests may then outgrow the "
-        "cache and be preempted). 1, SGLang's default too: the 1000-prompt Llama-3.1-8B benchmark ran 7,660 "
-        "output tok/s without a preemption, against 7,370 with 153 at 0 (docs/benchmarks.md).",
+        "cache and be preempted). The default 1 is SGLang's too; docs/benchmarks.md shows its effect.",
         flags=("--schedule-conservativeness",), ge=0, allow_inf_nan=False)
 
     @field_validator("chunked_prefill_size")
@@ -203,6 +225,47 @@ class CacheSection(Section):
         None, "Size of the KV token pool. Unset: computed from gpu_memory_utilization (on CPU: enough for "
         "max_num_seqs full sequences, capped).", ge=1)
     enable_prefix_caching: bool = param(True, "Reuse KV blocks of identical prompt prefixes across requests.")
+    host_cache: bool = param(
+        False, "A host-memory tier under the GPU KV cache: blocks evicted from the GPU stay reusable from host memory "
+        "(SGLang's hierarchical cache, TokenSpeed's KVStore).",
+        flags=("--host-cache", "--enable-hierarchical-cache"))
+    host_cache_ratio: float | None = param(
+        None, "Host tier size as a multiple of the GPU KV pool. Unset: the engine's default (2).",
+        flags=("--host-cache-ratio", "--hicache-ratio", "--kvstore-ratio"), gt=0)
+    host_cache_size_gb: float | None = param(
+        None, "Host tier size in GB; overrides host_cache_ratio when above 0.",
+        flags=("--host-cache-size-gb", "--hicache-size", "--kvstore-size"), ge=0)
+    host_cache_io_backend: Literal["direct", "kernel"] | None = param(
+        None, "How blocks move between GPU and host: `kernel` (GPU copy kernels) or `direct` (cudaMemcpy).",
+        flags=("--host-cache-io-backend", "--hicache-io-backend", "--kvstore-io-backend"))
+    host_cache_mem_layout: Literal["layer_first", "page_first", "page_first_direct", "page_head"] | None = param(
+        None, "Layout of the host pool.", flags=("--host-cache-mem-layout", "--hicache-mem-layout",
+                                                 "--kvstore-mem-layout"))
+    host_cache_write_policy: Literal["write_through", "write_through_selective", "write_back"] | None = param(
+        None, "When GPU blocks are copied to the host tier.", flags=("--host-cache-write-policy",
+                                                                      "--hicache-write-policy"))
+    host_cache_storage_backend: str | None = param(
+        None, "A storage tier under the host tier (mooncake, hf3fs, file, nixl, ...). Unset: none.",
+        flags=("--host-cache-storage-backend", "--hicache-storage-backend", "--kvstore-storage-backend"))
+    host_cache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] | None = param(
+        None, "How long a request waits for blocks prefetched from the storage tier.",
+        flags=("--host-cache-storage-prefetch-policy", "--hicache-storage-prefetch-policy"))
+    host_cache_storage_config: dict[str, Any] = param(
+        default_factory=dict, description="Extra settings of the storage backend (a JSON object).", flags=None,
+        json_flag="--host-cache-storage-config")
+    disk_cache: bool = param(
+        False, "A disk tier for KV blocks of preempted and idle sequences (Atlas's high-speed swap).",
+        flags=("--disk-cache", "--high-speed-swap"))
+    disk_cache_dir: str | None = param(None, "Directory of the disk tier.",
+                                       flags=("--disk-cache-dir", "--high-speed-swap-dir"))
+    disk_cache_size_gb: float | None = param(None, "Disk tier size in GB.",
+                                             flags=("--disk-cache-size-gb", "--high-speed-swap-gb"), gt=0)
+    ssm_cache_slots: int | None = param(
+        None, "State slots of hybrid SSM (Mamba-style) layers: how many sequences' recurrent states are kept "
+        "(Atlas's --ssm-cache-slots). Unset: one per max_num_seqs.", flags=("--ssm-cache-slots",), ge=1)
+    ssm_checkpoint_interval: int | None = param(
+        None, "Tokens between snapshots of SSM states kept for prefix reuse (Atlas's --ssm-checkpoint-interval). "
+        "Unset: no snapshots.", flags=("--ssm-checkpoint-interval",), ge=1)
 
     @field_validator("block_size")
     @classmethod
@@ -215,15 +278,20 @@ class CacheSection(Section):
 class BackendsSection(Section):
     """Kernel and runtime backends. `auto` picks per device; set them explicitly in production."""
 
-    attention: AttentionBackend = param("auto", "Attention kernels: `auto` (triton on GPU, torch on CPU), "
-                                        "`torch` (reference), `triton`, `flashinfer`, ...",
-                                        flags="--attention-backend")
-    drafter_attention: AttentionBackend | None = param(
+    attention: Name = param("auto", "Attention kernels: `auto` (triton on GPU, torch on CPU), `torch` "
+                            "(reference), `triton`, `flashinfer`; the source engines' other names (fa3, trtllm_mla, "
+                            "rocm_aiter_fa, ascend, ...) are kept and refused at start-up.",
+                            flags="--attention-backend")
+    drafter_attention: Name | None = param(
         None, "Attention backend of the speculative drafter. Unset: same as attention.",
         flags="--drafter-attention-backend")
-    moe: MoeBackend = param("auto", "Fused MoE kernels.", flags="--moe-backend")
-    draft_moe: MoeBackend | None = param(None, "MoE backend of the draft model. Unset: same as moe.",
+    moe: Name = param("auto", "Fused MoE kernels: `auto`, `torch`, `triton`; the source engines' other names "
+                      "(deep_gemm, flashinfer_trtllm, cutlass, aiter, ...) are kept and refused at start-up.",
+                      flags="--moe-backend")
+    draft_moe: Name | None = param(None, "MoE backend of the draft model. Unset: same as moe.",
                                          flags="--draft-moe-backend")
+    linear: Name = param("auto", "Dense GEMM kernels: `auto` picks per device and dtype; the source engines' "
+                         "names (aiter, emulation, ...) are kept and refused at start-up.", flags="--linear-backend")
     all2all: All2AllBackend = param("auto", "All-to-all of MoE tokens under expert parallelism.",
                                     flags="--all2all-backend")
     deepep_mode: Literal["auto", "normal", "low_latency"] = param("auto", "DeepEP mode.")
@@ -249,6 +317,11 @@ class BackendsSection(Section):
     piecewise_cuda_graph_max_tokens: int | None = param(
         None, "Largest step, in tokens, run through the piecewise graphs (larger ones run eagerly); at most "
         "scheduler.chunked_prefill_size, which is the default.", flags="--piecewise-cuda-graph-max-tokens", ge=16)
+    decode_chain: bool = param(
+        True, "Run the Llama family's decoder layers as six fused kernels each (the norms, rotary + KV store and "
+        "SiLU-and-mul in the GEMVs' epilogues) for decode batches of at most 16 rows: on a GPU with a kernel "
+        "attention backend, tp 1, and layers the chain serves (dense MLP, no q/k norm, whole-head neox rotary, no "
+        "bias on o / gate_up / down). Off, those batches run each layer's own kernels.")
     enable_allreduce_fusion: bool = param(False, "Fuse all-reduce with the following RMSNorm.")
     comm_fusion_max_num_tokens: int | None = param(None, "Most tokens a fused communication kernel handles.", ge=1)
     mla_chunk_multiplier: int | None = param(None, "Chunk multiplier of MLA prefill attention.", ge=1)

@@ -6,14 +6,9 @@ from typing import Any, Literal
 from pydantic import field_validator
 
 from appliance.config.fields import param
-from appliance.config.sections_engine import AttentionBackend, Section
+from appliance.config.sections_engine import Name, Section
 
-SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "NGRAM"]
-ReasoningParser = Literal["base", "qwen3", "deepseek_r1", "deepseek_v31", "kimi_k25", "glm45", "gpt_oss"]
-ToolCallParser = Literal[
-    "json", "passthrough", "qwen", "hermes", "qwen3_coder", "kimik2", "deepseek_v3", "deepseek_v31", "deepseek_v4",
-    "llama3_json", "pythonic", "mistral",
-]
+SpecAlgorithm = Literal["EAGLE", "EAGLE3", "MTP", "DFLASH", "DSPARK", "NGRAM", "STANDALONE"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -22,8 +17,9 @@ class SpeculativeSection(Section):
     understands vLLM's keys (method, model, num_speculative_tokens, quantization)."""
 
     algorithm: SpecAlgorithm | None = param(
-        None, "Speculative algorithm: EAGLE, EAGLE3 (need draft_model_path), MTP (the model's own "
-        "multi-token-prediction layers), DFLASH (block-diffusion drafter), NGRAM (prompt lookup).",
+        None, "Speculative algorithm: EAGLE, EAGLE3, STANDALONE (a smaller LLM drafts tokens; these three need "
+        "draft_model_path), MTP (the model's own multi-token-prediction layers), DFLASH (block-diffusion drafter), "
+        "DSPARK (TokenSpeed's and vLLM's DSpark drafter), NGRAM (prompt lookup).",
         flags="--speculative-algorithm")
     draft_model_path: str | None = param(None, "Draft model path or repo id.",
                                          flags=("--speculative-draft-model-path", "--speculative-draft-model"))
@@ -33,6 +29,12 @@ class SpeculativeSection(Section):
     num_draft_tokens: int | None = param(None, "Draft tokens verified per step. Unset: num_steps + 1.",
                                          flags="--speculative-num-draft-tokens", ge=1)
     eagle_topk: int = param(1, "EAGLE tree branching (top-k per step).", flags="--speculative-eagle-topk", ge=1)
+    prompt_lookup_min: int | None = param(
+        None, "NGRAM: shortest n-gram matched against the prompt and output so far. Unset: the algorithm's "
+        "default.", flags=("--prompt-lookup-min", "--speculative-ngram-min-match-window-size"), ge=1)
+    prompt_lookup_max: int | None = param(
+        None, "NGRAM: longest n-gram matched. Unset: the algorithm's default.",
+        flags=("--prompt-lookup-max", "--speculative-ngram-max-match-window-size"), ge=1)
     eagle3_layers_to_capture: list[int] | None = param(
         None, "Target layers whose hidden states feed an EAGLE3 drafter. Unset: the drafter's default.",
         flags="--eagle3-layers-to-capture")
@@ -45,6 +47,38 @@ class SpeculativeSection(Section):
     @property
     def effective_num_draft_tokens(self) -> int:
         return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
+
+
+class MultimodalSection(Section):
+    """Image / video inputs. This build serves text only: the keys are here so that a deployment translated from
+    a vision-language recipe keeps its settings, and start-up refuses them (support.py)."""
+
+    encoder_tp_mode: Literal["weights", "data"] | None = param(
+        None, "How the vision encoder uses the tp group: `weights` splits its weights, `data` runs whole items "
+        "data-parallel.", flags=("--mm-encoder-tp-mode",))
+    encoder_attention: Name | None = param(None, "Attention backend of the vision encoder.",
+                                           flags=("--mm-encoder-attn-backend", "--mm-attention-backend"))
+    processor_cache_gb: float | None = param(
+        None, "Cache of preprocessed media in GB; 0 turns it off.", flags=("--mm-processor-cache-gb",), ge=0)
+    processor_cache_type: Literal["lru", "shm"] | None = param(None, "Where preprocessed media are cached.",
+                                                               flags=("--mm-processor-cache-type",))
+    limit_per_prompt: dict[str, Any] = param(
+        default_factory=dict, description="Most items of each modality per prompt (`{image = 4, video = 0}`); all "
+        "0 means text only.", flags=None, json_flag="--limit-mm-per-prompt")
+    processor_kwargs: dict[str, Any] = param(default_factory=dict, description="Arguments of the media processor.",
+                                             flags=None, json_flag="--mm-processor-kwargs")
+    media_io_kwargs: dict[str, Any] = param(default_factory=dict, description="Arguments of media loading.",
+                                            flags=None, json_flag="--media-io-kwargs")
+    allowed_local_media_path: str | None = param(None, "Directory whose files requests may name as media.",
+                                                 flags=("--allowed-local-media-path",))
+
+    def text_only(self) -> bool:
+        """Whether these settings leave the server text-only (what this build serves)."""
+        defaults = type(self)()
+        changed = {k for k in type(self).model_fields if getattr(self, k) != getattr(defaults, k)}
+        changed -= {"processor_cache_gb"} if self.processor_cache_gb == 0 else set()
+        changed -= {"limit_per_prompt"} if not any(self.limit_per_prompt.values()) else set()
+        return not changed
 
 
 class ApiCaps(Section):
@@ -79,10 +113,12 @@ class ApiSection(Section):
                                    "no timeout.", ge=0)
     shutdown_grace_period: float = param(5.0, "Seconds open requests get to finish after SIGTERM (new ones are "
                                          "refused meanwhile); then the pipeline is stopped.", ge=0)
-    reasoning_parser: ReasoningParser | None = param(
-        None, "Splits reasoning (thinking) text into `reasoning_content`. Unset: no split.")
-    tool_call_parser: ToolCallParser | None = param(
-        None, "Parses tool calls out of model text into OpenAI `tool_calls`. Unset: tool calls are not parsed.")
+    reasoning_parser: Name | None = param(
+        None, "Splits reasoning (thinking) text into `reasoning_content`. Unset: no split. Any name vLLM, SGLang or "
+        "TokenSpeed use is accepted (`-` read as `_`); start-up refuses one appliance.server.parsers lacks.")
+    tool_call_parser: Name | None = param(
+        None, "Parses tool calls out of model text into OpenAI `tool_calls`. Unset: tool calls are not parsed. Any "
+        "name vLLM, SGLang or TokenSpeed use is accepted; start-up refuses one appliance.server.parsers lacks.")
     enable_custom_logit_processor: bool = param(False, "Allow requests to carry custom logit processors.")
     disable_thinking: bool = param(False, "Force thinking off whatever the request asks (chat template "
                                    "`enable_thinking=False`, reasoning budget 0).", flags=("--disable-thinking",))
@@ -103,6 +139,11 @@ class ApiSection(Section):
     grammar_cache_size: int = param(
         256, "Structured-output constraints whose check result the HTTP process keeps (least recently used "
         "first out).", flags=("--grammar-cache-size",), ge=0)
+    responses_store_size: int = param(1024, "Responses kept in memory for /v1/responses' previous_response_id "
+                                      "(the oldest dropped first); 0 turns the store off.", ge=0)
+    enable_force_include_usage: bool = param(False, "Send the usage chunk at the end of every stream, as if "
+                                             "each request set stream_options.include_usage.",
+                                             flags="--enable-force-include-usage")
     caps: ApiCaps = param(default_factory=ApiCaps, description="Per-request resource caps.", flags=None)
 
 
@@ -122,8 +163,8 @@ class SamplingSection(Section):
 
 
 class KvEventsConfig(Section):
-    """Publishing of KV cache block stores and removals (the seeds' wire format: topic, 8-byte big-endian
-    sequence number, msgpack KVEventBatch)."""
+    """Publishing of KV cache block stores and removals (a ZMQ multipart message per batch: topic, 8-byte
+    big-endian sequence number, msgpack KVEventBatch)."""
 
     enable_kv_cache_events: bool = param(False, "Publish KV cache events.", flags=None)
     publisher: Literal["null", "zmq"] = param("null", "Publisher: `zmq` publishes, `null` drops.", flags=None)
@@ -150,7 +191,8 @@ class ObservabilitySection(Section):
     metrics_reporters: list[Literal["prometheus"]] = param(default_factory=lambda: ["prometheus"],
                                                            description="Metrics reporters.")
     decode_log_interval: int = param(40, "Log a decode-batch summary every N steps.", ge=1)
-    enable_cache_report: bool = param(False, "Report cached prompt tokens in usage.prompt_tokens_details.")
+    enable_cache_report: bool = param(True, "Report cached prompt tokens in usage.prompt_tokens_details "
+                                      "(OpenAI's shape); false leaves prompt_tokens_details out.")
     kv_events: KvEventsConfig = param(default_factory=KvEventsConfig, description="KV cache events publisher.",
                                       flags=None, json_flag="--kv-events-config")
     dump_path: str | None = param(None, "Append every chat/completions request and its response as JSON lines "
@@ -163,6 +205,6 @@ class ObservabilitySection(Section):
 
 
 __all__ = [
-    "ApiCaps", "ApiSection", "AttentionBackend", "KvEventsConfig", "ObservabilitySection", "SamplingSection",
+    "ApiCaps", "ApiSection", "KvEventsConfig", "MultimodalSection", "ObservabilitySection", "SamplingSection",
     "SpeculativeSection",
 ]

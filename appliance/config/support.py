@@ -28,6 +28,22 @@ def _importable(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+def _parser_missing(kind: str, name: str | None) -> bool:
+    """Whether the server lacks the named parser. The server's registry is the one list of parsers that exist;
+    it is read lazily (it imports no web stack), so config stays importable without the server."""
+    if name is None:
+        return False
+    from appliance.server.parsers import reasoning_parser_names, tool_parser_names
+
+    return name not in (reasoning_parser_names() if kind == "reasoning" else tool_parser_names())
+
+
+def _host_tier_set(c: ApplianceConfig) -> bool:
+    cache, defaults = c.cache, type(c.cache)()
+    return any(getattr(cache, k) != getattr(defaults, k) for k in type(cache).model_fields
+               if k.startswith(("host_cache", "disk_cache")))
+
+
 UNSUPPORTED: list[Unsupported] = [
     Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm not in (None, "MTP"),
                 "only MTP speculative decoding (the model's own multi-token-prediction layers) exists in this build"),
@@ -60,6 +76,24 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("parallelism.nnodes", lambda c: c.parallelism.nnodes > 1 and c.parallelism.dp > 1,
                 "several nodes run tensor parallelism across nodes (dp = 1); data-parallel replicas across nodes "
                 "are not supported in this build"),
+    Unsupported("parallelism.pp", lambda c: c.parallelism.pp > 1,
+                "pipeline parallelism is not supported in this build (tp x dp only)"),
+    Unsupported("parallelism.dcp", lambda c: c.parallelism.dcp > 1,
+                "decode context parallelism is not supported in this build"),
+    Unsupported("cache.host_cache", _host_tier_set,
+                "host-memory and disk KV cache tiers are not supported in this build (the KV cache lives on the GPU)"),
+    Unsupported("cache.ssm_cache_slots", lambda c: c.cache.ssm_cache_slots is not None,
+                "hybrid SSM models (state slots) are not supported in this build"),
+    Unsupported("cache.ssm_checkpoint_interval", lambda c: c.cache.ssm_checkpoint_interval is not None,
+                "hybrid SSM models (state snapshots) are not supported in this build"),
+    Unsupported("multimodal", lambda c: not c.multimodal.text_only(),
+                "image and video inputs are not supported in this build (text only)"),
+    Unsupported("api.reasoning_parser", lambda c: _parser_missing("reasoning", c.api.reasoning_parser),
+                "this reasoning parser is not implemented in this build (appliance.server.parsers lists the ones "
+                "that are)"),
+    Unsupported("api.tool_call_parser", lambda c: _parser_missing("tool", c.api.tool_call_parser),
+                "this tool-call parser is not implemented in this build (appliance.server.parsers lists the ones "
+                "that are)"),
     Unsupported("backends.attention",
                 lambda c: c.backends.attention not in ("auto", "torch", "triton", "flashinfer"),
                 "only the auto, torch, triton and flashinfer attention backends exist in this build"),
@@ -69,6 +103,8 @@ UNSUPPORTED: list[Unsupported] = [
                 "extra), which is not installed here"),
     Unsupported("backends.moe", lambda c: c.backends.moe not in ("auto", "torch", "triton"),
                 "only the auto, torch and triton MoE backends exist in this build"),
+    Unsupported("backends.linear", lambda c: c.backends.linear != "auto",
+                "only the auto dense GEMM backend exists in this build"),
     Unsupported("backends.all2all", lambda c: c.backends.all2all != "auto",
                 "MoE all-to-all backends are not supported in this build"),
     Unsupported("backends.deepep_mode", lambda c: c.backends.deepep_mode != "auto",
@@ -95,10 +131,12 @@ UNSUPPORTED: list[Unsupported] = [
                 "custom logit processors are not supported in this build"),
     Unsupported("api.stream_output", lambda c: c.api.stream_output,
                 "disjoint streaming segments (stream_output) are not supported in this build"),
-    Unsupported("model.load_format", lambda c: c.model.load_format == "npcache",
-                "the npcache load format is not supported in this build"),
-    Unsupported("model.tokenizer_mode", lambda c: c.model.tokenizer_mode == "slow",
-                "slow (Python) tokenizers are not supported in this build"),
+    Unsupported("model.load_format", lambda c: c.model.load_format not in ("auto", "pt", "safetensors", "dummy"),
+                "only the auto, pt, safetensors and dummy load formats are supported in this build"),
+    Unsupported("model.tokenizer_mode", lambda c: c.model.tokenizer_mode != "auto",
+                "only Hugging Face fast tokenizers (tokenizer_mode auto) are supported in this build"),
+    Unsupported("model.config_format", lambda c: c.model.config_format == "mistral",
+                "mistral-format model configs (params.json) are not supported in this build"),
     Unsupported("observability.metrics_reporters",
                 lambda c: c.observability.metrics_reporters != ["prometheus"],
                 "only the prometheus metrics reporter exists in this build"),

@@ -18,7 +18,7 @@ the running requests' finishes are simulated in order, each growing one token pe
 and the request is admitted if the pool covers the peak of that schedule: just before each finish, every request
 still running has grown by the finisher's remaining output, and the finished ones have given their blocks back.
 The sum reserves every output at once, though the shortest finish first; with a staggered running set (a small
-step budget, docs/benchmarks.md "Fifteenth run") the simulation admits up to the seat limit where the sum stops
+step budget, as recipes/llama-3.1-8b.toml's chunked_prefill_size 640) the simulation admits up to the seat limit where the sum stops
 at what the pool holds with every output whole. Requests decode one token a step (the scheduler plans decodes
 first); prompts still to prefill go in at the step budget left beside the decode rows. A block of margin per
 request covers a step off either way, and preemption stays the backstop. O(running) with a sort, only when the
@@ -51,7 +51,6 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
 CLIP_MAX_NEW_TOKENS = 4096
-FINISH_TIME = True  # lab switch (tools/lab_ab.py, tools/sim_tput.py): the finish-time check after the sum's refusal
 
 
 class OutputReservation:
@@ -141,8 +140,7 @@ class OutputReservation:
             return True
         if self.reserved_tokens(req, extra_tokens) <= spare_blocks * self.block_size:
             return True
-        return FINISH_TIME and req.sampling_params.ignore_eos and self.fits_by_finish_time(req, spare_blocks,
-                                                                                           extra_tokens, hit)
+        return req.sampling_params.ignore_eos and self.fits_by_finish_time(req, spare_blocks, extra_tokens, hit)
 
     def fits_by_finish_time(self, req: Request, spare_blocks: int, extra_tokens: int = 0,
                             hit: Sequence[int] = ()) -> bool:

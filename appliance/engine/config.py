@@ -68,8 +68,12 @@ class EngineConfig:
         return self.chunked_prefill_size > 0
 
     @property
+    def step_tokens(self) -> StepTokens:
+        return StepTokens.of(self.chunked_prefill_size, self.max_prefill_tokens, self.max_model_len)
+
+    @property
     def step_token_budget(self) -> int:
-        return self.chunked_prefill_size if self.chunking else self.max_prefill_tokens
+        return self.step_tokens.budget
 
     @classmethod
     def from_appliance(
@@ -97,6 +101,28 @@ class EngineConfig:
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
         )
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """The token sizes of a step, derived once from scheduler.chunked_prefill_size / max_prefill_tokens and the
+    resolved max_model_len; the scheduler, the warm-up and the GPU memory profile all read them from here.
+
+    budget: what each step starts with (step_budget.StepBudget): the shared budget with chunking, the prefills'
+    budget without. largest_chunk: the most tokens one request computes in one step: the budget with chunking
+    (a request never holds more than max_model_len), max_model_len without (a prompt longer than the prefill
+    budget runs whole, as its step's only prefill).
+    """
+
+    budget: int
+    largest_chunk: int
+    chunking: bool
+
+    @classmethod
+    def of(cls, chunked_prefill_size: int, max_prefill_tokens: int, max_model_len: int) -> StepTokens:
+        if chunked_prefill_size > 0:
+            return cls(chunked_prefill_size, min(chunked_prefill_size, max_model_len), True)
+        return cls(max_prefill_tokens, max(max_prefill_tokens, max_model_len), False)
 
 
 def num_speculative_tokens(config: Any) -> int:

@@ -30,7 +30,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token; 0 = only the sampled token's
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt position (the prompt token's own comes first)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit before sampling)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # structured-output and parser settings travel here
@@ -41,6 +42,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        # from_dict gets lists of pairs back from JSON / msgpack; keep one canonical, hashable form
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias or ()))
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
@@ -67,6 +70,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        if any(t < 0 for t, _ in self.logit_bias):
+            raise ValueError("logit_bias token ids must be >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +83,7 @@ class SamplingParams:
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return d
 
     @classmethod

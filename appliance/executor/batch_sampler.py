@@ -4,8 +4,8 @@
 - random rows without seed, penalties, min_tokens, top-n-sigma or logprobs: the Triton `sample` op on a GPU
   (one launch for the batch; its noise is a counter-based hash of (per-request noise seed, step), so the
   draw does not depend on the batch either);
-- everything else (seeded rows, penalties, min_tokens, top-n-sigma, logprobs) and every random row on a CPU:
-  the torch Sampler (executor/sampler.py).
+- everything else (seeded rows, penalties, logit_bias, min_tokens, top-n-sigma, logprobs) and every random row
+  on a CPU: the torch Sampler (executor/sampler.py).
 
 Seeded rows always take the torch path, whatever the device: their noise comes from a CPU generator keyed on
 (seed, tokens generated so far), so a seed reproduces the same tokens on CPU and GPU, alone or in any batch,
@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
-from appliance.executor.input_batch import RequestState, Stager
+from appliance.executor.input_batch import Stager
+from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import _GREEDY_EPS, Sampler, SampleResult, SamplingRow
 
 GREEDY, FAST, TORCH = "greedy", "fast", "torch"
@@ -30,7 +31,7 @@ GREEDY, FAST, TORCH = "greedy", "fast", "torch"
 def route(params: SamplingParams, num_generated: int) -> str:
     """Which path samples a row (see the module docstring)."""
     if (params.logprobs is not None or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0 or num_generated < params.min_tokens):
+            or params.frequency_penalty != 0.0 or params.logit_bias or num_generated < params.min_tokens):
         return TORCH
     if params.temperature < _GREEDY_EPS:
         return GREEDY

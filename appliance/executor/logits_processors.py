@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from appliance import fault_injection
-from appliance.executor.input_batch import RequestState
+from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import SampleResult
 from appliance.structured.thinking_budget import ThinkingBudget
 

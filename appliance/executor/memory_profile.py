@@ -7,9 +7,11 @@ from typing import Any
 
 import torch
 
+from appliance.engine.config import StepTokens
 from appliance.engine.sampling_params import SamplingParams
 from appliance.executor import kv_cache
-from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+from appliance.executor.input_batch import Chunk, build_inputs
+from appliance.executor.request_table import RequestState
 
 
 def allocated_by_others(device: torch.device) -> int:
@@ -22,15 +24,12 @@ def allocated_by_others(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def peak_bytes(model: torch.nn.Module, config: Any, spec: kv_cache.KVCacheSpec, max_model_len: int,
+def peak_bytes(model: torch.nn.Module, config: Any, spec: kv_cache.KVCacheSpec, step_tokens: StepTokens,
                device: torch.device, baseline: int) -> int:
-    """Peak GPU memory of the largest step (one full token budget plus max_num_seqs logit rows): the model's
-    weights and activations, less `baseline` (allocated_by_others)."""
+    """Peak GPU memory of the largest step (the largest chunk of one request, StepTokens.largest_chunk, plus
+    max_num_seqs logit rows): the model's weights and activations, less `baseline` (allocated_by_others)."""
     sched = config.scheduler
-    if sched.chunked_prefill_size > 0:
-        tokens = min(sched.chunked_prefill_size, max_model_len)
-    else:  # unchunked, a prompt longer than max_prefill_tokens runs whole, alone in its step
-        tokens = max(sched.max_prefill_tokens, max_model_len)
+    tokens = step_tokens.largest_chunk
     blocks = (tokens + spec.block_size - 1) // spec.block_size
     temp = kv_cache.allocate(spec, blocks, device)
     layers = model.attention_layers()  # type: ignore[operator]

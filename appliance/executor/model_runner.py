@@ -10,15 +10,18 @@ prompt rows of requests that asked for prompt logprobs).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
+from appliance.engine.config import StepTokens
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import (
@@ -38,13 +41,7 @@ from appliance.executor.cuda_graph import (
     width_bucket,
 )
 from appliance.executor.inflight import StepHandle
-from appliance.executor.input_batch import (
-    Chunk,
-    RequestState,
-    Stager,
-    build_inputs,
-    table_width,
-)
+from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
 from appliance.executor.memory_check import check_weight_memory
 from appliance.executor.model_loader import (
     apply_quantization,
@@ -55,16 +52,20 @@ from appliance.executor.model_loader import (
     resolve_model_dir,
 )
 from appliance.executor.piecewise import PiecewiseGraphs, piecewise_max_tokens
-from appliance.executor.request_table import DeviceBlockTable, LiveRequests
+from appliance.executor.request_table import (
+    DeviceBlockTable,
+    LiveRequests,
+    RequestState,
+)
 from appliance.executor.runner_setup import (
     _check_supported,
+    bind_decode_kernels,
     read_eos_token_ids,
     resolve_backend,
     resolve_device,
     resolve_max_model_len,
 )
 from appliance.executor.sampler import Sampler
-from appliance.layers.linear import use_gemv_kernel
 from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
 
@@ -84,6 +85,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.precision.dtype, self.hf_config, self.device)
         self.backend = resolve_backend(config.backends.attention, self.device)
         self.max_model_len = resolve_max_model_len(m.max_model_len, self.hf_config)
+        sched = config.scheduler
+        self.step_tokens = StepTokens.of(sched.chunked_prefill_size, sched.max_prefill_tokens, self.max_model_len)
         self.block_size = config.cache.block_size
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend)  # fail before allocating
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
@@ -128,9 +131,24 @@ class ModelRunner:
         KV into block 0: call it before serving (the constructor does), never with blocks cached."""
         return warmup.warm_up(self, graph_context)
 
+    def host_inputs(self, chunks: list[Chunk]) -> StepInputs:
+        """One step's inputs with positions and tables built on the host (no device table rows): the warm-up's
+        and the MTP drafter's own steps."""
+        return build_inputs(chunks, self.block_size, self.device, 1, self._stager, self._pad_prefills)
+
+    @contextlib.contextmanager
+    def noise_seeds_kept(self) -> Iterator[None]:
+        """Requests added inside draw their GPU-sampler noise seeds from a stream given back afterwards, so the
+        seeds of the requests served later do not depend on what ran inside (the warm-up)."""
+        state = self._noise_seeds.getstate()
+        try:
+            yield
+        finally:
+            self._noise_seeds.setstate(state)
+
     def _make_pieces(self) -> PiecewiseGraphs | None:
         limit = piecewise_max_tokens(self.config, self.model, self.graphs is not None, get_tp_size(),
-                                     self.max_model_len)
+                                     self.step_tokens)
         return None if limit is None else PiecewiseGraphs(self.model, self.device, self.dtype, limit)
 
     def _make_graphs(self) -> DecodeGraphs | None:
@@ -161,11 +179,8 @@ class ModelRunner:
         else:
             load_weights(model, self.model_dir, load_format)
         apply_quantization(model, self.config.precision.quantization, self.hf_config, self.backend)
-        if self.device.type == "cuda":  # decode-sized batches stream weights through the backend's GEMV
-            use_gemv_kernel(model, self.backend)
-            inner = getattr(model, "model", None)
-            if hasattr(inner, "use_decode_chain"):  # and, where served, through the fused decode chain
-                inner.use_decode_chain(self.backend)
+        if self.device.type == "cuda":
+            bind_decode_kernels(model, self.backend, self.config.backends.decode_chain)
         return model.eval()
 
     def _count_blocks(self) -> int:
@@ -174,7 +189,7 @@ class ModelRunner:
             return kv_cache.blocks_from_tokens(cache.max_total_tokens, self.block_size)
         if self.device.type != "cuda":
             return kv_cache.blocks_for_cpu(self.kv_spec, self.max_model_len, self.config.scheduler.max_num_seqs)
-        peak = memory_profile.peak_bytes(self.model, self.config, self.kv_spec, self.max_model_len, self.device,
+        peak = memory_profile.peak_bytes(self.model, self.config, self.kv_spec, self.step_tokens, self.device,
                                          self._mem_baseline)
         return kv_cache.blocks_for_gpu(self.kv_spec, self.device, cache.gpu_memory_utilization, peak)
 

@@ -2,7 +2,7 @@
 attention calls, which run eagerly on each step's own metadata.
 
 Why: an eager Qwen3-0.6B step of 8,192 tokens makes ~170 Triton and ~112 cuBLAS launches plus their Python, 19-31
-ms of host time against ~25 ms of device time (docs/benchmarks.md, tenth run); on a slower host the device waits.
+ms of host time against ~25 ms of device time (measured on an H100); on a slower host the device waits.
 Replayed, a piece is one launch. vLLM does the same by default (cudagraph_mode PIECEWISE, its compiled graph split
 at the attention op); here the split comes from `Attention.attend` itself: while a forward is captured
 (`attention_breaks`), each attention call copies q into a shared static buffer, ends the current graph, and hands
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from appliance.engine.config import StepTokens
 from appliance.layers import attention as attention_layer
 from appliance.layers.attention import Attention, AttentionMetadata, PieceBreak
 
@@ -38,7 +39,6 @@ SMALL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 # (Llama-8B prefill) pays at most 12.5% padding, and 27 more buckets reach 8,192 tokens. Buckets of 512 cost the 8B's
 # mixed serving steps up to 50% (a 1,030-token step ran as 1,536).
 GROWTH, ALIGN = 1.125, 64
-ENABLED = True  # a lab switch (tools/lab_ab.py --knob appliance.executor.piecewise.ENABLED=True,False)
 
 
 @functools.cache
@@ -189,7 +189,7 @@ class PiecewiseGraphs:
         """Hidden states [T, hidden] of an eager step, or None when its token count has no bucket."""
         t = int(input_ids.shape[0])
         b = bucket_for(t, self.max_tokens)
-        if b is None or self.failed or not ENABLED:
+        if b is None or self.failed:
             return None
         if not self.cuda:
             return self._emulate(input_ids, positions, meta, b)
@@ -236,20 +236,20 @@ class PiecewiseGraphs:
 
 
 def piecewise_max_tokens(config: Any, model: torch.nn.Module, decode_graphs: bool, tp_size: int,
-                         max_model_len: int) -> int | None:
-    """The largest step run in pieces (backends.piecewise_cuda_graph_max_tokens, capped by the chunk budget the
+                         step_tokens: StepTokens) -> int | None:
+    """The largest step run in pieces (backends.piecewise_cuda_graph_max_tokens, capped by the largest chunk the
     KV sizing's profile counted), or None when they are off or cannot apply here (logged)."""
-    b, chunk = config.backends, config.scheduler.chunked_prefill_size
+    b = config.backends
     why = ("backends.piecewise_cuda_graph is off" if not b.piecewise_cuda_graph
            else "decode graphs are off (CPU, enforce_eager or the backend)" if not decode_graphs
            else f"{type(model).__name__} does not declare piecewise graph support" if not model_supports_pieces(model)
            else "tensor parallelism (one GPU only so far)" if tp_size != 1
-           else "chunked prefill is off" if chunk <= 0 else None)
+           else "chunked prefill is off" if not step_tokens.chunking else None)
     if why is not None:
         if b.piecewise_cuda_graph and decode_graphs:
             log.info("mixed / prefill steps run eagerly: %s", why)
         return None
-    return min(b.piecewise_cuda_graph_max_tokens or chunk, chunk, max_model_len)
+    return min(b.piecewise_cuda_graph_max_tokens or step_tokens.budget, step_tokens.largest_chunk)
 
 
 def model_supports_pieces(model: torch.nn.Module) -> bool:

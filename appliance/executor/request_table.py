@@ -30,12 +30,63 @@ request comes back as a new state with a new row and its whole table).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, MutableMapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from appliance.executor.input_batch import UNKNOWN_POSITION, Chunk, RequestState
+from appliance.engine.sampling_params import SamplingParams
 from appliance.kernels import registry
+
+if TYPE_CHECKING:
+    from appliance.executor.input_batch import Chunk
+
+UNKNOWN_POSITION = -1  # RequestState.pos_on_device of a row whose device length the host does not know
+
+
+@dataclass
+class RequestState:
+    """What a worker remembers about a request between steps (mutable: it grows every step)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_ids: list[int]
+    params: SamplingParams
+    prompt_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    noise_seed: int = 0  # the GPU sampler's per-request stream for unseeded random rows
+    # overlap mode: tokens sampled by steps still in flight (not in token_ids yet), and where the latest one is
+    # on the device (that step's sampled-ids tensor, row): the next decode reads its input id from there
+    num_pending: int = 0
+    pending_at: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
+    # its row of the runner's device block table (0: none yet), how many of block_ids are written there, and
+    # the row's computed length on the device as the host knows it (request_table.py; -1: unknown)
+    table_row: int = 0
+    blocks_on_device: int = 0
+    pos_on_device: int = UNKNOWN_POSITION
+    _blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far, the ones still in flight included."""
+        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending
+
+    def block_array(self) -> np.ndarray:
+        """block_ids as numpy, re-converted only when the table grew (every block_size tokens)."""
+        if self._blocks.shape[0] != len(self.block_ids):
+            self._blocks = np.asarray(self.block_ids, dtype=np.int64)
+        return self._blocks
+
 
 ZERO_ROW = 0  # reserved: padding rows read it; a RequestState with table_row 0 has no row
 COLUMN_MULTIPLE = 16  # padded prefill tables round their width up to 16 columns (input_batch.build_inputs)

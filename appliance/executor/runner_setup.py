@@ -46,6 +46,21 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return "torch"
 
 
+def bind_decode_kernels(model: torch.nn.Module, backend: str, decode_chain: bool) -> None:
+    """Decode-sized batches stream weights through `backend`'s GEMV (layers/linear.py use_gemv_kernel) and, where
+    backends.decode_chain is on and every layer is served, through the fused decode chain (layers/decode_chain.py);
+    off, the model keeps no chain. The model runner calls it on CUDA devices."""
+    from appliance.layers.linear import use_gemv_kernel
+
+    use_gemv_kernel(model, backend)
+    inner = getattr(model, "model", None)
+    if hasattr(inner, "use_decode_chain"):
+        if decode_chain:
+            inner.use_decode_chain(backend)
+        else:
+            inner.chain = None
+
+
 def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
     window = getattr(hf_config, "sliding_window", None)
@@ -82,7 +97,7 @@ def _check_supported(config: Any, device: torch.device) -> None:
     if sampling in ("flashinfer", "flashinfer_full"):
         # flashinfer's samplers draw from their own Philox streams: a seeded request would not give the tokens the
         # torch and Triton samplers give (they share per-request (seed, step) uniforms bit for bit), and min_p with
-        # top-k/top-p needs a chain of its renorm kernels; its JIT compile also takes ~4 minutes per fresh box
+        # top-k/top-p needs a chain of its renorm kernels; its JIT compile also takes ~4 minutes per fresh machine
         raise ValueError(f"backends.sampling={sampling!r} is not supported by this executor: flashinfer's samplers "
                          "are not wired (its attention kernels are: backends.attention = flashinfer); "
                          "supported: auto, torch")

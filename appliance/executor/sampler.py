@@ -1,6 +1,6 @@
 """Token sampling with vLLM's semantics, batched over rows that each carry their own SamplingParams.
 
-Order per row: penalties (repetition over prompt + output, presence/frequency over output), min_tokens masking
+Order per row: logit_bias, penalties (repetition over prompt + output, presence/frequency over output), min_tokens masking
 of EOS and stop ids, then greedy argmax (temperature 0) or: temperature, top-n-sigma, min_p, top_k, top_p and a
 draw. Logprobs are of the raw model distribution (before penalties and filters), like vLLM's default.
 A seeded row draws its noise from a generator derived from (seed, tokens generated so far), so its tokens do
@@ -106,10 +106,24 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = self._bias(logits, rows)
         logits = self._penalize(logits, rows)
         logits = self._mask_min_tokens(logits, rows)
         tokens = self._draw(logits, rows)
         return [self._result(i, tokens[i], r, raw_logprobs) for i, r in enumerate(rows)]
+
+    @staticmethod
+    def _bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """OpenAI's logit_bias: added to the logits before anything else (ids past the vocabulary are ignored:
+        the server refuses them; the padded rows of a model's head are never sampled anyway)."""
+        if not any(r.params.logit_bias for r in rows):
+            return logits
+        logits = logits.clone()  # the caller's logits may be the runner's own tensor
+        for i, r in enumerate(rows):
+            for token, bias in r.params.logit_bias:
+                if token < logits.shape[-1]:
+                    logits[i, token] += bias
+        return logits
 
     def _penalize(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         if all(r.params.repetition_penalty == 1.0 and r.params.presence_penalty == 0.0

@@ -34,7 +34,8 @@ import torch
 from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
 from appliance.executor import logits_processors
-from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+from appliance.executor.input_batch import Chunk
+from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import SampleResult
 from appliance.layers.attention import AttentionMetadata
 
@@ -253,7 +254,7 @@ class MtpSpeculator:
             mtp_chunks.append(Chunk(c.state, c.start, n, c.sample))
             target_first[rid] = first
             self.drafts.pop(rid, None)
-        inputs = build_inputs(mtp_chunks, r.block_size, r.device, 1, r._stager, r._pad_prefills)
+        inputs = r.host_inputs(mtp_chunks)
         ids: list[int] = []
         take: list[int] = []
         for c in inputs.chunks:

@@ -3,9 +3,9 @@
 On a GPU the first launch of a kernel variant costs milliseconds: Triton compiles (or loads) each specialisation,
 cuBLAS chooses a kernel per problem shape and CUDA loads each kernel's module lazily, and pinned staging buffers
 are allocated on first use. Steps that meet these in the middle of a run stall the host, and the overlapped loop
-then leaves the device idle: the twelfth benchmark run found 279 ms of extra `linear` host time in the first
-Qwen3 run of a process (the LM head meeting new row counts), plus first uses of the step's gathers, scatters and
-stagers (docs/benchmarks.md). So the warm-up runs:
+then leaves the device idle: without the warm-up, the first Qwen3 throughput run of a process spent 279 ms
+more host time in `linear` (the LM head meeting new row counts), plus first uses of the step's gathers, scatters and
+stagers. So the warm-up runs:
 - a prefill for every padded sequence count (the Triton prefill kernel's variants, input_batch.padded_count);
 - the GPU sampler at 1, 2 and 16 rows (Triton specialises integer arguments equal to 1 and divisible by 16);
 - the LM head at each row count it runs on (the decode graphs' capture sizes: ModelRunner.logits);
@@ -25,7 +25,8 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, ScheduledRequest, StepPlan
-from appliance.executor.input_batch import Chunk, RequestState, build_inputs
+from appliance.executor.input_batch import Chunk
+from appliance.executor.request_table import RequestState
 
 if TYPE_CHECKING:
     from appliance.executor.model_runner import ModelRunner
@@ -65,14 +66,11 @@ def warm_up(runner: ModelRunner, graph_context: int = 2048) -> float:
 
 def _prefills(runner: ModelRunner) -> None:
     """Two tokens per sequence, all in block 0 (no request holds it yet), for 1, 2, 4, ... sequences."""
-    sched = runner.config.scheduler
-    budget = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else sched.max_prefill_tokens
-    most = max(1, min(sched.max_num_seqs, budget // 2))
+    most = max(1, min(runner.config.scheduler.max_num_seqs, runner.step_tokens.budget // 2))
     n = 1
     while True:
         states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams()) for i in range(n)]
-        inputs = build_inputs([Chunk(st, 0, 2, False) for st in states], runner.block_size, runner.device, 1,
-                              runner._stager, runner._pad_prefills)
+        inputs = runner.host_inputs([Chunk(st, 0, 2, False) for st in states])
         runner.model(inputs.input_ids, inputs.positions, inputs.meta)
         if n >= most:
             break
@@ -94,7 +92,7 @@ def _sampler(runner: ModelRunner) -> None:
 def _logit_rows(runner: ModelRunner) -> None:
     """The LM head runs eagerly after every step on the rows it samples, padded to a decode graph's capture size
     (ModelRunner.logits): one GEMM per size. (Warming every row count 1..256 instead took the 8B's warm-up from
-    26.5 to 40.3 s: docs/benchmarks.md, twelfth run.)"""
+    26.5 to 40.3 s on an H100.)"""
     if runner.graphs is None:
         return
     sizes = runner.graphs.sizes
@@ -111,7 +109,6 @@ def _steps(runner: ModelRunner) -> None:
     back. Skipped when a request cannot hold STEP_TOKENS tokens (max_model_len)."""
     if runner.max_model_len < STEP_TOKENS:
         return
-    seeds = runner._noise_seeds.getstate()
     greedy = SamplingParams(temperature=0.0).to_dict()
     rand = SamplingParams(temperature=1.0).to_dict() if runner.batch_sampler.gpu_op is not None else greedy
     capacity = runner.block_table.num_free
@@ -125,12 +122,12 @@ def _steps(runner: ModelRunner) -> None:
     if len(new) > k:
         plans.append(StepPlan(2, new[k:], [ScheduledRequest(r, 1, [], True) for r in ids[:k]]
                               + [ScheduledRequest(ids[k], 2, [], True)]))
-    try:
-        handles = [runner.launch(plan) for plan in plans]
-        for handle in handles:
-            runner.finish(handle)
-    finally:
-        runner.flush()
-        for rid in ids:
-            runner.requests.pop(rid, None)
-        runner._noise_seeds.setstate(seeds)
+    with runner.noise_seeds_kept():
+        try:
+            handles = [runner.launch(plan) for plan in plans]
+            for handle in handles:
+                runner.finish(handle)
+        finally:
+            runner.flush()
+            for rid in ids:
+                runner.requests.pop(rid, None)

@@ -5,29 +5,31 @@ with a heuristic. At the odd row counts a decode step runs (a capture size such 
 the fastest: on the H100, Llama-3.1-8B's down_proj at 216 rows ran 62.5 us with cuBLAS's pick and 52.5 with
 another of the library's own kernels, o_proj 19.9 against 16.5 (tools/lab_cublaslt.py, docs/kernels.md
 "cuBLASLt algorithms"). This module calls the same library through its cuBLASLt interface with the algorithm
-that won (`TUNED`, a measured table per weight shape and row count) and leaves every other call to F.linear.
+that won (`LtTables.algos`, a measured table per GPU architecture, weight shape and row count: the data files
+kernels/tuned/<arch>_cublaslt_*.json) and leaves every other call to F.linear.
 
 Why ctypes rather than an extension: torch already maps libcublasLt into the process (F.linear runs on it), so
 calling it needs no build step and no second copy of the library; the handful of calls below are the whole
 interface. The algorithms are stored as their configuration ids (tile, stages, cluster shape ...) and rebuilt
 with cublasLtMatmulAlgoInit + ConfigSetAttribute, then cublasLtMatmulAlgoCheck must accept them for the problem
 and ask for no workspace (so that no two streams can share one); anything else falls back to F.linear, once
-logged. Only sm_90 (where the table was measured), bf16, 2-D inputs with contiguous rows and no bias take it.
+logged. Only a GPU whose architecture has tables (sm_90), bf16, 2-D inputs with contiguous rows and no bias take it.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
+from appliance.kernels import tuned
 from appliance.kernels.capability import capability
 
 log = logging.getLogger(__name__)
 
-ENABLED = True  # lab switch (tools/lab_ab.py --knob appliance.kernels.cublaslt.ENABLED=True,False), read per call
 COMPUTE_32F, R_32F, R_16BF, OP_N, OP_T = 68, 0, 14, 0, 1  # cublasComputeType_t, cudaDataType_t, cublasOperation_t
 DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE = 3, 4, 1
 # cublasLtMatmulAlgoConfigAttributes_t ids and the byte width of each value
@@ -49,131 +51,28 @@ class LtAlgo:
     algo_id: int = 66
 
 
-# (N, K) of the weight -> {rows: the algorithm that beat cuBLAS's pick there by >= 3%}; a row count not listed
-# goes to F.linear. From `tools/lab_cublaslt.py --emit` on the H100 (torch 2.11 + CUDA 13, session 13): the decode
-# capture sizes 24..256 of Llama-3.1-8B's linear layers, and of Qwen3-0.6B's where the Triton skinny GEMM does not
-# run. Rows are exact: a decode graph replays at its capture size.
-TUNED: dict[tuple[int, int], dict[int, LtAlgo]] = {  # comments: the confirmed speedup over F.linear
-    (6144, 4096): {
-        24: LtAlgo(tile=143, stages=35, cluster=4),  # 1.058x
-        32: LtAlgo(tile=16, stages=35, cluster=3, custom=3),  # 1.063x
-        40: LtAlgo(tile=27, stages=35, cluster=4, custom=2),  # 1.069x
-        48: LtAlgo(tile=27, stages=35, cluster=4, custom=2),  # 1.063x
-        56: LtAlgo(tile=164, stages=35, cluster=7, custom=2),  # 1.063x
-        72: LtAlgo(tile=164, stages=35, cluster=7, custom=2),  # 1.037x
-        176: LtAlgo(tile=33, stages=35, cluster=5, custom=3),  # 1.113x
-        208: LtAlgo(tile=403, stages=35, cluster=5, custom=3),  # 1.033x
-        216: LtAlgo(tile=165, stages=35, cluster=7, custom=2),  # 1.034x
-        224: LtAlgo(tile=165, stages=35, cluster=7, custom=2),  # 1.19x
-        232: LtAlgo(tile=28, stages=35, cluster=5),  # 1.131x
-        240: LtAlgo(tile=28, stages=35, cluster=5),  # 1.038x
-    },
-    (4096, 4096): {
-        136: LtAlgo(tile=317, stages=35, cluster=5, custom=1),  # 1.036x
-        152: LtAlgo(tile=318, stages=35, cluster=5, custom=1),  # 1.043x
-        168: LtAlgo(tile=319, stages=35, cluster=5, custom=1),  # 1.107x
-        176: LtAlgo(tile=319, stages=35, cluster=5, custom=1),  # 1.032x
-        184: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.124x
-        192: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.034x
-        200: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.152x
-        208: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.061x
-        216: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.178x
-        224: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.085x
-        232: LtAlgo(tile=322, stages=35, cluster=5, custom=1),  # 1.154x
-        240: LtAlgo(tile=322, stages=35, cluster=5, custom=1),  # 1.078x
-        248: LtAlgo(tile=18, stages=35, cluster=3, custom=1),  # 1.075x
-        256: LtAlgo(tile=18, stages=35, cluster=3, custom=1),  # 1.07x
-    },
-    (28672, 4096): {
-        32: LtAlgo(tile=35, stages=35, cluster=6, custom=1),  # 1.057x
-        40: LtAlgo(tile=35, stages=35, cluster=7, custom=1),  # 1.038x
-        48: LtAlgo(tile=220, stages=35, cluster=5),  # 1.047x
-        80: LtAlgo(tile=21, stages=35, cluster=6, custom=3),  # 1.043x
-        88: LtAlgo(tile=21, stages=35, cluster=7, custom=1),  # 1.049x
-        96: LtAlgo(tile=21, stages=35, cluster=7, custom=3),  # 1.056x
-        104: LtAlgo(tile=220, stages=35, cluster=2),  # 1.072x
-        112: LtAlgo(tile=21, stages=35, cluster=4, custom=1),  # 1.065x
-        120: LtAlgo(tile=220, stages=35, cluster=5),  # 1.076x
-        128: LtAlgo(tile=220, stages=35, cluster=3),  # 1.04x
-        136: LtAlgo(tile=492, stages=35, cluster=6, custom=3),  # 1.063x
-        144: LtAlgo(tile=493, stages=35, cluster=4, custom=1),  # 1.064x
-        152: LtAlgo(tile=29, stages=35, cluster=4, custom=1),  # 1.05x
-        160: LtAlgo(tile=493, stages=35, cluster=4, custom=1),  # 1.068x
-        192: LtAlgo(tile=32, stages=35, cluster=4, custom=4),  # 1.032x
-        208: LtAlgo(tile=412, stages=35, cluster=4, custom=5),  # 1.034x
-    },
-    (4096, 14336): {
-        24: LtAlgo(tile=313, stages=35, cluster=4, custom=1),  # 1.055x
-        32: LtAlgo(tile=312, stages=35, cluster=5, custom=3),  # 1.056x
-        40: LtAlgo(tile=92, stages=35, cluster=4),  # 1.062x
-        48: LtAlgo(tile=13, stages=35, cluster=5, custom=3),  # 1.057x
-        56: LtAlgo(tile=92, stages=35, cluster=4),  # 1.071x
-        64: LtAlgo(tile=92, stages=35, cluster=4),  # 1.061x
-        72: LtAlgo(tile=314, stages=35, cluster=5, custom=3),  # 1.08x
-        80: LtAlgo(tile=315, stages=35, cluster=5, custom=3),  # 1.087x
-        88: LtAlgo(tile=315, stages=35, cluster=5, custom=3),  # 1.092x
-        96: LtAlgo(tile=315, stages=35, cluster=5, custom=3),  # 1.106x
-        104: LtAlgo(tile=316, stages=35, cluster=5, custom=3),  # 1.099x
-        112: LtAlgo(tile=316, stages=35, cluster=5, custom=3),  # 1.097x
-        120: LtAlgo(tile=15, stages=35, cluster=5, custom=1),  # 1.102x
-        128: LtAlgo(tile=15, stages=35, cluster=3, custom=1),  # 1.185x
-        136: LtAlgo(tile=317, stages=35, cluster=3, custom=1),  # 1.114x
-        144: LtAlgo(tile=317, stages=35, cluster=5, custom=1),  # 1.122x
-        152: LtAlgo(tile=318, stages=35, cluster=5, custom=1),  # 1.118x
-        160: LtAlgo(tile=318, stages=35, cluster=5, custom=1),  # 1.12x
-        168: LtAlgo(tile=319, stages=35, cluster=5, custom=1),  # 1.099x
-        176: LtAlgo(tile=319, stages=35, cluster=5, custom=1),  # 1.144x
-        184: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.099x
-        192: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.138x
-        200: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.09x
-        208: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.133x
-        216: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.093x
-        224: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.187x
-        232: LtAlgo(tile=18, stages=35, cluster=3, custom=1),  # 1.183x
-        240: LtAlgo(tile=322, stages=35, cluster=5, custom=1),  # 1.152x
-        248: LtAlgo(tile=18, stages=35, cluster=3, custom=1),  # 1.139x
-        256: LtAlgo(tile=183, stages=35, cluster=9, custom=2),  # 1.122x
-    },
-    (4096, 1024): {
-        168: LtAlgo(tile=319, stages=35, cluster=5, custom=1),  # 1.062x
-        184: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.076x
-        192: LtAlgo(tile=26, stages=35, cluster=5, custom=1),  # 1.044x
-        200: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.11x
-        208: LtAlgo(tile=320, stages=35, cluster=5, custom=1),  # 1.075x
-        216: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.099x
-        224: LtAlgo(tile=321, stages=35, cluster=5, custom=1),  # 1.06x
-        232: LtAlgo(tile=322, stages=35, cluster=5, custom=1),  # 1.122x
-        240: LtAlgo(tile=322, stages=35, cluster=5, custom=1),  # 1.098x
-        248: LtAlgo(tile=17, stages=35, cluster=5),  # 1.067x
-        256: LtAlgo(tile=17, stages=35, cluster=5),  # 1.066x
-    },
-    (6144, 1024): {
-        104: LtAlgo(tile=164, stages=35, cluster=7, custom=2),  # 1.036x
-        224: LtAlgo(tile=208, stages=35, cluster=3, custom=1),  # 1.097x
-        232: LtAlgo(tile=28, stages=35, cluster=5),  # 1.112x
-        240: LtAlgo(tile=28, stages=35, cluster=5),  # 1.083x
-        248: LtAlgo(tile=28, stages=35, cluster=5),  # 1.044x
-    },
-    (1024, 3072): {
-        176: LtAlgo(tile=12, stages=35, cluster=4),  # 1.059x
-        200: LtAlgo(tile=314, stages=35, cluster=3, custom=1),  # 1.248x
-        208: LtAlgo(tile=316, stages=35, cluster=4, custom=3),  # 1.161x
-        224: LtAlgo(tile=15, stages=35, cluster=4, custom=3),  # 1.144x
-    },
-}
+@dataclass(frozen=True)
+class LtTables:
+    """One architecture's measured tables (kernels/tuned/<arch>_cublaslt_algos.json, <arch>_cublaslt_padded.json).
+
+    algos: (N, K) of the weight -> {rows: the algorithm that beat cuBLAS's pick there}; a row count not listed goes
+    to F.linear. Rows are exact: a decode graph replays at its capture size. padded: (N, K) -> {rows: the larger
+    row count cuBLAS's own pick runs faster at}: at some row counts the library's heuristic picks a kernel far
+    slower than the one it picks a few rows later (Llama-3.1-8B's gate_up: 293 us at 448 rows, 162 at 512); a call
+    there runs on zero-padded input and keeps its own rows."""
+    algos: dict[tuple[int, int], dict[int, LtAlgo]]
+    padded: dict[tuple[int, int], dict[int, int]]
 
 
-# (N, K) of the weight -> {rows: the larger row count cuBLAS's own pick runs faster at}. At some row counts the
-# library's heuristic picks a kernel far slower than the one it picks a few rows later (Llama-3.1-8B's gate_up: 293
-# us at 448 rows, 162 at 512); a call there runs on zero-padded input and keeps its own rows. From
-# `tools/lab_cublaslt.py --pad 1.3 --emit` on the H100 (session 14): the piecewise graphs' token buckets up to 8,192,
-# timed as padded_linear runs (the padding's copy included), kept where >= 1.05x faster.
-PADDED: dict[tuple[int, int], dict[int, int]] = {  # comments: F.linear at the rows -> padded, us
-    (6144, 4096): {320: 384, 832: 960},  # 37.6 -> 34.2, 89.0 -> 74.5
-    (4096, 4096): {832: 960},  # 65.7 -> 52.6
-    (28672, 4096): {448: 512},  # 290.8 -> 164.2
-    (1024, 3072): {832: 896},  # 19.2 -> 16.8
-}
+@functools.cache
+def tables(arch: str) -> LtTables:
+    """The tables measured on `arch` (e.g. "sm90"); empty where nothing was measured."""
+    algos = {tuned.parse_shape(shape): {int(rows): LtAlgo(**{k: v for k, v in e.items() if k != "speedup"})
+                                        for rows, e in by_rows.items()}
+             for shape, by_rows in tuned.load("cublaslt_algos", arch).items()}
+    padded = {tuned.parse_shape(shape): {int(rows): int(to) for rows, to in by_rows.items()}
+              for shape, by_rows in tuned.load("cublaslt_padded", arch).items()}
+    return LtTables(algos, padded)
 
 
 class Algo(ctypes.Structure):
@@ -322,38 +221,44 @@ def _prepare(x: torch.Tensor, n: int, k: int, spec: LtAlgo) -> tuple[Problem, Al
     return _READY[key]
 
 
-def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The calls the tables were measured for: sm_90, bf16, no bias, plain row-major 2-D operands."""
-    if not (ENABLED and x.is_cuda and bias is None and x.dtype == torch.bfloat16 == weight.dtype
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LtTables | None:
+    """The tables of x's GPU for the calls they were measured for (bf16, no bias, plain row-major 2-D operands),
+    or None."""
+    if not (x.is_cuda and bias is None and x.dtype == torch.bfloat16 == weight.dtype
             and x.dim() == 2 == weight.dim() and x.is_contiguous() and weight.is_contiguous()):
-        return False
-    return capability(x) == (9, 0)
+        return None
+    return tables(tuned.arch_name(capability(x)))
 
 
-def tuned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LtAlgo | None:
-    """The measured algorithm for this call, or None: an eligible call whose (shape, rows) pair is in TUNED."""
-    spec = TUNED.get((weight.shape[0], weight.shape[1]), {}).get(x.shape[0])
-    return spec if spec is not None and _eligible(x, weight, bias) else None
+def tuned_algo(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LtAlgo | None:
+    """The measured algorithm for this call, or None: an eligible call whose (shape, rows) pair is tabled."""
+    t = _eligible(x, weight, bias)
+    return None if t is None else t.algos.get((weight.shape[0], weight.shape[1]), {}).get(x.shape[0])
 
 
 def padded_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
-    """The row count to run this call at instead (PADDED), or None."""
-    rows = PADDED.get((weight.shape[0], weight.shape[1]), {}).get(x.shape[0])
-    return rows if rows is not None and _eligible(x, weight, bias) else None
+    """The row count to run this call at instead (LtTables.padded), or None."""
+    t = _eligible(x, weight, bias)
+    return None if t is None else t.padded.get((weight.shape[0], weight.shape[1]), {}).get(x.shape[0])
 
 
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
     """x W^T computed for x and rows - len(x) zero rows after it (rows of a GEMM are independent), cut back."""
-    return linear(torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0])), weight)[: x.shape[0]]
+    return unpadded_linear(torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0])), weight)[: x.shape[0]]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b): padded to the row count PADDED gives for this call, with the cuBLASLt algorithm TUNED gives,
-    else F.linear."""
+    """x W^T (+ b): padded to the row count the padded table gives for this call, with the cuBLASLt algorithm
+    the algos table gives, else F.linear."""
     rows = padded_rows(x, weight, bias)  # (the two tables hold different row counts: tests/test_cublaslt.py)
     if rows is not None:
         return padded_linear(x, weight, rows)
-    spec = tuned(x, weight, bias)
+    return unpadded_linear(x, weight, bias)
+
+
+def unpadded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) at x's own row count: the tabled cuBLASLt algorithm, else F.linear."""
+    spec = tuned_algo(x, weight, bias)
     ready = _prepare(x, weight.shape[0], weight.shape[1], spec) if spec is not None else None
     if ready is None:
         return torch.nn.functional.linear(x, weight, bias)

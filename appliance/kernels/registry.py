@@ -1,12 +1,20 @@
 """One registry for every kernel: an op name maps to implementations by backend.
 
 The "torch" implementation of each op is the plain reference in kernels/reference: the test oracle and the
-CPU path. Other backends (triton, flashinfer) register the same signature; `get` falls back to torch only when
-asked for "auto" on a device the backend cannot serve, never silently when a backend was named explicitly.
+CPU path. Other backends (triton, flashinfer) register the same signature with `register` when their modules are
+imported. This module imports none of them: BACKEND_MODULES names the modules that register a backend's ops, and
+`get` imports them (importlib) the first time the backend is asked for, so the registry stays a leaf of the
+import graph (tests/test_layering.py).
+
+`get(op, backend)` is exact: KeyError when the backend lacks the op, never a silent substitute. `resolve(op,
+backend)` follows the explicit fallback order FALLBACK for an op the backend lacks (the layers' lookup for ops
+other than attention: layers/kernels.py).
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {}
@@ -15,6 +23,31 @@ _LOADED: set[str] = set()
 OPS = ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "rope", "silu_and_mul", "gemv", "sample",
        "rope_store_kv", "decode_positions", "skinny_gemm",
        "norm_prep", "gemv_residual", "gemv_normed_silu", "gemv_normed_rope_store")
+
+# the modules whose import registers a backend's ops (kernels/moe and kernels/mla register theirs for torch and
+# triton when imported: layers/moe.py and layers/mla.py import them)
+BACKEND_MODULES: dict[str, tuple[str, ...]] = {
+    "torch": ("appliance.kernels.reference",),
+    "triton": ("appliance.kernels.triton",),
+    "flashinfer": ("appliance.kernels.flashinfer",),
+}
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Where `resolve` looks next for an op a backend lacks: `backend`, for `ops` only (None: any op)."""
+
+    backend: str
+    ops: frozenset[str] | None = None
+
+
+# The fallback order per backend. flashinfer takes rope and the decode GEMV from triton (never rope_store_kv or the
+# chain ops, which write the KV cache that belongs to its own store_kv), anything else it lacks from torch.
+FALLBACK: dict[str, tuple[Fallback, ...]] = {
+    "torch": (),
+    "triton": (Fallback("torch"),),
+    "flashinfer": (Fallback("triton", frozenset({"rope", "gemv"})), Fallback("torch")),
+}
 
 
 def register(op: str, backend: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -28,24 +61,39 @@ def register(op: str, backend: str) -> Callable[[Callable[..., Any]], Callable[.
 def _load(backend: str) -> None:
     if backend in _LOADED:
         return
-    if backend == "torch":
-        from appliance.kernels import reference  # noqa: F401  (registers on import)
-    elif backend == "triton":
-        from appliance.kernels import triton as _triton  # noqa: F401
-    elif backend == "flashinfer":
-        from appliance.kernels import flashinfer as _flashinfer  # noqa: F401
-    else:
-        raise KeyError(f"unknown kernel backend {backend!r}; known: torch, triton, flashinfer")
+    if backend not in BACKEND_MODULES:
+        raise KeyError(f"unknown kernel backend {backend!r}; known: {', '.join(BACKEND_MODULES)}")
+    for module in BACKEND_MODULES[backend]:
+        importlib.import_module(module)
     _LOADED.add(backend)
 
 
 def get(op: str, backend: str = "torch") -> Callable[..., Any]:
-    """The implementation of `op` for `backend`; KeyError naming what exists when there is none."""
+    """The implementation of `op` for `backend`; KeyError naming what exists when there is none (ImportError when
+    the backend's modules cannot be imported)."""
     _load(backend)
     impls = _REGISTRY.get(op, {})
     if backend not in impls:
         raise KeyError(f"kernel op {op!r} has no {backend!r} implementation (have: {sorted(impls)})")
     return impls[backend]
+
+
+def resolve(op: str, backend: str) -> tuple[str, Callable[..., Any]]:
+    """(the backend that serves `op`, its implementation): `backend`'s own, else the first in FALLBACK[backend]
+    that has it and imports; KeyError when none does."""
+    try:
+        return backend, get(op, backend)
+    except KeyError:
+        if backend not in FALLBACK:
+            raise
+    for fallback in FALLBACK[backend]:
+        if fallback.ops is not None and op not in fallback.ops:
+            continue
+        try:
+            return fallback.backend, get(op, fallback.backend)
+        except (KeyError, ImportError):  # e.g. triton not installed: the next in the order
+            continue
+    raise KeyError(f"kernel op {op!r}: neither {backend!r} nor its fallbacks {FALLBACK[backend]} implement it")
 
 
 def backends(op: str) -> list[str]:

@@ -9,8 +9,8 @@ next layer's norm. The residual stream is one tensor updated in place.
 
 Served: dense Llama-family layers (tp 1; no per-head q/k norm; whole-head neox rotary; no bias on o, gate_up or
 down) whose four projections stream through a bound GEMV kernel, on a backend that has the chain's ops. Anything
-else, or more rows, runs the layers' own forwards. `ENABLED` is a lab switch (tools/lab_ab.py --knob
-appliance.layers.decode_chain.ENABLED=True,False); tools/lab_decode_chain.py times the chain alone.
+else, or more rows, runs the layers' own forwards. backends.decode_chain (on by default) decides whether the model
+runner builds it (executor/runner_setup.py bind_decode_kernels).
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from appliance.kernels.reference.gemv_chain import rope_store_fits
 from appliance.layers.attention import AttentionMetadata
 from appliance.layers.parallel_state import get_tp_size
 
-ENABLED = True
 OPS = ("norm_prep", "gemv_normed_rope_store", "gemv_residual", "gemv_normed_silu")
 
 
@@ -72,7 +71,7 @@ class DecodeChain:
     @staticmethod
     def serves(x: torch.Tensor) -> bool:
         """Whether a forward over these embedded tokens takes the chain (at most GEMV_MAX_ROWS of them)."""
-        return ENABLED and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        return 0 < x.shape[0] <= GEMV_MAX_ROWS
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: the embedded tokens [T, hidden] (becomes the residual stream, updated in place); returns the final

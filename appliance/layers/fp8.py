@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from appliance.kernels import registry
-from appliance.kernels.moe.reference import dequantize_blocks
+from appliance.kernels.moe.reference import FP8_DTYPE, block_quantize, dequantize_blocks
+from appliance.kernels.moe.reference import fp8_block_matmul as reference_fp8_block_matmul
 from appliance.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -30,8 +31,6 @@ from appliance.layers.linear import (
 )
 from appliance.layers.parallel_state import tp_all_gather, tp_all_reduce
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
 
 @dataclass(frozen=True)
@@ -67,32 +66,11 @@ class Fp8BlockConfig:
         return not any(frag in prefix for frag in self.ignored)
 
 
-def block_quantize(w: torch.Tensor, block_shape: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., N, K] -> (fp8 weight, float32 scale_inv [..., ceil(N/bn), ceil(K/bk)]); each tile's amax maps to 448."""
-    bn, bk = block_shape
-    n, k = w.shape[-2:]
-    nb, kb = -(-n // bn), -(-k // bk)
-    padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
-    tiles = padded.unflatten(-1, (kb, bk)).unflatten(-3, (nb, bn))  # [..., nb, bn, kb, bk]
-    amax = tiles.abs().amax(dim=(-3, -1))  # [..., nb, kb]
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
-    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    q = q.flatten(-2).flatten(-3, -2)[..., :n, :k].to(FP8_DTYPE)
-    return q.contiguous(), scale
-
-
-@registry.register("fp8_block_matmul", "torch")
-def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                     block_shape: tuple[int, int]) -> torch.Tensor:
-    """x [..., K] @ dequant(weight [N, K])^T in x's dtype."""
-    return F.linear(x, dequantize_blocks(weight, scale_inv, block_shape).to(x.dtype))
-
-
 def _matmul_op(backend: str) -> Any:
     try:
         return registry.get("fp8_block_matmul", backend)
     except KeyError:
-        return fp8_block_matmul
+        return reference_fp8_block_matmul
 
 
 def _fp8_params(module: nn.Module, rows: int, cols: int, quant: Fp8BlockConfig) -> None:
@@ -281,8 +259,6 @@ def quantize_model_fp8(model: nn.Module, backend: str = "torch", quant: Fp8Block
     """Quantize every loaded float linear layer and expert stack to e4m3 with per-tile scales, in place, and
     switch them to the block-scaled GEMM; embeddings, the LM head, routers and norms stay in the model dtype
     (as vLLM's fp8 method does). Works on meta tensors too (the memory estimate). Returns the layers changed."""
-    from appliance.layers.moe import FusedMoE  # moe.py imports this module
-
     changed = 0
     for name, module in model.named_modules():
         twin = _TWINS.get(type(module))
@@ -294,7 +270,7 @@ def quantize_model_fp8(model: nn.Module, backend: str = "torch", quant: Fp8Block
             module.__class__ = twin
             module.quant, module._mm = quant, _matmul_op(backend)
             changed += 1
-        elif isinstance(module, FusedMoE) and module.quant is None:
+        elif hasattr(module, "w13_weight") and module.quant is None:  # an expert stack (layers/moe.py FusedMoE)
             module.w13_weight, module.w13_weight_scale_inv = _quantized_param(module.w13_weight, quant)
             module.w2_weight, module.w2_weight_scale_inv = _quantized_param(module.w2_weight, quant)
             module.quant = quant

@@ -1,5 +1,6 @@
 """Kernel lookup for the layers: `backends.attention` picks the attention kernels (never substituted); the
-other ops (norm, rope, activation) use that backend's version when it has one, else the torch reference."""
+other ops (norm, rope, activation) use that backend's version when it has one, else the next in the registry's
+fallback order (kernels/registry.py FALLBACK; the torch reference last)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,9 +12,6 @@ ATTENTION_OPS = ("store_kv", "decode_attention", "prefill_attention")
 
 
 def kernel(op: str, backend: str) -> Callable[..., Any]:
-    try:
+    if op in ATTENTION_OPS:
         return registry.get(op, backend)
-    except KeyError:
-        if op in ATTENTION_OPS or backend == "torch":
-            raise
-        return registry.get(op, "torch")
+    return registry.resolve(op, backend)[1]

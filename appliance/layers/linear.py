@@ -25,25 +25,20 @@ from appliance.layers.parallel_state import (
 Gemv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 _HALF = (torch.bfloat16, torch.float16)  # fp32 stays on torch: tl.dot would round it through tf32
 
-# Batches of GEMV_MAX_ROWS < M <= SKINNY_ROWS rows go to the bound skinny GEMM op, which runs its Triton kernel
-# where it measured faster than cuBLAS (kernels/triton/skinny_gemm.py TUNED) and cuBLAS elsewhere. A lab switch
-# (tools/lab_ab.py --knob appliance.layers.linear.SKINNY_ROWS=256,0), read at every call so that a switch takes
-# effect at the next capture; 0 = never. At most SKINNY_GEMM_MAX_ROWS, the op's contract.
-SKINNY_ROWS = SKINNY_GEMM_MAX_ROWS
-
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv | None,
            skinny: Gemv | None = None) -> torch.Tensor:
     """x W^T + b: decode-sized batches (<= GEMV_MAX_ROWS rows) through the bound GEMV kernel, batches of up to
-    SKINNY_ROWS rows through the bound skinny GEMM, the rest through torch (cuBLAS on a GPU; with a kernel
-    backend bound, at the row count cublaslt.PADDED measured faster). Only 2-D half precision inputs in the
+    SKINNY_GEMM_MAX_ROWS rows through the bound skinny GEMM (its Triton kernel where it measured faster than cuBLAS,
+    kernels/triton/skinny_gemm.py tuned_table, cuBLAS elsewhere), the rest through torch (cuBLAS on a GPU; with a kernel
+    backend bound, at the row count cublaslt.LtTables.padded measured faster). Only 2-D half precision inputs in the
     weight's dtype are routed."""
     if x.dim() != 2 or x.dtype != weight.dtype or x.dtype not in _HALF:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
     if gemv is not None and 0 < rows <= GEMV_MAX_ROWS:
         return gemv(x, weight, bias)
-    if skinny is not None and GEMV_MAX_ROWS < rows <= min(SKINNY_ROWS, SKINNY_GEMM_MAX_ROWS):
+    if skinny is not None and GEMV_MAX_ROWS < rows <= SKINNY_GEMM_MAX_ROWS:
         return skinny(x, weight, bias)
     if skinny is not None and rows > SKINNY_GEMM_MAX_ROWS:
         return cublaslt.linear(x, weight, bias)
@@ -52,18 +47,19 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gem
 
 def use_gemv_kernel(model: nn.Module, backend: str) -> int:
     """Bind `backend`'s "gemv" op to every linear layer and LM head of `model` (layers whose weight is not in the
-    compute dtype, e.g. fp8, keep their own path), and its "skinny_gemm" op, where it has one, beside it (used
-    only while SKINNY_ROWS says so); returns how many layers were bound. A backend without its own GEMV (torch)
-    binds nothing: cuBLAS already is torch's. The model runner binds on CUDA devices only."""
+    compute dtype, e.g. fp8, keep their own path), and its "skinny_gemm" op, where it has one, beside it; returns
+    how many layers were bound. A backend without its own GEMV (torch) binds nothing: cuBLAS already is torch's. The model runner binds on CUDA devices only."""
     if backend == "torch":
         return 0
     try:
-        op = registry.get("gemv", backend)
+        served_by, op = registry.resolve("gemv", backend)  # flashinfer's: triton's (the registry's fallback order)
     except KeyError:
+        return 0
+    if served_by == "torch":
         return 0
     try:
         skinny: Gemv | None = registry.get("skinny_gemm", backend)
-    except KeyError:  # e.g. flashinfer, which borrows only the GEMV from triton
+    except KeyError:  # e.g. flashinfer, whose fallback to triton covers the GEMV only
         skinny = None
     bound = 0
     for module in model.modules():

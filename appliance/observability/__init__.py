@@ -1,7 +1,7 @@
 """Observability: Prometheus metrics, KV cache events, request logs, decode-progress logs, request dumps.
 
 Modules: stats.py (StatsSnapshot, the scheduler -> tokenizer record), metrics.py (MetricsRegistry, /metrics),
-kv_events.py (ZMQ publisher in the seeds' wire format, replay), request_log.py (RequestLogger,
+kv_events.py (ZMQ PUB of msgpack KVEventBatch multiparts, replay), request_log.py (RequestLogger,
 DecodeProgressLog), dump.py (JSONL dump, StreamAggregator), replay.py (resend a dump, compare), hooks.py (the
 two per-process bundles below). Reference: docs/observability.md.
 

@@ -1,4 +1,5 @@
-"""KV cache events: prefix-cache stores and removals, published over ZMQ in the seeds' wire format.
+"""KV cache events: prefix-cache stores and removals, published over ZMQ as multipart
+messages carrying a msgpack KVEventBatch.
 
 Each batch is three frames on a PUB socket:
 

@@ -1,9 +1,9 @@
 """The garbage collector and the serving loop: objects that live for the whole run are kept out of its passes.
 
 A full (generation 2) collection walks every tracked object of the process. A worker has imported torch, triton
-and transformers and built a model: ~450,000 objects, and on the H100 box one such pass took 206-300 ms in the
+and transformers and built a model: ~450,000 objects, and on an H100 host one such pass took 206-300 ms in the
 middle of a Qwen3 throughput run, with the GPU idle for as long (one pass in most 7.5-second runs: the runs with
-one were 3-7% slower than the runs without; docs/benchmarks.md, ninth run). `gc.freeze()` moves every
+one were 3-7% slower than the runs without). `gc.freeze()` moves every
 object alive at that moment into a permanent generation that collections skip, so later passes walk only what
 serving created. vLLM does the same after its start-up (`freeze_gc_heap`); this is our own version of it.
 

@@ -28,8 +28,10 @@ def load_server_tokenizer(config) -> object:
     from appliance.tokenization import load_tokenizer
 
     m = config.model
-    if m.skip_tokenizer_init:
-        raise ValueError("model.skip_tokenizer_init is not supported by the HTTP server (it needs a tokenizer)")
+    if m.skip_tokenizer_init:  # token ids in, token ids out (server/text.py)
+        from appliance.server.text import NoTokenizer
+
+        return NoTokenizer()
     return load_tokenizer(m.tokenizer or resolve_model_path(m.path), mode=m.tokenizer_mode,
                           trust_remote_code=m.trust_remote_code, revision=m.revision, download_dir=m.download_dir)
 

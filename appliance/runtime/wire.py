@@ -3,12 +3,18 @@
 A frame is `[tag, {field: value}]`. The decoder knows every message type by tag and checks each field against
 the dataclass' type hints (recursively for nested records, lists, tuples, dicts and optionals), so a malformed or
 hostile frame is rejected as a whole with `WireError`; nothing is ever unpickled or executed.
+
+Each type hint is compiled once, when the codec is built, into a small converter function: a step's frames (a
+plan or result with hundreds of requests, an output batch per step) cross the wire on every step, and
+re-reading the hints per frame cost more CPU than the scheduler's own planning at high concurrency.
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Union
 
 import msgpack
@@ -18,7 +24,26 @@ class WireError(ValueError):
     """A frame that does not decode to a known, well-typed message."""
 
 
+class _Bad(Exception):
+    """A value that does not fit its hint; `path` collects the field names on the way out."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path: list[str] = []
+
+    def at(self, part: str) -> _Bad:
+        self.path.append(part)
+        return self
+
+
+Decoder = Callable[[Any], Any]
+Encoder = Callable[[Any], Any]
 _NoneType = type(None)
+_SCALARS: dict[Any, frozenset[type]] = {  # the msgpack types each scalar hint accepts (bool is not an int here)
+    int: frozenset({int}), float: frozenset({int, float}), str: frozenset({str}), bool: frozenset({bool}),
+    bytes: frozenset({bytes}), _NoneType: frozenset({_NoneType}),
+}
 
 
 class Codec:
@@ -26,28 +51,15 @@ class Codec:
 
     def __init__(self, *message_types: type) -> None:
         self._by_tag: dict[str, type] = {}
-        self._hints: dict[type, dict[str, Any]] = {}
+        self._decoders: dict[type, Decoder] = {}
+        self._encoders: dict[type, Encoder] = {}
         for cls in message_types:
-            self._register(cls)
+            if not dataclasses.is_dataclass(cls):
+                raise TypeError(f"{cls!r} is not a dataclass")
+            self._by_tag[cls.__name__] = cls
+            self._record_decoder(cls)
+            self._record_encoder(cls)
         self.num_malformed = 0  # frames rejected by `decode_or_none`
-
-    def _register(self, cls: type) -> None:
-        if not dataclasses.is_dataclass(cls):
-            raise TypeError(f"{cls!r} is not a dataclass")
-        if cls in self._hints:
-            return
-        self._by_tag[cls.__name__] = cls
-        self._hints[cls] = typing.get_type_hints(cls)
-        for hint in self._hints[cls].values():  # nested records decode with the same schema rules
-            for inner in _dataclasses_in(hint):
-                self._register_nested(inner)
-
-    def _register_nested(self, cls: type) -> None:
-        if cls not in self._hints:
-            self._hints[cls] = typing.get_type_hints(cls)
-            for hint in self._hints[cls].values():
-                for inner in _dataclasses_in(hint):
-                    self._register_nested(inner)
 
     # -- encoding ------------------------------------------------------------------------------------------
 
@@ -55,7 +67,44 @@ class Codec:
         cls = type(msg)
         if self._by_tag.get(cls.__name__) is not cls:
             raise TypeError(f"{cls.__name__} is not a message type of this codec")
-        return msgpack.packb([cls.__name__, _to_plain(msg)], use_bin_type=True)
+        return msgpack.packb([cls.__name__, self._encoders[cls](msg)], use_bin_type=True)
+
+    def _record_encoder(self, cls: type) -> Encoder:
+        if cls in self._encoders:
+            return self._encoders[cls]
+        hints = typing.get_type_hints(cls)
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        self._encoders[cls] = lambda obj: encode(obj)  # recursive records resolve through the table
+        nested = [(n, enc) for n in names if (enc := self._encoder(hints[n])) is not None]
+        values = operator.attrgetter(*names) if len(names) > 1 else (lambda obj: (getattr(obj, names[0]),))
+
+        def encode(obj: Any) -> dict[str, Any]:
+            out = dict(zip(names, values(obj)))
+            for name, enc in nested:
+                out[name] = enc(out[name])
+            return out
+
+        self._encoders[cls] = encode
+        return encode
+
+    def _encoder(self, hint: Any) -> Encoder | None:
+        """A converter to msgpack-native values, or None where the value already is one (scalars, lists and
+        tuples of them: msgpack packs a tuple as an array)."""
+        if hint is Any:
+            return _to_plain
+        if dataclasses.is_dataclass(hint):
+            return self._record_encoder(hint)
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        inner = [self._encoder(a) for a in args]
+        if all(e is None for e in inner):
+            return None
+        origin = typing.get_origin(hint)
+        if origin in (Union, types.UnionType):
+            return _to_plain  # a union holding records: rare, take the generic path
+        if origin in (list, tuple) and len(inner) == 1:
+            item = inner[0] or _identity
+            return lambda v: [item(x) for x in v]
+        return _to_plain
 
     # -- decoding ------------------------------------------------------------------------------------------
 
@@ -69,7 +118,10 @@ class Codec:
         cls = self._by_tag.get(obj[0])
         if cls is None:
             raise WireError(f"unknown message tag {obj[0][:64]!r}")
-        return self._build(cls, obj[1], obj[0])
+        try:
+            return self._decoders[cls](obj[1])
+        except _Bad as bad:
+            raise WireError(f"{obj[0]}{''.join(reversed(bad.path))}: {bad.message}") from None
 
     def decode_or_none(self, frame: bytes) -> Any | None:
         """Decode, or count the frame as malformed and return None (the receive loops drop it)."""
@@ -79,84 +131,155 @@ class Codec:
             self.num_malformed += 1
             return None
 
-    def _build(self, cls: type, fields: dict, path: str) -> Any:
-        hints = self._hints[cls]
-        unknown = set(fields) - set(hints)
-        if unknown:
-            raise WireError(f"{path}: unknown fields {sorted(map(str, unknown))[:5]}")
-        kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name in fields:
-                kwargs[f.name] = self._convert(fields[f.name], hints[f.name], f"{path}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise WireError(f"{path}: missing field {f.name!r}")
-        try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as exc:  # __post_init__ validation
-            raise WireError(f"{path}: {exc}") from None
+    def _record_decoder(self, cls: type) -> Decoder:
+        if cls in self._decoders:
+            return self._decoders[cls]
+        self._decoders[cls] = lambda v: build(v)  # recursive records resolve through the table
+        hints = typing.get_type_hints(cls)
+        plan = [(f.name, self._decoder(hints[f.name]),
+                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                for f in dataclasses.fields(cls)]
+        names = frozenset(name for name, _, _ in plan)
 
-    def _convert(self, value: Any, hint: Any, path: str) -> Any:
+        def build(value: Any) -> Any:
+            if type(value) is not dict:
+                raise _Bad("expected a record")
+            if not names.issuperset(value):
+                raise _Bad(f"unknown fields {sorted(map(str, set(value) - names))[:5]}")
+            kwargs: dict[str, Any] = {}
+            for name, dec, required in plan:
+                if name in value:
+                    try:
+                        kwargs[name] = dec(value[name])
+                    except _Bad as bad:
+                        raise bad.at(f".{name}") from None
+                elif required:
+                    raise _Bad(f"missing field {name!r}")
+            try:
+                return cls(**kwargs)
+            except (TypeError, ValueError) as exc:  # __post_init__ validation
+                raise _Bad(str(exc)) from None
+
+        self._decoders[cls] = build
+        return build
+
+    def _decoder(self, hint: Any) -> Decoder:
         if hint is Any:
-            return value
-        origin = typing.get_origin(hint)
-        if origin in (Union, types.UnionType):
-            args = typing.get_args(hint)
-            if value is None and _NoneType in args:
-                return None
-            errors = []
-            for arg in args:
-                if arg is _NoneType:
-                    continue
-                try:
-                    return self._convert(value, arg, path)
-                except WireError as exc:
-                    errors.append(str(exc))
-            raise WireError(errors[0] if errors else f"{path}: bad value")
+            return _identity
         if dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                raise WireError(f"{path}: expected a record")
-            return self._build(hint, value, path)
+            return self._record_decoder(hint)
+        if hint in _SCALARS:
+            return _scalar_decoder(hint)
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if origin in (Union, types.UnionType):
+            return self._union_decoder(args)
         if origin is list:
-            (item,) = typing.get_args(hint) or (Any,)
-            if not isinstance(value, list):
-                raise WireError(f"{path}: expected a list")
-            return [self._convert(v, item, f"{path}[]") for v in value]
+            return self._list_decoder(args[0] if args else Any)
         if origin is tuple:
-            args = typing.get_args(hint)
-            if not isinstance(value, list):
-                raise WireError(f"{path}: expected a tuple")
-            if len(args) == 2 and args[1] is Ellipsis:
-                return tuple(self._convert(v, args[0], f"{path}[]") for v in value)
-            if len(args) != len(value):
-                raise WireError(f"{path}: expected {len(args)} items")
-            return tuple(self._convert(v, a, f"{path}[]") for v, a in zip(value, args))
+            return self._tuple_decoder(args)
         if origin is dict:
-            key_t, val_t = typing.get_args(hint) or (Any, Any)
-            if not isinstance(value, dict):
-                raise WireError(f"{path}: expected a map")
-            return {self._convert(k, key_t, path): self._convert(v, val_t, f"{path}{{}}") for k, v in value.items()}
-        return _scalar(value, hint, path)
+            key_t, val_t = args or (Any, Any)
+            return self._dict_decoder(self._decoder(key_t), self._decoder(val_t))
+        raise TypeError(f"the wire cannot carry {hint!r}")
+
+    def _union_decoder(self, args: tuple[Any, ...]) -> Decoder:
+        optional = _NoneType in args
+        choices = [self._decoder(a) for a in args if a is not _NoneType]
+        if len(choices) == 1:
+            only = choices[0]
+            return (lambda v: None if v is None else only(v)) if optional else only
+
+        def union(value: Any) -> Any:
+            if value is None and optional:
+                return None
+            first: _Bad | None = None
+            for dec in choices:
+                try:
+                    return dec(value)
+                except _Bad as bad:
+                    first = first or bad
+            raise first or _Bad("bad value")
+
+        return union
+
+    def _list_decoder(self, item: Any) -> Decoder:
+        if item in _SCALARS:  # token ids, block ids, logprobs: one C-level type scan instead of a call per item
+            allowed, name, to_float = _SCALARS[item], item.__name__, item is float
+
+            def scalars(value: Any) -> Any:
+                if type(value) is not list:
+                    raise _Bad("expected a list")
+                if not allowed.issuperset(set(map(type, value))):
+                    raise _Bad(f"expected {name} items").at("[]")
+                return [float(x) for x in value] if to_float else value
+
+            return scalars
+        dec = self._decoder(item)
+
+        def items(value: Any) -> Any:
+            if type(value) is not list:
+                raise _Bad("expected a list")
+            try:
+                return [dec(x) for x in value]
+            except _Bad as bad:
+                raise bad.at("[]") from None
+
+        return items
+
+    def _tuple_decoder(self, args: tuple[Any, ...]) -> Decoder:
+        if len(args) == 2 and args[1] is Ellipsis:
+            as_list = self._list_decoder(args[0])
+            return lambda v: tuple(as_list(v))
+        decs = [self._decoder(a) for a in args]
+
+        def fixed(value: Any) -> Any:
+            if type(value) is not list:
+                raise _Bad("expected a tuple")
+            if len(value) != len(decs):
+                raise _Bad(f"expected {len(decs)} items")
+            try:
+                return tuple(dec(x) for dec, x in zip(decs, value))
+            except _Bad as bad:
+                raise bad.at("[]") from None
+
+        return fixed
+
+    @staticmethod
+    def _dict_decoder(key: Decoder, val: Decoder) -> Decoder:
+        def mapping(value: Any) -> Any:
+            if type(value) is not dict:
+                raise _Bad("expected a map")
+            try:
+                return {key(k): val(v) for k, v in value.items()}
+            except _Bad as bad:
+                raise bad.at("{}") from None
+
+        return mapping
 
 
-def _scalar(value: Any, hint: Any, path: str) -> Any:
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _scalar_decoder(hint: Any) -> Decoder:
+    allowed, name = _SCALARS[hint], getattr(hint, "__name__", str(hint))
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        def as_float(value: Any) -> float:
+            if type(value) in allowed:
+                return float(value)
+            raise _Bad(f"expected float, got {type(value).__name__}")
+        return as_float
+
+    def exact(value: Any) -> Any:
+        if type(value) in allowed:
             return value
-    elif hint in (str, bool, bytes):
-        if type(value) is hint:
-            return value
-    elif hint is _NoneType:
-        if value is None:
-            return None
-    else:
-        raise WireError(f"{path}: unsupported type {hint!r}")
-    raise WireError(f"{path}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+        raise _Bad(f"expected {name}, got {type(value).__name__}")
+
+    return exact
 
 
 def _to_plain(obj: Any) -> Any:
+    """The generic conversion for values typed Any: records become maps, tuples lists."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
@@ -164,12 +287,3 @@ def _to_plain(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _to_plain(v) for k, v in obj.items()}
     return obj
-
-
-def _dataclasses_in(hint: Any) -> list[type]:
-    if dataclasses.is_dataclass(hint):
-        return [hint]
-    found: list[type] = []
-    for arg in typing.get_args(hint):
-        found.extend(_dataclasses_in(arg))
-    return found

@@ -20,6 +20,11 @@ from appliance.server.completions import create_completion
 from appliance.server.context import ServerContext
 from appliance.server.engine_client import ADMISSION, EngineDead, QueueFull
 from appliance.server.errors import ApiError, internal_error
+from appliance.server.messages import (
+    anthropic_error_response,
+    count_tokens,
+    create_message,
+)
 from appliance.server.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -27,6 +32,7 @@ from appliance.server.protocol import (
     parse_tokenize,
 )
 from appliance.server.request_body import BodyDeadline, read_json
+from appliance.server.responses import create_response
 from appliance.server.text import token_text
 
 log = logging.getLogger("appliance.server")
@@ -34,8 +40,10 @@ log = logging.getLogger("appliance.server")
 Handler = Callable[[ServerContext, Request], Awaitable[Response]]
 
 
-def _guarded(ctx: ServerContext, fn: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """Every failure becomes an OpenAI-shaped error response; nothing internal leaks into the body."""
+def _guarded(ctx: ServerContext, fn: Handler, shape: Callable[[ApiError], Response] = ApiError.response
+             ) -> Callable[[Request], Awaitable[Response]]:
+    """Every failure becomes an error response, OpenAI's shape unless `shape` says otherwise (Anthropic's on
+    /v1/messages); nothing internal leaks into the body."""
 
     @functools.wraps(fn)
     async def endpoint(request: Request) -> Response:
@@ -52,7 +60,7 @@ def _guarded(ctx: ServerContext, fn: Handler) -> Callable[[Request], Awaitable[R
             err = internal_error(exc)
         ctx.http_error(err.status)
         _releasing(None)
-        return err.response()
+        return shape(err)
 
     return endpoint
 
@@ -130,6 +138,22 @@ async def detokenize(ctx: ServerContext, request: Request) -> Response:
     return JSONResponse({"prompt": await ctx.off_loop(ctx.decode_off_loop, req.tokens, False)})
 
 
+async def load(ctx: ServerContext, request: Request) -> Response:
+    """vLLM's server load: the engine requests open now (queued or running)."""
+    return JSONResponse({"server_load": int(getattr(ctx.engine, "num_open", 0))})
+
+
+async def invocations(ctx: ServerContext, request: Request) -> Response:
+    """SageMaker's one inference route: the body's shape picks chat (messages), completions (prompt) or
+    responses (input)."""
+    body = await read_json(request, ctx.config.api.caps.max_body_bytes)
+    routes = (("messages", create_chat_completion), ("prompt", create_completion), ("input", create_response))
+    for key, handler in routes:
+        if isinstance(body, dict) and key in body:
+            return await handler(ctx, request, body)
+    raise ApiError(400, "/invocations needs a chat (messages), completions (prompt) or responses (input) body")
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     message = {404: "Not Found", 405: "Method Not Allowed"}.get(status, "error")
@@ -161,6 +185,11 @@ def build_app(ctx: ServerContext) -> Starlette:
         Route("/v1/models", _guarded(ctx, list_models), methods=["GET"]),
         Route("/v1/completions", _guarded(ctx, create_completion), methods=["POST"]),
         Route("/v1/chat/completions", _guarded(ctx, create_chat_completion), methods=["POST"]),
+        Route("/v1/responses", _guarded(ctx, create_response), methods=["POST"]),
+        Route("/v1/messages", _guarded(ctx, create_message, anthropic_error_response), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _guarded(ctx, count_tokens, anthropic_error_response), methods=["POST"]),
+        Route("/invocations", _guarded(ctx, invocations), methods=["POST"]),
+        Route("/load", _guarded(ctx, load), methods=["GET"]),
         Route("/tokenize", _guarded(ctx, tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(ctx, detokenize), methods=["POST"]),
         Route("/health", _guarded(ctx, health), methods=["GET"]),

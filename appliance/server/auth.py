@@ -17,7 +17,9 @@ from appliance.server.errors import ApiError
 
 log = logging.getLogger("appliance.server")
 
-GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations")
+# Anthropic's clients send the key as `x-api-key` and read errors in their own shape
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def load_api_keys(api_key: str | None, api_key_file: str | None) -> tuple[bytes, ...]:
@@ -65,6 +67,11 @@ class AuthMiddleware:
             return
         error = self._check(scope)
         if error is not None:
+            if scope["path"].startswith(ANTHROPIC_PREFIX):
+                from appliance.server.messages import anthropic_error_response
+
+                await anthropic_error_response(error)(scope, receive, send)
+                return
             await error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -79,6 +86,9 @@ class AuthMiddleware:
             return None
         auth = _header(scope, b"authorization") or b""
         scheme, _, token = auth.partition(b" ")
+        x_api_key = _header(scope, b"x-api-key") if scope["path"].startswith(ANTHROPIC_PREFIX) else None
+        if x_api_key is not None and not auth:
+            scheme, token = b"bearer", x_api_key
         if scheme.lower() != b"bearer" or not key_matches(token.strip(), self.keys):
             return ApiError(401, "Invalid or missing API key", code="invalid_api_key",
                             headers={"WWW-Authenticate": "Bearer"})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -35,8 +36,13 @@ from appliance.server.generation import (
     with_deadline,
 )
 from appliance.server.protocol import ChatCompletionRequest, parse_body
-from appliance.server.sampling import build_sampling
-from appliance.server.shaping import AnswerShaper, StreamTail
+from appliance.server.sampling import build_sampling, truncate_prompt
+from appliance.server.shaping import (
+    AnswerShaper,
+    StreamTail,
+    finite,
+    prompt_logprobs_field,
+)
 from appliance.server.sse import SSEResponse, run_until_disconnect
 
 log = logging.getLogger("appliance.server")
@@ -171,12 +177,24 @@ def render_prompt(ctx: ServerContext, req: Any, thinking_enabled: bool | None = 
     return text, ctx.encode(text, add_special_tokens=getattr(req, "add_special_tokens", False))
 
 
-async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
-    return await run_exchange(ctx, request, _create)
+async def create_chat_completion(ctx: ServerContext, request: Request, body: Any = None) -> Response:
+    return await run_exchange(ctx, request, _create, body)
 
 
-async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exchange) -> Response:
-    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request turned into its engine generation: what /v1/chat/completions, /v1/responses and
+    /v1/messages all run (one path: template, constraints, thinking budget, parsers, sampling)."""
+
+    rid: str
+    gen: Generation
+    processors: list[ChatOutputProcessor]
+    prompt_text: str
+
+
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, body: Any, exchange: Exchange,
+                       id_prefix: str = "chatcmpl") -> PreparedChat:
+    """`body`: the chat-shaped body the output constraints are read from (response_format, guided_*...)."""
     ctx.admit(req.model, req.n, req.n)  # before any template / tokenization work
     spec = await checked_output_spec(ctx, body, tools=req.tools, tool_choice=req.tool_choice,
                                      parallel_tool_calls=req.parallel_tool_calls)
@@ -187,6 +205,7 @@ async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exc
     # a grammar leaves no room for a reasoning block: render the prompt that does not open one
     thinking = decision.enabled if decision is not None else (False if spec is not None else None)
     text, ids = await ctx.off_loop(render_prompt, ctx, req, thinking)
+    ids = truncate_prompt(ids, req, ctx.limits)
     processors = build_processors(ctx, req, text, thinking if thinking is not None else True)
     params = build_sampling(req, ctx.config.sampling, ctx.limits, len(ids))
     check_compatible(params, spec)
@@ -198,35 +217,62 @@ async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exc
     params = with_extra(params, structured=spec.to_dict() if spec is not None else None, thinking_budget=budget)
     if needs_special_tokens(processors) and params.skip_special_tokens:
         params = SamplingParams.from_dict({**params.to_dict(), "skip_special_tokens": False})
-    rid = new_request_id("chatcmpl")
+    rid = new_request_id(id_prefix)
     gen = Generation(ctx.engine, ctx.tokenizer, rid, ids, params, req.n,
                      stream_interval=ctx.config.api.stream_interval)
     exchange.accepted(rid, len(ids), params.to_dict(), text)
-    shaper = _ChatShaper(ctx, req, rid, gen, processors, exchange)
+    return PreparedChat(rid, gen, processors, text)
+
+
+async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exchange) -> Response:
+    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+    prepared = await prepare_chat(ctx, req, body, exchange)
+    shaper = _ChatShaper(ctx, req, prepared, exchange)
     if req.stream:
         return SSEResponse(shaper.events())
     result = await run_until_disconnect(request.receive, shaper.collect)
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
+def echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's content when it has the answer's role (continue_final_message)."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    return last.content if last.role == role and isinstance(last.content, str) else ""
+
+
 def _logprob_entry(lp: TokenLogprob) -> dict[str, Any]:
-    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode("utf-8")),
-            "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode("utf-8"))} for t, _, p in lp.top]}
+    return {"token": lp.token, "logprob": finite(lp.logprob), "bytes": list(lp.token.encode("utf-8")),
+            "top_logprobs": [{"token": t, "logprob": finite(p), "bytes": list(t.encode("utf-8"))}
+                             for t, _, p in lp.top]}
 
 
 class _ChatShaper(AnswerShaper):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, ctx: ServerContext, req: ChatCompletionRequest, rid: str, gen: Generation,
-                 processors: list[ChatOutputProcessor], exchange: Exchange) -> None:
-        super().__init__(ctx, rid, exchange, bool(req.stream_options and req.stream_options.include_usage))
-        self.req, self.gen, self.processors = req, gen, processors
+    def __init__(self, ctx: ServerContext, req: ChatCompletionRequest, prepared: PreparedChat,
+                 exchange: Exchange) -> None:
+        super().__init__(ctx, prepared.rid, exchange, req.stream_options)
+        self.req, self.gen, self.processors = req, prepared.gen, prepared.processors
+        self.echo = echo_text(req)
 
     def usage(self) -> dict[str, Any]:
         return self.gen.usage.as_dict(self.ctx.cache_report)
 
     def _stream(self) -> AsyncIterator[ChoiceDelta]:
-        return with_deadline(self.gen.stream(), self.ctx.request_timeout)
+        return self.recording(with_deadline(self.gen.stream(), self.ctx.request_timeout))
+
+    def _extensions(self) -> dict[str, Any]:
+        """vLLM's response-level fields: prompt_token_ids (return_token_ids), prompt_logprobs."""
+        out: dict[str, Any] = {}
+        if self.req.return_token_ids:
+            out["prompt_token_ids"] = self.gen.prompt_token_ids
+        if self.req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs_field(self.ctx.tokenizer, self.gen.prompt_logprobs,
+                                                           self.gen.params.prompt_logprobs or 0)
+        return out
 
     async def collect(self) -> dict[str, Any]:
         got = await collect_choices(self._stream())
@@ -235,20 +281,25 @@ class _ChatShaper(AnswerShaper):
             proc = self.processors[i]
             reason, stop_reason = got.reasons(i)
             message = {"role": "assistant", **proc.final(got.text(i))}
+            if self.echo:
+                message["content"] = self.echo + (message.get("content") or "")
             lps = got.logprobs.get(i, [])
-            choices.append({
+            choice = {
                 "index": i, "message": message,
                 "logprobs": {"content": [_logprob_entry(lp) for lp in lps]} if self.req.logprobs else None,
                 "finish_reason": proc.finish_reason(reason), "stop_reason": stop_reason,
-            })
+            }
+            if self.req.return_token_ids:
+                choice["token_ids"] = self.token_ids.get(i, [])
+            choices.append(choice)
         usage = self.usage()
-        body = self.envelope("chat.completion", choices=choices, usage=usage)
+        body = self.envelope("chat.completion", choices=choices, usage=usage, **self._extensions())
         self.exchange.done(usage, choices[0]["finish_reason"], got.text(0), body)
         return body
 
     async def chunks(self, tail: StreamTail) -> AsyncIterator[str]:
-        for i in range(self.req.n):  # the role comes first, as OpenAI sends it
-            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+        for i in range(self.req.n):  # the role comes first, as OpenAI sends it (with echo: the echoed text)
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": self.echo},
                                 "logprobs": None, "finish_reason": None}])
         async for d in self._stream():
             proc = self.processors[d.index]
@@ -256,6 +307,8 @@ class _ChatShaper(AnswerShaper):
             choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": None}
             if d.logprobs is not None and self.req.logprobs:
                 choice["logprobs"] = {"content": [_logprob_entry(lp) for lp in d.logprobs]}
+            if self.req.return_token_ids:
+                choice["token_ids"] = d.token_ids
             if d.finish_reason is not None:
                 delta.update(proc.end())
                 choice["finish_reason"] = proc.finish_reason(d.finish_reason)

@@ -28,6 +28,7 @@ class ServerContext:
     chat_template: ChatTemplate | None
     obs: Any  # observability.FrontendObservability: /metrics registry, request log, request dump
     created: int = field(default_factory=lambda: int(time.time()))
+    response_store: Any = None  # server/responses.py's ResponseStore, made on the first /v1/responses request
     # Tokenization and template rendering run on one thread, off the event loop (so /health and streams stay
     # responsive), with their own copy of the tokenizer: a HF fast tokenizer used from two threads at once can
     # fail with "Already borrowed". The event loop keeps `tokenizer` for incremental detokenization.

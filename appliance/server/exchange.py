@@ -65,10 +65,13 @@ class Exchange:
 
 
 async def run_exchange(ctx: ServerContext, request: Request,
-                       create: Callable[[ServerContext, Request, Any, Exchange], Awaitable[Response]]) -> Response:
-    """The chat and completions routes alike: read the body, open its Exchange, let `create` answer; an ApiError
-    on the way is recorded as the exchange's failure, then answered by the app's error handler."""
-    body = await read_json(request, ctx.config.api.caps.max_body_bytes)
+                       create: Callable[[ServerContext, Request, Any, Exchange], Awaitable[Response]],
+                       body: Any = None) -> Response:
+    """Every generation route alike: read the body (unless a dispatching route read it: /invocations), open its
+    Exchange, let `create` answer; an ApiError on the way is recorded as the exchange's failure, then answered
+    by the app's error handler."""
+    if body is None:
+        body = await read_json(request, ctx.config.api.caps.max_body_bytes)
     exchange = Exchange(ctx.obs, request.url.path, body)
     try:
         return await create(ctx, request, body, exchange)

@@ -92,6 +92,7 @@ class Generation:
                       text: TextStream) -> AsyncIterator[ChoiceDelta]:
         first = True
         pending: ChoiceDelta | None = None
+        held: list[int] = []
         async for out in outputs:
             if out.error is not None:
                 if out.error_status == 429:  # the scheduler's own queue check: the same answer as the server's
@@ -108,8 +109,11 @@ class Generation:
                 out = _first_tokens(out, kept)
             self.usage.completion_tokens += len(out.new_token_ids)
             delta = self._delta(index, out, piece, stop_str, text)
-            if delta is None:
+            if delta is None:  # no text to show yet: its tokens go with the next delta (return_token_ids)
+                held += out.new_token_ids
                 continue
+            if held:
+                delta, held = dataclasses.replace(delta, token_ids=held + delta.token_ids), []
             pending = delta if pending is None else _combine(pending, delta)
             # api.stream_interval: hold deltas until that many tokens are ready (or the choice ends)
             if len(pending.token_ids) >= self.stream_interval or pending.finish_reason is not None:

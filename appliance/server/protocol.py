@@ -5,27 +5,29 @@ depend on the deployment (caps, max_model_len) happen in `sampling.py`, where th
 """
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from appliance.server.errors import ApiError
 
 TokenIds = list[int]
+log = logging.getLogger("appliance.server")
 
 
-class _Body(BaseModel):
-    # extra="ignore": OpenAI clients send fields we do not model (user, metadata, store...); the ones that
-    # would change generation are declared below and refused when unsupported.
+class RequestBody(BaseModel):
+    # extra="ignore": clients send fields we do not model; parse_body logs each such name once (WARNING), the
+    # ones that would change generation are declared below and refused when unsupported.
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(RequestBody):
     model: str | None = None
     n: int = Field(1, ge=1)
     best_of: int | None = Field(None, ge=1)
@@ -46,14 +48,30 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias in [-100, 100]
     user: str | None = None
+    # vLLM's extensions
+    prompt_logprobs: int | None = Field(None, ge=-1)
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    use_beam_search: bool = False
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, v: bool) -> bool:
         if v:
-            raise ValueError("logit_bias is not supported")
+            raise ValueError("beam search is not supported by this server; sample n choices instead")
         return v
 
     @field_validator("best_of")
@@ -66,7 +84,7 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
@@ -105,7 +123,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary, capped by api.caps.max_logprobs
+    echo: bool = False  # vLLM: the answer's content starts with the last message's content
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -122,14 +141,14 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeCompletionRequest(_Body):
+class TokenizeCompletionRequest(RequestBody):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Body):
+class TokenizeChatRequest(RequestBody):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -140,15 +159,34 @@ class TokenizeChatRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
 
+# fields read from the raw body rather than the models (server/constraints.py)
+RAW_BODY_FIELDS = frozenset({"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                             "regex", "ebnf"})
+_warned: set[str] = set()
+
+
+def warn_unknown_fields(model: type[BaseModel], body: dict[str, Any]) -> list[str]:
+    """Fields of `body` that `model` does not read: accepted (clients send extras), logged at WARNING once per
+    field name for the process's life, so an ignored setting is never silent. Returns the new names."""
+    known = model.model_fields.keys() | RAW_BODY_FIELDS
+    new = sorted(k for k in body if k not in known and f"{model.__name__}.{k}" not in _warned)
+    for name in new:
+        _warned.add(f"{model.__name__}.{name}")
+        log.warning("%s: request field %r is not supported and is ignored (logged once)", model.__name__, name)
+    return new
+
+
 def parse_body(model: type[BaseModel], body: Any) -> Any:
-    """Validate a JSON body; the first problem becomes a 400 whose `param` names the field."""
+    """Validate a JSON body; the first problem becomes a 400 whose `param` names the field. Unknown fields are
+    ignored, each name logged once (warn_unknown_fields)."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    warn_unknown_fields(model, body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:

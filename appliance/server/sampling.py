@@ -35,6 +35,8 @@ def build_sampling(req: CompletionRequest | ChatCompletionRequest, defaults: Any
     """SamplingParams for ONE choice (n is fanned out by the caller)."""
     if req.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {req.n}", "n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if num_prompt_tokens == 0:
         raise bad_request("the prompt is empty", "prompt")
     if num_prompt_tokens >= limits.max_model_len:
@@ -43,6 +45,11 @@ def build_sampling(req: CompletionRequest | ChatCompletionRequest, defaults: Any
             f"{num_prompt_tokens} tokens, leaving no room for output.", "messages" if _is_chat(req) else "prompt")
     room = limits.max_model_len - num_prompt_tokens
     max_tokens = req.effective_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    if max_tokens == 0:
+        if not getattr(req, "echo", False) or isinstance(req, ChatCompletionRequest):
+            raise bad_request("max_tokens must be at least 1 (0 is allowed on /v1/completions with echo, to score "
+                              "the prompt only)", "max_tokens")
+        max_tokens = 1  # the engine generates one token; completions.py drops it (prompt_only)
     if max_tokens is None:
         max_tokens = room if limits.max_tokens is None else min(room, limits.max_tokens)
     elif limits.max_tokens is not None and max_tokens > limits.max_tokens:
@@ -60,9 +67,12 @@ def build_sampling(req: CompletionRequest | ChatCompletionRequest, defaults: Any
     stop_ids = list(req.stop_token_ids or [])
     if len(stop_ids) > max(limits.max_stop, 64):
         raise bad_request("too many stop_token_ids", "stop_token_ids")
-    if any(not 0 <= t < limits.vocab_size for t in stop_ids):
-        raise bad_request(f"stop_token_ids must be in [0, {limits.vocab_size})", "stop_token_ids")
+    for t in stop_ids:
+        if not 0 <= t < limits.vocab_size:
+            raise bad_request(f"stop_token_ids: token id {t} is outside the vocabulary [0, {limits.vocab_size})",
+                              "stop_token_ids")
     logprobs = _logprobs(req, limits)
+    prompt_logprobs = _capped(req.prompt_logprobs, "prompt_logprobs", limits)
     if req.min_tokens > max_tokens:
         raise bad_request("min_tokens must not exceed max_tokens", "min_tokens")
     try:
@@ -84,6 +94,8 @@ def build_sampling(req: CompletionRequest | ChatCompletionRequest, defaults: Any
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=_logit_bias(req.logit_bias, limits),
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
@@ -107,9 +119,43 @@ def _logprobs(req: CompletionRequest | ChatCompletionRequest, limits: Limits) ->
         value, name = ((req.top_logprobs or 0) if req.logprobs else None), "top_logprobs"
     else:
         value, name = req.logprobs, "logprobs"
+    return _capped(value, name, limits)
+
+
+def _capped(value: int | None, name: str, limits: Limits) -> int | None:
+    """A number of top logprobs: -1 is the whole vocabulary, capped by api.caps.max_logprobs (vLLM's -1)."""
+    if value == -1:
+        return min(limits.vocab_size, limits.max_logprobs)
     if value is not None and value > limits.max_logprobs:
         raise bad_request(f"{name} must be at most {limits.max_logprobs}, got {value}", name)
     return value
+
+
+def _logit_bias(bias: dict[str, float] | None, limits: Limits) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        token = int(key)
+        if not 0 <= token < limits.vocab_size:
+            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {limits.vocab_size})",
+                              "logit_bias")
+        out.append((token, float(value)))
+    return tuple(out)
+
+
+def truncate_prompt(ids: list[int], req: CompletionRequest | ChatCompletionRequest, limits: Limits) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (truncation_side "right": the first k);
+    -1 keeps up to max_model_len - 1, leaving room for one output token."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == -1:
+        k = limits.max_model_len - 1
+    elif k >= limits.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be below max_model_len ({limits.max_model_len}), got {k}",
+                          "truncate_prompt_tokens")
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if req.truncation_side == "right" else ids[len(ids) - k:]
 
 
 def _pick(value: Any, default: Any) -> Any:

@@ -22,6 +22,11 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def named_event(kind: str, obj: Any) -> str:
+    """An event with its name line, as the Responses and Anthropic Messages streams send them."""
+    return f"event: {kind}\n{sse(obj)}"
+
+
 class SSEResponse:
     def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None) -> None:
         self.events = events

@@ -30,5 +30,28 @@ class TextStream:
         return self._detok.flush()
 
 
+class NoTokenizer:
+    """The server's tokenizer under model.skip_tokenizer_init: token ids in, token ids out. Text has no meaning
+    (decoded text is empty, a token's own text is vLLM's `token_id:N`); encoding text is a 400 that says so."""
+
+    chat_template = None
+    bos_token = eos_token = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        from appliance.server.errors import bad_request
+
+        raise bad_request("this server runs without a tokenizer (model.skip_tokenizer_init): send prompts as "
+                          "token ids to /v1/completions", "prompt")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, **kwargs: Any) -> str:
+        return ""
+
+
+def tokenizer_free(tokenizer: Any) -> bool:
+    return isinstance(tokenizer, NoTokenizer)
+
+
 def token_text(tokenizer: Any, token_id: int) -> str:
+    if isinstance(tokenizer, NoTokenizer):
+        return f"token_id:{token_id}"
     return decode_token(tokenizer, token_id)

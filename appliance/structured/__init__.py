@@ -11,8 +11,8 @@ translation, StructuredSpec.ebnf) and sends it in SamplingParams.extra["structur
 and masks that request's logits (executor/logits_processors.py).
 Offline: SamplingParams(extra=StructuredOutputsParams(json=schema).to_extra()).
 
-xgrammar is optional (`pip install 'appliance[xgrammar]'`); without it, building a compiler or a matcher
-raises StructuredOutputUnavailable (a StructuredOutputError, so a 400 for the request that asked).
+xgrammar is a dependency of appliance; where it is missing anyway (a broken install), building a compiler
+or a matcher raises StructuredOutputUnavailable (a StructuredOutputError, so a 400 for the request that asked).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one place that imports xgrammar (an optional dependency: appliance[xgrammar])."""
+"""The one place that imports xgrammar (a dependency of appliance; its absence is a clear 400, not a crash)."""
 from __future__ import annotations
 
 from types import ModuleType

@@ -13,5 +13,5 @@ class StructuredOutputUnavailable(StructuredOutputError):
         super().__init__(
             "structured outputs (response_format json_object/json_schema, regex, choice, grammar, and "
             "tool_choice 'required' or a named function) need xgrammar, which is not installed on this server; "
-            "install it with: pip install 'appliance[xgrammar]'"
+            "install it with: pip install xgrammar"
         )

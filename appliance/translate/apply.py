@@ -8,11 +8,12 @@ from typing import Any
 
 from appliance.translate import schema_view
 from appliance.translate.argv import FlagUse
-from appliance.translate.result import Pending, Translation
+from appliance.translate.placeholders import interpolated
+from appliance.translate.result import Pending, Translation, Use
 from appliance.translate.shell import restore, unresolved_refs
 from appliance.translate.spec import NO_VALUE, Flag
 
-PLACEHOLDER = re.compile(r"^<[^<>]+>$|^\{\{.*\}\}$|^YOUR[_-][A-Z0-9_-]+$|/path/to/|^\.\.\.$|^xxx+$", re.I)
+PLACEHOLDER = re.compile(r"<[A-Za-z_][^<>\s]*>|\{\{.*\}\}|^YOUR[_-][A-Z0-9_-]+$|/path/to/|^\.\.\.$|^xxx+$", re.I)
 
 
 # where a scratch value (combined by rules.py) ends up, for values that have to be left to the user
@@ -88,6 +89,14 @@ def convert(raw: Any, kind: str, choices: tuple[Any, ...] | None) -> Any:
     return value
 
 
+def _spelling(raw: Any, choices: tuple[Any, ...] | None) -> Any:
+    """SGLang's and vLLM's spellings of one name (`gpt-oss`, `DeepSeek-R1`) as the schema's (`gpt_oss`)."""
+    if not isinstance(raw, str) or not choices or restore(raw) in choices:
+        return raw
+    spelt = restore(raw).lower().replace("-", "_")
+    return spelt if spelt in choices else raw
+
+
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """`--hf-overrides '{...}' --hf-overrides.a.b 1`: later keys win, nested objects are merged."""
     merged = dict(base)
@@ -97,6 +106,18 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _implied(use: FlagUse) -> bool:
+    """A use that needs no setting: the appliance always behaves that way, or the value changes nothing here."""
+    flag, raw = use.flag, use.value
+    if flag is None or use.problem:
+        return False
+    if flag.status == "implied":
+        return True
+    if isinstance(raw, str) and raw.lower() in flag.neutral:
+        return True
+    return flag.status in ("none", "removed") and flag.arity == "flag" and raw is False
+
+
 class Applier:
     def __init__(self, out: Translation) -> None:
         self.out = out
@@ -104,6 +125,7 @@ class Applier:
 
     def apply(self, use: FlagUse) -> None:
         flag, out = use.flag, self.out
+        out.uses.append(Use(use.written, use.display, _implied(use)))
         if use.problem and flag is None:
             out.warn(use.written, use.problem, unmapped=True)
             return
@@ -127,6 +149,9 @@ class Applier:
             return
         if flag.status == "implied":
             out.note(use.display, flag.note)
+            return
+        if word and word.lower() in flag.neutral:  # e.g. --max-model-len auto: the unset key means the same
+            out.note(use.display, f"{word} is what {flag.target} means when unset; nothing to set")
             return
         assert flag.target is not None
         if flag.arity == "json" or use.subkey is not None:
@@ -168,9 +193,7 @@ class Applier:
         for w in words:
             why = undecided(w)
             if why:
-                key = SCRATCH_KEYS.get(target, target)
-                out.pending.append(Pending(key, restore(" ".join(words)), source, why))
-                out.warn(source, f"{why}: {key} is left commented out; fill it in")
+                self._undecided(target, words, source, why)
                 return
         if from_word and isinstance(raw, str):
             mapped = flag.value_map().get(restore(raw).lower(), NO_VALUE)
@@ -183,6 +206,34 @@ class Applier:
             self.scratch[target] = (raw if not isinstance(raw, str) else restore(raw), source)
             return
         self.store(target, raw, source, flag.note if flag.status == "similar" else "")
+
+    def _undecided(self, target: str, words: list[str], source: str, why: str) -> None:
+        """A value the script leaves to its environment: `${oc.env:VAR}` interpolation where one variable (or a
+        named placeholder) stands for it, verbatim in a text field, else pending (commented out)."""
+        out = self.out
+        key = SCRATCH_KEYS.get(target, target)
+        info = schema_view.key_info(key)
+        text_field = info is not None and info.kind == "str" and info.choices is None
+        interp = interpolated(words[0]) if len(words) == 1 else None
+        if interp is not None and (text_field or target.startswith("@") or info is not None):
+            names = ", ".join(interp.variables)
+            out.note(source, f"{why}: kept as {interp.text}, resolved from the environment when the appliance "
+                     f"starts (set {names} there)")
+            if target.startswith("@"):
+                self.scratch[target] = (interp.text, source)
+            else:
+                out.set(target, interp.text, source)
+            return
+        if text_field or target == "@dist_host":
+            text = restore(" ".join(words))
+            out.note(source, f"{why}: {key} keeps {text!r} verbatim; replace it before use")
+            if target.startswith("@"):
+                self.scratch[target] = (text, source)
+            else:
+                out.set(target, text, source)
+            return
+        out.pending.append(Pending(key, restore(" ".join(words)), source, why))
+        out.warn(source, f"{why}: {key} is left commented out; fill it in")
 
     def store(self, target: str, raw: Any, source: str, note: str = "") -> None:
         out = self.out
@@ -204,8 +255,10 @@ class Applier:
                     out.warn(source, f"only the first of {len(raw)} values is kept ({target} takes one)",
                              unmapped=True)
                 raw = raw[0]
-            value = convert(raw, info.kind, info.choices)
-        except BadValue as exc:
+            value = convert(_spelling(raw, info.choices), info.kind, info.choices)
+            if info.kind not in ("dict", "any"):
+                value = schema_view.normalized(target, value)
+        except (BadValue, ValueError) as exc:
             out.warn(source, f"{exc}; {target} not set", unmapped=True)
             return
         if parent_info is not None and parent_info.kind == "dict":  # a key inside a free dict (hf_overrides)

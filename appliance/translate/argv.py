@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from appliance.translate.spec import NO_VALUE, EngineTable, Flag
@@ -139,15 +138,15 @@ class ArgvReader:
         return NO_VALUE, i, "expects a value"
 
 
-def config_file_words(path: Path) -> list[str]:
+def config_file_words(text: str, name: str) -> list[str]:
     """A flat YAML config file (`--config`) as the command-line words it stands for."""
     import yaml
 
-    data = yaml.safe_load(path.read_text())
+    data = yaml.safe_load(text)
     if data is None:
         return []
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of flag names to values")
+        raise ValueError(f"{name}: expected a mapping of flag names to values")
     words: list[str] = []
     for key, value in data.items():
         name = "--" + str(key).lstrip("-")

@@ -26,12 +26,25 @@ writes one file per node). `appliance translate --to vllm|sglang FILE.toml` goes
 - **no equivalent** / **removed upstream**: a warning on stderr and a comment in the TOML; `--strict` makes
   them an error (exit 1). Values listed as neutral (e.g. a pipeline size of 1) change nothing and only get a note.
 
+A value this build cannot honour yet (pipeline parallelism, a parser or kernel backend it lacks, a host KV tier,
+...) is still written: `appliance validate` lists it and `appliance run` refuses to start until it lands.
+
 The shell around the command is understood too: line continuations, comments, `export VAR=...` and `VAR=... cmd`
-prefixes (variables set earlier in the script are expanded; others, and placeholders such as `<MODEL>`, are
-reported and left commented out, never guessed), `docker run ... IMAGE args` (port maps, mounts and GPUs are
-reported), `bash -c "..."`, `nohup`, `env`, `uv run`. `CUDA_VISIBLE_DEVICES` is reported as the device list.
-vLLM's `--config FILE.yaml` is read (the command line wins), as are its dotted JSON forms
-(`--speculative-config.method mtp`), `--flag_with_underscores`, `--no-X` switches and argparse abbreviations.
+prefixes (variables set earlier in the script are expanded), aliases, here-documents the script writes,
+`docker run ... IMAGE args` (port maps, mounts and GPUs are reported; `--entrypoint`), `bash -c "..."`, `nohup`,
+`env`, `uv run`, `kubectl exec ... --`, `torchrun -m`, `python -m sglang_router.launch_server`, a copied `$ `
+prompt. A variable the script does not set (`$MASTER_IP`, `${TP:-8}`) or a named placeholder (`<node0-host>`)
+becomes `${oc.env:MASTER_IP}` / `${oc.env:TP,8}` / `${oc.env:NODE0_HOST}`, which the config loader reads from
+the environment the appliance starts in (`appliance validate` warns while it is unset); what no variable can stand
+for (`$(hostname -I)`, `/path/to/model`) is kept verbatim in a text field with a note, else left commented out.
+`CUDA_VISIBLE_DEVICES` is reported as the device list. `--config FILE.yaml` is read (the command line wins), as
+are vLLM's dotted JSON forms (`--speculative-config.method mtp`), `--flag_with_underscores`, `--no-X` switches and
+argparse abbreviations. SGLang's `--speculative-algorithm EAGLE` without a draft model (DeepSeek-V3/R1, MiMo,
+GLM-4.5+, Qwen3-Next) means the model's own MTP layers: algorithm MTP, with a note.
+
+`python -m tools.translate_corpus` measures all this on tests/fixtures/translate/corpus, launch scripts copied
+from public recipes and docs (each names its source): how many translate, how many results validate, and the
+share of source settings carried exactly (`--list` prints the rest).
 """
 
 

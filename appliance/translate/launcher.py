@@ -22,6 +22,7 @@ _DOCKER_VALUED = {
 # images whose entrypoint is the engine, so the words after the image are engine arguments
 _IMAGE_ENTRYPOINTS = ((re.compile(r"vllm[-/]?openai|vllm/vllm"), ("vllm", "serve")),
                       (re.compile(r"atlas"), ("spark",)))
+_CONTAINER_VALUED = {"-B", "--bind", "--env", "--home", "-H", "--overlay", "-o", "--pwd", "-W", "--workdir"}
 _WRAPPERS = {"nohup", "exec", "time", "stdbuf", "setsid", "nice", "ionice", "taskset", "numactl", "srun"}
 _PYTHON = re.compile(r"(.*/)?python(\d(\.\d+)?)?$")
 _SHELLS = re.compile(r"(.*/)?(ba|z|da)?sh$")
@@ -58,10 +59,18 @@ def _strip_wrappers(argv: list[str], env: dict[str, str]) -> list[str]:
                     k, _, v = argv[0].partition("=")
                     env[k] = v
                 argv = argv[1:]
-        elif head in ("uv", "poetry", "pipenv", "pdm", "rye") and argv[1:2] == ["run"]:
-            argv = argv[2:]
+        elif head in ("uv", "poetry", "pipenv", "pdm", "rye", "pipx", "hatch") and argv[1:2] == ["run"] \
+                or head == "uvx":
+            argv = argv[1:] if head == "uvx" else argv[2:]
             while argv and argv[0].startswith("-"):
                 argv = argv[1:]
+        elif head in ("apptainer", "singularity") and argv[1:2] in (["exec"], ["run"]):
+            argv = argv[2:]  # [options] IMAGE COMMAND...
+            while argv and argv[0].startswith("-"):
+                argv = argv[2:] if argv[0] in _CONTAINER_VALUED else argv[1:]
+            argv = argv[1:]
+        elif "--" in argv and head in ("kubectl", "oc", "ray", "mpirun", "launch", "env"):
+            argv = argv[argv.index("--") + 1:]  # `kubectl exec POD -- CMD`, `ray job submit -- CMD`
         elif head == "conda" and argv[1:2] == ["run"]:
             argv = argv[2:]
             while argv and argv[0].startswith("-"):
@@ -140,6 +149,12 @@ def detect(argv: list[str] | tuple[str, ...], env: dict[str, str] | None = None)
         return Launch("tokenspeed", argv[2:], env=env)
     if head == "spark" and argv[1:2] == ["serve"]:
         return Launch("atlas", argv[2:], env=env)
+    if head == "torchrun" or head == "deepspeed":  # `torchrun [options] -m MODULE ARGS` runs a python module
+        rest = argv[1:]
+        while rest and rest[0] != "-m" and rest[0].startswith("-"):
+            rest = rest[1:] if "=" in rest[0] or rest[1:2] == ["-m"] else rest[2:]
+        argv = ["python", *rest]
+        head = "python"
     if _PYTHON.match(head):
         rest = argv[1:]
         while rest and rest[0] in ("-u", "-O", "-B", "-E", "-s"):
@@ -150,7 +165,9 @@ def detect(argv: list[str] | tuple[str, ...], env: dict[str, str] | None = None)
                 return Launch("vllm", args, positional_model=False, env=env)
             if module == "vllm.entrypoints.cli.main" and args[:1] == ["serve"]:
                 return Launch("vllm", args[1:], env=env)
-            if module in ("sglang.launch_server", "sglang.srt.server"):
+            if module in ("sglang.launch_server", "sglang.srt.server", "sglang_router.launch_server"):
+                # the router launcher starts dp workers behind SGLang's router: the same server arguments, plus
+                # `--router-*` options (tables/sglang.py); the appliance routes among its dp replicas itself
                 return Launch("sglang", args, positional_model=False, env=env)
             if module.startswith("tokenspeed") and "serve" in args[:1]:
                 return Launch("tokenspeed", args[1:], env=env)

@@ -25,6 +25,15 @@ class Pending:
 
 
 @dataclass(frozen=True)
+class Use:
+    """One setting the source command made (a flag, a config-file key, an engine environment variable)."""
+
+    written: str  # the option as written: "--tp"
+    display: str  # with its value: "--tp 8"
+    implied: bool  # needs no setting here: the appliance behaves that way (or the value is its default)
+
+
+@dataclass(frozen=True)
 class Finding:
     level: Literal["warning", "note"]
     subject: str  # the flag / variable / wrapper it is about
@@ -44,6 +53,8 @@ class Translation:
     context: list[str] = field(default_factory=list)  # docker / environment facts worth keeping as comments
     problems: list[str] = field(default_factory=list)  # validation problems of the result
     unsupported: list[str] = field(default_factory=list)  # valid, but not honoured by this build yet
+    uses: list[Use] = field(default_factory=list)  # every setting the source command made, for coverage
+    implied_sources: set[str] = field(default_factory=set)  # uses a rule found to need no setting here
 
     def set(self, path: str, value: Any, source: str, note: str = "") -> None:
         self.settings.pop(path, None)  # re-insert: a later source (command line over --config) wins
@@ -59,6 +70,11 @@ class Translation:
 
     def note(self, subject: str, message: str) -> None:
         self.findings.append(Finding("note", subject, message))
+
+    def implied(self, subject: str, message: str) -> None:
+        """A note about a use that needs no setting: the appliance behaves that way already."""
+        self.note(subject, message)
+        self.implied_sources.add(subject)
 
     @property
     def unmapped(self) -> list[Finding]:

@@ -3,11 +3,13 @@ deployment can be A/B-tested on both. Settings the engine cannot express are lis
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass
 from typing import Any
 
 from appliance.translate import schema_view
+from appliance.translate.placeholders import to_shell
 from appliance.translate.spec import EngineTable, Flag
 from appliance.translate.tables import TABLES
 
@@ -25,14 +27,20 @@ class Command:
         lines = [f"# {path} = {json.dumps(value)}: no {TABLES[self.engine].title} equivalent"
                  for path, value in self.inexpressible.items()]
         words = self.argv
-        body, i = [shlex.join(words[:self.head])], self.head
+        body, i = [_join(words[:self.head])], self.head
         while i < len(words):
             j = i + 1
             while j < len(words) and not words[j].startswith("--"):
                 j += 1
-            body.append("    " + shlex.join(words[i:j]))
+            body.append("    " + _join(words[i:j]))
             i = j
         return "\n".join(lines + [" \\\n".join(body)]) + "\n"
+
+
+def _join(words: list[str]) -> str:
+    """shlex.join, except that a word reading an environment variable is double-quoted so the shell expands it."""
+    return " ".join('"' + re.sub(r'(["\\`])', r"\\\1", w) + '"' if "${" in w else shlex.quote(w)
+                    for w in words)
 
 
 def leaves(document: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -63,7 +71,7 @@ def _word(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (dict, list)):
         return json.dumps(value)
-    return str(value)
+    return to_shell(str(value))
 
 
 def _source_value(flag: Flag, value: Any) -> Any:
@@ -79,7 +87,7 @@ def to_command(document: dict[str, Any], engine: str) -> Command:
     best = _preferred(table)
     argv = list(LAUNCHERS[engine])
     if engine == "vllm" and "model.path" in values:  # `vllm serve MODEL`
-        argv.append(str(values.pop("model.path")))
+        argv.append(to_shell(str(values.pop("model.path"))))
     head = len(argv)
     left: dict[str, Any] = {}
     groups: dict[str, dict[str, Any]] = {}  # JSON flags assembled key by key
@@ -130,9 +138,9 @@ def _special(engine: str, values: dict[str, Any], argv: list[str]) -> dict[str, 
     """Settings one flag cannot carry alone; handled here and taken out of `values`."""
     values = dict(values)
     addr = values.get("parallelism.dist_init_addr")
-    if engine == "vllm" and isinstance(addr, str) and ":" in addr:
-        host, port = addr.rsplit(":", 1)
-        argv.extend(["--master-addr", host, "--master-port", port])
+    split = re.fullmatch(r"(.+?):(\$\{oc\.env:[^}]*\}|[^:]+)", addr) if isinstance(addr, str) else None
+    if engine == "vllm" and split is not None:  # host:port, either part possibly `${oc.env:VAR}`
+        argv.extend(["--master-addr", to_shell(split.group(1)), "--master-port", to_shell(split.group(2))])
         values.pop("parallelism.dist_init_addr")
     if engine == "vllm" and values.get("scheduler.chunked_prefill_size") == -1:
         values.pop("scheduler.chunked_prefill_size")
@@ -144,6 +152,13 @@ def _special(engine: str, values: dict[str, Any], argv: list[str]) -> dict[str, 
         values.pop("backends.all2all")
         argv.extend(["--all2all-backend",
                      "deepep_low_latency" if mode == "low_latency" else "deepep_high_throughput"])
+    tp, dp, dense = (values.get(f"parallelism.{k}", 1) for k in ("tp", "dp", "dense_tp"))
+    if engine == "sglang" and isinstance(dense, int) and dense > tp and dense == tp * dp:
+        # split parallelism with attention replicas is SGLang's --tp T --dp D --enable-dp-attention
+        for key in ("tp", "dense_tp") + (("moe_tp",) if values.get("parallelism.moe_tp") == dense else ()):
+            values.pop(f"parallelism.{key}", None)
+        values["parallelism.tp"] = dense
+        argv.append("--enable-dp-attention")
     if engine == "sglang" and values.get("parallelism.enable_expert_parallel") and "parallelism.ep" not in values:
         values.pop("parallelism.enable_expert_parallel")
         argv.extend(["--ep-size", str(values.get("parallelism.tp", 1) * values.get("parallelism.dp", 1))])

@@ -5,6 +5,7 @@ prefill switched off, an EP size that implies expert parallelism, the visible de
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from appliance.translate import schema_view
@@ -18,11 +19,16 @@ def finish(out: Translation, applier: Applier, uses: list[FlagUse], table: Engin
            env: dict[str, str], devices: list[str] | None) -> None:
     scratch = applier.scratch
     _chunked_prefill(out, scratch)
-    _dist_addr(out, scratch)
+    _dist_addr(out, scratch, table)
+    _dp_attention(out, scratch)
     _dp_layout(out, scratch)
+    _world(out)
     _expert_parallel(out)
     _deepep_mode(out, uses)
+    _draft_only(out)
+    _eagle_as_mtp(out)
     _mtp(out)
+    _host_tier(out)
     _devices(out, env, devices)
     _engine_defaults(out, table)
 
@@ -32,7 +38,7 @@ def _chunked_prefill(out: Translation, scratch: dict[str, tuple[Any, str]]) -> N
         return
     on, source = scratch["@chunked_prefill"]
     if on is True:
-        out.note(source, "chunked prefill is on by default here")
+        out.implied(source, "chunked prefill is on by default here")
         return
     budget = out.settings.get("scheduler.chunked_prefill_size")
     if budget is not None:
@@ -41,10 +47,17 @@ def _chunked_prefill(out: Translation, scratch: dict[str, tuple[Any, str]]) -> N
     out.set("scheduler.chunked_prefill_size", -1, source, "-1 turns chunked prefill off")
 
 
-def _dist_addr(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None:
+# the rendezvous port an engine uses when the command names only the host
+DEFAULT_MASTER_PORT = {"vllm": (29501, "vLLM's default --master-port")}
+
+
+def _dist_addr(out: Translation, scratch: dict[str, tuple[Any, str]], table: EngineTable) -> None:
     host, port = scratch.get("@dist_host"), scratch.get("@dist_port")
     if host is None and port is None:
         return
+    if host is not None and port is None and table.name in DEFAULT_MASTER_PORT:
+        value, why = DEFAULT_MASTER_PORT[table.name]
+        port = (value, f"({why})")
     if host is None or port is None:
         if any(p.path == "parallelism.dist_init_addr" for p in out.pending):
             return  # the other half is unresolved: already reported
@@ -89,6 +102,42 @@ def _dp_layout(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None:
                 f"first DP rank {start} / {local} replicas per node")
 
 
+def _dp_attention(out: Translation, scratch: dict[str, tuple[Any, str]]) -> None:
+    """SGLang's `--tp T --dp D --enable-dp-attention`: T ranks in all, attention in D replicas of T/D."""
+    if scratch.get("@dp_attention", (False, ""))[0] is not True:
+        return
+    source = scratch["@dp_attention"][1]
+    tp, dp = out.get("parallelism.tp", 1), out.get("parallelism.dp", 1)
+    if not isinstance(tp, int) or not isinstance(dp, int) or dp < 2 or tp % dp:
+        out.note(source, f"tp {tp} and dp {dp}: no attention replicas to split (dp must divide tp); nothing set")
+        return
+    note = f"attention tp {tp // dp} x dp {dp} = {tp} ranks; dense layers tensor-parallel over all {tp}"
+    source = " ".join(s.source for k in ("parallelism.tp", "parallelism.dp")
+                      if (s := out.settings.get(k)) is not None) + " " + source
+    out.set("parallelism.tp", tp // dp, source, note)
+    if "parallelism.dense_tp" not in out.settings:
+        out.set("parallelism.dense_tp", tp, source, note)
+    expert_parallel = out.get("parallelism.enable_expert_parallel", False) or out.get("parallelism.ep", 1) != 1
+    if "parallelism.moe_tp" not in out.settings and not expert_parallel:
+        out.set("parallelism.moe_tp", tp, source, "MoE layers tensor-parallel over all ranks too")
+
+
+def _world(out: Translation) -> None:
+    """An explicit world size with one of tp / dp left out (TokenSpeed's split form): the other follows."""
+    world = out.settings.get("parallelism.world_size")
+    if world is None or not isinstance(world.value, int):
+        return
+    tp, dp, pp = (out.get(f"parallelism.{k}", 1) for k in ("tp", "dp", "pp"))
+    if not all(isinstance(v, int) and v > 0 for v in (tp, dp, pp)) or world.value == tp * dp * pp:
+        return
+    if "parallelism.tp" not in out.settings and world.value % (dp * pp) == 0:
+        out.set("parallelism.tp", world.value // (dp * pp), world.source,
+                "no attention TP size given: it spans the world (world_size / dp / pp)")
+    elif "parallelism.dp" not in out.settings and world.value % (tp * pp) == 0:
+        out.set("parallelism.dp", world.value // (tp * pp), world.source,
+                "attention replicas: world_size / attention tp / pp (TokenSpeed's data-parallel attention)")
+
+
 def _expert_parallel(out: Translation) -> None:
     ep = out.settings.get("parallelism.ep")
     if ep is not None and isinstance(ep.value, int) and ep.value > 1 and \
@@ -104,11 +153,52 @@ def _deepep_mode(out: Translation, uses: list[FlagUse]) -> None:
                 out.set("backends.deepep_mode", mode, use.display, "the DeepEP mode vLLM's backend name carries")
 
 
+# architectures with their own multi-token-prediction (NextN) layers, by the names their checkpoints carry
+MTP_ARCHITECTURES = re.compile(r"deepseek-(v3|r1|v4)|mimo|glm-?4\.[5-9]|glm-?5|qwen3-next|qwen3\.[5-9]|step-?3\.5"
+                               r"|ernie-?4\.5|longcat", re.I)
+
+
+def _draft_only(out: Translation) -> None:
+    """vLLM's speculative config without a method: the draft model's name decides (as vLLM does)."""
+    draft = out.settings.get("speculative.draft_model_path")
+    if draft is None or "speculative.algorithm" in out.settings:
+        return
+    name = str(draft.value).lower()
+    algorithm = "EAGLE3" if "eagle3" in name else "EAGLE" if "eagle" in name else "STANDALONE"
+    out.set("speculative.algorithm", algorithm, draft.source, "no method given: vLLM infers it from the draft "
+            f"model's name ({algorithm}: {'an EAGLE head' if 'EAGLE' in algorithm else 'a smaller LLM drafts'})")
+
+
+def _eagle_as_mtp(out: Translation) -> None:
+    """SGLang's EAGLE without a draft model runs the target's own MTP (NextN) layers as the drafter."""
+    algo = out.settings.get("speculative.algorithm")
+    if algo is None or algo.value != "EAGLE" or "speculative.draft_model_path" in out.settings \
+            or any(p.path == "speculative.draft_model_path" for p in out.pending):
+        return
+    model = str(out.get("model.path", ""))
+    known = MTP_ARCHITECTURES.search(model)
+    why = f"{model} has its own MTP layers" if known else \
+        "no draft model is given, so the engine drafts with the model's own MTP (NextN) layers"
+    out.set("speculative.algorithm", "MTP", algo.source, f"EAGLE without a draft model is SGLang's way to run the "
+            f"model's multi-token-prediction layers: algorithm MTP ({why})")
+
+
+def _host_tier(out: Translation) -> None:
+    """A host-tier size or policy (TokenSpeed's KVStore is on unless --disable-kvstore) turns the tier on."""
+    tier = [s for k, s in out.settings.items() if k.startswith("cache.host_cache_")]
+    if tier and "cache.host_cache" not in out.settings:
+        out.set("cache.host_cache", True, tier[0].source, "a host-tier setting turns the host tier on")
+
+
 def _mtp(out: Translation) -> None:
     if out.get("speculative.algorithm") in ("MTP", "NGRAM") and "speculative.draft_model_path" in out.settings:
         dropped = out.settings.pop("speculative.draft_model_path")
-        out.note(dropped.source, f"{out.get('speculative.algorithm')} uses no separate draft model; the model "
-                 f"{dropped.value!r} is not needed here")
+        algorithm = out.get("speculative.algorithm")
+        if dropped.value == out.get("model.path"):  # the target's own checkpoint holds its MTP layers
+            out.implied(dropped.source, f"{algorithm} drafts with the model's own layers: nothing to set")
+        else:
+            out.note(dropped.source, f"{algorithm} uses no separate draft model; the model {dropped.value!r} is "
+                     "not needed here")
 
 
 def _devices(out: Translation, env: dict[str, str], devices: list[str] | None) -> None:

@@ -55,6 +55,25 @@ def _kind(annotation: Any) -> tuple[Kind, tuple[Any, ...] | None, type[BaseModel
     return {bool: "bool", int: "int", float: "float"}.get(ann, "str"), None, None  # type: ignore[return-value]
 
 
+def normalized(path: str, value: Any) -> Any:
+    """The value as the schema stores it (`gpt-oss` -> `gpt_oss`, `half` -> `float16`), by validating it in its
+    section; ValueError when the field refuses it. Keys inside free dicts (hf_overrides) are returned as given."""
+    *parents, leaf = path.split(".")
+    model: Any = _root()
+    for part in parents:
+        field = model.model_fields.get(part)
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return value
+    if leaf not in model.model_fields:
+        return value
+    try:
+        return getattr(model.model_validate({leaf: value}), leaf)
+    except ValidationError as exc:
+        errors = [e for e in exc.errors() if e["loc"][:1] == (leaf,)] or exc.errors()
+        raise ValueError(errors[0]["msg"].removeprefix("Value error, ")) from None
+
+
 def _default(field: Any) -> Any:
     if field.default_factory is not None:
         value = field.default_factory()
@@ -101,8 +120,23 @@ def keys(section: str) -> tuple[str, ...]:
     return tuple(flat + nested)
 
 
+def _resolved(document: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The document with `${oc.env:VAR}` values resolved as `appliance validate` does (an unset variable: the
+    raw text in a text field, else the default), and the resolution errors."""
+    import copy
+
+    from appliance.config.interpolation import interpolate
+
+    data = copy.deepcopy(document)
+    errors, _ = interpolate(data, strict=False)
+    return data, [f"{p.path}: {p.message}" for p in errors]
+
+
 def validate(document: dict[str, Any]) -> list[str]:
     """Schema and cross-field problems of a nested config dict, as `path: message` lines (empty when valid)."""
+    document, errors = _resolved(document)
+    if errors:
+        return errors
     try:
         _root().model_validate(document)
     except ValidationError as exc:
@@ -115,7 +149,7 @@ def unsupported(document: dict[str, Any]) -> list[str]:
     from appliance.config import check_supported
 
     try:
-        config = _root().model_validate(document)
+        config = _root().model_validate(_resolved(document)[0])
     except ValidationError:
         return []
     return check_supported(config)

@@ -174,17 +174,62 @@ def _expand(word: str, env: dict[str, str], missing: list[str]) -> list[str]:
     return [expanded.replace(QUOTED_DOLLAR, "$")]
 
 
-def parse_script(text: str, env: dict[str, str] | None = None) -> list[ShellCommand]:
-    """Every simple command of the script, in order, with the exported environment each one sees."""
+# a copied terminal prompt in front of a command (`$ vllm serve ...`, `(venv) $ ...`): not valid shell anyway
+_PROMPT = re.compile(r"^[ \t]*(?:\([\w.-]+\)[ \t]*)?[$%][ \t]+(?=\S)", re.M)
+_HEREDOC = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_]\w*)\2")
+_WRITES = re.compile(r"^\s*(?:cat\b[^>|]*>\s*|cat\b.*\|\s*(?:sudo\s+)?tee\s+(?:-a\s+)?)([^\s;&|<>]+)")
+
+
+def heredocs(text: str) -> tuple[str, dict[str, str]]:
+    """The script with here-document bodies blanked out (lines kept, so line numbers hold), and the files that
+    `cat > FILE << EOF` / `cat << EOF | tee FILE` write from them (name -> text)."""
+    lines = text.split("\n")
+    files: dict[str, str] = {}
+    i = 0
+    while i < len(lines):
+        m = _HEREDOC.search(lines[i])
+        if m is None:
+            i += 1
+            continue
+        end = i + 1
+        while end < len(lines) and (lines[end].lstrip("\t") if m.group(1) else lines[end]).rstrip() != m.group(3):
+            end += 1
+        body = "\n".join(lines[i + 1:end]) + "\n"
+        target = _WRITES.match(lines[i].replace(m.group(0), " "))
+        if target:
+            files[target.group(1).strip("'\"")] = body
+        lines[i] = lines[i].replace(m.group(0), " ")
+        for j in range(i + 1, min(end + 1, len(lines))):
+            lines[j] = ""
+        i = end + 1
+    return "\n".join(lines), files
+
+
+def parse_script(text: str, env: dict[str, str] | None = None,
+                 files: dict[str, str] | None = None) -> list[ShellCommand]:
+    """Every simple command of the script, in order, with the exported environment each one sees. Here-documents
+    the script writes to files are added to `files`; `alias` definitions are expanded like bash does."""
     shell_vars: dict[str, str] = dict(env or {})
     exported: dict[str, str] = dict(env or {})
+    aliases: dict[str, list[str]] = {}
     out: list[ShellCommand] = []
+    text, written = heredocs(_PROMPT.sub("", text))
+    if files is not None:
+        files.update(written)
     for line, logical in _logical_lines(text):
         for words in _split(logical):
             while words and words[0] in _KEYWORDS:
                 words = words[1:]
             if not words or words[0] in _ENDERS:
                 continue
+            if words[0] == "alias":
+                for definition in words[1:]:
+                    name, eq, value = definition.partition("=")
+                    if eq:
+                        aliases[name] = shlex.split(value.replace(QUOTED_DOLLAR, "$"))
+                continue
+            if words[0] in aliases:
+                words = aliases[words[0]] + words[1:]
             missing: list[str] = []
             prefix: dict[str, str] = {}
             while words and (m := _ASSIGN.match(words[0])):

@@ -5,6 +5,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from appliance.translate import rules, schema_view
 from appliance.translate.apply import Applier
 from appliance.translate.argv import ArgvReader, FlagUse, config_file_words
@@ -30,33 +32,37 @@ class ScriptResult:
 
 
 def translate_text(text: str, base_dir: Path | None = None) -> ScriptResult:
+    files: dict[str, str] = {}  # files the script writes itself (here-documents): --config may name one
     try:
-        commands = parse_script(text)
+        commands = parse_script(text, files=files)
     except ShellSyntaxError as exc:
         raise TranslateError(f"cannot read the input as a shell command: {exc}") from exc
     result = ScriptResult()
     for cmd in commands:
-        _walk(cmd, result, base_dir, 0)
+        _walk(cmd, result, base_dir, 0, files)
     if not result.translations:
         seen = "; ".join(result.skipped[:5]) or "nothing"
         raise TranslateError(f"no vLLM, SGLang, TokenSpeed or Atlas launch command found (saw: {seen})")
     return result
 
 
-def _walk(cmd: ShellCommand, result: ScriptResult, base_dir: Path | None, depth: int) -> None:
+def _walk(cmd: ShellCommand, result: ScriptResult, base_dir: Path | None, depth: int,
+          files: dict[str, str]) -> None:
     env = dict(cmd.env)
     launch = detect(cmd.argv, env)
     if launch.script is not None and depth < _MAX_DEPTH:
-        for inner in parse_script(launch.script, env):
-            _walk(ShellCommand(inner.argv, inner.env, cmd.line, inner.unresolved), result, base_dir, depth + 1)
+        for inner in parse_script(launch.script, env, files):
+            _walk(ShellCommand(inner.argv, inner.env, cmd.line, inner.unresolved), result, base_dir, depth + 1,
+                  files)
         return
     if launch.engine is None:
         result.skipped.append(f"line {cmd.line}: {restore(' '.join(cmd.argv[:3]))}")
         return
-    result.translations.append(translate_launch(launch, {**env, **launch.env}, cmd, base_dir))
+    result.translations.append(translate_launch(launch, {**env, **launch.env}, cmd, base_dir, files))
 
 
-def translate_launch(launch: Launch, env: dict[str, str], cmd: ShellCommand, base_dir: Path | None) -> Translation:
+def translate_launch(launch: Launch, env: dict[str, str], cmd: ShellCommand, base_dir: Path | None,
+                     files: dict[str, str] | None = None) -> Translation:
     assert launch.engine is not None
     table = TABLES[launch.engine]
     out = Translation(launch.engine, table.title, cmd.line, [restore(w) for w in cmd.argv])
@@ -70,8 +76,8 @@ def translate_launch(launch: Launch, env: dict[str, str], cmd: ShellCommand, bas
             out.warn(restore(word), f"unexpected positional argument for {table.title}; not translated",
                      unmapped=True)
     # lowest to highest: engine environment variables, --config file, command line
-    uses = _env_uses(table.env_flags, env, table.lookup) + _config_file_uses(reader, cli_uses, base_dir, out) \
-        + cli_uses
+    uses = _env_uses(table.env_flags, env, table.lookup) \
+        + _config_file_uses(reader, cli_uses, base_dir, out, files or {}) + cli_uses
     applier = Applier(out)
     for use in uses:
         applier.apply(use)
@@ -84,8 +90,9 @@ def translate_launch(launch: Launch, env: dict[str, str], cmd: ShellCommand, bas
 
 
 def _config_file_uses(reader: ArgvReader, uses: list[FlagUse], base_dir: Path | None,
-                      out: Translation) -> list[FlagUse]:
-    """Uses read from `--config FILE.yaml`, to be applied before the command line's own."""
+                      out: Translation, files: dict[str, str]) -> list[FlagUse]:
+    """Uses read from `--config FILE.yaml` (a file on disk, or one the script writes with a here-document), to be
+    applied before the command line's own."""
     found: list[FlagUse] = []
     for use in uses:
         if use.flag is None or use.flag.canonical != "--config" or not isinstance(use.value, str):
@@ -98,12 +105,14 @@ def _config_file_uses(reader: ArgvReader, uses: list[FlagUse], base_dir: Path | 
         path = Path(name)
         candidates = [path] if path.is_absolute() or base_dir is None else [base_dir / path, path]
         target = next((p for p in candidates if p.is_file()), None)
-        if target is None:
+        inline = files.get(name, files.get(path.name)) if target is None else None
+        if target is None and inline is None:
             out.warn(use.display, f"config file {name} not found; its settings are not translated", unmapped=True)
             continue
         try:
-            file_uses, extra = reader.read(config_file_words(target), origin=str(target))
-        except (OSError, ValueError) as exc:
+            words = config_file_words(inline if inline is not None else target.read_text(), name)
+            file_uses, extra = reader.read(words, origin=name)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
             out.warn(use.display, f"cannot read {name}: {exc}", unmapped=True)
             continue
         found.extend(file_uses)

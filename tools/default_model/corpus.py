@@ -11,7 +11,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from default_model.chat_format import render_chat
+from tools.default_model.chat_format import render_chat
 
 MAX_FILE_BYTES = 400_000  # larger stdlib files are generated tables (unicode data, encodings), not prose or code
 VAL_PER_MILLE = 40

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from default_model.chat_format import BOS, CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS
+from tools.default_model.chat_format import BOS, CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS
 
 if TYPE_CHECKING:
     import torch

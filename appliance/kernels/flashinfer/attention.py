@@ -38,10 +38,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     plans.check_attention_inputs("store_kv", k_cache, k_cache)  # key is cast to the cache dtype
     import flashinfer
 
-    num_blocks, page = k_cache.shape[0], k_cache.shape[1]
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     st = plans.state(key.device)
-    rows, positions = st.store_plan.get((slot_mapping,), num_blocks * page,
-                                        lambda: _store_rows(slot_mapping, num_blocks * page))
+    rows, positions = st.store_plan.get((slot_mapping,), num_blocks * block_size,
+                                        lambda: _store_rows(slot_mapping, num_blocks * block_size))
     if rows is not None:
         if rows.numel() == 0:
             return
@@ -50,7 +50,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     n = key.shape[0]
     if st.zeros is None or st.zeros.numel() < n:
         st.zeros = torch.zeros(max(n, 8192), dtype=torch.int32, device=key.device)
-    pages, indptr, last = plans.store_pages(st, num_blocks, page, key.device)
+    pages, indptr, last = plans.store_pages(st, num_blocks, block_size, key.device)
     flashinfer.append_paged_kv_cache(key, value, st.zeros[:n], positions, (k_cache, v_cache), pages, indptr, last,
                                      kv_layout="NHD")
 
@@ -105,7 +105,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def _compile_decode_once(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
     """Plan the decode wrapper once for these shapes, from the first prefill: planning JIT-compiles its module
-    (~11 s on a fresh box), so the runner's start-up forward (a prefill) pays it instead of the first served
+    (~11 s on a fresh machine), so the runner's start-up forward (a prefill) pays it instead of the first served
     decode step. The throwaway plan is forgotten, so the next decode call plans its own step."""
     key = _decode_key(q, k_cache)
     if key in _DECODE_COMPILED:

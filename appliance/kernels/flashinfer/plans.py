@@ -71,14 +71,14 @@ def check_attention_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor) -> N
                          "use backends.attention = triton")
 
 
-def store_pages(st: DeviceState, num_blocks: int, page: int,
+def store_pages(st: DeviceState, num_blocks: int, block_size: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Made once per cache shape: a host -> device tensor per call would sync every layer."""
-    key = (num_blocks, page)
+    key = (num_blocks, block_size)
     if key not in st.store_pages:
         st.store_pages[key] = (torch.arange(num_blocks, dtype=torch.int32, device=device),
                                torch.tensor([0, num_blocks], dtype=torch.int32, device=device),
-                               torch.tensor([page], dtype=torch.int32, device=device))
+                               torch.tensor([block_size], dtype=torch.int32, device=device))
     return st.store_pages[key]
 
 
@@ -91,11 +91,11 @@ class PagedLayout:
     last_page_len: torch.Tensor  # [n] int32, host
 
 
-def paged_layout(seq_lens: np.ndarray, rows: np.ndarray, block_tables: torch.Tensor, page: int) -> PagedLayout:
+def paged_layout(seq_lens: np.ndarray, rows: np.ndarray, block_tables: torch.Tensor, block_size: int) -> PagedLayout:
     """The pages of block_tables[rows] that hold seq_lens tokens each, as flashinfer's indptr/indices/last_page_len.
     The flat positions of those pages in the table are computed here and gathered on the device in one launch."""
     width = block_tables.shape[1]
-    npages = (seq_lens + page - 1) // page
+    npages = (seq_lens + block_size - 1) // block_size
     if npages.size and int(npages.max()) > width:
         raise ValueError(f"flashinfer attention: a sequence of {int(seq_lens.max())} tokens needs "
                          f"{int(npages.max())} pages but the block table has {width} columns")
@@ -106,6 +106,6 @@ def paged_layout(seq_lens: np.ndarray, rows: np.ndarray, block_tables: torch.Ten
     offsets = np.arange(total, dtype=np.int64) - np.repeat(indptr[:-1], npages)
     flat = torch.from_numpy(starts + offsets).to(block_tables.device, non_blocking=True)  # staged at once
     indices = block_tables.reshape(-1).index_select(0, flat).to(torch.int32)
-    last = np.where(seq_lens > 0, seq_lens - (npages - 1) * page, 0)
+    last = np.where(seq_lens > 0, seq_lens - (npages - 1) * block_size, 0)
     return PagedLayout(torch.from_numpy(indptr.astype(np.int32)), indices,
                        torch.from_numpy(last.astype(np.int32)))

@@ -22,7 +22,7 @@ BLOCK_H = 16
 def _mla_decode_kernel(q_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, scale, num_heads,
                        stride_qb, stride_qh, stride_cb, stride_cs, stride_bt, stride_ob, stride_oh,
                        R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-                       BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
@@ -40,8 +40,8 @@ def _mla_decode_kernel(q_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, scale, num_h
     for n0 in range(0, seq_len, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < seq_len
-        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = cache_ptr + blk * stride_cb + (pos % PAGE) * stride_cs
+        blk = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = cache_ptr + blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
         c = tl.load(row[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         k_pe = tl.load(row[:, None] + R + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
         s = (mma(q_c, tl.trans(c), UPCAST) + mma(q_p, tl.trans(k_pe), UPCAST)) * scale
@@ -58,12 +58,12 @@ def _mla_decode_kernel(q_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, scale, num_h
 
 
 @triton.jit
-def _store_kernel(latent_ptr, cache_ptr, slots_ptr, stride_l, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def _store_kernel(latent_ptr, cache_ptr, slots_ptr, stride_l, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row)
     if slot < 0:
         return
-    offs = tl.arange(0, BLOCK)
+    offs = tl.arange(0, BLOCK_W)
     mask = offs < WIDTH
     values = tl.load(latent_ptr + row * stride_l + offs, mask=mask)
     tl.store(cache_ptr + slot * WIDTH + offs, values.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -78,7 +78,7 @@ def mla_store(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Ten
         width = cache.shape[-1]
         latent = latent.contiguous()
         _store_kernel[(latent.shape[0],)](latent, cache, slot_mapping, latent.stride(0), WIDTH=width,
-                                          BLOCK=triton.next_power_of_2(width))
+                                          BLOCK_W=triton.next_power_of_2(width))
 
 
 @register("mla_decode", "triton")
@@ -95,6 +95,6 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                              q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
                              out.stride(0), out.stride(1),
                              R=kv_lora_rank, DR=rope, BLOCK_R=triton.next_power_of_2(kv_lora_rank),
-                             BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_H=BLOCK_H, PAGE=cache.shape[1],
+                             BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_H=BLOCK_H, BLOCK_SIZE=cache.shape[1],
                              BLOCK_N=BLOCK_N, UPCAST=INTERPRET or q.dtype == torch.float32)
     return out

@@ -28,7 +28,7 @@ NUM_WARPS = 8
 def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, cu_q_ptr, lens_ptr, cu_tiles_ptr, out_ptr, qk_scale, num_seqs,
                         stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
                         R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-                        PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_SEQS: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_SEQS: tl.constexpr,
                         UPCAST: tl.constexpr):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -53,8 +53,8 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, cu_q_ptr, lens_ptr, cu_tiles_p
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
-        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = cache_ptr + blk * stride_cb + (pos % PAGE) * stride_cs
+        blk = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = cache_ptr + blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
         c = tl.load(row[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         k_pe = tl.load(row[:, None] + R + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
         s = (mma(q_c, tl.trans(c), UPCAST) + mma(q_p, tl.trans(k_pe), UPCAST)) * qk_scale
@@ -95,7 +95,8 @@ def mla_prefill(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor
                               qa.stride(0), qa.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
                               o_lat.stride(0), o_lat.stride(1),
                               R=rank, DR=rope, BLOCK_R=triton.next_power_of_2(rank),
-                              BLOCK_DR=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_M=BLOCK_M,
+                              BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=cache.shape[1],
+                              BLOCK_M=BLOCK_M,
                               BLOCK_N=BLOCK_N, LOG_SEQS=max(1, bsz.bit_length()),
                               UPCAST=INTERPRET or q.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=2)
     return torch.einsum("thr,hvr->thv", o_lat, w_uv.to(q.dtype))

@@ -6,6 +6,23 @@ import torch.nn.functional as F
 
 from appliance.kernels.registry import register
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+
+
+def block_quantize(w: torch.Tensor, block_shape: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (fp8 weight, float32 scale_inv [..., ceil(N/bn), ceil(K/bk)]); each tile's amax maps to 448."""
+    bn, bk = block_shape
+    n, k = w.shape[-2:]
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
+    tiles = padded.unflatten(-1, (kb, bk)).unflatten(-3, (nb, bn))  # [..., nb, bn, kb, bk]
+    amax = tiles.abs().amax(dim=(-3, -1))  # [..., nb, kb]
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = q.flatten(-2).flatten(-3, -2)[..., :n, :k].to(FP8_DTYPE)
+    return q.contiguous(), scale
+
 
 def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
     """w [..., N, K] (fp8) times its per-tile scale [..., ceil(N/bn), ceil(K/bk)] -> float32 [..., N, K]."""
@@ -13,6 +30,13 @@ def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block_shape: tuple[i
     n, k = w.shape[-2:]
     s = scale.float().repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., :n, :k]
     return w.float() * s
+
+
+@register("fp8_block_matmul", "torch")
+def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                     block_shape: tuple[int, int]) -> torch.Tensor:
+    """x [..., K] @ dequant(weight [N, K])^T in x's dtype."""
+    return F.linear(x, dequantize_blocks(weight, scale_inv, block_shape).to(x.dtype))
 
 
 def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int,

@@ -52,7 +52,7 @@ def run_case(case: Case, device: str) -> dict[str, object]:
         moe,  # noqa: F401
         registry,
     )
-    from appliance.layers.fp8 import block_quantize
+    from appliance.kernels.moe.reference import block_quantize
 
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     x = torch.randn(case.tokens, case.hidden, generator=gen)
@@ -100,7 +100,7 @@ def run_gemm_case(case: GemmCase, device: str) -> dict[str, object]:
         moe,  # noqa: F401
         registry,
     )
-    from appliance.layers.fp8 import block_quantize
+    from appliance.kernels.moe.reference import block_quantize
 
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     x = torch.randn(case.m, case.k, generator=gen).to(case.dtype).to(device)

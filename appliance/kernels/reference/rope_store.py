@@ -35,7 +35,7 @@ def check_rope_store_args(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
             raise ValueError(f"rope_store_kv: {name} norm weight {tuple(w.shape)} is not [{head_dim}]")
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim):
         raise ValueError(f"rope_store_kv: caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} are not "
-                         f"[blocks, page, {num_kv_heads}, {head_dim}]")
+                         f"[blocks, block_size, {num_kv_heads}, {head_dim}]")
 
 
 @register("rope_store_kv", "torch")
@@ -46,7 +46,7 @@ def rope_store_kv(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, nu
     """q of one attention layer, rotated (and normed per head when weights are given); k and v go to the cache.
 
     qkv: [T, (num_heads + 2 num_kv_heads) * head_dim], the qkv projection's output (its row stride may exceed
-    its width). Caches: [blocks, page, num_kv_heads, head_dim]; slot -1 stores nothing (q is still computed).
+    its width). Caches: [blocks, block_size, num_kv_heads, head_dim]; slot -1 stores nothing (q is still computed).
     Returns q [T, num_heads, head_dim], contiguous.
     """
     check_rope_store_args(qkv, num_heads, num_kv_heads, head_dim, positions, q_norm_weight, k_norm_weight,

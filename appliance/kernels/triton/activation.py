@@ -8,14 +8,14 @@ import triton.language as tl
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import pdl_enter, pdl_kwargs
 
-BLOCK = 1024
+BLOCK_N = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, GDC: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK_N: tl.constexpr, GDC: tl.constexpr):
     pdl_enter(GDC)
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < inter
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
@@ -35,7 +35,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, inter)
     if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, BLOCK))](x2, out2, x2.stride(0), out2.stride(0),
-                                                                       inter, BLOCK=BLOCK, num_warps=4,
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, BLOCK_N))](x2, out2, x2.stride(0), out2.stride(0),
+                                                                       inter, BLOCK_N=BLOCK_N, num_warps=4,
                                                                        **pdl_kwargs(x2))
     return out

@@ -13,13 +13,13 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
                      HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PAGE: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:  # padding token: nothing to store
         return
-    blk = slot // PAGE
-    off = slot % PAGE
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < HKV) & (d < D)
@@ -44,11 +44,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         raise ValueError("store_kv: the head_dim axis must be contiguous")
     if n == 0:
         return
-    page = k_cache.shape[1]
+    block_size = k_cache.shape[1]
     _store_kv_kernel[(n,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HKV=hkv, D=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d), PAGE=page,
+        HKV=hkv, D=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         num_warps=4,
     )

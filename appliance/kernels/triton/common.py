@@ -20,15 +20,13 @@ LOG2E = 1.4426950408889634  # the attention kernels work in exp2 / log2 units: s
 # dependent kernels per layer, most of them a few microseconds long. Launched with it, a kernel's programs start
 # while the previous kernel runs and wait (gdc_wait) before touching anything an earlier kernel wrote; the small
 # kernels let the next one launch as soon as they start. Eager launches never use it: there it doubled the host
-# time of a Qwen3 prefill forward (30 vs 16 ms) for no device gain. APPLIANCE_PDL=0 turns it off for A/B timing
-# (tools/lab_ab.py, the default knob); docs/kernels.md has the figures.
-PDL = os.environ.get("APPLIANCE_PDL", "1") != "0"
+# time of a Qwen3 prefill forward (30 vs 16 ms) for no device gain; docs/kernels.md has the figures.
 
 
 def pdl_on(t: torch.Tensor) -> bool:
     """Launch the kernels that read `t` with programmatic dependent launch: a CUDA tensor on sm_90 or later,
     while a CUDA graph is being captured."""
-    return (PDL and not INTERPRET and t.is_cuda and torch.cuda.is_current_stream_capturing()
+    return (not INTERPRET and t.is_cuda and torch.cuda.is_current_stream_capturing()
             and capability(t)[0] >= 9)
 
 

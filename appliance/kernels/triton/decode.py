@@ -33,7 +33,7 @@ _SMS_FALLBACK = 132
 # Tuned on the H100 (docs/kernels.md): the tile of kv tokens per loop step, and the split-K heuristic inputs.
 BLOCK_N = 64
 # unsplit launches (large batches) take longer tiles: ragged Qwen3-shaped batches of 32 / 128 / 256 sequences ran
-# 53.5 / 204.6 / 397.7 us against 55.2 / 212.5 / 403.8 with 64 (tools/kernel_lab.py); head_dim <= 128 only, as
+# 53.5 / 204.6 / 397.7 us against 55.2 / 212.5 / 403.8 with 64 (an H100); head_dim <= 128 only, as
 # three stages of 128-token K and V tiles of a wider head would not fit the shared memory
 BLOCK_N_UNSPLIT = 128
 MIN_SPLIT_TOKENS = 64  # measured: b1 x kv1024 in a 2048-token table: 32 splits 6.4 us, 8 splits 9.3 us
@@ -41,8 +41,7 @@ PROGRAMS_PER_SM = 2  # measured: b64 x kv1024 (512 programs) is fastest unsplit
 NUM_WARPS = 4
 NUM_STAGES = 3
 # Splits of one tile (small batches) run _decode_tile_kernel, which reads all but q and the newest cache row before
-# its wait. A lab switch (tools/lab_decode_chain.py --timeline).
-TILE_SPLITS = True
+# its wait.
 
 
 @triton.jit
@@ -51,7 +50,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mi
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    split_tokens, num_splits,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, ORDERED: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, ORDERED: tl.constexpr,
                    UPCAST: tl.constexpr, GDC: tl.constexpr):
     pdl_enter(GDC)  # q, the lengths and the newest cache row come from the kernels before
     kvh = tl.program_id(0)  # kv head fastest: a sequence's heads run side by side (docs/kernels.md)
@@ -78,8 +77,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mi
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
+        blk = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -118,7 +117,7 @@ def _store_partial(mid_o_ptr, mid_lse_ptr, acc, l_i, m_i, b, head, split, num_sp
 def _decode_tile_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
                         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, num_splits,
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, ORDERED: tl.constexpr, UPCAST: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ORDERED: tl.constexpr, UPCAST: tl.constexpr,
                         GDC: tl.constexpr):
     """Splits of one BLOCK_N-token tile each (small batches). Only q and each sequence's newest cache row come
     from the kernels before (a decode row adds one token); the lengths, the block table and every older row were
@@ -135,8 +134,8 @@ def _decode_tile_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, mid_o_
     d_mask = offs_d < D
     pos = split * BLOCK_N + offs_n
     n_mask = pos < seq_len
-    blk = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-    rows = (blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch)[:, None] + offs_d[None, :]
+    blk = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    rows = (blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch)[:, None] + offs_d[None, :]
     older = (pos < seq_len - 1)[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + rows, mask=older, other=0.0)
     v = tl.load(v_ptr + rows, mask=older, other=0.0)
@@ -201,7 +200,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `order` ([B] integers, a permutation of the rows) is the order the programs take the rows in; the result does
     not depend on it. `out`: where to write (reference.attention.attention_out)."""
     bsz, h, d = q.shape
-    _, page, hkv, dk = k_cache.shape
+    _, block_size, hkv, dk = k_cache.shape
     if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
     if block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
@@ -214,7 +213,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if bsz == 0:
         return out
     group = h // hkv
-    max_context = block_tables.shape[1] * page
+    max_context = block_tables.shape[1] * block_size
     splits = num_splits or num_splits_for(bsz, hkv, max_context, _sm_count(q.device))
     split_tokens = triton.cdiv(triton.cdiv(max_context, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(max_context, split_tokens)
@@ -229,8 +228,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pdl = pdl_kwargs(q)  # both launches
     order_arg = seq_lens if order is None else order
     heads = {"GROUP": group, "BLOCK_H": max(16, triton.next_power_of_2(group)), "D": d, "BLOCK_D": block_d,
-             "PAGE": page, "ORDERED": order is not None, "UPCAST": INTERPRET}
-    if not direct and split_tokens == BLOCK_N and TILE_SPLITS:
+             "BLOCK_SIZE": block_size, "ORDERED": order is not None, "UPCAST": INTERPRET}
+    if not direct and split_tokens == BLOCK_N:
         _decode_tile_kernel[(hkv, bsz, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, order_arg, mid_o, mid_lse, scale * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -11,11 +11,10 @@ shapes measured so far.
 
 Inside captured decode graphs the kernel is launched with programmatic dependent launch (common.py): its
 programs start while the kernel before (a norm, the attention merge, SiLU-and-mul) still runs and wait for it
-before reading x. Tried and dropped: asking L2 for the first 8 / 24 MB of the weight before that wait (ninth
-run: the batch-1 graph took 5.53 / 5.68 ms against 5.46 without), loading one weight tile before the wait in a
-chain of GEMVs only (fifth run), fusing the RMSNorm, SiLU-and-mul and residual add into these GEMVs (sixth run),
-prefetching the next GEMV's weight from this one's programs, where it competes with this one's stream (seventh
-run).
+before reading x. Tried and dropped: asking L2 for the first 8 / 24 MB of the weight before that wait (the
+batch-1 graph took 5.53 / 5.68 ms against 5.46 without), loading one weight tile before the wait in a
+chain of GEMVs only, fusing the RMSNorm, SiLU-and-mul and residual add into these GEMVs (streamed at half speed),
+prefetching the next GEMV's weight from this one's programs, where it competes with this one's stream.
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ class GemvConfig:
 
 
 def config_for(n: int, k: int) -> GemvConfig:
-    """Measured on the H100 (tools/kernel_lab.py; docs/kernels.md "GEMV"): 64 output rows per program (one
+    """Measured on an H100 (docs/kernels.md "GEMV"): 64 output rows per program (one
     warpgroup MMA) for the wide and square shapes, 32 rows and deeper K tiles for the tall ones (Llama-8B's down
     projection: 41.9 vs 42.9 us at M = 1)."""
     if INTERPRET:

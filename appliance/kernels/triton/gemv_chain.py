@@ -2,8 +2,8 @@
 
 A batch-1 decode layer runs ten kernels: RMSNorm, the qkv GEMV, rope + KV store, attention and its split merge,
 the o GEMV, residual add + RMSNorm, the gate_up GEMV, SiLU-and-mul, the down GEMV. Folding the small ones into
-the GEMVs' epilogues leaves six, and no new work inside a GEMV's weight stream (the sixth run's fused GEMV did
-its norm math inside the K loop and streamed at half speed):
+the GEMVs' epilogues leaves six, and no new work inside a GEMV's weight stream (a fused GEMV that did its norm
+math inside the K loop streamed at half speed):
 
 - the o and down GEMVs (`gemv_residual`) add their product to the residual stream and write h * g and each
   program's partial sum of h^2: the producer half of the next RMSNorm (kernels/reference/gemv_chain.py);
@@ -36,8 +36,8 @@ BLOCK_M = tl.constexpr(16)  # rows padded to the MMA's narrowest operand
 # When a chain kernel lets the next kernel launch under programmatic dependent launch: 0 at its end (the default
 # of a kernel that never says), 1 as its programs start, 2 when a program's weight stream is done. The next
 # kernel's programs wait (gdc_wait) before reading anything, so any choice is correct; it decides only how early
-# they occupy the SMs the running kernel leaves idle. A lab switch (tools/lab_decode_chain.py).
-# Measured (tools/lab_decode_chain.py, Llama-8B's 32 layers): 0 / 1 / 2 gave 5.202 / 5.143 / 5.156 ms at 1 row,
+# they occupy the SMs the running kernel leaves idle.
+# Measured (H100, Llama-8B's 32 layers): 0 / 1 / 2 gave 5.202 / 5.143 / 5.156 ms at 1 row,
 # 5.720 / 5.716 / 5.664 at 8.
 LAUNCH_NEXT = 2
 # The qkv kernel at one row lets the decode attention launch as its programs start (its 96 programs leave SMs
@@ -45,7 +45,7 @@ LAUNCH_NEXT = 2
 QKV_LAUNCH_NEXT_ONE_ROW = 1
 
 # (n, k) of a weight -> (block_n, block_k, num_stages, num_warps) for it, over the default below (tuning:
-# tools/lab_decode_chain.py --sweep). The qkv kernel's block_n is fixed by its rotary pairs.
+# none measured better than the default). The qkv kernel's block_n is fixed by its rotary pairs.
 TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
 
@@ -93,12 +93,12 @@ def _halves(acc, ty, HALF_N: tl.constexpr):
 
 
 @triton.jit
-def _norm_prep_kernel(h_ptr, g_ptr, xs_ptr, part_ptr, N, stride_hm, stride_sm, P, BLOCK: tl.constexpr,
+def _norm_prep_kernel(h_ptr, g_ptr, xs_ptr, part_ptr, N, stride_hm, stride_sm, P, BLOCK_N: tl.constexpr,
                       GDC: tl.constexpr):
     pdl_enter(GDC)
     m = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
-    offs = p * BLOCK + tl.arange(0, BLOCK)
+    offs = p * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < N
     h = tl.load(h_ptr + m * stride_hm + offs, mask=mask, other=0.0)
     hf = h.to(tl.float32)
@@ -164,7 +164,7 @@ def _silu_kernel(x_ptr, w_ptr, part_ptr, out_ptr, M, INTER, K, P, eps, stride_xm
 @triton.jit
 def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                        M, K, P, eps, stride_xm, stride_wn, stride_c, stride_qm, stride_cb, stride_cs, stride_ch,
-                       probe_ptr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                       probe_ptr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
                        UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr, PROBE: tl.constexpr):
     HALF: tl.constexpr = D // 2
@@ -185,7 +185,7 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
-    slot_off = ((slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs)[None, :]
+    slot_off = ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs)[None, :]
     store = (m_mask & (slot >= 0))[None, :]
     acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, offs_n >= 0, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                         UPCAST)
@@ -239,7 +239,7 @@ def norm_prep(h: torch.Tensor, norm_weight: torch.Tensor) -> tuple[torch.Tensor,
     parts = triton.cdiv(n, block)
     xs = torch.empty_like(h)
     partials = torch.empty(m, parts, dtype=torch.float32, device=h.device)
-    _norm_prep_kernel[(m, parts)](h, norm_weight, xs, partials, n, h.stride(0), xs.stride(0), parts, BLOCK=block,
+    _norm_prep_kernel[(m, parts)](h, norm_weight, xs, partials, n, h.stride(0), xs.stride(0), parts, BLOCK_N=block,
                                   num_warps=4, **pdl_kwargs(h))
     return xs, partials
 
@@ -303,7 +303,7 @@ def gemv_normed_rope_store(xs: torch.Tensor, weight: torch.Tensor, bias: torch.T
         xs, weight, bias if bias is not None else xs, partials, positions, cos_sin_cache, q, k_cache, v_cache,
         slot_mapping, m, k, p, eps, xs.stride(0), weight.stride(0), cos_sin_cache.stride(0), q.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **probe.launch_kwargs("qkv", programs, xs),
-        NQ=num_heads, NKV=num_kv_heads, D=head_dim, PAGE=k_cache.shape[1], BLOCK_K=block_k,
+        NQ=num_heads, NKV=num_kv_heads, D=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(p), HAS_BIAS=bias is not None, UPCAST=INTERPRET, num_warps=warps,
         num_stages=stages, NEXT=QKV_LAUNCH_NEXT_ONE_ROW if m == 1 else LAUNCH_NEXT, **pdl_kwargs(xs))
     return q

@@ -11,10 +11,10 @@ from appliance.kernels.triton.common import pdl_enter, pdl_kwargs
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, n, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, GDC: tl.constexpr):
     pdl_enter(GDC)
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
+    offs = tl.arange(0, BLOCK_N)
     mask = offs < n
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -54,6 +54,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(n)
     if rows:
         _rms_norm_kernel[(rows,)](x2, r2, weight, out2, s2, x2.stride(0), r2.stride(0), out2.stride(0),
-                                  s2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                  s2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK_N=block,
                                   num_warps=min(16, max(1, block // 256)), **pdl_kwargs(x2))
     return (out, summed) if residual is not None else out

@@ -13,13 +13,13 @@ import triton.language as tl
 from appliance.kernels.reference.positions import check_positions_args
 from appliance.kernels.registry import register
 
-BLOCK = 128
+BLOCK_R = 128
 
 
 @triton.jit(do_not_specialize=["n"])  # one variant for every row count (graphs and eager steps alike)
 def _decode_positions_kernel(rows_ptr, table_ptr, lens_ptr, pos_ptr, slots_ptr, seq_lens_ptr, n, width, stride,
-                             BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+                             BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     inside = offs < n
     row = tl.load(rows_ptr + offs, mask=inside, other=0).to(tl.int64)
     real = inside & (row != 0)
@@ -41,6 +41,6 @@ def decode_positions(rows: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
         raise ValueError("decode_positions: the table's rows and every vector must be contiguous")
     n = rows.shape[0]
     if n:
-        _decode_positions_kernel[(triton.cdiv(n, BLOCK),)](rows, table, lens, positions, slots, seq_lens, n,
+        _decode_positions_kernel[(triton.cdiv(n, BLOCK_R),)](rows, table, lens, positions, slots, seq_lens, n,
                                                            table.shape[1], table.stride(0), BLOCK_SIZE=block_size,
-                                                           BLOCK=BLOCK, num_warps=4)
+                                                           BLOCK_R=BLOCK_R, num_warps=4)

@@ -24,7 +24,7 @@ _TILES = StepCache()  # the step's cu_tiles: the same for every layer (~6 small 
 
 @triton.jit
 def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end, q_pos,
-             m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+             m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
     """One online-softmax step over kv positions n0 .. n0 + BLOCK_N; MASKED applies the causal and end masks."""
     pos = n0 + tl.arange(0, BLOCK_N)
@@ -32,12 +32,12 @@ def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_
     d_mask = offs_d < D
     if MASKED:
         n_mask = pos < kv_end
-        blk = tl.load(bt_ptr + kv_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        blk = tl.load(bt_ptr + kv_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
     else:
-        blk = tl.load(bt_ptr + kv_row + pos // PAGE).to(tl.int64)
+        blk = tl.load(bt_ptr + kv_row + pos // BLOCK_SIZE).to(tl.int64)
         kv_mask = (pos >= 0)[:, None] & d_mask[None, :]
-    row = blk * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
+    row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
     if MASKED or BLOCK_D != D:
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -64,7 +64,7 @@ def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu_tiles_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt, num_seqs,
-                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_SEQS: tl.constexpr, UPCAST: tl.constexpr):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -92,10 +92,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
     kv_end = tl.minimum(seq_len, seq_len - q_len + m0 + BLOCK_M)  # last query row of the tile sees up to here
     for n0 in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end,
-                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, PAGE, BLOCK_N, False, UPCAST)
+                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, UPCAST)
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end,
-                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, PAGE, BLOCK_N, True, UPCAST)
+                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, UPCAST)
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -115,7 +115,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     t, h, d = q.shape
-    _, page, hkv, dk = k_cache.shape
+    _, block_size, hkv, dk = k_cache.shape
     bsz = seq_lens.shape[0]
     if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(f"prefill_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
@@ -132,7 +132,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, cu_tiles, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), bsz,
-        GROUP=h // hkv, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page,
+        GROUP=h // hkv, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, LOG_SEQS=max(1, (bsz).bit_length()),
         UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )

@@ -1,6 +1,6 @@
 """A lab probe inside kernels: when each program started, waited, streamed and ended.
 
-tools/lab_decode_chain.py --timeline sets TIMELINE before it captures the decode chain. Each chain GEMV launch
+Setting TIMELINE before the decode chain is captured turns it on. Each chain GEMV launch
 then takes the next row of the buffer, and every program writes FIELDS int64 values: %globaltimer (ns, 32 ns
 steps on the H100) as it starts, when its wait for the kernel before returns, when its weight stream is done and
 as it ends; its SM (%smid); its clock cycles over the stream. With TIMELINE None the kernels compile without it

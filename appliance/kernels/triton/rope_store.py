@@ -94,7 +94,7 @@ def _kv_heads(row, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_off, stride_ch, 
 def _rope_store_kernel(pos_ptr, qkv_ptr, cache_ptr, qw_ptr, kw_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                        stride_x, stride_c, stride_qt, stride_cb, stride_cs, stride_ch, eps,
                        NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
-                       PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                        BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
                        HAS_NORM: tl.constexpr, GDC: tl.constexpr):
     pdl_enter(GDC)
@@ -113,7 +113,7 @@ def _rope_store_kernel(pos_ptr, qkv_ptr, cache_ptr, qw_ptr, kw_ptr, q_ptr, k_cac
     else:  # a block of kv heads; padding rows (slot < 0) store nothing
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
-            slot_off = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+            slot_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
             _kv_heads(row, kw_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_off, stride_ch, (hb - nqb) * BLOCK_H,
                       cos, sin, eps, NQ, NKV, HALF, D, BLOCK_H, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, IS_NEOX, HAS_NORM)
 
@@ -159,7 +159,7 @@ def rope_store_kv(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, nu
         positions, qkv, cos_sin_cache, qw, kw, q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), cos_sin_cache.stride(0), q.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        NQ=num_heads, NKV=num_kv_heads, HALF=half, D=head_dim, PAGE=k_cache.shape[1], BLOCK_H=block_h,
+        NQ=num_heads, NKV=num_kv_heads, HALF=half, D=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h,
         BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(1, head_dim - 2 * half)),
         BLOCK_D=triton.next_power_of_2(head_dim), IS_NEOX=is_neox, HAS_NORM=has_norm, num_warps=4,
         **pdl_kwargs(qkv),

@@ -18,7 +18,7 @@ taken from a short series in 1 - u (exact in float32) instead, because an approx
 relative accuracy left, and those tokens (E near 0) are the likeliest winners. u has 23 bits plus a half, so it
 never rounds to 1 (24 bits did: E = 0 made a random token win ~1% of 150k-token draws).
 
-Thresholds, exactly: with top-k <= BLOCK (2048) the k-th largest of the per-lane maxima of the first pass is a
+Thresholds, exactly: with top-k <= BLOCK_V (2048) the k-th largest of the per-lane maxima of the first pass is a
 lower bound of the k-th largest value, so one more pass compacts the few tokens above it (<= CAP) into a scratch
 row that is loaded into registers, where the top-k and top-p thresholds are found by bisection without further
 passes over the row (tl.sort would do too, but compiles slowly and crawls in the CPU interpreter). Otherwise
@@ -54,7 +54,7 @@ from appliance.kernels.reference.sampling import (  # noqa: F401
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import INTERPRET, LOG2E
 
-BLOCK = 2048
+BLOCK_V = 2048
 CAP = 2048  # top-k candidates kept in registers for the fast path
 CHUNK_BLOCK = 1024  # elements per step of a chunk program (and the granularity of the chunk length)
 MAX_CHUNKS = 256  # chunks per row at most: the per-row kernel reduces them in one vector
@@ -113,7 +113,7 @@ def _splits(t, k, p, mp, vocab):
 
 @triton.jit
 def _chunk_kernel(logits_ptr, stride, vocab, chunk_len, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr,
-                  part_val_ptr, part_idx_ptr, BLOCK: tl.constexpr):
+                  part_val_ptr, part_idx_ptr, BLOCK_V: tl.constexpr):
     """Program (row b, chunk c) of a split row: the winner of tokens [c * chunk_len, (c + 1) * chunk_len)."""
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -122,11 +122,11 @@ def _chunk_kernel(logits_ptr, stride, vocab, chunk_len, temp_ptr, topk_ptr, topp
         row_ptr = logits_ptr + b.to(tl.int64) * stride
         start = c * chunk_len
         end = tl.minimum(start + chunk_len, vocab)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.zeros([BLOCK], tl.int32)  # lanes that never win report 0, as in the full path
+        best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_i = tl.zeros([BLOCK_V], tl.int32)  # lanes that never win report 0, as in the full path
         if t <= 0.0:
-            for s0 in range(start, end, BLOCK):
-                offs = s0 + tl.arange(0, BLOCK)
+            for s0 in range(start, end, BLOCK_V):
+                offs = s0 + tl.arange(0, BLOCK_V)
                 x = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
                 better = x > best
                 best_i = tl.where(better, offs, best_i)
@@ -134,8 +134,8 @@ def _chunk_kernel(logits_ptr, stride, vocab, chunk_len, temp_ptr, topk_ptr, topp
         else:
             inv_t = 1.0 / t
             s = _row_seed(seed_ptr, step_ptr, b)
-            for s0 in range(start, end, BLOCK):
-                offs = s0 + tl.arange(0, BLOCK)
+            for s0 in range(start, end, BLOCK_V):
+                offs = s0 + tl.arange(0, BLOCK_V)
                 lv = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32) * inv_t
                 g = tl.where(offs < end, _perturbed(lv, offs, s), float("-inf"))
                 better = g > best
@@ -162,21 +162,21 @@ def _unkey(k):
 
 
 @triton.jit
-def _count_ge(row_ptr, vocab, inv_t, v, BLOCK: tl.constexpr):
-    n = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+def _count_ge(row_ptr, vocab, inv_t, v, BLOCK_V: tl.constexpr):
+    n = tl.zeros([BLOCK_V], tl.int32)
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
         lv = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
         n += (lv >= v).to(tl.int32)
     return tl.sum(n, 0)
 
 
 @triton.jit
-def _mass_gt(row_ptr, vocab, inv_t, v, floor, mx, BLOCK: tl.constexpr):
+def _mass_gt(row_ptr, vocab, inv_t, v, floor, mx, BLOCK_V: tl.constexpr):
     """Sum of exp(l - mx) over tokens with l > v and l >= floor."""
-    m = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    m = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
         lv = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
         m += tl.where((lv > v) & (lv >= floor), tl.exp(lv - mx), 0.0)
     return tl.sum(m, 0)
@@ -212,26 +212,26 @@ def _top_p_floor(vals, thr, mx, p):
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, out_ptr,
-                   scratch_ptr, part_val_ptr, part_idx_ptr, chunks, BLOCK: tl.constexpr, CAP: tl.constexpr,
-                   CBLOCK: tl.constexpr):
+                   scratch_ptr, part_val_ptr, part_idx_ptr, chunks, BLOCK_V: tl.constexpr, CAP: tl.constexpr,
+                   BLOCK_CHUNKS: tl.constexpr):
     """One program per row. chunks >= 1: split rows reduce their chunk winners (see _chunk_kernel); 0: every
     row takes the full path."""
     b = tl.program_id(0)
     row_ptr = logits_ptr + b.to(tl.int64) * stride
     t = tl.load(temp_ptr + b)
     if (chunks > 0) & _splits(t, tl.load(topk_ptr + b), tl.load(topp_ptr + b), tl.load(minp_ptr + b), vocab):
-        offs_c = tl.arange(0, CBLOCK)
+        offs_c = tl.arange(0, BLOCK_CHUNKS)
         vals = tl.load(part_val_ptr + b * chunks + offs_c, mask=offs_c < chunks, other=float("-inf"))
         idxs = tl.load(part_idx_ptr + b * chunks + offs_c, mask=offs_c < chunks, other=vocab)
         top = tl.max(vals, 0)
         tl.store(out_ptr + b, tl.min(tl.where(vals == top, idxs, vocab), 0).to(tl.int64))
         return
     # pass 1: max (with its first index) and min of the raw logits
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK], tl.int32)
-    low = tl.full([BLOCK], float("inf"), tl.float32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK_V], tl.int32)
+    low = tl.full([BLOCK_V], float("inf"), tl.float32)
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
         better = x > best
         best_i = tl.where(better, offs, best_i)
@@ -252,15 +252,15 @@ def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp
     k = tl.load(topk_ptr + b)
     p = tl.load(topp_ptr + b)
     done = vocab * 0  # runtime int32 0: the fast path has not decided yet
-    if (k > 0) & (k <= BLOCK) & (k < vocab):
+    if (k > 0) & (k <= BLOCK_V) & (k < vocab):
         # Fast path: the k-th largest lane maximum bounds the k-th largest value from below (the lanes hold
         # distinct elements), so the few tokens above it are compacted into scratch and top-k / top-p are found
         # among them in registers. Falls through to the full-row bisection when they overflow CAP.
-        offs_l = tl.arange(0, BLOCK)
+        offs_l = tl.arange(0, BLOCK_V)
         lb = tl.maximum(_kth_largest(best, k) * inv_t, thr)
         count = vocab * 0
         scratch = scratch_ptr + b.to(tl.int64) * CAP
-        for start in range(0, vocab, BLOCK):
+        for start in range(0, vocab, BLOCK_V):
             offs = start + offs_l
             lv = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
             hit = (lv >= lb) & (offs < vocab)
@@ -280,26 +280,26 @@ def _sample_kernel(logits_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp
         hi = _key(mx) + 1  # count(l >= hi) = 0 < k
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
-            ok = _count_ge(row_ptr, vocab, inv_t, _unkey(mid), BLOCK) >= k
+            ok = _count_ge(row_ptr, vocab, inv_t, _unkey(mid), BLOCK_V) >= k
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid)
         thr = tl.maximum(thr, _unkey(lo))
     if (p < 1.0) & (done == 0):
-        target = p * _mass_gt(row_ptr, vocab, inv_t, float("-inf"), thr, mx, BLOCK)
+        target = p * _mass_gt(row_ptr, vocab, inv_t, float("-inf"), thr, mx, BLOCK_V)
         lo = _key(thr) - 1  # mass above it is everything kept: not < target
         hi = _key(mx)  # mass above the max is 0 < target
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
-            ok = _mass_gt(row_ptr, vocab, inv_t, _unkey(mid), thr, mx, BLOCK) < target
+            ok = _mass_gt(row_ptr, vocab, inv_t, _unkey(mid), thr, mx, BLOCK_V) < target
             lo = tl.where(ok, lo, mid)
             hi = tl.where(ok, mid, hi)
         thr = tl.maximum(thr, _unkey(hi))
     # the race: argmax of l - ln(-ln u) over the kept tokens (in log2 units)
     s = _row_seed(seed_ptr, step_ptr, b)
-    gbest = tl.full([BLOCK], float("-inf"), tl.float32)
-    gbest_i = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    gbest = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    gbest_i = tl.zeros([BLOCK_V], tl.int32)
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
         lv = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
         g = tl.where((lv >= thr) & (offs < vocab), _perturbed(lv, offs, s), float("-inf"))
         better = g > gbest
@@ -353,10 +353,10 @@ def _launch(logits: torch.Tensor, settings: tuple[torch.Tensor, ...], chunks: in
     part_idx = torch.empty(parts, dtype=torch.int32, device=logits.device)
     if chunks:
         _chunk_kernel[(bsz, chunks)](logits, logits.stride(0), vocab, chunk_len, *args, part_val, part_idx,
-                                     BLOCK=chunk_block, num_warps=4)
+                                     BLOCK_V=chunk_block, num_warps=4)
     scratch = torch.empty(bsz, CAP, dtype=torch.float32, device=logits.device)
     _sample_kernel[(bsz,)](logits, logits.stride(0), vocab, *args, out, scratch, part_val, part_idx, chunks,
-                           BLOCK=BLOCK, CAP=CAP, CBLOCK=MAX_CHUNKS, num_warps=8)
+                           BLOCK_V=BLOCK_V, CAP=CAP, BLOCK_CHUNKS=MAX_CHUNKS, num_warps=8)
     return out
 
 

@@ -1,6 +1,6 @@
 """Random inputs for every triton op and their comparison with the torch reference.
 
-Shared by the tests (small shapes, CPU under TRITON_INTERPRET=1) and tools/gpu_suite.py (realistic shapes on the
+Shared by the tests (small shapes, CPU under TRITON_INTERPRET=1) and benchmarks/kernels.py (realistic shapes on the
 GPU), so both check the same thing. Inputs are random normals (never zeros); paged KV uses a random permutation of
 cache blocks so wrong block indexing cannot pass; outputs are compared by ||out - ref|| / ||ref|| in float64.
 """
@@ -16,7 +16,7 @@ from appliance.kernels.reference.rope import cos_sin_cache
 from appliance.kernels.registry import get
 from appliance.kernels.triton.selfcheck_chain import CHAIN_OPS, chain_args, chain_errors, op_args, op_bytes
 
-BIGK_MIN = 2100  # above sampling.BLOCK
+BIGK_MIN = 2100  # above sampling.BLOCK_V
 TOL = {torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
@@ -45,13 +45,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30))
 
 
-def _paged_kv(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dtype, device: str,
+def _paged_kv(seq_lens: list[int], block_size: int, hkv: int, d: int, dtype: torch.dtype, device: str,
               gen: torch.Generator, extra_cols: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Caches with a random block layout; block table padded with 0 past each sequence's blocks."""
-    per_seq = [(n + page - 1) // page for n in seq_lens]
+    per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(per_seq) + 1
-    k = torch.randn(num_blocks, page, hkv, d, generator=gen).to(dtype).to(device)
-    v = torch.randn(num_blocks, page, hkv, d, generator=gen).to(dtype).to(device)
+    k = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(device)
     perm = torch.randperm(num_blocks, generator=gen)
     table = torch.zeros(len(seq_lens), max(per_seq) + extra_cols, dtype=torch.int32)
     used = 0
@@ -61,12 +61,12 @@ def _paged_kv(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dty
     return k, v, table.to(device)
 
 
-def decode_inputs(batch: int, heads: int, kv_heads: int, head_dim: int, page: int, seq_lens: list[int],
+def decode_inputs(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seq_lens: list[int],
                   dtype: torch.dtype, device: str, seed: int = 0, num_splits: int | None = None,
                   longest_first: bool = False) -> Inputs:
     """`longest_first`: the kernel takes the rows in the order the runner gives it on large batches."""
     gen = torch.Generator().manual_seed(seed)
-    k, v, table = _paged_kv(seq_lens, page, kv_heads, head_dim, dtype, device, gen)
+    k, v, table = _paged_kv(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
     q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype).to(device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     kv_bytes = 2 * sum(seq_lens) * kv_heads * head_dim * k.element_size()
@@ -76,11 +76,11 @@ def decode_inputs(batch: int, heads: int, kv_heads: int, head_dim: int, page: in
     return Inputs((q, k, v, table, lens, head_dim**-0.5), kv_bytes + 2 * q.numel() * q.element_size(), extra)
 
 
-def prefill_inputs(q_lens: list[int], prefix_lens: list[int], heads: int, kv_heads: int, head_dim: int, page: int,
+def prefill_inputs(q_lens: list[int], prefix_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
                    dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
-    k, v, table = _paged_kv(seq_lens, page, kv_heads, head_dim, dtype, device, gen)
+    k, v, table = _paged_kv(seq_lens, block_size, kv_heads, head_dim, dtype, device, gen)
     q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype).to(device)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
@@ -88,16 +88,16 @@ def prefill_inputs(q_lens: list[int], prefix_lens: list[int], heads: int, kv_hea
     return Inputs((q, k, v, cu, lens, table, head_dim**-0.5), kv_bytes + 2 * q.numel() * q.element_size())
 
 
-def store_kv_inputs(tokens: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype, device: str,
+def store_kv_inputs(tokens: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: str,
                     seed: int = 0) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = (tokens + page - 1) // page + 2
+    num_blocks = (tokens + block_size - 1) // block_size + 2
     key = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype).to(device)
     value = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    slots = torch.randperm(num_blocks * page, generator=gen)[:tokens]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[::7] = -1  # padding tokens are skipped
-    k_cache = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    v_cache = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(device)
     return Inputs((key, value, k_cache, v_cache, slots.to(device)), 4 * key.numel() * key.element_size())
 
 
@@ -123,7 +123,7 @@ def rope_inputs(tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: 
 
 
 def rope_store_inputs(tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int, is_neox: bool,
-                      qk_norm: bool, dtype: torch.dtype, device: str, page: int = 16, row_pad: int = 0,
+                      qk_norm: bool, dtype: torch.dtype, device: str, block_size: int = 16, row_pad: int = 0,
                       seed: int = 0, cache_dtype: torch.dtype | None = None,
                       weight_dtype: torch.dtype | None = None) -> Inputs:
     """Args of `rope_store_kv`: a qkv GEMM output (row stride width + row_pad), random caches with spare blocks
@@ -136,10 +136,10 @@ def rope_store_inputs(tokens: int, heads: int, kv_heads: int, head_dim: int, rot
     qkv = torch.randn(tokens, width + row_pad, generator=gen).to(dtype).to(device)[:, :width]
     qw, kw = ((1 + 0.3 * torch.randn(head_dim, generator=gen)).to(weight_dtype).to(device) if qk_norm else None
               for _ in range(2))
-    num_blocks = (tokens + page - 1) // page + 2
-    k_cache = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(cache_dtype).to(device)
-    v_cache = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(cache_dtype).to(device)
-    slots = torch.randperm(num_blocks * page, generator=gen)[:tokens]
+    num_blocks = (tokens + block_size - 1) // block_size + 2
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype).to(device)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[::5] = -1
     elem = qkv.element_size()
     return Inputs((positions, qkv, heads, kv_heads, head_dim, cache, is_neox, qw, kw, 1e-6, k_cache, v_cache,
@@ -168,13 +168,13 @@ def gemv_inputs(rows: int, n: int, k: int, dtype: torch.dtype, device: str, bias
 
 
 def skinny_inputs(rows: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool = False) -> Inputs:
-    """gemv_inputs past the GEMV's 16 rows, with the config the kernel runs: the measured one where TUNED has it,
-    else config_for's. Always the kernel: without a config the op answers with cuBLAS wherever TUNED has no
-    winner, and would be checked against itself."""
+    """gemv_inputs past the GEMV's 16 rows, with the config the kernel runs: the one measured on sm_90 where its
+    table has it, else config_for's. Always the kernel: without a config the op answers with cuBLAS wherever the
+    table has no winner, and would be checked against itself."""
     from appliance.kernels.triton.skinny_gemm import config_for, tuned_config
 
     inputs = gemv_inputs(rows, n, k, dtype, device, bias)
-    config = tuned_config(rows, n, k) or config_for(rows, n, k)
+    config = tuned_config(rows, n, k, "sm90") or config_for(rows, n, k)
     return Inputs(inputs.args, inputs.nbytes, (("config", config),))
 
 

@@ -1,6 +1,6 @@
 """Random inputs for the decode chain's ops (kernels/triton/gemv_chain.py) and how their outputs compare with the
 torch reference's: shared by tests/test_decode_chain.py (small shapes, CPU under TRITON_INTERPRET=1) and
-selfcheck.py's cases, which tools/gpu_suite.py runs at Llama-3.1-8B shapes.
+selfcheck.py's cases, which benchmarks/kernels.py runs at Llama-3.1-8B shapes.
 
 Partial sums are compared by their row sums (a backend writes as many columns as it likes); the residual and the
 KV caches, which the ops write in place, are compared in full.
@@ -14,7 +14,7 @@ import torch
 from appliance.kernels.reference.rope import cos_sin_cache
 
 CHAIN_OPS = ("norm_prep", "gemv_residual", "gemv_normed_silu", "gemv_normed_rope_store")
-PAGE = 4
+BLOCK_SIZE = 4
 
 
 def chain_args(m: int, hidden: int, inter: int, nq: int, nkv: int, d: int, dtype: torch.dtype, bias: bool,
@@ -27,8 +27,8 @@ def chain_args(m: int, hidden: int, inter: int, nq: int, nkv: int, d: int, dtype
         return (torch.randn(*shape, generator=gen) * scale).to(ty).to(device)
 
     max_pos = 64
-    blocks = (m + PAGE - 1) // PAGE + 2
-    slots = torch.randperm(blocks * PAGE, generator=gen)[:m]
+    blocks = (m + BLOCK_SIZE - 1) // BLOCK_SIZE + 2
+    slots = torch.randperm(blocks * BLOCK_SIZE, generator=gen)[:m]
     slots[1::4] = -1
     h = rnd(m, hidden)
     g = (1 + rnd(hidden, scale=0.3, ty=torch.float32)).to(dtype)
@@ -40,7 +40,8 @@ def chain_args(m: int, hidden: int, inter: int, nq: int, nkv: int, d: int, dtype
         "w_down": rnd(hidden, inter, scale=inter**-0.5), "act": rnd(m, inter), "nq": nq, "nkv": nkv, "d": d,
         "positions": torch.randint(0, max_pos, (m,), generator=gen).to(device),
         "cos_sin": cos_sin_cache(d, max_pos).to(device), "slots": slots.to(device),
-        "k_cache": rnd(blocks, PAGE, nkv, d, ty=cache_dtype), "v_cache": rnd(blocks, PAGE, nkv, d, ty=cache_dtype),
+        "k_cache": rnd(blocks, BLOCK_SIZE, nkv, d, ty=cache_dtype),
+        "v_cache": rnd(blocks, BLOCK_SIZE, nkv, d, ty=cache_dtype),
     }
 
 

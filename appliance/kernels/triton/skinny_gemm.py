@@ -4,7 +4,7 @@ A small model's decode step (Qwen3-0.6B: weights of 4-13 MB, M = 17..256 tokens)
 cuBLAS GEMMs of 6-9 us inside CUDA graphs, much of it launch and pipeline ramp rather than bytes or FLOPs.
 This kernel goes after that time in two ways:
 
-- it fills the GPU: tiles are chosen (TUNED, measured; config_for, the guess a sweep starts from) so that the
+- it fills the GPU: tiles are chosen (tuned_table, measured; config_for, the guess a sweep starts from) so that the
   grid has about one program per SM or more even at a few dozen rows, where a square-tile GEMM leaves most SMs
   idle; programs that share a weight tile are
   adjacent in launch order (the M blocks vary fastest), so the weight is read from HBM once and from L2 after;
@@ -18,12 +18,13 @@ warpgroup MMA's 64-row side on the weight when BLOCK_M is the smaller block. Acc
 added in fp32 before the one rounding to x's dtype. tools/lab_gemm.py times the configs against cuBLAS.
 
 The registered op routes: a weight shape and row count that tools/lab_gemm.py measured faster than cuBLAS on the
-H100 (`TUNED`) runs this kernel with the config that won; every other call goes to cuBLAS, which won there or was
+H100 (`tuned_table`) runs this kernel with the config that won; every other call goes to cuBLAS, which won there or was
 not measured: through kernels/cublaslt.py, which runs the library's fastest measured algorithm where its own
 table has one and F.linear elsewhere. `config=` runs the kernel whatever the table says (tests, tuning).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from appliance.kernels import cublaslt
+from appliance.kernels import cublaslt, tuned
 from appliance.kernels.capability import capability
 from appliance.kernels.reference.linear import SKINNY_GEMM_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
@@ -82,29 +83,23 @@ def config_for(m: int, n: int, k: int) -> SkinnyGemmConfig:
                             num_stages=3 if big else 4, w_left=bn > bm)
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int, w_left: bool) -> SkinnyGemmConfig:
-    return SkinnyGemmConfig(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages, w_left=w_left)
+SkinnyTable = dict[tuple[int, int], tuple[tuple[int, SkinnyGemmConfig | None], ...]]
 
 
-# (N, K) -> ((up to this many rows, the config), ...), rows ascending; None: cuBLAS. Measured on the H100 in CUDA
-# graphs of 20 [PDL elementwise kernel -> GEMM] pairs (tools/lab_gemm.py, session 10: docs/kernels.md "Skinny
-# GEMM"), at 32 / 64 / 128 / 192 / 256 rows; each bucket reaches halfway to the next measured count. Kept: wins of
-# >= 1.08x. The shapes are Qwen3-0.6B's; Llama-3.1-8B's won at most 1.06x, so they stay on cuBLAS.
-TUNED: dict[tuple[int, int], tuple[tuple[int, SkinnyGemmConfig | None], ...]] = {
-    (4096, 1024): ((48, _cfg(32, 64, 4, 5, True)), (96, _cfg(64, 16, 4, 4, False)),  # qkv: 1.18, 1.14
-                   (160, _cfg(64, 64, 4, 5, True)), (256, None)),  # 1.15; 0.94 / 1.02 at 192 / 256
-    (1024, 2048): ((48, _cfg(64, 16, 4, 5, False)), (96, _cfg(64, 16, 4, 6, False)),  # o: 1.25, 1.26
-                   (224, _cfg(64, 32, 4, 5, False)), (256, _cfg(64, 32, 4, 6, False))),  # 1.09-1.14, 1.15
-    (6144, 1024): ((48, _cfg(32, 64, 4, 5, True)), (96, _cfg(64, 64, 4, 5, True)),  # gate_up: 1.21, 1.18
-                   (256, None)),  # 1.03 at 128, 0.83-0.84 above
-    (1024, 3072): ((48, _cfg(64, 16, 4, 5, False)), (160, _cfg(64, 16, 4, 6, False)),  # down: 1.09, 1.15-1.19
-                   (224, None), (256, _cfg(64, 32, 4, 6, False))),  # 0.87 at 192, 1.13 at 256
-}
+@functools.cache
+def tuned_table(arch: str) -> SkinnyTable:
+    """(N, K) -> ((up to this many rows, the config), ...), rows ascending; None: cuBLAS. The data file
+    kernels/tuned/<arch>_skinny_gemm.json (sm_90: Qwen3-0.6B's shapes, timed in CUDA graphs of 20 [PDL elementwise
+    kernel -> GEMM] pairs at 32 / 64 / 128 / 192 / 256 rows, each bucket reaching halfway to the next measured
+    count; kept: wins of >= 1.08x over cuBLAS. Llama-3.1-8B's shapes won at most 1.06x, so they stay on cuBLAS)."""
+    return {tuned.parse_shape(shape): tuple((int(rows), None if cfg is None else SkinnyGemmConfig(**cfg))
+                                            for rows, cfg in buckets)
+            for shape, buckets in tuned.load("skinny_gemm", arch).items()}
 
 
-def tuned_config(m: int, n: int, k: int) -> SkinnyGemmConfig | None:
-    """The measured winner for an [m, k] x [n, k]^T product on an H100-class GPU, or None (cuBLAS)."""
-    for rows, cfg in TUNED.get((n, k), ()):
+def tuned_config(m: int, n: int, k: int, arch: str) -> SkinnyGemmConfig | None:
+    """The measured winner for an [m, k] x [n, k]^T product on a GPU of `arch` (e.g. "sm90"), or None (cuBLAS)."""
+    for rows, cfg in tuned_table(arch).get((n, k), ()):
         if m <= rows:
             return cfg
     return None
@@ -176,7 +171,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: SkinnyGemmConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; M <= MAX_M, x, weight and bias all fp16
-    or all bf16. Without `config`: the kernel where TUNED has a winner for this GPU, shape and row count, else
+    or all bf16. Without `config`: the kernel where tuned_table has a winner for this GPU, shape and row count, else
     cuBLAS (kernels/cublaslt.py). `config` runs the kernel with it (tests, tuning)."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_gemm: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} "
@@ -191,9 +186,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"skinny_gemm: bias {tuple(bias.shape)} {bias.dtype} must be [{n}] in {x.dtype}")
     if weight.stride(-1) != 1:
         raise ValueError("skinny_gemm: the weight's K axis must be contiguous")
-    # TUNED holds for sm_90 (H100 / H200): elsewhere nothing was measured
-    cfg = config or (tuned_config(m, n, k) if x.is_cuda and capability(x) == (9, 0) else None)
-    if cfg is None:  # cuBLAS: with the algorithm measured fastest where cublaslt.TUNED has one
+    cfg = config or (tuned_config(m, n, k, tuned.arch_name(capability(x))) if x.is_cuda else None)
+    if cfg is None:  # cuBLAS: with the algorithm measured fastest where cublaslt.LtTables.algos has one
         return cublaslt.linear(x, weight, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)

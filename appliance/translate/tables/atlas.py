@@ -5,7 +5,7 @@ argparse abbreviations; its boolean options with `[<BOOL>]` take an optional tru
 """
 from __future__ import annotations
 
-from appliance.translate.spec import EngineTable, implied, nones, same, similar, switches
+from appliance.translate.spec import EngineTable, implied, nones, same, similar
 from appliance.translate.spec import none as no
 
 M, S, K, SD, P, A, SA, X = ("Model", "Scheduler and memory", "KV cache", "Speculative decoding", "Parallelism",
@@ -48,14 +48,16 @@ FLAGS = (
     no("--kv-high-precision-layers", "mixed-precision KV layers are not available", K, neutral=("0",)),
     no("--fp8-kv-calibration-tokens", "fp8 KV scales come from precision.quantization_param_path", K,
        neutral=("0",)),
-    no("--swap-space-gb", "preempted requests are recomputed, not swapped to disk", K),
-    switches(K, "disk-backed KV swap is not available", "--high-speed-swap")[0],
-    *nones(K, "disk-backed KV swap is not available", "--high-speed-swap-dir", "--high-speed-swap-gb",
-           "--high-speed-swap-resident-blocks", "--high-speed-swap-rank", "--high-speed-swap-qd",
-           "--high-speed-swap-cache-blocks-per-seq"),
-    no("--high-speed-swap-graph", "disk-backed KV swap is not available", K, arity="optional", const=True),
-    *nones(K, "SSM state snapshots are not available (no hybrid SSM models)", "--ssm-cache-slots",
-           "--ssm-checkpoint-interval"),
+    similar("--swap-space-gb", "cache.host_cache_size_gb", "Atlas swaps KV blocks to host memory; here that is "
+            "the host KV tier of this size", K),
+    same("--high-speed-swap", "cache.disk_cache", K, arity="flag"),
+    same("--high-speed-swap-dir", "cache.disk_cache_dir", K),
+    same("--high-speed-swap-gb", "cache.disk_cache_size_gb", K),
+    *nones(K, "the disk tier's I/O is not tunable", "--high-speed-swap-resident-blocks", "--high-speed-swap-rank",
+           "--high-speed-swap-qd", "--high-speed-swap-cache-blocks-per-seq"),
+    no("--high-speed-swap-graph", "the disk tier's I/O is not tunable", K, arity="optional", const=True),
+    same("--ssm-cache-slots", "cache.ssm_cache_slots", K),
+    same("--ssm-checkpoint-interval", "cache.ssm_checkpoint_interval", K),
     similar("--speculative", "speculative.algorithm", "Atlas's MTP speculative decoding", SD, arity="flag",
             const="MTP"),
     similar("--dflash", "speculative.algorithm", "DFlash block-diffusion drafting", SD, arity="flag",

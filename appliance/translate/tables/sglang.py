@@ -13,7 +13,9 @@ M, H, Q, S, R = "Model and tokenizer", "HTTP server", "Quantization and data typ
     "Runtime options"
 L, A, P, B, SD = "Logging and metrics", "API", "Parallelism", "Kernel backends", "Speculative decoding"
 EP, C, O = "Expert parallelism", "Caches and offloading", "Optimization and debug"
-NO_PP = "pipeline parallelism is not available; tp x dp covers the GPUs"
+NO_PP = "pipeline micro-batching is not tunable (parallelism.pp sets the stages)"
+ROUTER = ("an option of SGLang's router (`python -m sglang_router.launch_server`): the appliance routes among its "
+          "dp replicas itself (least open requests, sticky per request)")
 BACKEND_NOTE = "name is aligned; the available values are the appliance's (see backends.*)"
 
 FLAGS = (
@@ -72,7 +74,7 @@ FLAGS = (
     same("--nnodes", "parallelism.nnodes", P),
     same("--node-rank", "parallelism.node_rank", P),
     same("--disable-custom-all-reduce", "parallelism.disable_custom_all_reduce", P, arity="flag"),
-    no(("--pipeline-parallel-size", "--pp-size"), NO_PP, P, neutral=("1",)),
+    same(("--pipeline-parallel-size", "--pp-size"), "parallelism.pp", P),
     *nones(P, NO_PP, "--pp-max-micro-batch-size", "--pp-async-batch-depth"),
     no("--load-balance-method", "data-parallel replicas are balanced by the scheduler, not configurable", P),
     switches(P, "not configurable", "--prefill-round-robin-balance")[0],
@@ -113,7 +115,9 @@ FLAGS = (
                  ("kimi_k2", "kimi_k25"))),
     same("--tool-call-parser", "api.tool_call_parser", A,
          values=(("qwen25", "qwen"), ("qwen", "qwen"), ("llama3", "llama3_json"), ("deepseekv3", "deepseek_v3"),
-                 ("deepseekv31", "deepseek_v31"), ("kimi_k2", "kimik2"))),
+                 ("deepseekv31", "deepseek_v31"), ("deepseekv32", "deepseek_v32"), ("kimi_k2", "kimik2"))),
+    implied("--enable-auto-tool-choice", "tool calls are parsed whenever api.tool_call_parser is set (a vLLM "
+            "flag; SGLang behaves this way too)", A, arity="flag"),
     same("--enable-custom-logit-processor", "api.enable_custom_logit_processor", A, arity="flag"),
     no("--admin-api-key", "one API key guards every route", A),
     no("--weight-version", "no weight versions", A, neutral=("default",)),
@@ -130,13 +134,15 @@ FLAGS = (
     same("--sampling-backend", "backends.sampling", B, values=(("pytorch", "torch"),)),
     *nones(B, "one attention backend serves prefill and decode (backends.attention)",
            "--prefill-attention-backend", "--decode-attention-backend"),
-    *nones(B, "not available", "--grammar-backend", "--mm-attention-backend", "--nsa-prefill-backend",
+    same("--mm-attention-backend", "multimodal.encoder_attention", M),
+    *nones(B, "not available", "--grammar-backend", "--nsa-prefill-backend",
            "--nsa-decode-backend", "--fp8-gemm-backend"),
     switches(B, "not available", "--disable-flashinfer-autotune")[0],
     similar("--speculative-algorithm", "speculative.algorithm",
             "NEXTN is SGLang's name for the model's own MTP layers: algorithm MTP", SD,
             values=(("NEXTN", "MTP"), ("EAGLE", "EAGLE"), ("EAGLE3", "EAGLE3"), ("NGRAM", "NGRAM"),
-                    ("MTP", "MTP"), ("DFLASH", "DFLASH")), closed=True),
+                    ("MTP", "MTP"), ("DFLASH", "DFLASH"), ("STANDALONE", "STANDALONE"), ("DSPARK", "DSPARK")),
+            closed=True),
     same(("--speculative-draft-model-path", "--speculative-draft-model"), "speculative.draft_model_path", SD),
     same("--speculative-num-steps", "speculative.num_steps", SD),
     same("--speculative-eagle-topk", "speculative.eagle_topk", SD),
@@ -147,8 +153,9 @@ FLAGS = (
     *nones(SD, "not configurable", "--speculative-draft-model-revision", "--speculative-draft-load-format",
            "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
            "--speculative-token-map", "--speculative-attention-mode", "--speculative-moe-a2a-backend"),
-    *nones(SD, "n-gram drafting is not tunable", "--speculative-ngram-min-match-window-size",
-           "--speculative-ngram-max-match-window-size", "--speculative-ngram-min-bfs-breadth",
+    same("--speculative-ngram-min-match-window-size", "speculative.prompt_lookup_min", SD),
+    same("--speculative-ngram-max-match-window-size", "speculative.prompt_lookup_max", SD),
+    *nones(SD, "n-gram drafting is not tunable beyond its match window", "--speculative-ngram-min-bfs-breadth",
            "--speculative-ngram-max-bfs-breadth", "--speculative-ngram-match-type",
            "--speculative-ngram-branch-length", "--speculative-ngram-capacity"),
     similar(("--expert-parallel-size", "--ep-size", "--ep"), "parallelism.ep",
@@ -185,12 +192,17 @@ FLAGS = (
     same("--disable-overlap-schedule", "scheduler.enable_overlap", O, arity="flag", const=False),
     *nones(C, "Mamba / hybrid-state caches are not available", "--max-mamba-cache-size", "--mamba-ssm-dtype",
            "--mamba-full-memory-ratio", "--mamba-scheduler-strategy", "--mamba-track-interval"),
-    *switches(C, "hierarchical (host / storage) KV caches are not available", "--enable-hierarchical-cache",
-              "--enable-lmcache", "--enable-double-sparsity", "--enable-prefix-mm-cache"),
-    *nones(C, "hierarchical (host / storage) KV caches are not available", "--hicache-ratio", "--hicache-size",
-           "--hicache-write-policy", "--radix-eviction-policy", "--hicache-io-backend", "--hicache-mem-layout",
-           "--hicache-storage-backend", "--hicache-storage-prefetch-policy",
-           "--hicache-storage-backend-extra-config"),
+    same("--enable-hierarchical-cache", "cache.host_cache", C, arity="flag"),
+    same("--hicache-ratio", "cache.host_cache_ratio", C),
+    same("--hicache-size", "cache.host_cache_size_gb", C),
+    same("--hicache-write-policy", "cache.host_cache_write_policy", C),
+    same("--hicache-io-backend", "cache.host_cache_io_backend", C),
+    same("--hicache-mem-layout", "cache.host_cache_mem_layout", C),
+    same("--hicache-storage-backend", "cache.host_cache_storage_backend", C),
+    same("--hicache-storage-prefetch-policy", "cache.host_cache_storage_prefetch_policy", C),
+    same("--hicache-storage-backend-extra-config", "cache.host_cache_storage_config", C, arity="json"),
+    *switches(C, "not available", "--enable-lmcache", "--enable-double-sparsity", "--enable-prefix-mm-cache"),
+    no("--radix-eviction-policy", "prefix blocks are evicted least recently used first", C, neutral=("lru",)),
     *nones(C, "CPU-offloaded (KTransformers) experts are not available", "--kt-weight-path", "--kt-method",
            "--kt-cpuinfer", "--kt-threadpool-count", "--kt-num-gpu-experts", "--kt-max-deferred-experts-per-token"),
     *nones(C, "double sparsity is not available", "--ds-channel-config-path", "--ds-heavy-channel-num",
@@ -217,8 +229,9 @@ FLAGS = (
               "--enable-pdmux", "--enable-broadcast-mm-inputs-process", "--mm-enable-dp-encoder",
               "--encoder-only", "--language-only", "--disaggregation-decode-enable-offload-kvcache",
               "--disaggregation-decode-enable-fake-auto"),
-    no("--enable-dp-attention", "attention data parallelism inside a TP group is not available; parallelism.dp "
-       "replicates the whole model", O, arity="flag"),
+    similar("--enable-dp-attention", "@dp_attention", "attention runs data-parallel: --tp T --dp D becomes "
+            "attention tp T/D in dp D replicas, with dense and MoE layers tensor-parallel over all T ranks "
+            "(dense_tp, moe_tp), TokenSpeed's split-parallel form", O, arity="flag"),
     *nones(O, "not available", "--tbo-token-distribution-threshold", "--piecewise-cuda-graph-tokens",
            "--piecewise-cuda-graph-compiler", "--torch-compile-max-bs",
            "--torchao-config", "--triton-attention-num-kv-splits", "--triton-attention-split-tile-size",
@@ -247,5 +260,6 @@ TABLE = EngineTable(
     title="SGLang",
     flags=FLAGS,
     defaults=(("api.port", 30000, "SGLang's default port"),),
+    families=(("--router-", ROUTER),),
     source="python/sglang/srt/server_args.py; SGLang server-arguments docs (seed 002)",
 )

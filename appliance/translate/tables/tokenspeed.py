@@ -5,12 +5,12 @@ schema took its names from these pages, so almost every flag maps one to one.
 """
 from __future__ import annotations
 
-from appliance.translate.spec import EngineTable, same, similar
+from appliance.translate.spec import EngineTable, implied, nones, same, similar, switches
 from appliance.translate.tables.vllm import SPEC_METHODS
 
-M, Q, A, S, P, B, R, SD, O = ("Model loading", "Precision and quantization", "API surface",
-                              "Scheduler and memory", "Parallelism", "Backend selection", "Reasoning and tool calling",
-                              "Speculative decoding", "Observability")
+M, Q, A, S, P, B, R, SD, O, C = ("Model loading", "Precision and quantization", "API surface",
+                                 "Scheduler and memory", "Parallelism", "Backend selection",
+                                 "Reasoning and tool calling", "Speculative decoding", "Observability", "KVStore")
 
 FLAGS = (
     same("--model", "model.path", M),
@@ -41,7 +41,7 @@ FLAGS = (
     same("--chunked-prefill-size", "scheduler.chunked_prefill_size", S),
     same("--max-prefill-tokens", "scheduler.max_prefill_tokens", S),
     same("--max-total-tokens", "cache.max_total_tokens", S),
-    same("--block-size", "cache.block_size", S),
+    same(("--prefix-granularity", "--block-size"), "cache.block_size", S),
     same("--enable-prefix-caching", "cache.enable_prefix_caching", S, arity="flag", negatable=True),
     same("--enforce-eager", "backends.enforce_eager", S, arity="flag"),
     same("--max-cudagraph-capture-size", "backends.cuda_graph_max_bs", S),
@@ -72,6 +72,8 @@ FLAGS = (
     same("--dp-sampling", "backends.dp_sampling", B, arity="flag"),
     same("--reasoning-parser", "api.reasoning_parser", R),
     same("--tool-call-parser", "api.tool_call_parser", R),
+    implied("--enable-auto-tool-choice", "tool calls are parsed whenever api.tool_call_parser is set", R,
+            arity="flag"),
     same("--enable-custom-logit-processor", "api.enable_custom_logit_processor", R, arity="flag"),
     same("--speculative-config", "speculative", SD, arity="json", values=SPEC_METHODS,
          subkeys=(("algorithm", "speculative.algorithm"), ("draft_model_path", "speculative.draft_model_path"),
@@ -102,13 +104,28 @@ FLAGS = (
     same("--mla-chunk-multiplier", "backends.mla_chunk_multiplier", B),
     same("--comm-fusion-max-num-tokens", "backends.comm_fusion_max_num_tokens", B),
     same("--enable-allreduce-fusion", "backends.enable_allreduce_fusion", B, arity="flag"),
+    similar("--disable-kvstore", "cache.host_cache", "TokenSpeed's KVStore (a host-memory KV tier) is on unless "
+            "disabled; here the host tier is off unless cache.host_cache is set", C, arity="flag", const=False),
+    same("--kvstore-ratio", "cache.host_cache_ratio", C),
+    same("--kvstore-size", "cache.host_cache_size_gb", C),
+    same("--kvstore-io-backend", "cache.host_cache_io_backend", C),
+    same("--kvstore-mem-layout", "cache.host_cache_mem_layout", C),
+    same("--kvstore-storage-backend", "cache.host_cache_storage_backend", C),
+    same("--kvstore-storage-backend-extra-config", "cache.host_cache_storage_config", C, arity="json"),
+    similar("--prefill-graph-max-tokens", "backends.piecewise_cuda_graph_max_tokens", "the largest prefill step "
+            "run as captured graphs", B),
+    implied("--enable-mixed-batch", "steps mix prefill chunks and decodes here", S, arity="flag"),
+    same("--mm-encoder-tp-mode", "multimodal.encoder_tp_mode", M),
+    same("--linear-backend", "backends.linear", B),
+    *nones(B, "not available", "--low-latency-max-num-tokens-per-gpu"),
+    *switches(B, "not available", "--disable-cuda-graph-padding", "--attention-use-fp4-indexer-cache",
+              "--enable-flashinfer-autotune"),
 )
 
 TABLE = EngineTable(
     name="tokenspeed",
     title="TokenSpeed",
     flags=FLAGS,
-    families=(("--kvstore-", "TokenSpeed's host / storage KV store is not available"),
-              ("--disaggregation-", "prefill/decode disaggregation is not available")),
+    families=(("--disaggregation-", "prefill/decode disaggregation is not available"),),
     source="TokenSpeed Server Parameters and Compatible Parameters (seeds 000, 001)",
 )

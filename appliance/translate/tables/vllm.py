@@ -16,10 +16,23 @@ from appliance.translate.spec import none as no
 M, LD, P, C, S, SO = "Model", "Load", "Parallelism", "Cache", "Scheduler", "Structured outputs and parsers"
 CO, SD, F, OB, LO, MM = "Compilation", "Speculative decoding", "Frontend (HTTP)", "Observability", "LoRA", \
     "Multimodal"
-NO_PP = "pipeline parallelism is not available; tp x dp covers the GPUs"
+# vLLM's speculative methods; every `<arch>_mtp` is the model's own MTP layers (rules.py maps names not listed)
 SPEC_METHODS = (("mtp", "MTP"), ("deepseek_mtp", "MTP"), ("qwen3_next_mtp", "MTP"), ("glm4_moe_mtp", "MTP"),
-                ("ernie_mtp", "MTP"), ("mimo_mtp", "MTP"), ("eagle", "EAGLE"), ("eagle3", "EAGLE3"),
-                ("ngram", "NGRAM"), ("[ngram]", "NGRAM"))
+                ("ernie_mtp", "MTP"), ("mimo_mtp", "MTP"), ("qwen3_5_mtp", "MTP"), ("step3p5_mtp", "MTP"),
+                ("longcat_flash_mtp", "MTP"), ("eagle", "EAGLE"), ("eagle3", "EAGLE3"), ("ngram", "NGRAM"),
+                ("[ngram]", "NGRAM"), ("draft_model", "STANDALONE"), ("dflash", "DFLASH"), ("dspark", "DSPARK"))
+
+# vLLM's attention backend names (AttentionBackendEnum) -> the appliance's (support.py says which run here)
+VLLM_ATTENTION = (
+    ("FLASH_ATTN", "fa3"), ("TRITON_ATTN", "triton"), ("TORCH_SDPA", "torch"), ("FLASHINFER", "flashinfer"),
+    ("FLASHINFER_MLA", "flashinfer_mla"), ("FLASHMLA", "flashmla"), ("FLASHMLA_SPARSE", "flashmla_sparse"),
+    ("CUTLASS_MLA", "cutlass_mla"), ("TRITON_MLA", "triton_mla"), ("FLASH_ATTN_MLA", "fa3"),
+    ("FLEX_ATTENTION", "flex_attention"), ("XFORMERS", "xformers"), ("TREE_ATTN", "tree_attn"),
+    ("ROCM_ATTN", "rocm_attn"), ("ROCM_AITER_FA", "rocm_aiter_fa"), ("ROCM_AITER_MHA", "rocm_aiter_mha"),
+    ("ROCM_AITER_MLA", "rocm_aiter_mla"), ("ROCM_AITER_TRITON_MLA", "rocm_aiter_triton_mla"),
+    ("ROCM_AITER_UNIFIED_ATTN", "rocm_aiter_unified_attn"), ("CPU_ATTN", "cpu_attn"), ("PALLAS", "pallas"),
+    ("ASCEND", "ascend"), ("IPEX", "intel_xpu"),
+)
 
 _FLAGS = (
     same("--model", "model.path", M),
@@ -29,7 +42,7 @@ _FLAGS = (
     same("--dtype", "precision.dtype", M),
     same("--seed", "model.seed", M),
     same("--revision", "model.revision", M),
-    same("--max-model-len", "model.max_model_len", M),
+    same("--max-model-len", "model.max_model_len", M, neutral=("auto", "-1")),
     same(("--quantization", "-q"), "precision.quantization", M),
     same("--enforce-eager", "backends.enforce_eager", M, arity="flag"),
     same("--max-logprobs", "api.caps.max_logprobs", M),
@@ -45,19 +58,23 @@ _FLAGS = (
                      ("top_k", "sampling.top_k"), ("min_p", "sampling.min_p"),
                      ("repetition_penalty", "sampling.repetition_penalty"))),
     no("--generation-config", "the model's generation_config.json is not read; set [sampling] defaults", M,
-       neutral=("auto",)),
+       neutral=("vllm",)),
     no("--runner", "only generative models are served", M, neutral=("auto", "generate")),
     no("--convert", "no model conversion (pooling / classification)", M, neutral=("auto", "none")),
     no("--task", "only text generation is served (vLLM deprecated --task)", M, neutral=("auto", "generate")),
     *nones(M, "not configurable", "--hf-config-path", "--code-revision", "--tokenizer-revision",
-           "--allowed-local-media-path", "--logprobs-mode", "--config-format", "--hf-token", "--pooler-config",
+           "--logprobs-mode", "--hf-token", "--pooler-config",
            "--override-pooler-config", "--logits-processor-pattern", "--override-attention-dtype",
            "--io-processor-plugin"),
     no("--model-impl", "models are the appliance's own implementations", M, neutral=("auto", "vllm")),
     *nones(M, "not configurable", "--allowed-media-domains", "--logits-processors", arity="list"),
-    *switches(M, "not available", "--disable-sliding-window", "--disable-cascade-attn", "--enable-prompt-embeds",
+    implied("--disable-cascade-attn", "there is no cascade attention here", M, arity="flag"),
+    implied("--language-model-only", "only the language model is served here (no multimodal encoders)", M,
+            arity="flag"),
+    *switches(M, "not available", "--disable-sliding-window", "--enable-prompt-embeds",
               "--enable-sleep-mode"),
     same("--load-format", "model.load_format", LD),
+    same("--config-format", "model.config_format", LD),
     same("--download-dir", "model.download_dir", LD),
     *nones(LD, "weights are read with safetensors' defaults", "--safetensors-load-strategy",
            "--model-loader-extra-config", "--pt-load-map-location"),
@@ -83,8 +100,8 @@ _FLAGS = (
             values=(("naive", "naive"), ("pplx", "pplx"), ("allgather_reducescatter", "allgather_reducescatter"),
                     ("deepep_high_throughput", "deepep"), ("deepep_low_latency", "deepep")), closed=True),
     implied("--headless", "a node with node_rank > 0 runs workers only", P, arity="flag"),
-    no(("--pipeline-parallel-size", "-pp"), NO_PP, P, neutral=("1",)),
-    no(("--decode-context-parallel-size", "-dcp"), "context parallelism is not available", P, neutral=("1",)),
+    same(("--pipeline-parallel-size", "-pp"), "parallelism.pp", P),
+    same(("--decode-context-parallel-size", "-dcp"), "parallelism.dcp", P),
     no(("--data-parallel-rank", "-dpn"), "external DP load balancing is not available", P),
     no(("--data-parallel-backend", "-dpb"), "DP replicas are started by the supervisor", P, neutral=("mp",)),
     no(("--api-server-count", "-asc"), "one HTTP process serves the API", P, neutral=("1",)),
@@ -100,6 +117,8 @@ _FLAGS = (
     same("--gpu-memory-utilization", "cache.gpu_memory_utilization", C),
     same("--kv-cache-dtype", "precision.kv_cache_dtype", C),
     same("--enable-prefix-caching", "cache.enable_prefix_caching", C, arity="flag"),
+    similar("--quantization-param-path", "precision.quantization_param_path", "dropped from vLLM (fp8 KV scales "
+            "now come with the checkpoint); here the JSON file of KV cache scales", C),
     no("--calculate-kv-scales", "KV scales are not computed on the fly; give them with "
        "precision.quantization_param_path", C, arity="flag"),
     no("--kv-cache-memory-bytes", "size the KV pool with cache.max_total_tokens or cache.gpu_memory_utilization",
@@ -129,21 +148,26 @@ _FLAGS = (
     same("--cudagraph-capture-sizes", "backends.cuda_graph_sizes", CO, arity="list"),
     same("--max-cudagraph-capture-size", "backends.cuda_graph_max_bs", CO),
     similar(("--compilation-config", "-O", "-cc"), "backends", "only the CUDA graph sizes carry over: there is "
-            "no torch.compile (levels / modes)", CO, arity="json",
+            "no torch.compile (levels / modes); cudagraph_mode FULL_DECODE_ONLY is decode graphs without piecewise prefill "
+            "graphs", CO, arity="json",
             subkeys=(("cudagraph_capture_sizes", "backends.cuda_graph_sizes"),
                      ("max_cudagraph_capture_size", "backends.cuda_graph_max_bs"),
-                     ("level", "-"), ("mode", "-"))),
+                     ("cudagraph_mode", "backends.piecewise_cuda_graph"), ("level", "-"), ("mode", "-")),
+            values=(("full_decode_only", False), ("full_and_piecewise", True), ("piecewise", True))),
     no("--optimization-level", "no torch.compile optimization levels; CUDA graphs are backends.enforce_eager", CO),
-    similar("--attention-backend", "backends.attention", "vLLM backend names mapped: FLASHINFER -> flashinfer, "
-            "TRITON_ATTN -> triton, TORCH_SDPA -> torch, FLASH_ATTN -> fa3, FLASHMLA -> trtllm_mla", CO,
-         values=(("FLASHINFER", "flashinfer"), ("TRITON_ATTN", "triton"), ("TORCH_SDPA", "torch"),
-                 ("FLASHMLA", "trtllm_mla"), ("FLASH_ATTN", "fa3")), closed=True),
+    similar("--attention-backend", "backends.attention", "vLLM's backend names in the appliance's spelling: "
+            "FLASH_ATTN -> fa3 (vLLM picks FlashAttention 2 or 3 by GPU), TRITON_ATTN -> triton, TORCH_SDPA -> "
+            "torch, the rest lower-cased", CO, values=VLLM_ATTENTION),
+    same("--moe-backend", "backends.moe", CO),
+    same("--linear-backend", "backends.linear", CO),
     similar("--speculative-config", "speculative", "vLLM's method / model / num_speculative_tokens become "
             "algorithm / draft_model_path / num_steps (a chain: eagle_topk 1, num_steps + 1 tokens verified)", SD,
             arity="json", values=SPEC_METHODS,
             subkeys=(("method", "speculative.algorithm"), ("model", "speculative.draft_model_path"),
                      ("num_speculative_tokens", "speculative.num_steps"),
                      ("quantization", "speculative.draft_model_quantization"),
+                     ("prompt_lookup_min", "speculative.prompt_lookup_min"),
+                     ("prompt_lookup_max", "speculative.prompt_lookup_max"),
                      ("draft_tensor_parallel_size", "-"))),
     same("--kv-events-config", "observability.kv_events", OB, arity="json"),
     no("--kv-transfer-config", "KV transfer (disaggregated prefill) is not available", SD),
@@ -153,6 +177,12 @@ _FLAGS = (
     same("--port", "api.port", F),
     same("--api-key", "api.api_key", F),
     same("--chat-template", "api.chat_template", F),
+    same("--enable-force-include-usage", "api.enable_force_include_usage", F, arity="flag"),
+    same("--enable-prompt-tokens-details", "observability.enable_cache_report", F, arity="flag"),
+    implied("--enable-server-load-tracking", "GET /load always answers the number of open engine requests", F,
+            arity="flag"),
+    no("--chat-template-content-format", "message content reaches the chat template as one string (text parts "
+       "joined)", F, neutral=("string",)),
     same("--tool-call-parser", "api.tool_call_parser", F, values=(("hermes", "hermes"), ("llama3_json", "llama3_json"),
          ("deepseek_v3", "deepseek_v3"), ("deepseek_v31", "deepseek_v31"), ("kimi_k2", "kimik2"),
          ("qwen3_coder", "qwen3_coder"), ("pythonic", "pythonic"), ("mistral", "mistral"))),
@@ -170,7 +200,7 @@ _FLAGS = (
     *nones(OB, "not available", "--show-hidden-metrics-for-version", "--otlp-traces-endpoint",
            "--collect-detailed-traces", "--log-config-file"),
     switches(OB, "not available", "--kv-cache-metrics")[0],
-    *nones(F, "not available", "--uds", "--chat-template-content-format", "--response-role", "--ssl-keyfile",
+    *nones(F, "not available", "--uds", "--response-role", "--ssl-keyfile",
            "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path", "--tool-parser-plugin",
            "--tool-server", "--h11-max-incomplete-event-size", "--h11-max-header-count",
            "--reasoning-parser-plugin", "--structured-outputs-config"),
@@ -179,8 +209,7 @@ _FLAGS = (
     *switches(F, "not available", "--disable-uvicorn-access-log", "--allow-credentials",
               "--trust-request-chat-template", "--enable-ssl-refresh", "--return-tokens-as-token-ids",
               "--disable-frontend-multiprocessing", "--enable-request-id-headers",
-              "--exclude-tools-when-tool-choice-none", "--disable-fastapi-docs", "--enable-prompt-tokens-details",
-              "--enable-server-load-tracking", "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
+              "--exclude-tools-when-tool-choice-none", "--disable-fastapi-docs", "--enable-tokenizer-info-endpoint",
               "--enable-log-outputs", "--log-error-stack"),
     implied("--config", "the translator reads the YAML file; its settings are translated like flags (the "
             "command line wins)", F),
@@ -188,8 +217,14 @@ _FLAGS = (
     *nones(LO, "LoRA adapters are not supported", "--max-loras", "--max-lora-rank", "--lora-dtype",
            "--max-cpu-loras"),
     no("--lora-modules", "LoRA adapters are not supported", LO, arity="list"),
-    *nones(MM, "multimodal inputs are not served", "--limit-mm-per-prompt", "--media-io-kwargs",
-           "--mm-processor-kwargs", "--mm-processor-cache-gb", "--mm-encoder-tp-mode"),
+    same("--mm-encoder-tp-mode", "multimodal.encoder_tp_mode", MM),
+    same("--mm-encoder-attn-backend", "multimodal.encoder_attention", MM, values=VLLM_ATTENTION),
+    same("--mm-processor-cache-gb", "multimodal.processor_cache_gb", MM),
+    same("--mm-processor-cache-type", "multimodal.processor_cache_type", MM),
+    same("--limit-mm-per-prompt", "multimodal.limit_per_prompt", MM, arity="json"),
+    same("--mm-processor-kwargs", "multimodal.processor_kwargs", MM, arity="json"),
+    same("--media-io-kwargs", "multimodal.media_io_kwargs", MM, arity="json"),
+    same("--allowed-local-media-path", "multimodal.allowed_local_media_path", MM),
     *switches(MM, "multimodal inputs are not served", "--interleave-mm-strings", "--skip-mm-profiling"),
     removed("--device", "removed from vLLM (the platform is detected); here model.device", M),
     removed("--use-v2-block-manager", "removed from vLLM (v0.6.x): the v2 block manager is the only one", C,
@@ -203,7 +238,8 @@ _FLAGS = (
     removed("--ngram-prompt-lookup-max", "removed from vLLM; use --speculative-config", SD),
     removed("--ngram-prompt-lookup-min", "removed from vLLM; use --speculative-config", SD),
     removed("--spec-decoding-acceptance-method", "removed from vLLM V1", SD),
-    removed("--guided-decoding-backend", "renamed in vLLM to --structured-outputs-config backend", SO),
+    removed("--guided-decoding-backend", "renamed in vLLM to --structured-outputs-config backend; structured "
+            "outputs here are xgrammar's", SO, neutral=("xgrammar", "auto")),
     removed("--preemption-mode", "removed from vLLM V1 (always recompute)", S),
     removed("--scheduler-delay-factor", "removed from vLLM V1", S),
     removed("--tokenizer-pool-size", "removed from vLLM", M),

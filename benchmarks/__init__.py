@@ -1,0 +1,11 @@
+"""The acceptance suites that reproduce the figures of docs/benchmarks.md and docs/kernels.md on a GPU host.
+Run from the repository root: `python -m benchmarks.NAME` (Python) or `bash benchmarks/NAME.sh`.
+
+- gpu_suite.sh: the published single-GPU figures (Llama-3.1-8B and Qwen3-0.6B shapes), ours and vLLM's
+- kernels.py: every Triton kernel against its torch reference, then timed (docs/kernels.md)
+- tp.py: tensor parallelism on 2 GPUs (docs/parallelism.md)
+- deepseek_v3.py: recipes/deepseek-v3.toml served on the DeepSeek-V3 shape, MTP off and on
+- moe.sh: the MoE shapes (DeepSeek-V2-Lite, Qwen3-30B-A3B) and their kernels
+- flashinfer.sh: the flashinfer attention backend's GPU tests and timings
+- server.py: start / stop `appliance run` and measure it with `appliance bench serve` (used by the suites)
+"""

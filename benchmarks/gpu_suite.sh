@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The published single-GPU figures (docs/benchmarks.md), ours and the peer's (vLLM 0.26) on the same machine, with
+# `appliance bench`. Each part runs in under 10 minutes on an H100 80GB; `all` runs every part in turn.
+#
+#   bash benchmarks/gpu_suite.sh PART [PART...]     # results: $OUT (or $BENCH_OUT, else a temp dir), then a table
+#
+# Parts (ours, then the same workload through the peer):
+#   b1        Llama-3.1-8B shape, dummy bf16 weights: batch 1, 1024 in / 256 out: ms per output token (TPOT)
+#             `appliance bench latency --preset llama-3.1-8b`
+#   qwen      Qwen3-0.6B shape: 256 sequences, prompt and output lengths uniform in [100, 1024], seed 0: output tok/s
+#             `appliance bench throughput --preset qwen3-0.6b`
+#   tput8b    Llama-3.1-8B: NUM_PROMPTS (default 1000) x 1024 in / 1024 out: output tok/s, with the engine's step
+#             budget and with recipes/llama-3.1-8b.toml's (scheduler.chunked_prefill_size = 640)
+#             `appliance bench throughput --preset llama-3.1-8b [--set scheduler.chunked_prefill_size=640]`
+#   serve     `appliance serve` on the 8B shape (a word-level tokenizer of its vocabulary), measured by
+#             `appliance bench serve` at max concurrency 1 / 16 / 64 (8 / 64 / 192 prompts, 1024 in / 256 out,
+#             ignore_eos, greedy); the start-up to /health 200 is the cold start
+#   peer-small  the peer's b1 and qwen;  peer-8b  the peer's 8B throughput;  peer-serve  `vllm serve`, same levels
+#   summary   the table of whatever $OUT holds (every run ends with it)
+#
+# Set-up of the GPU machine (Python 3.12 with torch, triton, transformers and httpx, no internet):
+#   1. here: `bash tools/device_wheels.sh` writes .whl/ (the server/config wheels that machine lacks); this script
+#      installs them into /tmp/site when `import pydantic` fails there;
+#   2. the peer kit (vLLM 0.26.0 trimmed to sm_90: run_vllm.sh, bench_vllm.py, mkcfg.py, its site tarball and
+#      wheels) copied into .peer/ of the checkout (ignored by git);
+#   3. copy the checkout with .whl/ and .peer/ to the GPU machine and run this script from its root, e.g.
+#      `OUT=/tmp/out bash benchmarks/gpu_suite.sh b1 qwen peer-small`, `... tput8b`, `... peer-8b`,
+#      `... serve peer-serve`. The installs land in /tmp/site (ours) and /tmp/vllm-site (the peer's) and later
+#      commands on the same machine reuse them, so where a transfer is limited (the tree ~27 MB, .whl/ ~8 MB,
+#      .peer/ ~39 MB) the first command can bring .whl/ and a later one .peer/.
+# Limits per command: PART_TIMEOUT_S (default 560) bounds each part. The serve parts take SERVE_MODEL (a model dir
+# with a tokenizer; default: the 8B shape written by appliance.bench.presets), SERVE_ARGS (default: --load-format
+# dummy --dtype bfloat16), SERVE_LEVELS (concurrency:prompts, default "1:8 16:64 64:192") and SERVE_LENS (in:out,
+# default 1024:256), so they can be dry-run on a CPU with a tiny model.
+#   e.g. SERVE_MODEL=DIR SERVE_ARGS="--dtype float32" SERVE_LEVELS="1:2 2:4" SERVE_LENS=16:4 bash benchmarks/gpu_suite.sh serve
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py="${PYTHON:-python3}"
+out="${OUT:-${BENCH_OUT:-$(mktemp -d)}}"
+mkdir -p "$out"
+limit="${PART_TIMEOUT_S:-560}"
+models="${MODELS_DIR:-/tmp/appliance_bench_models}"
+serve_model="${SERVE_MODEL:-$models/llama-3.1-8b}"
+read -r -a serve_args <<< "${SERVE_ARGS:---load-format dummy --dtype bfloat16}"
+levels="${SERVE_LEVELS:-1:8 16:64 64:192}"
+lens="${SERVE_LENS:-1024:256}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+if ! "$py" -c "import pydantic, zmq, starlette" 2>/dev/null && [[ -d /tmp/site ]]; then
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # installed by an earlier command on this machine
+fi
+if ! "$py" -c "import pydantic, zmq, starlette" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  echo "== installing .whl/ into /tmp/site" >&2
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu_suite: installing .whl/ failed" >&2; exit 1; }
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="${PYTHONPATH:-$PWD}"
+
+bench() { timeout --kill-after=10 "$limit" "$py" -m appliance.cli.main bench "$@" --disable-tqdm; }
+peer() {
+  [[ -f .peer/run_vllm.sh ]] || { echo "gpu_suite: .peer/run_vllm.sh is missing (see the set-up above)" >&2; return 1; }
+  timeout --kill-after=10 "$limit" bash .peer/run_vllm.sh "$@"
+}
+
+# serve_levels NAME START_CMD...: start a server on :8100, time /health, run the three levels, stop it
+serve_levels() {
+  local name="$1"; shift
+  local log="$out/${name}_server.log" t0 pid ms
+  t0=$(date +%s%N)
+  "$@" > "$log" 2>&1 &
+  pid=$!
+  until "$py" -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:8100/health', timeout=2).status_code != 200)" \
+        2>/dev/null; do
+    kill -0 "$pid" 2>/dev/null || { echo "gpu_suite: $name server exited; tail of $log:" >&2; tail -20 "$log" >&2; return 1; }
+    (( $(date +%s%N) - t0 > 300000000000 )) && { echo "gpu_suite: $name not ready in 300 s" >&2; kill -TERM "$pid"; return 1; }
+    sleep 0.5
+  done
+  ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  echo "{\"start_ms\": $ms}" > "$out/${name}_start.json"
+  echo "== $name: /health after $ms ms" >&2
+  bench serve --base-url http://127.0.0.1:8100 --model bench --tokenizer "$serve_model" \
+    --random-input-len 16 --random-output-len 8 --num-prompts 2 --max-concurrency 2 --ignore-eos >/dev/null  # warm-up
+  for level in $levels; do
+    bench serve --base-url http://127.0.0.1:8100 --model bench --tokenizer "$serve_model" \
+      --random-input-len "${lens%%:*}" --random-output-len "${lens##*:}" --ignore-eos --max-concurrency "${level%%:*}" \
+      --num-prompts "${level##*:}" --metric-percentiles 50,99 --result-filename "$out/${name}_c${level%%:*}.json"
+  done
+  kill -TERM "$pid"; wait "$pid"
+}
+
+part() {
+  echo "== $1 -> $out" >&2
+  case "$1" in
+    b1) bench latency --preset llama-3.1-8b --output-json "$out/b1.json" ;;
+    qwen) bench throughput --preset qwen3-0.6b --output-json "$out/qwen.json" ;;
+    tput8b)
+      n="${NUM_PROMPTS:-1000}"
+      bench throughput --preset llama-3.1-8b --num-prompts "$n" --output-json "$out/tput8b.json"
+      bench throughput --preset llama-3.1-8b --num-prompts "$n" --set scheduler.chunked_prefill_size=640 \
+        --output-json "$out/tput8b_640.json" ;;
+    serve)
+      [[ -n "${SERVE_MODEL:-}" ]] || "$py" -m appliance.bench.presets "$models" --tokenizer --only llama-3.1-8b >/dev/null
+      serve_levels serve "$py" -m appliance.cli.main serve "$serve_model" "${serve_args[@]}" --host 127.0.0.1 \
+        --port 8100 --seed 0 --served-model-name bench ;;
+    peer-small) B1=1 A_SIZES=none peer offline llama "$out/peer_b1.json"; peer offline qwen "$out/peer_qwen.json" ;;
+    peer-8b) B1=0 A_SIZES="${NUM_PROMPTS:-1000}" peer offline llama "$out/peer_8b.json" ;;
+    peer-serve)
+      [[ -f .peer/run_vllm.sh ]] || { echo "gpu_suite: .peer/run_vllm.sh is missing (see the set-up above)" >&2; return 1; }
+      [[ -n "${SERVE_MODEL:-}" ]] || "$py" -m appliance.bench.presets "$models" --tokenizer --only llama-3.1-8b >/dev/null
+      serve_levels peer_serve bash .peer/run_vllm.sh serve "$serve_model" 8100 --served-model-name bench ;;
+    summary) ;;
+    *) echo "gpu_suite: unknown part $1 (b1 qwen tput8b serve peer-small peer-8b peer-serve summary all)" >&2
+       return 2 ;;
+  esac
+}
+
+trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a server of a part cut short does not outlive the suite
+status=0
+parts=("$@")
+[[ ${#parts[@]} -eq 0 ]] && { sed -n '2,30p' "$0"; exit 2; }
+[[ "${parts[0]}" == all ]] && parts=(b1 qwen tput8b serve peer-small peer-8b peer-serve)
+for p in "${parts[@]}"; do part "$p" || { echo "gpu_suite: part $p failed (exit $?)" >&2; status=1; }; done
+"$py" -m benchmarks.summary "$out" || status=1
+exit $status
