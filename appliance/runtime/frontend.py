@@ -122,7 +122,8 @@ class ZmqEngineClient(PipelineClient):
             if admission is not None:
                 admission.take()
             try:
-                self._send(GenerateRequest(request_id, list(prompt_token_ids), sampling.to_dict(), time.time()))
+                self._send(GenerateRequest(request_id, list(prompt_token_ids), sampling.to_dict(), time.time(),
+                                           seq=self._num_sent + 1))
             except EngineDead:
                 engine_done = True
                 self._finish_metrics(request_id, "error")

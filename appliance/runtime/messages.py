@@ -45,6 +45,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams.to_dict(), with n == 1 (the server fans n out)
     arrival_time: float = 0.0
+    seq: int = 0  # the tokenizer process' count of requests sent, this one included (its queue estimate)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class OutputBatch:
     outputs: list[RequestOutput]
     num_running: int = 0
     num_waiting: int = 0
-    num_received: int = 0  # GenerateRequests the scheduler has taken in so far (the queue estimate's baseline)
+    num_received: int = 0  # the highest GenerateRequest.seq the scheduler has taken in (the queue estimate's baseline)
 
 
 @dataclass(frozen=True)

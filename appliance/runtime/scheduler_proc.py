@@ -96,7 +96,9 @@ class SchedulerLoop:
         self.parent_pid = parent_pid
         self.accounting_ok = True
         self._busy = False
-        self.num_received = 0  # GenerateRequests taken in: the tokenizer process counts what is still on the way
+        # the highest GenerateRequest.seq taken in: the tokenizer process counts what is still on the way (a frame
+        # without a seq, sent by anything else, leaves it alone)
+        self.num_received = 0
         self.first_scheduled = FirstScheduled()
         self._ended_since_check: deque[str] = deque(maxlen=64)  # named in a drift report: the likely culprits
 
@@ -132,7 +134,7 @@ class SchedulerLoop:
                 break
             msg = REQUEST_CODEC.decode_or_none(frame)
             if isinstance(msg, GenerateRequest):
-                self.num_received += 1
+                self.num_received = max(self.num_received, msg.seq)
                 err = self._add(msg)
                 if err is not None:
                     rejected.append(err)
