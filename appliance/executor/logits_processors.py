@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,6 +26,9 @@ from appliance import fault_injection
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import SampleResult
 from appliance.structured.thinking_budget import ThinkingBudget
+
+if TYPE_CHECKING:
+    from appliance.executor.runner_protocol import ModelRunnerProtocol
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ class GrammarProcessor:
         self.matcher = matcher
         self.eos_token_id = eos_token_id
         self.broken = False
+        self._advanced: list[bool] = []  # speculate() calls since the last rollback(): did the matcher move
 
     def mask_row(self, row: torch.Tensor) -> bool:
         if self.broken or self.matcher.is_terminated():
@@ -79,6 +83,22 @@ class GrammarProcessor:
             # only possible if something bypassed the mask; end the request rather than emit invalid output
             log.error("token %d breaks the request's grammar; ending the request", token_id)
             self.broken = True
+
+    def speculate(self, token_id: int) -> bool:
+        """Advance over a draft token if the grammar allows it (undone by `rollback`); False when it does not."""
+        if self.broken or self.matcher.is_terminated():
+            self._advanced.append(False)
+            return token_id == self.eos_token_id
+        ok = self.matcher.accept_token(token_id)
+        self._advanced.append(ok)
+        return ok
+
+    def rollback(self) -> None:
+        """Undo every `speculate` since the last rollback."""
+        n = sum(self._advanced)
+        if n:
+            self.matcher.rollback(n)
+        self._advanced = []
 
 
 class ThinkingBudgetProcessor:
@@ -110,6 +130,12 @@ class FinishNow:
         return True
 
     def observe(self, token_id: int) -> None:
+        pass
+
+    def speculate(self, token_id: int) -> bool:
+        return token_id == self.eos_token_id
+
+    def rollback(self) -> None:
         pass
 
 
@@ -154,7 +180,7 @@ class LogitsProcessors:
     _compiler: Any = None
 
     @classmethod
-    def for_runner(cls, runner: Any) -> LogitsProcessors:
+    def for_runner(cls, runner: ModelRunnerProtocol) -> LogitsProcessors:
         m = runner.config.model
 
         def load() -> Any:
@@ -189,9 +215,9 @@ class LogitsProcessors:
                 prompt = state.token_ids[: state.num_prompt_tokens]
                 out.append(ThinkingBudgetProcessor(thinking_budget_from_dict(extra["thinking_budget"], prompt)))
             if extra.get("structured") is not None:
-                from appliance.structured import StructuredSpec
+                from appliance.structured import GrammarMatcher, StructuredSpec
 
-                matcher = self.compiler.matcher(StructuredSpec.from_dict(extra["structured"]))
+                matcher = GrammarMatcher(self.compiler.compile(StructuredSpec.from_dict(extra["structured"])))
                 out.append(GrammarProcessor(matcher, eos))
         except Exception as exc:  # noqa: BLE001 - one bad request must not take the worker down
             log.error("request %s: cannot build its logits processors (%s); ending it", state.request_id, exc)
@@ -208,6 +234,29 @@ class LogitsProcessors:
     def _forget_finished(self) -> None:
         for rid in [r for r, e in self._entries.items() if self.live.get(r) is not e.state]:
             del self._entries[rid]
+
+    def mask_drafts(self, logits: torch.Tensor, state: RequestState, num_drafts: int) -> None:
+        """Mask the d + 1 rows of a verification in place (speculative decoding: state.token_ids ends with its d
+        drafts): row j as after the confirmed tokens and the first j drafts. The processors advance over the
+        drafts and are rolled back; rows after a draft the grammar refuses are left alone (that draft's row,
+        masked, cannot sample it, so they are never emitted). Requests whose processors cannot roll back
+        (a thinking budget) never get drafts (engine/speculation.py drafts_allowed)."""
+        entry = self._entry(state)
+        confirmed = len(state.token_ids) - num_drafts
+        for token in state.token_ids[state.num_prompt_tokens + entry.seen : confirmed]:
+            for p in entry.processors:
+                p.observe(token)
+        entry.seen = confirmed - state.num_prompt_tokens
+        procs: list[Any] = entry.processors
+        try:
+            for j, draft in enumerate([*state.token_ids[confirmed:], None]):
+                for p in procs:
+                    p.mask_row(logits[j])
+                if draft is None or not all([p.speculate(draft) for p in procs]):
+                    break
+        finally:
+            for p in procs:
+                p.rollback()
 
     def mask(self, logits: torch.Tensor, states: Sequence[RequestState]) -> list[int]:
         """Mask the rows whose requests' processors constrain this step (in place); returns those rows."""
@@ -229,22 +278,20 @@ class LogitsProcessors:
         return rows
 
 
-def processors_for(runner: Any) -> LogitsProcessors:
-    reg = getattr(runner, "_logits_processors", None)
-    if reg is None:
-        reg = LogitsProcessors.for_runner(runner)
-        runner._logits_processors = reg
-    return reg
+def processors_for(runner: ModelRunnerProtocol) -> LogitsProcessors:
+    if runner.logits_processors is None:
+        runner.logits_processors = LogitsProcessors.for_runner(runner)
+    return runner.logits_processors
 
 
-def forget_idle(runner: Any) -> None:
+def forget_idle(runner: ModelRunnerProtocol) -> None:
     """A step without constrained rows: drop the processors of requests that finished meanwhile."""
-    idle = getattr(runner, "_logits_processors", None)
+    idle = runner.logits_processors
     if idle is not None and idle._entries:
         idle._forget_finished()
 
 
-def sample(runner: Any, logits: torch.Tensor, states: Sequence[RequestState]) -> list[SampleResult]:
+def sample(runner: ModelRunnerProtocol, logits: torch.Tensor, states: Sequence[RequestState]) -> list[SampleResult]:
     """The runner's batch sampler, with constrained rows masked and drawn by the torch Sampler. A per-request
     fault boundary: when the batch raises (a grammar matcher, a logits processor, the sampler), each row is
     sampled again on its own and only the rows that raise again fail, each with an error SampleResult."""
@@ -269,7 +316,7 @@ def _failed(state: RequestState, exc: BaseException) -> SampleResult:
     return SampleResult(0, error=f"sampling failed: {type(exc).__name__}")
 
 
-def _sample(runner: Any, logits: torch.Tensor, states: Sequence[RequestState]) -> list[SampleResult]:
+def _sample(runner: ModelRunnerProtocol, logits: torch.Tensor, states: Sequence[RequestState]) -> list[SampleResult]:
     injected = fault_injection.faults()
     if injected is not None:
         injected.before_sample([s.params.seed for s in states])
@@ -277,7 +324,11 @@ def _sample(runner: Any, logits: torch.Tensor, states: Sequence[RequestState]) -
     if not any(wants_processors(s.params.extra) for s in states):
         forget_idle(runner)
         return batch_sampler(logits, states)
-    rows = processors_for(runner).mask(logits, states)
+    return draw(batch_sampler, logits, states, processors_for(runner).mask(logits, states))
+
+
+def draw(batch_sampler: Any, logits: torch.Tensor, states: Sequence[Any], rows: list[int]) -> list[SampleResult]:
+    """Sample every row, the masked `rows` with the torch Sampler (the Triton fast path ignores masks)."""
     if not rows or batch_sampler.gpu_op is None:  # on the CPU every path (argmax, torch Sampler) honours masks
         return batch_sampler(logits, states)
     from appliance.executor.batch_sampler import sampling_row
