@@ -179,6 +179,10 @@ class SchedulerSection(Section):
     max_queued_requests: int | None = param(
         None, "Most requests waiting for admission; further requests get HTTP 429 (Retry-After) at once, before "
         "tokenization. Unset: no limit.", ge=1)
+    watchdog_timeout: float = param(
+        300.0, "Seconds a step may make no progress while requests are running, as SGLang's --watchdog-timeout: "
+        "past it /health answers 503, every stage's Python stacks are logged, open requests end with an error "
+        "and the server exits non-zero. 0: no watchdog.", flags=("--watchdog-timeout",), ge=0)
     policy: Literal["fcfs", "lpm", "slo"] = param(
         "fcfs", "Order of waiting requests: `fcfs` first come first served; `lpm` longest cached prefix first; "
         "`slo` decode-first for sequences near their time-between-tokens deadline, shortest prompt first.",

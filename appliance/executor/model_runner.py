@@ -395,7 +395,8 @@ class ModelRunner:
             results = logits_processors.sample(self, sub, [c.state for c, _ in sample_at])
             for (c, _), r in zip(sample_at, results):
                 c.state.token_ids.append(r.token_id)
-                sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs, r.rank))
+                sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs, r.rank,
+                                            r.error))
         return sampled, prompt_lps
 
     @staticmethod
