@@ -11,4 +11,5 @@ Run from the repository root: `python -m benchmarks.NAME` (Python) or `bash benc
 - moe.sh: the MoE shapes (DeepSeek-V2-Lite, Qwen3-30B-A3B) and their kernels
 - flashinfer.sh: the flashinfer attention backend's GPU tests and timings
 - server.py: start / stop `appliance run` and measure it with `appliance bench serve` (used by the suites)
+- fp8.py: FP8 weights and the FP8 KV cache against 16-bit on the Llama-3.1-8B and Qwen3-0.6B shapes
 """

@@ -157,11 +157,17 @@ def test_kernels_compile_for_hopper() -> None:
               (G._residual_kernel, {**tiles, "PREP": True}),
               (G._silu_kernel, tiles),
               (G._rope_store_kernel, {"NQ": 32, "NKV": 8, "D": 128, "BLOCK_SIZE": 16, "BLOCK_K": 128, "BLOCK_P": 64,
-                                      "HAS_BIAS": True, "UPCAST": False, "GDC": True})]
+                                      "HAS_BIAS": True, "UPCAST": False, "GDC": True, "KV_FP8": False,
+                                      "FP8_MAX": 0.0}),
+              (G._rope_store_kernel, {"NQ": 32, "NKV": 8, "D": 128, "BLOCK_SIZE": 16, "BLOCK_K": 128, "BLOCK_P": 64,
+                                      "HAS_BIAS": True, "UPCAST": False, "GDC": True, "KV_FP8": True,
+                                      "FP8_MAX": 448.0})]
     for fn, consts in builds:
         for nxt in (0, 1, 2) if "NEXT" in fn.arg_names else (None,):
             const = {k: v for k, v in {**consts, "NEXT": nxt}.items() if k in fn.arg_names}
-            sig = {a: "constexpr" if a in const else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+            fp8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32",
+                   "v_scale_ptr": "*fp32"} if const.get("KV_FP8") else {}
+            sig = {a: "constexpr" if a in const else {**types, **fp8}.get(a, "*bf16" if a.endswith("_ptr") else "i32")
                    for a in fn.arg_names}
             kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 6})

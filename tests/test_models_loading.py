@@ -126,7 +126,7 @@ def test_unsupported_architecture(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("flat, match", [
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"kv_cache_dtype": "nvfp4"}, "kv_cache_dtype"),
     ({"quantization": "awq"}, "quantization"),
     ({"sampling_backend": "flashinfer"}, "sampling"),
     ({"attention_backend": "flashinfer"}, "attention"),

@@ -158,7 +158,7 @@ def test_disconnect_of_a_non_streaming_request_frees_it(server: Server) -> None:
     body = b'{"prompt": "Hello", "max_tokens": 400, "ignore_eos": true}'
     host, port = server.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 10
         while server.stats()["num_running"] == 0 and time.monotonic() < deadline:

@@ -329,7 +329,7 @@ async def test_metrics_exposition(tokenizer: Any) -> None:
     assert 'appliance:request_errors_total{model_name="tiny",status="404"} 1.0' in text
     config = ApplianceConfig.model_validate({"model": {"path": "tiny"}})  # enable_metrics off: no route
     ctx = make_context(config, tokenizer, FakeEngine([5]), max_model_len=64, vocab_size=384)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://x") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://localhost") as c:
         assert (await c.get("/metrics")).status_code == 404
 
 
@@ -342,7 +342,7 @@ async def test_request_dump_and_log(tokenizer: Any, tmp_path: Path, caplog: pyte
         "observability": {"dump_path": str(dump), "enable_log_requests": True}})
     ctx = make_context(config, tokenizer, FakeEngine(script_for(tokenizer, "Hello")), max_model_len=64, vocab_size=384)
     with caplog.at_level("INFO", logger="appliance.requests"):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://x") as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://localhost") as c:
             await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "max_tokens": 2, "stream": True})
@@ -378,7 +378,7 @@ async def test_a_bug_mid_stream_ends_with_an_error_event() -> None:
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await SSEResponse(events())(scope, receive, send)
 
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
         r = await c.get("/")
     assert sse_events(r.text)[-1]["error"]["code"] == 500
     assert "secret" not in r.text and "0xdeadbeef" not in r.text

@@ -41,7 +41,7 @@ def app(tiny_tokenizer_dir: Path) -> Any:
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]), body=bodies)
 def test_no_5xx(app: Any, path: str, body: Any) -> None:
     async def post() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
             # json.dumps, not httpx's encoder: NaN / Infinity go out raw, as a hostile client would send them
             return await c.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
 

@@ -3,15 +3,19 @@
 
     python tools/soak.py --base-url http://127.0.0.1:8000 --num-requests 10000 --abort-fraction 0.3 \\
         [--concurrency 32] [--max-tokens 16] [--stream-fraction 0.7] [--chat-fraction 0.5] [--api-key KEY] \\
-        [--supervisor-pid PID] [--hang-timeout 60] [--seed 0] [--quiet]
+        [--supervisor-pid PID] [--server-log FILE] [--max-duration S] [--hang-timeout 60] [--seed 0] [--quiet]
 
 Each request: a random prompt (random words, 2-120 of them), completions or chat, streaming or not. A share
 (--abort-fraction) are streamed and abandoned by the client after a random number of chunks (a disconnect the
 server must clean up). Reported: requests completed / aborted as planned, hangs (no answer within
 --hang-timeout), errors by kind (HTTP status, error event, transport), KV blocks still owned after the drain and
-the KV accounting check (/v1/internal/stats), and the RSS of every pipeline process (the supervisor given by
---supervisor-pid, or the process listening on the port, and their children) after warm-up and at the end.
-The report is JSON on stdout. Exit status 0 when there was no hang, no error and no block left owned; 1 otherwise.
+the KV accounting check (/v1/internal/stats), the server-side 5xx counted on /metrics during the run
+(appliance:request_errors_total), the ERROR lines the server logged during the run (--server-log: the file its
+stderr goes to), and the RSS, open file descriptors and threads of every pipeline process (the supervisor given
+by --supervisor-pid, or the process listening on the port, and their children) at the start, after warm-up and
+at the end. --max-duration stops sending new requests after that many seconds
+(those in flight finish): the report then counts the requests actually run. The report is JSON on stdout. Exit status 0 when there was no hang, no error, no server-side 5xx,
+no ERROR line and no block left owned; 1 otherwise.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -87,15 +92,42 @@ def pipeline_pids(supervisor: int) -> dict[int, str]:
     return out
 
 
-def rss_mib(pid: int) -> float | None:
+def process_sample(pid: int) -> dict[str, float | None]:
+    """RSS (MiB), open file descriptors and threads of a process, from /proc (None where it is gone)."""
+    out: dict[str, float | None] = {"rss_mib": None, "fds": None, "threads": None}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
+                    out["rss_mib"] = round(int(line.split()[1]) / 1024, 1)
+                elif line.startswith("Threads:"):
+                    out["threads"] = int(line.split()[1])
+        out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
+        pass
+    return out
+
+
+def server_5xx(base_url: str, headers: dict[str, str]) -> float | None:
+    """The 5xx answers /metrics has counted so far (None without observability.enable_metrics)."""
+    r = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10)
+    if r.status_code != 200:
         return None
-    return None
+    found = re.findall(r'^appliance:request_errors_total\{[^}]*status="5\d\d"[^}]*\} (\S+)', r.text, re.MULTILINE)
+    return sum(float(v) for v in found)
+
+
+def log_size(path: str | None) -> int:
+    return os.path.getsize(path) if path else 0
+
+
+def error_lines(path: str | None, since: int) -> list[str]:
+    """The ERROR lines written to the server's log after byte offset `since`."""
+    if not path:
+        return []
+    with open(path, "rb") as f:
+        f.seek(since)
+        return [ln for ln in f.read().decode("utf-8", "replace").splitlines() if " ERROR " in ln]
 
 
 # ---- load --------------------------------------------------------------------------------------------------
@@ -164,7 +196,8 @@ async def one(client: httpx.AsyncClient, path: str, body: dict[str, Any], abort_
             tally.errors["stream ended without [DONE]"] += 1
 
 
-async def run_load(args: argparse.Namespace, model: str, tally: Tally, on_progress: Any) -> float:
+async def run_load(args: argparse.Namespace, model: str, tally: Tally, on_progress: Any) -> tuple[float, int]:
+    """(seconds, requests run)."""
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -176,7 +209,7 @@ async def run_load(args: argparse.Namespace, model: str, tally: Tally, on_progre
 
     async def worker() -> None:
         nonlocal done
-        while True:
+        while args.max_duration is None or time.monotonic() - started < args.max_duration:
             try:
                 path, body, abort_after = queue.get_nowait()
             except asyncio.QueueEmpty:
@@ -193,7 +226,7 @@ async def run_load(args: argparse.Namespace, model: str, tally: Tally, on_progre
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.hang_timeout + 5,
                                  limits=limits) as client:
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-    return time.monotonic() - started
+    return time.monotonic() - started, done
 
 
 def drained_stats(base_url: str, headers: dict[str, str], timeout: float = 30.0) -> dict[str, Any]:
@@ -216,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--api-key", default=os.environ.get("APPLIANCE_API_KEY"))
     ap.add_argument("--supervisor-pid", type=int, default=None)
+    ap.add_argument("--server-log", default=None, help="the file the server's stderr goes to: ERROR lines counted")
+    ap.add_argument("--max-duration", type=float, default=None, help="seconds after which no new request starts")
     ap.add_argument("--hang-timeout", type=float, default=60.0, help="seconds after which a request is a hang")
     ap.add_argument("--warmup-fraction", type=float, default=0.05, help="RSS baseline after this share")
     ap.add_argument("--seed", type=int, default=0)
@@ -235,39 +270,48 @@ def main(argv: list[str] | None = None) -> int:
         http_pid = listening_pid(port)
         sup = parent_of(http_pid) if http_pid is not None else None
     pids = pipeline_pids(sup) if sup is not None else {}
-    rss: dict[int, dict[str, float | None]] = {p: {"start": rss_mib(p)} for p in pids}
+    procs: dict[int, dict[str, Any]] = {p: {"start": process_sample(p)} for p in pids}
+    errors_5xx_before = server_5xx(args.base_url, headers)
+    log_start = log_size(args.server_log)
     warm = max(1, int(args.num_requests * args.warmup_fraction))
     tally = Tally()
 
     def on_progress(done: int) -> None:
         if done == warm:
             for p in pids:
-                rss[p]["warm"] = rss_mib(p)
+                procs[p]["warm"] = process_sample(p)
         if not args.quiet and done % max(1, args.num_requests // 20) == 0:
             print(f"  {done}/{args.num_requests} done, errors {sum(tally.errors.values())}, hangs {tally.hangs}",
                   file=sys.stderr, flush=True)
 
-    duration = asyncio.run(run_load(args, model, tally, on_progress))
+    duration, num_run = asyncio.run(run_load(args, model, tally, on_progress))
     stats = drained_stats(args.base_url, headers)
     for p in pids:
-        rss[p]["end"] = rss_mib(p)
+        procs[p]["end"] = process_sample(p)
+    errors_5xx_after = server_5xx(args.base_url, headers)
+    server_5xx_count = None if errors_5xx_before is None or errors_5xx_after is None \
+        else errors_5xx_after - errors_5xx_before
+    logged_errors = error_lines(args.server_log, log_start)
     report = {
-        "requests": args.num_requests, "duration_s": round(duration, 1),
-        "requests_per_s": round(args.num_requests / duration, 1), "completed": tally.completed,
+        "requests": num_run, "requests_planned": args.num_requests, "duration_s": round(duration, 1),
+        "requests_per_s": round(num_run / duration, 1), "completed": tally.completed,
         "aborted_by_client": tally.aborted, "hangs": tally.hangs, "errors": dict(tally.errors),
         "finish_reasons": dict(tally.finish_reasons), "completion_tokens": tally.completion_tokens,
         "after_drain": {k: stats.get(k) for k in ("num_running", "num_waiting", "kv_blocks_owned",
                                                    "kv_blocks_free", "kv_blocks_cached", "kv_blocks_total",
                                                    "accounting_ok")},
-        "rss_mib": {f"{pids[p]} ({p})": {k: (round(v, 1) if v is not None else None) for k, v in r.items()}
-                    for p, r in rss.items()},
+        "server_5xx": server_5xx_count,
+        "error_log_lines": len(logged_errors) if args.server_log else None,
+        "first_error_lines": logged_errors[:5],
+        "processes": {f"{pids[p]} ({p})": r for p, r in procs.items()},
     }
-    for r in report["rss_mib"].values():
-        if r.get("warm") is not None and r.get("end") is not None:
-            r["growth_after_warmup"] = round(r["end"] - r["warm"], 1)
+    for r in report["processes"].values():
+        warm, end = r.get("warm", {}).get("rss_mib"), r["end"]["rss_mib"]
+        if warm is not None and end is not None:
+            r["rss_growth_after_warmup_mib"] = round(end - warm, 1)
     print(json.dumps(report, indent=2))
     clean = (tally.hangs == 0 and not tally.errors and stats.get("kv_blocks_owned") == 0
-             and stats.get("accounting_ok", True))
+             and stats.get("accounting_ok", True) and not server_5xx_count and not logged_errors)
     return 0 if clean else 1
 
 

@@ -92,9 +92,14 @@ class PrecisionSection(Section):
         "auto", "Weight and activation dtype. `auto` follows the model's torch_dtype (float32 on CPU when the "
         "model asks for half precision the CPU path lacks). Aliases: half, bf16, float.")
     kv_cache_dtype: KvCacheDtype = param(
-        "auto", "KV cache storage dtype. `auto` is the activation dtype; fp8 halves KV memory and may need "
-        "scaling factors (quantization_param_path).")
+        "auto", "KV cache storage dtype. `auto` is the activation dtype; fp8 (= fp8_e4m3) and fp8_e5m2 halve KV "
+        "memory. fp8 caches use per-layer k/v scales from the checkpoint (ModelOpt, compressed-tensors) or "
+        "quantization_param_path, else 1.0 with a warning (values above 448 saturate).")
     kv_cache_quant_method: str | None = param(None, "KV cache quantization method (for low-precision KV caches).")
+    kv_cache_high_precision_layers: int = param(
+        0, "With an fp8 KV cache: the first and the last this many attention layers keep their KV cache in the "
+        "activation dtype (the layers whose keys and values quantize worst in many models).",
+        flags=("--kv-cache-high-precision-layers", "--kv-high-precision-layers"), ge=0)
     quantization: Quantization | None = param(None, "Weight quantization of the checkpoint. Unset: none.")
     quantization_param_path: str | None = param(
         None, "JSON file with KV cache scaling factors, commonly needed with an fp8 KV cache.")
@@ -174,6 +179,10 @@ class SchedulerSection(Section):
     max_queued_requests: int | None = param(
         None, "Most requests waiting for admission; further requests get HTTP 429 (Retry-After) at once, before "
         "tokenization. Unset: no limit.", ge=1)
+    watchdog_timeout: float = param(
+        300.0, "Seconds a step may make no progress while requests are running, as SGLang's --watchdog-timeout: "
+        "past it /health answers 503, every stage's Python stacks are logged, open requests end with an error "
+        "and the server exits non-zero. 0: no watchdog.", flags=("--watchdog-timeout",), ge=0)
     policy: Literal["fcfs", "lpm", "slo"] = param(
         "fcfs", "Order of waiting requests: `fcfs` first come first served; `lpm` longest cached prefix first; "
         "`slo` decode-first for sequences near their time-between-tokens deadline, shortest prompt first.",

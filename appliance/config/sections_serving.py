@@ -140,7 +140,20 @@ class ApiSection(Section):
     thinking_budget: int | None = param(None, "Ceiling on reasoning tokens per request; a request's own budget "
                                         "applies below it. Unset: no ceiling.",
                                         flags=("--thinking-budget", "--max-thinking-budget"), ge=0)
-    allowed_hosts: list[str] | None = param(None, "Accepted HTTP Host header values. Unset: any.")
+    allowed_hosts: list[str] | None = param(
+        None, "Accepted HTTP Host header values (other Hosts get 421). Unset: when `host` is a loopback address, "
+        "only localhost, 127.0.0.1, [::1] and `host` itself (against DNS rebinding); any Host otherwise.",
+        flags=("--allowed-hosts",))
+    body_read_timeout: float = param(
+        30.0, "Seconds a client may take to send a request body; over it the request gets 408 and its "
+        "connection is closed. 0: no timeout.", flags=("--body-read-timeout",), ge=0)
+    grammar_compile_timeout: float = param(
+        10.0, "Seconds the HTTP process may spend checking one structured-output constraint (a JSON schema, "
+        "regex or grammar, compiled on a thread off the event loop); over it the request gets 400.",
+        flags=("--grammar-compile-timeout",), gt=0)
+    grammar_cache_size: int = param(
+        256, "Structured-output constraints whose check result the HTTP process keeps (least recently used "
+        "first out).", flags=("--grammar-cache-size",), ge=0)
     responses_store_size: int = param(1024, "Responses kept in memory for /v1/responses' previous_response_id "
                                       "(the oldest dropped first); 0 turns the store off.", ge=0)
     enable_force_include_usage: bool = param(False, "Send the usage chunk at the end of every stream, as if "

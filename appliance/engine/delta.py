@@ -20,7 +20,8 @@ class RequestDelta:
 
     new_logprobs is None unless the request set SamplingParams.logprobs; then it has one entry per new token.
     prompt_logprobs arrives once, in the delta that carries the first generated token, when asked for.
-    finish_reason is "stop", "length" or None (aborts are the caller's own doing and produce no delta).
+    finish_reason is "stop", "length", "error" (with `error`) or None (aborts are the caller's own doing and
+    produce no delta).
     """
 
     request_id: str
@@ -30,6 +31,7 @@ class RequestDelta:
     num_cached_tokens: int
     new_logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
+    error: str | None = None  # finish_reason "error": the executor failed this request alone (SampledToken.error)
 
     @property
     def finished(self) -> bool:

@@ -371,6 +371,12 @@ class Scheduler:
             tok = sampled.get(s.request_id)
             if tok is None:
                 raise ValueError(f"executor did not sample a token for {s.request_id!r}")
+            if tok.error is not None:  # its sampling failed in the worker: it ends alone, the batch goes on
+                self.running.remove(req)
+                self._retire(req, FinishReason.ABORT)
+                deltas.append(RequestDelta(s.request_id, (), "error", req.num_prompt_tokens, req.num_cached_tokens,
+                                           error=tok.error))
+                continue
             if drafts or (verified and s.request_id in verified):
                 delta = append_verified(req, verified.get(s.request_id, [tok]), drafts, cache, reserve, self.spec)
             else:

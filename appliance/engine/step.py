@@ -55,6 +55,7 @@ class SampledToken:
     logprob: float | None = None  # of the sampled token, when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
     rank: int | None = None  # 1-based rank of the sampled token in the raw distribution, when logprobs are asked
+    error: str | None = None  # sampling this request failed: it ends alone with this error (token_id is a filler)
 
 
 @dataclass(frozen=True)

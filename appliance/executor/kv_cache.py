@@ -10,7 +10,9 @@ from appliance.executor.memory_check import GIB
 
 CPU_KV_BYTES = 1 << 30  # CPU default when max_total_tokens is unset: at most 1 GiB of KV
 
-_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# fp8 is e4m3 (the OCP e4m3fn format, max 448), as in vLLM and SGLang; a byte per value halves the cache
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+              "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -23,23 +25,38 @@ class KVCacheSpec:
     num_tensors: int = 2  # K and V; 1 for MLA's latent cache (layers that declare uses_v_cache = False)
     # a draft model's layers of another layout (speculative decoding), allocated after these on the same blocks
     drafter: KVCacheSpec | None = None
+    # layers whose cache stays in this dtype (an fp8 cache's precision.kv_cache_high_precision_layers)
+    high_precision_layers: tuple[int, ...] = ()
+    high_precision_dtype: torch.dtype | None = None
+
+    def layer_dtype(self, layer: int) -> torch.dtype:
+        if layer in self.high_precision_layers and self.high_precision_dtype is not None:
+            return self.high_precision_dtype
+        return self.dtype
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        own = self.num_tensors * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        elems = self.num_tensors * self.block_size * self.num_kv_heads * self.head_dim
+        own = sum(elems * torch.empty((), dtype=self.layer_dtype(i)).element_size() for i in range(self.num_layers))
         return own + (self.drafter.bytes_per_block if self.drafter is not None else 0)
 
     @classmethod
-    def of(cls, layers: list[Any], block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    def of(cls, layers: list[Any], block_size: int, dtype: torch.dtype, high_precision: tuple[int, ...] = (),
+           high_precision_dtype: torch.dtype | None = None) -> KVCacheSpec:
         """The spec of attention layers (num_kv_heads, head_dim, uses_v_cache); layers after the first run of
-        one layout (a draft model's) become the `drafter` spec."""
+        one layout (a draft model's) become the `drafter` spec. `high_precision` indexes `layers`."""
         first = layers[0]
         layout = (first.num_kv_heads, first.head_dim, getattr(first, "uses_v_cache", True))
         n = next((i for i, x in enumerate(layers)
                   if (x.num_kv_heads, x.head_dim, getattr(x, "uses_v_cache", True)) != layout), len(layers))
-        return cls(n, layout[0], layout[1], block_size, dtype, 2 if layout[2] else 1,
-                   cls.of(layers[n:], block_size, dtype) if n < len(layers) else None)
+        drafter = cls.of(layers[n:], block_size, dtype) if n < len(layers) else None
+        return cls(n, layout[0], layout[1], block_size, dtype, 2 if layout[2] else 1, drafter,
+                   tuple(i for i in high_precision if i < n), high_precision_dtype)
+
+
+def high_precision_layers(n: int, num_layers: int) -> tuple[int, ...]:
+    """The first and the last n of num_layers attention layers."""
+    return tuple(sorted(set(range(min(n, num_layers))) | set(range(max(0, num_layers - n), num_layers))))
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -91,23 +108,24 @@ def allocate(spec: KVCacheSpec, num_blocks: int,
              device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(K, V) per layer; V is None for a one-tensor (MLA latent) cache."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    own = [(torch.zeros(shape, dtype=spec.dtype, device=device),
-            torch.zeros(shape, dtype=spec.dtype, device=device) if spec.num_tensors == 2 else None)
-           for _ in range(spec.num_layers)]
+    own = [(torch.zeros(shape, dtype=spec.layer_dtype(i), device=device),
+            torch.zeros(shape, dtype=spec.layer_dtype(i), device=device) if spec.num_tensors == 2 else None)
+           for i in range(spec.num_layers)]
     return own + (allocate(spec.drafter, num_blocks, device) if spec.drafter is not None else [])
 
 
 def allocate_host(spec: KVCacheSpec, num_slots: int,
                   device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """The host tier's slots (engine/host_tier.py), shaped like the device caches: pinned host memory beside a
-    GPU, so the copies are asynchronous DMA; empty without a tier."""
+    """The host tier's slots (engine/host_tier.py), shaped and typed like the device caches (a drafter's
+    included): pinned host memory beside a GPU, so the copies are asynchronous DMA; empty without a tier."""
     if num_slots == 0:
         return []
     shape = (num_slots, spec.block_size, spec.num_kv_heads, spec.head_dim)
     pin = device.type == "cuda"
-    return [(torch.zeros(shape, dtype=spec.dtype, pin_memory=pin),
-             torch.zeros(shape, dtype=spec.dtype, pin_memory=pin) if spec.num_tensors == 2 else None)
-            for _ in range(spec.num_layers)]
+    own = [(torch.zeros(shape, dtype=spec.layer_dtype(i), pin_memory=pin),
+            torch.zeros(shape, dtype=spec.layer_dtype(i), pin_memory=pin) if spec.num_tensors == 2 else None)
+           for i in range(spec.num_layers)]
+    return own + (allocate_host(spec.drafter, num_slots, device) if spec.drafter is not None else [])
 
 
 def copy_host_blocks(device_caches: list[tuple[torch.Tensor, torch.Tensor | None]],

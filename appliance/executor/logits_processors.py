@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from appliance import fault_injection
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import SampleResult
 from appliance.structured.thinking_budget import ThinkingBudget
@@ -291,7 +292,34 @@ def forget_idle(runner: ModelRunnerProtocol) -> None:
 
 
 def sample(runner: ModelRunnerProtocol, logits: torch.Tensor, states: Sequence[RequestState]) -> list[SampleResult]:
-    """The runner's batch sampler, with constrained rows masked and drawn by the torch Sampler."""
+    """The runner's batch sampler, with constrained rows masked and drawn by the torch Sampler. A per-request
+    fault boundary: when the batch raises (a grammar matcher, a logits processor, the sampler), each row is
+    sampled again on its own and only the rows that raise again fail, each with an error SampleResult."""
+    try:
+        return _sample(runner, logits, states)
+    except Exception as exc:  # noqa: BLE001 - one request's failure must not fail the batch
+        if len(states) == 1:
+            return [_failed(states[0], exc)]
+    results = []
+    for i, state in enumerate(states):
+        try:
+            results += _sample(runner, logits[i : i + 1], [state])
+        except Exception as exc:  # noqa: BLE001 - this row alone
+            results.append(_failed(state, exc))
+    return results
+
+
+def _failed(state: RequestState, exc: BaseException) -> SampleResult:
+    log.error("request %s: sampling failed (%s: %s); it ends with an error, the batch goes on",
+              state.request_id, type(exc).__name__, exc, exc_info=exc)
+    # token 0 is a filler the engine never shows: it only keeps the worker's state in step with a step in flight
+    return SampleResult(0, error=f"sampling failed: {type(exc).__name__}")
+
+
+def _sample(runner: ModelRunnerProtocol, logits: torch.Tensor, states: Sequence[RequestState]) -> list[SampleResult]:
+    injected = fault_injection.faults()
+    if injected is not None:
+        injected.before_sample([s.params.seed for s in states])
     batch_sampler = runner.batch_sampler
     if not any(wants_processors(s.params.extra) for s in states):
         forget_idle(runner)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from appliance.config.schema import ApplianceConfig
 
 GIB = float(1 << 30)
@@ -60,7 +62,7 @@ def _dtype_shares(module: torch.nn.Module) -> tuple[str, ...]:
     return tuple(sorted(shares, key=lambda k: -shares[k]))
 
 
-def build_on_meta(model_cls: type[torch.nn.Module], hf_config: ApplianceConfig, dtype: torch.dtype,
+def build_on_meta(model_cls: type[torch.nn.Module], hf_config: PretrainedConfig, dtype: torch.dtype,
                   kwargs: dict[str, Any]) -> torch.nn.Module:
     """The model as ModelRunner builds it (default dtype = the model dtype), with no storage behind it."""
     previous = torch.get_default_dtype()
@@ -72,15 +74,16 @@ def build_on_meta(model_cls: type[torch.nn.Module], hf_config: ApplianceConfig, 
         torch.set_default_dtype(previous)
 
 
-def estimate_weights(model_cls: type[torch.nn.Module], hf_config: ApplianceConfig, dtype: torch.dtype,
-                     kwargs: dict[str, Any], quantization: str | None = None) -> WeightEstimate:
+def estimate_weights(model_cls: type[torch.nn.Module], hf_config: PretrainedConfig, dtype: torch.dtype,
+                     kwargs: dict[str, Any], quantization: str | None = None,
+                     model_dir: Path | None = None) -> WeightEstimate:
     """Weight bytes of this rank's shard (parallel state as initialised now)."""
-    from appliance.layers.fp8 import online_fp8_needed, quantize_model_fp8
+    from appliance.executor.model_loader import apply_quantization, prepare_quantization
 
     model = build_on_meta(model_cls, hf_config, dtype, kwargs)
+    scaled = prepare_quantization(model, quantization, hf_config, model_dir)  # fp8 checkpoints load as fp8
     peak = module_bytes(model)
-    if online_fp8_needed(quantization, hf_config):
-        quantize_model_fp8(model)  # runs on meta tensors too: the final layout without any data
+    apply_quantization(model, quantization, hf_config, "torch", scaled)  # on meta tensors: the final layout
     return WeightEstimate(peak, module_bytes(model), _dtype_shares(model))
 
 
@@ -120,7 +123,7 @@ def memory_budget(device: torch.device, utilization: float, workers_here: int) -
     return MemoryBudget(share, text)
 
 
-def describe(hf_config: ApplianceConfig, estimate: WeightEstimate, quantization: str | None, tp: int, ep: int) -> str:
+def describe(hf_config: PretrainedConfig, estimate: WeightEstimate, quantization: str | None, tp: int, ep: int) -> str:
     arch = (getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "model")])[0]
     parts = [str(arch), quantization or "/".join(estimate.dtypes[:2]) or "?", f"tp={tp}"]
     if ep > 1:
@@ -146,8 +149,8 @@ def shortfall_message(need: int, budget: MemoryBudget, what: str, device: torch.
     return text + ", ".join(hints)
 
 
-def check_weight_memory(config: ApplianceConfig, hf_config: ApplianceConfig, dtype: torch.dtype, device: torch.device,
-                        backend: str) -> WeightEstimate:
+def check_weight_memory(config: ApplianceConfig, hf_config: PretrainedConfig, dtype: torch.dtype,
+                        device: torch.device, backend: str, model_dir: Path | None = None) -> WeightEstimate:
     """Raise WeightMemoryError naming the shortfall when this rank's weights exceed its memory budget.
     Called by ModelRunner right before it builds the model (the parallel state is initialised by then)."""
     from appliance.layers.parallel_state import get_ep_size, get_tp_size
@@ -160,7 +163,7 @@ def check_weight_memory(config: ApplianceConfig, hf_config: ApplianceConfig, dty
 
         kwargs["moe_backend"] = resolve_moe_backend(config.backends.moe, backend)
     quantization = config.precision.quantization
-    estimate = estimate_weights(cls, hf_config, dtype, kwargs, quantization)
+    estimate = estimate_weights(cls, hf_config, dtype, kwargs, quantization, model_dir)
     budget = memory_budget(device, float(config.cache.gpu_memory_utilization), local_workers(config.parallelism))
     if estimate.bytes_per_rank > budget.bytes:
         what = describe(hf_config, estimate, quantization, get_tp_size(), get_ep_size())

@@ -15,9 +15,12 @@ import torch
 from torch import nn
 
 from appliance.config.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
+from appliance.executor.kv_scales import CheckpointKVScales
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from appliance.layers.fp8_scaled import Fp8ScaledConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -135,14 +138,18 @@ def iterate_weights(model_dir: Path, load_format: str) -> Iterator[tuple[str, to
         yield from state.items()
 
 
-def load_weights(model: nn.Module, model_dir: Path, load_format: str) -> None:
-    """Fill every parameter from the checkpoint; a parameter left unfilled is an error, not random weights."""
-    loaded = model.load_weights(iterate_weights(model_dir, load_format))  # type: ignore[operator]
+def load_weights(model: nn.Module, model_dir: Path, load_format: str) -> CheckpointKVScales:
+    """Fill every parameter from the checkpoint; a parameter left unfilled is an error, not random weights.
+    Returns the KV cache scales the checkpoint ships (no parameters: kv_scales.install gives them to the layers
+    of an fp8 cache)."""
+    kv = CheckpointKVScales()
+    loaded = model.load_weights(kv.filter(iterate_weights(model_dir, load_format)))  # type: ignore[operator]
     tied = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded and n not in tied)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks parameters: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+    return kv
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -159,17 +166,37 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             for start in range(0, flat.numel(), 1 << 26):
                 part = flat[start : start + (1 << 26)]
                 part.copy_(torch.empty(part.shape, device=param.device).uniform_(-448.0, 448.0, generator=gen))
-        elif name.endswith("weight_scale_inv"):
+        elif name.endswith(("weight_scale_inv", "weight_scale", "input_scale")):  # fp8 scales: positive
             param.data.uniform_(0.5e-3 / 448.0, 1e-3 / 448.0, generator=gen)
         else:
             param.data.uniform_(-1e-3, 1e-3, generator=gen)
 
 
-def apply_quantization(model: nn.Module, quantization: str | None, hf_config: PretrainedConfig, backend: str) -> None:
+def prepare_quantization(model: nn.Module, quantization: str | None, hf_config: PretrainedConfig,
+                         model_dir: Path | None) -> Fp8ScaledConfig | None:
+    """Before the weights go in: a compressed-tensors or ModelOpt fp8 checkpoint's linear layers get e4m3
+    weights and scale parameters (layers/fp8_scaled.py). Returns the scaled-fp8 scheme (or None) for
+    apply_quantization."""
+    from appliance.layers.fp8_scaled import prepare_scaled_fp8, scaled_config
+
+    scaled = scaled_config(quantization, hf_config, model_dir)
+    if scaled is not None and not scaled.online:
+        prepare_scaled_fp8(model, scaled)
+    return scaled
+
+
+def apply_quantization(model: nn.Module, quantization: str | None, hf_config: PretrainedConfig, backend: str,
+                       scaled: Fp8ScaledConfig | None = None) -> None:
     """precision.quantization after the weights are in (loaded or dummy): "fp8" on a float checkpoint quantizes
     the linear layers and experts to e4m3 with 128x128 tile scales (the layout DeepSeek-V3 ships, run by the
-    same block-scaled GEMMs); on a checkpoint that ships block fp8 it only confirms the format."""
+    same block-scaled GEMMs); on a checkpoint that ships block fp8 it only confirms the format. "w8a8_fp8" on a
+    float checkpoint (`scaled`, from prepare_quantization) quantizes the linear layers per channel."""
     from appliance.layers.fp8 import online_fp8_needed, quantize_model_fp8
+    from appliance.layers.fp8_scaled import quantize_scaled_fp8
 
+    if scaled is not None:
+        if scaled.online:
+            quantize_scaled_fp8(model, scaled)
+        return
     if online_fp8_needed(quantization, hf_config):
         quantize_model_fp8(model, backend)

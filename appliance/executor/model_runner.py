@@ -42,12 +42,15 @@ from appliance.executor.cuda_graph import (
 )
 from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
+from appliance.executor.kv_scales import CheckpointKVScales
+from appliance.executor.kv_scales import setup as kv_scale_setup
 from appliance.executor.memory_check import check_weight_memory
 from appliance.executor.model_loader import (
     apply_quantization,
     init_dummy_weights,
     load_hf_config,
     load_weights,
+    prepare_quantization,
     resolve_dtype,
     resolve_model_dir,
 )
@@ -67,6 +70,7 @@ from appliance.executor.runner_setup import (
 )
 from appliance.executor.sampler import Sampler
 from appliance.executor.startup import STARTUP
+from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
 
@@ -94,7 +98,8 @@ class ModelRunner:
         sched = config.scheduler
         self.step_tokens = StepTokens.of(sched.chunked_prefill_size, sched.max_prefill_tokens, self.max_model_len)
         self.block_size = config.cache.block_size
-        check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend)  # fail before allocating
+        check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend,
+                            self.model_dir)  # fail before allocating
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
         self.model = self._build_model(m.load_format, m.seed)  # start-up phases: executor/startup.py
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
@@ -102,8 +107,15 @@ class ModelRunner:
         self.draft_model = speculative.load_drafter(config, self)
         layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model,
                                                                                     self.draft_model)
-        self.kv_spec = kv_cache.KVCacheSpec.of(layers, self.block_size,
-                                               kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype, self.dtype))
+        kv_dtype = kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype, self.dtype)
+        high = kv_cache.high_precision_layers(config.precision.kv_cache_high_precision_layers,
+                                              len(self.model.attention_layers()))
+        self.kv_spec = kv_cache.KVCacheSpec.of(layers, self.block_size, kv_dtype, high, self.dtype)
+        if is_fp8(kv_dtype):  # before the profile binds a cache
+            self.kv_scale_source = kv_scale_setup(config, self.model, layers, self._checkpoint_kv_scales)
+        elif self._checkpoint_kv_scales.scales:
+            log.info("the checkpoint ships fp8 KV cache scales; a %s cache does not use them (they apply with "
+                     "precision.kv_cache_dtype = fp8)", kv_dtype)
         self.max_blocks = -(-self.max_model_len // self.block_size)
         # before the profile, so its peak (and so the KV budget) counts it; one row per request the scheduler
         # may run at once (prefilling ones included; speculative decoding adds rows to no request)
@@ -189,14 +201,17 @@ class ModelRunner:
                 model = cls(self.hf_config, backend=self.backend, **extra)
         finally:
             torch.set_default_dtype(previous)
+        quantization = self.config.precision.quantization
+        self._checkpoint_kv_scales = CheckpointKVScales()
         with STARTUP.phase("drawing dummy weights" if load_format == "dummy" else "loading weights"):
+            # a compressed-tensors / ModelOpt fp8 checkpoint's layers take e4m3 weights and scales before loading
+            scaled = prepare_quantization(model, quantization, self.hf_config, self.model_dir)
             if load_format == "dummy":
                 init_dummy_weights(model, seed)
             else:
-                load_weights(model, self.model_dir, load_format)
-        quantization = self.config.precision.quantization
+                self._checkpoint_kv_scales = load_weights(model, self.model_dir, load_format)
         with STARTUP.phase(f"quantizing ({quantization})") if quantization else contextlib.nullcontext():
-            apply_quantization(model, quantization, self.hf_config, self.backend)
+            apply_quantization(model, quantization, self.hf_config, self.backend, scaled)
         if self.device.type == "cuda":
             bind_decode_kernels(model, self.backend, self.config.backends.decode_chain)
         return model.eval()
@@ -381,7 +396,8 @@ class ModelRunner:
             results = logits_processors.sample(self, sub, [c.state for c, _ in sample_at])
             for (c, _), r in zip(sample_at, results):
                 c.state.token_ids.append(r.token_id)
-                sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs, r.rank))
+                sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs, r.rank,
+                                            r.error))
         return sampled, prompt_lps
 
     @staticmethod

@@ -34,6 +34,7 @@ class SampleResult:
     logprob: float | None = None
     rank: int | None = None  # 1 = the most likely token under the raw distribution
     top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None  # this row's sampling raised (logits_processors.sample): token_id is a filler
 
 
 def row_generator(seed: int, num_generated: int) -> torch.Generator:

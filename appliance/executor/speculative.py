@@ -284,7 +284,7 @@ class Speculator:
             for (c, _), res in zip(plain_at, results):
                 c.state.token_ids.append(res.token_id)
                 out.sampled.append(SampledToken(c.state.request_id, res.token_id, res.logprob, res.top_logprobs,
-                                                res.rank))
+                                                res.rank, res.error))
                 out.emitted[c.state.request_id] = 1
         if verify_at:
             self._verify(logits, verify_at, out)

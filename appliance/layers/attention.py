@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from appliance.kernels import registry
+from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.kernels import kernel
 from appliance.layers.parallel_state import get_tp_rank, get_tp_size
 
@@ -105,6 +106,17 @@ class Attention(nn.Module):
         self._prefill = kernel("prefill_attention", backend)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # an fp8 cache's per-kv-head scales ([Hkv] float32: stored = x / scale), set by the runner (executor/
+        # kv_scales.py) before a cache is bound; read by every op that touches the cache, through `kv_scales`
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        self.kv_scales: dict[str, torch.Tensor] = {}  # the ops' scale keywords for the bound cache ({} if 16-bit)
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t.shape != (self.num_kv_heads,) or t.dtype != torch.float32:
+                raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} is not [{self.num_kv_heads}] float32")
+        self.k_scale, self.v_scale = k_scale, v_scale
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape != (self.num_heads * get_tp_size(),):
@@ -122,6 +134,13 @@ class Attention(nn.Module):
 
     def bind_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.kv_scales = {}
+        if k_cache is not None and is_fp8(k_cache.dtype):
+            if self.k_scale is None or self.v_scale is None:
+                self.set_kv_scales(*(torch.ones(self.num_kv_heads, device=k_cache.device) for _ in range(2)))
+            assert self.k_scale is not None and self.v_scale is not None
+            self.k_scale, self.v_scale = self.k_scale.to(k_cache.device), self.v_scale.to(k_cache.device)
+            self.kv_scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k_cache is None or self.v_cache is None:
@@ -133,7 +152,7 @@ class Attention(nn.Module):
         t = q.shape[0]
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping, **self.kv_scales)
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,7 +165,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         out = None if out is None else out.view(t, self.num_heads, self.head_dim)
         nd = meta.num_decode_tokens
-        extra = self._extra()
+        extra = {**self._extra(), **self.kv_scales}  # window / sinks and an fp8 cache's scales
         # one kind of row (every decode step, most prefill steps): the kernel's output is the answer, no copy
         if nd == t:
             return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,

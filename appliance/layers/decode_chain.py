@@ -97,4 +97,4 @@ class DecodeChain:
         k_cache, v_cache = att.attn.kv_cache()
         return self.ops["gemv_normed_rope_store"](
             xs, att.qkv_proj.weight, att.qkv_proj.bias, parts, eps, positions, att.num_heads, att.num_kv_heads,
-            att.head_dim, att.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+            att.head_dim, att.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping, **att.attn.kv_scales)

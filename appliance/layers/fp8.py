@@ -231,10 +231,13 @@ ONLINE_BLOCK = Fp8BlockConfig(128, 128)  # DeepSeek-V3's layout, so one kernel f
 def online_fp8_needed(quantization: str | None, hf_config: PretrainedConfig) -> bool:
     """True when the weights must be quantized after loading: fp8 asked for and the checkpoint is not fp8 already
     (then the setting only confirms the format). Any other requested scheme is an error here."""
-    if quantization is None:
+    from appliance.layers.fp8_scaled import SCALED_METHODS
+
+    if quantization is None or quantization in SCALED_METHODS:  # the scaled formats: layers/fp8_scaled.py
         return False
     if quantization != "fp8":
-        raise ValueError(f"precision.quantization={quantization!r} is not supported (supported: fp8)")
+        raise ValueError(f"precision.quantization={quantization!r} is not supported (supported: fp8, "
+                         f"{', '.join(SCALED_METHODS)})")
     shipped = Fp8BlockConfig.from_hf(hf_config)  # raises for a checkpoint in another scheme
     return shipped is None
 

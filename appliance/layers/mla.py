@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import appliance.kernels.mla  # noqa: F401  (registers the mla ops)
+from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.attention import AttentionMetadata
 from appliance.layers.fp8 import Fp8BlockConfig, dense_weight, make_linear
 from appliance.layers.kernels import kernel
@@ -81,11 +82,24 @@ class MLAAttention(nn.Module):
         self._decode = kernel("mla_decode", backend)
         self._prefill = kernel("mla_prefill", backend)
         self.k_cache: torch.Tensor | None = None
+        self.kv_scale: torch.Tensor | None = None  # an fp8 latent cache's one scale ([1] float32)
+        self.kv_scales: dict[str, torch.Tensor] = {}  # the ops' keyword for the bound cache ({} if 16-bit)
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """executor/kv_scales.py's call: one latent tensor, one scale (k's; the latent is also the value)."""
+        if k_scale.shape != (1,) or k_scale.dtype != torch.float32:
+            raise ValueError(f"an MLA latent cache has one scale, got {tuple(k_scale.shape)} {k_scale.dtype}")
+        self.kv_scale = k_scale
 
     def bind_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None = None) -> None:
         if k_cache is not None and (k_cache.shape[-1] != self.head_dim or k_cache.shape[-2] != 1):
             raise ValueError(f"MLA cache must be [blocks, block_size, 1, {self.head_dim}], got {tuple(k_cache.shape)}")
         self.k_cache = k_cache
+        self.kv_scales = {}
+        if k_cache is not None and is_fp8(k_cache.dtype):
+            scale = self.kv_scale if self.kv_scale is not None else torch.ones(1)
+            self.kv_scale = scale.to(k_cache.device)
+            self.kv_scales = {"kv_scale": self.kv_scale}
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                 w_kv_b: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -94,7 +108,7 @@ class MLAAttention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("MLA layer has no latent cache bound; the model runner allocates it")
         t = q_nope.shape[0]
-        self._store(torch.cat((kv_c, k_pe), dim=-1), self.k_cache, meta.slot_mapping)
+        self._store(torch.cat((kv_c, k_pe), dim=-1), self.k_cache, meta.slot_mapping, **self.kv_scales)
         w = w_kv_b.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
         out = q_nope.new_empty(t, self.num_heads, self.v_head_dim)
@@ -102,12 +116,12 @@ class MLAAttention(nn.Module):
         if nd:
             q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:nd], w_uk)
             o_lat = self._decode(torch.cat((q_lat, q_pe[:nd]), dim=-1), self.k_cache, meta.decode_block_tables,
-                                 meta.decode_seq_lens, self.scale, self.kv_lora_rank)
+                                 meta.decode_seq_lens, self.scale, self.kv_lora_rank, **self.kv_scales)
             out[:nd] = torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
         if nd < t:
             q = torch.cat((q_nope[nd:], q_pe[nd:]), dim=-1)
             out[nd:] = self._prefill(q, self.k_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
-                                     meta.prefill_block_tables, w_uk, w_uv, self.scale)
+                                     meta.prefill_block_tables, w_uk, w_uv, self.scale, **self.kv_scales)
         return out.reshape(t, self.num_heads * self.v_head_dim)
 
 

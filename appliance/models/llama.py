@@ -93,7 +93,8 @@ class LlamaAttention(nn.Module):
         q = self._rope_store(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                              self.rotary.cos_sin_cache, self.rotary.is_neox,
                              qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                             qn.eps if qn is not None else 0.0, k_cache, v_cache, meta.slot_mapping)
+                             qn.eps if qn is not None else 0.0, k_cache, v_cache, meta.slot_mapping,
+                             **self.attn.kv_scales)
         return self.o_proj(self.attn.attend(q, meta))
 
     def _unfused(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -107,6 +107,9 @@ class DataParallelClient(PipelineClient):
                 errors.append(exc)
         raise errors[0]
 
+    def release_reserved(self, count: int) -> None:
+        """The router holds no room itself: the replica whose check passed holds it (Admission.owner)."""
+
     def pick(self) -> int:
         """The replica a new request goes to: fewest open requests, then lowest KV usage, then fewest routed."""
         return min(range(len(self.replicas)),

@@ -36,7 +36,7 @@ from appliance.runtime.messages import (
     StatsReply,
 )
 from appliance.runtime.pipeline_client import PipelineClient
-from appliance.server.engine_client import EngineDead, QueueFull, RequestOutput
+from appliance.server.engine_client import ADMISSION, Admission, EngineDead, QueueFull, RequestOutput
 
 log = logging.getLogger("appliance.frontend")
 
@@ -60,8 +60,12 @@ class ZmqEngineClient(PipelineClient):
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
         self._max_queued = max_queued_requests
-        self._num_waiting = 0  # scheduler's count at its last report
-        self._sent_since_report = 0
+        # the queue estimate (check_capacity): waiting at the scheduler's last report, plus what it had not taken
+        # in by then, plus room held by admitted HTTP requests not sent yet; it never falls short of the truth
+        self._num_waiting = 0
+        self._num_sent = 0
+        self._received_at_report = 0
+        self._reserved = 0
         self._state = "ready"
         self._error = ""
         self._tasks: list[asyncio.Task] = []
@@ -87,10 +91,15 @@ class ZmqEngineClient(PipelineClient):
         if self._state == "draining":
             raise EngineDead("the server is shutting down")
         if self._max_queued is not None:
-            waiting = self._num_waiting + self._sent_since_report
+            waiting = self._num_waiting + (self._num_sent - self._received_at_report) + self._reserved
             if waiting + num_requests > self._max_queued:
                 raise QueueFull(f"{waiting} requests are waiting (scheduler.max_queued_requests="
                                 f"{self._max_queued})")
+            self._reserved += num_requests  # decided here, at once: the room is held until the requests are sent
+            ADMISSION.set(Admission(self, num_requests))
+
+    def release_reserved(self, count: int) -> None:
+        self._reserved = max(0, self._reserved - count)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -109,14 +118,18 @@ class ZmqEngineClient(PipelineClient):
             # arrival first: the scheduler may put it in a batch before this thread runs again (GIL switches)
             if self._obs is not None:
                 self._obs.request_arrived(request_id, len(prompt_token_ids), sampling.max_tokens)
+            admission = ADMISSION.get()
+            if admission is not None:
+                admission.take()
             try:
-                self._send(GenerateRequest(request_id, list(prompt_token_ids), sampling.to_dict(), time.time()))
+                self._send(GenerateRequest(request_id, list(prompt_token_ids), sampling.to_dict(), time.time(),
+                                           seq=self._num_sent + 1))
             except EngineDead:
                 engine_done = True
                 self._finish_metrics(request_id, "error")
                 reported = True
                 raise
-            self._sent_since_report += 1
+            self._num_sent += 1
             while True:
                 item = await queue.get()
                 if item is _DEAD:
@@ -224,7 +237,7 @@ class ZmqEngineClient(PipelineClient):
             msg = OUTPUT_CODEC.decode_or_none(await self._pull.recv())
             if isinstance(msg, OutputBatch):
                 self._num_waiting = msg.num_waiting
-                self._sent_since_report = 0
+                self._received_at_report = msg.num_received
                 now = time.monotonic()  # metrics time the output by its arrival, not by when it is consumed
                 for out in msg.outputs:
                     q = self._queues.get(out.request_id)

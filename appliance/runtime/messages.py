@@ -31,6 +31,7 @@ class StageReady:
 class StageFailed:
     stage: str
     message: str
+    dump_stacks: bool = False  # a hang (runtime/watchdog.py): every stage logs its Python stacks first
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams.to_dict(), with n == 1 (the server fans n out)
     arrival_time: float = 0.0
+    seq: int = 0  # the tokenizer process' count of requests sent, this one included (its queue estimate)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class OutputBatch:
     outputs: list[RequestOutput]
     num_running: int = 0
     num_waiting: int = 0
+    num_received: int = 0  # the highest GenerateRequest.seq the scheduler has taken in (the queue estimate's baseline)
 
 
 @dataclass(frozen=True)

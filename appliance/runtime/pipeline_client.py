@@ -35,6 +35,10 @@ class PipelineClient(ABC):
         """Raise QueueFull when `num_requests` more would overflow the queue; EngineDead when failed."""
 
     @abstractmethod
+    def release_reserved(self, count: int) -> None:
+        """Give back queue room check_capacity held (server/engine_client.Admission) for requests not sent."""
+
+    @abstractmethod
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Submit and yield outputs until one has finish_reason; closing the iterator early aborts it."""

@@ -34,6 +34,7 @@ from appliance.runtime.messages import (
 )
 from appliance.runtime.process import parent_alive
 from appliance.runtime.remote_executor import RemoteExecutor
+from appliance.runtime.watchdog import Watchdog
 from appliance.server.engine_client import RequestOutput
 
 log = logging.getLogger("appliance.scheduler")
@@ -48,7 +49,8 @@ def delta_to_output(d: RequestDelta, first_scheduled_time: float | None = None) 
     if d.prompt_logprobs is not None:
         prompt_lps = [None if pos is None else [(int(t), float(p)) for t, p in pos] for pos in d.prompt_logprobs]
     return RequestOutput(d.request_id, list(d.new_token_ids), logprobs, top, prompt_lps, d.finish_reason,
-                         d.num_prompt_tokens, d.num_cached_tokens, first_scheduled_time=first_scheduled_time)
+                         d.num_prompt_tokens, d.num_cached_tokens, error=d.error, error_status=500 if d.error else 0,
+                         first_scheduled_time=first_scheduled_time)
 
 
 class FirstScheduled:
@@ -82,8 +84,10 @@ class FirstScheduled:
 
 class SchedulerLoop:
     def __init__(self, core: EngineCore, requests: zmq.Socket, outputs: zmq.Socket, parent_pid: int,
-                 obs: SchedulerObservability, vocab_size: int = 0, worker_gc_frozen: int = 0) -> None:
+                 obs: SchedulerObservability, vocab_size: int = 0, worker_gc_frozen: int = 0,
+                 watchdog: Watchdog | None = None) -> None:
         self.core = core
+        self.watchdog = watchdog  # beaten once per turn of the loop (runtime/watchdog.py)
         self.worker_gc_frozen = worker_gc_frozen  # what worker 0 froze at start-up (runtime/gc_heap.py)
         self.vocab_size = vocab_size  # > 0: token ids are checked here too, so a bad one never reaches a worker
         self.obs = obs
@@ -92,11 +96,16 @@ class SchedulerLoop:
         self.parent_pid = parent_pid
         self.accounting_ok = True
         self._busy = False
+        # the highest GenerateRequest.seq taken in: the tokenizer process counts what is still on the way (a frame
+        # without a seq, sent by anything else, leaves it alone)
+        self.num_received = 0
         self.first_scheduled = FirstScheduled()
         self._ended_since_check: deque[str] = deque(maxlen=64)  # named in a drift report: the likely culprits
 
     def run(self) -> None:
         while parent_alive(self.parent_pid):
+            if self.watchdog is not None:
+                self.watchdog.beat()
             has_work = self.core.has_work()
             if self.requests.poll(0 if has_work else 50):
                 self._drain_requests()
@@ -125,6 +134,7 @@ class SchedulerLoop:
                 break
             msg = REQUEST_CODEC.decode_or_none(frame)
             if isinstance(msg, GenerateRequest):
+                self.num_received = max(self.num_received, msg.seq)
                 err = self._add(msg)
                 if err is not None:
                     rejected.append(err)
@@ -157,7 +167,7 @@ class SchedulerLoop:
 
     def _send(self, outputs: list[RequestOutput]) -> None:
         s = self.core.stats()
-        self.outputs.send(OUTPUT_CODEC.encode(OutputBatch(outputs, s.num_running, s.num_waiting)))
+        self.outputs.send(OUTPUT_CODEC.encode(OutputBatch(outputs, s.num_running, s.num_waiting, self.num_received)))
 
     def _check_accounting(self) -> None:
         report = self.core.check_accounting()
@@ -207,10 +217,23 @@ def run_scheduler(boot: Bootstrap) -> None:
     log.info("scheduler ready: %d KV blocks of %d tokens, max_model_len %d", ecfg.num_blocks, ecfg.block_size,
              ecfg.max_model_len)
     started = time.monotonic()
+    watchdog = None
+    if config.scheduler.watchdog_timeout > 0:
+        watchdog = Watchdog(config.scheduler.watchdog_timeout, lambda s: _stalled(boot, s)).start()
     try:
         SchedulerLoop(core, requests, outputs, boot.parent_pid, obs, vocab_size=int(w0.get("vocab_size") or 0),
-                      worker_gc_frozen=int(w0.get("gc_frozen_objects", 0))).run()
+                      worker_gc_frozen=int(w0.get("gc_frozen_objects", 0)), watchdog=watchdog).run()
     finally:
         obs.close()
         core.shutdown()
         log.debug("scheduler stopped after %.0f s", time.monotonic() - started)
+
+
+def _stalled(boot: Bootstrap, seconds: float) -> None:
+    """The watchdog's verdict (on its thread): the supervisor logs every stage's stacks and stops the pipeline."""
+    from appliance.runtime.stage import report_failure
+
+    message = (f"no progress for {seconds:.0f} s with work to do (scheduler.watchdog_timeout); a step is stuck, "
+               "the stages' Python stacks follow")
+    log.error("watchdog: %s", message)
+    report_failure(boot, message, dump_stacks=True)

@@ -1,8 +1,10 @@
 """Entry point of every pipeline child: `python -m appliance.runtime.stage` with a Bootstrap on stdin."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -13,13 +15,14 @@ from appliance.runtime.messages import CONTROL_CODEC, StageFailed
 from appliance.runtime.process import die_with_parent, ignore_interrupts
 
 
-def report_failure(boot: Bootstrap, message: str) -> None:
-    """Tell the supervisor why this stage is going down, so its exit message names the cause."""
+def report_failure(boot: Bootstrap, message: str, dump_stacks: bool = False) -> None:
+    """Tell the supervisor why this stage is going down, so its exit message names the cause (from any thread:
+    the socket is this call's own)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(boot.addresses.control)
-    sock.send(CONTROL_CODEC.encode(StageFailed(boot.name, message)))
+    sock.send(CONTROL_CODEC.encode(StageFailed(boot.name, message, dump_stacks)))
     sock.close()
 
 
@@ -27,6 +30,8 @@ def main() -> int:
     boot = Bootstrap.read(sys.stdin)
     die_with_parent(boot.parent_pid)
     ignore_interrupts()
+    # SIGUSR1 writes every thread's Python stack to stderr: the supervisor asks for it when a stage hangs
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     level = str(boot.config.get("observability", {}).get("log_level", "info")).upper()
     logging.basicConfig(level=level, format=f"%(asctime)s {boot.name}[{os.getpid()}] %(levelname)s %(message)s")
     try:

@@ -233,6 +233,8 @@ class Supervisor:
                     break
                 msg = CONTROL_CODEC.decode_or_none(frame)
                 if isinstance(msg, StageFailed):
+                    if msg.dump_stacks:
+                        self._dump_stacks()
                     return f"stage {msg.stage} failed: {msg.message}"
                 if isinstance(msg, StageProgress):
                     self.board.update(msg)
@@ -246,6 +248,16 @@ class Supervisor:
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
                 return f"stage {st.name} (pid {st.proc.pid}) exited with {how}"
         return None
+
+    def _dump_stacks(self) -> None:
+        """Every live stage writes its Python stacks to stderr (faulthandler on SIGUSR1, runtime/stage.py)."""
+        for st in self.stages:
+            if st.proc.poll() is None:
+                try:
+                    os.kill(st.proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.5)  # faulthandler writes from a signal handler, at once; let it land before the SIGTERMs
 
     def _tell_frontend(self, state: PipelineState) -> None:
         try:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import zmq
 
+from appliance import fault_injection
 from appliance.executor.startup import STARTUP, Progress, hold_for_test
 from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.gc_heap import freeze_startup_heap
@@ -123,6 +124,8 @@ class StepLoop:
     def __init__(self, runner: ModelRunnerProtocol, results: zmq.Socket, rank: bytes, rank_index: int) -> None:
         self.runner, self.results, self.rank, self.rank_index = runner, results, rank, rank_index
         self.previous: StepHandle | None = None  # the launched step not answered yet
+        self.num_steps = 0
+        self.faults = fault_injection.faults()  # APPLIANCE_FAULT_INJECTION, for the tests; None unless set
 
     def wait_for_plan(self, plans: zmq.Socket) -> bool:
         """Whether a plan is waiting; meanwhile answer the step in flight once its ids have arrived."""
@@ -142,7 +145,10 @@ class StepLoop:
     def run(self, plan: StepPlan) -> None:
         if self.previous is not None and (self.previous.event is None or self.previous.event.query()):
             self._answer()  # its ids are here already (or the device computes synchronously, as a CPU does)
+        self.num_steps += 1
         try:
+            if self.faults is not None:
+                self.faults.before_forward(self.num_steps)
             handle = self.runner.launch(plan)
         except Exception as exc:
             self._fail(plan.step_id, exc)

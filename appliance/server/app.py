@@ -14,11 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from appliance.server.auth import AuthMiddleware, load_api_keys, warn_if_exposed
+from appliance.server.auth import AuthMiddleware, effective_allowed_hosts, load_api_keys, warn_if_exposed
 from appliance.server.chat import create_chat_completion, render_prompt
 from appliance.server.completions import create_completion
 from appliance.server.context import ServerContext
-from appliance.server.engine_client import EngineDead, QueueFull
+from appliance.server.engine_client import ADMISSION, EngineDead, QueueFull
 from appliance.server.errors import ApiError, internal_error
 from appliance.server.messages import (
     anthropic_error_response,
@@ -31,7 +31,7 @@ from appliance.server.protocol import (
     parse_body,
     parse_tokenize,
 )
-from appliance.server.request_body import read_json
+from appliance.server.request_body import BodyDeadline, read_json
 from appliance.server.responses import create_response
 from appliance.server.text import token_text
 
@@ -51,8 +51,9 @@ def _guarded(ctx: ServerContext, fn: Handler, shape: Callable[[ApiError], Respon
 
     @functools.wraps(fn)
     async def endpoint(request: Request) -> Response:
+        ADMISSION.set(None)
         try:
-            return await fn(ctx, request)
+            return _releasing(await fn(ctx, request))
         except ApiError as exc:
             err = exc
         except QueueFull as exc:
@@ -62,9 +63,29 @@ def _guarded(ctx: ServerContext, fn: Handler, shape: Callable[[ApiError], Respon
         except Exception as exc:  # noqa: BLE001 - a bug: log it, answer a generic 500
             err = internal_error(exc)
         ctx.http_error(err.status)
+        _releasing(None)
         return shape(err)
 
     return endpoint
+
+
+def _releasing(response: Any) -> Any:
+    """The response, which gives back the queue room its request held but did not use once it has been sent
+    (a streamed answer sends its engine requests while it streams)."""
+    admission = ADMISSION.get()
+    if admission is None:
+        return response
+    if response is None:
+        admission.release()
+        return None
+
+    async def send_then_release(scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await response(scope, receive, send)
+        finally:
+            admission.release()
+
+    return send_then_release
 
 
 async def list_models(ctx: ServerContext, request: Request) -> Response:
@@ -193,6 +214,9 @@ def build_app(ctx: ServerContext) -> Starlette:
     ]
     if ctx.obs is not None and ctx.obs.metrics is not None:  # observability.enable_metrics
         routes.append(Route("/metrics", _guarded(ctx, metrics), methods=["GET"]))
-    middleware = [Middleware(AuthMiddleware, keys=keys, allowed_hosts=ctx.config.api.allowed_hosts)]
+    api = ctx.config.api
+    hosts = effective_allowed_hosts(api.host, api.allowed_hosts)
+    middleware = [Middleware(AuthMiddleware, keys=keys, allowed_hosts=hosts),
+                  Middleware(BodyDeadline, timeout=api.body_read_timeout)]
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: _http_error})

@@ -95,6 +95,31 @@ class AuthMiddleware:
         return None
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
+
+
+def effective_allowed_hosts(host: str, allowed_hosts: Iterable[str] | None) -> list[str] | None:
+    """api.allowed_hosts, or by default on a loopback bind the loopback names and the bound name: a page on
+    another site that rebinds its DNS name to 127.0.0.1 then still sends its own name as Host. None: any Host."""
+    if allowed_hosts is not None:
+        return list(allowed_hosts)
+    if not _is_loopback(host):
+        return None
+    bound = host.strip("[]")
+    return [*LOOPBACK_NAMES, bound, f"[{bound}]" if ":" in bound else bound]
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def warn_if_exposed(host: str, keys: tuple[Any, ...]) -> None:
     if host in ("0.0.0.0", "::", ""):
         log.warning("api.host=%r: the API listens on every interface%s", host,

@@ -20,7 +20,7 @@ from appliance.engine.sampling_params import SamplingParams
 from appliance.server.chat_template import normalize_messages
 from appliance.server.constraints import (
     check_compatible,
-    output_spec,
+    checked_output_spec,
     thinking_budget_extra,
     with_extra,
 )
@@ -199,8 +199,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, body: Any
                        id_prefix: str = "chatcmpl") -> PreparedChat:
     """`body`: the chat-shaped body the output constraints are read from (response_format, guided_*...)."""
     ctx.admit(req.model, req.n, req.n)  # before any template / tokenization work
-    spec = output_spec(body, tools=req.tools, tool_choice=req.tool_choice,
-                       parallel_tool_calls=req.parallel_tool_calls)
+    spec = await checked_output_spec(ctx, body, tools=req.tools, tool_choice=req.tool_choice,
+                                     parallel_tool_calls=req.parallel_tool_calls)
     if req.thinking is not None and req.thinking.budget_tokens is not None and not ctx.config.api.reasoning_parser:
         raise ApiError(400, "thinking.budget_tokens needs a reasoning model: this server has no api.reasoning_parser",
                        param="thinking")

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from appliance.server.constraints import check_compatible, output_spec, with_extra
+from appliance.server.constraints import check_compatible, checked_output_spec, with_extra
 from appliance.server.context import ServerContext
 from appliance.server.errors import bad_request
 from appliance.server.exchange import Exchange, run_exchange
@@ -67,7 +67,7 @@ async def create_completion(ctx: ServerContext, request: Request, body: Any = No
 async def _create(ctx: ServerContext, request: Request, body: Any, exchange: Exchange) -> Response:
     req: CompletionRequest = parse_body(CompletionRequest, body)
     ctx.admit(req.model, req.n, num_prompts(req.prompt) * req.n)  # before any tokenization work
-    spec = output_spec(body)
+    spec = await checked_output_spec(ctx, body)
     if tokenizer_free(ctx.tokenizer) and (spec is not None or req.stop):
         raise bad_request("stop strings and output constraints need a tokenizer; this server runs without one "
                           "(model.skip_tokenizer_init): use stop_token_ids", "stop" if req.stop else None)

@@ -30,10 +30,29 @@ def forces_tool_call(tool_choice: Any) -> bool:
     return tool_choice in _TOOL_CHOICE_FORCES or isinstance(tool_choice, Mapping)
 
 
+async def checked_output_spec(ctx: Any, body: Mapping[str, Any], **kwargs: Any) -> StructuredSpec | None:
+    """output_spec, then compiled on the grammar threads (structured/validate.SpecChecker): the spec to send the
+    workers, or None; 400 on a bad constraint or one that takes longer than api.grammar_compile_timeout."""
+    from appliance.structured.validate import SpecChecker
+
+    spec = output_spec(body, **kwargs)
+    if spec is None:
+        return None
+    checker = getattr(ctx, "spec_checker", None)
+    if checker is None:
+        api = ctx.config.api
+        checker = ctx.spec_checker = SpecChecker(api.grammar_compile_timeout, api.grammar_cache_size)
+    try:
+        return await checker.prepare(spec)
+    except StructuredOutputError as exc:
+        raise ApiError(400, str(exc), param=_constraint_field(body) or "tool_choice") from None
+
+
 def output_spec(body: Mapping[str, Any], *, tools: list[Mapping[str, Any]] | None = None, tool_choice: Any = None,
                 parallel_tool_calls: bool | None = None) -> StructuredSpec | None:
-    """The request's output constraint, checked (400 on bad input or without xgrammar), or None."""
-    from appliance.structured.validate import check_spec
+    """The request's output constraint (400 on bad input or without xgrammar), or None; compiling it is
+    checked_output_spec's part."""
+    from appliance.structured import validate
 
     try:
         spec = spec_from_request(body)
@@ -44,7 +63,7 @@ def output_spec(body: Mapping[str, Any], *, tools: list[Mapping[str, Any]] | Non
                                             f"drop {param}")
             spec, param = _tool_spec(tools or [], tool_choice, parallel_tool_calls), "tool_choice"
         if spec is not None:
-            check_spec(spec)
+            validate.require_xgrammar()
     except StructuredOutputError as exc:
         raise ApiError(400, str(exc), param=_constraint_field(body) or "tool_choice") from None
     return spec

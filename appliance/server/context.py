@@ -37,6 +37,7 @@ class ServerContext:
     # fail with "Already borrowed". The event loop keeps `tokenizer` for incremental detokenization.
     _tok_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenize"))
     _thread_tokenizer: Any = None
+    spec_checker: Any = None  # structured.validate.SpecChecker, made on the first constrained request
 
     def __post_init__(self) -> None:
         self._thread_tokenizer = copy.deepcopy(self.tokenizer)

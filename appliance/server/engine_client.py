@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +39,30 @@ class QueueFull(RuntimeError):
     """More requests are waiting than scheduler.max_queued_requests allows."""
 
 
+class Admission:
+    """Queue room one HTTP request holds from its capacity check until its engine requests are sent: a burst of
+    requests checked before any of them was sent (tokenization awaits in between) cannot all pass the same
+    check. `take()` as each engine request is sent, `release()` whatever is left when the HTTP request ends."""
+
+    def __init__(self, owner: Any, count: int) -> None:
+        self.owner = owner  # the client holding the room: release_reserved(n)
+        self.remaining = count
+
+    def take(self) -> None:
+        if self.remaining > 0:
+            self.remaining -= 1
+            self.owner.release_reserved(1)
+
+    def release(self) -> None:
+        if self.remaining > 0:
+            self.owner.release_reserved(self.remaining)
+            self.remaining = 0
+
+
+# the current HTTP request's Admission; set by check_capacity, read by generate in the same request's tasks
+ADMISSION: ContextVar[Admission | None] = ContextVar("admission", default=None)
+
+
 class EngineClient(Protocol):
     @property
     def state(self) -> str:
@@ -47,7 +72,8 @@ class EngineClient(Protocol):
     def error_message(self) -> str: ...
 
     def check_capacity(self, num_requests: int) -> None:
-        """Raise QueueFull when `num_requests` more would overflow the queue; EngineDead when failed."""
+        """Raise QueueFull when `num_requests` more would overflow the queue; EngineDead when failed. A client
+        with a queue cap holds the room (ADMISSION) until the requests are sent."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  sampling: SamplingParams) -> AsyncIterator[RequestOutput]:

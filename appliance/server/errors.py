@@ -58,6 +58,11 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def context_length_exceeded(message: str, param: str) -> ApiError:
+    """OpenAI's code for a prompt plus max_tokens beyond the context; clients (and SDK retries) key on it."""
+    return ApiError(400, message, param=param, code="context_length_exceeded")
+
+
 def internal_error(exc: BaseException) -> ApiError:
     log.exception("internal error: %s", type(exc).__name__, exc_info=exc)
     return ApiError(500, "internal server error")

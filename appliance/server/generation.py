@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.engine.sampling_params import SamplingParams
-from appliance.server.engine_client import EngineClient, EngineDead, RequestOutput
+from appliance.server.engine_client import EngineClient, EngineDead, QueueFull, RequestOutput
 from appliance.server.errors import ApiError
 from appliance.server.sampling import child_sampling
 from appliance.server.text import TextStream, token_text
@@ -95,6 +95,8 @@ class Generation:
         held: list[int] = []
         async for out in outputs:
             if out.error is not None:
+                if out.error_status == 429:  # the scheduler's own queue check: the same answer as the server's
+                    raise QueueFull(out.error)
                 raise ApiError(out.error_status or 500, out.error if 0 < out.error_status < 500 else
                                "the engine failed to run this request")
             if first:
@@ -198,26 +200,27 @@ _END = object()
 
 async def with_deadline(stream: AsyncIterator[Any], timeout: float | None) -> AsyncIterator[Any]:
     """Yield from `stream` until `timeout` seconds have passed since the start; then close it (aborting the
-    engine requests behind it) and raise a 408."""
-    if timeout is None:
-        async with contextlib.aclosing(stream) as it:
+    engine requests behind it) and raise a 408.
+
+    Each item is awaited in this task under `asyncio.timeout_at`, never in a task of its own: a waiter task
+    could still be running `stream` when a disconnect cancels us, and closing a running generator fails
+    ("aclose(): asynchronous generator is already running")."""
+    async with contextlib.aclosing(stream) as it:
+        if timeout is None:
             async for item in it:
                 yield item
-        return
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    try:
+            return
+        deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
-                item = await asyncio.wait_for(anext(stream), max(deadline - loop.time(), 0.0))
+                async with asyncio.timeout_at(deadline):
+                    item = await anext(it)
             except StopAsyncIteration:
                 return
             except TimeoutError:
                 raise ApiError(408, f"request timed out after {timeout:g} s (api.request_timeout)",
                                code="timeout") from None
             yield item
-    finally:
-        await stream.aclose()
 
 
 def new_request_id(prefix: str) -> str:

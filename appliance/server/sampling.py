@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from appliance.engine.sampling_params import SamplingParams
-from appliance.server.errors import ApiError, bad_request
+from appliance.server.errors import ApiError, bad_request, context_length_exceeded
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def build_sampling(req: CompletionRequest | ChatCompletionRequest, defaults: Any
     if num_prompt_tokens == 0:
         raise bad_request("the prompt is empty", "prompt")
     if num_prompt_tokens >= limits.max_model_len:
-        raise bad_request(
+        raise context_length_exceeded(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, your prompt has "
             f"{num_prompt_tokens} tokens, leaving no room for output.", "messages" if _is_chat(req) else "prompt")
     room = limits.max_model_len - num_prompt_tokens
@@ -58,7 +58,7 @@ def build_sampling(req: CompletionRequest | ChatCompletionRequest, defaults: Any
     elif limits.max_tokens is not None and max_tokens > limits.max_tokens:
         raise bad_request(f"max_tokens must be at most {limits.max_tokens}, got {max_tokens}", "max_tokens")
     elif max_tokens > room:
-        raise bad_request(
+        raise context_length_exceeded(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
             f"completion).", "max_tokens")

@@ -6,8 +6,9 @@
     each step:  matcher.apply_to_logits(logits_row); ...sample...; matcher.accept_token(token_id)
                 finished when matcher.is_terminated()
 
-The serving path: the server checks the spec (validate.check_spec) and sends it in SamplingParams.extra
-["structured"]; each worker compiles it once and masks that request's logits (executor/logits_processors.py).
+The serving path: the server checks the spec off its event loop (validate.SpecChecker; a JSON schema gets its EBNF
+translation, StructuredSpec.ebnf) and sends it in SamplingParams.extra["structured"]; each worker compiles it once
+and masks that request's logits (executor/logits_processors.py).
 Offline: SamplingParams(extra=StructuredOutputsParams(json=schema).to_extra()).
 
 xgrammar is a dependency of appliance; where it is missing anyway (a broken install), building a compiler

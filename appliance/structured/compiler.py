@@ -110,6 +110,8 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredSpec) -> Any:
         c = self._compiler
         try:
+            if spec.ebnf:  # translated by the front end already
+                return c.compile_grammar(spec.ebnf)
             if spec.kind == "json_object":
                 return c.compile_grammar(self._json_schema_grammar(json.dumps({"type": "object"})))
             if spec.kind == "json_schema":
@@ -126,12 +128,15 @@ class GrammarCompiler:
 
 
     def _json_schema_grammar(self, schema: str) -> Any:
-        grammar = self._xgr.Grammar.from_json_schema(schema, **_JSON_OPTIONS)
-        text = str(grammar)
-        fixed = text
-        for loose in _LOOSE_STRING_CHARS:
-            fixed = fixed.replace(loose, _STRICT_STRING_CHAR)
-        return grammar if fixed == text else self._xgr.Grammar.from_ebnf(fixed)
+        return self._xgr.Grammar.from_ebnf(json_schema_ebnf(self._xgr, schema))
+
+
+def json_schema_ebnf(xgr: Any, schema: str) -> str:
+    """The EBNF grammar of a JSON schema as the workers compile it (fixed whitespace, strict string rules)."""
+    text = str(xgr.Grammar.from_json_schema(schema, **_JSON_OPTIONS))
+    for loose in _LOOSE_STRING_CHARS:
+        text = text.replace(loose, _STRICT_STRING_CHAR)
+    return text
 
 
 def _first_line(e: BaseException) -> str:

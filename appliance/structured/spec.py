@@ -11,7 +11,7 @@ The record travels to the workers in SamplingParams.extra["structured"] as `to_d
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from appliance.structured.errors import StructuredOutputError
@@ -26,6 +26,9 @@ class StructuredSpec:
     # canonical text: compact schema JSON, the regex, the choices as a JSON list, EBNF. Schema keys keep their
     # order: it is the order the grammar generates properties in (models expect the declared order).
     value: str = ""
+    # a json_schema's grammar as the HTTP front end translated it off its event loop (validate.worker_spec): the
+    # workers compile this rather than translate the schema again; not part of the spec's identity
+    ebnf: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -73,11 +76,14 @@ class StructuredSpec:
         return json.loads(self.value) if self.kind == "choice" else []
 
     def to_dict(self) -> dict[str, str]:
-        return {"kind": self.kind, "value": self.value}
+        d = {"kind": self.kind, "value": self.value}
+        if self.ebnf:
+            d["ebnf"] = self.ebnf
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StructuredSpec:
-        return cls(kind=d["kind"], value=d.get("value", ""))
+        return cls(kind=d["kind"], value=d.get("value", ""), ebnf=d.get("ebnf", ""))
 
 
 _VLLM_KEYS = {"json": StructuredSpec.json_schema, "regex": StructuredSpec.regex, "choice": StructuredSpec.choice,

@@ -1,23 +1,35 @@
-"""Plain-torch MLA kernels (the oracle and the CPU path); see the package docstring for the contracts."""
+"""Plain-torch MLA kernels (the oracle and the CPU path); see the package docstring for the contracts.
+
+An fp8 latent cache (kernels/reference/kv_quant.py) holds latent / kv_scale saturated; `kv_scale` ([1] float32,
+ones when not given) is the cache's one scale: the latent is one tensor (MQA in latent space)."""
 from __future__ import annotations
 
 import torch
 
+from appliance.kernels.reference.kv_quant import kv_scale as checked_scale
+from appliance.kernels.reference.kv_quant import quantize
 from appliance.kernels.registry import register
 
 
 @register("mla_store", "torch")
-def mla_store(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def mla_store(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+              kv_scale: torch.Tensor | None = None) -> None:
+    scale = checked_scale(cache, kv_scale, "mla_store")
     keep = slot_mapping >= 0
     rows = cache.view(-1, cache.shape[-1])
-    rows[slot_mapping[keep]] = latent[keep].to(cache.dtype)
+    lat = latent[keep]
+    rows[slot_mapping[keep]] = (quantize(lat[:, None], scale, cache.dtype)[:, 0] if scale is not None
+                                else lat.to(cache.dtype))
 
 
-def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` latent rows of one request: [length, R+dr]."""
+def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                   kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The first `length` latent rows of one request: [length, R+dr] (float32 and dequantized when fp8)."""
     block_size = cache.shape[1]
     n_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[:n_blocks].long()].reshape(-1, cache.shape[-1])[:length]
+    lat = cache[block_table[:n_blocks].long()].reshape(-1, cache.shape[-1])[:length]
+    scale = checked_scale(cache, kv_scale, "mla")
+    return lat.float() * scale if scale is not None else lat
 
 
 def _softmax_attend(scores: torch.Tensor, values: torch.Tensor, equation: str) -> torch.Tensor:
@@ -26,10 +38,10 @@ def _softmax_attend(scores: torch.Tensor, values: torch.Tensor, equation: str) -
 
 @register("mla_decode", "torch")
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-               scale: float, kv_lora_rank: int) -> torch.Tensor:
+               scale: float, kv_lora_rank: int, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
     for b, length in enumerate(seq_lens.tolist()):
-        lat = gather_latents(cache, block_tables[b], length).float()  # [L, R+dr]
+        lat = gather_latents(cache, block_tables[b], length, kv_scale).float()  # [L, R+dr]
         scores = torch.einsum("hd,ld->hl", q[b].float(), lat) * scale
         out[b] = _softmax_attend(scores, lat[:, :kv_lora_rank], "hl,lr->hr").to(q.dtype)
     return out
@@ -37,13 +49,14 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
 
 @register("mla_prefill", "torch")
 def mla_prefill(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                block_tables: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+                block_tables: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     heads, nope, rank = w_uk.shape
     out = q.new_empty(q.shape[0], heads, w_uv.shape[1])
     cu = cu_seqlens_q.tolist()
     for b, length in enumerate(seq_lens.tolist()):
         lo, hi = cu[b], cu[b + 1]
-        lat = gather_latents(cache, block_tables[b], length).float()
+        lat = gather_latents(cache, block_tables[b], length, kv_scale).float()
         kv_c, k_pe = lat[:, :rank], lat[:, rank:]
         k_nope = torch.einsum("lr,hdr->hld", kv_c, w_uk.float())
         v = torch.einsum("lr,hvr->hlv", kv_c, w_uv.float())

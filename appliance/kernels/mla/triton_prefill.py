@@ -18,6 +18,7 @@ import triton.language as tl
 
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import INTERPRET, LOG2E, mma, tile_sequence
+from appliance.kernels.triton.kv_fp8 import kv_fp8_args
 
 BLOCK_M = 16  # query rows per program: the [BLOCK_M, kv_lora_rank] float32 accumulator lives in registers
 BLOCK_N = 16 if INTERPRET else 32
@@ -25,11 +26,11 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, cu_q_ptr, lens_ptr, cu_tiles_ptr, out_ptr, qk_scale, num_seqs,
-                        stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
+def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, cu_q_ptr, lens_ptr, cu_tiles_ptr, out_ptr, qk_scale, kv_scale_ptr,
+                        num_seqs, stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
                         R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_SEQS: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     if tile >= tl.load(cu_tiles_ptr + num_seqs):
@@ -46,6 +47,8 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, cu_q_ptr, lens_ptr, cu_tiles_p
     q_c = tl.load(q_row + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
     q_p = tl.load(q_row + R + offs_p[None, :], mask=m_mask[:, None] & p_mask[None, :], other=0.0)
 
+    if KV_FP8:  # the fp8 latent's one scale: into the softmax scale, and onto the output
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -57,6 +60,9 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, cu_q_ptr, lens_ptr, cu_tiles_p
         row = cache_ptr + blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
         c = tl.load(row[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         k_pe = tl.load(row[:, None] + R + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
+        if KV_FP8:
+            c = c.to(q_c.dtype)
+            k_pe = k_pe.to(q_c.dtype)
         s = (mma(q_c, tl.trans(c), UPCAST) + mma(q_p, tl.trans(k_pe), UPCAST)) * qk_scale
         s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -66,6 +72,8 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, cu_q_ptr, lens_ptr, cu_tiles_p
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + mma(p.to(c.dtype), c, UPCAST)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(kv_scale_ptr)
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_r[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
@@ -73,7 +81,8 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, bt_ptr, cu_q_ptr, lens_ptr, cu_tiles_p
 
 @register("mla_prefill", "triton")
 def mla_prefill(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                block_tables: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+                block_tables: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     heads, nope, rank = w_uk.shape
     t, bsz = q.shape[0], seq_lens.shape[0]
     if q.shape[1] != heads or q.shape[2] <= nope or cache.shape[-1] != rank + q.shape[2] - nope:
@@ -91,12 +100,15 @@ def mla_prefill(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor
     cu_tiles = torch.zeros(bsz + 1, dtype=torch.int32, device=q.device)
     cu_tiles[1:] = torch.cumsum(torch.div(q_lens + (BLOCK_M - 1), BLOCK_M, rounding_mode="floor"), 0)
     grid = (triton.cdiv(t, BLOCK_M) + bsz, heads)
-    _mla_prefill_kernel[grid](qa, cache, block_tables, cu_seqlens_q, seq_lens, cu_tiles, o_lat, scale * LOG2E, bsz,
+    ks, _, fp8 = kv_fp8_args(cache, cache, kv_scale, kv_scale, "mla_prefill")
+    _mla_prefill_kernel[grid](qa, cache, block_tables, cu_seqlens_q, seq_lens, cu_tiles, o_lat, scale * LOG2E, ks,
+                              bsz,
                               qa.stride(0), qa.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
                               o_lat.stride(0), o_lat.stride(1),
                               R=rank, DR=rope, BLOCK_R=triton.next_power_of_2(rank),
                               BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=cache.shape[1],
                               BLOCK_M=BLOCK_M,
                               BLOCK_N=BLOCK_N, LOG_SEQS=max(1, bsz.bit_length()),
-                              UPCAST=INTERPRET or q.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=2)
+                              UPCAST=INTERPRET or q.dtype == torch.float32, **fp8, num_warps=NUM_WARPS,
+                              num_stages=2)
     return torch.einsum("thr,hvr->thv", o_lat, w_uv.to(q.dtype))

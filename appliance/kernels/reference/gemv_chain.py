@@ -69,9 +69,10 @@ def gemv_normed_silu(xs: torch.Tensor, weight: torch.Tensor, partials: torch.Ten
 def gemv_normed_rope_store(xs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            partials: torch.Tensor, eps: float, positions: torch.Tensor, num_heads: int,
                            num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The normed qkv projection, then neox rotary over whole heads and the KV store (rope_store_kv's contract,
-    without q/k norms); returns q [M, num_heads, head_dim]."""
+    without q/k norms; fp8 caches with their scales); returns q [M, num_heads, head_dim]."""
     qkv = normed_linear(xs, weight, bias, partials, eps)
     return rope_store_kv(positions, qkv, num_heads, num_kv_heads, head_dim, cos_sin_cache, True, None, None, 0.0,
-                         k_cache, v_cache, slot_mapping)
+                         k_cache, v_cache, slot_mapping, k_scale, v_scale)

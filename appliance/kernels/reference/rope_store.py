@@ -42,12 +42,14 @@ def check_rope_store_args(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
 def rope_store_kv(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                   cos_sin_cache: torch.Tensor, is_neox: bool, q_norm_weight: torch.Tensor | None,
                   k_norm_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> torch.Tensor:
+                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q of one attention layer, rotated (and normed per head when weights are given); k and v go to the cache.
 
     qkv: [T, (num_heads + 2 num_kv_heads) * head_dim], the qkv projection's output (its row stride may exceed
     its width). Caches: [blocks, block_size, num_kv_heads, head_dim]; slot -1 stores nothing (q is still computed).
-    Returns q [T, num_heads, head_dim], contiguous.
+    Returns q [T, num_heads, head_dim], contiguous. An fp8 cache stores k and v as store_kv does (its
+    k_scale / v_scale).
     """
     check_rope_store_args(qkv, num_heads, num_kv_heads, head_dim, positions, q_norm_weight, k_norm_weight,
                           k_cache, v_cache, slot_mapping)
@@ -59,5 +61,5 @@ def rope_store_kv(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, nu
     if q_norm_weight is not None and k_norm_weight is not None:
         q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
     q, k = rope(positions, q, k, cos_sin_cache, is_neox)
-    store_kv(k, v.view(t, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
+    store_kv(k, v.view(t, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q

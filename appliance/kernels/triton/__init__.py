@@ -6,6 +6,7 @@ triton is first imported (the CPU tests do this in a subprocess).
 from __future__ import annotations
 
 from appliance.kernels.triton import (  # noqa: F401
+    act_quant,
     activation,
     cache,
     decode,

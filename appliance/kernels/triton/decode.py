@@ -28,6 +28,7 @@ from appliance.kernels.triton.common import (
     pdl_enter,
     pdl_kwargs,
 )
+from appliance.kernels.triton.kv_fp8 import kv_fp8_args
 
 _SMS_FALLBACK = 132
 # Tuned on the H100 (docs/kernels.md): the tile of kv tokens per loop step, and the split-K heuristic inputs.
@@ -46,13 +47,14 @@ NUM_STAGES = 3
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+                   k_scale_ptr, v_scale_ptr,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    split_tokens, num_splits,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, ORDERED: tl.constexpr,
-                   UPCAST: tl.constexpr, GDC: tl.constexpr, window=0, sinks_ptr=None,
-                   WINDOW: tl.constexpr = False, SINKS: tl.constexpr = False):
+                   UPCAST: tl.constexpr, GDC: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                   window=0, sinks_ptr=None, WINDOW: tl.constexpr = False, SINKS: tl.constexpr = False):
     pdl_enter(GDC)  # q, the lengths and the newest cache row come from the kernels before
     kvh = tl.program_id(0)  # kv head fastest: a sequence's heads run side by side (docs/kernels.md)
     b = tl.program_id(1)
@@ -72,6 +74,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mi
     d_mask = offs_d < D
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8:  # the head's k scale goes into the softmax scale, its v scale onto the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -85,6 +89,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mi
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = mma(q, tl.trans(k), UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N], in log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -93,6 +100,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, mi
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kvh)
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     if DIRECT:
@@ -129,10 +138,12 @@ def _store_partial(mid_o_ptr, mid_lse_ptr, acc, l_i, m_i, b, head, split, num_sp
 
 @triton.jit
 def _decode_tile_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+                        k_scale_ptr, v_scale_ptr,
                         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, num_splits,
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ORDERED: tl.constexpr, UPCAST: tl.constexpr,
-                        GDC: tl.constexpr, window=0, WINDOW: tl.constexpr = False):
+                        GDC: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, window=0,
+                        WINDOW: tl.constexpr = False):
     """Splits of one BLOCK_N-token tile each (small batches). Only q and each sequence's newest cache row come
     from the kernels before (a decode row adds one token); the lengths, the block table and every older row were
     written before this step's first kernel. So those are read before the wait: under programmatic dependent
@@ -164,11 +175,17 @@ def _decode_tile_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, mid_o_
     h_mask = offs_h < GROUP
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8:  # as in _decode_kernel
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
     s = tl.where(n_mask[None, :], mma(q, tl.trans(k), UPCAST) * qk_scale, float("-inf"))
     m_i = tl.max(s, 1)
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])  # an empty split: p = 0, l = 0
     l_i = tl.sum(p, 1)
     acc = mma(p.to(v.dtype), v, UPCAST)
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kvh)
     _store_partial(mid_o_ptr, mid_lse_ptr, acc, l_i, m_i, b, head, split, num_splits, offs_d, h_mask,
                    h_mask[:, None] & d_mask[None, :], GROUP, D)
 
@@ -219,11 +236,13 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, sms: int) ->
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                      order: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`num_splits` overrides the heuristic (tests and tuning). A row with seq_len 0 (padding) gets zeros.
     `order` ([B] integers, a permutation of the rows) is the order the programs take the rows in; the result does
-    not depend on it. `out`: where to write (reference.attention.attention_out). `sliding_window`, `sinks`: as
-    the reference's; splits wholly before a row's window exit at once (the split count stays the table's)."""
+    not depend on it. `out`: where to write (reference.attention.attention_out). `k_scale` / `v_scale`: the
+    per-kv-head scales of an fp8 cache (kv_fp8.py). `sliding_window`, `sinks`: as the reference's; splits wholly
+    before a row's window exit at once (the split count stays the table's)."""
     bsz, h, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
     if dk != d or h % hkv or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
@@ -237,6 +256,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = attention_out("decode_attention", q, out)
     if bsz == 0:
         return out
+    ks, vs, fp8 = kv_fp8_args(k_cache, v_cache, k_scale, v_scale, "decode_attention")
     group = h // hkv
     max_context = block_tables.shape[1] * block_size
     splits = num_splits or num_splits_for(bsz, hkv, max_context, _sm_count(q.device))
@@ -257,16 +277,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     window = {} if sliding_window is None else {"window": int(sliding_window), "WINDOW": True}
     sink = {} if sinks is None else {"sinks_ptr": sinks, "SINKS": True}
     heads = {"GROUP": group, "BLOCK_H": max(16, triton.next_power_of_2(group)), "D": d, "BLOCK_D": block_d,
-             "BLOCK_SIZE": block_size, "ORDERED": order is not None, "UPCAST": INTERPRET}
+             "BLOCK_SIZE": block_size, "ORDERED": order is not None, "UPCAST": INTERPRET, **fp8}
     if not direct and split_tokens == BLOCK_N:
         _decode_tile_kernel[(hkv, bsz, splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, order_arg, mid_o, mid_lse, scale * LOG2E,
+            q, k_cache, v_cache, block_tables, seq_lens, order_arg, mid_o, mid_lse, scale * LOG2E, ks, vs,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), splits, BLOCK_N=BLOCK_N, **heads, **window, num_warps=NUM_WARPS, num_stages=1,
             **pdl)
     else:
         _decode_kernel[(hkv, bsz, splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, order_arg, out, mid_o, mid_lse, scale * LOG2E,
+            q, k_cache, v_cache, block_tables, seq_lens, order_arg, out, mid_o, mid_lse, scale * LOG2E, ks, vs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             split_tokens, splits, BLOCK_N=block_n, DIRECT=direct, **heads, **window, **(sink if direct else {}),

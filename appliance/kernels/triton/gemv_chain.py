@@ -27,6 +27,7 @@ from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import INTERPRET, pdl_enter, pdl_kwargs
 from appliance.kernels.triton.gemv import config_for, weight_stream
+from appliance.kernels.triton.kv_fp8 import kv_fp8_args, saturate
 
 _PAIRS = tl.constexpr(PAIRS)  # what the kernels may read of it
 BLOCK_M = tl.constexpr(16)  # rows padded to the MMA's narrowest operand
@@ -148,10 +149,12 @@ def _silu_kernel(x_ptr, w_ptr, part_ptr, out_ptr, M, INTER, K, P, eps, stride_xm
 
 @triton.jit
 def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                       k_scale_ptr, v_scale_ptr,
                        M, K, P, eps, stride_xm, stride_wn, stride_c, stride_qm, stride_cb, stride_cs, stride_ch,
                        NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr):
+                       UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr,
+                       KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     HALF: tl.constexpr = D // 2
     BLOCK_N: tl.constexpr = 2 * _PAIRS
     PER_HEAD: tl.constexpr = HALF // _PAIRS
@@ -192,12 +195,20 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
             tl.store(q_dst + HALF, y2, mask=m_mask[None, :])
         else:
             k_dst = k_cache_ptr + slot_off + (head - NQ) * stride_ch + offs_j
-            tl.store(k_dst, y1.to(cache_ty), mask=store)
-            tl.store(k_dst + HALF, y2.to(cache_ty), mask=store)
+            if KV_FP8:  # the fp8 cache's saturating store (kv_fp8.py), the head's scale
+                ks = tl.load(k_scale_ptr + head - NQ)
+                tl.store(k_dst, saturate(y1, ks, FP8_MAX).to(cache_ty), mask=store)
+                tl.store(k_dst + HALF, saturate(y2, ks, FP8_MAX).to(cache_ty), mask=store)
+            else:
+                tl.store(k_dst, y1.to(cache_ty), mask=store)
+                tl.store(k_dst + HALF, y2.to(cache_ty), mask=store)
     else:
         v_row = (pid - ROPE_PROGRAMS) * BLOCK_N + i
         v_dst = v_cache_ptr + slot_off + ((v_row // D) * stride_ch + v_row % D)[:, None]
-        tl.store(v_dst, acc.to(ty).to(cache_ty), mask=store)
+        v = acc.to(ty)
+        if KV_FP8:
+            v = saturate(v, tl.load(v_scale_ptr + v_row // D)[:, None], FP8_MAX)
+        tl.store(v_dst, v.to(cache_ty), mask=store)
 
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, partials: torch.Tensor | None = None) -> None:
@@ -265,7 +276,8 @@ def gemv_normed_silu(xs: torch.Tensor, weight: torch.Tensor, partials: torch.Ten
 def gemv_normed_rope_store(xs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            partials: torch.Tensor, eps: float, positions: torch.Tensor, num_heads: int,
                            num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     _check("gemv_normed_rope_store", xs, weight, partials)
     if not rope_store_fits(head_dim, cos_sin_cache.shape[-1], True, False):
         raise ValueError(f"gemv_normed_rope_store: head_dim {head_dim} with a rotary width of "
@@ -279,11 +291,12 @@ def gemv_normed_rope_store(xs: torch.Tensor, weight: torch.Tensor, bias: torch.T
     programs = (num_heads + num_kv_heads) * (head_dim // 2 // PAIRS) + num_kv_heads * head_dim // (2 * PAIRS)
     p = partials.shape[1]
     _, block_k, stages, warps = _tiles(weight.shape[0], k)
+    ks, vs, fp8 = kv_fp8_args(k_cache, v_cache, k_scale, v_scale, "gemv_normed_rope_store")
     _rope_store_kernel[(programs,)](
         xs, weight, bias if bias is not None else xs, partials, positions, cos_sin_cache, q, k_cache, v_cache,
-        slot_mapping, m, k, p, eps, xs.stride(0), weight.stride(0), cos_sin_cache.stride(0), q.stride(0),
+        slot_mapping, ks, vs, m, k, p, eps, xs.stride(0), weight.stride(0), cos_sin_cache.stride(0), q.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NQ=num_heads, NKV=num_kv_heads, D=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(p), HAS_BIAS=bias is not None, UPCAST=INTERPRET, num_warps=warps,
-        num_stages=stages, NEXT=QKV_LAUNCH_NEXT_ONE_ROW if m == 1 else LAUNCH_NEXT, **pdl_kwargs(xs))
+        num_stages=stages, NEXT=QKV_LAUNCH_NEXT_ONE_ROW if m == 1 else LAUNCH_NEXT, **fp8, **pdl_kwargs(xs))
     return q

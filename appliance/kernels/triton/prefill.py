@@ -16,6 +16,7 @@ from appliance.kernels.reference.attention import attention_out
 from appliance.kernels.registry import register
 from appliance.kernels.step_cache import StepCache
 from appliance.kernels.triton.common import INTERPRET, LOG2E, mma, tile_sequence
+from appliance.kernels.triton.kv_fp8 import kv_fp8_args
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -27,9 +28,11 @@ _TILES = StepCache()  # the step's cu_tiles: the same for every layer (~6 small 
 @triton.jit
 def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end, q_pos,
              m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, window=0,
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr, window=0,
              WINDOW: tl.constexpr = False):
-    """One online-softmax step over kv positions n0 .. n0 + BLOCK_N; MASKED applies the causal and end masks."""
+    """One online-softmax step over kv positions n0 .. n0 + BLOCK_N; MASKED applies the causal and end masks (and
+    the window's, with WINDOW). An fp8 tile is read in q's dtype (its k scale is in qk_scale, its v scale applied
+    to the output)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -47,6 +50,9 @@ def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_
     else:
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :])
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :])
+    if KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = mma(q, tl.trans(k), UPCAST) * qk_scale
     if MASKED:
         keep = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -67,11 +73,13 @@ def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu_tiles_ptr, qk_scale,
+                    k_scale_ptr, v_scale_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt, num_seqs,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_SEQS: tl.constexpr, UPCAST: tl.constexpr,
-                    window=0, sinks_ptr=None, WINDOW: tl.constexpr = False, SINKS: tl.constexpr = False):
+                    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, window=0, sinks_ptr=None,
+                    WINDOW: tl.constexpr = False, SINKS: tl.constexpr = False):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     total_tiles = tl.load(cu_tiles_ptr + num_seqs)
@@ -88,6 +96,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
     q_pos = seq_len - q_len + offs_m
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -102,10 +112,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
     else:
         for n0 in range(0, full_end, BLOCK_N):
             m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0,
-                                     kv_end, q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, UPCAST)
+                                     kv_end, q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False,
+                                     UPCAST, KV_FP8)
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end,
-                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, UPCAST,
+                                 q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, UPCAST, KV_FP8,
                                  window, WINDOW)
     if SINKS:  # the sink joins the denominator only
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
@@ -114,6 +125,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
         l_i = l_i * alpha + tl.exp2(sink - m_new)
         acc = acc * alpha[:, None]
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kvh)
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -130,7 +143,8 @@ def _cu_tiles(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
 @register("prefill_attention", "triton")
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      out: torch.Tensor | None = None, sliding_window: int | None = None,
+                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     t, h, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
@@ -146,15 +160,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = attention_out("prefill_attention", q, out)
     if t == 0 or bsz == 0:
         return out
+    ks, vs, fp8 = kv_fp8_args(k_cache, v_cache, k_scale, v_scale, "prefill_attention")
     cu_tiles = _TILES.get((cu_seqlens_q,), BLOCK_M, lambda: _cu_tiles(cu_seqlens_q))
     max_tiles = triton.cdiv(t, BLOCK_M) + bsz
     _prefill_kernel[(max_tiles, h)](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, cu_tiles, scale * LOG2E,
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, cu_tiles, scale * LOG2E, ks, vs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), bsz,
         GROUP=h // hkv, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, LOG_SEQS=max(1, (bsz).bit_length()),
-        UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        UPCAST=INTERPRET, **fp8, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         **({} if sliding_window is None else {"window": int(sliding_window), "WINDOW": True}),
         **({} if sinks is None else {"sinks_ptr": sinks, "SINKS": True}),
     )

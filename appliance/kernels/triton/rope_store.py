@@ -19,6 +19,7 @@ import triton.language as tl
 from appliance.kernels.reference.rope_store import check_rope_store_args
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import pdl_enter, pdl_kwargs
+from appliance.kernels.triton.kv_fp8 import kv_fp8_args, saturate
 from appliance.kernels.triton.rope import rotary_pairs
 
 MAX_BLOCK_ELEMS = 2048  # heads x half-dim per program: bounds registers for wide models
@@ -68,17 +69,21 @@ def _q_heads(row, w_ptr, q_row, h0, cos, sin, eps, NQ: tl.constexpr, HALF: tl.co
 
 
 @triton.jit
-def _kv_heads(row, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_off, stride_ch, h0, cos, sin, eps,
-              NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
-              HAS_NORM: tl.constexpr):
-    """k normed, rotated and rounded like q (q_ptr names that dtype), then to the cache's; v copied as is."""
+def _kv_heads(row, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_off, stride_ch, h0,
+              cos, sin, eps, NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
+              BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
+              IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """k normed, rotated and rounded like q (q_ptr names that dtype), then to the cache's; v copied as is (an fp8
+    cache: both divided by their head's scale and saturated)."""
     cache_ty = k_cache_ptr.dtype.element_ty
     h = h0 + tl.arange(0, BLOCK_H)[:, None]
     h_mask = h < NKV
     y1, y2, yp, i1, i2, offs_p, mask, p_mask = _norm_rope_heads(
         row + NQ * D + h * D, w_ptr, q_ptr, h_mask, cos, sin, eps, HALF, D, BLOCK_HALF, BLOCK_TAIL, IS_NEOX,
         HAS_NORM)
+    if KV_FP8:
+        ks = tl.load(k_scale_ptr + h, mask=h_mask, other=1.0)
+        y1, y2, yp = saturate(y1, ks, FP8_MAX), saturate(y2, ks, FP8_MAX), saturate(yp, ks, FP8_MAX)
     dst = slot_off + h * stride_ch
     tl.store(k_cache_ptr + dst + i1, y1.to(cache_ty), mask=mask)
     tl.store(k_cache_ptr + dst + i2, y2.to(cache_ty), mask=mask)
@@ -87,16 +92,18 @@ def _kv_heads(row, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_off, stride_ch, 
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     d_mask = h_mask & (offs_d < D)
     v = tl.load(row + (NQ + NKV) * D + h * D + offs_d, mask=d_mask)
+    if KV_FP8:
+        v = saturate(v, tl.load(v_scale_ptr + h, mask=h_mask, other=1.0), FP8_MAX)
     tl.store(v_cache_ptr + dst + offs_d, v.to(cache_ty), mask=d_mask)
 
 
 @triton.jit
 def _rope_store_kernel(pos_ptr, qkv_ptr, cache_ptr, qw_ptr, kw_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                       stride_x, stride_c, stride_qt, stride_cb, stride_cs, stride_ch, eps,
+                       k_scale_ptr, v_scale_ptr, stride_x, stride_c, stride_qt, stride_cb, stride_cs, stride_ch, eps,
                        NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                        BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
-                       HAS_NORM: tl.constexpr, GDC: tl.constexpr):
+                       HAS_NORM: tl.constexpr, GDC: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     pdl_enter(GDC)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -114,8 +121,9 @@ def _rope_store_kernel(pos_ptr, qkv_ptr, cache_ptr, qw_ptr, kw_ptr, q_ptr, k_cac
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             slot_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-            _kv_heads(row, kw_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_off, stride_ch, (hb - nqb) * BLOCK_H,
-                      cos, sin, eps, NQ, NKV, HALF, D, BLOCK_H, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, IS_NEOX, HAS_NORM)
+            _kv_heads(row, kw_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_off, stride_ch,
+                      (hb - nqb) * BLOCK_H, cos, sin, eps, NQ, NKV, HALF, D, BLOCK_H, BLOCK_HALF, BLOCK_TAIL, BLOCK_D,
+                      IS_NEOX, HAS_NORM, KV_FP8, FP8_MAX)
 
 
 def _check_layout(qkv: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor,
@@ -137,7 +145,8 @@ def _check_layout(qkv: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int,
 def rope_store_kv(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                   cos_sin_cache: torch.Tensor, is_neox: bool, q_norm_weight: torch.Tensor | None,
                   k_norm_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> torch.Tensor:
+                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as the reference (kernels/reference/rope_store.py); returns q [T, num_heads, head_dim]."""
     check_rope_store_args(qkv, num_heads, num_kv_heads, head_dim, positions, q_norm_weight, k_norm_weight,
                           k_cache, v_cache, slot_mapping)
@@ -155,13 +164,14 @@ def rope_store_kv(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, nu
     grid = (t, triton.cdiv(num_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
     qw = q_norm_weight if q_norm_weight is not None else qkv  # unused without the norm
     kw = k_norm_weight if k_norm_weight is not None else qkv
+    ks, vs, fp8 = kv_fp8_args(k_cache, v_cache, k_scale, v_scale, "rope_store_kv")
     _rope_store_kernel[grid](
-        positions, qkv, cos_sin_cache, qw, kw, q, k_cache, v_cache, slot_mapping,
+        positions, qkv, cos_sin_cache, qw, kw, q, k_cache, v_cache, slot_mapping, ks, vs,
         qkv.stride(0), cos_sin_cache.stride(0), q.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         NQ=num_heads, NKV=num_kv_heads, HALF=half, D=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h,
         BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(1, head_dim - 2 * half)),
-        BLOCK_D=triton.next_power_of_2(head_dim), IS_NEOX=is_neox, HAS_NORM=has_norm, num_warps=4,
+        BLOCK_D=triton.next_power_of_2(head_dim), IS_NEOX=is_neox, HAS_NORM=has_norm, **fp8, num_warps=4,
         **pdl_kwargs(qkv),
     )
     return q

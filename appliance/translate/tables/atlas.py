@@ -45,7 +45,9 @@ FLAGS = (
     similar("--max-prefill-tokens", "scheduler.chunked_prefill_size",
             "Atlas's per-iteration prefill chunk is the appliance's per-step budget; Atlas's 0 (no chunking) is -1",
             S, values=(("0", -1),)),
-    no("--kv-high-precision-layers", "mixed-precision KV layers are not available", K, neutral=("0",)),
+    # Atlas: the first N and last N attention layers keep a BF16 KV cache; auto = 2, max / all = every layer
+    same("--kv-high-precision-layers", "precision.kv_cache_high_precision_layers", K,
+         values=(("auto", 2), ("max", 1 << 16), ("all", 1 << 16))),
     no("--fp8-kv-calibration-tokens", "fp8 KV scales come from precision.quantization_param_path", K,
        neutral=("0",)),
     similar("--swap-space-gb", "cache.host_cache_size_gb", "Atlas swaps KV blocks to host memory; here that is "

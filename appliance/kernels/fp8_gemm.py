@@ -1,0 +1,70 @@
+"""FP8 x FP8 GEMMs with per-row scales: y = (x_q * s_x) (W_q * s_w)^T, the layout of compressed-tensors and
+ModelOpt FP8 checkpoints (kernels/../layers/fp8_scaled.py).
+
+Activations are quantized to e4m3 per token (dynamic: each row's amax maps to 448) or with one static scale from
+the checkpoint; weights carry one scale per output row (a per-tensor scale is that value repeated). On a GPU with
+fp8 tensor cores (sm_89 and later) the product runs in cuBLASLt through torch._scaled_mm with row-wise scales
+(float32 accumulation, the output in the activation dtype); elsewhere `scaled_mm_reference` computes the same
+quantized product in float32 (the oracle, and the CPU path).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from appliance.kernels.registry import register
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros, not NaN
+
+
+@register("fp8_quant_act", "torch")
+def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): per token when `input_scale` is None, else the static
+    per-tensor scale ([1]); saturating, so an outlier above a static scale's range clips instead of turning NaN."""
+    xf = x.float()
+    if input_scale is None:
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_SCALE * FP8_MAX) / FP8_MAX
+    else:
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
+
+
+def scaled_mm_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """The quantized product in float32: (xq * x_scale) @ (weight * weight_scale[:, None])^T, as out_dtype."""
+    return ((xq.float() * x_scale) @ (weight.float() * weight_scale.float()[:, None]).t()).to(out_dtype)
+
+
+@functools.cache
+def _fp8_tensor_cores(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def cublas_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._scaled_mm's row-wise path: fp8 tensor cores, a bf16 output, both dims multiples of 16."""
+    return (_fp8_tensor_cores(x.device) and x.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 16 == 0)
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  input_scale: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] through an e4m3 weight [N, K] with per-row scales [N]; returns [..., N] in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x.is_cuda:  # one launch (kernels/triton/act_quant.py) instead of five torch ops
+        from appliance.kernels.triton.act_quant import quant_act
+
+        xq, xs = quant_act(x2.contiguous(), input_scale)
+    else:
+        xq, xs = quantize_activation(x2, input_scale)
+    if cublas_ok(x2, weight):
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.float().reshape(1, -1),
+                             out_dtype=x.dtype)
+    else:
+        y = scaled_mm_reference(xq, xs, weight, weight_scale, x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], weight.shape[0])
