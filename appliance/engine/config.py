@@ -1,11 +1,14 @@
 """The engine's own settings: a small frozen record, built from the appliance config or by hand in tests."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 POLICIES = ("fcfs", "lpm")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class EngineConfig:
     # speculative decoding (MTP): drafts the workers propose after every sample, verified in the next step; 0 = off
     num_speculative_tokens: int = 0
     schedule_conservativeness: float = 0.0
+    # hybrid models: request slots of the workers' state cache (executor/state_cache.py), one per running request;
+    # 0 = the model keeps no recurrent state
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
@@ -77,15 +83,25 @@ class EngineConfig:
 
     @classmethod
     def from_appliance(
-        cls, config: Any, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int
+        cls, config: Any, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
+        num_state_slots: int = 0,
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
 
         num_blocks comes from the executor's memory profiling, eos_token_ids and max_model_len from the
-        model (max_model_len already resolved against model.max_model_len by the caller).
+        model (max_model_len already resolved against model.max_model_len by the caller), num_state_slots from
+        the workers' state cache (hybrid models). A hybrid model's prefix cannot be reused from KV blocks alone
+        (its linear-attention layers need the recurrent state at the end of the prefix, and no state snapshots
+        are kept), so prefix caching is turned off for it, with a warning: the prefix is recomputed.
         """
         sched = config.scheduler
         cache = config.cache
+        prefix_caching = cache.enable_prefix_caching
+        if num_state_slots and prefix_caching:
+            log.warning("prefix caching is off for this hybrid linear-attention model: reusing a prefix needs the "
+                        "recurrent state at its end, and this build keeps no state snapshots (the prefix is "
+                        "recomputed)")
+            prefix_caching = False
         return cls(
             num_blocks=num_blocks,
             block_size=cache.block_size,
@@ -93,13 +109,14 @@ class EngineConfig:
             chunked_prefill_size=sched.chunked_prefill_size,
             max_prefill_tokens=sched.max_prefill_tokens,
             max_model_len=max_model_len,
-            enable_prefix_caching=cache.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
             eos_token_ids=frozenset(eos_token_ids),
             max_queued_requests=sched.max_queued_requests,
             policy=sched.policy,
             num_speculative_tokens=num_speculative_tokens(config),
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
+            num_state_slots=num_state_slots,
         )
 
 

@@ -26,6 +26,10 @@ class InProcessExecutor(Executor):
         return self.runner.num_blocks
 
     @property
+    def num_state_slots(self) -> int:
+        return self.runner.num_state_slots
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return self.runner.eos_token_ids
 

@@ -30,6 +30,7 @@ from appliance.executor import (
     logits_processors,
     memory_profile,
     speculative,
+    state_cache,
     warmup,
 )
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
@@ -103,6 +104,9 @@ class ModelRunner:
         # may run at once (prefilling ones included; speculative decoding adds rows to no request)
         self.block_table = DeviceBlockTable(config.scheduler.max_num_seqs, self.max_blocks, self.device,
                                             "torch" if self.backend == "torch" else None)
+        # hybrid models: per-request recurrent states beside the KV cache, one slot per table row (state_cache.py);
+        # allocated before the profile, so gpu_memory_utilization covers both
+        self.state_cache = self._make_state_cache(config.scheduler.max_num_seqs)
         self.num_blocks = self._count_blocks()
         self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
@@ -134,7 +138,8 @@ class ModelRunner:
     def host_inputs(self, chunks: list[Chunk]) -> StepInputs:
         """One step's inputs with positions and tables built on the host (no device table rows): the warm-up's
         and the MTP drafter's own steps."""
-        return build_inputs(chunks, self.block_size, self.device, 1, self._stager, self._pad_prefills)
+        return build_inputs(chunks, self.block_size, self.device, 1, self._stager, self._pad_prefills,
+                            with_states=self.state_cache is not None)
 
     @contextlib.contextmanager
     def noise_seeds_kept(self) -> Iterator[None]:
@@ -145,6 +150,26 @@ class ModelRunner:
             yield
         finally:
             self._noise_seeds.setstate(state)
+
+    @property
+    def num_state_slots(self) -> int:
+        """Request slots of the state cache (0: the model keeps no recurrent state)."""
+        return self.state_cache.num_slots if self.state_cache is not None else 0
+
+    @property
+    def state_cache_bytes(self) -> int:
+        return self.state_cache.nbytes if self.state_cache is not None else 0
+
+    def _make_state_cache(self, num_slots: int) -> state_cache.StateCache | None:
+        layers = getattr(self.model, "state_layers", lambda: [])()
+        if not layers:
+            return None
+        cache = state_cache.allocate(self.model.state_cache_spec(self.dtype), num_slots, self.device)
+        weakref.finalize(self, state_cache.release, cache)
+        for layer, (conv, ssm) in zip(layers, cache.tensors):
+            layer.bind_state_cache(conv, ssm)
+        log.info("%s", cache.describe())
+        return cache
 
     def _make_pieces(self) -> PiecewiseGraphs | None:
         limit = piecewise_max_tokens(self.config, self.model, self.graphs is not None, get_tp_size(),
@@ -290,7 +315,7 @@ class ModelRunner:
         # decode tables padded like the graphs' (the split-K factor follows the width): same numerics either way
         width = width_bucket(table_width(decodes), self.max_blocks) if decodes else 1
         inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager, self._pad_prefills,
-                              self.block_table)
+                              self.block_table, with_states=self.state_cache is not None)
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         hidden = None
         if self.pieces is not None and self.use_graphs:
