@@ -41,6 +41,7 @@ class EngineConfig:
     # hybrid models: request slots of the workers' state cache (executor/state_cache.py), one per running request;
     # 0 = the model keeps no recurrent state
     num_state_slots: int = 0
+    state_cache_bytes: int = 0  # what the workers' state cache holds (each rank), for the metrics
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
@@ -84,7 +85,7 @@ class EngineConfig:
     @classmethod
     def from_appliance(
         cls, config: Any, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
-        num_state_slots: int = 0,
+        num_state_slots: int = 0, state_cache_bytes: int = 0,
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
 
@@ -117,6 +118,7 @@ class EngineConfig:
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
             num_state_slots=num_state_slots,
+            state_cache_bytes=state_cache_bytes,
         )
 
 
