@@ -75,3 +75,25 @@ def test_abort_frees_state_slot_and_reused_slot_starts_fresh(hybrid_model, refer
     # workers drop finished requests when the next plan names them: live + free slots are all the slots
     assert runner.block_table.num_free + len(runner.requests) == 2
     assert engine.check_accounting().ok
+
+
+def test_prefix_hit_restores_a_state_snapshot(hybrid_model, hf_greedy):
+    """Checkpoints every 8 tokens: the second turn's prompt shares 43 tokens with the first, so the KV hit of 40
+    tokens (10 blocks) comes with the snapshot taken at 40, and the output equals transformers' cold run. With
+    one snapshot slot, a prompt sharing 20 tokens finds no snapshot at 16 (overwritten) and is recomputed."""
+    first = LONG[0]
+    second = first[:43] + [200, 201, 202, 203, 204]
+    third = first[:20] + [300, 301, 302]
+    refs = hf_greedy(hybrid_model, [first, second, third], NEW)
+    for slots in (64, 1):
+        llm = LLM(model=str(hybrid_model), dtype="float32", block_size=4, chunked_prefill_size=16,
+                  enable_prefix_caching=True, ssm_checkpoint_interval=8, ssm_cache_slots=slots)
+        snaps = llm.engine.scheduler.snapshots
+        outs = [llm.generate([{"prompt_token_ids": p}], greedy_params())[0] for p in (first, second, third)]
+        assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]
+        assert [o.num_cached_tokens for o in outs] == [0, 40, 0 if slots == 1 else 16]
+        assert snaps.num_restored == (1 if slots == 1 else 2)
+        # one snapshot per chunk, at its last checkpoint: 16, 32, 40 (a 16-token chunk cut at 40) of the first
+        # prompt, 48 of the second; the third adds none
+        assert len(snaps) == (1 if slots == 1 else 4)
+        assert llm.engine.check_accounting().ok

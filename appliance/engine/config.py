@@ -42,6 +42,9 @@ class EngineConfig:
     # 0 = the model keeps no recurrent state
     num_state_slots: int = 0
     state_cache_bytes: int = 0  # what the workers' state cache holds (each rank), for the metrics
+    # prefix caching of hybrid models: state snapshots every ssm_checkpoint_interval tokens, in this many slots
+    ssm_checkpoint_interval: int = 0
+    ssm_snapshot_slots: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
@@ -98,10 +101,12 @@ class EngineConfig:
         sched = config.scheduler
         cache = config.cache
         prefix_caching = cache.enable_prefix_caching
-        if num_state_slots and prefix_caching:
+        # read only for hybrid models (stand-ins of the config in tests may lack the keys)
+        interval = int(cache.ssm_checkpoint_interval or 0) if num_state_slots else 0
+        if num_state_slots and prefix_caching and not interval:
             log.warning("prefix caching is off for this hybrid linear-attention model: reusing a prefix needs the "
-                        "recurrent state at its end, and this build keeps no state snapshots (the prefix is "
-                        "recomputed)")
+                        "recurrent state at its end, and cache.ssm_checkpoint_interval is unset (no state "
+                        "snapshots; the prefix is recomputed)")
             prefix_caching = False
         return cls(
             num_blocks=num_blocks,
@@ -119,7 +124,15 @@ class EngineConfig:
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
             num_state_slots=num_state_slots,
             state_cache_bytes=state_cache_bytes,
+            ssm_checkpoint_interval=interval,
+            ssm_snapshot_slots=snapshot_slots(config) if interval else 0,
         )
+
+
+def snapshot_slots(config: Any) -> int:
+    """State-snapshot slots of a hybrid model with prefix caching: cache.ssm_cache_slots, or one per
+    max_num_seqs; the workers allocate them beside the request slots (executor/state_cache.py)."""
+    return int(config.cache.ssm_cache_slots or config.scheduler.max_num_seqs)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from appliance.engine.config import StepTokens
+from appliance.engine.config import StepTokens, snapshot_slots
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import (
@@ -151,6 +151,11 @@ class ModelRunner:
         finally:
             self._noise_seeds.setstate(state)
 
+    def _states(self) -> state_cache.StateCache:
+        if self.state_cache is None:
+            raise ValueError("the plan restores or saves a state snapshot, but the model keeps no recurrent state")
+        return self.state_cache
+
     @property
     def num_state_slots(self) -> int:
         """Request slots of the state cache (0: the model keeps no recurrent state)."""
@@ -162,9 +167,15 @@ class ModelRunner:
 
     def _make_state_cache(self, num_slots: int) -> state_cache.StateCache | None:
         layers = getattr(self.model, "state_layers", lambda: [])()
+        c = self.config.cache
         if not layers:
+            for key in ("ssm_cache_slots", "ssm_checkpoint_interval"):
+                if getattr(c, key) is not None:
+                    raise ValueError(f"cache.{key} applies to hybrid linear-attention models; "
+                                     f"{type(self.model).__name__} keeps no recurrent state")
             return None
-        cache = state_cache.allocate(self.model.state_cache_spec(self.dtype), num_slots, self.device)
+        snapshots = snapshot_slots(self.config) if c.enable_prefix_caching and c.ssm_checkpoint_interval else 0
+        cache = state_cache.allocate(self.model.state_cache_spec(self.dtype), num_slots, self.device, snapshots)
         weakref.finalize(self, state_cache.release, cache)
         for layer, (conv, ssm) in zip(layers, cache.tensors):
             layer.bind_state_cache(conv, ssm)
@@ -232,6 +243,9 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = self._new_state(new)
+            if new.restore_snapshot >= 0:  # a prefix hit of a hybrid model: its state at the hit's end
+                sc = self._states()
+                sc.copy(sc.snapshot_row(new.restore_snapshot), self.requests[new.request_id].table_row)
         chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
             return StepHandle(plan.step_id, StepResult(plan.step_id))
@@ -251,6 +265,10 @@ class ModelRunner:
                 handle = StepHandle(plan.step_id, StepResult(plan.step_id, sampled, prompt_lps))
         for c in ordered:
             c.state.num_computed += c.num_tokens
+        for s in plan.scheduled:
+            if s.save_snapshot >= 0:  # a chunk that ended at a checkpoint (engine/state_snapshots.py)
+                sc = self._states()
+                sc.copy(self.requests[s.request_id].table_row, sc.snapshot_row(s.save_snapshot))
         if not handle.done:
             self._inflight.append(handle)
         return handle

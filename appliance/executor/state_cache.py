@@ -26,24 +26,37 @@ class StateCache:
 
     spec: StateCacheSpec
     num_slots: int  # request slots, the scratch slot 0 not counted
+    num_snapshots: int  # snapshot slots, rows after the request slots (engine/state_snapshots.py)
     tensors: list[tuple[torch.Tensor, torch.Tensor]]
 
     @property
     def nbytes(self) -> int:
-        return (self.num_slots + 1) * self.spec.bytes_per_slot
+        return (self.num_slots + 1 + self.num_snapshots) * self.spec.bytes_per_slot
+
+    def snapshot_row(self, slot: int) -> int:
+        if not 0 <= slot < self.num_snapshots:
+            raise ValueError(f"state snapshot slot {slot} outside 0..{self.num_snapshots - 1}")
+        return self.num_slots + 1 + slot
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy every layer's states from row src to row dst (a snapshot saved or restored)."""
+        for conv, ssm in self.tensors:
+            conv[dst].copy_(conv[src])
+            ssm[dst].copy_(ssm[src])
 
     def describe(self) -> str:
-        return (f"state cache: {self.spec.num_layers} linear-attention layers x {self.num_slots} slots, "
+        return (f"state cache: {self.spec.num_layers} linear-attention layers x {self.num_slots} slots "
+                f"+ {self.num_snapshots} snapshot slots, "
                 f"{self.spec.bytes_per_slot / 2**20:.2f} MiB per slot, {self.nbytes / GIB:.3f} GiB")
 
 
-def allocate(spec: StateCacheSpec, num_slots: int, device: torch.device) -> StateCache:
-    rows = num_slots + 1
+def allocate(spec: StateCacheSpec, num_slots: int, device: torch.device, num_snapshots: int = 0) -> StateCache:
+    rows = num_slots + 1 + num_snapshots
     tensors = [(torch.zeros(rows, spec.conv_dim, spec.conv_width, dtype=spec.conv_dtype, device=device),
                 torch.zeros(rows, spec.num_heads, spec.key_dim, spec.value_dim, dtype=spec.state_dtype,
                             device=device))
                for _ in range(spec.num_layers)]
-    return StateCache(spec, num_slots, tensors)
+    return StateCache(spec, num_slots, num_snapshots, tensors)
 
 
 def release(cache: StateCache) -> None:
