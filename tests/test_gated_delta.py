@@ -96,3 +96,32 @@ def test_causal_conv_carries_state():
             for i in range(9, 13)]
     torch.testing.assert_close(torch.cat([first, second, *rest]), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states[1], x[10:13].t())
+
+
+@pytest.mark.gpu
+def test_fla_kernels_match_the_reference_on_gpu():
+    """flash-linear-attention's kernels (kernels/triton/gated_delta.py) against the torch reference: varlen
+    prefill with fresh and carried states, then a decode step, bfloat16 inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from appliance.kernels.triton import gated_delta as fla_gd
+
+    if fla_gd.chunk_gated_delta_rule is None:
+        pytest.skip("fla-core is not installed (pip install appliance[hybrid])")
+    dev = torch.device("cuda")
+    seqs = [_inputs(n, hk=2, hv=4, dk=64, dv=64, seed=s) for s, n in ((7, 37), (8, 100))]
+    cat = [torch.cat([x[j] for x in seqs]).to(dev) for j in range(5)]
+    cat[:3] = [t.bfloat16() for t in cat[:3]]
+    init = torch.randn(3, 4, 64, 64, device=dev) * 0.1
+    ref_states, fla_states = init.clone(), init.clone()
+    args = (*cat, [0, 37, 137])
+    ref = gd.gated_delta_prefill(*args, ref_states, [2, 1], [True, False])
+    got = fla_gd.gated_delta_prefill(*args, fla_states, [2, 1], [True, False])
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fla_states, ref_states, atol=2e-2, rtol=2e-2)
+    rows = [t[:2] for t in cat]
+    slots, fresh = torch.tensor([1, 2], device=dev), torch.tensor([False, False], device=dev)
+    ref = gd.gated_delta_decode(*rows, ref_states, slots, fresh)
+    got = fla_gd.gated_delta_decode(*rows, fla_states, slots, fresh)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fla_states, ref_states, atol=2e-2, rtol=2e-2)

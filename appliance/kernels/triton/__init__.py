@@ -10,6 +10,7 @@ from appliance.kernels.triton import (  # noqa: F401
     cache,
     decode,
     gemv,
+    gated_delta,
     gemv_chain,
     norm,
     positions,
