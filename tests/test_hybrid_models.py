@@ -1,6 +1,6 @@
-"""Qwen3-Next (Gated DeltaNet + gated full attention + MoE with a shared expert): greedy tokens and logprobs equal
-transformers' under batching, chunked prefill (prompts longer than one chunk carry the recurrent state across
-chunks) and preemption by recompute; the state cache's slots follow the requests (aborts, preemption) and are
+"""Qwen3-Next (Gated DeltaNet + gated full attention + MoE with a shared expert) and Qwen3.5 (dense, MoE): greedy
+tokens and logprobs equal transformers' under batching, chunked prefill (prompts longer than one chunk carry the
+recurrent state across chunks) and preemption by recompute; the state cache's slots follow the requests (aborts, preemption) and are
 counted in the memory plan. CPU, float32, a tiny random-weight model with both layer kinds."""
 from __future__ import annotations
 
@@ -96,4 +96,15 @@ def test_prefix_hit_restores_a_state_snapshot(hybrid_model, hf_greedy):
         # one snapshot per chunk, at its last checkpoint: 16, 32, 40 (a 16-token chunk cut at 40) of the first
         # prompt, 48 of the second; the third adds none
         assert len(snaps) == (1 if slots == 1 else 4)
+        assert llm.engine.check_accounting().ok
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_text_models_match_transformers(arch, make_tiny_model, hf_greedy):
+    """Qwen3.5 dense and MoE (separate linear-attention projections): batching, 16-token chunks, preemption."""
+    path = make_tiny_model(arch)
+    refs = hf_greedy(path, PROMPTS, NEW)
+    for name, _, llm in each_setup_matching(path, refs):
+        if name.startswith("preempt"):
+            assert llm.engine.stats().num_preemptions > 0
         assert llm.engine.check_accounting().ok

@@ -1,6 +1,7 @@
 """Gated DeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5, over the state cache.
 
-x -> in_proj_qkvz, in_proj_ba (Qwen3-Next: grouped per key head) -> q, k, v through a depthwise causal
+x -> in_proj_qkvz, in_proj_ba (Qwen3-Next: grouped per key head) or in_proj_qkv, _z, _b, _a (Qwen3.5: one
+projection each, heads in order) -> q, k, v through a depthwise causal
 convolution + SiLU -> the gated delta rule (decay g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)) ->
 an RMSNorm of each value head gated by SiLU(z) -> out_proj. Decode rows (one token) take the recurrent update,
 prefill chunks the chunked form; both read and write the request's state slot (layers/attention.py
@@ -67,7 +68,7 @@ class ConvWeight(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: Any, backend: str) -> None:
+    def __init__(self, cfg: Any, backend: str, split_projections: bool = False) -> None:
         super().__init__()
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -75,8 +76,15 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = cfg.linear_conv_kernel_dim
         hidden = cfg.hidden_size
-        self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
-        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads)
+        self.split_projections = split_projections
+        if split_projections:
+            self.in_proj_qkv = ColumnParallelLinear(hidden, self.conv_dim)
+            self.in_proj_z = ColumnParallelLinear(hidden, self.value_dim)
+            self.in_proj_b = ColumnParallelLinear(hidden, self.num_v_heads)
+            self.in_proj_a = ColumnParallelLinear(hidden, self.num_v_heads)
+        else:
+            self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
+            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads)
         self.conv1d = ConvWeight(self.conv_dim, self.conv_kernel_size)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
@@ -92,8 +100,13 @@ class GatedDeltaNet(nn.Module):
     def bind_state_cache(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> None:
         self.conv_state, self.ssm_state = conv_state, ssm_state
 
-    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Undo the per-key-head grouping: mixed qkv [T, conv_dim], z [T, Hv, Dv], b and a [T, Hv]."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Mixed qkv [T, conv_dim] (q, k, v heads in order), z [T, Hv, Dv], b and a [T, Hv]."""
+        if self.split_projections:
+            z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        # undo Qwen3-Next's grouping of every projection per key head
         t, hk, group = qkvz.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
         qkvz = qkvz.view(t, hk, -1)
         q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, group * self.head_v_dim,
@@ -109,7 +122,7 @@ class GatedDeltaNet(nn.Module):
         if states is None:
             raise RuntimeError("a hybrid model's step needs state slots (build_inputs(..., with_states=True))")
         t, nd = x.shape[0], meta.num_decode_tokens
-        mixed, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        mixed, z, b, a = self._project(x)
         weight = self.conv1d.weight[:, 0, :]
         fresh_d = positions[:nd] == 0
         conv_out = torch.empty_like(mixed)

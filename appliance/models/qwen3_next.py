@@ -1,4 +1,4 @@
-"""Qwen3-Next: a hybrid of Gated DeltaNet linear-attention layers (layers/gated_delta_net.py) and gated full
+"""Qwen3-Next and the Qwen3.5 text models (dense and MoE): a hybrid of Gated DeltaNet linear-attention layers (layers/gated_delta_net.py) and gated full
 attention layers (`config.layer_types`), with a routed MoE plus a sigmoid-gated shared expert (or a dense MLP in
 mlp_only_layers).
 
@@ -6,7 +6,9 @@ Differences from the Qwen MoE decoder: every RMSNorm outside the linear-attentio
 (zero-centred weights); full attention projects q and an output gate together (q_proj is [H, 2D] per head: q,
 then the gate), multiplies the attention output by sigmoid(gate), normalises q and k per head and rotates only
 the first partial_rotary_factor of each head. Linear-attention layers keep their state in the runner's state
-cache (executor/state_cache.py) instead of KV blocks.
+cache (executor/state_cache.py) instead of KV blocks. Qwen3.5 differs only in its linear-attention input
+projections (one per output instead of Qwen3-Next's two grouped ones); its text rotary (mrope) equals plain
+partial rotary for text, where the three position grids coincide.
 """
 from __future__ import annotations
 
@@ -79,11 +81,11 @@ class GatedAttention(nn.Module):
 class HybridDecoderLayer(nn.Module):
     """Pre-norm residual layer around a token mixer (`linear_attn` or `self_attn`) and a feed-forward."""
 
-    def __init__(self, cfg: Any, kind: str, mlp: nn.Module, backend: str) -> None:
+    def __init__(self, cfg: Any, kind: str, mlp: nn.Module, backend: str, split_projections: bool) -> None:
         super().__init__()
         self.kind = kind
         if kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg, backend)
+            self.linear_attn = GatedDeltaNet(cfg, backend, split_projections)
         else:
             self.self_attn = GatedAttention(cfg, backend)
         self.mlp = mlp
@@ -111,6 +113,7 @@ class HybridModel(LlamaModel):
 
 
 class Qwen3NextForCausalLM(MoECausalLM):
+    split_projections = False  # Qwen3.5: separate in_proj_qkv / _z / _b / _a
     supports_cuda_graphs = False  # decode runs eagerly: the state update is not captured yet
     piecewise_graphs = False
 
@@ -138,14 +141,15 @@ class Qwen3NextForCausalLM(MoECausalLM):
         if not is_sparse_layer(cfg, index):
             mlp: nn.Module = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, backend=backend)
         else:
+            norm_topk = getattr(cfg, "norm_topk_prob", None)  # Qwen3.5-MoE's config has none: it renormalizes
             router = RouterConfig(num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
-                                  renormalize=bool(getattr(cfg, "norm_topk_prob", True)))
+                                  renormalize=norm_topk is None or bool(norm_topk))
             shared_size = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
             shared = GatedMLP(cfg.hidden_size, shared_size, act, backend=backend) if shared_size else None
             mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, router, shared=shared,
                                  shared_name="shared_expert", shared_gate=shared is not None, backend=backend,
                                  moe_backend=self.moe_backend)
-        return HybridDecoderLayer(cfg, cfg.layer_types[index], mlp, backend)
+        return HybridDecoderLayer(cfg, cfg.layer_types[index], mlp, backend, self.split_projections)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers if layer.kind == FULL]
@@ -159,4 +163,13 @@ class Qwen3NextForCausalLM(MoECausalLM):
                               layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, conv_dtype)
 
 
-MODELS: dict[str, type[nn.Module]] = {"Qwen3NextForCausalLM": Qwen3NextForCausalLM}
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 text models: dense (Qwen3_5ForCausalLM) and MoE (Qwen3_5MoeForCausalLM; the layers follow the
+    config: experts where num_experts > 0)."""
+
+    split_projections = True
+
+
+MODELS: dict[str, type[nn.Module]] = {"Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+                                      "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+                                      "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM}
