@@ -35,6 +35,11 @@
 #   e.g. SERVE_MODEL=DIR SERVE_ARGS="--dtype float32" SERVE_LEVELS="1:2 2:4" SERVE_LENS=16:4 bash benchmarks/gpu_suite.sh serve
 set -uo pipefail
 cd "$(dirname "$0")/.."
+for p in "$@"; do  # every part named is checked before anything is installed or run
+  case "$p" in b1|qwen|tput8b|serve|peer-small|peer-8b|peer-serve|summary|all) ;;
+    *) echo "gpu_suite: unknown part $p (b1 qwen tput8b serve peer-small peer-8b peer-serve summary all)" >&2; exit 2 ;;
+  esac
+done
 py="${PYTHON:-python3}"
 out="${OUT:-${BENCH_OUT:-$(mktemp -d)}}"
 mkdir -p "$out"
@@ -110,8 +115,6 @@ part() {
       [[ -n "${SERVE_MODEL:-}" ]] || "$py" -m appliance.bench.presets "$models" --tokenizer --only llama-3.1-8b >/dev/null
       serve_levels peer_serve bash .peer/run_vllm.sh serve "$serve_model" 8100 --served-model-name bench ;;
     summary) ;;
-    *) echo "gpu_suite: unknown part $1 (b1 qwen tput8b serve peer-small peer-8b peer-serve summary all)" >&2
-       return 2 ;;
   esac
 }
 

@@ -23,7 +23,7 @@ from appliance.executor.logits_processors import (
 )
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import Sampler
-from appliance.structured import StructuredSpec
+from appliance.structured import GrammarMatcher, StructuredSpec
 
 pytest.importorskip("xgrammar")
 
@@ -80,7 +80,7 @@ def test_grammar_processor_forces_valid_output(registry_factory: Any, tokenizer:
     compiler = registry_factory({}).compiler
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
-        proc = GrammarProcessor(compiler.matcher(spec), EOS)
+        proc = GrammarProcessor(GrammarMatcher(compiler.compile(spec)), EOS)
         tokens: list[int] = []
         for _ in range(80):
             row = torch.randn(VOCAB, generator=g) * 3
@@ -186,9 +186,9 @@ def test_constrained_rows_skip_the_gpu_fast_path(registry_factory: Any) -> None:
             "t": state("t", {"thinking_budget": thinking}, temperature=1.0)}
     runner = type("Runner", (), {})()
     runner.batch_sampler = BatchSampler(Sampler([EOS], seed=0), torch.device("cpu"), fake_gpu_op)
-    runner._logits_processors = registry_factory(live)
+    runner.logits_processors = registry_factory(live)
     results = sample(runner, torch.randn(3, VOCAB), [live["c"], live["f"], live["t"]])
     assert calls == [2]  # the free row and the unconstrained step of the thinking row took the fast path
     assert results[1].token_id == 3 and results[2].token_id == 3
-    allowed = runner._logits_processors._entries["c"].processors[0].matcher.allowed_token_ids()
+    allowed = runner.logits_processors._entries["c"].processors[0].matcher.allowed_token_ids()
     assert results[0].token_id in allowed

@@ -42,4 +42,4 @@ def test_gpu_suite_is_valid_bash_and_rejects_an_unknown_part(tmp_path: Path) -> 
     r = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True, timeout=120,
                        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PYTHON": "python3",
                             "HOME": str(tmp_path)}, cwd=ROOT)
-    assert r.returncode == 1 and "unknown part nope" in r.stderr
+    assert r.returncode == 2 and "unknown part nope" in r.stderr and "installing" not in r.stderr

@@ -141,7 +141,7 @@ def test_bad_arguments_raise_clear_errors() -> None:
 
 def test_kernels_compile_for_hopper() -> None:
     """Triton compiles every chain kernel for sm_90 without a GPU, with programmatic dependent launch, each
-    LAUNCH_NEXT and the lab's timeline probe (inline PTX): the interpreter accepts things the compiler does not
+    LAUNCH_NEXT: the interpreter accepts things the compiler does not
     (globals that are not constexpr, a name bound to two types in the branches of an if)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -151,8 +151,7 @@ def test_kernels_compile_for_hopper() -> None:
 
     if not isinstance(G._residual_kernel, triton.runtime.JITFunction):
         pytest.skip("this process imported the kernels under TRITON_INTERPRET")
-    types = {"part_ptr": "*fp32", "cs_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "probe_ptr": "*i64",
-             "eps": "fp32"}
+    types = {"part_ptr": "*fp32", "cs_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "eps": "fp32"}
     tiles = {"BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_P": 64, "UPCAST": False, "GDC": True}
     builds = [(G._norm_prep_kernel, {"BLOCK_N": 1024, "GDC": True}),
               (G._residual_kernel, {**tiles, "PREP": True}),
@@ -160,9 +159,8 @@ def test_kernels_compile_for_hopper() -> None:
               (G._rope_store_kernel, {"NQ": 32, "NKV": 8, "D": 128, "BLOCK_SIZE": 16, "BLOCK_K": 128, "BLOCK_P": 64,
                                       "HAS_BIAS": True, "UPCAST": False, "GDC": True})]
     for fn, consts in builds:
-        variants = [(nxt, False) for nxt in (0, 1, 2)] + [(2, True)] if "NEXT" in fn.arg_names else [(None, None)]
-        for nxt, probe in variants:
-            const = {k: v for k, v in {**consts, "NEXT": nxt, "PROBE": probe}.items() if k in fn.arg_names}
+        for nxt in (0, 1, 2) if "NEXT" in fn.arg_names else (None,):
+            const = {k: v for k, v in {**consts, "NEXT": nxt}.items() if k in fn.arg_names}
             sig = {a: "constexpr" if a in const else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
                    for a in fn.arg_names}
             kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),

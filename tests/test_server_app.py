@@ -251,7 +251,15 @@ async def test_starting_gate_answers_503_until_opened(tokenizer: Any) -> None:
     gate = StartingGate()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://127.0.0.1") as c:
         r = await c.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "starting", "message": "the server is starting"}
+        r = await c.get("/v1/models")
         assert r.status_code == 503 and r.json()["error"]["message"] == "the server is starting"
+        gate.progress = lambda: {"status": "starting", "message": "worker0: loading weights (3.0 s)"}
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.json()["message"] == "worker0: loading weights (3.0 s)"
+        assert r.headers["retry-after"] == "1"
+        r = await c.post("/v1/completions", json={})
+        assert r.json()["error"]["message"] == "the server is starting: worker0: loading weights (3.0 s)"
         ctx = make_context(make_config(), tokenizer, FakeEngine([5]), max_model_len=64, vocab_size=384)
         gate.open(build_app(ctx))
         assert (await c.get("/health")).status_code == 200

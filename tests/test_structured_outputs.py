@@ -90,11 +90,11 @@ def test_bad_requests_are_clear_errors(body: dict, match: str) -> None:
         spec_from_request(body)
 
 
-def test_missing_xgrammar_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_xgrammar_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     from appliance.structured import GrammarCompiler
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # makes `import xgrammar` raise ImportError
-    with pytest.raises(StructuredOutputUnavailable, match=r"appliance\[xgrammar\]"):
+    with pytest.raises(StructuredOutputUnavailable, match=r"pip install xgrammar"):
         GrammarCompiler.from_tokenizer(object())
     assert isinstance(StructuredOutputUnavailable(), StructuredOutputError)
 

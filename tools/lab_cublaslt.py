@@ -147,7 +147,7 @@ def emit(torch: Any, results: list[dict[str, Any]], min_gain: float) -> None:
             table.setdefault(tuned.shape_key(*SHAPES[r["shape"]]), {})[str(r["rows"])] = {
                 **fields, "speedup": r["speedup"]}
     arch = tuned.arch_name(torch.cuda.get_device_capability())
-    print(tuned.write("cublaslt_algos", arch, f"python tools/lab_cublaslt.py --emit --min-gain {min_gain}",
+    print(tuned.write("cublaslt_algos", arch, f"python -m tools.lab_cublaslt --emit --min-gain {min_gain}",
                       measured_on(torch), table))
 
 
@@ -186,7 +186,7 @@ def emit_pads(torch: Any, results: list[dict[str, Any]], min_gain: float, reach:
         if kept:
             table[tuned.shape_key(*SHAPES[r["shape"]])] = kept
     arch = tuned.arch_name(torch.cuda.get_device_capability())
-    command = f"python tools/lab_cublaslt.py --pad {reach} --emit --min-gain {min_gain}"
+    command = f"python -m tools.lab_cublaslt --pad {reach} --emit --min-gain {min_gain}"
     print(tuned.write("cublaslt_padded", arch, command, measured_on(torch), table))
 
 

@@ -264,6 +264,11 @@ class CacheSection(Section):
         None, "Tokens between snapshots of hybrid models' recurrent states taken during prefill for prefix reuse, "
         "a multiple of block_size (Atlas's --ssm-checkpoint-interval). Unset: no snapshots, and prefix caching "
         "is off for hybrid models.", flags=("--ssm-checkpoint-interval",), ge=1)
+    compile_cache_dir: str = param(
+        "~/.cache/appliance", "Directory of the persistent compile cache: Triton's compiled kernels (its "
+        "`triton/` subdirectory, TRITON_CACHE_DIR of every process) and torch inductor's (`inductor/`), reused "
+        "by every later start on this machine. Put it on a persistent volume to keep replicas' starts warm.",
+        flags=None, min_length=1)
 
     @field_validator("block_size")
     @classmethod

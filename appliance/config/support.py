@@ -117,10 +117,11 @@ UNSUPPORTED: list[Unsupported] = [
                 "all-reduce fusion is not supported in this build"),
     Unsupported("backends.comm_fusion_max_num_tokens", lambda c: c.backends.comm_fusion_max_num_tokens is not None,
                 "communication fusion is not supported in this build"),
+    # MLA itself runs (layers/mla.py): absorbed decode, and a prefill that expands the whole context's latents
     Unsupported("backends.mla_chunk_multiplier", lambda c: c.backends.mla_chunk_multiplier is not None,
-                "MLA attention is not supported in this build"),
+                "MLA prefill expands the whole context at once in this build; it has no chunks to size"),
     Unsupported("backends.enable_mla_l1_5_cache", lambda c: c.backends.enable_mla_l1_5_cache,
-                "MLA attention is not supported in this build"),
+                "TokenSpeed's MLA L1.5 cache is not implemented in this build"),
     Unsupported("scheduler.policy", lambda c: c.scheduler.policy == "slo",
                 "the slo scheduling policy is not implemented in this build (fcfs and lpm are)"),
     Unsupported("api.enable_custom_logit_processor", lambda c: c.api.enable_custom_logit_processor,

@@ -4,7 +4,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 POLICIES = ("fcfs", "lpm")
 
@@ -87,7 +90,7 @@ class EngineConfig:
 
     @classmethod
     def from_appliance(
-        cls, config: Any, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
+        cls, config: ApplianceConfig, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
         num_state_slots: int = 0, state_cache_bytes: int = 0,
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
@@ -157,7 +160,7 @@ class StepTokens:
         return cls(max_prefill_tokens, max(max_prefill_tokens, max_model_len), False)
 
 
-def num_speculative_tokens(config: Any) -> int:
+def num_speculative_tokens(config: ApplianceConfig) -> int:
     """Drafts per verification: MTP's chain of num_steps tokens (eagle_topk 1), 0 without speculative decoding."""
     spec = getattr(config, "speculative", None)
     if spec is None or spec.algorithm is None:

@@ -12,7 +12,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.engine.delta import RequestDelta
 from appliance.engine.sampling_params import SamplingParams
@@ -25,6 +25,9 @@ from appliance.entrypoints.outputs import (
 )
 from appliance.runtime.gc_heap import frozen_heap
 from appliance.tokenization.detokenizer import Detokenizer
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 
@@ -48,7 +51,7 @@ class _Sequence:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, config: Any | None = None, **overrides: Any) -> None:
+    def __init__(self, model: str | None = None, *, config: ApplianceConfig | None = None, **overrides: Any) -> None:
         from appliance.config import build_config, check_supported
 
         if config is not None and (model is not None or overrides):
@@ -72,6 +75,9 @@ class LLM:
         from appliance.engine.core import EngineCore
         from appliance.executor.in_process import InProcessExecutor
 
+        from appliance.executor.compile_cache import use_compile_cache
+
+        use_compile_cache(self.config.cache.compile_cache_dir)  # before the first kernel compiles
         p = self.config.parallelism
         if p.tp * p.dp > 1:  # one worker process per rank, driven from here (runtime/worker_group.py)
             from appliance.runtime.worker_group import WorkerGroupExecutor

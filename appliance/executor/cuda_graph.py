@@ -219,13 +219,18 @@ class DecodeGraphs:
         self.graphs[key] = graph.replay
         log.debug("captured decode graph batch=%d width=%d", key.batch, key.width)
 
-    def capture_all(self, max_context: int) -> int:
-        """Capture every size for every width bucket up to max_context tokens, largest first (pool reuse)."""
+    def keys_up_to(self, max_context: int) -> list[GraphKey]:
+        """Every size for every width bucket up to max_context tokens, largest first (pool reuse)."""
         widths = sorted({width_bucket(min(b, self.max_blocks), self.max_blocks)
                          for b in _powers(MIN_WIDTH_BLOCKS, -(-max_context // self.block_size))}, reverse=True)
-        for w in widths:
-            for b in reversed(self.sizes):
-                self.capture(GraphKey(b, w))
+        return [GraphKey(b, w) for w in widths for b in reversed(self.sizes)]
+
+    def capture_all(self, max_context: int, on_captured: Callable[[], None] | None = None) -> int:
+        """Capture keys_up_to(max_context), calling on_captured after each; returns how many graphs exist."""
+        for key in self.keys_up_to(max_context):
+            self.capture(key)
+            if on_captured is not None:
+                on_captured()
         return len(self.graphs)
 
     def run(self, decodes: list[Chunk], key: GraphKey,

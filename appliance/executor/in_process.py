@@ -6,15 +6,19 @@ N+1 and launches it before it collects step N, and the device never waits for th
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from appliance.engine.step import Executor, StepPlan, StepResult
 from appliance.executor.inflight import StepHandle
 from appliance.executor.model_runner import ModelRunner
 
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
+    from transformers import PretrainedConfig
+
 
 class InProcessExecutor(Executor):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: ApplianceConfig) -> None:
         p = config.parallelism
         if p.tp * p.dp > 1:
             raise ValueError(f"the in-process executor runs one worker; tp={p.tp} dp={p.dp} needs the runtime's "
@@ -42,7 +46,7 @@ class InProcessExecutor(Executor):
         return self.runner.max_model_len
 
     @property
-    def hf_config(self) -> Any:
+    def hf_config(self) -> PretrainedConfig:
         return self.runner.hf_config
 
     def execute(self, plan: StepPlan) -> StepResult:

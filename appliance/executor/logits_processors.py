@@ -18,13 +18,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import SampleResult
 from appliance.structured.thinking_budget import ThinkingBudget
+
+if TYPE_CHECKING:
+    from appliance.executor.runner_protocol import ModelRunnerProtocol
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +156,7 @@ class LogitsProcessors:
     _compiler: Any = None
 
     @classmethod
-    def for_runner(cls, runner: Any) -> LogitsProcessors:
+    def for_runner(cls, runner: ModelRunnerProtocol) -> LogitsProcessors:
         m = runner.config.model
 
         def load() -> Any:
@@ -188,9 +191,9 @@ class LogitsProcessors:
                 prompt = state.token_ids[: state.num_prompt_tokens]
                 out.append(ThinkingBudgetProcessor(thinking_budget_from_dict(extra["thinking_budget"], prompt)))
             if extra.get("structured") is not None:
-                from appliance.structured import StructuredSpec
+                from appliance.structured import GrammarMatcher, StructuredSpec
 
-                matcher = self.compiler.matcher(StructuredSpec.from_dict(extra["structured"]))
+                matcher = GrammarMatcher(self.compiler.compile(StructuredSpec.from_dict(extra["structured"])))
                 out.append(GrammarProcessor(matcher, eos))
         except Exception as exc:  # noqa: BLE001 - one bad request must not take the worker down
             log.error("request %s: cannot build its logits processors (%s); ending it", state.request_id, exc)
@@ -228,22 +231,20 @@ class LogitsProcessors:
         return rows
 
 
-def processors_for(runner: Any) -> LogitsProcessors:
-    reg = getattr(runner, "_logits_processors", None)
-    if reg is None:
-        reg = LogitsProcessors.for_runner(runner)
-        runner._logits_processors = reg
-    return reg
+def processors_for(runner: ModelRunnerProtocol) -> LogitsProcessors:
+    if runner.logits_processors is None:
+        runner.logits_processors = LogitsProcessors.for_runner(runner)
+    return runner.logits_processors
 
 
-def forget_idle(runner: Any) -> None:
+def forget_idle(runner: ModelRunnerProtocol) -> None:
     """A step without constrained rows: drop the processors of requests that finished meanwhile."""
-    idle = getattr(runner, "_logits_processors", None)
+    idle = runner.logits_processors
     if idle is not None and idle._entries:
         idle._forget_finished()
 
 
-def sample(runner: Any, logits: torch.Tensor, states: Sequence[RequestState]) -> list[SampleResult]:
+def sample(runner: ModelRunnerProtocol, logits: torch.Tensor, states: Sequence[RequestState]) -> list[SampleResult]:
     """The runner's batch sampler, with constrained rows masked and drawn by the torch Sampler."""
     batch_sampler = runner.batch_sampler
     if not any(wants_processors(s.params.extra) for s in states):

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 GIB = float(1 << 30)
 
@@ -57,7 +60,7 @@ def _dtype_shares(module: torch.nn.Module) -> tuple[str, ...]:
     return tuple(sorted(shares, key=lambda k: -shares[k]))
 
 
-def build_on_meta(model_cls: type[torch.nn.Module], hf_config: Any, dtype: torch.dtype,
+def build_on_meta(model_cls: type[torch.nn.Module], hf_config: ApplianceConfig, dtype: torch.dtype,
                   kwargs: dict[str, Any]) -> torch.nn.Module:
     """The model as ModelRunner builds it (default dtype = the model dtype), with no storage behind it."""
     previous = torch.get_default_dtype()
@@ -69,7 +72,7 @@ def build_on_meta(model_cls: type[torch.nn.Module], hf_config: Any, dtype: torch
         torch.set_default_dtype(previous)
 
 
-def estimate_weights(model_cls: type[torch.nn.Module], hf_config: Any, dtype: torch.dtype,
+def estimate_weights(model_cls: type[torch.nn.Module], hf_config: ApplianceConfig, dtype: torch.dtype,
                      kwargs: dict[str, Any], quantization: str | None = None) -> WeightEstimate:
     """Weight bytes of this rank's shard (parallel state as initialised now)."""
     from appliance.layers.fp8 import online_fp8_needed, quantize_model_fp8
@@ -117,7 +120,7 @@ def memory_budget(device: torch.device, utilization: float, workers_here: int) -
     return MemoryBudget(share, text)
 
 
-def describe(hf_config: Any, estimate: WeightEstimate, quantization: str | None, tp: int, ep: int) -> str:
+def describe(hf_config: ApplianceConfig, estimate: WeightEstimate, quantization: str | None, tp: int, ep: int) -> str:
     arch = (getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "model")])[0]
     parts = [str(arch), quantization or "/".join(estimate.dtypes[:2]) or "?", f"tp={tp}"]
     if ep > 1:
@@ -143,7 +146,7 @@ def shortfall_message(need: int, budget: MemoryBudget, what: str, device: torch.
     return text + ", ".join(hints)
 
 
-def check_weight_memory(config: Any, hf_config: Any, dtype: torch.dtype, device: torch.device,
+def check_weight_memory(config: ApplianceConfig, hf_config: ApplianceConfig, dtype: torch.dtype, device: torch.device,
                         backend: str) -> WeightEstimate:
     """Raise WeightMemoryError naming the shortfall when this rank's weights exceed its memory budget.
     Called by ModelRunner right before it builds the model (the parallel state is initialised by then)."""

@@ -3,7 +3,7 @@ largest step (its weights and activations), measured by running that step once o
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +12,9 @@ from appliance.engine.sampling_params import SamplingParams
 from appliance.executor import kv_cache
 from appliance.executor.input_batch import Chunk, build_inputs
 from appliance.executor.request_table import RequestState
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 
 def allocated_by_others(device: torch.device) -> int:
@@ -24,7 +27,7 @@ def allocated_by_others(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def peak_bytes(model: torch.nn.Module, config: Any, spec: kv_cache.KVCacheSpec, step_tokens: StepTokens,
+def peak_bytes(model: torch.nn.Module, config: ApplianceConfig, spec: kv_cache.KVCacheSpec, step_tokens: StepTokens,
                device: torch.device, baseline: int) -> int:
     """Peak GPU memory of the largest step (the largest chunk of one request, StepTokens.largest_chunk, plus
     max_num_seqs logit rows): the model's weights and activations, less `baseline` (allocated_by_others)."""

@@ -9,12 +9,15 @@ import glob
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from appliance.executor.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
+from appliance.config.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -33,7 +36,7 @@ def load_hf_config(model_dir: Path, hf_overrides: dict[str, Any] | None = None,
     return cfg
 
 
-def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """`auto`: the checkpoint's dtype, with float32 on the CPU in place of half precision."""
     if dtype != "auto":
         if dtype not in _DTYPES:
@@ -121,7 +124,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.data.uniform_(-1e-3, 1e-3, generator=gen)
 
 
-def apply_quantization(model: nn.Module, quantization: str | None, hf_config: Any, backend: str) -> None:
+def apply_quantization(model: nn.Module, quantization: str | None, hf_config: PretrainedConfig, backend: str) -> None:
     """precision.quantization after the weights are in (loaded or dummy): "fp8" on a float checkpoint quantizes
     the linear layers and experts to e4m3 with 128x128 tile scales (the layout DeepSeek-V3 ships, run by the
     same block-scaled GEMMs); on a checkpoint that ships block fp8 it only confirms the format."""

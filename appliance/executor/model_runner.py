@@ -15,8 +15,8 @@ import logging
 import random
 import weakref
 from collections import deque
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -67,18 +67,23 @@ from appliance.executor.runner_setup import (
     resolve_max_model_len,
 )
 from appliance.executor.sampler import Sampler
+from appliance.executor.startup import STARTUP
 from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: ApplianceConfig) -> None:
         from appliance.config import resolve_model_path
 
         m = config.model
         self.config = config
+        STARTUP.enter("reading the model config")  # ends where the next phase begins
         self.device = resolve_device(m.device)
         _check_supported(config, self.device)
         self.model_dir = resolve_model_dir(resolve_model_path(m.path), m.revision, m.download_dir)
@@ -91,7 +96,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend)  # fail before allocating
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
-        self.model = self._build_model(m.load_format, m.seed)
+        self.model = self._build_model(m.load_format, m.seed)  # start-up phases: executor/startup.py
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
         # the MTP drafter's caches share the block table and the KV budget (none without speculation)
         layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model)
@@ -107,8 +112,10 @@ class ModelRunner:
         # hybrid models: per-request recurrent states beside the KV cache, one slot per table row (state_cache.py);
         # allocated before the profile, so gpu_memory_utilization covers both
         self.state_cache = self._make_state_cache(config.scheduler.max_num_seqs)
-        self.num_blocks = self._count_blocks()
-        self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
+        with STARTUP.phase("profiling memory"):
+            self.num_blocks = self._count_blocks()
+        with STARTUP.phase("allocating the KV cache"):
+            self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
@@ -116,6 +123,8 @@ class ModelRunner:
         self.batch_sampler = BatchSampler(self.sampler, self.device,
                                           gpu_sample_op(self.device, config.backends.sampling))
         self.requests = LiveRequests(self.block_table)  # adding a request gives it a table row, dropping frees it
+        # per-request grammar / thinking-budget processors, made on the first request that needs them
+        self.logits_processors: logits_processors.LogitsProcessors | None = None
         self._noise_seeds = random.Random(m.seed)  # per-request streams of the GPU sampler
         self._stager = Stager(self.device)
         self._pending_stager, self._rows_stager = Stager(self.device), Stager(self.device)
@@ -128,7 +137,9 @@ class ModelRunner:
         self.spec: speculative.MtpSpeculator | None = None  # the warm-up's steps run without it
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
         # speculative decoding runs whole steps (executor/speculative.py)
-        self.spec = speculative.MtpSpeculator(self) if config.speculative.algorithm is not None else None
+        if config.speculative.algorithm is not None:
+            with STARTUP.phase("building the MTP drafter"):
+                self.spec = speculative.MtpSpeculator(self)
 
     def warmup(self, graph_context: int = 2048) -> float:
         """Pay every first-use cost a run would meet (executor/warmup.py); returns the seconds taken. It writes
@@ -201,7 +212,7 @@ class ModelRunner:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with STARTUP.phase("building the model"), torch.device(self.device):
                 extra = {}
                 if getattr(cls, "is_moe", False):  # backends.moe picks the fused_moe kernels (models/mixtral.py)
                     from appliance.layers.moe import resolve_moe_backend
@@ -210,11 +221,14 @@ class ModelRunner:
                 model = cls(self.hf_config, backend=self.backend, **extra)
         finally:
             torch.set_default_dtype(previous)
-        if load_format == "dummy":
-            init_dummy_weights(model, seed)
-        else:
-            load_weights(model, self.model_dir, load_format)
-        apply_quantization(model, self.config.precision.quantization, self.hf_config, self.backend)
+        with STARTUP.phase("drawing dummy weights" if load_format == "dummy" else "loading weights"):
+            if load_format == "dummy":
+                init_dummy_weights(model, seed)
+            else:
+                load_weights(model, self.model_dir, load_format)
+        quantization = self.config.precision.quantization
+        with STARTUP.phase(f"quantizing ({quantization})") if quantization else contextlib.nullcontext():
+            apply_quantization(model, quantization, self.hf_config, self.backend)
         if self.device.type == "cuda":
             bind_decode_kernels(model, self.backend, self.config.backends.decode_chain)
         return model.eval()
@@ -342,14 +356,14 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return inputs.chunks, inputs.row_starts, hidden
 
-    def capture_graphs(self, max_context: int) -> int:
+    def capture_graphs(self, max_context: int, on_captured: Callable[[], None] | None = None) -> int:
         """Capture every decode graph a run up to max_context tokens can use (else they are captured on first
-        use); returns how many graphs exist."""
+        use), calling on_captured after each; returns how many graphs exist."""
         if self.graphs is None:
             return 0
         self.graphs.bind(self.block_table)
         with torch.inference_mode():
-            return self.graphs.capture_all(min(max_context, self.max_model_len))
+            return self.graphs.capture_all(min(max_context, self.max_model_len), on_captured)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         if not 0 <= new.num_computed_tokens <= len(new.token_ids):

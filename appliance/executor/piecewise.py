@@ -22,15 +22,18 @@ import bisect
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from appliance.engine.config import StepTokens
 from appliance.layers import attention as attention_layer
 from appliance.layers.attention import Attention, AttentionMetadata, PieceBreak
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 log = logging.getLogger(__name__)
 
@@ -179,10 +182,13 @@ class PiecewiseGraphs:
         log.debug("captured %d forward pieces for %d tokens", len(rec.pieces.graphs), t)
         return rec.pieces
 
-    def capture_all(self) -> int:
-        """Capture every bucket (the runner's warm-up), so that no served step pays a capture; returns the count."""
+    def capture_all(self, on_captured: Callable[[], None] | None = None) -> int:
+        """Capture every bucket (the runner's warm-up), so that no served step pays a capture, calling on_captured
+        after each; returns the count."""
         for b in all_buckets(self.max_tokens):
             self.capture(b)
+            if on_captured is not None:
+                on_captured()
         return len(self.pieces)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
@@ -235,7 +241,7 @@ class PiecewiseGraphs:
             return self.model(self.ids[:b], self.positions[:b], self._meta(b))[:t]
 
 
-def piecewise_max_tokens(config: Any, model: torch.nn.Module, decode_graphs: bool, tp_size: int,
+def piecewise_max_tokens(config: ApplianceConfig, model: torch.nn.Module, decode_graphs: bool, tp_size: int,
                          step_tokens: StepTokens) -> int | None:
     """The largest step run in pieces (backends.piecewise_cuda_graph_max_tokens, capped by the largest chunk the
     KV sizing's profile counted), or None when they are off or cannot apply here (logged)."""

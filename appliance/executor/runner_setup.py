@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from appliance.executor import speculative
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,7 +64,7 @@ def bind_decode_kernels(model: torch.nn.Module, backend: str, decode_chain: bool
             inner.chain = None
 
 
-def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+def resolve_max_model_len(requested: int | None, hf_config: ApplianceConfig) -> int:
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True):
@@ -77,7 +80,7 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     return requested
 
 
-def read_eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
+def read_eos_token_ids(model_dir: Path | None, hf_config: ApplianceConfig) -> list[int]:
     """EOS ids from generation_config.json (which may list several) and config.json."""
     ids: list[int] = []
     sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
@@ -91,7 +94,7 @@ def read_eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
     return ids
 
 
-def _check_supported(config: Any, device: torch.device) -> None:
+def _check_supported(config: ApplianceConfig, device: torch.device) -> None:
     """Settings this executor cannot honour are errors (or, for CUDA graphs, a warning), never silently dropped."""
     sampling = config.backends.sampling
     if sampling in ("flashinfer", "flashinfer_full"):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,10 +39,14 @@ from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import SampleResult
 from appliance.layers.attention import AttentionMetadata
 
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
+    from appliance.executor.model_runner import ModelRunner
+
 SUPPORTED_ALGORITHMS = ("MTP",)
 
 
-def check_settings(config: Any) -> None:
+def check_settings(config: ApplianceConfig) -> None:
     """Start-up refusals for speculative settings this worker cannot honour (config only; the model is
     checked by draft_attention_layers)."""
     s = config.speculative
@@ -62,7 +66,7 @@ def check_settings(config: Any) -> None:
                          "off")
 
 
-def draft_attention_layers(config: Any, model: Any) -> list[Any]:
+def draft_attention_layers(config: ApplianceConfig, model: Any) -> list[Any]:
     """The drafter's attention layers, whose KV caches the runner allocates beside the model's (same block
     table, same budget); [] without speculative decoding. Raises for a model without MTP layers."""
     if config.speculative.algorithm is None:
@@ -138,7 +142,7 @@ class _Scored:
 class MtpSpeculator:
     """Runs StepPlans for a ModelRunner whose model has MTP layers (ModelRunner.execute hands them here)."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         # a proxy, not a reference: runner.spec -> self -> runner would be a cycle, which only the collector frees,
         # and under a process-wide gc.freeze (runtime/gc_heap.py) never: the engine's GPU memory would leak
         self.runner = weakref.proxy(runner)

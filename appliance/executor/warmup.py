@@ -26,7 +26,9 @@ import torch
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, ScheduledRequest, StepPlan
 from appliance.executor.input_batch import Chunk
+from appliance.executor.piecewise import all_buckets
 from appliance.executor.request_table import RequestState
+from appliance.executor.startup import STARTUP
 
 if TYPE_CHECKING:
     from appliance.executor.model_runner import ModelRunner
@@ -39,45 +41,66 @@ STEP_TOKENS = 4  # the most a request of the warm-up's steps holds: a 2-token pr
 
 def warm_up(runner: ModelRunner, graph_context: int = 2048) -> float:
     """Run everything above; returns the seconds taken. It writes KV into block 0: call it before serving (the
-    runner's constructor does), never with blocks cached."""
+    runner's constructor does), never with blocks cached. Each part is a start-up phase (executor/startup.py)
+    that counts its items: "capturing decode graphs 37/140"."""
     start = time.perf_counter()
     took: dict[str, float] = {}
+    tick = STARTUP.advance
 
-    def timed(name: str, run: Callable[[], int | None]) -> int | None:
+    def timed(name: str, phase: str, total: int, run: Callable[[], int | None]) -> int | None:
         t = time.perf_counter()
-        with torch.inference_mode():
+        with STARTUP.phase(phase, total), torch.inference_mode():
             out = run()
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
         took[name] = time.perf_counter() - t
         return out
 
-    timed("prefills", lambda: _prefills(runner))
-    timed("sampler", lambda: _sampler(runner))
-    timed("LM head", lambda: _logit_rows(runner))
-    count = timed("decode graphs", lambda: runner.capture_graphs(graph_context))
-    buckets = timed("piecewise buckets", lambda: runner.pieces.capture_all() if runner.pieces is not None else 0)
-    timed("steps", lambda: _steps(runner))
+    counts = _prefill_counts(runner)
+    graphs, pieces = runner.graphs, runner.pieces
+    graph_keys = graphs.keys_up_to(min(graph_context, runner.max_model_len)) if graphs is not None else []
+    sizes = graphs.sizes if graphs is not None else []
+    samplers = len(SAMPLER_ROWS) if runner.batch_sampler.gpu_op is not None else 0
+    timed("prefills", "compiling prefill kernels", len(counts), lambda: _prefills(runner, counts, tick))
+    timed("sampler", "compiling the sampler", samplers, lambda: _sampler(runner, tick))
+    timed("LM head", "warming the LM head", len(sizes), lambda: _logit_rows(runner, tick))
+    count = timed("decode graphs", "capturing decode graphs", len(graph_keys),
+                  lambda: runner.capture_graphs(graph_context, tick))
+    buckets = timed("piecewise buckets", "capturing piecewise buckets",
+                    len(all_buckets(pieces.max_tokens)) if pieces is not None else 0,
+                    lambda: pieces.capture_all(tick) if pieces is not None else 0)
+    timed("steps", "warm-up steps", 0, lambda: _steps(runner))
     total = time.perf_counter() - start
-    log.info("warm-up: %s decode graphs and %s piecewise token buckets captured, kernels compiled, in %.1f s (%s)",
-             count, buckets, total, ", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
+    log.info("warm-up: %s decode graphs (batch sizes %s, up to %d tokens of context) and %s piecewise token buckets "
+             "captured, kernels compiled, in %.1f s (%s)", count, _span(sizes),
+             min(graph_context, runner.max_model_len), buckets, total,
+             ", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
     return total
 
 
-def _prefills(runner: ModelRunner) -> None:
-    """Two tokens per sequence, all in block 0 (no request holds it yet), for 1, 2, 4, ... sequences."""
+def _span(sizes: list[int]) -> str:
+    return f"{sizes[0]}..{sizes[-1]} ({len(sizes)})" if sizes else "none"
+
+
+def _prefill_counts(runner: ModelRunner) -> list[int]:
+    """1, 2, 4, ... sequences, up to the most a step prefills at two tokens each."""
     most = max(1, min(runner.config.scheduler.max_num_seqs, runner.step_tokens.budget // 2))
-    n = 1
-    while True:
+    counts = [1]
+    while counts[-1] < most:
+        counts.append(min(2 * counts[-1], most))
+    return counts
+
+
+def _prefills(runner: ModelRunner, counts: list[int], tick: Callable[[], None]) -> None:
+    """Two tokens per sequence, all in block 0 (no request holds it yet)."""
+    for n in counts:
         states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams()) for i in range(n)]
         inputs = runner.host_inputs([Chunk(st, 0, 2, False) for st in states])
         runner.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if n >= most:
-            break
-        n = min(2 * n, most)
+        tick()
 
 
-def _sampler(runner: ModelRunner) -> None:
+def _sampler(runner: ModelRunner, tick: Callable[[], None]) -> None:
     op = runner.batch_sampler.gpu_op
     if op is None:
         return
@@ -87,9 +110,10 @@ def _sampler(runner: ModelRunner) -> None:
         temperature = (torch.arange(m, device=runner.device) % 2).float()  # greedy and random rows
         i = torch.zeros(m, dtype=torch.int64, device=runner.device)
         op(logits, temperature, i, torch.ones(m, device=runner.device), torch.zeros(m, device=runner.device), i, i)
+        tick()
 
 
-def _logit_rows(runner: ModelRunner) -> None:
+def _logit_rows(runner: ModelRunner, tick: Callable[[], None]) -> None:
     """The LM head runs eagerly after every step on the rows it samples, padded to a decode graph's capture size
     (ModelRunner.logits): one GEMM per size. (Warming every row count 1..256 instead took the 8B's warm-up from
     26.5 to 40.3 s on an H100.)"""
@@ -99,6 +123,7 @@ def _logit_rows(runner: ModelRunner) -> None:
     hidden = torch.randn(sizes[-1], int(runner.hf_config.hidden_size), dtype=runner.dtype, device=runner.device)
     for m in sizes:
         runner.logits(hidden, list(range(m)))
+        tick()
 
 
 def _steps(runner: ModelRunner) -> None:

@@ -19,9 +19,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ class AllReduceSettings:
                              f"{self.max_bytes}")
 
     @classmethod
-    def from_config(cls, config: Any) -> AllReduceSettings:
+    def from_config(cls, config: ApplianceConfig) -> AllReduceSettings:
         return cls(disabled=bool(config.parallelism.disable_custom_all_reduce))
 
 

@@ -14,7 +14,7 @@ where vLLM also quantizes them per 1x128 block.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from appliance.layers.linear import (
 )
 from appliance.layers.parallel_state import tp_all_gather, tp_all_reduce
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class Fp8BlockConfig:
         return self.block_n, self.block_k
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> Fp8BlockConfig | None:
+    def from_hf(cls, hf_config: PretrainedConfig) -> Fp8BlockConfig | None:
         """The checkpoint's quantization_config, or None for an unquantized model; unsupported schemes fail."""
         qc = getattr(hf_config, "quantization_config", None)
         if not qc:
@@ -225,7 +228,7 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
 ONLINE_BLOCK = Fp8BlockConfig(128, 128)  # DeepSeek-V3's layout, so one kernel family serves both
 
 
-def online_fp8_needed(quantization: str | None, hf_config: Any) -> bool:
+def online_fp8_needed(quantization: str | None, hf_config: PretrainedConfig) -> bool:
     """True when the weights must be quantized after loading: fp8 asked for and the checkpoint is not fp8 already
     (then the setting only confirms the format). Any other requested scheme is an error here."""
     if quantization is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from appliance.layers.kernels import kernel
 from appliance.layers.norm import RMSNorm
 from appliance.layers.parallel_state import divide, get_tp_size
 from appliance.layers.rotary import rope_parameters
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -60,7 +63,7 @@ def _yarn_inv_freq(dim: int, base: float, factor: float, scaling: dict[str, Any]
 _ROPE_TABLES: weakref.WeakValueDictionary[tuple[Any, ...], torch.Tensor] = weakref.WeakValueDictionary()
 
 
-def rope_cache_and_mscale(cfg: Any, dim: int) -> tuple[torch.Tensor, float]:
+def rope_cache_and_mscale(cfg: PretrainedConfig, dim: int) -> tuple[torch.Tensor, float]:
     """(cos_sin_cache [max_pos, dim], softmax-scale multiplier) for DeepSeek's default or YaRN rope."""
     base, scaling = rope_parameters(cfg)
     max_pos = int(cfg.max_position_embeddings)
@@ -151,7 +154,7 @@ class MultiHeadLatentAttention(nn.Module):
     projections are replicated.
     """
 
-    def __init__(self, cfg: Any, quant: Fp8BlockConfig | None = None, prefix: str = "",
+    def __init__(self, cfg: PretrainedConfig, quant: Fp8BlockConfig | None = None, prefix: str = "",
                  backend: str = "torch") -> None:
         super().__init__()
         hidden, total_heads = cfg.hidden_size, cfg.num_attention_heads

@@ -6,15 +6,18 @@ wavelength-dependent frequency interpolation). Any other rope_type is an error r
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from appliance.layers.kernels import kernel
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+
+def rope_parameters(hf_config: PretrainedConfig) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from a transformers config of either the 4.x or 5.x shape."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:

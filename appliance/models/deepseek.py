@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,10 +28,13 @@ from appliance.layers.moe import GatedMLP, RouterConfig, SparseMoeBlock
 from appliance.layers.norm import RMSNorm
 from appliance.models.mixtral import MoECausalLM, MoEDecoderLayer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
-def num_mtp_layers(cfg: Any) -> int:
+def num_mtp_layers(cfg: PretrainedConfig) -> int:
     return int(getattr(cfg, "num_nextn_predict_layers", None) or getattr(cfg, "num_mtp_layers", 0) or 0)
 
 
@@ -39,7 +42,7 @@ class DeepseekMTPLayer(MoEDecoderLayer):
     """One multi-token-prediction step: combine the next token's embedding with the previous hidden state
     (enorm / hnorm, then eh_proj), run one decoder layer, and predict with its own norm and head."""
 
-    def __init__(self, cfg: Any, attn: nn.Module, mlp: nn.Module, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, attn: nn.Module, mlp: nn.Module, backend: str) -> None:
         super().__init__(cfg, attn, mlp, backend)
         hidden = cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hidden)
@@ -77,7 +80,7 @@ class DeepseekV2ForCausalLM(MoECausalLM):
     supports_fp8 = True
     piecewise_graphs = False  # MLA attention is not reached through Attention.attend, where the pieces break
 
-    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
+    def __init__(self, hf_config: PretrainedConfig, backend: str = "torch", moe_backend: str | None = None) -> None:
         self.quant = Fp8BlockConfig.from_hf(hf_config)  # plain attribute: set before nn.Module init is fine
         super().__init__(hf_config, backend, moe_backend)
         n_mtp = num_mtp_layers(hf_config) if self.version == 3 else 0

@@ -7,7 +7,7 @@ fused `qkv_proj` and `gate_up_proj`, which `load_weights` fills from the separat
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from appliance.layers.linear import (
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import RotaryEmbedding, rope_parameters
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 # checkpoint name fragment -> (our fused parameter fragment, shard id)
 _STACKED = (
     ("q_proj", "qkv_proj", "q"),
@@ -35,7 +38,7 @@ _STACKED = (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
         super().__init__()
         hidden = cfg.hidden_size
         n_heads = cfg.num_attention_heads
@@ -83,7 +86,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, backend: str) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
@@ -99,7 +102,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, backend)
         self.mlp = LlamaMLP(cfg, backend)
@@ -121,7 +124,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     chain: DecodeChain | None = None  # use_decode_chain builds one once the GEMVs are bound
 
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, qk_norm, backend)
@@ -151,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
     supports_cuda_graphs = True  # the forward never syncs with the host (executor/cuda_graph.py)
     piecewise_graphs = True  # dense: everything but attention may be captured for eager steps (executor/piecewise.py)
 
-    def __init__(self, hf_config: Any, backend: str = "torch") -> None:
+    def __init__(self, hf_config: PretrainedConfig, backend: str = "torch") -> None:
         super().__init__()
         self.config = hf_config
         qkv_bias = self.qkv_bias or bool(getattr(hf_config, "attention_bias", False))

@@ -8,7 +8,7 @@ and transformers' fused 3-D `experts.gate_up_proj` / `experts.down_proj`) into t
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,11 +30,14 @@ from appliance.models.llama import (
     LlamaModel,
 )
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 class MoEDecoderLayer(LlamaDecoderLayer):
     """Llama's pre-norm residual layer around any attention and any feed-forward (`mlp`)."""
 
-    def __init__(self, cfg: Any, attn: nn.Module, mlp: nn.Module, backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, attn: nn.Module, mlp: nn.Module, backend: str) -> None:
         nn.Module.__init__(self)
         self.self_attn = attn
         self.mlp = mlp
@@ -43,7 +46,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
 
 class MoEModel(LlamaModel):
-    def __init__(self, cfg: Any, layers: list[nn.Module], backend: str) -> None:
+    def __init__(self, cfg: PretrainedConfig, layers: list[nn.Module], backend: str) -> None:
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
@@ -60,7 +63,7 @@ class MoECausalLM(LlamaForCausalLM):
     piecewise_graphs = True
     supports_fp8 = False  # block-fp8 checkpoints: DeepSeek only so far (its layers are built through fp8.py)
 
-    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
+    def __init__(self, hf_config: PretrainedConfig, backend: str = "torch", moe_backend: str | None = None) -> None:
         nn.Module.__init__(self)
         if not self.supports_fp8 and getattr(hf_config, "quantization_config", None):
             raise ValueError(f"{type(self).__name__}: quantized checkpoints are not supported for this family yet "

@@ -5,7 +5,7 @@ others get a dense MLP of intermediate_size. Routing is softmax top-k, renormali
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -13,12 +13,15 @@ from appliance.layers.moe import GatedMLP, RouterConfig, SparseMoeBlock
 from appliance.models.llama import LlamaAttention
 from appliance.models.mixtral import MoECausalLM, MoEDecoderLayer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def _num_experts(cfg: Any) -> int:
+
+def _num_experts(cfg: PretrainedConfig) -> int:
     return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0) or 0)
 
 
-def is_sparse_layer(cfg: Any, index: int) -> bool:
+def is_sparse_layer(cfg: PretrainedConfig, index: int) -> bool:
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     only_dense = set(getattr(cfg, "mlp_only_layers", None) or [])
     return index not in only_dense and _num_experts(cfg) > 0 and (index + 1) % step == 0

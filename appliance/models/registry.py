@@ -1,7 +1,7 @@
 """HF `architectures` names -> model classes."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -16,6 +16,9 @@ from appliance.models.mixtral import MODELS as MIXTRAL_MODELS
 from appliance.models.qwen3_next import MODELS as QWEN3_NEXT_MODELS
 from appliance.models.qwen_moe import MODELS as QWEN_MOE_MODELS
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
@@ -28,7 +31,7 @@ MODELS: dict[str, type[nn.Module]] = {
 }
 
 
-def model_class(hf_config: Any) -> type[nn.Module]:
+def model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
     """The class for the first supported name in config.architectures; a clear error otherwise."""
     names = list(getattr(hf_config, "architectures", None) or [])
     for name in names:

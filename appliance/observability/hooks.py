@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.observability.dump import RequestDump, open_dump
 from appliance.observability.kv_events import KVEventCollector, make_kv_event_publisher
 from appliance.observability.metrics import MetricsRegistry
 from appliance.observability.request_log import DecodeProgressLog, RequestLogger
 from appliance.observability.stats import StatsSnapshot, snapshot_from_core
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 __all__ = ["FrontendObservability", "SchedulerObservability"]
 
@@ -68,7 +71,7 @@ class SchedulerObservability:
 
 
 class FrontendObservability:
-    def __init__(self, config: Any, model_name: str, max_model_len: int) -> None:
+    def __init__(self, config: ApplianceConfig, model_name: str, max_model_len: int) -> None:
         """`config` is the whole ApplianceConfig (observability and speculative sections are read)."""
         obs = config.observability
         spec_on = getattr(config.speculative, "algorithm", None) is not None

@@ -31,12 +31,15 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import msgpack
 import zmq
 
 from appliance.engine.prefix_cache import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
+
+if TYPE_CHECKING:
+    from appliance.config.sections_serving import KvEventsConfig
 
 __all__ = [
     "END_SEQ", "KVEventCollector", "NullKVEventPublisher", "ZmqKVEventPublisher", "decode_batch",
@@ -245,7 +248,7 @@ class ZmqKVEventPublisher(KVEventCollector):
         self._replay.send_multipart((client, b"", END_SEQ, b""))
 
 
-def make_kv_event_publisher(cfg: Any, block_size: int, dp_rank: int = 0) -> KVEventCollector:
+def make_kv_event_publisher(cfg: KvEventsConfig, block_size: int, dp_rank: int = 0) -> KVEventCollector:
     """The publisher `config.observability.kv_events` asks for (a `KvEventsConfig`).
 
     Events are published only when `enable_kv_cache_events` is true and `publisher` is "zmq"; otherwise the

@@ -18,6 +18,7 @@ class Addresses:
     outputs: str
     results: str
     plans: tuple[str, ...]  # one per worker rank
+    progress: str = ""  # start-up progress, supervisor -> tokenizer (runtime/startup_progress.py); "": none
 
     @classmethod
     def in_new_dir(cls, num_workers: int) -> tuple[Addresses, str]:
@@ -35,6 +36,7 @@ class Addresses:
             outputs=ipc("outputs"),
             results=ipc("results"),
             plans=tuple(ipc(f"plan{i}") for i in range(num_workers)),
+            progress=ipc("progress"),
         )
         return addrs, base
 

@@ -24,11 +24,13 @@ class Bootstrap:
     addresses: Addresses
     config: dict[str, Any]  # ApplianceConfig.to_dict()
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)  # StageReady.info of the stages started before
+    spawned_at: float = 0.0  # the supervisor's time.time() at the spawn: start-up phases count from it
 
     def dumps(self) -> str:
         return json.dumps({
             "stage": self.stage, "name": self.name, "rank": self.rank, "world_size": self.world_size,
             "parent_pid": self.parent_pid, "addresses": self.addresses.to_dict(), "config": self.config,
+            "spawned_at": self.spawned_at,
         }) + "\n"
 
     @classmethod

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.runtime.addresses import Addresses
@@ -19,13 +19,16 @@ from appliance.runtime.frontend import ZmqEngineClient
 from appliance.runtime.pipeline_client import PipelineClient
 from appliance.server.engine_client import EngineDead, QueueFull, RequestOutput
 
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
+
 # stats keys that add up over replicas; the rest are combined below
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached",
            "kv_blocks_owned", "num_preemptions", "num_steps", "malformed_frames", "spec_num_drafts",
            "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
-def make_engine_client(addresses: Addresses, config: Any, max_queued_requests: int | None,
+def make_engine_client(addresses: Addresses, config: ApplianceConfig, max_queued_requests: int | None,
                        obs: Any = None) -> PipelineClient:
     """A plain ZmqEngineClient for one replica, a DataParallelClient for several."""
     dp = int(config.parallelism.dp)

@@ -1,8 +1,9 @@
 """Every message that crosses a process boundary of the pipeline, and the codecs that carry them.
 
 Sockets (all `ipc://` paths in a private directory the supervisor creates, see `addresses.py`):
-  control   children -> supervisor   StageReady, StageFailed
+  control   children -> supervisor   StageReady, StageFailed, StageProgress (start-up phases of a worker)
   frontend  supervisor -> tokenizer  PipelineState (failed / draining), so in-flight requests end with an error
+  progress  supervisor -> tokenizer  StartupProgress (PUB/SUB, until the tokenizer's turn): /health's 503 body
   requests  tokenizer -> scheduler   GenerateRequest, AbortRequest, StatsQuery
   outputs   scheduler -> tokenizer   OutputBatch, StatsReply, StatsSnapshot (observability, ~1/s)
   plans     scheduler -> worker i    StepPlan (engine/step.py)
@@ -30,6 +31,28 @@ class StageReady:
 class StageFailed:
     stage: str
     message: str
+
+
+@dataclass(frozen=True)
+class StageProgress:
+    """A stage entered a start-up phase or finished one more of its items (executor/startup.py Progress)."""
+    stage: str
+    pid: int
+    phase: str
+    done: int = 0
+    total: int = 0
+    elapsed_s: float = 0.0  # since the stage was spawned
+
+    def describe(self) -> str:
+        count = f" {self.done}/{self.total}" if self.total else ""
+        return f"{self.stage}: {self.phase}{count} ({self.elapsed_s:.1f} s)"
+
+
+@dataclass(frozen=True)
+class StartupProgress:
+    """The latest phase of every stage that reported one, for the HTTP process' answers while it starts."""
+    stages: list[StageProgress]
+    elapsed_s: float = 0.0  # since the supervisor started the pipeline
 
 
 @dataclass(frozen=True)
@@ -76,7 +99,8 @@ class WorkerError:
     message: str
 
 
-CONTROL_CODEC = Codec(StageReady, StageFailed)
+CONTROL_CODEC = Codec(StageReady, StageFailed, StageProgress)
+PROGRESS_CODEC = Codec(StartupProgress)
 FRONTEND_CODEC = Codec(PipelineState)
 REQUEST_CODEC = Codec(GenerateRequest, AbortRequest, StatsQuery)
 OUTPUT_CODEC = Codec(OutputBatch, StatsReply, StatsSnapshot)

@@ -30,6 +30,11 @@ def main() -> int:
     level = str(boot.config.get("observability", {}).get("log_level", "info")).upper()
     logging.basicConfig(level=level, format=f"%(asctime)s {boot.name}[{os.getpid()}] %(levelname)s %(message)s")
     try:
+        cache_dir = boot.config.get("cache", {}).get("compile_cache_dir")
+        if cache_dir and boot.stage == "worker":  # before anything compiles
+            from appliance.executor.compile_cache import use_compile_cache
+
+            use_compile_cache(cache_dir)
         if boot.stage == "worker":
             from appliance.runtime.worker_proc import run_worker
 

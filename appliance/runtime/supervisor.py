@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -30,9 +30,14 @@ from appliance.runtime.messages import (
     FRONTEND_CODEC,
     PipelineState,
     StageFailed,
+    StageProgress,
     StageReady,
 )
+from appliance.runtime.startup_progress import ProgressBoard
 from appliance.runtime.topology import Topology, replica_peers
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 log = logging.getLogger("appliance.runtime")
 
@@ -51,7 +56,8 @@ class StageProc:
 
 
 class Supervisor:
-    def __init__(self, config: Any, *, ready_timeout: float = 900.0, grace_period: float | None = None) -> None:
+    def __init__(self, config: ApplianceConfig, *, ready_timeout: float = 900.0,
+                 grace_period: float | None = None) -> None:
         self.config = config
         self.ready_timeout = ready_timeout
         # api.shutdown_grace_period: how long the HTTP process may drain open requests after SIGTERM
@@ -67,6 +73,10 @@ class Supervisor:
         self._frontend.setsockopt(zmq.LINGER, 0)
         self._frontend.setsockopt(zmq.SNDTIMEO, 200)
         self._frontend.bind(self.addresses.frontend)
+        self._progress = self._ctx.socket(zmq.PUB)  # start-up phases for the HTTP process' /health
+        self._progress.setsockopt(zmq.LINGER, 0)
+        self._progress.bind(self.addresses.progress)
+        self.board = ProgressBoard(self._progress)
 
     # -- public --------------------------------------------------------------------------------------------
 
@@ -163,6 +173,7 @@ class Supervisor:
                 _terminate(st.proc, 0.5)
         self._control.close(0)
         self._frontend.close(0)
+        self._progress.close(0)
         self._ctx.term()
         remove_dir(self._dir)
 
@@ -175,7 +186,8 @@ class Supervisor:
 
     def _spawn(self, kind: str, name: str, rank: int, world: int, addresses: Addresses | None = None,
                env: dict[str, str] | None = None) -> StageProc:
-        boot = Bootstrap(kind, name, rank, world, os.getpid(), addresses or self.addresses, self.config.to_dict())
+        boot = Bootstrap(kind, name, rank, world, os.getpid(), addresses or self.addresses, self.config.to_dict(),
+                         spawned_at=time.time())
         proc = subprocess.Popen(
             [sys.executable, "-m", "appliance.runtime.stage", name],  # the name is for `ps` only
             stdin=subprocess.PIPE, text=True, process_group=0, close_fds=True,
@@ -208,6 +220,8 @@ class Supervisor:
             failure = self._poll_failure(timeout_ms=100)
             if failure is not None:
                 raise StageError(failure)
+            self.board.tick()
+        self.board.ready(st.name, st.proc.pid)
         log.info("stage %s ready (pid %d, %.1f s)", st.name, st.proc.pid, time.monotonic() - started)
 
     def _poll_failure(self, timeout_ms: int) -> str | None:
@@ -220,6 +234,8 @@ class Supervisor:
                 msg = CONTROL_CODEC.decode_or_none(frame)
                 if isinstance(msg, StageFailed):
                     return f"stage {msg.stage} failed: {msg.message}"
+                if isinstance(msg, StageProgress):
+                    self.board.update(msg)
                 if isinstance(msg, StageReady):
                     for st in self.stages:
                         if st.name == msg.stage and st.proc.pid == msg.pid:

@@ -19,6 +19,7 @@ from appliance.runtime.dp_router import make_engine_client
 from appliance.runtime.gc_heap import freeze_startup_heap
 from appliance.runtime.messages import CONTROL_CODEC, StageReady
 from appliance.runtime.process import parent_alive
+from appliance.runtime.startup_progress import ProgressWatch, progress_body
 
 log = logging.getLogger("appliance.tokenizer")
 
@@ -70,7 +71,8 @@ async def _serve(boot: Bootstrap, config, tokenizer, sock: socket.socket, stdin:
     from appliance.server.app import StartingGate, build_app
     from appliance.server.context import make_context, served_model_name
 
-    gate = StartingGate()
+    watch = ProgressWatch(boot.addresses.progress) if boot.addresses.progress else None
+    gate = StartingGate(lambda: progress_body(watch.latest if watch is not None else None))
     obs = config.observability
     server = uvicorn.Server(uvicorn.Config(
         gate, host=config.api.host, port=config.api.port, log_level=(obs.log_level_http or obs.log_level),
@@ -85,6 +87,8 @@ async def _serve(boot: Bootstrap, config, tokenizer, sock: socket.socket, stdin:
     port = sock.getsockname()[1]
     # the port answers 503 while the workers and the scheduler get ready
     await asyncio.to_thread(boot.wait_peers, stdin)
+    if watch is not None:
+        watch.close()
     sched = boot.peers["scheduler"]
     vocab = int(boot.peers["worker0"].get("vocab_size") or len(tokenizer))
     max_model_len = int(sched["max_model_len"])

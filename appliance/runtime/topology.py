@@ -17,9 +17,12 @@ from __future__ import annotations
 import dataclasses
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.runtime.addresses import Addresses
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class Topology:
     node_rank: int = 0
 
     @classmethod
-    def from_config(cls, config: Any) -> Topology:
+    def from_config(cls, config: ApplianceConfig) -> Topology:
         par = config.parallelism
         devices = getattr(par, "devices", None)
         host, port = "127.0.0.1", None

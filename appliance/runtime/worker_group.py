@@ -12,20 +12,24 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from appliance.engine.step import Executor, StepPlan, StepResult
 from appliance.runtime.addresses import Addresses, remove_dir
 from appliance.runtime.bootstrap import Bootstrap
-from appliance.runtime.messages import CONTROL_CODEC, StageFailed, StageReady
+from appliance.runtime.messages import CONTROL_CODEC, StageFailed, StageProgress, StageReady
 from appliance.runtime.remote_executor import RemoteExecutor
+from appliance.runtime.startup_progress import ProgressBoard
 from appliance.runtime.topology import Topology, replica_peers
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 
 class WorkerGroupExecutor(Executor):
-    def __init__(self, config: Any, *, ready_timeout: float = 900.0) -> None:
+    def __init__(self, config: ApplianceConfig, *, ready_timeout: float = 900.0) -> None:
         topo = Topology.from_config(config)
         if topo.dp != 1 or topo.nnodes != 1:
             raise ValueError(f"the offline LLM runs one tensor-parallel group on one node (dp={topo.dp}, "
@@ -40,7 +44,7 @@ class WorkerGroupExecutor(Executor):
             port = topo.master_port(0)
             for w in topo.workers(0):
                 self._spawn(Bootstrap("worker", w.name, w.tp_rank, topo.tp, os.getpid(), self.addresses,
-                                      config.to_dict()), topo.worker_env(w, port))
+                                      config.to_dict(), spawned_at=time.time()), topo.worker_env(w, port))
             info = replica_peers(self._await_ready(ready_timeout))
             self.num_blocks = int(info["num_kv_blocks"])
             self.eos_token_ids = [int(t) for t in info.get("eos_token_ids", [])]
@@ -93,6 +97,7 @@ class WorkerGroupExecutor(Executor):
 
     def _await_ready(self, timeout: float) -> list[dict[str, Any]]:
         infos: dict[int, dict[str, Any]] = {}
+        board = ProgressBoard(None)  # the workers' start-up phases on the console
         deadline = time.monotonic() + timeout
         while len(infos) < len(self._procs):
             if time.monotonic() > deadline:
@@ -101,6 +106,8 @@ class WorkerGroupExecutor(Executor):
                 msg = CONTROL_CODEC.decode_or_none(self._control.recv())
                 if isinstance(msg, StageFailed):
                     raise RuntimeError(f"{msg.stage} failed: {msg.message}")
+                if isinstance(msg, StageProgress):
+                    board.update(msg)
                 if isinstance(msg, StageReady):
                     for i, p in enumerate(self._procs):
                         if p.pid == msg.pid:

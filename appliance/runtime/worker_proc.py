@@ -12,21 +12,28 @@ import logging
 import os
 import time
 import traceback
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import zmq
 
+from appliance.executor.startup import STARTUP, Progress, hold_for_test
 from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.gc_heap import freeze_startup_heap
 from appliance.runtime.messages import (
     CONTROL_CODEC,
     PLAN_CODEC,
     RESULT_CODEC,
+    StageProgress,
     StageReady,
     WorkerError,
 )
 from appliance.runtime.process import parent_alive
 from appliance.runtime.topology import scheduler_binds
+
+if TYPE_CHECKING:
+    from appliance.executor.runner_protocol import ModelRunnerProtocol
+    from appliance.engine.step import StepPlan
+    from appliance.executor.inflight import StepHandle
 
 log = logging.getLogger("appliance.worker")
 
@@ -36,17 +43,22 @@ def run_worker(boot: Bootstrap) -> None:
     os.environ.setdefault("RANK", str(boot.rank))
     os.environ.setdefault("LOCAL_RANK", str(boot.rank))
     os.environ.setdefault("WORLD_SIZE", str(boot.world_size))
-    config = boot.load_config()
-    from appliance.executor.distributed import init_distributed, min_over_ranks
-    from appliance.executor.model_runner import ModelRunner
-    from appliance.layers.custom_all_reduce import AllReduceSettings
-    from appliance.layers.parallel_state import init_expert_parallel
+    ctx = zmq.Context()
+    control = ctx.socket(zmq.PUSH)
+    control.connect(boot.addresses.control)
+    report_progress(boot, control)
+    with STARTUP.phase("imports"):
+        config = boot.load_config()
+        from appliance.executor.distributed import init_distributed, min_over_ranks
+        from appliance.executor.model_runner import ModelRunner
+        from appliance.layers.custom_all_reduce import AllReduceSettings
+        from appliance.layers.parallel_state import init_expert_parallel
 
     # boot.rank / world_size: this worker's tensor-parallel rank within its data-parallel replica
-    init_distributed(config.model.device, all_reduce=AllReduceSettings.from_config(config))
-    init_expert_parallel(config.parallelism.enable_expert_parallel)  # ep = tp: experts split over the group
+    with STARTUP.phase("initialising the device and process group"):
+        init_distributed(config.model.device, all_reduce=AllReduceSettings.from_config(config))
+        init_expert_parallel(config.parallelism.enable_expert_parallel)  # ep = tp: experts split over the group
     runner = ModelRunner(config)
-    ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)
     plan_addr = boot.addresses.plans[boot.rank]
     head = None  # on several nodes: watches the connection to the head's scheduler
@@ -59,15 +71,18 @@ def run_worker(boot: Bootstrap) -> None:
     results = ctx.socket(zmq.PUSH)
     results.setsockopt(zmq.LINGER, 1000)
     results.connect(boot.addresses.results)
-    control = ctx.socket(zmq.PUSH)
-    control.connect(boot.addresses.control)
     # every rank sized its own pool; the scheduler may use only what all of them have (ranks may be on other nodes)
     info = {"num_kv_blocks": min_over_ranks(runner.num_blocks), "eos_token_ids": list(runner.eos_token_ids),
             "max_model_len": runner.max_model_len, "block_size": runner.block_size, "device": str(runner.device),
             "vocab_size": int(getattr(runner.hf_config, "vocab_size", 0) or 0),
             "num_state_slots": runner.num_state_slots, "state_cache_bytes": runner.state_cache_bytes}
+    hold_for_test()
     # a full collection's pass would stall the GPU (gc_heap.py)
-    info["gc_frozen_objects"] = freeze_startup_heap(f"worker {boot.rank}")
+    with STARTUP.phase("freezing the start-up heap"):
+        info["gc_frozen_objects"] = freeze_startup_heap(f"worker {boot.rank}")
+    STARTUP.finish()
+    STARTUP.sink = None
+    log.info("worker %d %s", boot.rank, STARTUP.breakdown())
     control.send(CONTROL_CODEC.encode(StageReady(boot.name, os.getpid(), info)))
     log.info("worker %d ready on %s: %d KV blocks", boot.rank, runner.device, runner.num_blocks)
     rank = str(boot.rank).encode()
@@ -84,14 +99,30 @@ def run_worker(boot: Bootstrap) -> None:
         steps.run(plan)
 
 
+def report_progress(boot: Bootstrap, control: zmq.Socket) -> None:
+    """Send each start-up phase and item to the supervisor (console, /health), counted from the spawn."""
+    if boot.spawned_at:
+        STARTUP.start_at(boot.spawned_at)
+    pid = os.getpid()
+
+    def send(p: Progress) -> None:
+        msg = StageProgress(boot.name, pid, p.phase, p.done, p.total, round(p.elapsed_s, 3))
+        try:
+            control.send(CONTROL_CODEC.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # progress is best effort; readiness and failures are sent blocking
+
+    STARTUP.sink = send
+
+
 class StepLoop:
     """Launches each plan as it arrives and answers the step before it once this one is launched: in overlap
     mode the scheduler sends plan N+1 before it waits for step N, so the device runs N+1 right after N. A step
     with no successor is answered as soon as its sampled ids are on the host."""
 
-    def __init__(self, runner: Any, results: zmq.Socket, rank: bytes, rank_index: int) -> None:
+    def __init__(self, runner: ModelRunnerProtocol, results: zmq.Socket, rank: bytes, rank_index: int) -> None:
         self.runner, self.results, self.rank, self.rank_index = runner, results, rank, rank_index
-        self.previous: Any = None  # the launched step not answered yet (an inflight.StepHandle)
+        self.previous: StepHandle | None = None  # the launched step not answered yet
 
     def wait_for_plan(self, plans: zmq.Socket) -> bool:
         """Whether a plan is waiting; meanwhile answer the step in flight once its ids have arrived."""
@@ -108,7 +139,7 @@ class StepLoop:
             time.sleep(50e-6)
         return False
 
-    def run(self, plan: Any) -> None:
+    def run(self, plan: StepPlan) -> None:
         if self.previous is not None and (self.previous.event is None or self.previous.event.query()):
             self._answer()  # its ids are here already (or the device computes synchronously, as a CPU does)
         try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -13,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import appliance
 from appliance.server.auth import AuthMiddleware, load_api_keys, warn_if_exposed
 from appliance.server.chat import create_chat_completion, render_prompt
 from appliance.server.completions import create_completion
@@ -36,6 +36,10 @@ from appliance.server.responses import create_response
 from appliance.server.text import token_text
 
 log = logging.getLogger("appliance.server")
+try:
+    VERSION = importlib.metadata.version("appliance")  # the installed distribution's (pyproject.toml)
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    VERSION = "0+unknown"
 
 Handler = Callable[[ServerContext, Request], Awaitable[Response]]
 
@@ -79,7 +83,7 @@ async def health(ctx: ServerContext, request: Request) -> Response:
 
 
 async def version(ctx: ServerContext, request: Request) -> Response:
-    return JSONResponse({"version": getattr(appliance, "__version__", "0.1.0")})
+    return JSONResponse({"version": VERSION})
 
 
 async def metrics(ctx: ServerContext, request: Request) -> Response:
@@ -139,12 +143,18 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return ApiError(status, message).response()
 
 
-class StartingGate:
-    """The ASGI app while the stages behind the HTTP server load: every route (/health included) answers 503,
-    so probes see the port early; `open(app)` hands over to the real app once the pipeline is ready."""
+STARTING = "the server is starting"
 
-    def __init__(self) -> None:
+
+class StartingGate:
+    """The ASGI app while the stages behind the HTTP server load: every route answers 503, so probes see the port
+    early; `open(app)` hands over to the real app once the pipeline is ready. `progress()` is the start-up's
+    state ({"status": "starting", "message": ..., ...}): /health answers it as its body, the other routes put its
+    message in their error."""
+
+    def __init__(self, progress: Callable[[], dict[str, Any]] | None = None) -> None:
         self.app: Any = None
+        self.progress = progress or (lambda: {"status": "starting", "message": STARTING})
 
     def open(self, app: Any) -> None:
         self.app = app
@@ -153,8 +163,14 @@ class StartingGate:
         if self.app is not None:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
-            await ApiError(503, "the server is starting", headers={"Retry-After": "1"}).response()(
-                scope, receive, send)
+            state = self.progress()
+            if scope.get("path") == "/health":
+                response: Response = JSONResponse(state, status_code=503, headers={"Retry-After": "1"})
+            else:
+                message = state.get("message") or STARTING
+                text = message if message == STARTING else f"{STARTING}: {message}"
+                response = ApiError(503, text, headers={"Retry-After": "1"}).response()
+            await response(scope, receive, send)
 
 
 def build_app(ctx: ServerContext) -> Starlette:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -44,6 +44,9 @@ from appliance.server.shaping import (
     prompt_logprobs_field,
 )
 from appliance.server.sse import SSEResponse, run_until_disconnect
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 log = logging.getLogger("appliance.server")
 
@@ -111,7 +114,7 @@ class ParsedOutput:
         return "tool_calls" if self.called_tools and reason in ("stop", None) else reason
 
 
-def uses_parsers(config: Any, req: Any) -> bool:
+def uses_parsers(config: ApplianceConfig, req: Any) -> bool:
     return bool(config.api.reasoning_parser or req.tools)
 
 

@@ -8,19 +8,22 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from appliance.server.chat_template import ChatTemplate
 from appliance.server.engine_client import EngineClient
 from appliance.server.errors import ApiError
 from appliance.server.sampling import Limits
 
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
+
 T = TypeVar("T")
 
 
 @dataclass
 class ServerContext:
-    config: Any  # ApplianceConfig
+    config: ApplianceConfig
     tokenizer: Any  # a HF-style tokenizer (encode, decode, convert_ids_to_tokens)
     engine: EngineClient
     model_name: str
@@ -79,7 +82,7 @@ class ServerContext:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def make_context(config: Any, tokenizer: Any, engine: EngineClient, *, max_model_len: int,
+def make_context(config: ApplianceConfig, tokenizer: Any, engine: EngineClient, *, max_model_len: int,
                  vocab_size: int, obs: Any = None) -> ServerContext:
     """Everything resolved once at start-up: a bad chat template fails here, not per request."""
     from appliance.server.chat_template import load_template_source
@@ -99,5 +102,5 @@ def make_context(config: Any, tokenizer: Any, engine: EngineClient, *, max_model
                          obs=obs)
 
 
-def served_model_name(config: Any) -> str:
+def served_model_name(config: ApplianceConfig) -> str:
     return str(config.api.served_model_name or config.model.path or "default")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.server.errors import ApiError, bad_request
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from appliance.config.schema import ApplianceConfig
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class Limits:
             raise bad_request(f"n must be at most {self.max_n}, got {n}", "n")
 
     @classmethod
-    def from_config(cls, config: Any, max_model_len: int, vocab_size: int) -> Limits:
+    def from_config(cls, config: ApplianceConfig, max_model_len: int, vocab_size: int) -> Limits:
         caps = config.api.caps
         return cls(max_model_len, vocab_size, caps.max_n, caps.max_logprobs, caps.max_tokens, caps.max_stop)
 

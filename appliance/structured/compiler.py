@@ -107,11 +107,6 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, spec: StructuredSpec) -> Any:
-        from appliance.structured.matcher import GrammarMatcher
-
-        return GrammarMatcher(self.compile(spec))
-
     def _compile(self, spec: StructuredSpec) -> Any:
         c = self._compiler
         try:

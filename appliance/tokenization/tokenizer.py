@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.executor.hf_cache import resolve_model_dir
+from appliance.config.hf_cache import resolve_model_dir
 
 
 def load_tokenizer(path: str, *, mode: str = "auto", trust_remote_code: bool = False, revision: str | None = None,

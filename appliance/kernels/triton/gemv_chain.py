@@ -25,7 +25,6 @@ import triton.language as tl
 from appliance.kernels.reference.gemv_chain import PAIRS, rope_store_fits
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
-from appliance.kernels.triton import probe
 from appliance.kernels.triton.common import INTERPRET, pdl_enter, pdl_kwargs
 from appliance.kernels.triton.gemv import config_for, weight_stream
 
@@ -37,24 +36,18 @@ BLOCK_M = tl.constexpr(16)  # rows padded to the MMA's narrowest operand
 # of a kernel that never says), 1 as its programs start, 2 when a program's weight stream is done. The next
 # kernel's programs wait (gdc_wait) before reading anything, so any choice is correct; it decides only how early
 # they occupy the SMs the running kernel leaves idle.
-# Measured (H100, Llama-8B's 32 layers): 0 / 1 / 2 gave 5.202 / 5.143 / 5.156 ms at 1 row,
+# Measured on Llama-8B's 32 layers (H100): 0 / 1 / 2 gave 5.202 / 5.143 / 5.156 ms at 1 row,
 # 5.720 / 5.716 / 5.664 at 8.
 LAUNCH_NEXT = 2
 # The qkv kernel at one row lets the decode attention launch as its programs start (its 96 programs leave SMs
 # idle for the attention's to wait on): 5.109-5.125 against 5.151-5.158 ms; at 8 rows that lost (5.69 vs 5.64).
 QKV_LAUNCH_NEXT_ONE_ROW = 1
 
-# (n, k) of a weight -> (block_n, block_k, num_stages, num_warps) for it, over the default below (tuning:
-# none measured better than the default). The qkv kernel's block_n is fixed by its rotary pairs.
-TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {}
-
-
 def _tiles(n: int, k: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_stages, num_warps): the plain GEMV's measured choice (gemv.config_for) unless
-    TILES names the shape."""
+    """(block_n, block_k, num_stages, num_warps): the plain GEMV's measured choice (gemv.config_for); the qkv
+    kernel's block_n is fixed by its rotary pairs."""
     cfg = config_for(n, k)
-    return (TILES.get((n, k)) if not INTERPRET else None) or (cfg.block_n, cfg.block_k, cfg.num_stages,
-                                                              cfg.num_warps)
+    return cfg.block_n, cfg.block_k, cfg.num_stages, cfg.num_warps
 
 
 @triton.jit
@@ -109,17 +102,14 @@ def _norm_prep_kernel(h_ptr, g_ptr, xs_ptr, part_ptr, N, stride_hm, stride_sm, P
 
 @triton.jit
 def _residual_kernel(x_ptr, w_ptr, res_ptr, g_ptr, xs_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
-                     stride_sm, probe_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREP: tl.constexpr,
-                     UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr, PROBE: tl.constexpr):
+                     stride_sm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREP: tl.constexpr,
+                     UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr):
     pid = tl.program_id(0)
-    t0 = probe.now(pid, PROBE)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     _enter(GDC, NEXT)
-    t1, c1 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, n_mask, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                         UPCAST)
-    t2, c2 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     _streamed(GDC, NEXT)
     offs_m = tl.arange(0, BLOCK_M)
     mask = n_mask[:, None] & (offs_m < M)[None, :]
@@ -132,25 +122,21 @@ def _residual_kernel(x_ptr, w_ptr, res_ptr, g_ptr, xs_ptr, part_ptr, M, N, K, st
         g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(xs_ptr + offs_m[None, :] * stride_sm + offs_n[:, None], (hf * g[:, None]).to(ty), mask=mask)
         tl.store(part_ptr + offs_m * tl.num_programs(0) + pid, tl.sum(hf * hf, 0), mask=offs_m < M)
-    probe.write(probe_ptr, pid, t0, t1, t2, c1, c2, PROBE)
 
 
 @triton.jit
-def _silu_kernel(x_ptr, w_ptr, part_ptr, out_ptr, M, INTER, K, P, eps, stride_xm, stride_wn, stride_om, probe_ptr,
+def _silu_kernel(x_ptr, w_ptr, part_ptr, out_ptr, M, INTER, K, P, eps, stride_xm, stride_wn, stride_om,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, UPCAST: tl.constexpr,
-                 GDC: tl.constexpr, NEXT: tl.constexpr, PROBE: tl.constexpr):
+                 GDC: tl.constexpr, NEXT: tl.constexpr):
     HALF_N: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
     i = tl.arange(0, BLOCK_N)
     col = pid * HALF_N + i % HALF_N
     offs_n = tl.where(i < HALF_N, col, INTER + col)  # gate rows, then the up rows of the same columns
-    t0 = probe.now(pid, PROBE)
     _enter(GDC, NEXT)
-    t1, c1 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     scale = _row_scale(part_ptr, M, P, K, eps, BLOCK_P)
     acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, col < INTER, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                         UPCAST)
-    t2, c2 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     _streamed(GDC, NEXT)
     gate, up = _halves(acc * scale, out_ptr.dtype.element_ty, HALF_N)
     out = gate / (1.0 + tl.exp(-gate)) * up
@@ -158,15 +144,14 @@ def _silu_kernel(x_ptr, w_ptr, part_ptr, out_ptr, M, INTER, K, P, eps, stride_xm
     offs_m = tl.arange(0, BLOCK_M)
     tl.store(out_ptr + offs_m[None, :] * stride_om + cols[:, None], out.to(out_ptr.dtype.element_ty),
              mask=(cols < INTER)[:, None] & (offs_m < M)[None, :])
-    probe.write(probe_ptr, pid, t0, t1, t2, c1, c2, PROBE)
 
 
 @triton.jit
 def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                        M, K, P, eps, stride_xm, stride_wn, stride_c, stride_qm, stride_cb, stride_cs, stride_ch,
-                       probe_ptr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr, PROBE: tl.constexpr):
+                       UPCAST: tl.constexpr, GDC: tl.constexpr, NEXT: tl.constexpr):
     HALF: tl.constexpr = D // 2
     BLOCK_N: tl.constexpr = 2 * _PAIRS
     PER_HEAD: tl.constexpr = HALF // _PAIRS
@@ -178,9 +163,7 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
     rows_rope = head * D + tl.where(i < _PAIRS, j0 + i, HALF + j0 + i - _PAIRS)
     rows_v = (NQ + NKV) * D + (pid - ROPE_PROGRAMS) * BLOCK_N + i
     offs_n = tl.where(pid < ROPE_PROGRAMS, rows_rope, rows_v)
-    t0 = probe.now(pid, PROBE)
     _enter(GDC, NEXT)
-    t1, c1 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     scale = _row_scale(part_ptr, M, P, K, eps, BLOCK_P)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -189,7 +172,6 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
     store = (m_mask & (slot >= 0))[None, :]
     acc = weight_stream(x_ptr, stride_xm, w_ptr, stride_wn, offs_n, offs_n >= 0, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                         UPCAST)
-    t2, c2 = probe.now(pid, PROBE), probe.cycles(pid, PROBE)
     _streamed(GDC, NEXT)
     acc = acc * scale
     if HAS_BIAS:
@@ -216,7 +198,6 @@ def _rope_store_kernel(x_ptr, w_ptr, b_ptr, part_ptr, pos_ptr, cs_ptr, q_ptr, k_
         v_row = (pid - ROPE_PROGRAMS) * BLOCK_N + i
         v_dst = v_cache_ptr + slot_off + ((v_row // D) * stride_ch + v_row % D)[:, None]
         tl.store(v_dst, acc.to(ty).to(cache_ty), mask=store)
-    probe.write(probe_ptr, pid, t0, t1, t2, c1, c2, PROBE)
 
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, partials: torch.Tensor | None = None) -> None:
@@ -260,8 +241,7 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     _residual_kernel[(grid,)](x, weight, residual, norm_weight if prep else residual, xs, partials, m, n, k,
                               x.stride(0), weight.stride(0), residual.stride(0), xs.stride(0), BLOCK_N=block_n,
                               BLOCK_K=block_k, PREP=prep, UPCAST=INTERPRET, num_warps=warps, num_stages=stages,
-                              NEXT=LAUNCH_NEXT, **pdl_kwargs(x),
-                              **probe.launch_kwargs(f"residual {n}x{k}", grid, x))
+                              NEXT=LAUNCH_NEXT, **pdl_kwargs(x))
     return (xs, partials) if prep else None
 
 
@@ -277,7 +257,7 @@ def gemv_normed_silu(xs: torch.Tensor, weight: torch.Tensor, partials: torch.Ten
     _silu_kernel[(grid,)](
         xs, weight, partials, out, m, inter, k, p, eps, xs.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_P=triton.next_power_of_2(p), UPCAST=INTERPRET, num_warps=warps,
-        num_stages=stages, NEXT=LAUNCH_NEXT, **pdl_kwargs(xs), **probe.launch_kwargs("silu", grid, xs))
+        num_stages=stages, NEXT=LAUNCH_NEXT, **pdl_kwargs(xs))
     return out
 
 
@@ -302,7 +282,7 @@ def gemv_normed_rope_store(xs: torch.Tensor, weight: torch.Tensor, bias: torch.T
     _rope_store_kernel[(programs,)](
         xs, weight, bias if bias is not None else xs, partials, positions, cos_sin_cache, q, k_cache, v_cache,
         slot_mapping, m, k, p, eps, xs.stride(0), weight.stride(0), cos_sin_cache.stride(0), q.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **probe.launch_kwargs("qkv", programs, xs),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NQ=num_heads, NKV=num_kv_heads, D=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_K=block_k,
         BLOCK_P=triton.next_power_of_2(p), HAS_BIAS=bias is not None, UPCAST=INTERPRET, num_warps=warps,
         num_stages=stages, NEXT=QKV_LAUNCH_NEXT_ONE_ROW if m == 1 else LAUNCH_NEXT, **pdl_kwargs(xs))

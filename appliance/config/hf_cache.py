@@ -1,6 +1,6 @@
 """Resolving a model path or repo id to a local directory, through the local Hugging Face cache only.
 
-No torch import: the tokenizer process uses this too. Nothing here touches the network.
+No torch import: the tokenizer process and the executor both use it. Nothing here touches the network.
 """
 from __future__ import annotations
 
