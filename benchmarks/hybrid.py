@@ -16,6 +16,7 @@ full attention), num_hidden_layers from --layers. Linear-attention layers run th
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import tempfile
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         records += [{**shape, **r} for r in decode_and_throughput(llm, args, vocab)]
         records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=False)})
         del llm
+        gc.collect()  # the runner's caches go with it (weakref finalizers) before the second engine sizes its own
         llm = make_llm(model_dir, args, snapshots=True)
         records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=True)})
     for r in records:
