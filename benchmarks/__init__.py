@@ -5,6 +5,7 @@ Run from the repository root: `python -m benchmarks.NAME` (Python) or `bash benc
 - kernels.py: every Triton kernel against its torch reference, then timed (docs/kernels.md)
 - tp.py: tensor parallelism on 2 GPUs (docs/parallelism.md)
 - deepseek_v3.py: recipes/deepseek-v3.toml served on the DeepSeek-V3 shape, MTP off and on
+- spec_decode.py: speculative decoding (EAGLE-3 with forced acceptance, n-gram) against plain decoding
 - moe.sh: the MoE shapes (DeepSeek-V2-Lite, Qwen3-30B-A3B) and their kernels
 - flashinfer.sh: the flashinfer attention backend's GPU tests and timings
 - server.py: start / stop `appliance run` and measure it with `appliance bench serve` (used by the suites)

@@ -92,16 +92,17 @@ def test_unreadable_model_skips_model_checks() -> None:
 
 def test_unsupported_settings_are_warnings_and_start_up_errors(tmp_path: Path) -> None:
     f = tmp_path / "spec.toml"
-    f.write_text('[speculative]\nalgorithm = "NGRAM"\n')
+    f.write_text('[speculative]\nalgorithm = "DFLASH"\ndraft_model_path = "d"\n')
     r = resolve(f, env={})
     assert [w.where for w in r.warnings] == [f"{f}:2"]
     assert [w.path for w in r.warnings] == ["speculative.algorithm"]
     assert check_supported(r.config) == [
-        ("speculative.algorithm: only MTP speculative decoding (the model's own multi-token-prediction layers) "
-         "exists in this build (remove the setting or use its default)")]
+        ("speculative.algorithm: DFLASH and DSPARK drafting are not supported in this build; EAGLE, EAGLE3, "
+         "STANDALONE, NGRAM and MTP are (remove the setting or use its default)")]
     assert check_supported(build_config(env={})) == []
-    mtp = build_config(flat={"speculative_algorithm": "MTP", "speculative_num_steps": 2}, env={})
-    assert check_supported(mtp) == []  # the one algorithm that runs passes the start-up gate
+    for algorithm in ("MTP", "NGRAM"):  # the algorithms that run pass the start-up gate
+        ok = build_config(flat={"speculative_algorithm": algorithm, "speculative_num_steps": 2}, env={})
+        assert check_supported(ok) == []
     paths = [u.path for u in UNSUPPORTED]
     assert "precision.quantization" in paths and "parallelism.enable_expert_parallel" in paths
 

@@ -129,6 +129,13 @@ def test_metrics_show_the_spec_series_after_a_spec_run(monkeypatch: pytest.Monke
     assert samples["appliance:spec_decode_num_draft_tokens_total"] == draft_tokens
     assert samples["appliance:spec_decode_num_accepted_tokens_total"] == accepted
     assert samples["appliance:spec_decode_acceptance_rate"] == pytest.approx(accepted / draft_tokens)
+    assert samples["appliance:spec_decode_num_emitted_tokens_total"] == accepted + drafts
+    assert samples["appliance:spec_decode_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    per_pos = {s.labels["position"]: s.value for fam in text_string_to_metric_families(body.decode())
+               for s in fam.samples if s.name == "appliance:spec_decode_num_accepted_tokens_per_pos_total"}
+    want = loop.core.scheduler.spec.accepted_per_pos
+    assert per_pos == {str(j): c for j, c in enumerate(want)} and sum(want) == accepted
+    assert all(a >= b for a, b in zip(want, want[1:]))  # draft j + 1 is accepted only after draft j
 
 
 def test_without_speculation_the_counts_stay_zero_and_no_series_is_shown(monkeypatch: pytest.MonkeyPatch) -> None:

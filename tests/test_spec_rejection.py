@@ -75,3 +75,54 @@ def test_greedy_rows_accept_while_the_argmax_agrees() -> None:
     assert [[x.token_id for x in e] for e in out] == [[1, 0, 2], [1, 0], [1]]
     assert [s.token_ids for s in states] == [[9, 1, 0, 2], [9, 1, 0], [9, 1]]
     assert accepted_length([1, 0, 2], [1, 0]) == 3 and accepted_length([5], []) == 1
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)])
+def test_a_chain_of_two_drafts_emits_the_targets_joint_distribution(params: SamplingParams) -> None:
+    """Chi-square over the joint outcome of a 2-draft verification (first emitted token, then whether the
+    second and third follow): every outcome's frequency matches what sampling the target step by step gives."""
+    from scipy.stats import chi2
+
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(3, 5, generator=gen) * 1.2
+    p = [_nucleus(rows[j], params) for j in range(3)]
+    x0, x1 = int(p[0].argsort()[-1]), int(p[1].argsort()[-2])  # drafts: a likely one, then a less likely one
+    emitted = _run(rows, [x0, x1], params)
+    # outcomes: (t0,) for t0 != x0; (x0, t1) for t1 != x1; (x0, x1, t2)
+    want: dict[tuple[int, ...], float] = {}
+    for t0 in range(5):
+        if t0 != x0:
+            want[(t0,)] = float(p[0][t0])
+    for t1 in range(5):
+        if t1 != x1:
+            want[(x0, t1)] = float(p[0][x0] * p[1][t1])
+    for t2 in range(5):
+        want[(x0, x1, t2)] = float(p[0][x0] * p[1][x1] * p[2][t2])
+    seen: dict[tuple[int, ...], int] = {}
+    for e in emitted:
+        seen[tuple(e)] = seen.get(tuple(e), 0) + 1
+    assert set(seen) <= set(want)
+    cells = [k for k, q in want.items() if q * N >= 5]  # chi-square needs expected counts of at least 5
+    rest = N - sum(seen.get(k, 0) for k in cells)
+    rest_q = 1.0 - sum(want[k] for k in cells)
+    observed = [seen.get(k, 0) for k in cells] + [rest]
+    expected = [want[k] * N for k in cells] + [rest_q * N]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    assert stat < chi2.ppf(0.999, len(cells)), (stat, observed, expected)
+
+
+def _nucleus(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-p (the smallest set of most likely tokens reaching p), renormalised."""
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p >= 1.0:
+        return probs
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    total = 0.0
+    for t in order.tolist():
+        keep[t] = True
+        total += float(probs[t])
+        if total >= params.top_p:
+            break
+    out = probs * keep
+    return out / out.sum()

@@ -105,9 +105,11 @@ def test_max_model_len_is_exact_and_lookahead_never_passes_it() -> None:
     assert got == want and len(got) == 7
 
 
-def test_structured_requests_never_verify_drafts() -> None:
+def test_thinking_budget_requests_never_verify_drafts() -> None:
+    """Its processor cannot roll back rejected drafts, so the worker holds none for it (structured outputs do verify
+    drafts: tests/test_spec_structured.py)."""
     core, ex = _spec_engine(2, quality=lambda rid, n: 2)
-    sp = SamplingParams(max_tokens=6, ignore_eos=True, extra={"structured": {"regex": "a+"}})
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, extra={"thinking_budget": {"budget": 2, "end_token_ids": [5]}})
     core.add_request("g", [3, 4, 5], sp)
     while core.has_work():
         for d in core.step():

@@ -90,9 +90,30 @@ def _speculative(cfg: ApplianceConfig) -> list[Problem]:
         out.append(Problem("speculative.prompt_lookup_min", "must not exceed prompt_lookup_max"))
     if s.eagle3_layers_to_capture is not None and s.algorithm != "EAGLE3":
         out.append(Problem("speculative.eagle3_layers_to_capture", "only meaningful with algorithm EAGLE3"))
+    out += _synthetic_acceptance(s)
     if s.eagle_topk == 1 and s.num_draft_tokens is not None and s.num_draft_tokens > s.num_steps + 1:
         out.append(Problem("speculative.num_draft_tokens",
                            f"with eagle_topk 1 a chain has at most num_steps + 1 = {s.num_steps + 1} tokens"))
+    return out
+
+
+def _synthetic_acceptance(s: Any) -> list[Problem]:
+    """The forced accept decision is for benchmarks: it needs its explicit switch, and a reachable target."""
+    out: list[Problem] = []
+    length, rates = s.synthetic_acceptance_length, s.synthetic_acceptance_rates
+    given = "synthetic_acceptance_length" if length is not None else "synthetic_acceptance_rates" if rates else None
+    if given and not s.enable_synthetic_acceptance:
+        out.append(Problem(f"speculative.{given}", "benchmark-only: it makes outputs differ from the model's; set "
+                           "speculative.enable_synthetic_acceptance = true to use it"))
+    if length is not None and rates is not None:
+        out.append(Problem("speculative.synthetic_acceptance_rates", "give synthetic_acceptance_length or "
+                           "synthetic_acceptance_rates, not both"))
+    if length is not None and length > s.num_steps + 1:
+        out.append(Problem("speculative.synthetic_acceptance_length",
+                           f"{length} is more than num_steps + 1 = {s.num_steps + 1} tokens per verification"))
+    if rates is not None and (len(rates) != s.num_steps or not all(0.0 <= r <= 1.0 for r in rates)):
+        out.append(Problem("speculative.synthetic_acceptance_rates",
+                           f"needs num_steps = {s.num_steps} probabilities in [0, 1], got {rates}"))
     return out
 
 

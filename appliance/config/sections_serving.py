@@ -38,6 +38,21 @@ class SpeculativeSection(Section):
     eagle3_layers_to_capture: list[int] | None = param(
         None, "Target layers whose hidden states feed an EAGLE3 drafter. Unset: the drafter's default.",
         flags="--eagle3-layers-to-capture")
+    disable_by_batch_size: int | None = param(
+        None, "Verify no drafts while more than this many requests decode (drafting stops paying at large "
+        "batches). Unset: always speculate.", flags="--speculative-disable-by-batch-size", ge=1)
+    synthetic_acceptance_length: float | None = param(
+        None, "Benchmarks only: force the accept decision so that a verification keeps this many tokens on "
+        "average (accepted drafts + 1; between 1 and num_steps + 1). The drafter and the verify forward still run; "
+        "outputs are not the model's. Needs enable_synthetic_acceptance.",
+        flags="--speculative-synthetic-acceptance-length", ge=1.0)
+    synthetic_acceptance_rates: list[float] | None = param(
+        None, "Benchmarks only: force draft j to be accepted with probability rates[j] (given the drafts before it "
+        "were). The drafter and the verify forward still run; outputs are not the model's. Needs "
+        "enable_synthetic_acceptance.", flags="--speculative-synthetic-acceptance-rates")
+    enable_synthetic_acceptance: bool = param(
+        False, "Allow synthetic_acceptance_length / synthetic_acceptance_rates, which make outputs differ from the "
+        "model's: for benchmarks with dummy weights only.", flags="--speculative-enable-synthetic-acceptance")
 
     @field_validator("algorithm", mode="before")
     @classmethod

@@ -45,14 +45,26 @@ def _host_tier_set(c: ApplianceConfig) -> bool:
 
 
 UNSUPPORTED: list[Unsupported] = [
-    Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm not in (None, "MTP"),
-                "only MTP speculative decoding (the model's own multi-token-prediction layers) exists in this build"),
+    Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm in ("DFLASH", "DSPARK"),
+                "DFLASH and DSPARK drafting are not supported in this build; EAGLE, EAGLE3, STANDALONE, NGRAM and "
+                "MTP are"),
     Unsupported("speculative.eagle_topk", lambda c: c.speculative.algorithm is not None and c.speculative.eagle_topk > 1,
-                "draft trees (eagle_topk > 1) are not supported in this build; MTP drafts one chain"),
+                "draft trees (eagle_topk > 1) are not supported in this build; drafts are one chain"),
     Unsupported("speculative.num_draft_tokens",
                 lambda c: c.speculative.algorithm is not None
                 and c.speculative.effective_num_draft_tokens != c.speculative.num_steps + 1,
-                "an MTP chain verifies num_steps + 1 tokens in this build (leave num_draft_tokens unset)"),
+                "a draft chain verifies num_steps + 1 tokens in this build (leave num_draft_tokens unset)"),
+    Unsupported("speculative.draft_model_quantization", lambda c: c.speculative.draft_model_quantization != "unquant",
+                "the drafter's weights are used as stored in this build (unquant)"),
+    Unsupported("backends.drafter_attention",
+                lambda c: c.backends.drafter_attention not in (None, "auto", "torch", "triton")
+                or (c.speculative.algorithm == "MTP" and c.backends.drafter_attention not in (None, c.backends.attention)),
+                "the drafter's attention runs on auto, torch or triton in this build (MTP's layers on "
+                "backends.attention)"),
+    Unsupported("backends.draft_moe",
+                lambda c: c.backends.draft_moe not in (None, "auto", "torch", "triton")
+                or (c.speculative.algorithm == "MTP" and c.backends.draft_moe not in (None, c.backends.moe)),
+                "the draft model's MoE runs on auto, torch or triton in this build (MTP's layers on backends.moe)"),
     Unsupported("scheduler.enable_overlap",
                 lambda c: c.speculative.algorithm is not None and c.scheduler.enable_overlap,
                 "overlap scheduling with speculative decoding is not supported in this build"),

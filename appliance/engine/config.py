@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
 
+from appliance.engine.speculation import lookahead_tokens
+
 POLICIES = ("fcfs", "lpm")
 
 log = logging.getLogger(__name__)
@@ -38,8 +40,12 @@ class EngineConfig:
     max_queued_requests: int | None = None
     policy: str = "fcfs"
     lpm_scan_limit: int = 128  # lpm compares at most this many waiting requests per admission
-    # speculative decoding (MTP): drafts the workers propose after every sample, verified in the next step; 0 = off
+    # speculative decoding: drafts the workers propose after every sample, verified in the next step; 0 = off
     num_speculative_tokens: int = 0
+    # above this many decoding requests a step verifies no drafts (speculative.disable_by_batch_size); None: never
+    spec_disable_batch_size: int | None = None
+    # positions past a sampling chunk the drafter's cache takes (speculation.lookahead_tokens); None: k - 1 (MTP)
+    spec_lookahead: int | None = None
     schedule_conservativeness: float = 0.0
     # hybrid models: request slots of the workers' state cache (executor/state_cache.py), one per running request;
     # 0 = the model keeps no recurrent state
@@ -75,6 +81,10 @@ class EngineConfig:
                 f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of {self.block_size}), fewer "
                 f"than max_model_len={self.max_model_len}; give the cache more memory or lower max_model_len"
             )
+
+    @property
+    def lookahead(self) -> int:
+        return self.spec_lookahead if self.spec_lookahead is not None else max(0, self.num_speculative_tokens - 1)
 
     @property
     def chunking(self) -> bool:
@@ -123,6 +133,9 @@ class EngineConfig:
             max_queued_requests=sched.max_queued_requests,
             policy=sched.policy,
             num_speculative_tokens=num_speculative_tokens(config),
+            spec_disable_batch_size=getattr(getattr(config, "speculative", None), "disable_by_batch_size", None),
+            spec_lookahead=lookahead_tokens(getattr(getattr(config, "speculative", None), "algorithm", None),
+                                            num_speculative_tokens(config)),
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
             num_state_slots=num_state_slots,
@@ -161,7 +174,7 @@ class StepTokens:
 
 
 def num_speculative_tokens(config: ApplianceConfig) -> int:
-    """Drafts per verification: MTP's chain of num_steps tokens (eagle_topk 1), 0 without speculative decoding."""
+    """Drafts per verification: a chain of num_steps tokens (eagle_topk 1), 0 without speculative decoding."""
     spec = getattr(config, "speculative", None)
     if spec is None or spec.algorithm is None:
         return 0

@@ -56,6 +56,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [j]: verifications that accepted draft j
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -66,6 +67,11 @@ class EngineStats:
     def spec_mean_accepted_length(self) -> float:
         """Tokens emitted per verification: 1 + accepted drafts / verifications (vLLM's mean acceptance length)."""
         return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
+    @property
+    def spec_num_emitted_tokens(self) -> int:
+        """Tokens verifications emitted: the accepted drafts plus one token of the target's each."""
+        return self.spec_num_accepted_tokens + self.spec_num_drafts
 
 
 class EngineCore:
@@ -173,6 +179,7 @@ class EngineCore:
             spec_num_drafts=s.spec.num_drafts,
             spec_num_draft_tokens=s.spec.num_draft_tokens,
             spec_num_accepted_tokens=s.spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(s.spec.accepted_per_pos),
         )
 
     def spec_counts(self) -> tuple[int, int, int]:

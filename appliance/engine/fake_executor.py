@@ -178,7 +178,9 @@ class FakeExecutor(Executor):
                                                 top))
                 if self.k:
                     self._draft(s.request_id, w)
-        return StepResult(plan.step_id, sampled, prompt_lps)
+        drafts = {s.request_id: len(self.state[s.request_id].drafts) for s in plan.scheduled
+                  if s.sample and self.k and self.state[s.request_id].drafts}
+        return StepResult(plan.step_id, sampled, prompt_lps, drafts)
 
     def _verify(self, w: _WorkerRequest) -> list[int]:
         """Tokens after a sampling chunk: the provisional drafts the model agrees with, then its own token."""

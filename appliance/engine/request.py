@@ -106,6 +106,7 @@ class Request:
     last_issue_seq: int = -1  # when it was last scheduled (a scheduler counter): round-robin of decodes
     known_to_workers: bool = False  # workers hold its state (sent as new, not yet told to forget)
     num_pending: int = 0  # tokens sampled by steps in flight, not yet appended (overlap mode; 0 when synchronous)
+    num_drafts_held: int = 0  # drafts the workers hold for it (speculative decoding: the last StepResult.drafts)
     prompt_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_logprobs_done: bool = False
     num_prompt_tokens: int = field(init=False, repr=False)

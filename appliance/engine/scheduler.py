@@ -26,7 +26,8 @@ one that stops on EOS or a stop token, is aborted or preempted meanwhile has its
 
 Speculative decoding (config.num_speculative_tokens = k > 0, synchronous loop only; see speculation.py): a
 decoding request verifies d = min(k, what its limits leave) drafts the workers hold, as one chunk of 1 + d
-tokens; its table grows to cover the chunk plus the k - 1 positions the next draft chain writes (capped at
+tokens; its table grows to cover the chunk plus the positions the next draft chain writes (config.lookahead: k - 1
+for MTP and EAGLE, k for a draft model, none for n-gram lookup; capped at
 max_model_len). The result carries 1..d+1 tokens for it (outputs.py). A prefix hit gives back its last
 block: the drafter's cache entry at a block's last position depends on the next block's first token, which the
 hit does not cover (vLLM does the same).
@@ -88,6 +89,7 @@ class Scheduler:
         self._chunking = config.chunking
         self._block_size = config.block_size
         self._num_spec = config.num_speculative_tokens
+        self._lookahead = config.lookahead
         # room reserved at admission for the running requests' outputs (admission.py); None: none, no bookkeeping
         c = config.schedule_conservativeness
         self._reserve = (OutputReservation(c, config.block_size, self.running, self._shared_blocks,
@@ -149,10 +151,12 @@ class Scheduler:
         if self._chunking and len(decoding) > st.tokens:
             # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves.
             decoding.sort(key=lambda r: r.last_issue_seq)
+        off_above = self.config.spec_disable_batch_size
+        speculate = self._num_spec and (off_above is None or len(decoding) <= off_above)
         for req in decoding:
             if req.status is PREEMPTED:  # a victim of an earlier request in this loop
                 continue
-            if self._num_spec:
+            if speculate:
                 self._schedule_chunk(req, st, True)
             else:
                 self._schedule_decode(req, st)
@@ -182,7 +186,7 @@ class Scheduler:
             return
         if self.snapshots is not None and not decodes:
             n = self.snapshots.cut(req.num_computed_tokens, n)
-        need = self._blocks_for(table_tokens(req, req.num_computed_tokens, n, self._num_spec)) - len(req.block_ids)
+        need = self._blocks_for(table_tokens(req, req.num_computed_tokens, n, self._lookahead)) - len(req.block_ids)
         # need < 0: rejected drafts left lookahead blocks, which the table keeps
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []
         if new_blocks is not None:
@@ -234,7 +238,7 @@ class Scheduler:
             return False
         if self.snapshots is not None:
             n = self.snapshots.cut(num_hit, n)
-        need = self._blocks_for(table_tokens(req, num_hit, n, self._num_spec)) - len(hit)
+        need = self._blocks_for(table_tokens(req, num_hit, n, self._lookahead)) - len(hit)
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         spare = self.pool.num_available - need - revived  # blocks left after this chunk's
         rsv = self._reserve  # it also wants room for the rest of the prompt and the outputs (admission.py)
@@ -286,6 +290,7 @@ class Scheduler:
         req.transition(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
         req.num_pending = 0  # an in-flight sample is dropped; recompute samples it again
+        req.num_drafts_held = 0  # workers drop its drafts with its state
         req.num_preemptions += 1
         if not req.prompt_logprobs_done:
             req.prompt_logprobs = []
@@ -336,6 +341,7 @@ class Scheduler:
                 cache.store(req)
                 continue
             req.num_pending -= 1
+            req.num_drafts_held = result.drafts.get(s.request_id, 0)
             tok = sampled.get(s.request_id)
             if tok is None:
                 raise ValueError(f"executor did not sample a token for {s.request_id!r}")

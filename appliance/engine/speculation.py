@@ -1,25 +1,27 @@
 """Speculative decoding, the engine's side (pure Python): which requests verify drafts, and the counters.
 
-Drafts live on the workers. After every step that samples a request, an MTP worker proposes
-`num_speculative_tokens` (k) draft tokens for it and keeps them; the next step verifies d <= k of them: the
-scheduler schedules the decode with num_tokens = 1 + d (and KV blocks for that lookahead plus the k - 1
-positions the worker's next draft chain writes), and the worker answers with 1 to d + 1 SampledTokens of the
+Drafts live on the workers. After every step that samples a request, a worker proposes up to
+`num_speculative_tokens` (k) draft tokens for it (executor/speculative.py: MTP, EAGLE, a draft model, n-gram
+lookup), keeps them and reports how many it holds (StepResult.drafts, kept in Request.num_drafts_held); the next
+step verifies d <= that many: the
+scheduler schedules the decode with num_tokens = 1 + d (and KV blocks for that lookahead plus the positions
+the worker's next draft chain writes: lookahead_tokens), and the worker answers with 1 to d + 1 SampledTokens of the
 request, in order (the accepted drafts, then the target's own token at the first mismatch or after the last
 draft). The scheduler applies them one by one under every stop rule and moves num_computed by the count.
 
-A request whose sampling depends on processor state (structured outputs, thinking budget: extra keys the
-workers' logits processors follow) is never verified: it decodes one token per step, as without drafts.
+A request with structured outputs verifies drafts under its grammar (executor/logits_processors.py
+mask_drafts: row j masked as after the first j drafts, the matcher rolled back afterwards). One with a thinking
+budget (a processor without rollback) gets no drafts: it decodes one token per step, as without speculation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.sampling_params import SamplingParams
 
-# SamplingParams.extra keys that give a request logits processors (executor/logits_processors.py): their
-# matcher state would have to follow drafts that may be rejected
-PROCESSOR_KEYS = ("structured", "thinking_budget")
+# SamplingParams.extra keys of logits processors that cannot follow drafts that may be rejected (no rollback)
+PROCESSOR_KEYS = ("thinking_budget",)
 
 
 def drafts_allowed(params: SamplingParams) -> bool:
@@ -30,34 +32,49 @@ def drafts_allowed(params: SamplingParams) -> bool:
 
 def num_drafts(req: Request, k: int) -> int:
     """Drafts the workers hold for a decoding request that it may verify now (0 without speculation, k = 0)."""
-    if not k or req.status is not RequestStatus.DECODING or not drafts_allowed(req.sampling_params):
+    if not k or not req.num_drafts_held or req.status is not RequestStatus.DECODING:
         return 0
     # every accepted draft and the bonus token must fit max_tokens and max_model_len
     room = min(req.max_output_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens) - 1
-    return max(0, min(k, room))
+    return max(0, min(k, req.num_drafts_held, room))
 
 
-def table_tokens(req: Request, start: int, n: int, k: int) -> int:
-    """Tokens the block table must cover for a chunk of n tokens from start: the chunk, plus the positions
-    the workers' draft chain of k tokens writes after a chunk that samples."""
+def table_tokens(req: Request, start: int, n: int, lookahead: int) -> int:
+    """Tokens the block table must cover for a chunk of n tokens from start: the chunk, plus the `lookahead`
+    positions past it that the workers' drafter writes after a chunk that samples (EngineConfig.spec_lookahead)."""
     end = start + n
-    if k > 1 and end >= req.num_tokens + req.num_pending and drafts_allowed(req.sampling_params):
-        return max(end, min(end + k - 1, req.max_model_len))
+    if lookahead > 0 and end >= req.num_tokens + req.num_pending and drafts_allowed(req.sampling_params):
+        return max(end, min(end + lookahead, req.max_model_len))
     return end
+
+
+def lookahead_tokens(algorithm: str | None, k: int) -> int:
+    """Positions past a sampling chunk that a chain of k drafts writes into the drafter's cache: k - 1 for MTP
+    and EAGLE (row i reads the token at i + 1), k for a draft model (row i reads the token at i: the sampled
+    token's own row comes first), none for n-gram lookup (no cache) or without speculation."""
+    if algorithm is None or algorithm == "NGRAM" or k == 0:
+        return 0
+    return k if algorithm == "STANDALONE" else k - 1
 
 
 @dataclass
 class SpecCounters:
-    """Cumulative over the engine's life (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens)."""
+    """Cumulative over the engine's life (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens
+    / _num_accepted_tokens_per_pos). Emitted tokens of verifications = accepted + one per verification."""
 
     num_drafts: int = 0  # verifications of at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: verifications that accepted draft j
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
+        if num_accepted > len(self.accepted_per_pos):
+            self.accepted_per_pos += [0] * (num_accepted - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
 
     def as_tuple(self) -> tuple[int, int, int]:
         return self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens

@@ -62,6 +62,9 @@ class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)
     # prompt logprobs per request when asked: one entry per prompt position (None for the first)
     prompt_logprobs: dict[str, list[list[tuple[int, float]] | None]] = field(default_factory=dict)
+    # speculative decoding: drafts the workers hold after this step, per request that sampled and has some
+    # (the next step verifies at most that many; absent = none, e.g. no n-gram match)
+    drafts: dict[str, int] = field(default_factory=dict)
 
 
 class Executor:

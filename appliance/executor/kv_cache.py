@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,11 +21,25 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     num_tensors: int = 2  # K and V; 1 for MLA's latent cache (layers that declare uses_v_cache = False)
+    # a draft model's layers of another layout (speculative decoding), allocated after these on the same blocks
+    drafter: KVCacheSpec | None = None
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_tensors * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        own = self.num_tensors * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return own + (self.drafter.bytes_per_block if self.drafter is not None else 0)
+
+    @classmethod
+    def of(cls, layers: list[Any], block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The spec of attention layers (num_kv_heads, head_dim, uses_v_cache); layers after the first run of
+        one layout (a draft model's) become the `drafter` spec."""
+        first = layers[0]
+        layout = (first.num_kv_heads, first.head_dim, getattr(first, "uses_v_cache", True))
+        n = next((i for i, x in enumerate(layers)
+                  if (x.num_kv_heads, x.head_dim, getattr(x, "uses_v_cache", True)) != layout), len(layers))
+        return cls(n, layout[0], layout[1], block_size, dtype, 2 if layout[2] else 1,
+                   cls.of(layers[n:], block_size, dtype) if n < len(layers) else None)
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -76,9 +91,10 @@ def allocate(spec: KVCacheSpec, num_blocks: int,
              device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(K, V) per layer; V is None for a one-tensor (MLA latent) cache."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
-             torch.zeros(shape, dtype=spec.dtype, device=device) if spec.num_tensors == 2 else None)
-            for _ in range(spec.num_layers)]
+    own = [(torch.zeros(shape, dtype=spec.dtype, device=device),
+            torch.zeros(shape, dtype=spec.dtype, device=device) if spec.num_tensors == 2 else None)
+           for _ in range(spec.num_layers)]
+    return own + (allocate(spec.drafter, num_blocks, device) if spec.drafter is not None else [])
 
 
 def release(caches: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:

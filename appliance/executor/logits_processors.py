@@ -63,6 +63,7 @@ class GrammarProcessor:
         self.matcher = matcher
         self.eos_token_id = eos_token_id
         self.broken = False
+        self._advanced: list[bool] = []  # speculate() calls since the last rollback(): did the matcher move
 
     def mask_row(self, row: torch.Tensor) -> bool:
         if self.broken or self.matcher.is_terminated():
@@ -81,6 +82,22 @@ class GrammarProcessor:
             # only possible if something bypassed the mask; end the request rather than emit invalid output
             log.error("token %d breaks the request's grammar; ending the request", token_id)
             self.broken = True
+
+    def speculate(self, token_id: int) -> bool:
+        """Advance over a draft token if the grammar allows it (undone by `rollback`); False when it does not."""
+        if self.broken or self.matcher.is_terminated():
+            self._advanced.append(False)
+            return token_id == self.eos_token_id
+        ok = self.matcher.accept_token(token_id)
+        self._advanced.append(ok)
+        return ok
+
+    def rollback(self) -> None:
+        """Undo every `speculate` since the last rollback."""
+        n = sum(self._advanced)
+        if n:
+            self.matcher.rollback(n)
+        self._advanced = []
 
 
 class ThinkingBudgetProcessor:
@@ -112,6 +129,12 @@ class FinishNow:
         return True
 
     def observe(self, token_id: int) -> None:
+        pass
+
+    def speculate(self, token_id: int) -> bool:
+        return token_id == self.eos_token_id
+
+    def rollback(self) -> None:
         pass
 
 
@@ -211,6 +234,29 @@ class LogitsProcessors:
         for rid in [r for r, e in self._entries.items() if self.live.get(r) is not e.state]:
             del self._entries[rid]
 
+    def mask_drafts(self, logits: torch.Tensor, state: RequestState, num_drafts: int) -> None:
+        """Mask the d + 1 rows of a verification in place (speculative decoding: state.token_ids ends with its d
+        drafts): row j as after the confirmed tokens and the first j drafts. The processors advance over the
+        drafts and are rolled back; rows after a draft the grammar refuses are left alone (that draft's row,
+        masked, cannot sample it, so they are never emitted). Requests whose processors cannot roll back
+        (a thinking budget) never get drafts (engine/speculation.py drafts_allowed)."""
+        entry = self._entry(state)
+        confirmed = len(state.token_ids) - num_drafts
+        for token in state.token_ids[state.num_prompt_tokens + entry.seen : confirmed]:
+            for p in entry.processors:
+                p.observe(token)
+        entry.seen = confirmed - state.num_prompt_tokens
+        procs: list[Any] = entry.processors
+        try:
+            for j, draft in enumerate([*state.token_ids[confirmed:], None]):
+                for p in procs:
+                    p.mask_row(logits[j])
+                if draft is None or not all([p.speculate(draft) for p in procs]):
+                    break
+        finally:
+            for p in procs:
+                p.rollback()
+
     def mask(self, logits: torch.Tensor, states: Sequence[RequestState]) -> list[int]:
         """Mask the rows whose requests' processors constrain this step (in place); returns those rows."""
         if self._entries:
@@ -250,7 +296,11 @@ def sample(runner: ModelRunnerProtocol, logits: torch.Tensor, states: Sequence[R
     if not any(wants_processors(s.params.extra) for s in states):
         forget_idle(runner)
         return batch_sampler(logits, states)
-    rows = processors_for(runner).mask(logits, states)
+    return draw(batch_sampler, logits, states, processors_for(runner).mask(logits, states))
+
+
+def draw(batch_sampler: Any, logits: torch.Tensor, states: Sequence[Any], rows: list[int]) -> list[SampleResult]:
+    """Sample every row, the masked `rows` with the torch Sampler (the Triton fast path ignores masks)."""
     if not rows or batch_sampler.gpu_op is None:  # on the CPU every path (argmax, torch Sampler) honours masks
         return batch_sampler(logits, states)
     from appliance.executor.batch_sampler import sampling_row

@@ -98,12 +98,12 @@ class ModelRunner:
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
         self.model = self._build_model(m.load_format, m.seed)  # start-up phases: executor/startup.py
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
-        # the MTP drafter's caches share the block table and the KV budget (none without speculation)
-        layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model)
-        self.kv_spec = kv_cache.KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
-                                            self.block_size, kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype,
-                                                                                     self.dtype),
-                                            num_tensors=2 if getattr(layers[0], "uses_v_cache", True) else 1)
+        # a drafter's caches share the block table and the KV budget (none without speculation, or for n-gram)
+        self.draft_model = speculative.load_drafter(config, self)
+        layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model,
+                                                                                    self.draft_model)
+        self.kv_spec = kv_cache.KVCacheSpec.of(layers, self.block_size,
+                                               kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype, self.dtype))
         self.max_blocks = -(-self.max_model_len // self.block_size)
         # before the profile, so its peak (and so the KV budget) counts it; one row per request the scheduler
         # may run at once (prefilling ones included; speculative decoding adds rows to no request)
@@ -134,12 +134,12 @@ class ModelRunner:
         self.pieces = self._make_pieces()  # mixed / prefill steps' forward in graph pieces (piecewise.py)
         # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
-        self.spec: speculative.MtpSpeculator | None = None  # the warm-up's steps run without it
+        self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
         # speculative decoding runs whole steps (executor/speculative.py)
         if config.speculative.algorithm is not None:
-            with STARTUP.phase("building the MTP drafter"):
-                self.spec = speculative.MtpSpeculator(self)
+            with STARTUP.phase("building the speculator"):
+                self.spec = speculative.make_speculator(self)
 
     def warmup(self, graph_context: int = 2048) -> float:
         """Pay every first-use cost a run would meet (executor/warmup.py); returns the seconds taken. It writes

@@ -204,7 +204,7 @@ class DeviceBlockTable:
 
 class LiveRequests(MutableMapping[str, RequestState]):
     """The runner's live requests by id: adding one gives it a table row, dropping one (pop, del, clear)
-    frees the row. Everything that adds or drops requests (ModelRunner, speculative.MtpSpeculator,
+    frees the row. Everything that adds or drops requests (ModelRunner, speculative.Speculator,
     InProcessExecutor.shutdown) goes through this mapping, so rows never leak."""
 
     def __init__(self, table: DeviceBlockTable) -> None:

@@ -107,4 +107,4 @@ def _check_supported(config: ApplianceConfig, device: torch.device) -> None:
     if sampling not in ("auto", "torch"):
         raise ValueError(f"backends.sampling={sampling!r} is not supported by this executor yet "
                          "(supported: auto, torch)")
-    speculative.check_settings(config)  # MTP only, eagle_topk 1, no overlap
+    speculative.check_settings(config)  # a chain (eagle_topk 1), no overlap

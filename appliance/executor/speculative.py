@@ -1,25 +1,25 @@
-"""MTP speculative decoding on a worker: drafting with the model's multi-token-prediction layer, verification,
-and the per-request drafts (engine/speculation.py has the scheduler's side of the protocol).
+"""Speculative decoding on a worker: the step, verification and the per-request drafts; the drafters propose
+(speculative_mtp.py: the model's MTP layers; speculative_ngram.py: prompt lookup; speculative_draft.py: a
+standalone draft model, EAGLE and EAGLE-3 heads). engine/speculation.py has the scheduler's side.
 
 One step, for a plan whose decodes verify drafts (a decode of 1 + d tokens: the last confirmed token and d of
 the drafts this worker holds for the request):
-1. target forward over every chunk (decodes with drafts are multi-token chunks: prefill attention, eager);
+1. target forward over every chunk (decodes with drafts are multi-token chunks: prefill attention);
 2. scoring: plain sampling rows as in ModelRunner; a verification samples all of its d + 1 rows with the
    normal sampler, row j as if the first j drafts were confirmed, and keeps the longest prefix of rows whose
    sample equals their draft, plus the first sample that differs (or the bonus sample after the last draft).
-   With a one-hot (greedy) draft x this is exactly rejection sampling: x is accepted with probability p(x),
-   and a rejection emits a sample of p with x removed, renormalised. So every emitted token is distributed as
-   the target's; greedy rows, seeded rows (their noise is keyed on the tokens generated so far) and the GPU
-   fast path (keyed on the same count) emit exactly what they emit without drafts, and logprobs are the
-   target's for each emitted token. Rows with logits processors never verify drafts (the scheduler sees to it);
-3. MTP catch-up: the MTP layer runs over the chunk's positions whose tokens are now confirmed (row i: the
-   target's final hidden state at i and the token at i + 1), so its own KV cache holds every computed
-   position (prefix-cached blocks included); its last row drafts the first token;
-4. draft chain: num_steps - 1 more one-token steps of the same MTP layer, each on the previous step's draft and
-   hidden state (before the MTP head's norm, as vLLM chains it),
-   at the next position (the scheduler allocates blocks for them; a chain stops early at the block table's
-   end or max_model_len, and the scheduler never asks for more drafts than that leaves).
-Drafts are greedy (argmax of the MTP head). No CUDA graphs: every step here runs eager.
+   Drafts are greedy (one token, not a distribution), and with a one-hot draft x this is exactly rejection
+   sampling: x is accepted with probability p(x), and a rejection emits a sample of p with x removed,
+   renormalised. So every emitted token is distributed as the target's; greedy rows, seeded rows (their noise
+   is keyed on the tokens generated so far) and the GPU fast path (keyed on the same count) emit exactly what
+   they emit without drafts, and logprobs are the target's for each emitted token. Structured-output rows are
+   masked as after the drafts before them (a draft the grammar refuses is rejected); thinking-budget requests
+   get no drafts;
+3. proposal (the drafter's `_propose`): the drafter catches up over the chunk's confirmed positions and drafts up
+   to num_steps tokens for each request that sampled; the result reports how many it holds (StepResult.drafts),
+   and the next plan verifies at most that many. Above speculative.disable_by_batch_size sampling rows a step
+   drafts nothing (a drafter with a cache still catches up, so its cache stays whole).
+With speculative.synthetic_acceptance_* (benchmarks only) step 2's accept decision is forced (speculative_forced.py).
 """
 from __future__ import annotations
 
@@ -34,21 +34,22 @@ import torch
 from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
 from appliance.executor import logits_processors
-from appliance.executor.input_batch import Chunk
+from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import SampleResult
+from appliance.executor.speculative_forced import ForcedAcceptance
 from appliance.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
     from appliance.executor.model_runner import ModelRunner
 
-SUPPORTED_ALGORITHMS = ("MTP",)
+SUPPORTED_ALGORITHMS = ("MTP", "NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 
 
 def check_settings(config: ApplianceConfig) -> None:
-    """Start-up refusals for speculative settings this worker cannot honour (config only; the model is
-    checked by draft_attention_layers)."""
+    """Start-up refusals for speculative settings this worker cannot honour (config only; the models are
+    checked when they are built)."""
     s = config.speculative
     if s.algorithm is None:
         return
@@ -56,28 +57,58 @@ def check_settings(config: ApplianceConfig) -> None:
         raise ValueError(f"speculative.algorithm={s.algorithm!r} is not supported by this build (supported: "
                          f"{', '.join(SUPPORTED_ALGORITHMS)})")
     if s.eagle_topk != 1:
-        raise ValueError(f"speculative.eagle_topk={s.eagle_topk}: MTP drafts one chain (eagle_topk = 1); draft "
+        raise ValueError(f"speculative.eagle_topk={s.eagle_topk}: drafts are one chain (eagle_topk = 1); draft "
                          "trees are not supported")
     if s.effective_num_draft_tokens != s.num_steps + 1:
-        raise ValueError(f"speculative.num_draft_tokens={s.num_draft_tokens}: an MTP chain of num_steps="
+        raise ValueError(f"speculative.num_draft_tokens={s.num_draft_tokens}: a chain of num_steps="
                          f"{s.num_steps} verifies num_steps + 1 = {s.num_steps + 1} tokens; set that or leave it unset")
     if config.scheduler.enable_overlap:
         raise ValueError("speculative decoding runs with the synchronous engine loop; turn scheduler.enable_overlap "
                          "off")
 
 
-def draft_attention_layers(config: ApplianceConfig, model: Any) -> list[Any]:
-    """The drafter's attention layers, whose KV caches the runner allocates beside the model's (same block
-    table, same budget); [] without speculative decoding. Raises for a model without MTP layers."""
-    if config.speculative.algorithm is None:
-        return []
+def load_drafter(config: ApplianceConfig, runner: ModelRunner) -> torch.nn.Module | None:
+    """The separate draft model or head of STANDALONE / EAGLE / EAGLE3 (None otherwise), loaded beside the
+    runner's model before the KV cache is sized."""
     check_settings(config)
-    layers = model.mtp_attention_layers() if hasattr(model, "mtp_attention_layers") else []
-    if not layers:
-        raise ValueError(f"speculative.algorithm=MTP needs multi-token-prediction layers; {type(model).__name__} "
-                         "has none (DeepSeek-V3 family with num_nextn_predict_layers >= 1, from a checkpoint that "
-                         "keeps them: transformers' save_pretrained drops them)")
-    return layers
+    if config.speculative.algorithm not in ("STANDALONE", "EAGLE", "EAGLE3"):
+        return None
+    from appliance.executor.speculative_draft import load_draft_model
+
+    return load_draft_model(config, runner)
+
+
+def draft_attention_layers(config: ApplianceConfig, model: torch.nn.Module,
+                           drafter: torch.nn.Module | None) -> list[Any]:
+    """The drafter's attention layers, whose KV caches the runner allocates beside the model's (same block
+    table, same budget; a layout unlike the target's gets caches of its own shape); [] without speculative
+    decoding or for NGRAM. Raises for a model without MTP layers."""
+    algorithm = config.speculative.algorithm
+    if algorithm is None or algorithm == "NGRAM":
+        return []
+    if algorithm == "MTP":
+        from appliance.executor.speculative_mtp import mtp_attention_layers
+
+        return mtp_attention_layers(model)
+    return drafter.attention_layers()
+
+
+def make_speculator(runner: ModelRunner) -> Speculator | None:
+    """The speculator of runner.config.speculative.algorithm (None without speculative decoding)."""
+    algorithm = runner.config.speculative.algorithm
+    if algorithm is None:
+        return None
+    if algorithm == "MTP":
+        from appliance.executor.speculative_mtp import MtpSpeculator
+
+        return MtpSpeculator(runner)
+    if algorithm == "NGRAM":
+        from appliance.executor.speculative_ngram import NgramSpeculator
+
+        return NgramSpeculator(runner)
+    from appliance.executor.speculative_draft import DraftModelSpeculator, EagleSpeculator
+
+    return DraftModelSpeculator(runner) if algorithm == "STANDALONE" else EagleSpeculator(runner)
 
 
 class _VerifyRow:
@@ -112,11 +143,13 @@ def accepted_length(samples: list[int], drafts: list[int]) -> int:
 
 
 def verify(sample: Callable[[torch.Tensor, list[Any]], list[SampleResult]], logits: torch.Tensor,
-           requests: list[tuple[RequestState, int]]) -> list[list[SampleResult]]:
+           requests: list[tuple[RequestState, int]], forced: ForcedAcceptance | None = None
+           ) -> list[list[SampleResult]]:
     """Verify drafts. Each request's token_ids end with its d provisional drafts and it owns d + 1 consecutive
     rows of `logits` (row j: the distribution after the first j drafts). Every row is sampled by `sample` (a
     BatchSampler) with the drafts before it as history; a request keeps the samples up to the first that differs
-    from its draft (all d + 1 when none does). token_ids end with the kept samples afterwards."""
+    from its draft (all d + 1 when none does). token_ids end with the kept samples afterwards. `forced`
+    (benchmarks) decides how many drafts are kept instead: those drafts, then the sample after them."""
     rows = [_VerifyRow(state, len(state.token_ids) - d + j) for state, d in requests for j in range(d + 1)]
     results = sample(logits, rows)
     out: list[list[SampleResult]] = []
@@ -125,10 +158,15 @@ def verify(sample: Callable[[torch.Tensor, list[Any]], list[SampleResult]], logi
         confirmed = len(state.token_ids) - d
         mine = results[pos : pos + d + 1]
         pos += d + 1
-        n = accepted_length([x.token_id for x in mine], state.token_ids[confirmed:])
+        drafts = state.token_ids[confirmed:]
+        if forced is None:
+            kept = mine[: accepted_length([x.token_id for x in mine], drafts)]
+        else:
+            a = forced.accepted(d)
+            kept = [SampleResult(t) for t in drafts[:a]] + [mine[a]]
         del state.token_ids[confirmed:]
-        state.token_ids.extend(x.token_id for x in mine[:n])
-        out.append(mine[:n])
+        state.token_ids.extend(x.token_id for x in kept)
+        out.append(kept)
     return out
 
 
@@ -139,16 +177,22 @@ class _Scored:
     emitted: dict[str, int]  # tokens emitted per sampling chunk
 
 
-class MtpSpeculator:
-    """Runs StepPlans for a ModelRunner whose model has MTP layers (ModelRunner.execute hands them here)."""
+class Speculator:
+    """Runs StepPlans for a ModelRunner with speculative decoding (ModelRunner.launch hands them here);
+    subclasses implement `_propose`, which fills `self.drafts` for the requests that sampled."""
 
     def __init__(self, runner: ModelRunner) -> None:
         # a proxy, not a reference: runner.spec -> self -> runner would be a cycle, which only the collector frees,
         # and under a process-wide gc.freeze (runtime/gc_heap.py) never: the engine's GPU memory would leak
         self.runner = weakref.proxy(runner)
-        self.model = runner.model
-        self.num_steps = int(runner.config.speculative.num_steps)
+        s = runner.config.speculative
+        self.num_steps = int(s.num_steps)
+        self.disable_above: int | None = s.disable_by_batch_size
+        self.forced = ForcedAcceptance.from_section(s, runner.config.model.seed)
         self.drafts: dict[str, list[int]] = {}
+        self.drafting = True  # this step proposes (False above disable_by_batch_size sampling rows)
+        self._chain_stager = Stager(runner.device)  # a draft chain's inputs, one upload per step
+        self._index_stager = Stager(runner.device)  # the drafter's row indices
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -163,16 +207,28 @@ class MtpSpeculator:
         chunks = [self._chunk(s, verifying) for s in plan.scheduled]
         if not chunks:
             return StepResult(plan.step_id)
+        sampling = sum(1 for c in chunks if c.sample)
+        self.drafting = self.disable_above is None or sampling <= self.disable_above
         with torch.inference_mode():
-            ordered, row_starts, hidden = r._forward(chunks)
+            ordered, row_starts, hidden = self._forward(chunks)
             scored = self._score(ordered, row_starts, hidden, verifying)
             for c in ordered:  # a verification keeps the KV of its confirmed positions only
                 rid = c.state.request_id
                 c.state.num_computed += scored.emitted[rid] if rid in verifying else c.num_tokens
+                self.drafts.pop(rid, None)
             self._propose(ordered, row_starts, hidden, scored.emitted, verifying)
         order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         scored.sampled.sort(key=lambda t: order[t.request_id])  # stable: a request's tokens stay in order
-        return StepResult(plan.step_id, scored.sampled, scored.prompt_logprobs)
+        held = {c.state.request_id: len(self.drafts[c.state.request_id]) for c in ordered
+                if c.sample and self.drafts.get(c.state.request_id)}
+        return StepResult(plan.step_id, scored.sampled, scored.prompt_logprobs, held)
+
+    def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
+        return self.runner._forward(chunks)
+
+    def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
+                 emitted: dict[str, int], verifying: dict[str, int]) -> None:
+        raise NotImplementedError
 
     def _chunk(self, s: ScheduledRequest, verifying: dict[str, int]) -> Chunk:
         state = self.runner.requests.get(s.request_id)
@@ -183,9 +239,8 @@ class MtpSpeculator:
         d = end - len(state.token_ids) if s.sample else 0
         if d > 0:  # a verification: the drafts become provisional tokens until scored
             held = self.drafts.get(s.request_id, [])
-            if d > len(held) or not drafts_allowed(state.params):
-                raise ValueError(f"request {s.request_id!r}: asked to verify {d} drafts, the worker holds "
-                                 f"{len(held) if drafts_allowed(state.params) else 0}")
+            if d > len(held):
+                raise ValueError(f"request {s.request_id!r}: asked to verify {d} drafts, the worker holds {len(held)}")
             state.token_ids.extend(held[:d])
             verifying[s.request_id] = d
         if s.num_tokens < 1 or end > len(state.token_ids):
@@ -237,85 +292,140 @@ class MtpSpeculator:
 
     def _verify(self, logits: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
         at = torch.tensor([i + j for _, i, d in verify_at for j in range(d + 1)], device=logits.device)
-        # no logits processors here: requests that have them never verify drafts (engine/speculation.py)
-        emitted = verify(self.runner.batch_sampler, logits[at], [(c.state, d) for c, _, d in verify_at])
+        rows = logits[at]
+        masked: list[int] = []  # structured outputs: each row masked as after the drafts before it
+        first = 0
+        for c, _, d in verify_at:
+            if logits_processors.wants_processors(c.state.params.extra):
+                logits_processors.processors_for(self.runner).mask_drafts(rows[first : first + d + 1], c.state, d)
+                masked += range(first, first + d + 1)
+            first += d + 1
+        sampler = self.runner.batch_sampler
+        emitted = verify(lambda lg, states: logits_processors.draw(sampler, lg, states, masked), rows,
+                         [(c.state, d) for c, _, d in verify_at], self.forced)
         for (c, _, _), results in zip(verify_at, emitted):
             rid = c.state.request_id
             out.sampled += [SampledToken(rid, x.token_id, x.logprob, x.top_logprobs, x.rank) for x in results]
             out.emitted[rid] = len(results)
 
-    # ---- drafting ----------------------------------------------------------------------------------------
-    def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
-                 emitted: dict[str, int], verifying: dict[str, int]) -> None:
-        """MTP catch-up over every chunk's confirmed positions, then the draft chain for sampled requests."""
+    # ---- helpers of the drafters -------------------------------------------------------------------------
+    def shifted_inputs(self, chunks: list[Chunk], row_starts: list[int], emitted: dict[str, int],
+                       verifying: dict[str, int], device: torch.device) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Catch-up inputs of a drafter fed (token at i + 1, target's hidden state at i) (MTP, EAGLE): rows over
+        every chunk's positions whose next token is confirmed (a verification's emitted count, every row of other
+        chunks). Returns the inputs (positions, metadata, rows in their order), the shifted token ids and the
+        target's row of each."""
         r = self.runner
-        mtp_chunks: list[Chunk] = []
+        own: list[Chunk] = []
         target_first: dict[str, int] = {}
         for c, first in zip(chunks, row_starts):
             rid = c.state.request_id
-            # rows whose next token is confirmed: a verification's emitted count, every row of other chunks
-            n = emitted[rid] if rid in verifying else c.num_tokens
-            mtp_chunks.append(Chunk(c.state, c.start, n, c.sample))
+            own.append(Chunk(c.state, c.start, emitted[rid] if rid in verifying else c.num_tokens, c.sample))
             target_first[rid] = first
-            self.drafts.pop(rid, None)
-        inputs = r.host_inputs(mtp_chunks)
+        inputs = r.host_inputs(own)
         ids: list[int] = []
         take: list[int] = []
         for c in inputs.chunks:
             ids += c.state.token_ids[c.start + 1 : c.start + c.num_tokens + 1]
             first = target_first[c.state.request_id]
             take += range(first, first + c.num_tokens)
-        device = hidden.device
-        input_ids = torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(device)
-        previous = hidden[torch.tensor(take, device=device)]
-        h = self.model.mtp_forward(input_ids, inputs.positions, previous, inputs.meta)
-        drafting = [(c, s + c.num_tokens - 1) for c, s in zip(inputs.chunks, inputs.row_starts)
-                    if c.sample and drafts_allowed(c.state.params)]
-        if not drafting:
-            return
-        last = torch.tensor([row for _, row in drafting], device=device)
-        h = h[last]
-        tokens = self.model.mtp_logits(h).argmax(dim=-1)
-        states = [c.state for c, _ in drafting]
+        sent = self._index_stager.send(np.asarray(ids + take, dtype=np.int64))
+        return inputs, sent[: len(ids)], sent[len(ids) :]
+
+    def last_rows(self, inputs: Any) -> tuple[list[RequestState], torch.Tensor]:
+        """The requests this step drafts for and their last catch-up rows (on the device, staged: a plain copy
+        would wait for the catch-up forward)."""
+        drafting = [(c.state, s + c.num_tokens - 1) for c, s in zip(inputs.chunks, inputs.row_starts)
+                    if self.wants_drafts(c)]
+        rows = self._chain_stager.send(np.asarray([row for _, row in drafting], dtype=np.int64)) if drafting else None
+        return [s for s, _ in drafting], rows  # type: ignore[return-value]
+
+    def wants_drafts(self, c: Chunk) -> bool:
+        """Whether this step proposes for the chunk's request."""
+        return self.drafting and c.sample and drafts_allowed(c.state.params)
+
+    def draft_limit(self, state: RequestState) -> int:
+        """First position a draft chain may not write: past the block table or the model's length."""
+        return min(len(state.block_ids) * self.runner.block_size, self.runner.max_model_len)
+
+    def chain(self, states: list[RequestState], tokens: torch.Tensor, first_pos: list[int], hidden: Any,
+              step: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, Any], tuple[torch.Tensor, Any]]) -> None:
+        """Drafts 2..num_steps of each state after the first (`tokens`): step i feeds draft i (and the drafter's
+        `hidden` rows, if it chains them) at position first_pos + i - 1. A chain stops early where that position
+        is past the block table or max_model_len (the scheduler never asks for more drafts than the result
+        reports). Every step's positions, slots and tables are known before the chain starts, so they travel in
+        one staged upload, and the drafts come back in one read at the end: no host round trip per draft step."""
+        device = tokens.device
+        plan = self._chain_plan(states, first_pos)
         steps = [tokens]
-        alive = list(range(len(states)))  # indices into states still drafting
-        for step in range(1, self.num_steps):
-            pos = [states[i].num_computed + step - 1 for i in alive]
-            keep = [j for j, i in enumerate(alive) if pos[j] < self._draft_limit(states[i])]
-            if not keep:
-                break
-            if len(keep) < len(alive):
-                sel = torch.tensor(keep, device=device)
-                h, tokens = h[sel], tokens[sel]
-                alive, pos = [alive[j] for j in keep], [pos[j] for j in keep]
-            meta, positions = self._decode_meta([states[i] for i in alive], pos, device)
-            h = self.model.mtp_forward(tokens, positions, h, meta)
-            tokens = self.model.mtp_logits(h).argmax(dim=-1)
-            steps.append(torch.full((len(states),), -1, dtype=torch.int64, device=device).index_copy_(
-                0, torch.tensor(alive, device=device), tokens))
-        table = torch.stack(steps, dim=1).tolist()  # the step's one read-back of drafts
+        if plan:
+            flat = np.concatenate([a for p in plan for a in p.arrays()])
+            sent = self._chain_stager.send(flat)
+            at = 0
+            for p in plan:
+                views = []
+                for a in p.arrays():
+                    views.append(sent[at : at + a.shape[0]])
+                    at += a.shape[0]
+                keep, alive, positions, slots, seq_lens, tables = views
+                if p.narrows:
+                    tokens = tokens.index_select(0, keep)
+                    hidden = hidden.index_select(0, keep) if hidden is not None else None
+                n = p.rows
+                meta = AttentionMetadata(
+                    slot_mapping=slots, num_decode_tokens=n, decode_block_tables=tables.view(n, -1).to(torch.int32),
+                    decode_seq_lens=seq_lens.to(torch.int32),
+                    prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device),
+                    prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
+                    prefill_block_tables=torch.zeros((0, p.width), dtype=torch.int32, device=device))
+                tokens, hidden = step(tokens, positions, meta, hidden)
+                steps.append(torch.full((len(states),), -1, dtype=torch.int64, device=device).index_copy_(
+                    0, alive, tokens))
+        table = torch.stack(steps, dim=1).tolist()  # the chain's one read-back
         for state, row in zip(states, table):
             self.drafts[state.request_id] = [t for t in row if t >= 0]
 
-    def _draft_limit(self, state: RequestState) -> int:
-        """First position the chain may not write: past the block table or the model's length."""
-        return min(len(state.block_ids) * self.runner.block_size, self.runner.max_model_len)
-
-    def _decode_meta(self, states: list[RequestState], positions: list[int],
-                     device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Attention metadata of one-token rows at `positions` (the chain's drafts are not in token_ids)."""
+    def _chain_plan(self, states: list[RequestState], first_pos: list[int]) -> list[_ChainStep]:
+        """The host side of every chain step, computed up front (positions and limits are known)."""
         bs = self.runner.block_size
-        width = max(len(s.block_ids) for s in states)
-        tables = np.zeros((len(states), width), dtype=np.int32)
-        for i, s in enumerate(states):
-            tables[i, : len(s.block_ids)] = s.block_ids
-        pos = np.asarray(positions, dtype=np.int64)
-        slots = tables[np.arange(len(states)), pos // bs].astype(np.int64) * bs + pos % bs
-        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(device), num_decode_tokens=len(states),
-            decode_block_tables=i32(tables), decode_seq_lens=i32(pos + 1),
-            prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device),
-            prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
-            prefill_block_tables=torch.zeros((0, width), dtype=torch.int32, device=device))
-        return meta, torch.from_numpy(pos).to(device)
+        limits = [self.draft_limit(s) for s in states]
+        out: list[_ChainStep] = []
+        alive = list(range(len(states)))
+        for i in range(1, self.num_steps):
+            keep = [j for j, a in enumerate(alive) if first_pos[a] + i - 1 < limits[a]]
+            if not keep:
+                break
+            narrows = len(keep) < len(alive)
+            alive = [alive[j] for j in keep]
+            rows = [states[a] for a in alive]
+            width = max(len(s.block_ids) for s in rows)
+            tables = np.zeros((len(rows), width), dtype=np.int64)
+            for r, s in enumerate(rows):
+                tables[r, : len(s.block_ids)] = s.block_ids
+            pos = np.asarray([first_pos[a] + i - 1 for a in alive], dtype=np.int64)
+            slots = tables[np.arange(len(rows)), pos // bs] * bs + pos % bs
+            out.append(_ChainStep(np.asarray(keep, dtype=np.int64), np.asarray(alive, dtype=np.int64), pos, slots,
+                                  pos + 1, tables.reshape(-1), narrows, width))
+        return out
+
+
+@dataclass
+class _ChainStep:
+    """One draft step's rows: which of the previous step's rows go on (keep), their index among the chain's
+    states (alive), positions, cache slots, sequence lengths and flattened block tables of `width` columns."""
+
+    keep: np.ndarray
+    alive: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    seq_lens: np.ndarray
+    tables: np.ndarray
+    narrows: bool
+    width: int
+
+    @property
+    def rows(self) -> int:
+        return self.alive.shape[0]
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.keep, self.alive, self.positions, self.slots, self.seq_lens, self.tables

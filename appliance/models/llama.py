@@ -123,6 +123,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     chain: DecodeChain | None = None  # use_decode_chain builds one once the GEMVs are bound
+    aux: Any = None  # EAGLE-3: an AuxCapture (models/eagle.py) given layers' outputs are copied into
 
     def __init__(self, cfg: PretrainedConfig, qkv_bias: bool, qk_norm: bool, backend: str) -> None:
         super().__init__()
@@ -139,11 +140,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.chain is not None and self.chain.serves(x):
+        if self.chain is not None and self.aux is None and self.chain.serves(x):
             return self.chain.forward(x, positions, meta)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, meta)
+            if self.aux is not None:
+                self.aux.write(i, x, residual)
         out, _ = self.norm(x, residual)
         return out
 

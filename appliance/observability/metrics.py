@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -160,6 +161,12 @@ class MetricsRegistry:
             self.c_drafts = self._counter("spec_decode_num_drafts", "Speculative steps that proposed drafts.", e)
             self.c_draft_tokens = self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", e)
             self.c_accepted = self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", e)
+            self.c_emitted = self._counter("spec_decode_num_emitted_tokens", "Tokens verifications emitted "
+                                           "(accepted drafts plus the target's own token).", e)
+            self.c_per_pos = self._counter("spec_decode_num_accepted_tokens_per_pos", "Verifications that "
+                                           "accepted the draft at this position (0-based).", e + ("position",))
+            self.g_mean_len = self._gauge("spec_decode_mean_acceptance_length", "Tokens emitted per verification "
+                                          "over the engine's life (1 + accepted / verifications).", e)
             self.g_accept = self._gauge("spec_decode_acceptance_rate", "Accepted / drafted tokens over the "
                                         "engine's life (0-1).", e)
 
@@ -270,13 +277,23 @@ class MetricsRegistry:
                       (self.c_accepted, "spec_num_accepted_tokens")]
             d, a = snap.spec_num_draft_tokens, snap.spec_num_accepted_tokens
             self.g_accept.labels(*lab).set(a / d if d else 0.0)
+            n = snap.spec_num_drafts
+            self.g_mean_len.labels(*lab).set(1.0 + a / n if n else 0.0)
+            self._advance(self.c_emitted.labels(*lab), a + n, (prev.spec_num_accepted_tokens + prev.spec_num_drafts)
+                          if prev is not None else 0)
+            before = prev.spec_accepted_per_pos if prev is not None else []
+            for j, count in enumerate(snap.spec_accepted_per_pos):
+                self._advance(self.c_per_pos.labels(*lab, str(j)), count, before[j] if j < len(before) else 0)
         for counter, field in pairs:
-            new = getattr(snap, field)
-            old = getattr(prev, field) if prev is not None else 0
-            inc = new - old if new >= old else new
-            child = counter.labels(*lab)  # exported from the first snapshot on, at 0 until something counts
-            if inc:
-                child.inc(inc)
+            # exported from the first snapshot on, at 0 until something counts
+            self._advance(counter.labels(*lab), getattr(snap, field), getattr(prev, field) if prev is not None else 0)
+
+    @staticmethod
+    def _advance(child: Any, new: int, old: int) -> None:
+        """Move a counter to a snapshot's cumulative value; one that went down restarted: new is the increment."""
+        inc = new - old if new >= old else new
+        if inc:
+            child.inc(inc)
 
     # ---- exposition -------------------------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:

@@ -90,8 +90,6 @@ class RequestLogger:
     def _emit(self, line: str) -> str:
         self.log.info("%s", line)
         return line
-
-
 class DecodeProgressLog:
     """Every `interval` scheduler steps that generated tokens, one INFO line with the batch's state and the
     generation throughput since the previous line (the SGLang "Decode batch" line).
@@ -111,6 +109,7 @@ class DecodeProgressLog:
         self._steps = 0
         self._tokens = 0
         self._since = clock()
+        self._spec: tuple[int, int, int, tuple[int, ...]] = (0, 0, 0, ())  # speculative counts at the last line
 
     def on_step(self, stats: Any, num_generated: int) -> str | None:
         """Count one step; returns the line when one was logged."""
@@ -126,7 +125,22 @@ class DecodeProgressLog:
         line = (f"Decode batch: steps={self._steps} running={stats.num_running} waiting={stats.num_waiting} "
                 f"kv_tokens={stats.blocks_owned * self.block_size} kv_usage={stats.kv_usage:.3f} "
                 f"prefix_hit_rate={stats.prefix_hit_rate:.3f} gen_throughput_tok_s={rate:.2f}")
+        line += self._spec_part(stats)
         self._tokens = 0
         self._since = now
         self.log.info("%s", line)
         return line
+
+    def _spec_part(self, stats: Any) -> str:
+        """Speculative decoding since the previous line: verifications, drafted / accepted / emitted tokens, the
+        mean acceptance length and the acceptance rate of each draft position ("" without verifications)."""
+        now = (getattr(stats, "spec_num_drafts", 0), getattr(stats, "spec_num_draft_tokens", 0),
+               getattr(stats, "spec_num_accepted_tokens", 0), tuple(getattr(stats, "spec_accepted_per_pos", ())))
+        before, self._spec = self._spec, now
+        n, drafted, accepted = (a - b for a, b in zip(now[:3], before[:3]))
+        if n <= 0:
+            return ""
+        per_pos = [c - (before[3][j] if j < len(before[3]) else 0) for j, c in enumerate(now[3])]
+        rates = ",".join(f"{c / n:.2f}" for c in per_pos)
+        return (f" spec_verifications={n} spec_drafted={drafted} spec_accepted={accepted} spec_emitted={accepted + n}"
+                f" spec_mean_accept_len={1 + accepted / n:.2f} spec_accept_per_pos=[{rates}]")

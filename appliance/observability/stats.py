@@ -36,6 +36,7 @@ class StatsSnapshot:
     spec_num_drafts: int = 0  # speculative steps that proposed drafts
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)  # [j]: verifications accepting draft j
     # hybrid models' state cache (0 without one): request slots, the ones held by running requests, its bytes
     state_slots_total: int = 0
     state_slots_used: int = 0
@@ -47,6 +48,10 @@ class StatsSnapshot:
             if f.name == "timestamp":
                 if not isinstance(v, (int, float)) or isinstance(v, bool):
                     raise TypeError(f"StatsSnapshot.timestamp must be a number, got {v!r}")
+            elif f.name == "spec_accepted_per_pos":
+                if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in v):
+                    raise ValueError(f"StatsSnapshot.spec_accepted_per_pos must be a list of non-negative ints, "
+                                     f"got {v!r}")
             elif not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"StatsSnapshot.{f.name} must be a non-negative int, got {v!r}")
         if self.prefix_cache_hits > self.prefix_cache_queries:
@@ -115,6 +120,7 @@ def snapshot_from_core(core: Any, dp_rank: int = 0, timestamp: float | None = No
         spec_num_drafts=drafts,
         spec_num_draft_tokens=draft_tokens,
         spec_num_accepted_tokens=accepted,
+        spec_accepted_per_pos=list(getattr(getattr(sched, "spec", None), "accepted_per_pos", ())) if drafts else [],
         state_slots_total=int(core.config.num_state_slots),
         state_slots_used=len(sched.running) if core.config.num_state_slots else 0,
         state_cache_bytes=int(core.config.state_cache_bytes),

@@ -1,0 +1,53 @@
+"""MTP drafting (DeepSeek-V3 family): the model's own multi-token-prediction layer, its own latent cache on the
+same block table (executor/speculative.py runs the step and verification).
+
+1. catch-up: the MTP layer runs over the chunk's positions whose tokens are now confirmed (row i: the target's
+   final hidden state at i and the token at i + 1), so its own KV cache holds every computed position
+   (prefix-cached blocks included); its last row drafts the first token;
+2. chain: num_steps - 1 more one-token steps of the same MTP layer, each on the previous step's draft and hidden
+   state (before the MTP head's norm, as vLLM chains it), at the next position.
+Drafts are greedy (argmax of the MTP head).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from appliance.executor.input_batch import Chunk
+from appliance.executor.speculative import Speculator
+
+
+def mtp_attention_layers(model: Any) -> list[Any]:
+    """The MTP layers' attention, whose caches the runner allocates beside the model's. Raises for a model
+    without MTP layers."""
+    layers = model.mtp_attention_layers() if hasattr(model, "mtp_attention_layers") else []
+    if not layers:
+        raise ValueError(f"speculative.algorithm=MTP needs multi-token-prediction layers; {type(model).__name__} "
+                         "has none (DeepSeek-V3 family with num_nextn_predict_layers >= 1, from a checkpoint that "
+                         "keeps them: transformers' save_pretrained drops them)")
+    return layers
+
+
+class MtpSpeculator(Speculator):
+    def __init__(self, runner: Any) -> None:
+        super().__init__(runner)
+        self.model = runner.model
+
+    def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
+                 emitted: dict[str, int], verifying: dict[str, int]) -> None:
+        """MTP catch-up over every chunk's confirmed positions, then the draft chain for sampled requests."""
+        device = hidden.device
+        inputs, input_ids, take = self.shifted_inputs(chunks, row_starts, emitted, verifying, device)
+        h = self.model.mtp_forward(input_ids, inputs.positions, hidden[take], inputs.meta)
+        states, rows = self.last_rows(inputs)
+        if not states:
+            return
+        h = h[rows]
+
+        def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, h: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.model.mtp_forward(tokens, positions, h, meta)
+            return self.model.mtp_logits(h).argmax(dim=-1), h
+
+        self.chain(states, self.model.mtp_logits(h).argmax(dim=-1), [s.num_computed for s in states], h, step)

@@ -1,0 +1,230 @@
+"""Speculative decoding against plain decoding of the same build, in one process.
+
+    python -m benchmarks.spec_decode                 # Llama-3.1-8B shape, dummy weights, one GPU (~5 min)
+    python -m benchmarks.spec_decode --quick         # tiny shapes on the CPU (a smoke test)
+    python -m benchmarks.spec_decode --output-json results.json
+
+Runs (dummy weights: drafts are never right, so the EAGLE-3 runs force the accept decision with
+speculative.synthetic_acceptance_length; the drafter and the verify forward still run):
+- EAGLE-3 (a one-layer head of the published layout, 32k draft vocabulary), 3 draft tokens, batch 1,
+  1024 in / 256 out, forced acceptance length 2.6 and 1 (every draft rejected), each against plain decoding;
+- the same at batch 32 with 2.6;
+- n-gram prompt lookup on a synthetic code-editing workload (a source file, then a request to repeat it with one
+  change: outputs copy spans of the prompt), real acceptance: on the embedded default model (trained weights,
+  so the acceptance is a model's), and on the 8B shape (dummy weights: their outputs repeat, so that acceptance
+  only shows the cost of verification at this size).
+Prints output tok/s, ms per output token (wall time of the whole generate call over the tokens each request
+produced: prefill included), mean acceptance length and the speed-up over plain decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from appliance import LLM, SamplingParams
+from appliance.bench.presets import SHAPES
+from appliance.config import resolve_model_path
+
+EAGLE3_LLAMA_8B = {  # the published Llama-3.1-8B EAGLE-3 heads' shape
+    "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "draft_vocab_size": 32000, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+}
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 1}
+CODE = '''def parse_config(path):
+    """Read a key = value file into a dict, skipping comments."""
+    settings = {}
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def merge(base, override):
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = value
+    return out
+'''
+
+
+@dataclass
+class Run:
+    name: str
+    batch: int
+    output_tokens: int
+    seconds: float
+    mean_acceptance_length: float | None = None
+    baseline: str | None = None
+    speedup: float | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000.0 * self.seconds / (self.output_tokens / self.batch)
+
+
+def write_config(directory: Path, config: dict[str, Any]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def timed(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, int, float | None]:
+    """Seconds of one generate call, the tokens it produced, and the mean acceptance length of its verifications."""
+    before = llm.engine.stats()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    after = llm.engine.stats()
+    n = after.spec_num_drafts - before.spec_num_drafts
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outs), (1 + accepted / n) if n else None
+
+
+def free(llm: LLM) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    import random
+
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(batch)]
+
+
+def code_edit_text() -> str:
+    return (f"Here is a Python file:\n\n{CODE}\nRewrite the file with `settings` renamed to `options`. Keep "
+            f"everything else as it is.\n\n{CODE[:120]}")
+
+
+def main(argv: list[str] | None = None) -> list[Run]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (a smoke test)")
+    p.add_argument("--output-json", help="write the runs here")
+    a = p.parse_args(argv)
+    quick = a.quick
+    input_len, output_len, big_batch = (32, 8, 4) if quick else (1024, 256, 32)
+    work = Path(tempfile.mkdtemp(prefix="spec-bench-"))
+    target_cfg = TINY if quick else SHAPES["llama-3.1-8b"]
+    head_cfg = ({**EAGLE3_LLAMA_8B, **{k: TINY[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                          "num_key_value_heads", "vocab_size")},
+                 "draft_vocab_size": 128, "torch_dtype": "float32"} if quick else EAGLE3_LLAMA_8B)
+    target = write_config(work / "target", target_cfg)
+    head = write_config(work / "eagle3", head_cfg)
+    vocab = int(target_cfg["vocab_size"])
+    common: dict[str, Any] = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 2048,
+                              "max_num_seqs": big_batch}
+    common.update({"device": "cpu", "dtype": "float32", "max_total_tokens": 8192} if quick else
+                  {"gpu_memory_utilization": 0.85})
+    one = random_prompts(1, input_len, vocab, 0)
+    many = random_prompts(big_batch, input_len, vocab, 1)
+    code_ids = [{"prompt_token_ids": ([5 + i % (vocab - 8) for i in range(input_len // 2)] * 2)}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    runs: list[Run] = []
+
+    def measure(llm: LLM, name: str, prompts: list[Any], baseline: str | None = None) -> Run:
+        llm.generate(prompts[:1], warm, use_tqdm=False)  # first uses (compilation, graphs) outside the timing
+        seconds, tokens, mal = timed(llm, prompts, greedy)
+        run = Run(name, len(prompts), tokens, seconds, mal, baseline)
+        if baseline is not None:
+            base = next(r for r in runs if r.name == baseline)
+            run.speedup = run.tok_s / base.tok_s
+        runs.append(run)
+        print(report_line(run), flush=True)
+        return run
+
+    plain = LLM(model=str(target), **common)
+    measure(plain, "plain b1", one)
+    measure(plain, f"plain b{big_batch}", many)
+    measure(plain, "plain code-edit b1", code_ids)
+    free(plain)
+
+    eagle = LLM(model=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
+                speculative_num_steps=3, speculative_enable_synthetic_acceptance=True,
+                speculative_synthetic_acceptance_length=2.6, **common)
+    measure(eagle, "eagle3 acc2.6 b1", one, "plain b1")
+    measure(eagle, f"eagle3 acc2.6 b{big_batch}", many, f"plain b{big_batch}")
+    spec = eagle.executor.runner.spec
+    assert spec is not None and spec.forced is not None
+    spec.forced.length = 1.0  # the same engine, every draft rejected (the decision is all that changes)
+    measure(eagle, "eagle3 acc1 b1", one, "plain b1")
+    free(eagle)
+
+    ngram = LLM(model=str(target), speculative_algorithm="NGRAM", speculative_num_steps=3, **common)
+    measure(ngram, "ngram code-edit b1 (dummy weights)", code_ids, "plain code-edit b1")
+    free(ngram)
+    code_runs(runs, quick, output_len)
+    print_table(runs)
+    if a.output_json:
+        Path(a.output_json).write_text(json.dumps([{**asdict(r), "tok_s": r.tok_s, "ms_per_token": r.ms_per_token}
+                                                   for r in runs], indent=1))
+    return runs
+
+
+def code_runs(runs: list[Run], quick: bool, output_len: int) -> None:
+    """N-gram on the embedded default model (trained weights): real acceptance on the code-editing prompt."""
+    kw: dict[str, Any] = {"model": resolve_model_path(None), "max_model_len": 1024}
+    kw.update({"device": "cpu", "dtype": "float32", "max_total_tokens": 4096} if quick else
+              {"gpu_memory_utilization": 0.3})
+    prompt = [code_edit_text()]
+    params = SamplingParams(temperature=0.0, max_tokens=min(output_len, 200), ignore_eos=True)
+    for name, extra in (("plain code-edit default model", {}),
+                        ("ngram code-edit default model", {"speculative_algorithm": "NGRAM",
+                                                           "speculative_num_steps": 3})):
+        llm = LLM(**kw, **extra)
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        seconds, tokens, mal = timed(llm, prompt, params)
+        run = Run(name, 1, tokens, seconds, mal, "plain code-edit default model" if extra else None)
+        if extra:
+            run.speedup = run.tok_s / runs[-1].tok_s
+        runs.append(run)
+        print(report_line(run), flush=True)
+        free(llm)
+
+
+def report_line(r: Run) -> str:
+    mal = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
+    ratio = f"{r.speedup:.2f}x vs {r.baseline}" if r.speedup is not None else ""
+    return (f"{r.name:40s} batch {r.batch:3d}  {r.tok_s:9.1f} tok/s  {r.ms_per_token:8.2f} ms/token  "
+            f"accept len {mal:>5s}  {ratio}")
+
+
+def print_table(runs: list[Run]) -> None:
+    print("\n| run | batch | tok/s | ms/token | mean acceptance length | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in runs:
+        mal = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
+        ratio = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
+        print(f"| {r.name} | {r.batch} | {r.tok_s:.1f} | {r.ms_per_token:.2f} | {mal} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""N-gram lookup, a standalone draft model, EAGLE-3 and EAGLE heads through the offline LLM on the tiny Llama
+(CPU, float32, random weights; heads in the published checkpoint layouts, tests/spec_heads.py): greedy tokens and
+logprobs equal those without speculation (prefix caching on, a second pass hitting it; chunked prefill), seeded
+and penalised sampling are unchanged, the target as its own draft model has every draft accepted, and the
+n-gram proposer copies the continuation of the longest recurring suffix."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_VOCAB
+from spec_heads import build_eagle3_head, build_eagle_head
+
+from appliance import LLM, SamplingParams
+from appliance.executor.speculative_ngram import ngram_propose
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
+           list(range(40, 60)) + list(range(40, 50)), [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 50, 51]]
+NEW = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def drafters(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("drafters")
+    return {"draft": make_tiny_model("llama", seed=1, num_hidden_layers=1),
+            "eagle3": build_eagle3_head(out / "eagle3", TINY_VOCAB, 128),
+            "eagle3_speculators": build_eagle3_head(out / "eagle3_s", TINY_VOCAB, TINY_VOCAB, seed=2,
+                                                    layout="layers", with_embedding=True),
+            "eagle": build_eagle_head(out / "eagle", TINY_VOCAB)}
+
+
+# (algorithm, drafter key or None): every drafter this build has, besides MTP (tests/test_spec_mtp.py)
+SETUPS = [("NGRAM", None), ("STANDALONE", "draft"), ("EAGLE3", "eagle3"), ("EAGLE3", "eagle3_speculators"),
+          ("EAGLE", "eagle")]
+
+
+def make_llm(model: Path, **overrides: Any) -> LLM:
+    return LLM(model=str(model), dtype="float32", block_size=4, skip_tokenizer_init=True, **overrides)
+
+
+def spec_kwargs(algorithm: str, drafter: Path | None, steps: int = 3) -> dict[str, Any]:
+    kw: dict[str, Any] = {"speculative_algorithm": algorithm, "speculative_num_steps": steps}
+    if drafter is not None:
+        kw["speculative_draft_model_path"] = str(drafter)
+    return kw
+
+
+def generate(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list[list[int]] = PROMPTS) -> list[Any]:
+    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def logprobs_of(o: Any) -> list[float]:
+    return [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> list[Any]:
+    return generate(make_llm(tiny_model), SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1))
+
+
+def test_ngram_proposes_what_followed_the_longest_recurring_suffix() -> None:
+    t = np.array([1, 2, 3, 4, 5, 1, 2, 3, 9, 1, 2, 3])
+    assert ngram_propose(t, 1, 3, 3) == [9, 1, 2]  # the latest earlier [1, 2, 3]
+    assert ngram_propose(t, 1, 3, 5) == [9, 1, 2, 3]  # runs into the end of the history
+    assert ngram_propose(np.array([7, 1, 2, 8, 2]), 1, 3, 2) == [8, 2]  # only the one-token suffix recurs
+    assert ngram_propose(np.array([7, 1, 2, 8, 2]), 2, 3, 2) == []  # ... shorter than prompt_lookup_min
+    assert ngram_propose(np.array([1, 2, 3]), 1, 3, 3) == [] and ngram_propose(np.array([5]), 1, 3, 3) == []
+
+
+@pytest.mark.parametrize("algorithm,key", SETUPS)
+@pytest.mark.parametrize("setup", [{"enable_prefix_caching": True},
+                                   {"enable_prefix_caching": False, "chunked_prefill_size": 8}])
+def test_greedy_tokens_and_logprobs_equal_without_speculation(tiny_model: Path, drafters: dict[str, Path],
+                                                              reference: list[Any], algorithm: str, key: str | None,
+                                                              setup: dict[str, Any]) -> None:
+    llm = make_llm(tiny_model, **spec_kwargs(algorithm, drafters.get(key or "")), **setup)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
+    for _ in range(2 if setup["enable_prefix_caching"] else 1):  # the second pass hits the prefix cache
+        for o, ref in zip(generate(llm, params), reference):
+            assert o.token_ids == ref.token_ids
+            assert logprobs_of(o) == pytest.approx(logprobs_of(ref), abs=1e-4)
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens >= stats.spec_num_drafts
+    assert llm.engine.check_accounting().ok
+    if setup["enable_prefix_caching"]:
+        assert stats.prefix_hit_tokens > 0
+
+
+def test_the_target_as_its_own_draft_model_has_every_draft_accepted(tiny_model: Path, reference: list[Any]) -> None:
+    llm = make_llm(tiny_model, **spec_kwargs("STANDALONE", tiny_model))
+    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    assert stats.spec_mean_accepted_length > 3.0  # 3 drafts + 1 per verification, less the ends of requests
+
+
+@pytest.mark.parametrize("algorithm,key", [("NGRAM", None), ("STANDALONE", "draft"), ("EAGLE3", "eagle3")])
+def test_seeded_and_penalised_sampling_is_unchanged(tiny_model: Path, drafters: dict[str, Path], algorithm: str,
+                                                    key: str | None) -> None:
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=NEW, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=NEW, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=11, min_tokens=3, max_tokens=NEW),
+              SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=NEW,
+                             ignore_eos=True)]
+    base = generate(make_llm(tiny_model), params)
+    # the target as its own draft model: drafts are accepted often, so verification paths really run
+    drafter = tiny_model if algorithm == "STANDALONE" else drafters.get(key or "")
+    llm = make_llm(tiny_model, **spec_kwargs(algorithm, drafter))
+    outs = generate(llm, params)
+    for b, o in zip(base, outs):
+        assert o.token_ids == b.token_ids
+    assert logprobs_of(outs[0]) == pytest.approx(logprobs_of(base[0]), abs=1e-4)
+    assert llm.engine.stats().spec_num_drafts > 0
+
+
+def test_a_drafter_of_the_wrong_kind_is_refused(tiny_model: Path, drafters: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="algorithm EAGLE3 needs Eagle3Head"):
+        make_llm(tiny_model, **spec_kwargs("EAGLE3", drafters["draft"]))
+    with pytest.raises(ValueError, match="algorithm STANDALONE needs an ordinary model"):
+        make_llm(tiny_model, **spec_kwargs("STANDALONE", drafters["eagle3"]))
+    with pytest.raises(ValueError, match="an EAGLE-3 head reads three layers of the target.s 2"):
+        make_llm(tiny_model, eagle3_layers_to_capture=[0, 1, 5], **spec_kwargs("EAGLE3", drafters["eagle3"]))
+
+
+def test_a_draft_model_with_another_kv_layout_gets_caches_of_its_shape(tiny_model: Path, reference: list[Any],
+                                                                       make_tiny_model: Callable[..., Path]) -> None:
+    """A draft with 4 KV heads of 8 (the target: 2 of 16): its caches take its shape, the block budget counts both."""
+    other = make_tiny_model("llama", seed=3, num_hidden_layers=1, num_key_value_heads=4, head_dim=8)
+    llm = make_llm(tiny_model, max_total_tokens=1024, **spec_kwargs("STANDALONE", other))
+    runner = llm.executor.runner
+    spec = runner.kv_spec
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 16)
+    assert spec.drafter is not None and (spec.drafter.num_layers, spec.drafter.num_kv_heads, spec.drafter.head_dim) == (1, 4, 8)
+    assert spec.bytes_per_block == 2 * 4 * 4 * (2 * 2 * 16 + 4 * 8)  # K and V, 4 tokens, float32
+    assert runner.draft_model.model.layers[0].self_attn.attn.k_cache.shape[1:] == (4, 4, 8)
+    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert llm.engine.stats().spec_num_drafts > 0
+
+
+# ---- EAGLE-3: the engine's drafts equal a from-scratch pass of the published head recurrence ------------------
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = positions[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * cos + half * sin
+
+
+class Eagle3Reference:
+    """The EAGLE-3 head written from its published description, over a whole sequence at once: row i takes
+    embed(token i + 1) and fc(captured states at i) (or the previous row's pre-norm output in the chain); one
+    decoder layer whose attention reads [input_norm(embeds), hidden_norm(hidden)]; logits over the draft
+    vocabulary, mapped to target ids by d2t."""
+
+    def __init__(self, head_dir: Path, target_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.w = load_file(str(head_dir / "model.safetensors"))
+        self.embed = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+        self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # (embeds, hidden) per row so far
+
+    def step(self, tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append rows (one token and hidden state each, at the next positions); returns (draft ids, pre-norm)
+        of the new rows."""
+        w, p = self.w, "midlayer."
+        e = self.embed[torch.tensor(tokens)]
+        self.rows += list(zip(e, hidden))
+        embeds, hid = torch.stack([r[0] for r in self.rows]), torch.stack([r[1] for r in self.rows])
+        x = torch.cat([_rms(embeds, w[p + "input_layernorm.weight"]), _rms(hid, w[p + "hidden_norm.weight"])], -1)
+        n, d = x.shape[0], 16
+        pos = torch.arange(n)
+        q = _rope((x @ w[p + "self_attn.q_proj.weight"].T).view(n, 4, d), pos)
+        k = _rope((x @ w[p + "self_attn.k_proj.weight"].T).view(n, 2, d), pos).repeat_interleave(2, 1)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(n, 2, d).repeat_interleave(2, 1)
+        att = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                               v.transpose(0, 1), is_causal=True)
+        r1 = att.transpose(0, 1).reshape(n, -1) @ w[p + "self_attn.o_proj.weight"].T + hid
+        y = _rms(r1, w[p + "post_attention_layernorm.weight"])
+        m = (torch.nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)
+             ) @ w[p + "mlp.down_proj.weight"].T
+        pre = (m + r1)[-len(tokens):]
+        draft = (_rms(pre, w["norm.weight"]) @ w["lm_head.weight"].T).argmax(-1)
+        return draft + w["d2t"][draft], pre
+
+
+def _captured(target_dir: Path, tokens: list[int], layers: list[int]) -> torch.Tensor:
+    """The target's decoder-layer outputs (residual stream) at `layers`, side by side, from transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    outs: dict[int, torch.Tensor] = {}
+    hooks = [model.model.layers[i].register_forward_hook(
+        lambda mod, args, out, i=i: outs.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in set(layers)]
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    for h in hooks:
+        h.remove()
+    return torch.cat([outs[i].reshape(len(tokens), -1) for i in layers], -1)
+
+
+@pytest.mark.parametrize("layers", [None, [0, 1, 1]])
+def test_eagle3_drafts_equal_a_from_scratch_pass_of_the_head(make_tiny_model: Callable[..., Path],
+                                                            drafters: dict[str, Path], layers: list[int] | None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """After every step (catch-up over accepted and rejected verifications, chained steps, a prefix hit), each
+    request's drafts equal the reference head's run over its whole history: the loader's mapping of the
+    published names, the capture of the target's layers and the chain's inputs are the published ones."""
+    from appliance.executor.speculative_draft import EagleSpeculator
+
+    seen: dict[tuple[int, ...], list[int]] = {}
+    real = EagleSpeculator._propose
+
+    def record(self: EagleSpeculator, *args: Any) -> None:
+        real(self, *args)
+        for rid, drafts in self.drafts.items():
+            seen[tuple(self.runner.requests[rid].token_ids)] = list(drafts)
+
+    monkeypatch.setattr(EagleSpeculator, "_propose", record)
+    # four layers: the default capture is layers 0, 2 and 3 (a layer may also be listed twice)
+    tiny_model = make_tiny_model("llama", seed=4, num_hidden_layers=4)
+    chosen = {"eagle3_layers_to_capture": layers} if layers else {}
+    llm = make_llm(tiny_model, **chosen, **spec_kwargs("EAGLE3", drafters["eagle3"]))
+    layers = layers or [0, 2, 3]
+    generate(llm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), [PROMPTS[3], PROMPTS[0]])
+    generate(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), [PROMPTS[3][:9] + [60, 61]])
+    assert len(seen) >= 10 and llm.engine.stats().prefix_hit_tokens > 0
+    assert len({t for d in seen.values() for t in d}) > 5  # the head's drafts vary: the comparison can fail
+    for history, drafts in list(seen.items())[::3]:
+        ref = Eagle3Reference(drafters["eagle3"], tiny_model)
+        aux = _captured(tiny_model, list(history), layers)
+        fc = ref.w["fc.weight"]
+        first, pre = ref.step(list(history[1:]), aux[:-1] @ fc.T)
+        want = [int(first[-1])]
+        h = pre[-1:]
+        while len(want) < len(drafts):
+            tok, h = ref.step([want[-1]], h)
+            want.append(int(tok[0]))
+        assert drafts == want, history
+
+
+@pytest.mark.slow
+def test_tensor_parallel_eagle3_equals_one_process_without_speculation(tiny_model: Path, drafters: dict[str, Path],
+                                                                       reference: list[Any]) -> None:
+    """Two CPU worker processes (gloo): the head is sharded like the target (its fc gathers its output, the draft
+    vocabulary is split over the ranks), and the greedy tokens are the one-process ones."""
+    llm = make_llm(tiny_model, tensor_parallel_size=2, **spec_kwargs("EAGLE3", drafters["eagle3"]))
+    try:
+        outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        assert llm.engine.stats().spec_num_drafts > 0 and llm.engine.check_accounting().ok
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("algorithm,key", [("STANDALONE", "draft"), ("EAGLE3", "eagle3")])
+def test_preemption_with_drafts_keeps_the_greedy_tokens(tiny_model: Path, drafters: dict[str, Path],
+                                                        reference: list[Any], algorithm: str, key: str) -> None:
+    """A pool too small for all four requests: preempted requests come back, their drafter caches are rebuilt
+    by the recompute, and every output still equals the target's greedy tokens; the pool is whole afterwards."""
+    drafter = tiny_model if algorithm == "STANDALONE" else drafters[key]  # accepted drafts: long verifications
+    llm = make_llm(tiny_model, max_total_tokens=64, max_model_len=48, enable_prefix_caching=False,
+                   schedule_conservativeness=0.0, **spec_kwargs(algorithm, drafter))
+    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_drafts > 0 and stats.blocks_owned == 0
+    assert llm.engine.check_accounting().ok
