@@ -2,6 +2,8 @@
 Run from the repository root: `python -m benchmarks.NAME` (Python) or `bash benchmarks/NAME.sh`.
 
 - gpu_suite.sh: the published single-GPU figures (Llama-3.1-8B and Qwen3-0.6B shapes), ours and vLLM's
+- sessions.sh: agentic multi-turn sessions (`appliance bench sessions`): KV pool 3x oversubscribed with and
+  without the host tier, vLLM's figure, and the slo / fcfs mixed load (docs/scheduling.md)
 - kernels.py: every Triton kernel against its torch reference, then timed (docs/kernels.md)
 - tp.py: tensor parallelism on 2 GPUs (docs/parallelism.md)
 - deepseek_v3.py: recipes/deepseek-v3.toml served on the DeepSeek-V3 shape, MTP off and on

@@ -154,7 +154,7 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         EngineConfig(num_blocks=3, block_size=4, max_model_len=16)
     with pytest.raises(ValueError, match="not implemented"):
-        EngineConfig(num_blocks=64, policy="slo")
+        EngineConfig(num_blocks=64, policy="edf")
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         EngineConfig(num_blocks=64, chunked_prefill_size=0)
 

@@ -170,5 +170,5 @@ def test_repetition_penalty_matches_transformers(llm, tiny_model):
 
 def test_a_setting_this_build_cannot_honour_is_refused_at_start(tiny_model):
     # the offline API applies the same gate as `appliance run`: accepted-but-ignored settings are defects
-    with pytest.raises(ValueError, match=r"scheduler\.policy.*slo"):
-        LLM(model=str(tiny_model), dtype="float32", scheduling_policy="slo")
+    with pytest.raises(ValueError, match=r"scheduler\.policy.*chunked prefill"):
+        LLM(model=str(tiny_model), dtype="float32", scheduling_policy="slo", chunked_prefill_size=-1)

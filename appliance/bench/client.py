@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,7 @@ class ServeTarget:
         return body
 
 
-def _chunk_text(obj: dict[str, Any]) -> str:
+def chunk_text(obj: dict[str, Any]) -> str:
     choices = obj.get("choices") or []
     if not choices:
         return ""
@@ -63,14 +63,27 @@ def _chunk_text(obj: dict[str, Any]) -> str:
     return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
 
 
+def chunk_ids(obj: dict[str, Any]) -> list[int]:
+    """The token ids a chunk carries (vLLM's return_token_ids), else none."""
+    choices = obj.get("choices") or []
+    return list(choices[0].get("token_ids") or []) if choices else []
+
+
 async def send_one(client: httpx.AsyncClient, target: ServeTarget, req: TextRequest) -> RequestTiming:
     """One streamed request; failures (HTTP status, an error event, no output, transport) are recorded, not raised."""
-    res = RequestTiming(prompt_len=req.prompt_len)
+    return await send_body(client, target, target.body(req), req.prompt_len)
+
+
+async def send_body(client: httpx.AsyncClient, target: ServeTarget, body: dict[str, Any], prompt_len: int,
+                    on_chunk: Callable[[dict[str, Any]], None] | None = None) -> RequestTiming:
+    """One streamed request of a ready body; on_chunk sees every parsed chunk. A chunk with text or token ids
+    is a token event (TTFT, ITL). The usage's cached_tokens, when the server reports it, lands in the timing."""
+    res = RequestTiming(prompt_len=prompt_len)
     start = last = time.perf_counter()
     chunks = 0
     usage = None
     try:
-        async with client.stream("POST", target.url, json=target.body(req), headers=target.headers) as r:
+        async with client.stream("POST", target.url, json=body, headers=target.headers) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
@@ -84,8 +97,10 @@ async def send_one(client: httpx.AsyncClient, target: ServeTarget, req: TextRequ
                 if "error" in obj:
                     res.error = str(obj["error"].get("message", obj["error"]))[:200]
                     return res
+                if on_chunk is not None:
+                    on_chunk(obj)
                 usage = obj.get("usage") or usage
-                if _chunk_text(obj):
+                if chunk_text(obj) or chunk_ids(obj):
                     now = time.perf_counter()
                     if chunks == 0:
                         res.ttft = now - start
@@ -97,6 +112,9 @@ async def send_one(client: httpx.AsyncClient, target: ServeTarget, req: TextRequ
         res.output_tokens = int(usage["completion_tokens"]) if usage else chunks
         if usage and usage.get("prompt_tokens"):
             res.prompt_len = int(usage["prompt_tokens"])
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            res.cached_tokens = int(details["cached_tokens"])
         res.success = chunks > 0 or res.output_tokens > 0
         res.error = "" if res.success else "no output"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:

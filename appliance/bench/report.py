@@ -30,6 +30,7 @@ class RequestTiming:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
 
     @property
     def tpot(self) -> float | None:

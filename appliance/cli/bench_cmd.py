@@ -4,9 +4,11 @@
     appliance bench throughput --preset qwen3-0.6b            # the published workload on the shape, dummy weights
     appliance bench latency --preset llama-3.1-8b --save-result --result-filename b1.json
     appliance bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 16 --ignore-eos
+    appliance bench sessions --base-url http://127.0.0.1:8000 --num-sessions=16 --turns 10 --max-concurrency 4,8,16
 
 throughput and latency build an `appliance.LLM` in this process from --model / --preset, an optional --config
-file and --set overrides (as `appliance run`); serve measures a running server, ours or another.
+file and --set overrides (as `appliance run`); serve and sessions (multi-turn, bench/sessions.py) measure a
+running server, ours or another.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def add_parser(subparsers: Any) -> None:
     bench = subparsers.add_parser("bench", help="benchmark the engine offline or a running server",
                                   description="Benchmarks with vLLM's flag and metric names.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve}", required=True)
+    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,sessions}", required=True)
 
     tput = sub.add_parser("throughput", help="every request at once through the offline engine: tok/s")
     _engine_args(tput)
@@ -99,6 +101,41 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--ignore-eos", action="store_true")
     serve.add_argument("--timeout", type=float, default=6 * 3600, help="per request, seconds")
     _common(serve, percentile_metrics="ttft,tpot,itl")
+    _sessions_parser(sub)
+
+
+def _sessions_parser(sub: Any) -> None:
+    p = sub.add_parser("sessions", help="closed-loop multi-turn sessions of token ids against a server: TTFT by "
+                                        "turn, ITL, tok/s per user, reported against ideal cache hit")
+    p.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="the served model name (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--tokenizer", default=None,
+                   help="encodes the answers' text for servers that send no token ids (return_token_ids)")
+    p.add_argument("--num-sessions", type=int, default=None, help="default: the concurrency (per level)")
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--system-len", type=int, default=2048, help="the system prompt all sessions share (tokens)")
+    p.add_argument("--user-len", type=int, default=256, help="each session's first user message (tokens)")
+    p.add_argument("--tool-len", type=int, default=256, help="the tool result appended after each answer")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per turn (EOS ignored)")
+    p.add_argument("--think-time", type=float, default=0.0, help="seconds between a turn's answer and the next")
+    p.add_argument("--max-concurrency", type=_ints, default=[1],
+                   help="sessions at once; a comma-separated list sweeps them (e.g. 1,2,4,8)")
+    p.add_argument("--min-tok-s-per-user", type=float, default=70.0,
+                   help="the sweep reports the largest concurrency whose p90 tok/s per user reaches this")
+    p.add_argument("--id-range", type=_ints, default=[10, 1000], metavar="LOW,HIGH",
+                   help="prompt token ids drawn uniformly from [LOW, HIGH) (within every model's vocabulary)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=6 * 3600, help="per request, seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-result", action="store_true", help="write the result as JSON")
+    p.add_argument("--result-filename", default=None, help="its file (default bench-sessions-<time>.json)")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 class BenchError(Exception):
@@ -107,7 +144,8 @@ class BenchError(Exception):
 
 def main(args: argparse.Namespace) -> int:
     try:
-        return {"throughput": _throughput, "latency": _latency, "serve": _serve}[args.bench_command](args)
+        return {"throughput": _throughput, "latency": _latency, "serve": _serve,
+                "sessions": _sessions}[args.bench_command](args)
     except BenchError as exc:
         print(f"appliance bench {args.bench_command}: {exc}", file=sys.stderr)
         return 2
@@ -296,3 +334,39 @@ def _served_model(base: str, api_key: str | None) -> str:
         return str(r.json()["data"][0]["id"])
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise BenchError(f"no --model given and {base}/v1/models did not name one ({exc})") from exc
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    from appliance.bench import sessions
+    from appliance.bench.client import ServeTarget
+    from appliance.bench.report import format_report
+
+    if len(args.id_range) != 2 or any(c < 1 for c in args.max_concurrency):
+        raise BenchError("--id-range takes LOW,HIGH and --max-concurrency values must be >= 1")
+    base = args.base_url or f"http://{args.host}:{args.port}"
+    model = args.model or _served_model(base, args.api_key)
+    tokenizer = None
+    if args.tokenizer:
+        from appliance.tokenization import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    target = ServeTarget(base, "/v1/completions", model, args.api_key, args.temperature, True, args.timeout)
+    levels: dict[int, dict[str, Any]] = {}
+    for i, c in enumerate(args.max_concurrency):
+        try:  # each level its own histories (and system prompt), so no level starts on another's cache
+            w = sessions.SessionWorkload(args.num_sessions or c, args.turns, args.system_len, args.user_len,
+                                         args.tool_len, args.output_len, args.think_time, *args.id_range,
+                                         seed=args.seed + i)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from exc
+        results, duration = asyncio.run(sessions.run_sessions(target, w, c, tokenizer))
+        levels[c] = sessions.session_metrics(results, duration)
+        print(format_report("Sessions Benchmark Result", sessions.report_rows(c, w, levels[c])))
+    best = sessions.largest_concurrency(levels, args.min_tok_s_per_user)
+    result: dict[str, Any] = {"base_url": base, "model": model, "levels": levels,
+                              "largest_concurrency": best, "min_tok_s_per_user": args.min_tok_s_per_user,
+                              "completed": sum(m["completed"] for m in levels.values()),
+                              "errors": sorted({e for m in levels.values() for e in m["errors"]})[:10]}
+    summary = f"Largest concurrency with p90 tok/s per user >= {args.min_tok_s_per_user:g}: {best or 'none'}"
+    failed = any(m["failed"] for m in levels.values())
+    return _finish(args, result, summary) or (1 if failed else 0)

@@ -38,10 +38,25 @@ def _parser_missing(kind: str, name: str | None) -> bool:
     return name not in (reasoning_parser_names() if kind == "reasoning" else tool_parser_names())
 
 
+# What the host tier of this build is (engine/host_tier.py): blocks copied to host memory when the device evicts
+# them (SGLang's write_back), per-layer tensors shaped like the device cache (layer_first) moved by plain async
+# copies (direct), sized by host_cache_size_gb or host_cache_ratio. Any other choice of these keys is refused, and so
+# is a setting of the keys it lacks (a storage backend, the disk tier).
+_HOST_TIER_HONOURED = {"host_cache_write_policy": (None, "write_back"), "host_cache_io_backend": (None, "direct"),
+                       "host_cache_mem_layout": (None, "layer_first")}
+
+
 def _host_tier_set(c: ApplianceConfig) -> bool:
     cache, defaults = c.cache, type(c.cache)()
-    return any(getattr(cache, k) != getattr(defaults, k) for k in type(cache).model_fields
-               if k.startswith(("host_cache", "disk_cache")))
+    for k in type(cache).model_fields:
+        if k in ("host_cache", "host_cache_ratio", "host_cache_size_gb"):
+            continue
+        if not k.startswith(("host_cache", "disk_cache")):
+            continue
+        value = getattr(cache, k)
+        if value not in _HOST_TIER_HONOURED.get(k, (getattr(defaults, k),)):
+            return True
+    return cache.host_cache and not cache.enable_prefix_caching
 
 
 UNSUPPORTED: list[Unsupported] = [
@@ -93,7 +108,9 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("parallelism.dcp", lambda c: c.parallelism.dcp > 1,
                 "decode context parallelism is not supported in this build"),
     Unsupported("cache.host_cache", _host_tier_set,
-                "host-memory and disk KV cache tiers are not supported in this build (the KV cache lives on the GPU)"),
+                "this build's host tier copies blocks on eviction (write_policy write_back, io_backend direct, "
+                "mem_layout layer_first), is sized by host_cache_size_gb or host_cache_ratio and sits under the prefix "
+                "cache (enable_prefix_caching); storage backends and the disk tier are not supported"),
     Unsupported("multimodal", lambda c: not c.multimodal.text_only(),
                 "image and video inputs are not supported in this build (text only)"),
     Unsupported("api.reasoning_parser", lambda c: _parser_missing("reasoning", c.api.reasoning_parser),
@@ -134,8 +151,9 @@ UNSUPPORTED: list[Unsupported] = [
                 "MLA prefill expands the whole context at once in this build; it has no chunks to size"),
     Unsupported("backends.enable_mla_l1_5_cache", lambda c: c.backends.enable_mla_l1_5_cache,
                 "TokenSpeed's MLA L1.5 cache is not implemented in this build"),
-    Unsupported("scheduler.policy", lambda c: c.scheduler.policy == "slo",
-                "the slo scheduling policy is not implemented in this build (fcfs and lpm are)"),
+    Unsupported("scheduler.policy", lambda c: c.scheduler.policy == "slo" and c.scheduler.chunked_prefill_size == -1,
+                "the slo policy sizes prefill chunks to the decodes' deadlines: it needs chunked prefill "
+                "(scheduler.chunked_prefill_size > 0)"),
     Unsupported("api.enable_custom_logit_processor", lambda c: c.api.enable_custom_logit_processor,
                 "custom logit processors are not supported in this build"),
     Unsupported("api.stream_output", lambda c: c.api.stream_output,

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
+    from appliance.config.sections_engine import CacheSection
 
 from appliance.engine.speculation import lookahead_tokens
 
-POLICIES = ("fcfs", "lpm")
+POLICIES = ("fcfs", "lpm", "slo")
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class EngineConfig:
     eos_token_ids: frozenset[int] = frozenset()
     max_queued_requests: int | None = None
     policy: str = "fcfs"
+    slo_tbt_ms: float = 100.0  # policy slo: the time-between-tokens deadline (slo.py)
     lpm_scan_limit: int = 128  # lpm compares at most this many waiting requests per admission
     # speculative decoding: drafts the workers propose after every sample, verified in the next step; 0 = off
     num_speculative_tokens: int = 0
@@ -47,6 +49,7 @@ class EngineConfig:
     # positions past a sampling chunk the drafter's cache takes (speculation.lookahead_tokens); None: k - 1 (MTP)
     spec_lookahead: int | None = None
     schedule_conservativeness: float = 0.0
+    num_host_blocks: int = 0  # the host tier's slots (host_tier.py); 0: no host tier
     # hybrid models: request slots of the workers' state cache (executor/state_cache.py), one per running request;
     # 0 = the model keeps no recurrent state
     num_state_slots: int = 0
@@ -67,6 +70,8 @@ class EngineConfig:
             )
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"EngineConfig.max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.num_host_blocks < 0:
+            raise ValueError(f"EngineConfig.num_host_blocks must be >= 0, got {self.num_host_blocks}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"EngineConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if not 0 <= self.schedule_conservativeness < float("inf"):  # NaN fails too
@@ -74,6 +79,11 @@ class EngineConfig:
                              f"got {self.schedule_conservativeness}")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler policy {self.policy!r} is not implemented; the engine supports {POLICIES}")
+        if self.policy == "slo" and not self.chunking:
+            raise ValueError("scheduler policy slo sizes prefill chunks to the decodes' deadlines: it needs "
+                             "chunked prefill (scheduler.chunked_prefill_size > 0)")
+        if not self.slo_tbt_ms > 0:
+            raise ValueError(f"EngineConfig.slo_tbt_ms must be > 0, got {self.slo_tbt_ms}")
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
             # One sequence of max_model_len must fit alone, or it could preempt itself forever.
@@ -101,15 +111,17 @@ class EngineConfig:
     @classmethod
     def from_appliance(
         cls, config: ApplianceConfig, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
-        num_state_slots: int = 0, state_cache_bytes: int = 0,
+        num_host_blocks: int | None = None, num_state_slots: int = 0, state_cache_bytes: int = 0,
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
 
         num_blocks comes from the executor's memory profiling, eos_token_ids and max_model_len from the
-        model (max_model_len already resolved against model.max_model_len by the caller), num_state_slots from
-        the workers' state cache (hybrid models). A hybrid model's prefix cannot be reused from KV blocks alone
-        (its linear-attention layers need the recurrent state at the end of the prefix, and no state snapshots
-        are kept), so prefix caching is turned off for it, with a warning: the prefix is recomputed.
+        model (max_model_len already resolved against model.max_model_len by the caller). num_host_blocks: the
+        host tier's slots the workers allocated (host_blocks); None: from host_cache_ratio alone. num_state_slots: the workers'
+        state cache (hybrid models). A hybrid model's prefix cannot be reused from KV blocks alone (its
+        linear-attention layers need the recurrent state at the end of the prefix), so without state snapshots
+        (cache.ssm_checkpoint_interval) prefix caching is turned off for it, with a warning: the prefix is
+        recomputed.
         """
         sched = config.scheduler
         cache = config.cache
@@ -132,12 +144,14 @@ class EngineConfig:
             eos_token_ids=frozenset(eos_token_ids),
             max_queued_requests=sched.max_queued_requests,
             policy=sched.policy,
+            slo_tbt_ms=float(getattr(sched, "slo_tbt_ms", 100.0)),
             num_speculative_tokens=num_speculative_tokens(config),
             spec_disable_batch_size=getattr(getattr(config, "speculative", None), "disable_by_batch_size", None),
             spec_lookahead=lookahead_tokens(getattr(getattr(config, "speculative", None), "algorithm", None),
                                             num_speculative_tokens(config)),
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
+            num_host_blocks=host_blocks(cache, num_blocks) if num_host_blocks is None else num_host_blocks,
             num_state_slots=num_state_slots,
             state_cache_bytes=state_cache_bytes,
             ssm_checkpoint_interval=interval,
@@ -171,6 +185,24 @@ class StepTokens:
         if chunked_prefill_size > 0:
             return cls(chunked_prefill_size, min(chunked_prefill_size, max_model_len), True)
         return cls(max_prefill_tokens, max(max_prefill_tokens, max_model_len), False)
+
+
+def host_blocks(cache: CacheSection, num_blocks: int, bytes_per_block: int | None = None) -> int:
+    """The host tier's blocks: cache.host_cache_size_gb of them when set (> 0; needs the workers' bytes per
+    block), else cache.host_cache_ratio x the device's (SGLang's --hicache-ratio, default 2 as there); 0 without
+    cache.host_cache. The workers size their slots with it and report the count to the scheduler."""
+    if not getattr(cache, "host_cache", False):  # stand-ins of the config (tests) may lack the tier's keys
+        return 0
+    size_gb = cache.host_cache_size_gb
+    if size_gb:
+        if bytes_per_block is None:
+            raise ValueError("cache.host_cache_size_gb is sized by the workers (bytes per KV block)")
+        n = int(size_gb * (1 << 30)) // bytes_per_block
+        if n < 1:
+            raise ValueError(f"cache.host_cache_size_gb={size_gb} holds no KV block of {bytes_per_block} bytes")
+        return n
+    ratio = cache.host_cache_ratio if cache.host_cache_ratio is not None else 2.0
+    return max(1, int(num_blocks * ratio))
 
 
 def num_speculative_tokens(config: ApplianceConfig) -> int:

@@ -22,7 +22,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from appliance.engine.block_pool import AccountingReport
 from appliance.engine.config import EngineConfig
@@ -88,7 +88,7 @@ class EngineCore:
                              "scheduler.enable_overlap off")
         self.config = config
         self.executor = executor
-        self.scheduler = Scheduler(config, on_kv_event)
+        self.scheduler = Scheduler(config, on_kv_event, clock)
         self._clock = clock
         self._num_steps = 0
         self.overlap = overlap
@@ -188,7 +188,11 @@ class EngineCore:
 
     def check_accounting(self) -> AccountingReport:
         """free + cached + owned == total, and every refcount equals the number of live tables holding it."""
-        return self.scheduler.pool.check_accounting(self.scheduler.live_block_refs())
+        rep = self.scheduler.pool.check_accounting(self.scheduler.live_block_refs())
+        host = self.scheduler.cache.host
+        if host is not None and (problems := host.check()):
+            rep = replace(rep, problems=rep.problems + tuple(problems))
+        return rep
 
     def shutdown(self) -> None:
         pending, self._pending = self._pending, None

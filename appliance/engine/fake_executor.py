@@ -5,7 +5,9 @@ each StepPlan delta, asserting that the plan is consistent with that state: new 
 tables are exactly as long as the computed tokens need, sampling happens only at the end of the known tokens,
 and nothing writes into a block another live request reads. It also simulates the KV cache: each slot holds
 (token id, position) of the token written there, and before "attention" every position a request reads is
-checked, which catches wrong prefix-cache hits, lost blocks and blocks shared while being written.
+checked, which catches wrong prefix-cache hits, lost blocks and blocks shared while being written. The host
+tier's copies (StepPlan.host_copies) move those slot contents between blocks and host slots, so a wrong load is
+caught the same way.
 
 The "model" is `next_token(history) -> token id`, a pure function of the request's tokens, so a request's
 output must not depend on batching, chunking, preemption or prefix caching.
@@ -74,6 +76,7 @@ class FakeExecutor(Executor):
         self.draft_quality = draft_quality or (lambda rid, n: (n * 7 + len(rid)) % (num_speculative_tokens + 1))
         self.state: dict[str, _WorkerRequest] = {}
         self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.host: dict[int, list[tuple[int, int] | None]] = {}  # host slot -> a block's slots (host tier)
         self.plans: list[StepPlan] = []
         self.shut_down = False
 
@@ -82,6 +85,13 @@ class FakeExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        for direction, block, slot in plan.host_copies:
+            if direction == 0:
+                self.host[slot] = list(self.kv[block])
+            elif slot not in self.host:
+                self._fail(f"step {plan.step_id}: loads host slot {slot}, which holds nothing")
+            else:
+                self.kv[block] = list(self.host[slot])
         for rid in plan.finished_ids:
             if self.state.pop(rid, None) is None:
                 self._fail(f"step {plan.step_id}: told to forget unknown request {rid!r}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from appliance.engine.block_pool import BlockPool
+from appliance.engine.host_tier import HOST_MEDIUM, HostBlock, HostTier
 from appliance.engine.request import Request
 
 BLOCK_STORED = "BlockStored"
@@ -28,11 +29,13 @@ class KVEventSink(Protocol):
     """Receives every mutation of the cache, in order; the observability layer publishes them.
 
     kind is BLOCK_STORED, BLOCK_REMOVED or ALL_BLOCKS_CLEARED; for removals parent_hash is None and
-    token_ids empty, for a clear block_hash is None too.
+    token_ids empty, for a clear block_hash is None too. medium is given ("CPU") only for the host tier's
+    blocks (host_tier.py); without it the event is the device's.
     """
 
     def __call__(
-        self, kind: str, block_hash: int | None, parent_hash: int | None, token_ids: tuple[int, ...]
+        self, kind: str, block_hash: int | None, parent_hash: int | None, token_ids: tuple[int, ...],
+        medium: str | None = None
     ) -> None: ...
 
 
@@ -54,7 +57,8 @@ class CachedBlock:
 
 class PrefixCache:
     def __init__(
-        self, pool: BlockPool, block_size: int, enabled: bool = True, on_event: KVEventSink | None = None
+        self, pool: BlockPool, block_size: int, enabled: bool = True, on_event: KVEventSink | None = None,
+        host_slots: int = 0
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -67,6 +71,8 @@ class PrefixCache:
         self.queried_tokens = 0
         self.hit_tokens = 0
         pool.on_evict = self._on_evict
+        # the host-memory tier (host_tier.py): evicted blocks are copied there; None without one
+        self.host = HostTier(host_slots, self._emit_host) if host_slots and enabled else None
 
     # ---- hashing -----------------------------------------------------------------------------------------
     def block_hashes(self, req: Request) -> list[int]:
@@ -101,6 +107,33 @@ class PrefixCache:
                 break
             out.append(b)
         return out
+
+    def match_host(self, req: Request, start: int) -> list[HostBlock]:
+        """The host tier's blocks that continue a device hit of `start` blocks (same last-token rule)."""
+        if self.host is None:
+            return []
+        bs = self.block_size
+        hashes = self.block_hashes(req)
+        out: list[HostBlock] = []
+        for i in range(start, (req.num_tokens - 1) // bs):
+            hb = self.host.get(hashes[i])
+            if (hb is None or hb.parent_hash != (hashes[i - 1] if i else None)
+                    or hb.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs))):
+                break
+            out.append(hb)
+        return out
+
+    def load_host(self, hits: list[HostBlock], block_ids: list[int]) -> None:
+        """Queue the copies of host hits into fresh owned device blocks and register those in the cache."""
+        assert self.host is not None
+        for hb, b in zip(hits, block_ids, strict=True):
+            self.host.load(hb, b)
+            if hb.block_hash in self._by_hash:
+                continue  # another request brought it back meanwhile: this copy stays private
+            self._by_hash[hb.block_hash] = b
+            self._by_block[b] = CachedBlock(b, hb.block_hash, hb.parent_hash, hb.token_ids)
+            self.pool.mark_cached(b)
+            self._emit(BLOCK_STORED, hb.block_hash, hb.parent_hash, hb.token_ids)
 
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         self.queried_tokens += num_queried
@@ -159,6 +192,10 @@ class PrefixCache:
             self.pool.on_evict = self._on_evict
         self._by_hash.clear()
         self._by_block.clear()
+        if self.host is not None:  # the host copies go too; copies already queued still run
+            queued = self.host.copies
+            self.host = HostTier(self.host.num_slots, self._emit_host)
+            self.host.copies = queued
         self._emit(ALL_BLOCKS_CLEARED, None, None, ())
         return n
 
@@ -166,6 +203,12 @@ class PrefixCache:
         cb = self._by_block.pop(block_id)
         del self._by_hash[cb.block_hash]
         self._emit(BLOCK_REMOVED, cb.block_hash, None, ())
+        if self.host is not None:
+            self.host.offload(block_id, cb.block_hash, cb.parent_hash, cb.token_ids)
+
+    def _emit_host(self, kind: str, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, h, parent, tokens, medium=HOST_MEDIUM)
 
     def _emit(self, kind: str, h: int | None, parent: int | None, tokens: tuple[int, ...]) -> None:
         if self.on_event is not None:

@@ -104,6 +104,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     last_issue_seq: int = -1  # when it was last scheduled (a scheduler counter): round-robin of decodes
+    last_token_time: float | None = None  # scheduler clock at its last token (policy slo's deadline); None: none yet
     known_to_workers: bool = False  # workers hold its state (sent as new, not yet told to forget)
     num_pending: int = 0  # tokens sampled by steps in flight, not yet appended (overlap mode; 0 when synchronous)
     num_drafts_held: int = 0  # drafts the workers hold for it (speculative decoding: the last StepResult.drafts)

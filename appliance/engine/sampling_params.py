@@ -34,6 +34,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit before sampling)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's request priority (lower is served first); vLLM passes it beside the params, here it travels with them.
+    # Honoured by scheduler.policy = "slo"; the other policies refuse a non-zero one (scheduler.py add).
+    priority: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # structured-output and parser settings travel here
 
     def __post_init__(self) -> None:

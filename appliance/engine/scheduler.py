@@ -2,7 +2,7 @@
 
 Each step, in this order:
 1. running requests that decode (one token each), then running requests in the middle of a chunked prefill;
-2. waiting requests (preempted ones first, then by policy: fcfs or lpm), while the step has budget, a seat
+2. waiting requests (preempted ones first, then by policy: fcfs, lpm, or slo: slo.py), while the step has budget, a seat
    (max_num_seqs) and blocks (with schedule_conservativeness > 0 also room for the running requests' outputs:
    admission.py); a waiting request never preempts a running one, and none is admitted in a step that preempted.
 When a running request needs a block and none is free or evictable, the newest running request not yet
@@ -34,8 +34,10 @@ hit does not cover (vLLM does the same).
 """
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from itertools import islice
 
 from appliance.engine.admission import OutputReservation
@@ -57,6 +59,7 @@ from appliance.engine.request import (
     Request,
     RequestStatus,
 )
+from appliance.engine.slo import SloPolicy
 from appliance.engine.speculation import SpecCounters, table_tokens
 from appliance.engine.state_snapshots import StateSnapshots
 from appliance.engine.step import StepPlan, StepResult
@@ -68,10 +71,16 @@ class QueueFull(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, on_kv_event: KVEventSink | None = None) -> None:
+    def __init__(self, config: EngineConfig, on_kv_event: KVEventSink | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
+        self.slo = SloPolicy(config.slo_tbt_ms / 1000.0) if config.policy == "slo" else None
+        self._planned_at: dict[int, tuple[float, int]] = {}  # step id -> (clock, prefill tokens): policy slo
+        self._last_update_at = 0.0
         self.pool = BlockPool(config.num_blocks)
-        self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event)
+        self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event,
+                                 config.num_host_blocks)
         # hybrid models with prefix caching: recurrent-state snapshots at checkpoints (state_snapshots.py)
         self.snapshots = (StateSnapshots(config.ssm_snapshot_slots, config.ssm_checkpoint_interval,
                                          config.block_size)
@@ -106,6 +115,9 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.status is not RequestStatus.WAITING:
             raise ValueError(f"request {req.request_id!r} is {req.status.value}, not waiting")
+        if req.sampling_params.priority and self.slo is None:
+            raise ValueError(f"request {req.request_id!r}: priority needs scheduler.policy = \"slo\" "
+                             f"(this engine runs {self.config.policy})")
         if not self.can_queue():
             raise QueueFull(f"{len(self.waiting)} requests are waiting (scheduler.max_queued_requests)")
         self.requests[req.request_id] = req
@@ -135,11 +147,25 @@ class Scheduler:
             self._reserve.step_done(self.running, st.preempted)
         if not st.plan_sched:
             return None
-        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget)
+        copies = self.cache.host.take_copies() if self.cache.host is not None else []
+        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget, copies)
         self._next_step_id += 1
         self._forget = []
         self._in_flight[plan.step_id] = st.issued
+        if self.slo is not None:
+            prefill = sum(sc.num_tokens for sc, req, _, _ in st.issued if req.status is not DECODING)
+            self._planned_at[plan.step_id] = (self._clock(), prefill)
         return plan
+
+    def _cap_prefills(self, st: StepBudget) -> None:
+        """Policy slo: the prefill chunks still to plan get only what keeps this step within the decodes' slack."""
+        assert self.slo is not None
+        decoding = [req for _, req, _, _ in st.issued if req.status is DECODING]
+        cap = self.slo.prefill_cap(decoding, self._clock())
+        if cap is None:
+            return
+        prefill = sum(sc.num_tokens for sc, req, _, _ in st.issued if req.status is not DECODING)
+        st.tokens = min(st.tokens, max(cap - prefill, 0))
 
     def _schedule_running(self, st: StepBudget) -> None:
         # Whether a request decodes is decided here, once: planning one request changes no other's answer
@@ -149,8 +175,11 @@ class Scheduler:
         for req in self.running:
             (decoding if req.status is DECODING or _decodes(req) else prefilling).append(req)
         if self._chunking and len(decoding) > st.tokens:
-            # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves.
-            decoding.sort(key=lambda r: r.last_issue_seq)
+            # Not all decodes fit the budget: least recently scheduled first (round-robin), so none starves;
+            # policy slo: the nearest deadline first.
+            decoding.sort(key=self.slo.decode_key if self.slo is not None else lambda r: r.last_issue_seq)
+        if self.slo is not None:
+            prefilling.sort(key=self.slo.prefill_key)
         off_above = self.config.spec_disable_batch_size
         speculate = self._num_spec and (off_above is None or len(decoding) <= off_above)
         for req in decoding:
@@ -160,6 +189,8 @@ class Scheduler:
                 self._schedule_chunk(req, st, True)
             else:
                 self._schedule_decode(req, st)
+        if self.slo is not None:
+            self._cap_prefills(st)
         for req in prefilling:
             if req.status is not PREEMPTED:
                 self._schedule_chunk(req, st, False)
@@ -218,6 +249,8 @@ class Scheduler:
             return list(islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running))))
         preempted = [r for r in self.waiting if r.status is RequestStatus.PREEMPTED]
         fresh = [r for r in self.waiting if r.status is RequestStatus.WAITING]
+        if self.slo is not None:
+            return preempted + sorted(fresh, key=self.slo.waiting_key)
         k = self.config.lpm_scan_limit
         head = sorted(fresh[:k], key=lambda r: -len(self.cache.match(r)))  # stable: ties stay fcfs
         return preempted + head + fresh[k:]
@@ -226,19 +259,24 @@ class Scheduler:
         bs = self.config.block_size
         # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
         hit = self.cache.match(req) if req.sampling_params.prompt_logprobs is None else []
-        if hit and self.config.num_speculative_tokens:
-            hit = hit[:-1]  # the drafter's cache at the hit's last position saw another next token (see top)
+        host_hit = self.cache.match_host(req, len(hit)) if req.sampling_params.prompt_logprobs is None else []
+        if self.config.num_speculative_tokens:
+            # the drafter's cache at the hit's last position saw another next token (see top)
+            if host_hit:
+                host_hit = host_hit[:-1]
+            elif hit:
+                hit = hit[:-1]
         restore = -1
-        if hit and self.snapshots is not None:  # the KV alone is no prefix: its state must be restored too
-            k, restore = self.snapshots.deepest(self.cache.block_hashes(req), len(hit))
-            hit = hit[:k]
-        num_hit = len(hit) * bs
+        if (hit or host_hit) and self.snapshots is not None:  # the KV alone is no prefix: its state must be restored
+            k, restore = self.snapshots.deepest(self.cache.block_hashes(req), len(hit) + len(host_hit))
+            hit, host_hit = hit[:k], host_hit[:max(0, k - len(hit))]
+        num_hit = (len(hit) + len(host_hit)) * bs
         n = st.prefill_size(req.num_tokens - num_hit)
         if n == 0:
             return False
         if self.snapshots is not None:
             n = self.snapshots.cut(num_hit, n)
-        need = self._blocks_for(table_tokens(req, num_hit, n, self._lookahead)) - len(hit)
+        need = self._blocks_for(table_tokens(req, num_hit, n, self._lookahead)) - len(hit)  # host hits included
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         spare = self.pool.num_available - need - revived  # blocks left after this chunk's
         rsv = self._reserve  # it also wants room for the rest of the prompt and the outputs (admission.py)
@@ -246,9 +284,14 @@ class Scheduler:
             return False
         for b in hit:  # take the hits before allocating, so allocation cannot evict them
             self.pool.incref(b)
-        req.block_ids = hit + self.pool.allocate(need)
+        if host_hit:  # nor reuse the host slots about to be loaded
+            self.cache.host.pin(host_hit)
+        new_blocks = self.pool.allocate(need)
+        if host_hit:
+            self.cache.load_host(host_hit, new_blocks[:len(host_hit)])
+        req.block_ids = hit + new_blocks
         req.num_computed_tokens = num_hit
-        req.num_stored_blocks = len(hit)
+        req.num_stored_blocks = len(hit) + len(host_hit)
         if req.status is RequestStatus.WAITING:
             req.num_cached_tokens = num_hit
             self.cache.record_lookup(req.num_tokens, num_hit)
@@ -279,10 +322,12 @@ class Scheduler:
 
     # ---- preemption and retirement -----------------------------------------------------------------------
     def _victim(self, st: StepBudget) -> Request:
-        for req in reversed(self.running):
-            if req.last_issue_seq < st.first_issue_seq:  # not scheduled in this step
-                return req
-        raise AssertionError("no preemptable request although the current one is unscheduled")
+        unscheduled = [r for r in reversed(self.running) if r.last_issue_seq < st.first_issue_seq]
+        if not unscheduled:
+            raise AssertionError("no preemptable request although the current one is unscheduled")
+        if self.slo is not None:  # the lowest priority (largest value), newest among equals
+            return max(unscheduled, key=lambda r: r.sampling_params.priority)
+        return unscheduled[0]
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -291,6 +336,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_pending = 0  # an in-flight sample is dropped; recompute samples it again
         req.num_drafts_held = 0  # workers drop its drafts with its state
+        req.last_token_time = None  # no deadline until it decodes again
         req.num_preemptions += 1
         if not req.prompt_logprobs_done:
             req.prompt_logprobs = []
@@ -329,6 +375,7 @@ class Scheduler:
         cache = self.cache
         reserve = self._reserve
         prompt_logprobs = result.prompt_logprobs
+        now = self._observe_step(plan.step_id) if self.slo is not None else 0.0
         deltas: list[RequestDelta] = []
         for s, req, num_preemptions, drafts in scheduled:
             status = req.status
@@ -349,11 +396,21 @@ class Scheduler:
                 delta = append_verified(req, verified.get(s.request_id, [tok]), drafts, cache, reserve, self.spec)
             else:
                 delta = append_token(req, tok, cache, reserve)
+            req.last_token_time = now
             if delta.finish_reason is not None:
                 self.running.remove(req)
                 self._retire(req, FinishReason(delta.finish_reason))
             deltas.append(delta)
         return deltas
+
+    def _observe_step(self, step_id: int) -> float:
+        """Policy slo: feed the step's duration to the cost model; returns now (the step's tokens' time)."""
+        assert self.slo is not None
+        now = self._clock()
+        planned, prefill = self._planned_at.pop(step_id)
+        self.slo.cost.observe(now - max(planned, self._last_update_at), prefill)
+        self._last_update_at = now
+        return now
 
     @property
     def num_in_flight(self) -> int:

@@ -41,6 +41,9 @@ class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # forget these before running the step
+    # host-tier copies (engine/host_tier.py), run in order before the forward: (0, block, slot) device -> host,
+    # (1, block, slot) host -> device
+    host_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,10 @@ class InProcessExecutor(Executor):
         return self.runner.num_blocks
 
     @property
+    def num_host_blocks(self) -> int:
+        return self.runner.num_host_blocks
+
+    @property
     def num_state_slots(self) -> int:
         return self.runner.num_state_slots
 

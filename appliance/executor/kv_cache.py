@@ -97,6 +97,54 @@ def allocate(spec: KVCacheSpec, num_blocks: int,
     return own + (allocate(spec.drafter, num_blocks, device) if spec.drafter is not None else [])
 
 
+def allocate_host(spec: KVCacheSpec, num_slots: int,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The host tier's slots (engine/host_tier.py), shaped like the device caches: pinned host memory beside a
+    GPU, so the copies are asynchronous DMA; empty without a tier."""
+    if num_slots == 0:
+        return []
+    shape = (num_slots, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    pin = device.type == "cuda"
+    return [(torch.zeros(shape, dtype=spec.dtype, pin_memory=pin),
+             torch.zeros(shape, dtype=spec.dtype, pin_memory=pin) if spec.num_tensors == 2 else None)
+            for _ in range(spec.num_layers)]
+
+
+def copy_host_blocks(device_caches: list[tuple[torch.Tensor, torch.Tensor | None]],
+                     host_caches: list[tuple[torch.Tensor, torch.Tensor | None]],
+                     copies: list[tuple[int, int, int]]) -> None:
+    """Run a plan's host-tier copies in order: (0, block, slot) device -> host, (1, block, slot) host -> device.
+    Every copy is enqueued on the current stream (non_blocking from / to pinned memory), so it is ordered
+    before the step's forward and after the steps launched before it, without waiting on the host. Copies of
+    consecutive blocks to consecutive slots go as one range per tensor (slots and blocks are mostly handed out
+    in order), so a long history costs a few copies per layer rather than one per block."""
+    if copies and not host_caches:
+        raise RuntimeError("the plan carries host-tier copies but this worker has no host tier")
+    for direction, block, slot, n in coalesce(copies):
+        for dev_pair, host_pair in zip(device_caches, host_caches, strict=True):
+            for dev, host in zip(dev_pair, host_pair, strict=True):
+                if dev is None or host is None:
+                    continue
+                if direction == 0:
+                    host[slot:slot + n].copy_(dev[block:block + n], non_blocking=True)
+                else:
+                    dev[block:block + n].copy_(host[slot:slot + n], non_blocking=True)
+
+
+def coalesce(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """(direction, first block, first slot, count): runs of one direction whose blocks and slots both step by
+    one, in the given order."""
+    runs: list[tuple[int, int, int, int]] = []
+    for direction, block, slot in copies:
+        if runs:
+            d, b, s, n = runs[-1]
+            if d == direction and block == b + n and slot == s + n:
+                runs[-1] = (d, b, s, n + 1)
+                continue
+        runs.append((direction, block, slot, 1))
+    return runs
+
+
 def release(caches: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
     """Give the caches' memory back now (the runner's finalizer). On a GPU with the Triton backend a tensor
     object of the cache outlived its dropped engine, held by a reference gc cannot see (found by

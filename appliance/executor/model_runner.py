@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from appliance.engine.config import StepTokens, snapshot_slots
+from appliance.engine.config import StepTokens, host_blocks, snapshot_slots
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import (
@@ -117,6 +117,9 @@ class ModelRunner:
         with STARTUP.phase("allocating the KV cache"):
             self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
+        # the host tier's slots (cache.host_cache): as many as the scheduler's (engine/config.py host_blocks)
+        self.num_host_blocks = host_blocks(config.cache, self.num_blocks, self.kv_spec.bytes_per_block)
+        self.host_kv = kv_cache.allocate_host(self.kv_spec, self.num_host_blocks, self.device)
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
         self.sampler = Sampler(self.eos_token_ids, m.seed)
@@ -251,6 +254,8 @@ class ModelRunner:
         """Start a step. When every sampled row samples on the device (inflight.py), its ids stay there until
         finish(), so the caller can plan and launch the next step meanwhile; any other step first finishes the
         steps in flight (its sampling reads the complete token history) and runs to completion here."""
+        if plan.host_copies:  # before anything of this step reads or writes those blocks
+            kv_cache.copy_host_blocks(self.kv_caches, self.host_kv, plan.host_copies)
         if self.spec is not None:  # never overlapped (refused at start-up): the step completes here
             return StepHandle(plan.step_id, self.spec.execute(plan))
         for rid in plan.finished_ids:

@@ -10,6 +10,10 @@ Each batch is three frames on a PUB socket:
                  | ["BlockRemoved", [block_hash]]
                  | ["AllBlocksCleared"]
 
+Blocks of the host-memory tier (engine/host_tier.py) add vLLM's trailing fields: ["BlockStored", [block_hash],
+parent_hash, token_ids, block_size, lora_id (None), "CPU"] when a block is copied to the host and ["BlockRemoved",
+[block_hash], "CPU"] when its host slot is reused; events without a medium are the device's.
+
 Hashes are the prefix cache's chained 64-bit hashes (unsigned, parent_hash None for a first block). The
 publisher is the prefix cache's event sink (`PrefixCache(on_event=publisher)`): events are collected as the
 scheduler mutates the cache and `flush()` (once per scheduler step) turns them into one batch, so events keep
@@ -91,11 +95,13 @@ class KVEventCollector:
         self._pending: list[list[Any]] = []
 
     def __call__(self, kind: str, block_hash: int | None, parent_hash: int | None,
-                 token_ids: tuple[int, ...]) -> None:
+                 token_ids: tuple[int, ...], medium: str | None = None) -> None:
+        tail = [] if medium is None else [medium]
         if kind == BLOCK_STORED:
-            self._pending.append([BLOCK_STORED, [block_hash], parent_hash, list(token_ids), self.block_size])
+            self._pending.append([BLOCK_STORED, [block_hash], parent_hash, list(token_ids), self.block_size]
+                                 + ([None, medium] if medium else []))
         elif kind == BLOCK_REMOVED:
-            self._pending.append([BLOCK_REMOVED, [block_hash]])
+            self._pending.append([BLOCK_REMOVED, [block_hash], *tail])
         elif kind == ALL_BLOCKS_CLEARED:
             self._pending.append([ALL_BLOCKS_CLEARED])
         else:
@@ -108,7 +114,7 @@ class KVEventCollector:
 
 class KVEventPublisher(Protocol):
     def __call__(self, kind: str, block_hash: int | None, parent_hash: int | None,
-                 token_ids: tuple[int, ...]) -> None: ...
+                 token_ids: tuple[int, ...], medium: str | None = None) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -122,7 +128,7 @@ class NullKVEventPublisher(KVEventCollector):
         super().__init__(block_size)
 
     def __call__(self, kind: str, block_hash: int | None, parent_hash: int | None,
-                 token_ids: tuple[int, ...]) -> None:
+                 token_ids: tuple[int, ...], medium: str | None = None) -> None:
         return
 
     def flush(self) -> None:

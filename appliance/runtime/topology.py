@@ -130,6 +130,7 @@ def replica_peers(infos: list[dict[str, Any]]) -> dict[str, Any]:
     (each rank sized its own pool; the scheduler may use only what every rank has)."""
     merged = dict(infos[0])
     merged["num_kv_blocks"] = min(int(i["num_kv_blocks"]) for i in infos)
+    merged["num_host_blocks"] = min(int(i.get("num_host_blocks", 0)) for i in infos)
     return merged
 
 

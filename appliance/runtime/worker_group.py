@@ -47,6 +47,7 @@ class WorkerGroupExecutor(Executor):
                                       config.to_dict(), spawned_at=time.time()), topo.worker_env(w, port))
             info = replica_peers(self._await_ready(ready_timeout))
             self.num_blocks = int(info["num_kv_blocks"])
+            self.num_host_blocks = int(info.get("num_host_blocks", 0))
             self.eos_token_ids = [int(t) for t in info.get("eos_token_ids", [])]
             self.max_model_len = int(info["max_model_len"])
             self.num_state_slots = int(info.get("num_state_slots", 0))

@@ -56,6 +56,7 @@ class _SamplingFields(RequestBody):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     use_beam_search: bool = False
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # lower is served first; scheduler.policy = "slo" only
 
     @field_validator("logit_bias")
     @classmethod

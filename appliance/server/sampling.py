@@ -101,6 +101,7 @@ def build_sampling(req: CompletionRequest | ChatCompletionRequest, defaults: Any
             logit_bias=_logit_bias(req.logit_bias, limits),
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
+            priority=req.priority,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None

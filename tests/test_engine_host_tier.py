@@ -1,0 +1,114 @@
+"""The host KV tier in the engine (engine/host_tier.py) with the FakeExecutor, whose simulated KV cache checks that
+every position a request reads holds its own token: blocks evicted from a tiny device pool are copied to host
+slots and copied back on a later hit; outputs equal a run without any cache; accounting over both tiers holds
+after aborts and preemption; KV events name the host medium."""
+from __future__ import annotations
+
+from appliance.engine.config import EngineConfig
+from appliance.engine.core import EngineCore
+from appliance.engine.fake_executor import FakeExecutor
+from appliance.engine.host_tier import LOAD, STORE, HostTier
+from appliance.engine.sampling_params import SamplingParams
+
+BS = 4
+
+
+def engine(num_blocks: int, host_blocks: int, events: list | None = None, caching: bool = True) -> EngineCore:
+    cfg = EngineConfig(num_blocks=num_blocks, block_size=BS, max_model_len=64, chunked_prefill_size=32,
+                       num_host_blocks=host_blocks, enable_prefix_caching=caching)
+    sink = None if events is None else (lambda *a, **kw: events.append((a[0], a[1], kw.get("medium"))))
+    return EngineCore(cfg, FakeExecutor(num_blocks, BS, vocab_size=500), on_kv_event=sink)
+
+
+def run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int = 6) -> dict[str, list[int]]:
+    for rid, p in prompts.items():
+        core.add_request(rid, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while core.has_work():
+        for d in core.step():
+            out[d.request_id].extend(d.new_token_ids)
+        assert core.check_accounting().ok, core.check_accounting().problems
+    return out
+
+
+def sessions(turns: int) -> list[dict[str, list[int]]]:
+    """Per turn three sessions whose prompts grow (each starts with the last), then a flood of distinct tokens
+    that needs most of the device pool, so the sessions' blocks are evicted between turns."""
+    base = {f"s{i}": list(range(100 * i + 1, 100 * i + 21)) for i in range(3)}
+    out: list[dict[str, list[int]]] = []
+    for t in range(turns):
+        out.append({f"{rid}-t{t}": p + list(range(900 + t * 10, 900 + t * 10 + 4 * t)) for rid, p in base.items()})
+        out.append({f"flood{t}": list(range(2000 + 100 * t, 2000 + 100 * t + 56))})
+    return out
+
+
+def test_evicted_blocks_come_back_from_the_host_with_the_same_outputs() -> None:
+    events: list = []
+    tiered, cold = engine(24, 64, events), engine(24, 0, caching=False)
+    for turn in sessions(4):
+        assert run(tiered, turn) == run(cold, turn)
+    host = tiered.scheduler.cache.host
+    assert host is not None and host.num_stored > 0 and host.num_loaded > 0
+    copies = [c for p in tiered.executor.plans for c in p.host_copies]
+    assert {c[0] for c in copies} == {STORE, LOAD}
+    assert any(m == "CPU" and k == "BlockStored" for k, _, m in events)
+    # the loads made hits the device alone could not: compare with a tier-less engine of the same pool
+    device_only = engine(24, 0)
+    for turn in sessions(4):
+        run(device_only, turn)
+    assert tiered.scheduler.cache.hit_tokens > device_only.scheduler.cache.hit_tokens
+
+
+def test_host_slots_are_reused_lru_and_report_removals() -> None:
+    events: list = []
+    tier = HostTier(2, lambda k, h, p, t: events.append((k, h)))
+    for b, h in ((0, 10), (1, 11), (2, 12)):
+        tier.offload(b, h, None, (h,))
+    assert tier.get(10) is None and tier.get(12) is not None and ("BlockRemoved", 10) in events
+    tier.pin([tier.get(11)])
+    tier.offload(3, 13, None, (13,))  # 12 goes, 11 is pinned
+    assert tier.get(11) is not None and tier.get(12) is None
+    assert tier.check() == ["host tier: 1 blocks still pinned between steps"]
+    tier.load(tier.get(11), 5)
+    assert tier.check() == [] and tier.take_copies()[-1] == (LOAD, 5, tier.get(11).slot)
+
+
+def test_accounting_over_both_tiers_after_aborts_and_preemption() -> None:
+    core = engine(20, 32)
+    for turn in sessions(3):
+        for rid, p in turn.items():
+            core.add_request(rid, p, SamplingParams(max_tokens=20, ignore_eos=True))
+        for _ in range(3):
+            core.step()
+        core.abort(next(iter(turn)))
+        while core.has_work():
+            core.step()
+            assert core.check_accounting().ok, core.check_accounting().problems
+    assert core.scheduler.num_preemptions > 0 and core.scheduler.cache.host.num_loaded > 0
+    rep = core.check_accounting()
+    assert rep.ok and rep.owned == 0
+
+
+def test_kv_event_wire_names_the_host_medium() -> None:
+    from appliance.observability.kv_events import KVEventCollector
+
+    c = KVEventCollector(BS)
+    c("BlockStored", 7, None, (1, 2, 3, 4))
+    c("BlockStored", 7, None, (1, 2, 3, 4), medium="CPU")
+    c("BlockRemoved", 7, None, (), medium="CPU")
+    assert c.take() == [["BlockStored", [7], None, [1, 2, 3, 4], BS], ["BlockStored", [7], None, [1, 2, 3, 4], BS,
+                                                                       None, "CPU"], ["BlockRemoved", [7], "CPU"]]
+
+
+def test_host_tier_size_in_gb_needs_the_block_bytes() -> None:
+    import pytest
+
+    from appliance.config import build_config
+    from appliance.engine.config import host_blocks
+
+    cache = build_config(dotlist=["cache.host_cache=true", "cache.host_cache_size_gb=1"]).cache
+    assert host_blocks(cache, 100, bytes_per_block=1 << 20) == 1024
+    with pytest.raises(ValueError, match="sized by the workers"):
+        host_blocks(cache, 100)
+    ratio = build_config(dotlist=["cache.host_cache=true", "cache.host_cache_ratio=3"]).cache
+    assert host_blocks(ratio, 100) == 300 and host_blocks(build_config().cache, 100) == 0
