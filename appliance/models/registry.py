@@ -13,6 +13,7 @@ from appliance.models.llama import (
     Qwen3ForCausalLM,
 )
 from appliance.models.mixtral import MODELS as MIXTRAL_MODELS
+from appliance.models.qwen3_next import MODELS as QWEN3_NEXT_MODELS
 from appliance.models.qwen_moe import MODELS as QWEN_MOE_MODELS
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ MODELS: dict[str, type[nn.Module]] = {
     **MIXTRAL_MODELS,  # MixtralForCausalLM
     **QWEN_MOE_MODELS,  # Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
     **DEEPSEEK_MODELS,  # DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    **QWEN3_NEXT_MODELS,  # Qwen3NextForCausalLM (hybrid linear attention)
 }
 
 
