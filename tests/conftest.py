@@ -43,6 +43,24 @@ TINY_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+    # hybrid: linear-attention (Gated DeltaNet) layers 0 and 2, full attention 1 and 3; MoE + shared expert,
+    # layer 2 dense; a 16-token delta-rule chunk is set by the tests that need chunks shorter than a prompt
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"] * 2,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "mlp_only_layers": [2],
+        "norm_topk_prob": True}),
+    # Qwen3.5 text, dense and MoE: the same layer pattern with Qwen3.5's separate linear-attention projections
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"] * 2,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"] * 2,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32}),
 }
 
 

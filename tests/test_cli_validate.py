@@ -74,13 +74,13 @@ def test_validate_json_and_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest
 
 
 def test_validate_strict_turns_warnings_into_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    f = tmp_path / "ngram.toml"
-    f.write_text('[speculative]\nalgorithm = "NGRAM"\n')  # valid, but this build cannot honour it
+    f = tmp_path / "dflash.toml"
+    f.write_text('[speculative]\nalgorithm = "DFLASH"\ndraft_model_path = "drafter"\n')  # valid, but this build cannot honour it
     code, out, err = run(["validate", str(f)], capsys)
-    assert code == 0 and out.startswith(f"{f}:2: warning: speculative.algorithm: only MTP")
+    assert code == 0 and out.startswith(f"{f}:2: warning: speculative.algorithm: DFLASH and DSPARK")
     assert err.strip() == f"{f}: ok (0 errors, 1 warnings)"
     code, out, err = run(["validate", "--strict", str(f)], capsys)
-    assert code == 1 and out.startswith(f"{f}:2: speculative.algorithm: only MTP")
+    assert code == 1 and out.startswith(f"{f}:2: speculative.algorithm: DFLASH and DSPARK")
     assert err.strip() == f"{f}: INVALID (1 errors, 0 warnings)"
 
 

@@ -34,6 +34,7 @@ def problems(**kw) -> list[str]:
      "speculative.num_draft_tokens"),
     (["scheduler.chunked_prefill_size=8"], "scheduler.chunked_prefill_size"),
     (["cache.max_total_tokens=8"], "cache.max_total_tokens"),
+    (["cache.ssm_checkpoint_interval=24"], "cache.ssm_checkpoint_interval"),  # block_size 16
 ])
 def test_inconsistent_settings_are_errors(dotlist: list[str], path: str) -> None:
     found = problems(dotlist=dotlist)

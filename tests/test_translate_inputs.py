@@ -185,8 +185,8 @@ def test_atlas_in_docker(tmp_path: Path) -> None:
     assert doc["precision"]["kv_cache_dtype"] == "bfloat16" and doc["cache"]["enable_prefix_caching"] is True
     assert doc["api"]["port"] == 8888  # Atlas's default, kept
     assert doc["observability"]["dump_path"] == "/var/log/atlas.jsonl"
-    assert doc["cache"]["ssm_cache_slots"] == 16  # written; start-up refuses it until hybrid SSM models land
-    assert any(u.startswith("cache.ssm_cache_slots:") for u in tr.unsupported)
+    assert doc["cache"]["ssm_cache_slots"] == 16  # the state-snapshot slots of hybrid models (Qwen3-Next)
+    assert not any(u.startswith("cache.ssm_cache_slots:") for u in tr.unsupported)
     assert any(u.startswith("scheduler.policy:") for u in tr.unsupported)  # slo without chunked prefill
 
 

@@ -126,6 +126,10 @@ def _scheduler(cfg: ApplianceConfig) -> list[Problem]:
     total = cfg.cache.max_total_tokens
     if total is not None and total < block:
         out.append(Problem("cache.max_total_tokens", f"{total} is smaller than one block ({block} tokens)"))
+    interval = cfg.cache.ssm_checkpoint_interval
+    if interval is not None and interval % block:
+        out.append(Problem("cache.ssm_checkpoint_interval", f"{interval} is not a multiple of cache.block_size "
+                                                            f"{block} (state snapshots sit at block boundaries)"))
     return out
 
 

@@ -266,11 +266,13 @@ class CacheSection(Section):
     disk_cache_size_gb: float | None = param(None, "Disk tier size in GB.",
                                              flags=("--disk-cache-size-gb", "--high-speed-swap-gb"), gt=0)
     ssm_cache_slots: int | None = param(
-        None, "State slots of hybrid SSM (Mamba-style) layers: how many sequences' recurrent states are kept "
-        "(Atlas's --ssm-cache-slots). Unset: one per max_num_seqs.", flags=("--ssm-cache-slots",), ge=1)
+        None, "Snapshot slots of hybrid linear-attention models' recurrent states kept for prefix reuse (Atlas's "
+        "--ssm-cache-slots; each running request has its own state slot besides). Unset: one per max_num_seqs.",
+        flags=("--ssm-cache-slots",), ge=1)
     ssm_checkpoint_interval: int | None = param(
-        None, "Tokens between snapshots of SSM states kept for prefix reuse (Atlas's --ssm-checkpoint-interval). "
-        "Unset: no snapshots.", flags=("--ssm-checkpoint-interval",), ge=1)
+        None, "Tokens between snapshots of hybrid models' recurrent states taken during prefill for prefix reuse, "
+        "a multiple of block_size (Atlas's --ssm-checkpoint-interval). Unset: no snapshots, and prefix caching "
+        "is off for hybrid models.", flags=("--ssm-checkpoint-interval",), ge=1)
     compile_cache_dir: str = param(
         "~/.cache/appliance", "Directory of the persistent compile cache: Triton's compiled kernels (its "
         "`triton/` subdirectory, TRITON_CACHE_DIR of every process) and torch inductor's (`inductor/`), reused "

@@ -121,10 +121,6 @@ UNSUPPORTED: list[Unsupported] = [
                 "this build's host tier copies blocks on eviction (write_policy write_back, io_backend direct, "
                 "mem_layout layer_first), is sized by host_cache_size_gb or host_cache_ratio and sits under the prefix "
                 "cache (enable_prefix_caching); storage backends and the disk tier are not supported"),
-    Unsupported("cache.ssm_cache_slots", lambda c: c.cache.ssm_cache_slots is not None,
-                "hybrid SSM models (state slots) are not supported in this build"),
-    Unsupported("cache.ssm_checkpoint_interval", lambda c: c.cache.ssm_checkpoint_interval is not None,
-                "hybrid SSM models (state snapshots) are not supported in this build"),
     Unsupported("multimodal", lambda c: not c.multimodal.text_only(),
                 "image and video inputs are not supported in this build (text only)"),
     Unsupported("api.reasoning_parser", lambda c: _parser_missing("reasoning", c.api.reasoning_parser),

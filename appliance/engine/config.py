@@ -1,6 +1,7 @@
 """The engine's own settings: a small frozen record, built from the appliance config or by hand in tests."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -12,6 +13,8 @@ if TYPE_CHECKING:
 from appliance.engine.speculation import lookahead_tokens
 
 POLICIES = ("fcfs", "lpm", "slo")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,13 @@ class EngineConfig:
     spec_lookahead: int | None = None
     schedule_conservativeness: float = 0.0
     num_host_blocks: int = 0  # the host tier's slots (host_tier.py); 0: no host tier
+    # hybrid models: request slots of the workers' state cache (executor/state_cache.py), one per running request;
+    # 0 = the model keeps no recurrent state
+    num_state_slots: int = 0
+    state_cache_bytes: int = 0  # what the workers' state cache holds (each rank), for the metrics
+    # prefix caching of hybrid models: state snapshots every ssm_checkpoint_interval tokens, in this many slots
+    ssm_checkpoint_interval: int = 0
+    ssm_snapshot_slots: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
@@ -101,16 +111,28 @@ class EngineConfig:
     @classmethod
     def from_appliance(
         cls, config: ApplianceConfig, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
-        num_host_blocks: int | None = None
+        num_host_blocks: int | None = None, num_state_slots: int = 0, state_cache_bytes: int = 0,
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
 
         num_blocks comes from the executor's memory profiling, eos_token_ids and max_model_len from the
         model (max_model_len already resolved against model.max_model_len by the caller). num_host_blocks: the
-        host tier's slots the workers allocated (host_blocks); None: from host_cache_ratio alone.
+        host tier's slots the workers allocated (host_blocks); None: from host_cache_ratio alone. num_state_slots: the workers'
+        state cache (hybrid models). A hybrid model's prefix cannot be reused from KV blocks alone (its
+        linear-attention layers need the recurrent state at the end of the prefix), so without state snapshots
+        (cache.ssm_checkpoint_interval) prefix caching is turned off for it, with a warning: the prefix is
+        recomputed.
         """
         sched = config.scheduler
         cache = config.cache
+        prefix_caching = cache.enable_prefix_caching
+        # read only for hybrid models (stand-ins of the config in tests may lack the keys)
+        interval = int(cache.ssm_checkpoint_interval or 0) if num_state_slots else 0
+        if num_state_slots and prefix_caching and not interval:
+            log.warning("prefix caching is off for this hybrid linear-attention model: reusing a prefix needs the "
+                        "recurrent state at its end, and cache.ssm_checkpoint_interval is unset (no state "
+                        "snapshots; the prefix is recomputed)")
+            prefix_caching = False
         return cls(
             num_blocks=num_blocks,
             block_size=cache.block_size,
@@ -118,7 +140,7 @@ class EngineConfig:
             chunked_prefill_size=sched.chunked_prefill_size,
             max_prefill_tokens=sched.max_prefill_tokens,
             max_model_len=max_model_len,
-            enable_prefix_caching=cache.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
             eos_token_ids=frozenset(eos_token_ids),
             max_queued_requests=sched.max_queued_requests,
             policy=sched.policy,
@@ -130,7 +152,17 @@ class EngineConfig:
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
             num_host_blocks=host_blocks(cache, num_blocks) if num_host_blocks is None else num_host_blocks,
+            num_state_slots=num_state_slots,
+            state_cache_bytes=state_cache_bytes,
+            ssm_checkpoint_interval=interval,
+            ssm_snapshot_slots=snapshot_slots(config) if interval else 0,
         )
+
+
+def snapshot_slots(config: ApplianceConfig) -> int:
+    """State-snapshot slots of a hybrid model with prefix caching: cache.ssm_cache_slots, or one per
+    max_num_seqs; the workers allocate them beside the request slots (executor/state_cache.py)."""
+    return int(config.cache.ssm_cache_slots or config.scheduler.max_num_seqs)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ from appliance.engine.request import (
 )
 from appliance.engine.slo import SloPolicy
 from appliance.engine.speculation import SpecCounters, table_tokens
+from appliance.engine.state_snapshots import StateSnapshots
 from appliance.engine.step import StepPlan, StepResult
 from appliance.engine.step_budget import Issued, StepBudget
 
@@ -80,6 +81,10 @@ class Scheduler:
         self.pool = BlockPool(config.num_blocks)
         self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event,
                                  config.num_host_blocks)
+        # hybrid models with prefix caching: recurrent-state snapshots at checkpoints (state_snapshots.py)
+        self.snapshots = (StateSnapshots(config.ssm_snapshot_slots, config.ssm_checkpoint_interval,
+                                         config.block_size)
+                          if config.num_state_slots and config.enable_prefix_caching else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # live requests (waiting or running)
@@ -210,11 +215,13 @@ class Scheduler:
         n = st.chunk(req, decodes)
         if n == 0:
             return
+        if self.snapshots is not None and not decodes:
+            n = self.snapshots.cut(req.num_computed_tokens, n)
         need = self._blocks_for(table_tokens(req, req.num_computed_tokens, n, self._lookahead)) - len(req.block_ids)
         # need < 0: rejected drafts left lookahead blocks, which the table keeps
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []
         if new_blocks is not None:
-            st.issue(req, n, new_blocks, decodes)
+            st.issue(req, n, new_blocks, decodes, self._snapshot_slot(req, req.num_computed_tokens + n))
 
     def _take_blocks(self, req: Request, need: int, st: StepBudget) -> list[int] | None:
         """Append `need` (> 0) new blocks to the request's table, preempting newer requests while the pool is
@@ -259,10 +266,16 @@ class Scheduler:
                 host_hit = host_hit[:-1]
             elif hit:
                 hit = hit[:-1]
+        restore = -1
+        if (hit or host_hit) and self.snapshots is not None:  # the KV alone is no prefix: its state must be restored
+            k, restore = self.snapshots.deepest(self.cache.block_hashes(req), len(hit) + len(host_hit))
+            hit, host_hit = hit[:k], host_hit[:max(0, k - len(hit))]
         num_hit = (len(hit) + len(host_hit)) * bs
         n = st.prefill_size(req.num_tokens - num_hit)
         if n == 0:
             return False
+        if self.snapshots is not None:
+            n = self.snapshots.cut(num_hit, n)
         need = self._blocks_for(table_tokens(req, num_hit, n, self._lookahead)) - len(hit)  # host hits included
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         spare = self.pool.num_available - need - revived  # blocks left after this chunk's
@@ -287,8 +300,16 @@ class Scheduler:
         self.running.append(req)
         if self._reserve is not None:
             self._reserve.admitted(req)
-        st.issue_new(req, n)
+        st.issue_new(req, n, restore, self._snapshot_slot(req, num_hit + n))
         return True
+
+    def _snapshot_slot(self, req: Request, end: int) -> int:
+        """The snapshot slot a chunk ending at `end` saves its state into (-1: none): at a checkpoint of the
+        prefill, once per prefix."""
+        snaps = self.snapshots
+        if snaps is None or end % snaps.interval or end > req.num_prompt_tokens + len(req.output_token_ids):
+            return -1
+        return snaps.claim(self.cache.block_hashes(req)[end // self.config.block_size - 1])
 
     def _shared_blocks(self, req: Request) -> int:
         """How many of req's first blocks other requests hold too. Prefix hits share a table's first blocks, so

@@ -21,6 +21,7 @@ class NewRequestData:
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hit)
     block_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams.to_dict()
+    restore_snapshot: int = -1  # hybrid models: copy this state snapshot into the request first (state_snapshots.py)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ScheduledRequest:
     num_tokens: int
     new_block_ids: list[int]  # appended to the request's block table before the step runs
     sample: bool  # sample a token after this chunk (last prefill chunk, or a decode)
+    save_snapshot: int = -1  # hybrid models: copy the request's state into this snapshot slot after the chunk
 
 
 @dataclass(frozen=True)

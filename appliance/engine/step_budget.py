@@ -55,7 +55,7 @@ class StepBudget:
             return n  # whole prompt; an over-budget one only as the step's first prefill
         return 0
 
-    def issue_new(self, req: Request, n: int) -> None:
+    def issue_new(self, req: Request, n: int, restore_snapshot: int = -1, save_snapshot: int = -1) -> None:
         """Add a request that is new to the workers (or must be rebuilt) with its first chunk of n tokens; its
         table and num_computed_tokens (the prefix-cache hit) are set."""
         self.plan_new.append(
@@ -66,12 +66,13 @@ class StepBudget:
                 num_computed_tokens=req.num_computed_tokens,
                 block_ids=list(req.block_ids),
                 sampling=req.sampling_params.to_dict(),
+                restore_snapshot=restore_snapshot,
             )
         )
         req.known_to_workers = True
-        self.issue(req, n, [], False)
+        self.issue(req, n, [], False, save_snapshot)
 
-    def issue(self, req: Request, n: int, new_blocks: list[int], decodes: bool) -> None:
+    def issue(self, req: Request, n: int, new_blocks: list[int], decodes: bool, save_snapshot: int = -1) -> None:
         """Add a chunk of n tokens to the plan; new_blocks (appended to the table) becomes the plan's own list."""
         known = req.num_prompt_tokens + len(req.output_token_ids) + req.num_pending  # what the workers know
         end = req.num_computed_tokens + n
@@ -88,6 +89,6 @@ class StepBudget:
         self.issue_seq += 1
         if sample:
             req.num_pending += 1
-        sched = ScheduledRequest(req.request_id, n, new_blocks, sample)
+        sched = ScheduledRequest(req.request_id, n, new_blocks, sample, save_snapshot)
         self.plan_sched.append(sched)
         self.issued.append((sched, req, req.num_preemptions, drafts))

@@ -87,7 +87,9 @@ class LLM:
             self.executor = InProcessExecutor(self.config)
         engine_config = EngineConfig.from_appliance(self.config, self.executor.num_blocks,
                                                     self.executor.eos_token_ids, self.executor.max_model_len,
-                                                    self.executor.num_host_blocks)
+                                                    self.executor.num_host_blocks,
+                                                    self.executor.num_state_slots,
+                                                    self.executor.state_cache_bytes)
         self.engine = EngineCore(engine_config, self.executor, overlap=self.config.overlap_enabled())
 
     def _load_tokenizer(self) -> Any:

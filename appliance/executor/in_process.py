@@ -34,6 +34,14 @@ class InProcessExecutor(Executor):
         return self.runner.num_host_blocks
 
     @property
+    def num_state_slots(self) -> int:
+        return self.runner.num_state_slots
+
+    @property
+    def state_cache_bytes(self) -> int:
+        return self.runner.state_cache_bytes
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return self.runner.eos_token_ids
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from appliance.layers.attention import AttentionMetadata, longest_first
+from appliance.layers.attention import AttentionMetadata, SequenceStates, longest_first
 
 if TYPE_CHECKING:
     from appliance.executor.request_table import DeviceBlockTable, RequestState
@@ -141,7 +141,7 @@ def _layout(sizes: list[int]) -> tuple[list[slice], int]:
 
 def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, decode_width: int = 1,
                  stager: Stager | None = None, pad_prefills: bool = False,
-                 table: DeviceBlockTable | None = None) -> StepInputs:
+                 table: DeviceBlockTable | None = None, with_states: bool = False) -> StepInputs:
     """Order chunks decode-first and flatten them into one batch of rows.
 
     decode_width: least width of the decode block table (the split-K factor of decode attention follows the
@@ -149,6 +149,8 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
     stager: the runner's pinned staging buffer (default: a plain copy).
     pad_prefills: pad the prefill sequence count to a power of two with empty sequences (cu_seqlens repeated,
     seq_len 0) and the prefill table width to a multiple of 16, so kernel specialisations recur (GPU runner).
+    with_states: add the sequences' state slots (`SequenceStates`, hybrid models): a request's table row, or the
+    scratch slot 0 without device state.
     table: the runner's persistent device state: rows send their table row and only the block ids and length
     corrections the device lacks (one scatter each), the tables are gathered on the device and the one-token
     rows' positions, slots and seq_lens computed there (which advances the table's lengths: every call with a
@@ -219,10 +221,16 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         table.apply(head[seg[3]], tail[o[3]])
         table.set_lens(head[seg[4]], head[seg[5]])
         rows = head[seg[6]]
+        decode_slots = rows
         table.advance(rows, block_size, head[seg[1]][:nd], head[seg[2]][:nd], tail[o[0]])
         decode_tables, prefill_tables = table.gather(rows, wd), table.gather(tail[o[4]], wp)
     else:
         decode_tables, prefill_tables = tail[o[3]].view(nd, wd), tail[o[4]].view(npf, wp)
+        decode_slots = torch.zeros(nd, dtype=torch.int64, device=device)
+    states = None
+    if with_states:
+        rows_p = [c.state.table_row if table is not None else 0 for c in prefills]
+        states = SequenceStates(decode_slots, rows_p, [c.start == 0 for c in prefills], cu[: len(prefills) + 1])
     meta = AttentionMetadata(
         slot_mapping=head[seg[2]],
         num_decode_tokens=nd,
@@ -232,6 +240,7 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         prefill_seq_lens=tail[o[2]],
         prefill_block_tables=prefill_tables,
         decode_order=longest_first(tail[o[0]]),
+        states=states,
     )
     return StepInputs(head[seg[0]], head[seg[1]], meta, ordered, row_starts)
 

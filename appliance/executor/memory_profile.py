@@ -41,7 +41,8 @@ def peak_bytes(model: torch.nn.Module, config: ApplianceConfig, spec: kv_cache.K
     state = RequestState("profile", [0] * tokens, tokens, 0, list(range(blocks)), SamplingParams())
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
-        inputs = build_inputs([Chunk(state, 0, tokens, True)], spec.block_size, device)
+        inputs = build_inputs([Chunk(state, 0, tokens, True)], spec.block_size, device,
+                              with_states=bool(getattr(model, "state_layers", lambda: [])()))
         hidden = model(inputs.input_ids, inputs.positions, inputs.meta)
         # a verification samples up to 1 + num_steps rows per request (accepted drafts + the bonus)
         rows = min(sched.max_num_seqs * (1 + (config.speculative.num_steps

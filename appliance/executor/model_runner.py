@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from appliance.engine.config import StepTokens, host_blocks
+from appliance.engine.config import StepTokens, host_blocks, snapshot_slots
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import (
@@ -30,6 +30,7 @@ from appliance.executor import (
     logits_processors,
     memory_profile,
     speculative,
+    state_cache,
     warmup,
 )
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
@@ -121,6 +122,9 @@ class ModelRunner:
         # may run at once (prefilling ones included; speculative decoding adds rows to no request)
         self.block_table = DeviceBlockTable(config.scheduler.max_num_seqs, self.max_blocks, self.device,
                                             "torch" if self.backend == "torch" else None)
+        # hybrid models: per-request recurrent states beside the KV cache, one slot per table row (state_cache.py);
+        # allocated before the profile, so gpu_memory_utilization covers both
+        self.state_cache = self._make_state_cache(config.scheduler.max_num_seqs)
         with STARTUP.phase("profiling memory"):
             self.num_blocks = self._count_blocks()
         with STARTUP.phase("allocating the KV cache"):
@@ -161,7 +165,8 @@ class ModelRunner:
     def host_inputs(self, chunks: list[Chunk]) -> StepInputs:
         """One step's inputs with positions and tables built on the host (no device table rows): the warm-up's
         and the MTP drafter's own steps."""
-        return build_inputs(chunks, self.block_size, self.device, 1, self._stager, self._pad_prefills)
+        return build_inputs(chunks, self.block_size, self.device, 1, self._stager, self._pad_prefills,
+                            with_states=self.state_cache is not None)
 
     @contextlib.contextmanager
     def noise_seeds_kept(self) -> Iterator[None]:
@@ -172,6 +177,37 @@ class ModelRunner:
             yield
         finally:
             self._noise_seeds.setstate(state)
+
+    def _states(self) -> state_cache.StateCache:
+        if self.state_cache is None:
+            raise ValueError("the plan restores or saves a state snapshot, but the model keeps no recurrent state")
+        return self.state_cache
+
+    @property
+    def num_state_slots(self) -> int:
+        """Request slots of the state cache (0: the model keeps no recurrent state)."""
+        return self.state_cache.num_slots if self.state_cache is not None else 0
+
+    @property
+    def state_cache_bytes(self) -> int:
+        return self.state_cache.nbytes if self.state_cache is not None else 0
+
+    def _make_state_cache(self, num_slots: int) -> state_cache.StateCache | None:
+        layers = getattr(self.model, "state_layers", lambda: [])()
+        c = self.config.cache
+        if not layers:
+            for key in ("ssm_cache_slots", "ssm_checkpoint_interval"):
+                if getattr(c, key) is not None:
+                    raise ValueError(f"cache.{key} applies to hybrid linear-attention models; "
+                                     f"{type(self.model).__name__} keeps no recurrent state")
+            return None
+        snapshots = snapshot_slots(self.config) if c.enable_prefix_caching and c.ssm_checkpoint_interval else 0
+        cache = state_cache.allocate(self.model.state_cache_spec(self.dtype), num_slots, self.device, snapshots)
+        weakref.finalize(self, state_cache.release, cache)
+        for layer, (conv, ssm) in zip(layers, cache.tensors):
+            layer.bind_state_cache(conv, ssm)
+        log.info("%s", cache.describe())
+        return cache
 
     def _make_pieces(self) -> PiecewiseGraphs | None:
         limit = piecewise_max_tokens(self.config, self.model, self.graphs is not None, get_tp_size(),
@@ -242,6 +278,9 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = self._new_state(new)
+            if new.restore_snapshot >= 0:  # a prefix hit of a hybrid model: its state at the hit's end
+                sc = self._states()
+                sc.copy(sc.snapshot_row(new.restore_snapshot), self.requests[new.request_id].table_row)
         chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
             return StepHandle(plan.step_id, StepResult(plan.step_id))
@@ -261,6 +300,10 @@ class ModelRunner:
                 handle = StepHandle(plan.step_id, StepResult(plan.step_id, sampled, prompt_lps))
         for c in ordered:
             c.state.num_computed += c.num_tokens
+        for s in plan.scheduled:
+            if s.save_snapshot >= 0:  # a chunk that ended at a checkpoint (engine/state_snapshots.py)
+                sc = self._states()
+                sc.copy(self.requests[s.request_id].table_row, sc.snapshot_row(s.save_snapshot))
         if not handle.done:
             self._inflight.append(handle)
         return handle
@@ -325,7 +368,7 @@ class ModelRunner:
         # decode tables padded like the graphs' (the split-K factor follows the width): same numerics either way
         width = width_bucket(table_width(decodes), self.max_blocks) if decodes else 1
         inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager, self._pad_prefills,
-                              self.block_table)
+                              self.block_table, with_states=self.state_cache is not None)
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         hidden = None
         if self.pieces is not None and self.use_graphs:

@@ -30,6 +30,18 @@ WINDOW_SINK_BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
+class SequenceStates:
+    """Where each sequence of a step keeps its recurrent state (executor/state_cache.py): the slot is the
+    request's device table row (0: the scratch slot of padding and of steps without request rows). A sequence
+    whose chunk starts at position 0 starts from zero state instead of reading its slot."""
+
+    decode_slots: torch.Tensor  # [Bd] int64, on the device
+    prefill_slots: list[int]
+    prefill_fresh: list[bool]
+    prefill_cu_seqlens: list[int]  # host copy of the prefill offsets (the reference kernels loop over sequences)
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, cache slot of every row (-1: do not store)
     num_decode_tokens: int  # rows [0, num_decode_tokens) are one-token requests
@@ -39,6 +51,7 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor  # [Bp] int32
     prefill_block_tables: torch.Tensor  # [Bp, M] int32
     decode_order: torch.Tensor | None = None  # [Bd] the decode rows longest first (longest_first), or row order
+    states: SequenceStates | None = None  # state slots of the linear-attention layers (hybrid models only)
 
     @property
     def num_prefills(self) -> int:

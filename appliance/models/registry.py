@@ -17,6 +17,7 @@ from appliance.models.llama import (
 )
 from appliance.models.minimax_m2 import MODELS as MINIMAX_M2_MODELS
 from appliance.models.mixtral import MODELS as MIXTRAL_MODELS
+from appliance.models.qwen3_next import MODELS as QWEN3_NEXT_MODELS
 from appliance.models.qwen_moe import MODELS as QWEN_MOE_MODELS
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ MODELS: dict[str, type[nn.Module]] = {
     **GPT_OSS_MODELS,  # GptOssForCausalLM
     **GLM4_MOE_MODELS,  # Glm4MoeForCausalLM (GLM-4.5 / 4.6 / 4.7)
     **MINIMAX_M2_MODELS,  # MiniMaxM2ForCausalLM
+    **QWEN3_NEXT_MODELS,  # Qwen3NextForCausalLM (hybrid linear attention)
 }
 
 

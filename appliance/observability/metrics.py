@@ -146,6 +146,11 @@ class MetricsRegistry:
                                    "means the block accounting is broken.", e)
         self.g_hit_rate = self._gauge("prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens over "
                                       "the engine's life (0-1).", e)
+        self.g_state = {k: self._gauge(f"state_{k}", doc, e) for k, doc in (
+            ("slots_total", "Request slots of the state cache of hybrid linear-attention models (0 without)."),
+            ("slots_used", "State-cache slots held by running requests."),
+            ("cache_bytes", "Bytes of the state cache on each worker (recurrent + convolution states)."),
+        )}
         self.g_snapshot_ts = self._gauge("stats_snapshot_timestamp_seconds", "Unix time of the latest "
                                          "scheduler snapshot (staleness check).", e)
         self.c_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e)
@@ -263,6 +268,8 @@ class MetricsRegistry:
         q, h = snap.prefix_cache_queries, snap.prefix_cache_hits
         self.g_hit_rate.labels(*lab).set(h / q if q else 0.0)
         self.g_snapshot_ts.labels(*lab).set(snap.timestamp)
+        for key, gauge in self.g_state.items():
+            gauge.labels(*lab).set(getattr(snap, f"state_{key}"))
         pairs = [(self.c_queries, "prefix_cache_queries"), (self.c_hits, "prefix_cache_hits"),
                  (self.c_preempt, "num_preemptions")]
         if self.spec_decode:

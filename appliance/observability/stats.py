@@ -37,6 +37,10 @@ class StatsSnapshot:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)  # [j]: verifications accepting draft j
+    # hybrid models' state cache (0 without one): request slots, the ones held by running requests, its bytes
+    state_slots_total: int = 0
+    state_slots_used: int = 0
+    state_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -117,4 +121,7 @@ def snapshot_from_core(core: Any, dp_rank: int = 0, timestamp: float | None = No
         spec_num_draft_tokens=draft_tokens,
         spec_num_accepted_tokens=accepted,
         spec_accepted_per_pos=list(getattr(getattr(sched, "spec", None), "accepted_per_pos", ())) if drafts else [],
+        state_slots_total=int(core.config.num_state_slots),
+        state_slots_used=len(sched.running) if core.config.num_state_slots else 0,
+        state_cache_bytes=int(core.config.state_cache_bytes),
     )

@@ -50,6 +50,8 @@ class WorkerGroupExecutor(Executor):
             self.num_host_blocks = int(info.get("num_host_blocks", 0))
             self.eos_token_ids = [int(t) for t in info.get("eos_token_ids", [])]
             self.max_model_len = int(info["max_model_len"])
+            self.num_state_slots = int(info.get("num_state_slots", 0))
+            self.state_cache_bytes = int(info.get("state_cache_bytes", 0))
             self._remote = RemoteExecutor(self._ctx, self.addresses, alive=self._all_alive)
         except BaseException:
             self.shutdown()

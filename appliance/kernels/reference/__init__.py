@@ -4,6 +4,7 @@ from __future__ import annotations
 from appliance.kernels.reference import (  # noqa: F401
     activation,
     attention,
+    gated_delta,
     gemv_chain,
     linear,
     norm,

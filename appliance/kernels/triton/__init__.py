@@ -11,6 +11,7 @@ from appliance.kernels.triton import (  # noqa: F401
     cache,
     decode,
     gemv,
+    gated_delta,
     gemv_chain,
     norm,
     positions,

@@ -1,0 +1,66 @@
+"""The state cache of hybrid models, beside the paged KV cache: per linear-attention layer, one recurrent state
+and one short-convolution state per request slot.
+
+A linear-attention layer keeps a fixed-size state per request instead of a growing KV cache. Slots are the
+rows of the runner's device block table (request_table.py): a request gets its row, and so its state slot, when
+the worker first sees it and gives it back when it is finished, aborted or preempted, so the state cache can
+neither leak nor be shared. Row 0 is the scratch slot of padding rows and of steps without request rows.
+A preempted request is recomputed from its first token (its new slot starts from zero state).
+
+Memory: the runner allocates the state cache before it profiles the model, so the profiled peak, and with it
+the KV budget under cache.gpu_memory_utilization, counts it (executor/memory_profile.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from appliance.executor.memory_check import GIB
+from appliance.layers.gated_delta_net import StateCacheSpec
+
+
+@dataclass(frozen=True)
+class StateCache:
+    """The allocated states: per layer (conv [slots, conv_dim, conv_width], ssm [slots, H, Dk, Dv])."""
+
+    spec: StateCacheSpec
+    num_slots: int  # request slots, the scratch slot 0 not counted
+    num_snapshots: int  # snapshot slots, rows after the request slots (engine/state_snapshots.py)
+    tensors: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.num_slots + 1 + self.num_snapshots) * self.spec.bytes_per_slot
+
+    def snapshot_row(self, slot: int) -> int:
+        if not 0 <= slot < self.num_snapshots:
+            raise ValueError(f"state snapshot slot {slot} outside 0..{self.num_snapshots - 1}")
+        return self.num_slots + 1 + slot
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy every layer's states from row src to row dst (a snapshot saved or restored)."""
+        for conv, ssm in self.tensors:
+            conv[dst].copy_(conv[src])
+            ssm[dst].copy_(ssm[src])
+
+    def describe(self) -> str:
+        return (f"state cache: {self.spec.num_layers} linear-attention layers x {self.num_slots} slots "
+                f"+ {self.num_snapshots} snapshot slots, "
+                f"{self.spec.bytes_per_slot / 2**20:.2f} MiB per slot, {self.nbytes / GIB:.3f} GiB")
+
+
+def allocate(spec: StateCacheSpec, num_slots: int, device: torch.device, num_snapshots: int = 0) -> StateCache:
+    rows = num_slots + 1 + num_snapshots
+    tensors = [(torch.zeros(rows, spec.conv_dim, spec.conv_width, dtype=spec.conv_dtype, device=device),
+                torch.zeros(rows, spec.num_heads, spec.key_dim, spec.value_dim, dtype=spec.state_dtype,
+                            device=device))
+               for _ in range(spec.num_layers)]
+    return StateCache(spec, num_slots, num_snapshots, tensors)
+
+
+def release(cache: StateCache) -> None:
+    """Give the memory back now (the runner's finalizer; see kv_cache.release for why storage is emptied)."""
+    for pair in cache.tensors:
+        for t in pair:
+            t.untyped_storage().resize_(0)

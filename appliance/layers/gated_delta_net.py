@@ -1,0 +1,148 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5, over the state cache.
+
+x -> in_proj_qkvz, in_proj_ba (Qwen3-Next: grouped per key head) or in_proj_qkv, _z, _b, _a (Qwen3.5: one
+projection each, heads in order) -> q, k, v through a depthwise causal
+convolution + SiLU -> the gated delta rule (decay g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)) ->
+an RMSNorm of each value head gated by SiLU(z) -> out_proj. Decode rows (one token) take the recurrent update,
+prefill chunks the chunked form; both read and write the request's state slot (layers/attention.py
+`SequenceStates`), so chunked prefill carries the state from chunk to chunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from appliance.layers.attention import AttentionMetadata
+from appliance.layers.kernels import kernel
+from appliance.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclass(frozen=True)
+class StateCacheSpec:
+    """The state shapes of one linear-attention layer (on this rank) and how many layers have them."""
+
+    num_layers: int
+    conv_dim: int  # channels of the short convolution
+    conv_width: int  # kernel size - 1: the inputs a request's convolution remembers
+    num_heads: int  # value heads of the recurrent state
+    key_dim: int
+    value_dim: int
+    conv_dtype: torch.dtype
+    state_dtype: torch.dtype = torch.float32  # the recurrent state accumulates over the whole sequence
+
+    @property
+    def bytes_per_slot(self) -> int:
+        conv = self.conv_dim * self.conv_width * _size(self.conv_dtype)
+        state = self.num_heads * self.key_dim * self.value_dim * _size(self.state_dtype)
+        return self.num_layers * (conv + state)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dim (weight, not 1 + weight) times SiLU(gate), in float32 like transformers."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * h.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+
+
+class ConvWeight(nn.Module):
+    """The depthwise convolution's weight in the checkpoint's shape [C, 1, K] (no bias)."""
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size), requires_grad=False)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: Any, backend: str, split_projections: bool = False) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = cfg.linear_conv_kernel_dim
+        hidden = cfg.hidden_size
+        self.split_projections = split_projections
+        if split_projections:
+            self.in_proj_qkv = ColumnParallelLinear(hidden, self.conv_dim)
+            self.in_proj_z = ColumnParallelLinear(hidden, self.value_dim)
+            self.in_proj_b = ColumnParallelLinear(hidden, self.num_v_heads)
+            self.in_proj_a = ColumnParallelLinear(hidden, self.num_v_heads)
+        else:
+            self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
+            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads)
+        self.conv1d = ConvWeight(self.conv_dim, self.conv_kernel_size)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = RowParallelLinear(self.value_dim, hidden)
+        self._prefill = kernel("gated_delta_prefill", backend)
+        self._decode = kernel("gated_delta_decode", backend)
+        self._conv = kernel("causal_conv1d", backend)
+        self._conv_decode = kernel("causal_conv1d_decode", backend)
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def bind_state_cache(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> None:
+        self.conv_state, self.ssm_state = conv_state, ssm_state
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Mixed qkv [T, conv_dim] (q, k, v heads in order), z [T, Hv, Dv], b and a [T, Hv]."""
+        if self.split_projections:
+            z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        # undo Qwen3-Next's grouping of every projection per key head
+        t, hk, group = qkvz.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
+        qkvz = qkvz.view(t, hk, -1)
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, group * self.head_v_dim,
+                                 group * self.head_v_dim], dim=-1)
+        b, a = ba.view(t, hk, 2 * group).split([group, group], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, self.num_v_heads, self.head_v_dim), b.reshape(t, -1), a.reshape(t, -1)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.conv_state is None or self.ssm_state is None:
+            raise RuntimeError("GatedDeltaNet has no state cache bound (ModelRunner binds one per layer)")
+        states = meta.states
+        if states is None:
+            raise RuntimeError("a hybrid model's step needs state slots (build_inputs(..., with_states=True))")
+        t, nd = x.shape[0], meta.num_decode_tokens
+        mixed, z, b, a = self._project(x)
+        weight = self.conv1d.weight[:, 0, :]
+        fresh_d = positions[:nd] == 0
+        conv_out = torch.empty_like(mixed)
+        if nd:
+            conv_out[:nd] = self._conv_decode(mixed[:nd], weight, self.conv_state, states.decode_slots, fresh_d)
+        if t > nd:
+            cu = states.prefill_cu_seqlens
+            conv_out[nd:] = self._conv(mixed[nd:], weight, cu, self.conv_state, states.prefill_slots,
+                                       states.prefill_fresh)
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.view(t, self.num_k_heads, self.head_k_dim), k.view(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = torch.empty_like(v)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], self.ssm_state, states.decode_slots,
+                                    fresh_d)
+        if t > nd:
+            out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], states.prefill_cu_seqlens,
+                                     self.ssm_state, states.prefill_slots, states.prefill_fresh)
+        out = self.norm(out, z).reshape(t, self.value_dim)
+        return self.out_proj(out)

@@ -1,0 +1,175 @@
+"""Qwen3-Next and the Qwen3.5 text models (dense and MoE): a hybrid of Gated DeltaNet linear-attention layers (layers/gated_delta_net.py) and gated full
+attention layers (`config.layer_types`), with a routed MoE plus a sigmoid-gated shared expert (or a dense MLP in
+mlp_only_layers).
+
+Differences from the Qwen MoE decoder: every RMSNorm outside the linear-attention layers scales by 1 + weight
+(zero-centred weights); full attention projects q and an output gate together (q_proj is [H, 2D] per head: q,
+then the gate), multiplies the attention output by sigmoid(gate), normalises q and k per head and rotates only
+the first partial_rotary_factor of each head. Linear-attention layers keep their state in the runner's state
+cache (executor/state_cache.py) instead of KV blocks. Qwen3.5 differs only in its linear-attention input
+projections (one per output instead of Qwen3-Next's two grouped ones); its text rotary (mrope) equals plain
+partial rotary for text, where the three position grids coincide.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from appliance.layers.attention import Attention, AttentionMetadata
+from appliance.layers.embedding import VocabParallelEmbedding
+from appliance.layers.gated_delta_net import GatedDeltaNet, StateCacheSpec
+from appliance.layers.linear import QKVParallelLinear, RowParallelLinear
+from appliance.layers.moe import GatedMLP, RouterConfig, SparseMoeBlock
+from appliance.layers.norm import RMSNorm
+from appliance.layers.parallel_state import get_tp_size
+from appliance.layers.rotary import RotaryEmbedding, rope_parameters
+from appliance.models.llama import LlamaModel
+from appliance.models.mixtral import MoECausalLM
+from appliance.models.qwen_moe import is_sparse_layer
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm scaling by 1 + weight (weights stored zero-centred)."""
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._op(x, 1.0 + self.weight, self.eps, residual)
+
+
+def partial_rotary_factor(cfg: Any) -> float:
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        return float(params["partial_rotary_factor"])
+    return float(getattr(cfg, "partial_rotary_factor", 1.0))
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: Any, backend: str) -> None:
+        super().__init__()
+        hidden, n_heads = cfg.hidden_size, cfg.num_attention_heads
+        n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // n_heads
+        bias = bool(getattr(cfg, "attention_bias", False))
+        # q_proj is 2H heads of D (each head's q, then its gate), so the q shard splits whole heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, 2 * n_heads, n_kv, bias=bias)
+        self.o_proj = RowParallelLinear(n_heads * self.head_dim, hidden, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        theta, scaling = rope_parameters(cfg)
+        rotary_dim = int(self.head_dim * partial_rotary_factor(cfg))
+        self.rotary = RotaryEmbedding(self.head_dim, rotary_dim, cfg.max_position_embeddings, theta, scaling,
+                                      is_neox=True, backend=backend)
+        self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps, backend)
+        self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps, backend)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm residual layer around a token mixer (`linear_attn` or `self_attn`) and a feed-forward."""
+
+    def __init__(self, cfg: Any, kind: str, mlp: nn.Module, backend: str, split_projections: bool) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, backend, split_projections)
+        else:
+            self.self_attn = GatedAttention(cfg, backend)
+        self.mlp = mlp
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        mixer = self.linear_attn if self.kind == LINEAR else self.self_attn
+        h = mixer(positions, h, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class HybridModel(LlamaModel):
+    def __init__(self, cfg: Any, layers: list[nn.Module], backend: str) -> None:
+        nn.Module.__init__(self)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+
+class Qwen3NextForCausalLM(MoECausalLM):
+    split_projections = False  # Qwen3.5: separate in_proj_qkv / _z / _b / _a
+    supports_cuda_graphs = False  # decode runs eagerly: the state update is not captured yet
+    piecewise_graphs = False
+
+    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
+        if get_tp_size() > 1:
+            raise ValueError(f"{type(self).__name__}: tensor parallelism is not supported for hybrid "
+                             "linear-attention models in this build (parallelism.tp must be 1)")
+        kinds = list(hf_config.layer_types)
+        if set(kinds) - {LINEAR, FULL}:
+            raise ValueError(f"layer_types {sorted(set(kinds) - {LINEAR, FULL})} are not supported "
+                             f"(supported: {LINEAR}, {FULL})")
+        super().__init__(hf_config, backend, moe_backend)
+        self.model = HybridModel(hf_config, list(self.model.layers), backend)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def rename(self, name: str) -> str | None:
+        if name.startswith("mtp."):
+            return None  # the multi-token-prediction layer: not used as a drafter in this build
+        return super().rename(name)
+
+    def make_layer(self, index: int, backend: str) -> nn.Module:
+        cfg = self.config
+        act = getattr(cfg, "hidden_act", "silu")
+        if not is_sparse_layer(cfg, index):
+            mlp: nn.Module = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, backend=backend)
+        else:
+            norm_topk = getattr(cfg, "norm_topk_prob", None)  # Qwen3.5-MoE's config has none: it renormalizes
+            router = RouterConfig(num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                                  renormalize=norm_topk is None or bool(norm_topk))
+            shared_size = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+            shared = GatedMLP(cfg.hidden_size, shared_size, act, backend=backend) if shared_size else None
+            mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, router, shared=shared,
+                                 shared_name="shared_expert", shared_gate=shared is not None, backend=backend,
+                                 moe_backend=self.moe_backend)
+        return HybridDecoderLayer(cfg, cfg.layer_types[index], mlp, backend, self.split_projections)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers if layer.kind == FULL]
+
+    def state_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.kind == LINEAR]
+
+    def state_cache_spec(self, conv_dtype: torch.dtype) -> StateCacheSpec:
+        layer = self.state_layers()[0]
+        return StateCacheSpec(len(self.state_layers()), layer.conv_dim, layer.conv_kernel_size - 1,
+                              layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, conv_dtype)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 text models: dense (Qwen3_5ForCausalLM) and MoE (Qwen3_5MoeForCausalLM; the layers follow the
+    config: experts where num_experts > 0)."""
+
+    split_projections = True
+
+
+MODELS: dict[str, type[nn.Module]] = {"Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+                                      "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+                                      "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM}

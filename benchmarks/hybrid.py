@@ -1,0 +1,155 @@
+"""Qwen3-Next-80B-A3B's shape, reduced in depth, with dummy weights, through the offline LLM on one GPU: batch-1
+decode, throughput at 256 requests x 1024 in / 1024 out, and the time to first token of multi-turn requests
+whose prompt shares 90% with an earlier one, with and without recurrent-state snapshots (prefix caching of a
+hybrid model needs them; without, the prefix is recomputed): each second turn is the first turn's prompt and
+answer plus 10% new tokens. Prints one JSON record per measurement.
+
+    python -m benchmarks.hybrid                 # one GPU: 8 layers (6 Gated DeltaNet + 2 full attention)
+    python -m benchmarks.hybrid --layers 4
+    python -m benchmarks.hybrid --quick         # CPU: tiny dims, short lengths (tests/test_bench_hybrid.py)
+
+Shape: transformers' Qwen3NextConfig defaults (hidden 2048, 512 experts of 512, 10 active + a shared expert, 16 q
+/ 2 kv heads of 256 for full attention, 16 key / 32 value heads of 128 for the linear attention, every 4th layer
+full attention), num_hidden_layers from --layers. Linear-attention layers run the torch reference kernels
+(kernels/reference/gated_delta.py) on the GPU too: flash-linear-attention is not wired in this build.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from appliance.bench.presets import write_word_tokenizer
+
+QUICK_DIMS: dict[str, Any] = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "linear_key_head_dim": 16,
+                              "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "shared_expert_intermediate_size": 32}
+
+
+def write_model_dir(out: Path, layers: int, quick: bool) -> Path:
+    from transformers import Qwen3NextConfig
+
+    dims = QUICK_DIMS if quick else {}
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    cfg = Qwen3NextConfig(num_hidden_layers=layers, layer_types=kinds, architectures=["Qwen3NextForCausalLM"],
+                          bos_token_id=0, eos_token_id=1, max_position_embeddings=8192, **dims)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(str(out))
+    write_word_tokenizer(out, cfg.vocab_size, 0, 1)
+    return out
+
+
+def make_llm(model_dir: Path, args: argparse.Namespace, snapshots: bool) -> Any:
+    from appliance import LLM
+
+    extra: dict[str, Any] = {"device": "cpu", "dtype": "float32"} if args.quick else {"dtype": "bfloat16"}
+    if snapshots:
+        extra.update(enable_prefix_caching=True, ssm_checkpoint_interval=args.interval)
+    return LLM(model=str(model_dir), load_format="dummy", max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, block_size=16, **extra)
+
+
+def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def timed(llm: Any, batch: list[list[int]], new: int) -> float:
+    from appliance import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in batch], params)
+    return time.perf_counter() - t0
+
+
+def decode_and_throughput(llm: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    rng = random.Random(0)
+    one = prompts(rng, 1, args.input_len, vocab)
+    timed(llm, one, 2)  # warm-up
+    first, full = timed(llm, one, 1), timed(llm, one, args.output_len)
+    tpot_ms = (full - first) / (args.output_len - 1) * 1e3
+    batch = prompts(rng, args.num_prompts, args.input_len, vocab)
+    wall = timed(llm, batch, args.output_len)
+    return [{"metric": "batch1_decode", "tpot_ms": round(tpot_ms, 3), "input_len": args.input_len,
+             "output_len": args.output_len},
+            {"metric": "throughput", "output_tok_s": round(args.num_prompts * args.output_len / wall, 1),
+             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+             "wall_s": round(wall, 2)}]
+
+
+def shared_prefix_ttft(llm: Any, args: argparse.Namespace, vocab: int, snapshots: bool) -> dict[str, Any]:
+    """Per session: a first turn, then a second whose prompt is the first turn's prompt and answer (90% of its
+    turn_len tokens) plus new tokens; the second turn's time to first token (a generate of one token) is measured."""
+    from appliance import SamplingParams
+
+    rng = random.Random(1)
+    shared = int(args.turn_len * 0.9)
+    answer = min(16, shared // 4)
+    params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
+    ttfts = []
+    hits_before = llm.engine.stats().prefix_hit_tokens
+    for first in prompts(rng, args.sessions, shared - answer, vocab):
+        out = llm.generate([{"prompt_token_ids": first}], params)[0].outputs[0].token_ids
+        second = first + list(out) + prompts(rng, 1, args.turn_len - shared, vocab)[0]
+        ttfts.append(timed(llm, [second], 1))
+    return {"metric": "multi_turn_ttft", "snapshots": snapshots,
+            "mean_ttft_ms": round(sum(ttfts) / len(ttfts) * 1e3, 3), "turn_len": args.turn_len, "shared": shared,
+            "sessions": args.sessions, "prefix_hit_tokens": llm.engine.stats().prefix_hit_tokens - hits_before,
+            "checkpoint_interval": args.interval if snapshots else None}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="CPU, tiny dims, short lengths")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers, every 4th full attention (default 8)")
+    p.add_argument("--input-len", type=int)
+    p.add_argument("--output-len", type=int)
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--turn-len", type=int, help="tokens of each multi-turn prompt")
+    p.add_argument("--sessions", type=int)
+    p.add_argument("--interval", type=int, help="cache.ssm_checkpoint_interval of the snapshot run")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    quick = {"input_len": 24, "output_len": 4, "num_prompts": 4, "turn_len": 64, "sessions": 2, "interval": 16}
+    full = {"input_len": 1024, "output_len": 1024, "num_prompts": 256, "turn_len": 8192, "sessions": 8,
+            "interval": 512}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.quick:
+        args.layers = min(args.layers, 4)
+    args.max_model_len = max(args.input_len + args.output_len, args.turn_len + 1)
+    args.max_num_seqs = max(args.num_prompts, 1)
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="hybrid-bench-") as tmp:
+        model_dir = write_model_dir(Path(tmp) / "model", args.layers, args.quick)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        shape = {"layers": args.layers, "device": "cpu" if args.quick else "cuda"}
+        llm = make_llm(model_dir, args, snapshots=False)
+        records += [{**shape, **r} for r in decode_and_throughput(llm, args, vocab)]
+        records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=False)})
+        del llm
+        gc.collect()  # the runner's caches go with it (weakref finalizers) before the second engine sizes its own
+        llm = make_llm(model_dir, args, snapshots=True)
+        records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=True)})
+    for r in records:
+        print(json.dumps(r))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(records, indent=1))
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The gated delta rule and the causal convolution over state slots (kernels/reference/gated_delta.py): the
+chunked form equals the token-by-token form and transformers' torch implementations; state carried across
+calls (chunked prefill, then decode) equals one call over the whole sequence."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from appliance.kernels.reference import gated_delta as gd
+
+
+def _inputs(t: int, hk: int = 2, hv: int = 4, dk: int = 8, dv: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(t, hk, dk, generator=g), torch.randn(t, hk, dk, generator=g)
+    v = torch.randn(t, hv, dv, generator=g)
+    decay = -F.softplus(torch.randn(t, hv, generator=g))  # log decay <= 0
+    beta = torch.rand(t, hv, generator=g)
+    return q, k, v, decay, beta
+
+
+@pytest.mark.parametrize("length,chunk", [(1, 4), (5, 4), (16, 4), (23, 8), (70, 64)])
+def test_chunked_equals_recurrent(length, chunk):
+    q, k, v, g, beta = _inputs(length)
+    qp, kp = gd._prepare(q, k, v.shape[1])
+    init = torch.randn(4, 8, 6, generator=torch.Generator().manual_seed(1))
+    o_r, s_r = gd.recurrent_sequence(qp, kp, v, g, beta, init)
+    o_c, s_c = gd.chunked_sequence(qp, kp, v, g, beta, init, chunk)
+    torch.testing.assert_close(o_c, o_r, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s_c, s_r, atol=1e-4, rtol=1e-4)
+
+
+def test_matches_transformers():
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    q, k, v, g, beta = _inputs(37)
+    init = torch.randn(1, 4, 8, 6, generator=torch.Generator().manual_seed(2))
+    ref_o, ref_s = hf.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], chunk_size=16,
+                                                   initial_state=init.clone(), output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+    rec_o, rec_s = hf.torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                       initial_state=init.clone(), output_final_state=True,
+                                                       use_qk_l2norm_in_kernel=True)
+    states = torch.zeros(3, 4, 8, 6)
+    states[2] = init[0]
+    out = gd.gated_delta_prefill(q, k, v, g, beta, [0, 37], states, [2], [False], chunk=16)
+    torch.testing.assert_close(out, ref_o[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(states[2], ref_s[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, rec_o[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(states[2], rec_s[0], atol=1e-4, rtol=1e-4)
+
+
+def test_chunks_then_decode_carry_state():
+    """Prefill in two calls (chunk boundaries inside the delta-rule chunks), then decode tokens one by one, two
+    requests interleaved in other slots, equals one fresh call over each whole sequence."""
+    length = 29
+    seqs = [_inputs(length, seed=s) for s in (3, 4)]
+    whole = torch.zeros(3, 4, 8, 6)
+    expected = [gd.gated_delta_prefill(*x, [0, length], whole, [i + 1], [True], chunk=8) for i, x in enumerate(seqs)]
+    states = torch.full((3, 4, 8, 6), 7.0)  # stale contents: a fresh start must not read them
+    got: list[list[torch.Tensor]] = [[], []]
+    for a, b in ((0, 11), (11, 20)):  # a batch of both requests' chunks, varlen
+        cat = [torch.cat([x[j][a:b] for x in seqs]) for j in range(5)]
+        out = gd.gated_delta_prefill(*cat, [0, b - a, 2 * (b - a)], states, [2, 1], [a == 0, a == 0], chunk=8)
+        got[0].append(out[: b - a])
+        got[1].append(out[b - a:])
+    for p in range(20, length):  # decode rows
+        rows = [torch.stack([x[j][p] for x in seqs]) for j in range(5)]
+        out = gd.gated_delta_decode(*rows, states, torch.tensor([2, 1]), torch.tensor([False, False]))
+        got[0].append(out[:1])
+        got[1].append(out[1:])
+    for i in range(2):
+        torch.testing.assert_close(torch.cat(got[i]), expected[i], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(states[2], whole[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(states[1], whole[2], atol=1e-4, rtol=1e-4)
+
+
+def test_decode_fresh_row_ignores_its_slot():
+    q, k, v, g, beta = _inputs(1, seed=5)
+    zero = torch.zeros(2, 4, 8, 6)
+    ref = gd.gated_delta_decode(q, k, v, g, beta, zero, torch.tensor([1]), torch.tensor([False]))
+    stale = torch.randn(2, 4, 8, 6)
+    out = gd.gated_delta_decode(q, k, v, g, beta, stale, torch.tensor([1]), torch.tensor([True]))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(stale[1], zero[1])
+
+
+def test_causal_conv_carries_state():
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(13, 10, generator=gen), torch.randn(10, 4, generator=gen)
+    ref = F.silu(F.conv1d(x.t()[None], w[:, None, :], padding=3, groups=10)[0, :, :13]).t()
+    states = torch.randn(2, 10, 3, generator=gen)  # stale: the fresh start must not read it
+    first = gd.causal_conv1d(x[:6], w, [0, 6], states, [1], [True])
+    second = gd.causal_conv1d(x[6:9], w, [0, 3], states, [1], [False])
+    rest = [gd.causal_conv1d_decode(x[i : i + 1], w, states, torch.tensor([1]), torch.tensor([False]))
+            for i in range(9, 13)]
+    torch.testing.assert_close(torch.cat([first, second, *rest]), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[1], x[10:13].t())
+
+
+@pytest.mark.gpu
+def test_fla_kernels_match_the_reference_on_gpu():
+    """flash-linear-attention's kernels (kernels/triton/gated_delta.py) against the torch reference: varlen
+    prefill with fresh and carried states, then a decode step, bfloat16 inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from appliance.kernels.triton import gated_delta as fla_gd
+
+    if fla_gd.chunk_gated_delta_rule is None:
+        pytest.skip("fla-core is not installed (pip install appliance[hybrid])")
+    dev = torch.device("cuda")
+    seqs = [_inputs(n, hk=2, hv=4, dk=64, dv=64, seed=s) for s, n in ((7, 37), (8, 100))]
+    cat = [torch.cat([x[j] for x in seqs]).to(dev) for j in range(5)]
+    cat[:3] = [t.bfloat16() for t in cat[:3]]
+    init = torch.randn(3, 4, 64, 64, device=dev) * 0.1
+    ref_states, fla_states = init.clone(), init.clone()
+    args = (*cat, [0, 37, 137])
+    ref = gd.gated_delta_prefill(*args, ref_states, [2, 1], [True, False])
+    got = fla_gd.gated_delta_prefill(*args, fla_states, [2, 1], [True, False])
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fla_states, ref_states, atol=2e-2, rtol=2e-2)
+    rows = [t[:2] for t in cat]
+    slots, fresh = torch.tensor([1, 2], device=dev), torch.tensor([False, False], device=dev)
+    ref = gd.gated_delta_decode(*rows, ref_states, slots, fresh)
+    got = fla_gd.gated_delta_decode(*rows, fla_states, slots, fresh)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fla_states, ref_states, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,110 @@
+"""Qwen3-Next (Gated DeltaNet + gated full attention + MoE with a shared expert) and Qwen3.5 (dense, MoE): greedy
+tokens and logprobs equal transformers' under batching, chunked prefill (prompts longer than one chunk carry the
+recurrent state across chunks) and preemption by recompute; the state cache's slots follow the requests (aborts, preemption) and are
+counted in the memory plan. CPU, float32, a tiny random-weight model with both layer kinds."""
+from __future__ import annotations
+
+import pytest
+
+from appliance import LLM, SamplingParams
+from tests.test_models_vs_transformers import NEW, PROMPTS, each_setup_matching, greedy_params
+
+LONG = [list(range(3, 3 + 45)), [9, 8, 7] * 13]  # 45 and 39 tokens: three 16-token chunks
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(make_tiny_model):
+    return make_tiny_model("qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def references(hybrid_model, hf_greedy):
+    return hf_greedy(hybrid_model, PROMPTS + LONG, NEW)
+
+
+def test_model_has_both_layer_kinds(hybrid_model):
+    llm = LLM(model=str(hybrid_model), dtype="float32", block_size=4)
+    model = llm.executor.runner.model
+    assert len(model.state_layers()) == 2 and len(model.attention_layers()) == 2
+    runner = llm.executor.runner
+    assert runner.num_state_slots == llm.config.scheduler.max_num_seqs
+    # per slot: 2 layers x (conv 128 ch x 3 + state 4 heads x 16 x 16), float32
+    assert runner.state_cache.spec.bytes_per_slot == 2 * (128 * 3 * 4 + 4 * 16 * 16 * 4)
+    assert runner.state_cache_bytes == (runner.num_state_slots + 1) * runner.state_cache.spec.bytes_per_slot
+
+
+def test_greedy_matches_transformers(hybrid_model, references):
+    for name, overrides, llm in each_setup_matching(hybrid_model, references[: len(PROMPTS)]):
+        engine = llm.engine
+        # no state snapshots: the prefix is recomputed rather than reused from KV blocks alone
+        assert engine.config.enable_prefix_caching is False
+        if name.startswith("preempt"):
+            assert engine.stats().num_preemptions > 0, "the tiny cache should have forced preemption"
+        again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())
+        assert [o.outputs[0].token_ids for o in again] == [r[0] for r in references[: len(PROMPTS)]]
+        assert sum(o.num_cached_tokens for o in again) == 0
+        assert engine.stats().num_running == 0
+        assert engine.check_accounting().ok
+
+
+@pytest.mark.parametrize("chunk", [16, 8192])
+def test_long_prompts_across_chunks(hybrid_model, references, chunk):
+    llm = LLM(model=str(hybrid_model), dtype="float32", block_size=4, chunked_prefill_size=chunk)
+    outs = llm.generate([{"prompt_token_ids": p} for p in LONG + PROMPTS[:2]], greedy_params())
+    expected = references[len(PROMPTS):] + references[:2]
+    for out, (tokens, lps) in zip(outs, expected):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        assert [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)] == pytest.approx(lps, abs=1e-4)
+
+
+def test_abort_frees_state_slot_and_reused_slot_starts_fresh(hybrid_model, references):
+    llm = LLM(model=str(hybrid_model), dtype="float32", block_size=4, chunked_prefill_size=16, max_num_seqs=2)
+    engine, runner = llm.engine, llm.executor.runner
+    engine.add_request("a", LONG[0], SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    engine.add_request("b", LONG[1], SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    for _ in range(4):  # 16-token steps: "a" prefills, then "b" starts; both slots hold partial states
+        engine.step()
+        if runner.block_table.num_free == 0:
+            break
+    assert runner.block_table.num_free == 0 and engine.stats().num_running == 2
+    assert engine.abort("a") and engine.abort("b")
+    # the next requests take the two freed slots (a leaked slot would leave none): a stale state would show
+    outs = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[2], LONG[0])], greedy_params())
+    assert [o.outputs[0].token_ids for o in outs] == [references[2][0], references[len(PROMPTS)][0]]
+    # workers drop finished requests when the next plan names them: live + free slots are all the slots
+    assert runner.block_table.num_free + len(runner.requests) == 2
+    assert engine.check_accounting().ok
+
+
+def test_prefix_hit_restores_a_state_snapshot(hybrid_model, hf_greedy):
+    """Checkpoints every 8 tokens: the second turn's prompt shares 43 tokens with the first, so the KV hit of 40
+    tokens (10 blocks) comes with the snapshot taken at 40, and the output equals transformers' cold run. With
+    one snapshot slot, a prompt sharing 20 tokens finds no snapshot at 16 (overwritten) and is recomputed."""
+    first = LONG[0]
+    second = first[:43] + [200, 201, 202, 203, 204]
+    third = first[:20] + [300, 301, 302]
+    refs = hf_greedy(hybrid_model, [first, second, third], NEW)
+    for slots in (64, 1):
+        llm = LLM(model=str(hybrid_model), dtype="float32", block_size=4, chunked_prefill_size=16,
+                  enable_prefix_caching=True, ssm_checkpoint_interval=8, ssm_cache_slots=slots)
+        snaps = llm.engine.scheduler.snapshots
+        outs = [llm.generate([{"prompt_token_ids": p}], greedy_params())[0] for p in (first, second, third)]
+        assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]
+        assert [o.num_cached_tokens for o in outs] == [0, 40, 0 if slots == 1 else 16]
+        assert snaps.num_restored == (1 if slots == 1 else 2)
+        # one snapshot per chunk, at its last checkpoint: 16, 32, 40 (a 16-token chunk cut at 40) of the first
+        # prompt, 48 of the second; the third adds none
+        assert len(snaps) == (1 if slots == 1 else 4)
+        assert llm.engine.check_accounting().ok
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_text_models_match_transformers(arch, make_tiny_model, hf_greedy):
+    """Qwen3.5 dense and MoE (separate linear-attention projections): batching, 16-token chunks, preemption."""
+    path = make_tiny_model(arch)
+    refs = hf_greedy(path, PROMPTS, NEW)
+    for name, _, llm in each_setup_matching(path, refs):
+        if name.startswith("preempt"):
+            assert llm.engine.stats().num_preemptions > 0
+        assert llm.engine.check_accounting().ok
