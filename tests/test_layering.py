@@ -30,13 +30,6 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("kernels", "fault_injection"),  # fault_injection: APPLIANCE_FAULT_INJECTION, imports nothing of the package
 )
 CONFIG = "config"  # read by every tier, imports none of them
-# Imports that break the order today, each with why; test_the_exceptions_still_exist fails once one is gone, so the
-# list only shrinks. To remove: move the parser registry (pure text) below config's readers, e.g. to a package of
-# the support tier, and let support.py name the parsers from there.
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("appliance.config.support", "appliance.server.parsers"):
-        "support.py refuses unknown reasoning / tool-call parsers by the server's parser registry (a lazy import)",
-}
 DATA = ("assets", "recipes")  # files, not code
 
 Graph = dict[str, set[str]]
@@ -102,8 +95,7 @@ def import_graph(lazy: bool = True) -> Graph:
 def package_graph(graph: Graph) -> Graph:
     out: Graph = {}
     for module, targets in graph.items():
-        out.setdefault(package_of(module), set()).update(package_of(t) for t in targets
-                                                         if (module, t) not in EXCEPTIONS)
+        out.setdefault(package_of(module), set()).update(package_of(t) for t in targets)
     return {p: targets - {p} for p, targets in out.items()}
 
 
@@ -122,7 +114,7 @@ def layer_violations(graph: Graph) -> list[str]:
         src = package_of(module)
         for target in sorted(targets):
             dst = package_of(target)
-            if dst == src or (module, target) in EXCEPTIONS:
+            if dst == src:
                 continue
             if src == CONFIG:
                 bad.append(f"{module} -> {target}: config imports none of the other packages")
@@ -185,11 +177,6 @@ def test_the_tree_follows_the_layer_order() -> None:
     graph = import_graph()
     assert len(graph) > 200 and sum(map(len, graph.values())) > 500  # the scan really sees the tree
     assert layer_violations(graph) == []
-
-
-def test_the_exceptions_still_exist() -> None:
-    graph = import_graph()
-    assert [pair for pair in EXCEPTIONS if pair[1] not in graph[pair[0]]] == [], "remove the fixed exception"
 
 
 def test_no_import_cycles() -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from appliance.config.errors import Problem
+from appliance.config.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
@@ -29,13 +30,8 @@ def _importable(package: str) -> bool:
 
 
 def _parser_missing(kind: str, name: str | None) -> bool:
-    """Whether the server lacks the named parser. The server's registry is the one list of parsers that exist;
-    it is read lazily (it imports no web stack), so config stays importable without the server."""
-    if name is None:
-        return False
-    from appliance.server.parsers import reasoning_parser_names, tool_parser_names
-
-    return name not in (reasoning_parser_names() if kind == "reasoning" else tool_parser_names())
+    """Whether the build lacks the named parser (config/parser_names.py lists the ones it has)."""
+    return name is not None and name not in (REASONING_PARSERS if kind == "reasoning" else TOOL_CALL_PARSERS)
 
 
 # What the host tier of this build is (engine/host_tier.py): blocks copied to host memory when the device evicts
@@ -124,10 +120,10 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("multimodal", lambda c: not c.multimodal.text_only(),
                 "image and video inputs are not supported in this build (text only)"),
     Unsupported("api.reasoning_parser", lambda c: _parser_missing("reasoning", c.api.reasoning_parser),
-                "this reasoning parser is not implemented in this build (appliance.server.parsers lists the ones "
+                "this reasoning parser is not implemented in this build (config/parser_names.py lists the ones "
                 "that are)"),
     Unsupported("api.tool_call_parser", lambda c: _parser_missing("tool", c.api.tool_call_parser),
-                "this tool-call parser is not implemented in this build (appliance.server.parsers lists the ones "
+                "this tool-call parser is not implemented in this build (config/parser_names.py lists the ones "
                 "that are)"),
     Unsupported("backends.attention",
                 lambda c: c.backends.attention not in ("auto", "torch", "triton", "flashinfer"),
