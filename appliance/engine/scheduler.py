@@ -7,7 +7,7 @@ Each step, in this order:
    admission.py); a waiting request never preempts a running one, and none is admitted in a step that preempted.
 When a running request needs a block and none is free or evictable, the newest running request not yet
 scheduled in this step is preempted (recompute: blocks freed, state reset, re-queued at the front); in the
-worst case that is the request itself.
+worst case that is the request itself (preemption.py).
 
 The step's token budget, and how a request's chunk is sized and recorded in the plan: step_budget.py. How a
 step's sampled tokens become request state and RequestDeltas: outputs.py (update() applies a result with it).
@@ -50,6 +50,7 @@ from appliance.engine.outputs import (
     group_sampled,
     take_prompt_logprobs,
 )
+from appliance.engine.preemption import Preemption
 from appliance.engine.prefix_cache import KVEventSink, PrefixCache
 from appliance.engine.request import (
     DECODING,
@@ -70,7 +71,7 @@ class QueueFull(RuntimeError):
     """scheduler.max_queued_requests waiting requests already: the caller should answer 503."""
 
 
-class Scheduler:
+class Scheduler(Preemption):
     def __init__(self, config: EngineConfig, on_kv_event: KVEventSink | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -223,18 +224,6 @@ class Scheduler:
         if new_blocks is not None:
             st.issue(req, n, new_blocks, decodes, self._snapshot_slot(req, req.num_computed_tokens + n))
 
-    def _take_blocks(self, req: Request, need: int, st: StepBudget) -> list[int] | None:
-        """Append `need` (> 0) new blocks to the request's table, preempting newer requests while the pool is
-        short; None when the request itself was preempted."""
-        while need > self.pool.num_available and req.status is not PREEMPTED:
-            self._preempt(self._victim(st))
-            st.preempted = True
-        if req.status is PREEMPTED:
-            return None
-        new_blocks = self.pool.allocate(need)
-        req.block_ids.extend(new_blocks)
-        return new_blocks
-
     def _schedule_waiting(self, st: StepBudget) -> None:
         cfg = self.config
         for req in self._waiting_order():
@@ -319,45 +308,6 @@ class Scheduler:
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
-
-    # ---- preemption and retirement -----------------------------------------------------------------------
-    def _victim(self, st: StepBudget) -> Request:
-        unscheduled = [r for r in reversed(self.running) if r.last_issue_seq < st.first_issue_seq]
-        if not unscheduled:
-            raise AssertionError("no preemptable request although the current one is unscheduled")
-        if self.slo is not None:  # the lowest priority (largest value), newest among equals
-            return max(unscheduled, key=lambda r: r.sampling_params.priority)
-        return unscheduled[0]
-
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self._release_blocks(req)
-        req.transition(RequestStatus.PREEMPTED)
-        req.num_computed_tokens = 0
-        req.num_pending = 0  # an in-flight sample is dropped; recompute samples it again
-        req.num_drafts_held = 0  # workers drop its drafts with its state
-        req.last_token_time = None  # no deadline until it decodes again
-        req.num_preemptions += 1
-        if not req.prompt_logprobs_done:
-            req.prompt_logprobs = []
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
-
-    def _retire(self, req: Request, reason: FinishReason) -> None:
-        self._release_blocks(req)
-        req.finish(reason)
-        del self.requests[req.request_id]
-
-    def _release_blocks(self, req: Request) -> None:
-        if self._reserve is not None and req.status.is_running:  # every running request leaves through here
-            self._reserve.released(req)
-        # Tail first: the pool's LRU then evicts a sequence's last blocks before its shared prefix.
-        self.pool.free(reversed(req.block_ids))
-        req.block_ids = []
-        req.num_stored_blocks = 0
-        if req.known_to_workers:
-            self._forget.append(req.request_id)
-            req.known_to_workers = False
 
     # ---- results -----------------------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:

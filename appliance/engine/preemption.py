@@ -1,0 +1,81 @@
+"""Preemption (recompute) and retirement of the scheduler's requests: a Scheduler base class.
+
+When a running request needs a block and none is free or evictable, the newest running request not yet
+scheduled in this step is preempted (recompute: blocks freed, state reset, re-queued at the front); in the
+worst case that is the request itself.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from appliance.engine.block_pool import BlockPool
+from appliance.engine.request import PREEMPTED, FinishReason, Request, RequestStatus
+from appliance.engine.step_budget import StepBudget
+
+if TYPE_CHECKING:
+    from appliance.engine.admission import OutputReservation
+    from appliance.engine.slo import SloPolicy
+
+
+class Preemption:
+    """The block taking, preemption and retirement of Scheduler (engine/scheduler.py), which sets these."""
+
+    pool: BlockPool
+    running: list[Request]
+    waiting: deque[Request]
+    requests: dict[str, Request]
+    slo: SloPolicy | None
+    num_preemptions: int
+    _forget: list[str]
+    _reserve: OutputReservation | None
+
+    def _take_blocks(self, req: Request, need: int, st: StepBudget) -> list[int] | None:
+        """Append `need` (> 0) new blocks to the request's table, preempting newer requests while the pool is
+        short; None when the request itself was preempted."""
+        while need > self.pool.num_available and req.status is not PREEMPTED:
+            self._preempt(self._victim(st))
+            st.preempted = True
+        if req.status is PREEMPTED:
+            return None
+        new_blocks = self.pool.allocate(need)
+        req.block_ids.extend(new_blocks)
+        return new_blocks
+
+    def _victim(self, st: StepBudget) -> Request:
+        unscheduled = [r for r in reversed(self.running) if r.last_issue_seq < st.first_issue_seq]
+        if not unscheduled:
+            raise AssertionError("no preemptable request although the current one is unscheduled")
+        if self.slo is not None:  # the lowest priority (largest value), newest among equals
+            return max(unscheduled, key=lambda r: r.sampling_params.priority)
+        return unscheduled[0]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release_blocks(req)
+        req.transition(RequestStatus.PREEMPTED)
+        req.num_computed_tokens = 0
+        req.num_pending = 0  # an in-flight sample is dropped; recompute samples it again
+        req.num_drafts_held = 0  # workers drop its drafts with its state
+        req.last_token_time = None  # no deadline until it decodes again
+        req.num_preemptions += 1
+        if not req.prompt_logprobs_done:
+            req.prompt_logprobs = []
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _retire(self, req: Request, reason: FinishReason) -> None:
+        self._release_blocks(req)
+        req.finish(reason)
+        del self.requests[req.request_id]
+
+    def _release_blocks(self, req: Request) -> None:
+        if self._reserve is not None and req.status.is_running:  # every running request leaves through here
+            self._reserve.released(req)
+        # Tail first: the pool's LRU then evicts a sequence's last blocks before its shared prefix.
+        self.pool.free(reversed(req.block_ids))
+        req.block_ids = []
+        req.num_stored_blocks = 0
+        if req.known_to_workers:
+            self._forget.append(req.request_id)
+            req.known_to_workers = False
