@@ -15,6 +15,7 @@ from appliance.executor.request_table import RequestState
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
+    from appliance.executor.model_runner import ModelRunner
 
 
 def allocated_by_others(device: torch.device) -> int:
@@ -56,3 +57,15 @@ def peak_bytes(model: torch.nn.Module, config: ApplianceConfig, spec: kv_cache.K
     torch.cuda.empty_cache()
     # the temporary cache was part of the peak; the real cache replaces it
     return peak - blocks * spec.bytes_per_block - baseline
+
+
+def count_blocks(runner: ModelRunner) -> int:
+    """How many KV blocks the runner allocates: cache.max_total_tokens, else what the memory budget leaves."""
+    cache = runner.config.cache
+    if cache.max_total_tokens is not None:
+        return kv_cache.blocks_from_tokens(cache.max_total_tokens, runner.block_size)
+    if runner.device.type != "cuda":
+        return kv_cache.blocks_for_cpu(runner.kv_spec, runner.max_model_len, runner.config.scheduler.max_num_seqs)
+    peak = peak_bytes(runner.model, runner.config, runner.kv_spec, runner.step_tokens, runner.device,
+                      runner._mem_baseline)
+    return kv_cache.blocks_for_gpu(runner.kv_spec, runner.device, cache.gpu_memory_utilization, peak)

@@ -5,6 +5,7 @@ standard HF cache) at the requested revision, and a missing model is an error na
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 from collections.abc import Iterator
@@ -16,10 +17,14 @@ from torch import nn
 
 from appliance.config.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
 from appliance.executor.kv_scales import CheckpointKVScales
+from appliance.executor.runner_setup import bind_decode_kernels
+from appliance.executor.startup import STARTUP
+from appliance.models.registry import model_class
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from appliance.executor.model_runner import ModelRunner
     from appliance.layers.fp8_scaled import Fp8ScaledConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -200,3 +205,34 @@ def apply_quantization(model: nn.Module, quantization: str | None, hf_config: Pr
         return
     if online_fp8_needed(quantization, hf_config):
         quantize_model_fp8(model, backend)
+
+
+def build_model(runner: ModelRunner, load_format: str, seed: int) -> torch.nn.Module:
+    """The runner's model: built, its weights loaded (or drawn), quantized; its checkpoint KV scales kept."""
+    cls = model_class(runner.hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(runner.dtype)
+    try:
+        with STARTUP.phase("building the model"), torch.device(runner.device):
+            extra = {}
+            if getattr(cls, "is_moe", False):  # backends.moe picks the fused_moe kernels (models/mixtral.py)
+                from appliance.layers.moe import resolve_moe_backend
+
+                extra["moe_backend"] = resolve_moe_backend(runner.config.backends.moe, runner.backend)
+            model = cls(runner.hf_config, backend=runner.backend, **extra)
+    finally:
+        torch.set_default_dtype(previous)
+    quantization = runner.config.precision.quantization
+    runner._checkpoint_kv_scales = CheckpointKVScales()
+    with STARTUP.phase("drawing dummy weights" if load_format == "dummy" else "loading weights"):
+        # a compressed-tensors / ModelOpt fp8 checkpoint's layers take e4m3 weights and scales before loading
+        scaled = prepare_quantization(model, quantization, runner.hf_config, runner.model_dir)
+        if load_format == "dummy":
+            init_dummy_weights(model, seed)
+        else:
+            runner._checkpoint_kv_scales = load_weights(model, runner.model_dir, load_format)
+    with STARTUP.phase(f"quantizing ({quantization})") if quantization else contextlib.nullcontext():
+        apply_quantization(model, quantization, runner.hf_config, runner.backend, scaled)
+    if runner.device.type == "cuda":
+        bind_decode_kernels(model, runner.backend, runner.config.backends.decode_chain)
+    return model.eval()

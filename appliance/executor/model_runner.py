@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from appliance.engine.config import StepTokens, host_blocks, snapshot_slots
+from appliance.engine.config import StepTokens, host_blocks
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import (
@@ -43,15 +43,12 @@ from appliance.executor.cuda_graph import (
 )
 from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
-from appliance.executor.kv_scales import CheckpointKVScales
 from appliance.executor.kv_scales import setup as kv_scale_setup
 from appliance.executor.memory_check import check_weight_memory
+from appliance.executor.memory_profile import count_blocks
 from appliance.executor.model_loader import (
-    apply_quantization,
-    init_dummy_weights,
+    build_model,
     load_hf_config,
-    load_weights,
-    prepare_quantization,
     resolve_dtype,
     resolve_model_dir,
 )
@@ -63,14 +60,14 @@ from appliance.executor.request_table import (
 )
 from appliance.executor.runner_setup import (
     _check_supported,
-    bind_decode_kernels,
     read_eos_token_ids,
     resolve_backend,
     resolve_device,
     resolve_max_model_len,
 )
-from appliance.executor.sampler import Sampler
+from appliance.executor.sampler import Sampler, prompt_logprobs
 from appliance.executor.startup import STARTUP
+from appliance.executor.state_cache import make_state_cache
 from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
@@ -102,7 +99,7 @@ class ModelRunner:
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend,
                             self.model_dir)  # fail before allocating
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
-        self.model = self._build_model(m.load_format, m.seed)  # start-up phases: executor/startup.py
+        self.model = build_model(self, m.load_format, m.seed)  # start-up phases: executor/startup.py
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
         # a drafter's caches share the block table and the KV budget (none without speculation, or for n-gram)
         self.draft_model = speculative.load_drafter(config, self)
@@ -124,9 +121,9 @@ class ModelRunner:
                                             "torch" if self.backend == "torch" else None)
         # hybrid models: per-request recurrent states beside the KV cache, one slot per table row (state_cache.py);
         # allocated before the profile, so gpu_memory_utilization covers both
-        self.state_cache = self._make_state_cache(config.scheduler.max_num_seqs)
+        self.state_cache = make_state_cache(self, config.scheduler.max_num_seqs)
         with STARTUP.phase("profiling memory"):
-            self.num_blocks = self._count_blocks()
+            self.num_blocks = count_blocks(self)
         with STARTUP.phase("allocating the KV cache"):
             self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
@@ -192,23 +189,6 @@ class ModelRunner:
     def state_cache_bytes(self) -> int:
         return self.state_cache.nbytes if self.state_cache is not None else 0
 
-    def _make_state_cache(self, num_slots: int) -> state_cache.StateCache | None:
-        layers = getattr(self.model, "state_layers", lambda: [])()
-        c = self.config.cache
-        if not layers:
-            for key in ("ssm_cache_slots", "ssm_checkpoint_interval"):
-                if getattr(c, key) is not None:
-                    raise ValueError(f"cache.{key} applies to hybrid linear-attention models; "
-                                     f"{type(self.model).__name__} keeps no recurrent state")
-            return None
-        snapshots = snapshot_slots(self.config) if c.enable_prefix_caching and c.ssm_checkpoint_interval else 0
-        cache = state_cache.allocate(self.model.state_cache_spec(self.dtype), num_slots, self.device, snapshots)
-        weakref.finalize(self, state_cache.release, cache)
-        for layer, (conv, ssm) in zip(layers, cache.tensors):
-            layer.bind_state_cache(conv, ssm)
-        log.info("%s", cache.describe())
-        return cache
-
     def _make_pieces(self) -> PiecewiseGraphs | None:
         limit = piecewise_max_tokens(self.config, self.model, self.graphs is not None, get_tp_size(),
                                      self.step_tokens)
@@ -221,46 +201,6 @@ class ModelRunner:
         hidden = int(self.hf_config.hidden_size)
         return DecodeGraphs(self.model, hidden, self.dtype, self.device, sizes, self.max_blocks, self.block_size,
                             self.block_table)
-
-    # ---- construction ------------------------------------------------------------------------------------
-    def _build_model(self, load_format: str, seed: int) -> torch.nn.Module:
-        cls = model_class(self.hf_config)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with STARTUP.phase("building the model"), torch.device(self.device):
-                extra = {}
-                if getattr(cls, "is_moe", False):  # backends.moe picks the fused_moe kernels (models/mixtral.py)
-                    from appliance.layers.moe import resolve_moe_backend
-
-                    extra["moe_backend"] = resolve_moe_backend(self.config.backends.moe, self.backend)
-                model = cls(self.hf_config, backend=self.backend, **extra)
-        finally:
-            torch.set_default_dtype(previous)
-        quantization = self.config.precision.quantization
-        self._checkpoint_kv_scales = CheckpointKVScales()
-        with STARTUP.phase("drawing dummy weights" if load_format == "dummy" else "loading weights"):
-            # a compressed-tensors / ModelOpt fp8 checkpoint's layers take e4m3 weights and scales before loading
-            scaled = prepare_quantization(model, quantization, self.hf_config, self.model_dir)
-            if load_format == "dummy":
-                init_dummy_weights(model, seed)
-            else:
-                self._checkpoint_kv_scales = load_weights(model, self.model_dir, load_format)
-        with STARTUP.phase(f"quantizing ({quantization})") if quantization else contextlib.nullcontext():
-            apply_quantization(model, quantization, self.hf_config, self.backend, scaled)
-        if self.device.type == "cuda":
-            bind_decode_kernels(model, self.backend, self.config.backends.decode_chain)
-        return model.eval()
-
-    def _count_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.max_total_tokens is not None:
-            return kv_cache.blocks_from_tokens(cache.max_total_tokens, self.block_size)
-        if self.device.type != "cuda":
-            return kv_cache.blocks_for_cpu(self.kv_spec, self.max_model_len, self.config.scheduler.max_num_seqs)
-        peak = memory_profile.peak_bytes(self.model, self.config, self.kv_spec, self.step_tokens, self.device,
-                                         self._mem_baseline)
-        return kv_cache.blocks_for_gpu(self.kv_spec, self.device, cache.gpu_memory_utilization, peak)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -429,7 +369,7 @@ class ModelRunner:
         if not rows:
             return [], {}
         logits = self.logits(hidden, rows)
-        prompt_lps = {c.state.request_id: self._prompt_logprobs(c, logits[i : i + n].float())
+        prompt_lps = {c.state.request_id: prompt_logprobs(c, logits[i : i + n].float())
                       for c, i, n in prompt_at}
         sampled: list[SampledToken] = []
         if sample_at:
@@ -442,21 +382,3 @@ class ModelRunner:
                 sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs, r.rank,
                                             r.error))
         return sampled, prompt_lps
-
-    @staticmethod
-    def _prompt_logprobs(c: Chunk, logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
-        """Entries for the prompt positions this chunk scores: (actual token, logprob) then the top k."""
-        out: list[list[tuple[int, float]] | None] = [None] if c.start == 0 else []
-        if logits.shape[0] == 0:
-            return out
-        lps = torch.log_softmax(logits, dim=-1)
-        k = c.state.params.prompt_logprobs or 0
-        targets = c.state.token_ids[c.start + 1 : c.start + 1 + logits.shape[0]]
-        chosen = lps[torch.arange(len(targets)), torch.tensor(targets)].tolist()
-        tops = lps.topk(k, dim=-1) if k > 0 else None
-        for j, (tok, lp) in enumerate(zip(targets, chosen)):
-            entry = [(tok, lp)]
-            if tops is not None:
-                entry += list(zip(tops.indices[j].tolist(), tops.values[j].tolist()))
-            out.append(entry)
-        return out

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from appliance.executor.input_batch import Chunk
 
 _NEG_INF = float("-inf")
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows), as in vLLM
@@ -197,3 +201,21 @@ class Sampler:
             vals, ids = lp.topk(min(k, lp.shape[0]))
             top = list(zip(ids.tolist(), vals.tolist()))
         return SampleResult(token, chosen, rank, top)
+
+
+def prompt_logprobs(c: Chunk, logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
+    """Entries for the prompt positions this chunk scores: (actual token, logprob) then the top k."""
+    out: list[list[tuple[int, float]] | None] = [None] if c.start == 0 else []
+    if logits.shape[0] == 0:
+        return out
+    lps = torch.log_softmax(logits, dim=-1)
+    k = c.state.params.prompt_logprobs or 0
+    targets = c.state.token_ids[c.start + 1 : c.start + 1 + logits.shape[0]]
+    chosen = lps[torch.arange(len(targets)), torch.tensor(targets)].tolist()
+    tops = lps.topk(k, dim=-1) if k > 0 else None
+    for j, (tok, lp) in enumerate(zip(targets, chosen)):
+        entry = [(tok, lp)]
+        if tops is not None:
+            entry += list(zip(tops.indices[j].tolist(), tops.values[j].tolist()))
+        out.append(entry)
+    return out

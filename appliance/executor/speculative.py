@@ -36,7 +36,7 @@ from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, Step
 from appliance.executor import logits_processors
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.request_table import RequestState
-from appliance.executor.sampler import SampleResult
+from appliance.executor.sampler import SampleResult, prompt_logprobs
 from appliance.executor.speculative_forced import ForcedAcceptance
 from appliance.layers.attention import AttentionMetadata
 
@@ -276,7 +276,7 @@ class Speculator:
         if not rows:
             return out
         logits = r.logits(hidden, rows)
-        out.prompt_logprobs = {c.state.request_id: r._prompt_logprobs(c, logits[i : i + n].float())
+        out.prompt_logprobs = {c.state.request_id: prompt_logprobs(c, logits[i : i + n].float())
                                for c, i, n in prompt_at}
         if plain_at:
             at = torch.tensor([i for _, i in plain_at], device=logits.device)

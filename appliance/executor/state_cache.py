@@ -12,12 +12,21 @@ the KV budget under cache.gpu_memory_utilization, counts it (executor/memory_pro
 """
 from __future__ import annotations
 
+import logging
+import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from appliance.engine.config import snapshot_slots
 from appliance.executor.memory_check import GIB
 from appliance.layers.gated_delta_net import StateCacheSpec
+
+if TYPE_CHECKING:
+    from appliance.executor.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,3 +73,22 @@ def release(cache: StateCache) -> None:
     for pair in cache.tensors:
         for t in pair:
             t.untyped_storage().resize_(0)
+
+
+def make_state_cache(runner: ModelRunner, num_slots: int) -> StateCache | None:
+    """The runner's state cache, bound to its layers (None: the model keeps no recurrent state)."""
+    layers = getattr(runner.model, "state_layers", lambda: [])()
+    c = runner.config.cache
+    if not layers:
+        for key in ("ssm_cache_slots", "ssm_checkpoint_interval"):
+            if getattr(c, key) is not None:
+                raise ValueError(f"cache.{key} applies to hybrid linear-attention models; "
+                                 f"{type(runner.model).__name__} keeps no recurrent state")
+        return None
+    snapshots = snapshot_slots(runner.config) if c.enable_prefix_caching and c.ssm_checkpoint_interval else 0
+    cache = allocate(runner.model.state_cache_spec(runner.dtype), num_slots, runner.device, snapshots)
+    weakref.finalize(runner, release, cache)
+    for layer, (conv, ssm) in zip(layers, cache.tensors):
+        layer.bind_state_cache(conv, ssm)
+    log.info("%s", cache.describe())
+    return cache
