@@ -13,7 +13,7 @@ from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.batch_sampler import BatchSampler
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import Sampler
-from appliance.executor.speculative import accepted_length, verify
+from appliance.executor.speculative_verification import accepted_length, verify
 
 N = 20000  # independent verifications
 

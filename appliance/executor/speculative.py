@@ -7,7 +7,8 @@ the drafts this worker holds for the request):
 1. target forward over every chunk (decodes with drafts are multi-token chunks: prefill attention);
 2. scoring: plain sampling rows as in ModelRunner; a verification samples all of its d + 1 rows with the
    normal sampler, row j as if the first j drafts were confirmed, and keeps the longest prefix of rows whose
-   sample equals their draft, plus the first sample that differs (or the bonus sample after the last draft).
+   sample equals their draft, plus the first sample that differs (or the bonus sample after the last draft;
+   speculative_verification.py).
    Drafts are greedy (one token, not a distribution), and with a one-hot draft x this is exactly rejection
    sampling: x is accepted with probability p(x), and a rejection emits a sample of p with x removed,
    renormalised. So every emitted token is distributed as the target's; greedy rows, seeded rows (their noise
@@ -36,8 +37,9 @@ from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, Step
 from appliance.executor import logits_processors
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.request_table import RequestState
-from appliance.executor.sampler import SampleResult, prompt_logprobs
+from appliance.executor.sampler import prompt_logprobs
 from appliance.executor.speculative_forced import ForcedAcceptance
+from appliance.executor.speculative_verification import verify
 from appliance.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -109,65 +111,6 @@ def make_speculator(runner: ModelRunner) -> Speculator | None:
     from appliance.executor.speculative_draft import DraftModelSpeculator, EagleSpeculator
 
     return DraftModelSpeculator(runner) if algorithm == "STANDALONE" else EagleSpeculator(runner)
-
-
-class _VerifyRow:
-    """A verification row as the sampler sees a request: its history is the confirmed tokens plus the first
-    `j` drafts (token lists are built only when a sampling path reads them)."""
-
-    def __init__(self, state: RequestState, end: int) -> None:
-        self.state, self.end = state, end
-        self.request_id, self.params, self.noise_seed = state.request_id, state.params, state.noise_seed
-        self.num_prompt_tokens = state.num_prompt_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.state.token_ids[: self.end]
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.state.token_ids[self.num_prompt_tokens : self.end]
-
-    @property
-    def num_generated(self) -> int:
-        return self.end - self.num_prompt_tokens
-
-
-def accepted_length(samples: list[int], drafts: list[int]) -> int:
-    """Tokens a verification emits: the samples up to and including the first that differs from its draft
-    (all d + 1 when every draft matches)."""
-    for j, d in enumerate(drafts):
-        if samples[j] != d:
-            return j + 1
-    return len(drafts) + 1
-
-
-def verify(sample: Callable[[torch.Tensor, list[Any]], list[SampleResult]], logits: torch.Tensor,
-           requests: list[tuple[RequestState, int]], forced: ForcedAcceptance | None = None
-           ) -> list[list[SampleResult]]:
-    """Verify drafts. Each request's token_ids end with its d provisional drafts and it owns d + 1 consecutive
-    rows of `logits` (row j: the distribution after the first j drafts). Every row is sampled by `sample` (a
-    BatchSampler) with the drafts before it as history; a request keeps the samples up to the first that differs
-    from its draft (all d + 1 when none does). token_ids end with the kept samples afterwards. `forced`
-    (benchmarks) decides how many drafts are kept instead: those drafts, then the sample after them."""
-    rows = [_VerifyRow(state, len(state.token_ids) - d + j) for state, d in requests for j in range(d + 1)]
-    results = sample(logits, rows)
-    out: list[list[SampleResult]] = []
-    pos = 0
-    for state, d in requests:
-        confirmed = len(state.token_ids) - d
-        mine = results[pos : pos + d + 1]
-        pos += d + 1
-        drafts = state.token_ids[confirmed:]
-        if forced is None:
-            kept = mine[: accepted_length([x.token_id for x in mine], drafts)]
-        else:
-            a = forced.accepted(d)
-            kept = [SampleResult(t) for t in drafts[:a]] + [mine[a]]
-        del state.token_ids[confirmed:]
-        state.token_ids.extend(x.token_id for x in kept)
-        out.append(kept)
-    return out
 
 
 @dataclass
