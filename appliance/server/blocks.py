@@ -3,13 +3,22 @@ of typed blocks, the shape both /v1/responses (output items) and /v1/messages (c
 
 A block is reasoning text, answer text or one tool call. Streaming, `BlockStream.feed` turns each delta's
 fields into block events (start, delta, stop) in order: a new kind of text or a new tool call closes the open
-block first, so a client sees one block at a time, as both APIs require.
+block first, so a client sees one block at a time, as both APIs require; `stream_blocks` runs a streamed chat
+generation through it for both.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from appliance.server.generation import with_deadline
+
+if TYPE_CHECKING:
+    from appliance.server.chat import ChatOutputProcessor
+    from appliance.server.generation import Generation
 
 Kind = Literal["reasoning", "text", "tool"]
 
@@ -116,3 +125,31 @@ def merged_fields(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+@dataclass
+class StreamEnd:
+    """What a streamed chat generation ended with (stream_blocks fills it): the texts, the finish reason as
+    the processor maps it, and the engine's stop reason."""
+
+    texts: list[str] = field(default_factory=list)
+    finish: str | None = None
+    stop: Any = None
+
+
+async def stream_blocks(gen: Generation, proc: ChatOutputProcessor, timeout: float | None, blocks: BlockStream,
+                        end: StreamEnd) -> AsyncIterator[BlockEvent]:
+    """The block events of a streamed chat generation (its one choice through `proc`, under the request
+    deadline), the closing ones included; `end` holds how it ended. Close it with contextlib.aclosing."""
+    stream = with_deadline(gen.stream(), timeout)
+    async with contextlib.aclosing(stream) as deltas:
+        async for d in deltas:
+            end.texts.append(d.text)
+            fields = proc.delta(d.text)
+            if d.finish_reason is not None:
+                fields = merged_fields(fields, proc.end())
+                end.finish, end.stop = proc.finish_reason(d.finish_reason), d.stop_reason
+            for ev in blocks.feed(fields):
+                yield ev
+    for ev in blocks.close():
+        yield ev

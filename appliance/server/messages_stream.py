@@ -11,9 +11,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from appliance.server.blocks import BlockEvent, BlockStream, merged_fields
+from appliance.server.blocks import BlockEvent, BlockStream, StreamEnd, stream_blocks
 from appliance.server.errors import ApiError
-from appliance.server.generation import with_deadline
 from appliance.server.messages import MessageRun, anthropic_error_body, stop_reason
 from appliance.server.sse import SSEResponse, named_event
 
@@ -40,32 +39,21 @@ def _block_event(run: MessageRun, ev: BlockEvent) -> str:
 
 
 async def _events(run: MessageRun) -> AsyncIterator[str]:
-    blocks = BlockStream()
-    proc = run.prepared.processors[0]
-    texts: list[str] = []
-    finish: str | None = None
-    stop: Any = None
+    end = StreamEnd()
     start = run.message([], None, None)
     yield _event(run, "message_start", message=start)
     try:
-        stream = with_deadline(run.prepared.gen.stream(), run.ctx.request_timeout)
-        async with contextlib.aclosing(stream) as deltas:
-            async for d in deltas:
-                texts.append(d.text)
-                fields = proc.delta(d.text)
-                if d.finish_reason is not None:
-                    fields = merged_fields(fields, proc.end())
-                    finish, stop = proc.finish_reason(d.finish_reason), d.stop_reason
-                for ev in blocks.feed(fields):
-                    yield _block_event(run, ev)
-        for ev in blocks.close():
-            yield _block_event(run, ev)
-        reason, sequence = stop_reason(finish, stop)
+        events = stream_blocks(run.prepared.gen, run.prepared.processors[0], run.ctx.request_timeout, BlockStream(),
+                               end)
+        async with contextlib.aclosing(events) as block_events:
+            async for ev in block_events:
+                yield _block_event(run, ev)
+        reason, sequence = stop_reason(end.finish, end.stop)
         usage = run.usage()
         yield _event(run, "message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                      usage={"output_tokens": usage["output_tokens"]})
         yield _event(run, "message_stop")
-        run.record(finish, "".join(texts), None)
+        run.record(end.finish, "".join(end.texts), None)
     except ApiError as exc:
         run.ctx.http_error(exc.status)
         run.exchange.failed(exc.body(), exc.message, stream=True)

@@ -13,9 +13,14 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from appliance.server.blocks import Block, BlockEvent, BlockStream, merged_fields
+from appliance.server.blocks import (
+    Block,
+    BlockEvent,
+    BlockStream,
+    StreamEnd,
+    stream_blocks,
+)
 from appliance.server.errors import ApiError
-from appliance.server.generation import with_deadline
 from appliance.server.responses import ResponseRun, output_item, output_text
 from appliance.server.sse import SSEResponse, named_event
 
@@ -72,30 +77,19 @@ class _Events:
 async def _events(run: ResponseRun) -> AsyncIterator[str]:
     ev = _Events(run)
     blocks = BlockStream()
-    proc = run.prepared.processors[0]
-    texts: list[str] = []
-    finish: str | None = None
+    end = StreamEnd()
     yield ev.event("response.created", response=run.response("in_progress", [], None))
     yield ev.event("response.in_progress", response=run.response("in_progress", [], None))
     try:
-        stream = with_deadline(run.prepared.gen.stream(), run.ctx.request_timeout)
-        async with contextlib.aclosing(stream) as deltas:
-            async for d in deltas:
-                texts.append(d.text)
-                fields = proc.delta(d.text)
-                if d.finish_reason is not None:
-                    fields = merged_fields(fields, proc.end())
-                    finish = proc.finish_reason(d.finish_reason)
-                for block_event in blocks.feed(fields):
-                    for e in ev.block_events(block_event):
-                        yield e
-        for block_event in blocks.close():
-            for e in ev.block_events(block_event):
-                yield e
-        body = run.finish(blocks.blocks, finish)
+        events = stream_blocks(run.prepared.gen, run.prepared.processors[0], run.ctx.request_timeout, blocks, end)
+        async with contextlib.aclosing(events) as block_events:
+            async for block_event in block_events:
+                for e in ev.block_events(block_event):
+                    yield e
+        body = run.finish(blocks.blocks, end.finish)
         yield ev.event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
                        response=body)
-        run.record(finish, "".join(texts), None)
+        run.record(end.finish, "".join(end.texts), None)
     except ApiError as exc:
         run.ctx.http_error(exc.status)
         run.exchange.failed(exc.body(), exc.message, stream=True)
