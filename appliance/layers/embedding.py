@@ -1,6 +1,8 @@
 """Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the (padded) vocabulary."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +14,9 @@ from appliance.layers.parallel_state import (
     tp_all_gather,
     tp_all_reduce,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 PAD_TO = 64  # vocab padded to a multiple of PAD_TO * tp so every shard has the same size
 
@@ -57,6 +62,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         self.gemv: Gemv | None = None  # linear.use_gemv_kernel binds one
         self.skinny: Gemv | None = None  # and this, where the backend has a skinny GEMM
+        self.tied = False  # shares the embedding's weight (of_model)
+
+    @classmethod
+    def of_model(cls, hf_config: PretrainedConfig, embedding: VocabParallelEmbedding,
+                 tie_default: bool = False) -> ParallelLMHead:
+        """A model's head, tied to its embedding where hf_config.tie_word_embeddings says so (tie_default where
+        the config is silent); `tied` tells the weight loader there is no lm_head.weight to read."""
+        head = cls(hf_config.vocab_size, hf_config.hidden_size)
+        head.tied = bool(getattr(hf_config, "tie_word_embeddings", tie_default))
+        if head.tied:
+            head.tie_to(embedding)
+        return head
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

@@ -113,10 +113,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.config = hf_config
         self.model = Gemma3Model(hf_config, backend)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = ParallelLMHead.of_model(hf_config, self.model.embed_tokens, tie_default=True)
+        self.tie_word_embeddings = self.lm_head.tied
         self.softcap = getattr(hf_config, "final_logit_softcapping", None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

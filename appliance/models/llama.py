@@ -185,10 +185,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         qkv_bias = self.qkv_bias or bool(getattr(hf_config, "attention_bias", False))
         self.model = LlamaModel(hf_config, qkv_bias, self.qk_norm, backend)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = ParallelLMHead.of_model(hf_config, self.model.embed_tokens)
+        self.tie_word_embeddings = self.lm_head.tied
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

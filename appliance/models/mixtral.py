@@ -73,10 +73,8 @@ class MoECausalLM(LlamaForCausalLM):
         self.moe_backend = moe_backend or backend  # the fused_moe kernels
         layers = [self.make_layer(i, backend) for i in range(hf_config.num_hidden_layers)]
         self.model = MoEModel(hf_config, layers, backend)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = ParallelLMHead.of_model(hf_config, self.model.embed_tokens)
+        self.tie_word_embeddings = self.lm_head.tied
 
     @property
     def supports_cuda_graphs(self) -> bool:  # type: ignore[override]
