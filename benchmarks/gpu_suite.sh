@@ -35,10 +35,10 @@
 #   e.g. SERVE_MODEL=DIR SERVE_ARGS="--dtype float32" SERVE_LEVELS="1:2 2:4" SERVE_LENS=16:4 bash benchmarks/gpu_suite.sh serve
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ALL_PARTS=(b1 qwen tput8b serve peer-small peer-8b peer-serve)
 for p in "$@"; do  # every part named is checked before anything is installed or run
-  case "$p" in b1|qwen|tput8b|serve|peer-small|peer-8b|peer-serve|summary|all) ;;
-    *) echo "gpu_suite: unknown part $p (b1 qwen tput8b serve peer-small peer-8b peer-serve summary all)" >&2; exit 2 ;;
-  esac
+  [[ " ${ALL_PARTS[*]} summary all " == *" $p "* ]] \
+    || { echo "gpu_suite: unknown part $p (${ALL_PARTS[*]} summary all)" >&2; exit 2; }
 done
 py="${PYTHON:-python3}"
 out="${OUT:-${BENCH_OUT:-$(mktemp -d)}}"
@@ -122,7 +122,7 @@ trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a server of a part cut short does not
 status=0
 parts=("$@")
 [[ ${#parts[@]} -eq 0 ]] && { sed -n '2,30p' "$0"; exit 2; }
-[[ "${parts[0]}" == all ]] && parts=(b1 qwen tput8b serve peer-small peer-8b peer-serve)
+[[ "${parts[0]}" == all ]] && parts=("${ALL_PARTS[@]}")
 for p in "${parts[@]}"; do part "$p" || { echo "gpu_suite: part $p failed (exit $?)" >&2; status=1; }; done
 "$py" -m benchmarks.summary "$out" || status=1
 exit $status
