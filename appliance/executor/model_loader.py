@@ -207,8 +207,10 @@ def apply_quantization(model: nn.Module, quantization: str | None, hf_config: Pr
         quantize_model_fp8(model, backend)
 
 
-def build_model(runner: ModelRunner, load_format: str, seed: int) -> torch.nn.Module:
-    """The runner's model: built, its weights loaded (or drawn), quantized; its checkpoint KV scales kept."""
+def build_model(runner: ModelRunner, load_format: str,
+                seed: int) -> tuple[torch.nn.Module, CheckpointKVScales]:
+    """The runner's model, built, its weights loaded (or drawn) and quantized, with the fp8 KV cache scales its
+    checkpoint ships (none for dummy weights)."""
     cls = model_class(runner.hf_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(runner.dtype)
@@ -223,16 +225,16 @@ def build_model(runner: ModelRunner, load_format: str, seed: int) -> torch.nn.Mo
     finally:
         torch.set_default_dtype(previous)
     quantization = runner.config.precision.quantization
-    runner._checkpoint_kv_scales = CheckpointKVScales()
+    kv_scales = CheckpointKVScales()
     with STARTUP.phase("drawing dummy weights" if load_format == "dummy" else "loading weights"):
         # a compressed-tensors / ModelOpt fp8 checkpoint's layers take e4m3 weights and scales before loading
         scaled = prepare_quantization(model, quantization, runner.hf_config, runner.model_dir)
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         else:
-            runner._checkpoint_kv_scales = load_weights(model, runner.model_dir, load_format)
+            kv_scales = load_weights(model, runner.model_dir, load_format)
     with STARTUP.phase(f"quantizing ({quantization})") if quantization else contextlib.nullcontext():
         apply_quantization(model, quantization, runner.hf_config, runner.backend, scaled)
     if runner.device.type == "cuda":
         bind_decode_kernels(model, runner.backend, runner.config.backends.decode_chain)
-    return model.eval()
+    return model.eval(), kv_scales

@@ -99,7 +99,7 @@ class ModelRunner:
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend,
                             self.model_dir)  # fail before allocating
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
-        self.model = build_model(self, m.load_format, m.seed)  # start-up phases: executor/startup.py
+        self.model, kv_scales = build_model(self, m.load_format, m.seed)  # start-up phases: executor/startup.py
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
         # a drafter's caches share the block table and the KV budget (none without speculation, or for n-gram)
         self.draft_model = speculative.load_drafter(config, self)
@@ -110,8 +110,8 @@ class ModelRunner:
                                               len(self.model.attention_layers()))
         self.kv_spec = kv_cache.KVCacheSpec.of(layers, self.block_size, kv_dtype, high, self.dtype)
         if is_fp8(kv_dtype):  # before the profile binds a cache
-            self.kv_scale_source = kv_scale_setup(config, self.model, layers, self._checkpoint_kv_scales)
-        elif self._checkpoint_kv_scales.scales:
+            self.kv_scale_source = kv_scale_setup(config, self.model, layers, kv_scales)
+        elif kv_scales.scales:
             log.info("the checkpoint ships fp8 KV cache scales; a %s cache does not use them (they apply with "
                      "precision.kv_cache_dtype = fp8)", kv_dtype)
         self.max_blocks = -(-self.max_model_len // self.block_size)
