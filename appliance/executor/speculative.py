@@ -40,6 +40,7 @@ from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import prompt_logprobs
 from appliance.executor.speculative_forced import ForcedAcceptance
 from appliance.executor.speculative_verification import verify
+from appliance.executor.verify_graphs import make_verify_graphs
 from appliance.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -136,6 +137,8 @@ class Speculator:
         self.drafting = True  # this step proposes (False above disable_by_batch_size sampling rows)
         self._chain_stager = Stager(runner.device)  # a draft chain's inputs, one upload per step
         self._index_stager = Stager(runner.device)  # the drafter's row indices
+        # verification steps as decode rows, from CUDA graphs on a GPU (None: the multi-token path)
+        self.verify_graphs = make_verify_graphs(runner, self.num_steps)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -167,6 +170,11 @@ class Speculator:
         return StepResult(plan.step_id, scored.sampled, scored.prompt_logprobs, held)
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
+        v = self.verify_graphs
+        if v is not None and v.fits(chunks, self.num_steps + 1):
+            got = v.run_step(chunks)
+            if got is not None:
+                return chunks, got[0], got[1]
         return self.runner._forward(chunks)
 
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
