@@ -25,7 +25,6 @@ With speculative.synthetic_acceptance_* (benchmarks only) step 2's accept decisi
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +34,7 @@ import torch
 from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
 from appliance.executor import logits_processors
+from appliance.executor.draft_graphs import ChainGraphs
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import prompt_logprobs
@@ -135,10 +135,11 @@ class Speculator:
         self.forced = ForcedAcceptance.from_section(s, runner.config.model.seed)
         self.drafts: dict[str, list[int]] = {}
         self.drafting = True  # this step proposes (False above disable_by_batch_size sampling rows)
-        self._chain_stager = Stager(runner.device)  # a draft chain's inputs, one upload per step
+        self._chain_stager = Stager(runner.device)  # the rows a chain starts from
         self._index_stager = Stager(runner.device)  # the drafter's row indices
         # verification steps as decode rows, from CUDA graphs on a GPU (None: the multi-token path)
         self.verify_graphs = make_verify_graphs(runner, self.num_steps)
+        self.chains: ChainGraphs | None = None  # drafters with a model set it (draft_graphs.py)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -299,84 +300,17 @@ class Speculator:
         """First position a draft chain may not write: past the block table or the model's length."""
         return min(len(state.block_ids) * self.runner.block_size, self.runner.max_model_len)
 
-    def chain(self, states: list[RequestState], tokens: torch.Tensor, first_pos: list[int], hidden: Any,
-              step: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, Any], tuple[torch.Tensor, Any]]) -> None:
-        """Drafts 2..num_steps of each state after the first (`tokens`): step i feeds draft i (and the drafter's
-        `hidden` rows, if it chains them) at position first_pos + i - 1. A chain stops early where that position
-        is past the block table or max_model_len (the scheduler never asks for more drafts than the result
-        reports). Every step's positions, slots and tables are known before the chain starts, so they travel in
-        one staged upload, and the drafts come back in one read at the end: no host round trip per draft step."""
-        device = tokens.device
-        plan = self._chain_plan(states, first_pos)
-        steps = [tokens]
-        if plan:
-            flat = np.concatenate([a for p in plan for a in p.arrays()])
-            sent = self._chain_stager.send(flat)
-            at = 0
-            for p in plan:
-                views = []
-                for a in p.arrays():
-                    views.append(sent[at : at + a.shape[0]])
-                    at += a.shape[0]
-                keep, alive, positions, slots, seq_lens, tables = views
-                if p.narrows:
-                    tokens = tokens.index_select(0, keep)
-                    hidden = hidden.index_select(0, keep) if hidden is not None else None
-                n = p.rows
-                meta = AttentionMetadata(
-                    slot_mapping=slots, num_decode_tokens=n, decode_block_tables=tables.view(n, -1).to(torch.int32),
-                    decode_seq_lens=seq_lens.to(torch.int32),
-                    prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device),
-                    prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
-                    prefill_block_tables=torch.zeros((0, p.width), dtype=torch.int32, device=device))
-                tokens, hidden = step(tokens, positions, meta, hidden)
-                steps.append(torch.full((len(states),), -1, dtype=torch.int64, device=device).index_copy_(
-                    0, alive, tokens))
-        table = torch.stack(steps, dim=1).tolist()  # the chain's one read-back
-        for state, row in zip(states, table):
-            self.drafts[state.request_id] = [t for t in row if t >= 0]
-
-    def _chain_plan(self, states: list[RequestState], first_pos: list[int]) -> list[_ChainStep]:
-        """The host side of every chain step, computed up front (positions and limits are known)."""
-        bs = self.runner.block_size
+    def chain(self, states: list[RequestState], tokens: torch.Tensor, first_pos: list[int], hidden: Any) -> None:
+        """Drafts 2..num_steps of each state after the first (`tokens`): chain step i feeds draft i (and the
+        drafter's `hidden` rows, if it chains them) to `draft_step` at position first_pos + i - 1, from one
+        graph per batch (draft_graphs.py); a chain stops early where that position is past the block table or
+        max_model_len (the scheduler never asks for more drafts than the result reports)."""
+        assert self.chains is not None, f"{type(self).__name__} drafts without a chain"
         limits = [self.draft_limit(s) for s in states]
-        out: list[_ChainStep] = []
-        alive = list(range(len(states)))
-        for i in range(1, self.num_steps):
-            keep = [j for j, a in enumerate(alive) if first_pos[a] + i - 1 < limits[a]]
-            if not keep:
-                break
-            narrows = len(keep) < len(alive)
-            alive = [alive[j] for j in keep]
-            rows = [states[a] for a in alive]
-            width = max(len(s.block_ids) for s in rows)
-            tables = np.zeros((len(rows), width), dtype=np.int64)
-            for r, s in enumerate(rows):
-                tables[r, : len(s.block_ids)] = s.block_ids
-            pos = np.asarray([first_pos[a] + i - 1 for a in alive], dtype=np.int64)
-            slots = tables[np.arange(len(rows)), pos // bs] * bs + pos % bs
-            out.append(_ChainStep(np.asarray(keep, dtype=np.int64), np.asarray(alive, dtype=np.int64), pos, slots,
-                                  pos + 1, tables.reshape(-1), narrows, width))
-        return out
+        for state, drafts in zip(states, self.chains.run(states, tokens, first_pos, hidden, limits)):
+            self.drafts[state.request_id] = drafts
 
-
-@dataclass
-class _ChainStep:
-    """One draft step's rows: which of the previous step's rows go on (keep), their index among the chain's
-    states (alive), positions, cache slots, sequence lengths and flattened block tables of `width` columns."""
-
-    keep: np.ndarray
-    alive: np.ndarray
-    positions: np.ndarray
-    slots: np.ndarray
-    seq_lens: np.ndarray
-    tables: np.ndarray
-    narrows: bool
-    width: int
-
-    @property
-    def rows(self) -> int:
-        return self.alive.shape[0]
-
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.keep, self.alive, self.positions, self.slots, self.seq_lens, self.tables
+    def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: Any
+                   ) -> tuple[torch.Tensor, Any]:
+        """One chain step of the drafter: the next drafts (and hidden rows it chains) after `tokens`."""
+        raise NotImplementedError

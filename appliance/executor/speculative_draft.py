@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from appliance.executor.draft_graphs import make_chain_graphs
 from appliance.executor.input_batch import Chunk
 from appliance.executor.model_loader import init_dummy_weights, iterate_weights, load_hf_config, resolve_model_dir
 from appliance.executor.speculative import Speculator
@@ -140,6 +141,11 @@ class DraftModelSpeculator(Speculator):
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
         self.model = runner.draft_model
+        self.chains = make_chain_graphs(self, None, self.model, _drafter_backend(runner.config, runner))
+
+    def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: Any
+                   ) -> tuple[torch.Tensor, None]:
+        return self.model.compute_logits(self.model(tokens, positions, meta)).argmax(dim=-1), None
 
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
@@ -157,11 +163,7 @@ class DraftModelSpeculator(Speculator):
         if not states:
             return
         first = self.model.compute_logits(h[rows]).argmax(dim=-1)
-
-        def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, _: Any) -> tuple[torch.Tensor, None]:
-            return self.model.compute_logits(self.model(tokens, positions, meta)).argmax(dim=-1), None
-
-        self.chain(states, first, [s.num_computed + 1 for s in states], None, step)
+        self.chain(states, first, [s.num_computed + 1 for s in states], None)
 
 
 class EagleSpeculator(Speculator):
@@ -170,11 +172,18 @@ class EagleSpeculator(Speculator):
         self.head = runner.draft_model
         self.target = runner.model
         self.eagle3 = isinstance(self.head, Eagle3Head)
+        self.chains = make_chain_graphs(self, int(self.head.config.hidden_size), self.head,
+                                        _drafter_backend(runner.config, runner))
 
     def _tokens(self, normed: torch.Tensor) -> torch.Tensor:
         if self.eagle3:
             return self.head.draft_tokens(normed)
         return self.target.compute_logits(normed).argmax(dim=-1)
+
+    def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, pre = self.head(tokens, positions, hidden, meta)
+        return self._tokens(normed), pre
 
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
@@ -185,11 +194,4 @@ class EagleSpeculator(Speculator):
         states, rows = self.last_rows(inputs)
         if not states:
             return
-        at = rows
-
-        def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, h: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-            normed, pre = self.head(tokens, positions, h, meta)
-            return self._tokens(normed), pre
-
-        self.chain(states, self._tokens(normed[at]), [s.num_computed for s in states], pre[at], step)
+        self.chain(states, self._tokens(normed[rows]), [s.num_computed for s in states], pre[rows])

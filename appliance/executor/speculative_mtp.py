@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from appliance.executor.draft_graphs import make_chain_graphs
 from appliance.executor.input_batch import Chunk
 from appliance.executor.speculative import Speculator
 
@@ -33,6 +34,12 @@ class MtpSpeculator(Speculator):
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
         self.model = runner.model
+        self.chains = make_chain_graphs(self, int(runner.hf_config.hidden_size), self.model, runner.backend)
+
+    def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.model.mtp_forward(tokens, positions, hidden, meta)
+        return self.model.mtp_logits(h).argmax(dim=-1), h
 
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
@@ -44,10 +51,4 @@ class MtpSpeculator(Speculator):
         if not states:
             return
         h = h[rows]
-
-        def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, h: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-            h = self.model.mtp_forward(tokens, positions, h, meta)
-            return self.model.mtp_logits(h).argmax(dim=-1), h
-
-        self.chain(states, self.model.mtp_logits(h).argmax(dim=-1), [s.num_computed for s in states], h, step)
+        self.chain(states, self.model.mtp_logits(h).argmax(dim=-1), [s.num_computed for s in states], h)
