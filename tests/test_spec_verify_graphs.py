@@ -17,6 +17,7 @@ from appliance import LLM, SamplingParams
 from appliance.engine.sampling_params import SamplingParams as Params
 from appliance.executor.input_batch import Chunk, graph_stride
 from appliance.executor.request_table import RequestState
+from appliance.executor.draft_graphs import ChainGraphs
 from appliance.executor.verify_graphs import VerifyGraphs, verify_rows
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11], list(range(40, 60)) + list(range(40, 50))]
@@ -96,6 +97,32 @@ def test_verification_above_the_buckets_takes_the_multi_token_path(tiny_model: P
         assert spec.verify_graphs.last_key is not None and spec.verify_graphs.last_key.batch == 4
 
 
+def test_chain_drafts_stop_at_the_limit(tiny_model: Path, head: Path) -> None:
+    """A chain's rows past their block table store nothing and lose those drafts; the others run on."""
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
+              speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head), speculative_num_steps=4)
+    spec = llm.executor.runner.spec
+    chains = spec.chains
+    assert isinstance(chains, ChainGraphs) and chains.captured == 0  # CPU: uncaptured
+    r = spec.runner
+    tables = [[1, 5], [2, 6], [3, 7, 9]]
+    states = [RequestState(f"r{i}", [3] * 6, 6, 6, t, Params()) for i, t in enumerate(tables)]
+    for st in states:
+        r.requests[st.request_id] = st
+    r.block_table.apply(*(torch.from_numpy(x) for x in r.block_table.delta(states)))
+    k_cache = spec.head.attention_layers()[0].k_cache
+    before = k_cache.clone()
+    with torch.inference_mode():
+        drafts = chains.run(states, torch.tensor([7, 8, 9]), [6, 6, 6], torch.randn(3, 64), [8, 6, 12])
+    assert [len(d) for d in drafts] == [3, 1, 4] and [d[0] for d in drafts] == [7, 8, 9]
+    changed = (k_cache != before).flatten(2).any(dim=2).nonzero().tolist()  # (block, offset) of written slots
+    # chain step i writes position 6 + i - 1: row 0 positions 6, 7 (block 5); row 1 none (its limit is 6);
+    # row 2 positions 6, 7, 8 (blocks 7 and 9)
+    assert changed == [[5, 2], [5, 3], [7, 2], [7, 3], [9, 0]]
+    for st in states:
+        del r.requests[st.request_id]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_verify_graphs_match_eager(tiny_model: Path, head: Path) -> None:
@@ -106,10 +133,13 @@ def test_gpu_verify_graphs_match_eager(tiny_model: Path, head: Path) -> None:
     llm = LLM(model=str(tiny_model), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
               speculative_num_steps=3, **kw)
     spec = llm.executor.runner.spec
-    graphs = spec.verify_graphs
+    graphs, chains = spec.verify_graphs, spec.chains
     assert graphs is not None and graphs.cuda and graphs.graphs  # captured at start-up
+    assert chains is not None and chains.captured >= len(PROMPTS) and chains.graphs
     assert greedy(llm, 32) == reference
-    assert graphs.last_key is not None  # verifications replayed a graph
+    assert graphs.last_key is not None and chains.last_key is not None  # both replayed a graph
     spec.verify_graphs = None  # the multi-token eager path
+    chains.captured = 0
+    chains.graphs.clear()  # the chains' body uncaptured
     assert greedy(llm, 32) == reference
     assert llm.engine.stats().spec_num_drafts > 0 and llm.engine.check_accounting().ok

@@ -76,6 +76,8 @@ def make_verify_graphs(runner: ModelRunner, num_steps: int) -> VerifyGraphs | No
         keys = graphs.keys_up_to(min(GRAPH_CONTEXT, runner.max_model_len))
         with STARTUP.phase("capturing verify graphs", len(keys)), torch.inference_mode():
             graphs.capture_all(min(GRAPH_CONTEXT, runner.max_model_len), STARTUP.advance)
+            for m in rows:  # the LM head's GEMM at each row count a verification scores (cuBLAS's first use)
+                runner.logits(graphs.hidden, list(range(m)))
         log.info("speculative decoding: %d verify graphs captured (rows %s, batches up to %d)", len(graphs.graphs),
                  rows, batches[-1])
     return graphs
