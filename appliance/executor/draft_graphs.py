@@ -175,7 +175,7 @@ def make_chain_graphs(spec: Speculator, hidden_size: int | None, drafter: torch.
 
     r = spec.runner
     c = r.config
-    sizes = capture_sizes(None, None, c.scheduler.max_num_seqs)
+    sizes = capture_sizes(None, c.scheduler.max_num_seqs, c.scheduler.max_num_seqs)  # every batch fits one
     batches = verify_batches(r) or []
     can = r.device.type == "cuda" and graph_settings(c, drafter, r.device, drafter_backend) is not None
     captured = batches[-1] if can and batches else 0
