@@ -97,6 +97,38 @@ def test_verification_above_the_buckets_takes_the_multi_token_path(tiny_model: P
         assert spec.verify_graphs.last_key is not None and spec.verify_graphs.last_key.batch == 4
 
 
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3"])
+def test_catch_up_rows_draft_what_the_eager_catch_up_drafts(tiny_model: Path, head: Path,
+                                                           make_tiny_model: Any, algorithm: str) -> None:
+    """After every verify-graph step the drafter catches up both ways (the second re-stores the same K/V): the
+    same drafts."""
+    drafter = str(head) if algorithm == "EAGLE3" else str(make_tiny_model("llama", seed=1, num_hidden_layers=1))
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
+              speculative_algorithm=algorithm, speculative_num_steps=3, speculative_draft_model_path=drafter)
+    spec = llm.executor.runner.spec
+    assert spec.catch_up_graphs is not None
+    propose, compared = spec._propose, []
+
+    def both(chunks: list[Chunk], *args: Any) -> None:
+        on_graphs = spec._verified_on_graphs
+        propose(chunks, *args)
+        if not on_graphs:
+            return
+        via_graphs = {c.state.request_id: spec.drafts.get(c.state.request_id) for c in chunks}
+        cu, spec.catch_up_graphs = spec.catch_up_graphs, None
+        try:
+            propose(chunks, *args)
+        finally:
+            spec.catch_up_graphs = cu
+        assert via_graphs == {c.state.request_id: spec.drafts.get(c.state.request_id) for c in chunks}
+        compared.append(sum(1 for d in via_graphs.values() if d))
+
+    spec._propose = both  # type: ignore[method-assign]
+    reference = greedy(LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True))
+    assert greedy(llm) == reference
+    assert compared and max(compared) == len(PROMPTS)  # every request drafted from the catch-up rows
+
+
 def test_chain_drafts_stop_at_the_limit(tiny_model: Path, head: Path) -> None:
     """A chain's rows past their block table store nothing and lose those drafts; the others run on."""
     llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,

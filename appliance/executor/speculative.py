@@ -36,6 +36,7 @@ import torch
 from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
 from appliance.executor import logits_processors
+from appliance.executor.catch_up_graphs import CatchUpGraphs
 from appliance.executor.draft_graphs import ChainGraphs
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.request_table import RequestState
@@ -142,6 +143,8 @@ class Speculator:
         # verification steps as decode rows, from CUDA graphs on a GPU (None: the multi-token path)
         self.verify_graphs = make_verify_graphs(runner, self.num_steps)
         self.chains: ChainGraphs | None = None  # drafters with a model set it (draft_graphs.py)
+        self.catch_up_graphs: CatchUpGraphs | None = None  # and their catch-up after verify graphs (catch_up_graphs.py)
+        self._verified_on_graphs = False  # this step's forward ran the verify graphs
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -174,9 +177,11 @@ class Speculator:
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
         v = self.verify_graphs
+        self._verified_on_graphs = False
         if v is not None and v.fits(chunks, self.num_steps + 1):
             got = v.run_step(chunks)
             if got is not None:
+                self._verified_on_graphs = True
                 return chunks, got[0], got[1]
         return self.runner._forward(chunks)
 
@@ -263,6 +268,41 @@ class Speculator:
             out.emitted[rid] = len(results)
 
     # ---- helpers of the drafters -------------------------------------------------------------------------
+    def catch_up_chunk(self, c: Chunk, emitted: dict[str, int], verifying: dict[str, int]) -> Chunk:
+        """The drafter's catch-up share of a chunk: its confirmed positions (a verification's emitted count, every
+        token of other chunks), sampling where the chunk sampled. Drafters fed the next token (MTP, EAGLE)."""
+        rid = c.state.request_id
+        return Chunk(c.state, c.start, emitted[rid] if rid in verifying else c.num_tokens, c.sample)
+
+    def first_position(self, state: RequestState) -> int:
+        """Position of a request's first chain step (after its confirmed tokens; speculative_draft.py shifts it)."""
+        return state.num_computed
+
+    def catch_up_source(self) -> torch.Tensor | None:
+        """The static tensor the catch-up graphs take the drafter's fed rows from (None: token ids only)."""
+        return None
+
+    def propose_on_graphs(self, chunks: list[Chunk], row_starts: list[int], emitted: dict[str, int],
+                          verifying: dict[str, int]) -> bool:
+        """The catch-up (catch_up_graphs.py) and the chain of a step the verify graphs ran, with no host round
+        trip between them; False where it does not apply (the drafter's eager catch-up runs instead)."""
+        cu = self.catch_up_graphs
+        if cu is None or not self._verified_on_graphs or cu.source is not self.catch_up_source():
+            return False
+        own = [self.catch_up_chunk(c, emitted, verifying) for c in chunks]
+        take = [first + j for c, first in zip(own, row_starts) for j in range(c.num_tokens)]
+        got = cu.run_catch_up(own, take if cu.source is not None else [])
+        if got is None:
+            return False
+        starts, tokens, hidden = got
+        drafting = [(c.state, s + c.num_tokens - 1) for c, s in zip(own, starts) if self.wants_drafts(c)]
+        if drafting:
+            at = self._chain_stager.send(np.asarray([row for _, row in drafting], dtype=np.int64))
+            states = [st for st, _ in drafting]
+            self.chain(states, tokens[at], [self.first_position(st) for st in states],
+                       hidden[at] if hidden is not None else None)
+        return True
+
     def shifted_inputs(self, chunks: list[Chunk], row_starts: list[int], emitted: dict[str, int],
                        verifying: dict[str, int], device: torch.device) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Catch-up inputs of a drafter fed (token at i + 1, target's hidden state at i) (MTP, EAGLE): rows over
@@ -270,12 +310,8 @@ class Speculator:
         chunks). Returns the inputs (positions, metadata, rows in their order), the shifted token ids and the
         target's row of each."""
         r = self.runner
-        own: list[Chunk] = []
-        target_first: dict[str, int] = {}
-        for c, first in zip(chunks, row_starts):
-            rid = c.state.request_id
-            own.append(Chunk(c.state, c.start, emitted[rid] if rid in verifying else c.num_tokens, c.sample))
-            target_first[rid] = first
+        own = [self.catch_up_chunk(c, emitted, verifying) for c in chunks]
+        target_first = {c.state.request_id: first for c, first in zip(chunks, row_starts)}
         inputs = r.host_inputs(own)
         ids: list[int] = []
         take: list[int] = []

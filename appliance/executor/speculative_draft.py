@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from appliance.executor.catch_up_graphs import make_catch_up_graphs
 from appliance.executor.draft_graphs import make_chain_graphs
 from appliance.executor.input_batch import Chunk
 from appliance.executor.model_loader import init_dummy_weights, iterate_weights, load_hf_config, resolve_model_dir
@@ -142,28 +143,34 @@ class DraftModelSpeculator(Speculator):
         super().__init__(runner)
         self.model = runner.draft_model
         self.chains = make_chain_graphs(self, None, self.model, _drafter_backend(runner.config, runner))
+        self.catch_up_graphs = make_catch_up_graphs(self, None, None, 0)
 
     def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: Any
                    ) -> tuple[torch.Tensor, None]:
         return self.model.compute_logits(self.model(tokens, positions, meta)).argmax(dim=-1), None
 
+    def catch_up_chunk(self, c: Chunk, emitted: dict[str, int], verifying: dict[str, int]) -> Chunk:
+        """Row i reads the token at i; the token just sampled is the first draft's input, if its position fits
+        the table and the model."""
+        rid = c.state.request_id
+        n = emitted[rid] if rid in verifying else c.num_tokens
+        fits = c.sample and c.start + n < self.draft_limit(c.state)
+        return Chunk(c.state, c.start, n + 1 if fits else n, fits)
+
+    def first_position(self, state: Any) -> int:
+        return state.num_computed + 1
+
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
-        r = self.runner
-        own: list[Chunk] = []
-        for c in chunks:
-            rid = c.state.request_id
-            n = emitted[rid] if rid in verifying else c.num_tokens
-            # the token just sampled is the first draft's input, if its position fits the table and the model
-            fits = c.sample and c.start + n < self.draft_limit(c.state)
-            own.append(Chunk(c.state, c.start, n + 1 if fits else n, fits))
-        inputs = r.host_inputs(own)
+        if self.propose_on_graphs(chunks, row_starts, emitted, verifying):
+            return
+        inputs = self.runner.host_inputs([self.catch_up_chunk(c, emitted, verifying) for c in chunks])
         h = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         states, rows = self.last_rows(inputs)
         if not states:
             return
         first = self.model.compute_logits(h[rows]).argmax(dim=-1)
-        self.chain(states, first, [s.num_computed + 1 for s in states], None)
+        self.chain(states, first, [self.first_position(s) for s in states], None)
 
 
 class EagleSpeculator(Speculator):
@@ -172,8 +179,9 @@ class EagleSpeculator(Speculator):
         self.head = runner.draft_model
         self.target = runner.model
         self.eagle3 = isinstance(self.head, Eagle3Head)
-        self.chains = make_chain_graphs(self, int(self.head.config.hidden_size), self.head,
-                                        _drafter_backend(runner.config, runner))
+        size = int(self.head.config.hidden_size)
+        self.chains = make_chain_graphs(self, size, self.head, _drafter_backend(runner.config, runner))
+        self.catch_up_graphs = make_catch_up_graphs(self, self.catch_up_source(), size, 1)
 
     def _tokens(self, normed: torch.Tensor) -> torch.Tensor:
         if self.eagle3:
@@ -185,13 +193,20 @@ class EagleSpeculator(Speculator):
         normed, pre = self.head(tokens, positions, hidden, meta)
         return self._tokens(normed), pre
 
+    def catch_up_source(self) -> torch.Tensor | None:
+        """EAGLE-3: the captured target layers' buffer; EAGLE: the verify graphs' output."""
+        if self.eagle3:
+            return self.target.model.aux.buffer
+        return self.verify_graphs.hidden if self.verify_graphs is not None else None
+
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
-        device = hidden.device
-        inputs, input_ids, take = self.shifted_inputs(chunks, row_starts, emitted, verifying, device)
+        if self.propose_on_graphs(chunks, row_starts, emitted, verifying):
+            return
+        inputs, input_ids, take = self.shifted_inputs(chunks, row_starts, emitted, verifying, hidden.device)
         features = self.target.model.aux.rows(take) if self.eagle3 else hidden[take]
         normed, pre = self.head(input_ids, inputs.positions, features, inputs.meta)
         states, rows = self.last_rows(inputs)
         if not states:
             return
-        self.chain(states, self._tokens(normed[rows]), [s.num_computed for s in states], pre[rows])
+        self.chain(states, self._tokens(normed[rows]), [self.first_position(s) for s in states], pre[rows])

@@ -83,9 +83,10 @@ def make_verify_graphs(runner: ModelRunner, num_steps: int) -> VerifyGraphs | No
     return graphs
 
 
-def verify_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndarray) -> None:
+def verify_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndarray, shift: int = 0) -> None:
     """Fill out64's first five segments of graph_stride(batch): [ids | table rows | positions | slots |
-    seq_lens], one row per query token, padding after the real rows."""
+    seq_lens], one row per query token, padding after the real rows. shift: row j of a chunk reads the token
+    at start + j + shift (1: a drafter fed the next token, catch_up_graphs.py)."""
     s = graph_stride(batch)
     v = out64[: 5 * s].reshape(5, s)
     v[:] = 0
@@ -97,7 +98,7 @@ def verify_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndar
         blocks = st.block_array()
         if (c.start + n - 1) // block_size >= blocks.shape[0]:
             raise RuntimeError(f"request {st.request_id!r}: {c.start + n} tokens exceed its {blocks.shape[0]} blocks")
-        v[0, i : i + n] = st.token_ids[c.start : c.start + n]
+        v[0, i : i + n] = st.token_ids[c.start + shift : c.start + shift + n]
         v[1, i : i + n] = st.table_row
         v[2, i : i + n] = pos
         v[3, i : i + n] = blocks[pos // block_size] * block_size + pos % block_size
