@@ -1,7 +1,8 @@
-"""Verification steps as decode rows (executor/verify_graphs.py): the upload's layout, the same hidden states as
-the multi-token (prefill attention) path on every verification step of a run, greedy tokens equal to plain
-decoding through it on the CPU (the uncaptured body), and on a GPU the captured graphs give the tokens of the
-eager path. GPU part: python -m pytest -q -m gpu tests/test_spec_verify_graphs.py"""
+"""Speculative steps as decode rows (executor/verify_graphs.py, catch_up_graphs.py, draft_graphs.py): the
+upload's layout, the same hidden states as the multi-token (prefill attention) path on every verification step
+of a run, the drafter's catch-up drafting what its eager catch-up drafts, a chain's rows stopping at their
+limit, greedy tokens equal to plain decoding through them on the CPU (the uncaptured bodies), and on a GPU the
+captured graphs give the tokens of the eager path. GPU part: python -m pytest -q -m gpu tests/test_spec_verify_graphs.py"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -170,6 +171,7 @@ def test_gpu_verify_graphs_match_eager(tiny_model: Path, head: Path) -> None:
     assert chains is not None and chains.captured >= len(PROMPTS) and chains.graphs
     assert greedy(llm, 32) == reference
     assert graphs.last_key is not None and chains.last_key is not None  # both replayed a graph
+    assert spec.catch_up_graphs is not None and spec.catch_up_graphs.last_key is not None
     spec.verify_graphs = None  # the multi-token eager path
     chains.captured = 0
     chains.graphs.clear()  # the chains' body uncaptured
