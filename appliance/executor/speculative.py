@@ -21,8 +21,8 @@ the drafts this worker holds for the request):
    and the next plan verifies at most that many. Above speculative.disable_by_batch_size sampling rows a step
    drafts nothing (a drafter with a cache still catches up, so its cache stays whole).
 With speculative.synthetic_acceptance_* (benchmarks only) step 2's accept decision is forced (speculative_forced.py).
-On a GPU steps 1 and 3 replay CUDA graphs: verification steps as decode rows (verify_graphs.py) and the draft
-chain (draft_graphs.py).
+On a GPU steps 1 and 3 replay CUDA graphs: verification steps as decode rows (verify_graphs.py), the drafter's
+catch-up after them (catch_up_graphs.py) and the draft chain (draft_graphs.py).
 """
 from __future__ import annotations
 
