@@ -12,8 +12,10 @@ import pytest
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.runtime.addresses import Addresses
-from appliance.runtime.frontend import _DEAD, ZmqEngineClient, merge_outputs, one_per_token
+from appliance.runtime.frontend import ZmqEngineClient, merge_outputs, one_per_token
 from appliance.server.engine_client import EngineDead, RequestOutput
+
+FAIL = object()
 
 
 @pytest.fixture
@@ -73,13 +75,16 @@ class Recorder:
 
 
 async def consume(client: ZmqEngineClient, sampling: SamplingParams, queued: list[Any]) -> list[RequestOutput]:
-    """What one request's consumer takes when `queued` (outputs, or the failure sentinel) are all in its queue by
-    the time it first looks."""
+    """What one request's consumer takes when `queued` (outputs, or FAIL: the pipeline fails) all reached it by the
+    time it first looks."""
     agen: AsyncIterator[RequestOutput] = client.generate("r", [5, 6], sampling)
     first = asyncio.ensure_future(agen.__anext__())
     await asyncio.sleep(0)  # generate() sent the request and waits on its queue
     for i, item in enumerate(queued):
-        client._queues["r"].put_nowait(item if item is _DEAD else (item, float(i)))
+        if item is FAIL:
+            client.fail("the pipeline failed")
+        else:
+            client._queues["r"].put_nowait((item, float(i)))  # as the output reader routes them
     taken = [await first]
     try:
         async for out in agen:
@@ -122,6 +127,6 @@ async def test_tokens_before_a_failure_are_taken_then_it_is_raised(addresses: Ad
         taken = await consume(client, SamplingParams(max_tokens=9), [*outputs("r", [1, 2], None), error])
         assert [o.new_token_ids for o in taken] == [[1, 2, 3], []] and taken[-1].error == "boom"
         with pytest.raises(EngineDead):
-            await consume(client, SamplingParams(max_tokens=9), [*outputs("r", [1, 1], None), _DEAD])
+            await consume(client, SamplingParams(max_tokens=9), [*outputs("r", [1, 1], None), FAIL])
     finally:
         await client.close()
