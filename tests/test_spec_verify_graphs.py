@@ -49,6 +49,26 @@ def test_verify_rows_layout() -> None:
     assert out[5 * 8 :].tolist() == [99, 99, 99]  # nothing past the five segments
 
 
+def test_verify_batches_follow_what_the_config_needs() -> None:
+    from types import SimpleNamespace
+
+    from appliance.config import build_config
+    from appliance.executor.verify_graphs import MAX_VERIFY_BATCH, verify_batches
+
+    def batches(state_cache: object = None, backend: str = "torch", **flat: Any) -> list[int] | None:
+        config = build_config(flat={"speculative_algorithm": "NGRAM", **flat})
+        runner = SimpleNamespace(config=config, state_cache=state_cache, backend=backend,
+                                 device=torch.device("cpu"), model=None)
+        return verify_batches(runner)  # type: ignore[arg-type]
+
+    assert batches(max_num_seqs=16) == [1, 2, 4, 8, 16]
+    assert batches(max_num_seqs=16, speculative_disable_by_batch_size=4) == [1, 2, 4]  # no drafts above it
+    assert batches(max_num_seqs=512)[-1] == MAX_VERIFY_BATCH  # larger steps run eagerly
+    assert batches(max_num_seqs=16, cuda_graph_bs=[3, 6]) == [3, 6]
+    assert batches(state_cache=object()) is None  # hybrid models: multi-token verification
+    assert batches(backend="flashinfer") is None
+
+
 @pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
 def test_decode_rows_match_the_multi_token_path(tiny_model: Path, head: Path, algorithm: str) -> None:
     """Every verification step runs both ways (the second re-stores the same K/V); hidden states agree."""
