@@ -5,8 +5,9 @@ After the catch-up forward drafts each request's first token, num_steps - 1 more
 draft back. Every step's positions are known before the chain starts (draft i + 1 of a request sits at
 first_pos + i), so the whole chain is one fixed-shape body: its rows' positions, slots and seq_lens for every
 step travel in one upload, the tables are gathered once from the runner's persistent device table (the step's
-block deltas are already there), and the drafts stay on the device from step to step and come back in one read
-at the end. A graph is captured per (padded batch, table-width bucket), as the decode graphs are.
+block deltas are already there), and the drafts stay on the device from step to step and come back in one copy
+at the end, which the speculator waits for only when it next reads its drafts (the next step's start): the
+chain runs on the GPU while the engine plans that step, so the verification's samples are a step's one wait. A graph is captured per (padded batch, table-width bucket), as the decode graphs are.
 A row whose next position is past its block table or max_model_len (`Speculator.draft_limit`) stores nothing
 from there on (slot -1, seq_len 0: attention reads nothing) and its later drafts are dropped on the host; pad
 rows are the same with table row 0.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,6 +61,8 @@ class ChainGraphs:
                        if hidden_size is not None else None)
         self.seq_lens = torch.zeros(max(n, 1), sizes[-1], dtype=torch.int32, device=self.device)
         self.out = torch.zeros(sizes[-1], spec.num_steps, dtype=torch.int64, device=self.device)
+        self.read = torch.zeros(sizes[-1], spec.num_steps, dtype=torch.int64, pin_memory=self.cuda)
+        self._read: torch.cuda.Event | None = None
         self._no_prefill = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.graphs: dict[GraphKey, Callable[[], None]] = {}
         self.pool = pool if pool is not None or not self.cuda else torch.cuda.graph_pool_handle()
@@ -142,26 +146,55 @@ class ChainGraphs:
             w = width_bucket(w + 1, self.max_blocks)
         return [GraphKey(b, w) for w in reversed(widths) for b in reversed(self.sizes) if b <= self.captured]
 
+    def launch(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int], hidden: Any,
+               limits: list[int]) -> PendingChain:
+        """Start the chains of these states: `first` ([n] on the device) is each one's first draft, then one
+        per chain step whose position (first_pos + i) is below the state's limit. The drafts come back to
+        pinned memory behind the kernels; PendingChain.drafts() waits for them (the chain's one sync)."""
+        n = len(states)
+        counts = [1 + max(0, min(self.num_steps - 1, lim - p)) for p, lim in zip(first_pos, limits)]
+        if self._read is not None:
+            self._read.synchronize()  # the previous chain's drafts left the pinned buffer
+        if self.num_steps > 1:
+            batch = padded_batch(self.sizes, n)
+            assert batch is not None, f"a chain of {n} rows exceeds the {self.sizes[-1]} the buffers hold"
+            key = GraphKey(batch, width_bucket(max(len(s.block_ids) for s in states), self.max_blocks))
+            if key not in self.graphs:
+                self.capture(key)
+            self._fill(states, first_pos, limits, key)
+            self.tokens[:n].copy_(first)
+            if self.hidden is not None:
+                self.hidden[:n].copy_(hidden)
+            self.graphs[key]()
+            self.last_key = key
+            out = self.out[:n]
+        else:
+            out = first.view(n, 1)
+        host = self.read.view(-1)[: out.numel()].view(out.shape)  # contiguous: one plain copy
+        host.copy_(out, non_blocking=self.cuda)
+        self._read = torch.cuda.Event() if self.cuda else None
+        if self._read is not None:
+            self._read.record()
+        return PendingChain(host, self._read, counts)
+
     def run(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int], hidden: Any,
             limits: list[int]) -> list[list[int]]:
-        """Each state's drafts: `first` ([n] on the device), then one per chain step whose position
-        (first_pos + i) is below the state's limit."""
-        n = len(states)
-        if self.num_steps == 1:
-            return [[t] for t in first.tolist()]
-        batch = padded_batch(self.sizes, n)
-        assert batch is not None, f"a chain of {n} rows exceeds the {self.sizes[-1]} the buffers hold"
-        key = GraphKey(batch, width_bucket(max(len(s.block_ids) for s in states), self.max_blocks))
-        if key not in self.graphs:
-            self.capture(key)
-        self._fill(states, first_pos, limits, key)
-        self.tokens[:n].copy_(first)
-        if self.hidden is not None:
-            self.hidden[:n].copy_(hidden)
-        self.graphs[key]()
-        self.last_key = key
-        table = self.out[:n].tolist()  # the chain's one read-back
-        return [row[: 1 + max(0, min(self.num_steps - 1, lim - p))] for row, p, lim in zip(table, first_pos, limits)]
+        """launch(...).drafts()."""
+        return self.launch(states, first, first_pos, hidden, limits).drafts()
+
+
+@dataclass(frozen=True)
+class PendingChain:
+    """A launched chain's drafts, on their way to the host: counts are known at once, values after the copy."""
+
+    host: torch.Tensor  # [n, num_steps] int64, pinned on a GPU
+    copied: torch.cuda.Event | None
+    counts: list[int]
+
+    def drafts(self) -> list[list[int]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return [row[:k] for row, k in zip(self.host.tolist(), self.counts)]
 
 
 def make_chain_graphs(spec: Speculator, hidden_size: int | None, drafter: torch.nn.Module,

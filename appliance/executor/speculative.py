@@ -37,7 +37,7 @@ from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
 from appliance.executor import logits_processors
 from appliance.executor.catch_up_graphs import CatchUpGraphs
-from appliance.executor.draft_graphs import ChainGraphs
+from appliance.executor.draft_graphs import ChainGraphs, PendingChain
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import prompt_logprobs
@@ -136,7 +136,9 @@ class Speculator:
         self.num_steps = int(s.num_steps)
         self.disable_above: int | None = s.disable_by_batch_size
         self.forced = ForcedAcceptance.from_section(s, runner.config.model.seed)
-        self.drafts: dict[str, list[int]] = {}
+        self._drafts: dict[str, list[int]] = {}
+        # a chain launched, its drafts not read yet: each request's row in it
+        self._pending: tuple[dict[str, int], PendingChain] | None = None
         self.drafting = True  # this step proposes (False above disable_by_batch_size sampling rows)
         self._chain_stager = Stager(runner.device)  # the rows a chain starts from
         self._index_stager = Stager(runner.device)  # the drafter's row indices
@@ -171,9 +173,30 @@ class Speculator:
             self._propose(ordered, row_starts, hidden, scored.emitted, verifying)
         order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         scored.sampled.sort(key=lambda t: order[t.request_id])  # stable: a request's tokens stay in order
-        held = {c.state.request_id: len(self.drafts[c.state.request_id]) for c in ordered
-                if c.sample and self.drafts.get(c.state.request_id)}
+        held: dict[str, int] = {}
+        for c in ordered:
+            n = self._held(c.state.request_id) if c.sample else 0
+            if n:
+                held[c.state.request_id] = n
         return StepResult(plan.step_id, scored.sampled, scored.prompt_logprobs, held)
+
+    @property
+    def drafts(self) -> dict[str, list[int]]:
+        """The drafts this worker holds per request; a chain still on its way is read first (its one wait)."""
+        self._read_pending()
+        return self._drafts
+
+    def _read_pending(self) -> None:
+        if self._pending is not None:
+            rows, pending = self._pending
+            self._pending = None
+            self._drafts.update(zip(rows, pending.drafts()))
+
+    def _held(self, request_id: str) -> int:
+        """Drafts held for a request, without waiting for a chain on its way."""
+        if self._pending is not None and request_id in self._pending[0]:
+            return self._pending[1].counts[self._pending[0][request_id]]
+        return len(self._drafts.get(request_id, ()))
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
         v = self.verify_graphs
@@ -345,8 +368,9 @@ class Speculator:
         max_model_len (the scheduler never asks for more drafts than the result reports)."""
         assert self.chains is not None, f"{type(self).__name__} drafts without a chain"
         limits = [self.draft_limit(s) for s in states]
-        for state, drafts in zip(states, self.chains.run(states, tokens, first_pos, hidden, limits)):
-            self.drafts[state.request_id] = drafts
+        self._read_pending()  # (the step's verification read them already)
+        self._pending = ({s.request_id: i for i, s in enumerate(states)},
+                         self.chains.launch(states, tokens, first_pos, hidden, limits))
 
     def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: Any
                    ) -> tuple[torch.Tensor, Any]:
