@@ -106,7 +106,8 @@ class ChainGraphs:
         width = max((len(st.block_ids) for st in states), default=1)
         tables = np.zeros((n, width), dtype=np.int64)
         for j, st in enumerate(states):
-            tables[j, : len(st.block_ids)] = st.block_ids
+            blocks = st.block_array()
+            tables[j, : blocks.shape[0]] = blocks
         for i in range(self.num_steps - 1):
             v = host[(1 + 3 * i) * s : (4 + 3 * i) * s].reshape(3, s)
             v[0], v[1], v[2] = 0, -1, 0  # padding: position 0, stored nowhere, reads nothing
