@@ -261,8 +261,8 @@ class Speculator:
         out.prompt_logprobs = {c.state.request_id: prompt_logprobs(c, logits[i : i + n].float())
                                for c, i, n in prompt_at}
         if plain_at:
-            at = torch.tensor([i for _, i in plain_at], device=logits.device)
-            results = logits_processors.sample(r, logits[at], [c.state for c, _ in plain_at])
+            results = logits_processors.sample(r, self._rows_of(logits, [i for _, i in plain_at]),
+                                               [c.state for c, _ in plain_at])
             for (c, _), res in zip(plain_at, results):
                 c.state.token_ids.append(res.token_id)
                 out.sampled.append(SampledToken(c.state.request_id, res.token_id, res.logprob, res.top_logprobs,
@@ -272,9 +272,15 @@ class Speculator:
             self._verify(logits, verify_at, out)
         return out
 
+    def _rows_of(self, logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+        """These rows of logits: all of them in order without a gather (a step of verifications only), else a
+        gather through a staged upload (a plain torch.tensor(..., device) waits for the GPU to catch up)."""
+        if index == list(range(logits.shape[0])):
+            return logits
+        return logits[self._index_stager.send(np.asarray(index, dtype=np.int64))]
+
     def _verify(self, logits: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
-        at = torch.tensor([i + j for _, i, d in verify_at for j in range(d + 1)], device=logits.device)
-        rows = logits[at]
+        rows = self._rows_of(logits, [i + j for _, i, d in verify_at for j in range(d + 1)])
         masked: list[int] = []  # structured outputs: each row masked as after the drafts before it
         first = 0
         for c, _, d in verify_at:
