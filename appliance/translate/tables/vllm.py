@@ -119,8 +119,9 @@ _FLAGS = (
     same("--enable-prefix-caching", "cache.enable_prefix_caching", C, arity="flag"),
     similar("--quantization-param-path", "precision.quantization_param_path", "dropped from vLLM (fp8 KV scales "
             "now come with the checkpoint); here the JSON file of KV cache scales", C),
-    no("--calculate-kv-scales", "KV scales are not computed on the fly; give them with "
-       "precision.quantization_param_path", C, arity="flag"),
+    similar("--calculate-kv-scales", "precision.kv_cache_calibration_tokens", "vLLM computes the fp8 KV scales "
+            "once, from its first forward pass; here from the first 2048 prefill tokens (set the count with "
+            "precision.kv_cache_calibration_tokens)", C, arity="flag", const=2048),
     no("--kv-cache-memory-bytes", "size the KV pool with cache.max_total_tokens or cache.gpu_memory_utilization",
        C),
     no("--swap-space", "preempted requests are recomputed, not swapped to host memory", C),
