@@ -118,6 +118,20 @@ def test_scales_grow_and_earlier_entries_are_rescaled() -> None:
     assert float(layer.k_scale[0]) == pytest.approx(want_k)
 
 
+def test_only_fp8_attention_caches_are_calibrated() -> None:
+    """arm() leaves 16-bit (high-precision) layers out; an MLA latent cache is refused before any allocation."""
+    from appliance.executor.kv_calibration import arm
+    from appliance.executor.kv_scales import CheckpointKVScales, calibration_placeholders
+
+    fp8, plain = _layer(), Attention(num_heads=2, head_dim=8, num_kv_heads=2, scale=0.35, backend="torch")
+    plain.bind_kv_cache(*(torch.zeros(4, 4, 2, 8) for _ in range(2)))
+    cal = arm([fp8, plain], tokens=8)
+    assert cal is not None and cal.layers == [fp8] and plain.calibration is None and fp8.calibration is cal
+    assert arm([fp8], tokens=0) is None
+    with pytest.raises(ValueError, match="MLA latent"):
+        calibration_placeholders([fp8, torch.nn.Linear(2, 2)], CheckpointKVScales(), 8)
+
+
 # ---- on a tiny model -----------------------------------------------------------------------------------------
 def _recorded_kv(model: Path, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's keys and values (post-rotary, as stored) of PROMPT's first n tokens in the 16-bit model."""
