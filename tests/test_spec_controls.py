@@ -141,9 +141,12 @@ def test_serve_flags_reach_the_speculative_section() -> None:
     c = parse_serve_args(["m", "--speculative-algorithm", "ngram", "--speculative-num-steps", "4",
                           "--speculative-ngram-min-match-window-size", "2",
                           "--speculative-ngram-max-match-window-size", "5",
-                          "--speculative-disable-by-batch-size", "8"], env={}).speculative
-    assert (c.algorithm, c.num_steps, c.prompt_lookup_min, c.prompt_lookup_max, c.disable_by_batch_size) == (
-        "NGRAM", 4, 2, 5, 8)
+                          "--speculative-disable-by-batch-size", "8", "--speculative-ngram-proposer", "device"],
+                         env={}).speculative
+    assert (c.algorithm, c.num_steps, c.prompt_lookup_min, c.prompt_lookup_max, c.disable_by_batch_size,
+            c.ngram_proposer) == ("NGRAM", 4, 2, 5, 8, "device")
+    with pytest.raises(ConfigError, match="ngram_proposer"):  # meaningless without NGRAM
+        parse_serve_args(["m", "--speculative-algorithm", "MTP", "--speculative-ngram-proposer", "device"], env={})
     s = parse_serve_args(["m", "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
                           "--speculative-enable-synthetic-acceptance", "--speculative-synthetic-acceptance-length",
                           "2.6"], env={}).speculative

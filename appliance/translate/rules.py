@@ -5,6 +5,7 @@ prefill switched off, an EP size that implies expert parallelism, the visible de
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -12,6 +13,7 @@ from appliance.translate import schema_view
 from appliance.translate.apply import Applier
 from appliance.translate.argv import FlagUse
 from appliance.translate.result import Pending, Translation
+from appliance.translate.shell import restore
 from appliance.translate.spec import EngineTable
 
 
@@ -26,6 +28,7 @@ def finish(out: Translation, applier: Applier, uses: list[FlagUse], table: Engin
     _expert_parallel(out)
     _deepep_mode(out, uses)
     _draft_only(out)
+    _ngram_on_device(out, uses)
     _eagle_as_mtp(out)
     _mtp(out)
     _host_tier(out)
@@ -167,6 +170,25 @@ def _draft_only(out: Translation) -> None:
     algorithm = "EAGLE3" if "eagle3" in name else "EAGLE" if "eagle" in name else "STANDALONE"
     out.set("speculative.algorithm", algorithm, draft.source, "no method given: vLLM infers it from the draft "
             f"model's name ({algorithm}: {'an EAGLE head' if 'EAGLE' in algorithm else 'a smaller LLM drafts'})")
+
+
+def _ngram_on_device(out: Translation, uses: list[FlagUse]) -> None:
+    """vLLM's method ngram_gpu is NGRAM with the lookup on the device."""
+    for use in uses:
+        if use.flag is None or use.flag.canonical != "--speculative-config" or not isinstance(use.value, str):
+            continue
+        method = use.value if use.subkey == "method" else _json_key(use.value, "method")
+        if isinstance(method, str) and method.strip().lower() == "ngram_gpu":
+            out.set("speculative.ngram_proposer", "device", use.display, "vLLM's ngram_gpu: the n-gram lookup "
+                    "runs on the device")
+
+
+def _json_key(text: str, key: str) -> Any:
+    try:
+        doc = json.loads(restore(text))
+    except ValueError:
+        return None
+    return doc.get(key) if isinstance(doc, dict) else None
 
 
 def _eagle_as_mtp(out: Translation) -> None:
