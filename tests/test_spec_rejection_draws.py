@@ -152,3 +152,51 @@ def test_a_drafter_equal_to_the_target_keeps_its_drawn_drafts(tiny_model: Path) 
     seeded = rate([SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)])
     assert drawn > 0.97 and seeded < drawn
     assert llm.engine.check_accounting().ok
+
+
+def test_drawn_verification_reports_the_targets_logprobs() -> None:
+    params = SamplingParams(temperature=0.9, logprobs=2)
+    rows = torch.randn(3, V, generator=torch.Generator().manual_seed(9))
+    q = _synthetic(10, 2)
+    states = [RequestState(f"r{i}", [1, 2, 3, 4], 2, 1, [0], params) for i in range(50)]
+    sampler = Sampler(seed=1)
+    out = verify(BatchSampler(sampler, torch.device("cpu"), None), rows.repeat(50, 1), [(s, 2) for s in states],
+                 None, [q] * 50, sampler)
+    raw = torch.log_softmax(rows, dim=-1)
+    for e in out:
+        for j, x in enumerate(e):
+            assert x.logprob == pytest.approx(float(raw[j, x.token_id]), abs=1e-5)
+            assert x.top_logprobs == [(int(t), pytest.approx(float(v), abs=1e-5)) for v, t in zip(*raw[j].topk(2))]
+            assert x.rank == int((raw[j] > raw[j, x.token_id]).sum()) + 1
+    assert max(len(e) for e in out) > 1  # drafts were kept, so later rows were reported too
+
+
+def test_eagle3_heads_draw_in_their_own_vocabulary(tiny_model: Path, tmp_path: Path) -> None:
+    """A head with a smaller draft vocabulary (d2t): drawn drafts map to target ids, q is spread over the
+    target's vocabulary, and random rows run to completion with the pool whole."""
+    from conftest import TINY_VOCAB
+    from spec_heads import build_eagle3_head
+
+    head = build_eagle3_head(tmp_path / "eagle3", TINY_VOCAB, 128)
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
+              speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head), speculative_num_steps=3)
+    spec = llm.executor.runner.spec
+    seen: list[torch.Tensor] = []
+    original = spec.chain
+
+    def spy(*args: object, **kw: object) -> None:
+        original(*args, **kw)
+        seen.extend(spec.draft_probs.values())
+
+    spec.chain = spy
+    outs = llm.generate([{"prompt_token_ids": [5 + i, 6, 7, 8, 9, 10]} for i in range(3)],
+                        SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    assert seen and all(q.shape[-1] == TINY_VOCAB and torch.allclose(q.sum(-1), torch.ones(q.shape[0])) for q in seen)
+    support = set(head_ids(spec))
+    assert all(set(torch.nonzero(q.sum(0)).flatten().tolist()) <= support for q in seen)
+    assert llm.engine.stats().spec_num_drafts > 0 and llm.engine.check_accounting().ok
+
+
+def head_ids(spec: object) -> list[int]:
+    return spec.head.target_ids().tolist()  # type: ignore[attr-defined]
