@@ -133,6 +133,8 @@ def test_standalone_draft_model_and_draft_from_the_environment(tmp_path: Path) -
     ('{"method": "mtp", "num_speculative_tokens": 1}', {"algorithm": "MTP", "num_steps": 1}),
     ('{"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_max": 5}',
      {"algorithm": "NGRAM", "ngram_proposer": "device", "num_steps": 4, "prompt_lookup_max": 5}),
+    ('{"method": "eagle3", "model": "org/e", "num_speculative_tokens": 3, "disable_by_batch_size": 30}',
+     {"algorithm": "EAGLE3", "draft_model_path": "org/e", "num_steps": 3, "disable_by_batch_size": 30}),
 ])
 def test_vllm_speculative_config(config: str, expected: dict[str, object], tmp_path: Path) -> None:
     tr = one(f"vllm serve org/m --speculative-config '{config}'\n")

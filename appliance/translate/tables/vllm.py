@@ -169,6 +169,7 @@ _FLAGS = (
                      ("quantization", "speculative.draft_model_quantization"),
                      ("prompt_lookup_min", "speculative.prompt_lookup_min"),
                      ("prompt_lookup_max", "speculative.prompt_lookup_max"),
+                     ("disable_by_batch_size", "speculative.disable_by_batch_size"),
                      ("draft_tensor_parallel_size", "-"))),
     same("--kv-events-config", "observability.kv_events", OB, arity="json"),
     no("--kv-transfer-config", "KV transfer (disaggregated prefill) is not available", SD),
