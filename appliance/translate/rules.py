@@ -9,6 +9,7 @@ import json
 import re
 from typing import Any
 
+from appliance.config.flags import vllm_spec_method
 from appliance.translate import schema_view
 from appliance.translate.apply import Applier
 from appliance.translate.argv import FlagUse
@@ -28,7 +29,7 @@ def finish(out: Translation, applier: Applier, uses: list[FlagUse], table: Engin
     _expert_parallel(out)
     _deepep_mode(out, uses)
     _draft_only(out)
-    _ngram_on_device(out, uses)
+    _method_implies(out, uses)
     _eagle_as_mtp(out)
     _mtp(out)
     _host_tier(out)
@@ -172,15 +173,15 @@ def _draft_only(out: Translation) -> None:
             f"model's name ({algorithm}: {'an EAGLE head' if 'EAGLE' in algorithm else 'a smaller LLM drafts'})")
 
 
-def _ngram_on_device(out: Translation, uses: list[FlagUse]) -> None:
-    """vLLM's method ngram_gpu is NGRAM with the lookup on the device."""
+def _method_implies(out: Translation, uses: list[FlagUse]) -> None:
+    """What a vLLM method name says beyond the algorithm (ngram_gpu: NGRAM with the lookup on the device)."""
     for use in uses:
         if use.flag is None or use.flag.canonical != "--speculative-config" or not isinstance(use.value, str):
             continue
         method = use.value if use.subkey == "method" else _json_key(use.value, "method")
-        if isinstance(method, str) and method.strip().lower() == "ngram_gpu":
-            out.set("speculative.ngram_proposer", "device", use.display, "vLLM's ngram_gpu: the n-gram lookup "
-                    "runs on the device")
+        implied = vllm_spec_method(method)[1] if isinstance(method, str) else {}
+        for key, value in implied.items():
+            out.set(f"speculative.{key}", value, use.display, f"vLLM's method {method.strip()} says {key} {value}")
 
 
 def _json_key(text: str, key: str) -> Any:
