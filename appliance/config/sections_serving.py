@@ -14,7 +14,8 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 class SpeculativeSection(Section):
     """Speculative decoding. Unset algorithm: off. `--speculative-config` takes the whole section as JSON and also
-    understands vLLM's keys (method, model, num_speculative_tokens, quantization)."""
+    understands vLLM's keys (method, with vLLM's method names such as draft_model, ngram_gpu or <arch>_mtp; model,
+    num_speculative_tokens, quantization)."""
 
     algorithm: SpecAlgorithm | None = param(
         None, "Speculative algorithm: EAGLE, EAGLE3, STANDALONE (a smaller LLM drafts tokens; these three need "
