@@ -86,6 +86,6 @@ class DeviceHistory:
         rows = np.asarray([s.table_row for s in states], dtype=np.int64)
         sent = self._rows.send(np.concatenate([rows, lens]))
         width = int(lens.max())
-        tokens = self.tokens.index_select(0, sent[: len(states)])[:, :width]
+        tokens = self.tokens[:, :width].index_select(0, sent[: len(states)])
         drafts, _ = ngram_propose_batch(tokens, sent[len(states) :], min_n, max_n, k)
         return [[t for t in row if t >= 0] for row in drafts.tolist()]
