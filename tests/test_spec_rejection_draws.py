@@ -200,3 +200,21 @@ def test_eagle3_heads_draw_in_their_own_vocabulary(tiny_model: Path, tmp_path: P
 
 def head_ids(spec: object) -> list[int]:
     return spec.head.target_ids().tolist()  # type: ignore[attr-defined]
+
+
+def test_a_seeded_request_reproduces_alone_and_in_any_batch(tiny_model: Path) -> None:
+    """Seeded rows draft greedily and verify one-hot: their tokens depend on (seed, position) only, so the same
+    request gives the same tokens alone, in a batch of drawn-draft neighbours, and without speculation."""
+    kw = {"dtype": "float32", "block_size": 4, "skip_tokenizer_init": True}
+    spec = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(tiny_model),
+            "speculative_num_steps": 3}
+    seeded = SamplingParams(temperature=1.0, top_k=30, seed=123, max_tokens=20, ignore_eos=True)
+    prompt = {"prompt_token_ids": [9, 8, 7, 6, 5]}
+    llm = LLM(model=str(tiny_model), **spec, **kw)
+    alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": [20 + i, 21, 22]} for i in range(3)]
+    random = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(others[:2] + [prompt] + others[2:], [random, random, seeded, random])
+    plain = LLM(model=str(tiny_model), **kw).generate([prompt], seeded)[0].outputs[0].token_ids
+    assert batch[2].outputs[0].token_ids == alone == plain
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
