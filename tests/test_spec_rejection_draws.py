@@ -1,8 +1,10 @@
 """Rejection sampling of drafts drawn from the drafter's distribution q (speculative_rejection.py): on synthetic
 p and q, draft x is accepted with probability min(1, p(x)/q(x)) (so a draft is kept with probability
 1 - TV(p, q)), every emitted token is distributed as the target's p (chi-square, fixed seeds: deterministic), and
-after an accepted draft the next token follows the next row's p. The draft picker draws from q for random
-unseeded requests only; end to end, a drafter equal to the target keeps nearly every drawn draft."""
+after an accepted draft the next token follows the next row's p, and logprobs are the target's. The draft picker
+draws from q for random unseeded requests only (an EAGLE-3 head in its own vocabulary); end to end, a drafter
+equal to the target keeps nearly every drawn draft, and a seeded request reproduces alone, in any batch and
+without speculation."""
 from __future__ import annotations
 
 from pathlib import Path
