@@ -14,10 +14,7 @@ from appliance import LLM, SamplingParams
 from appliance.engine.sampling_params import SamplingParams as Params
 from appliance.executor.request_table import RequestState
 from appliance.executor.speculative_ngram import ngram_propose
-from appliance.executor.speculative_ngram_device import (
-    DeviceHistory,
-    ngram_propose_batch,
-)
+from appliance.executor.speculative_ngram_device import DeviceHistory, ngram_propose_batch
 
 
 def _histories(seed: int, count: int) -> list[np.ndarray]:

@@ -18,11 +18,7 @@ from appliance import LLM, SamplingParams
 from appliance.executor.batch_sampler import BatchSampler
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import Sampler, filtered_probs
-from appliance.executor.speculative_rejection import (
-    DraftPicker,
-    draws_drafts,
-    rejection_sample,
-)
+from appliance.executor.speculative_rejection import DraftPicker, draws_drafts, rejection_sample
 from appliance.executor.speculative_verification import verify
 
 N = 20000

@@ -18,20 +18,9 @@ import torch
 from torch import nn
 
 from appliance.executor.input_batch import Chunk
-from appliance.executor.model_loader import (
-    init_dummy_weights,
-    iterate_weights,
-    load_hf_config,
-    resolve_model_dir,
-)
+from appliance.executor.model_loader import init_dummy_weights, iterate_weights, load_hf_config, resolve_model_dir
 from appliance.executor.speculative import Speculator
-from appliance.models.eagle import (
-    AuxCapture,
-    Eagle3Head,
-    EagleHead,
-    default_capture_layers,
-    head_class,
-)
+from appliance.models.eagle import AuxCapture, Eagle3Head, EagleHead, default_capture_layers, head_class
 from appliance.models.registry import model_class
 
 log = logging.getLogger(__name__)

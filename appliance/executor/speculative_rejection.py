@@ -23,12 +23,7 @@ import torch
 from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.batch_sampler import sampling_row
 from appliance.executor.request_table import RequestState
-from appliance.executor.sampler import (
-    _GREEDY_EPS,
-    Sampler,
-    SampleResult,
-    filtered_probs,
-)
+from appliance.executor.sampler import _GREEDY_EPS, Sampler, SampleResult, filtered_probs
 
 
 def draws_drafts(params: SamplingParams) -> bool:

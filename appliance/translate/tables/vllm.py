@@ -11,15 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from appliance.config.flags import VLLM_SPEC_METHODS
-from appliance.translate.spec import (
-    EngineTable,
-    implied,
-    nones,
-    removed,
-    same,
-    similar,
-    switches,
-)
+from appliance.translate.spec import EngineTable, implied, nones, removed, same, similar, switches
 from appliance.translate.spec import none as no
 
 M, LD, P, C, S, SO = "Model", "Load", "Parallelism", "Cache", "Scheduler", "Structured outputs and parsers"
