@@ -12,11 +12,12 @@ speculative.synthetic_acceptance_length; the drafter and the verify forward stil
 - n-gram prompt lookup on a synthetic code-editing workload (a source file, then a request to repeat it with one
   change: outputs copy spans of the prompt), real acceptance: on the embedded default model (trained weights,
   so the acceptance is a model's), and on the 8B shape (dummy weights: their outputs repeat, so that acceptance
-  only shows the cost of verification at this size).
+  only shows the cost of verification at this size), with the lookup on the host and on the device.
 Each run first generates a few tokens of its prompts (first uses, and the prompts into the prefix cache), so the
 timed call is the decode: the targets compare decode speed. Prints output tok/s, ms per output token (wall time
 of the generate call over the tokens each request produced), mean acceptance length and the speed-up over plain
-decoding. Verify steps and draft chains replay CUDA graphs (executor/verify_graphs.py, draft_graphs.py).
+decoding. Verify steps, the drafter's catch-up and draft chains replay CUDA graphs (executor/verify_graphs.py,
+catch_up_graphs.py, draft_graphs.py).
 """
 from __future__ import annotations
 
@@ -181,9 +182,12 @@ def main(argv: list[str] | None = None) -> list[Run]:
     measure(eagle, "eagle3 acc1 b1", one, "plain b1")
     free(eagle)
 
-    ngram = LLM(model=str(target), speculative_algorithm="NGRAM", speculative_num_steps=3, **common)
-    measure(ngram, "ngram code-edit b1 (dummy weights)", code_ids, "plain code-edit b1")
-    free(ngram)
+    for proposer, name in (("host", "ngram code-edit b1 (dummy weights)"),
+                           ("device", "ngram on the device code-edit b1 (dummy weights)")):
+        ngram = LLM(model=str(target), speculative_algorithm="NGRAM", speculative_num_steps=3,
+                    speculative_ngram_proposer=proposer, **common)
+        measure(ngram, name, code_ids, "plain code-edit b1")
+        free(ngram)
     code_runs(runs, quick, output_len)
     print_table(runs)
     if a.output_json:

@@ -8,8 +8,8 @@ itself: row j of a request sits at position start + j and reads the token at sta
 EAGLE-3 and MTP, fed the next token beside the target's state at j; 0 for a draft model, whose rows include the
 token just sampled) and, for drafters fed the target's states, the target's row `take` of a static source (the
 verify graphs' output, or the EAGLE-3 capture buffer), gathered inside the graph. The forward is the drafter's
-`draft_step` (a chain step is a catch-up row of one token), so every row's draft and hidden state land in
-static outputs; the speculator gathers each drafting request's last row for the chain (draft_graphs.py) without
+`draft_step` (a chain step is a catch-up row of one token), so every row's argmax draft and hidden state land
+in static outputs (a step where some request draws its drafts from the drafter's q keeps the eager catch-up); the speculator gathers each drafting request's last row for the chain (draft_graphs.py) without
 a host round trip. Graphs are keyed by (padded rows, table width) like the verify graphs and captured at
 start-up on a GPU; on a CPU the same body runs uncaptured. The drafter keeps no `lens`: nothing is corrected.
 """
@@ -44,6 +44,8 @@ class CatchUpGraphs(VerifyGraphs):
         super().__init__(lambda *_: None, hidden_size or 1, verify.hidden.dtype, verify.device, verify.sizes,
                          verify.max_blocks, verify.block_size, verify.table)
         self._step = weakref.WeakMethod(spec.draft_step)  # the speculator holds this object: no cycle
+        assert spec.chains is not None
+        self._greedy = spec.chains.greedy  # argmax drafts as target ids
         self.source, self.shift, self.chains_state = source, shift, hidden_size is not None
         self.pool = verify.pool
         self.tokens = torch.zeros(verify.sizes[-1], dtype=torch.int64, device=verify.device)
@@ -73,8 +75,8 @@ class CatchUpGraphs(VerifyGraphs):
             decode_seq_lens=seq_lens, prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
             prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(seq_lens))
         fed = self.source.index_select(0, self.buf[5 * s : 5 * s + b]) if self.source is not None else None
-        tokens, hidden = step(ids, positions, meta, fed)
-        self.tokens[:b].copy_(tokens)
+        logits, hidden = step(ids, positions, meta, fed)
+        self.tokens[:b].copy_(self._greedy(logits))
         if self.chains_state:
             self.hidden[:b].copy_(hidden)
 

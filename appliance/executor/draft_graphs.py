@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# (tokens [B] int64, positions [B] int64, metadata, the drafter's hidden rows or None) -> (next drafts, hidden)
+# (tokens [B] int64, positions [B] int64, metadata, the drafter's hidden rows or None) -> (its logits, hidden)
 DraftStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, Any], tuple[torch.Tensor, Any]]
 
 
@@ -45,12 +45,13 @@ class ChainGraphs:
 
     def __init__(self, spec: Speculator, hidden_size: int | None, dtype: torch.dtype, sizes: list[int],
                  captured: int, max_blocks: int, block_size: int, table: DeviceBlockTable,
-                 pool: Any = None) -> None:
+                 pool: Any = None, id_map: torch.Tensor | None = None) -> None:
         r = spec.runner
         self.device = r.device
         # a weak method: the speculator holds this object, and a cycle would only be freed by the collector
         self._step = weakref.WeakMethod(spec.draft_step)
         self.num_steps, self.sizes, self.captured = spec.num_steps, sizes, captured
+        self.id_map = id_map  # the drafter's vocabulary -> the target's (an EAGLE-3 head's), None: the same
         self.max_blocks, self.block_size, self.table = max_blocks, block_size, table
         self.cuda = self.device.type == "cuda"
         top, n = graph_stride(sizes[-1]), spec.num_steps - 1
@@ -75,7 +76,13 @@ class ChainGraphs:
                  for i in range(self.num_steps - 1)]
         return self.buf[:b], steps
 
-    def _body(self, key: GraphKey) -> None:
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Argmax drafts as target ids."""
+        tokens = logits.argmax(dim=-1)
+        return tokens if self.id_map is None else self.id_map[tokens]
+
+    def _body(self, key: GraphKey, pick: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """The chain over the static inputs; `pick` chooses drafts from logits (default: greedy)."""
         step = self._step()
         assert step is not None, "the speculator that owns these chains is gone"
         b = key.batch
@@ -90,7 +97,8 @@ class ChainGraphs:
                 slot_mapping=slots, num_decode_tokens=b, decode_block_tables=tables, decode_seq_lens=seq_lens,
                 prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
                 prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(seq_lens))
-            tokens, hidden = step(tokens, positions, meta, hidden)
+            logits, hidden = step(tokens, positions, meta, hidden)
+            tokens = (pick or self.greedy)(logits)
             self.out[:b, i + 1].copy_(tokens)
 
     def _fill(self, states: list[RequestState], first_pos: list[int], limits: list[int], key: GraphKey) -> None:
@@ -183,6 +191,23 @@ class ChainGraphs:
         """launch(...).drafts()."""
         return self.launch(states, first, first_pos, hidden, limits).drafts()
 
+    def run_drawn(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int], hidden: Any,
+                  limits: list[int], pick: Callable[[torch.Tensor], torch.Tensor]) -> list[list[int]]:
+        """The chain uncaptured over exactly these rows, `pick` choosing each step's drafts (a draw of the
+        drafter's q for some of them: speculative_rejection.py DraftPicker); waits for the drafts."""
+        n = len(states)
+        out = first.view(n, 1)
+        if self.num_steps > 1:
+            key = GraphKey(n, width_bucket(max(len(s.block_ids) for s in states), self.max_blocks))
+            self._fill(states, first_pos, limits, key)
+            self.tokens[:n].copy_(first)
+            if self.hidden is not None:
+                self.hidden[:n].copy_(hidden)
+            self._body(key, pick)
+            out = self.out[:n]
+        counts = [1 + max(0, min(self.num_steps - 1, lim - p)) for p, lim in zip(first_pos, limits)]
+        return [row[:k] for row, k in zip(out.tolist(), counts)]
+
 
 @dataclass(frozen=True)
 class PendingChain:
@@ -199,7 +224,7 @@ class PendingChain:
 
 
 def make_chain_graphs(spec: Speculator, hidden_size: int | None, drafter: torch.nn.Module,
-                      drafter_backend: str) -> ChainGraphs:
+                      drafter_backend: str, id_map: torch.Tensor | None = None) -> ChainGraphs:
     """The speculator's chains: buffers for max_num_seqs rows, graphs captured at start-up on a GPU for the
     batches verification graphs cover (verify_graphs.verify_batches), when the drafter's forward can be
     captured."""
@@ -215,7 +240,7 @@ def make_chain_graphs(spec: Speculator, hidden_size: int | None, drafter: torch.
     captured = batches[-1] if can and batches else 0
     pool = r.graphs.pool if r.graphs is not None else None
     chains = ChainGraphs(spec, hidden_size, r.dtype, sizes, captured, r.max_blocks, r.block_size, r.block_table,
-                         pool)
+                         pool, id_map)
     if captured and spec.num_steps > 1:
         keys = chains.keys_up_to(min(GRAPH_CONTEXT, r.max_model_len))
         with STARTUP.phase("capturing draft graphs", len(keys)), torch.inference_mode():

@@ -27,6 +27,7 @@ from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepRe
 from appliance.executor import (
     inflight,
     kv_cache,
+    kv_calibration,
     logits_processors,
     memory_profile,
     speculative,
@@ -149,6 +150,8 @@ class ModelRunner:
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
         self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
+        # online fp8 KV scales: armed after the warm-up, whose writes must not count (kv_calibration.py)
+        self.kv_calibration = kv_calibration.arm(layers, config.precision.kv_cache_calibration_tokens)
         # speculative decoding runs whole steps (executor/speculative.py)
         if config.speculative.algorithm is not None:
             with STARTUP.phase("building the speculator"):
@@ -311,7 +314,8 @@ class ModelRunner:
                               self.block_table, with_states=self.state_cache is not None)
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         hidden = None
-        if self.pieces is not None and self.use_graphs:
+        calibrating = self.kv_calibration is not None and not self.kv_calibration.done  # observed eagerly
+        if self.pieces is not None and self.use_graphs and not calibrating:
             hidden = self.pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)

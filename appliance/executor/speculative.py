@@ -9,13 +9,14 @@ the drafts this worker holds for the request):
    normal sampler, row j as if the first j drafts were confirmed, and keeps the longest prefix of rows whose
    sample equals their draft, plus the first sample that differs (or the bonus sample after the last draft;
    speculative_verification.py).
-   Drafts are greedy (one token, not a distribution), and with a one-hot draft x this is exactly rejection
+   A greedy draft is one token, not a distribution, and with a one-hot draft x this is exactly rejection
    sampling: x is accepted with probability p(x), and a rejection emits a sample of p with x removed,
    renormalised. So every emitted token is distributed as the target's; greedy rows, seeded rows (their noise
    is keyed on the tokens generated so far) and the GPU fast path (keyed on the same count) emit exactly what
    they emit without drafts, and logprobs are the target's for each emitted token. Structured-output rows are
    masked as after the drafts before them (a draft the grammar refuses is rejected); thinking-budget requests
-   get no drafts;
+   get no drafts. Random unseeded requests of a drafter with a distribution draw their drafts from it and are
+   verified against it instead (min(1, p/q) acceptance; speculative_rejection.py);
 3. proposal (the drafter's `_propose`): the drafter catches up over the chunk's confirmed positions and drafts up
    to num_steps tokens for each request that sampled; the result reports how many it holds (StepResult.drafts),
    and the next plan verifies at most that many. Above speculative.disable_by_batch_size sampling rows a step
@@ -40,8 +41,9 @@ from appliance.executor.catch_up_graphs import CatchUpGraphs
 from appliance.executor.draft_graphs import ChainGraphs, PendingChain
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.request_table import RequestState
-from appliance.executor.sampler import prompt_logprobs
+from appliance.executor.sampler import SampleResult, prompt_logprobs
 from appliance.executor.speculative_forced import ForcedAcceptance
+from appliance.executor.speculative_rejection import DraftPicker, draws_drafts
 from appliance.executor.speculative_verification import verify
 from appliance.executor.verify_graphs import make_verify_graphs
 from appliance.layers.attention import AttentionMetadata
@@ -139,6 +141,7 @@ class Speculator:
         self._drafts: dict[str, list[int]] = {}
         # a chain launched, its drafts not read yet: each request's row in it
         self._pending: tuple[dict[str, int], PendingChain] | None = None
+        self.draft_probs: dict[str, torch.Tensor] = {}  # q rows of drafts drawn from the drafter (speculative_rejection)
         self.drafting = True  # this step proposes (False above disable_by_batch_size sampling rows)
         self._chain_stager = Stager(runner.device)  # the rows a chain starts from
         self._index_stager = Stager(runner.device)  # the drafter's row indices
@@ -153,10 +156,10 @@ class Speculator:
         r = self.runner
         for rid in plan.finished_ids:
             r.requests.pop(rid, None)
-            self.drafts.pop(rid, None)
+            self._forget(rid)
         for new in plan.new_requests:
             r.requests[new.request_id] = r._new_state(new)
-            self.drafts.pop(new.request_id, None)
+            self._forget(new.request_id)
         verifying: dict[str, int] = {}  # request id -> drafts its chunk verifies
         chunks = [self._chunk(s, verifying) for s in plan.scheduled]
         if not chunks:
@@ -169,7 +172,7 @@ class Speculator:
             for c in ordered:  # a verification keeps the KV of its confirmed positions only
                 rid = c.state.request_id
                 c.state.num_computed += scored.emitted[rid] if rid in verifying else c.num_tokens
-                self.drafts.pop(rid, None)
+                self._forget(rid)
             self._propose(ordered, row_starts, hidden, scored.emitted, verifying)
         order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         scored.sampled.sort(key=lambda t: order[t.request_id])  # stable: a request's tokens stay in order
@@ -197,6 +200,10 @@ class Speculator:
         if self._pending is not None and request_id in self._pending[0]:
             return self._pending[1].counts[self._pending[0][request_id]]
         return len(self._drafts.get(request_id, ()))
+
+    def _forget(self, rid: str) -> None:
+        self.drafts.pop(rid, None)
+        self.draft_probs.pop(rid, None)
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
         v = self.verify_graphs
@@ -281,16 +288,19 @@ class Speculator:
 
     def _verify(self, logits: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
         rows = self._rows_of(logits, [i + j for _, i, d in verify_at for j in range(d + 1)])
-        masked: list[int] = []  # structured outputs: each row masked as after the drafts before it
         first = 0
-        for c, _, d in verify_at:
+        for c, _, d in verify_at:  # structured outputs: each row masked as after the drafts before it
             if logits_processors.wants_processors(c.state.params.extra):
                 logits_processors.processors_for(self.runner).mask_drafts(rows[first : first + d + 1], c.state, d)
-                masked += range(first, first + d + 1)
             first += d + 1
         sampler = self.runner.batch_sampler
-        emitted = verify(lambda lg, states: logits_processors.draw(sampler, lg, states, masked), rows,
-                         [(c.state, d) for c, _, d in verify_at], self.forced)
+
+        def sample(lg: torch.Tensor, states: list[Any]) -> list[SampleResult]:
+            masked = [i for i, s in enumerate(states) if logits_processors.wants_processors(s.params.extra)]
+            return logits_processors.draw(sampler, lg, states, masked)
+
+        probs = [self.draft_probs.get(c.state.request_id) for c, _, _ in verify_at]
+        emitted = verify(sample, rows, [(c.state, d) for c, _, d in verify_at], self.forced, probs, sampler.sampler)
         for (c, _, _), results in zip(verify_at, emitted):
             rid = c.state.request_id
             out.sampled += [SampledToken(rid, x.token_id, x.logprob, x.top_logprobs, x.rank) for x in results]
@@ -318,6 +328,8 @@ class Speculator:
         cu = self.catch_up_graphs
         if cu is None or not self._verified_on_graphs or cu.source is not self.catch_up_source():
             return False
+        if any(c.sample and draws_drafts(c.state.params) for c in chunks):
+            return False  # drafts drawn from the drafter's q: its eager catch-up keeps the logits
         own = [self.catch_up_chunk(c, emitted, verifying) for c in chunks]
         take = [first + j for c, first in zip(own, row_starts) for j in range(c.num_tokens)]
         got = cu.run_catch_up(own, take if cu.source is not None else [])
@@ -328,8 +340,8 @@ class Speculator:
         if drafting:
             at = self._chain_stager.send(np.asarray([row for _, row in drafting], dtype=np.int64))
             states = [st for st, _ in drafting]
-            self.chain(states, tokens[at], [self.first_position(st) for st in states],
-                       hidden[at] if hidden is not None else None)
+            self.launch_chain(states, tokens[at], [self.first_position(st) for st in states],
+                              hidden[at] if hidden is not None else None)
         return True
 
     def shifted_inputs(self, chunks: list[Chunk], row_starts: list[int], emitted: dict[str, int],
@@ -367,18 +379,44 @@ class Speculator:
         """First position a draft chain may not write: past the block table or the model's length."""
         return min(len(state.block_ids) * self.runner.block_size, self.runner.max_model_len)
 
-    def chain(self, states: list[RequestState], tokens: torch.Tensor, first_pos: list[int], hidden: Any) -> None:
-        """Drafts 2..num_steps of each state after the first (`tokens`): chain step i feeds draft i (and the
-        drafter's `hidden` rows, if it chains them) to `draft_step` at position first_pos + i - 1, from one
-        graph per batch (draft_graphs.py); a chain stops early where that position is past the block table or
-        max_model_len (the scheduler never asks for more drafts than the result reports)."""
+    def chain(self, states: list[RequestState], logits: torch.Tensor, first_pos: list[int], hidden: Any,
+              id_map: torch.Tensor | None = None) -> None:
+        """Drafts 1..num_steps of each state: the first is picked from `logits` (the drafter's, one row per state),
+        then chain step i feeds draft i (and the drafter's `hidden` rows, if it chains them) to `draft_step` at
+        position first_pos + i - 1 (draft_graphs.py). Drafts are argmax (`id_map`: the drafter's vocabulary ->
+        the target's), from one graph per batch whose drafts are read when next needed; or, when a random
+        unseeded request draws its drafts from the drafter's q (speculative_rejection.py DraftPicker), the same
+        chain runs uncaptured with the picker and keeps the q rows. A chain stops early where that position is
+        past the block table or max_model_len (the scheduler never asks for more drafts than the result
+        reports)."""
         assert self.chains is not None, f"{type(self).__name__} drafts without a chain"
+        if not any(draws_drafts(s.params) for s in states):
+            self.launch_chain(states, self.chains.greedy(logits), first_pos, hidden)
+            return
+        limits = [self.draft_limit(s) for s in states]
+        self._read_pending()
+        picker = DraftPicker(states, self.runner.batch_sampler.sampler.generator(logits.device), self.chains.id_map,
+                             int(self.runner.hf_config.vocab_size))
+        rows = np.arange(len(states))
+        drafts = self.chains.run_drawn(states, picker.pick(logits, rows), first_pos, hidden, limits,
+                                       lambda lg: picker.pick(lg, rows))
+        for i, (state, row) in enumerate(zip(states, drafts)):
+            self._drafts[state.request_id] = row
+            q = picker.probs(i, len(row))
+            if q is not None:
+                self.draft_probs[state.request_id] = q
+
+    def launch_chain(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int], hidden: Any) -> None:
+        """The greedy chain after these first drafts (target ids), from its graph; its drafts are read when
+        `drafts` is next read."""
+        assert self.chains is not None
         limits = [self.draft_limit(s) for s in states]
         self._read_pending()  # (the step's verification read them already)
         self._pending = ({s.request_id: i for i, s in enumerate(states)},
-                         self.chains.launch(states, tokens, first_pos, hidden, limits))
+                         self.chains.launch(states, first, first_pos, hidden, limits))
 
     def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: Any
                    ) -> tuple[torch.Tensor, Any]:
-        """One chain step of the drafter: the next drafts (and hidden rows it chains) after `tokens`."""
+        """One chain step of the drafter: its logits (its own vocabulary) after `tokens`, and the hidden rows it
+        chains."""
         raise NotImplementedError

@@ -147,7 +147,7 @@ class DraftModelSpeculator(Speculator):
 
     def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: Any
                    ) -> tuple[torch.Tensor, None]:
-        return self.model.compute_logits(self.model(tokens, positions, meta)).argmax(dim=-1), None
+        return self.model.compute_logits(self.model(tokens, positions, meta)), None
 
     def catch_up_chunk(self, c: Chunk, emitted: dict[str, int], verifying: dict[str, int]) -> Chunk:
         """Row i reads the token at i; the token just sampled is the first draft's input, if its position fits
@@ -169,8 +169,7 @@ class DraftModelSpeculator(Speculator):
         states, rows = self.last_rows(inputs)
         if not states:
             return
-        first = self.model.compute_logits(h[rows]).argmax(dim=-1)
-        self.chain(states, first, [self.first_position(s) for s in states], None)
+        self.chain(states, self.model.compute_logits(h[rows]), [self.first_position(s) for s in states], None)
 
 
 class EagleSpeculator(Speculator):
@@ -180,18 +179,18 @@ class EagleSpeculator(Speculator):
         self.target = runner.model
         self.eagle3 = isinstance(self.head, Eagle3Head)
         size = int(self.head.config.hidden_size)
-        self.chains = make_chain_graphs(self, size, self.head, _drafter_backend(runner.config, runner))
+        self.chains = make_chain_graphs(self, size, self.head, _drafter_backend(runner.config, runner),
+                                        self.head.target_ids() if self.eagle3 else None)
         self.catch_up_graphs = make_catch_up_graphs(self, self.catch_up_source(), size, 1)
 
-    def _tokens(self, normed: torch.Tensor) -> torch.Tensor:
-        if self.eagle3:
-            return self.head.draft_tokens(normed)
-        return self.target.compute_logits(normed).argmax(dim=-1)
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The head's logits (an EAGLE-3 head's own vocabulary, mapped to the target's by head.target_ids)."""
+        return self.head.lm_head.compute_logits(normed) if self.eagle3 else self.target.compute_logits(normed)
 
     def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: Any
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         normed, pre = self.head(tokens, positions, hidden, meta)
-        return self._tokens(normed), pre
+        return self._logits(normed), pre
 
     def catch_up_source(self) -> torch.Tensor | None:
         """EAGLE-3: the captured target layers' buffer; EAGLE: the verify graphs' output."""
@@ -209,4 +208,5 @@ class EagleSpeculator(Speculator):
         states, rows = self.last_rows(inputs)
         if not states:
             return
-        self.chain(states, self._tokens(normed[rows]), [self.first_position(s) for s in states], pre[rows])
+        self.chain(states, self._logits(normed[rows]), [self.first_position(s) for s in states], pre[rows],
+                   self.chains.id_map if self.chains is not None else None)
