@@ -35,7 +35,9 @@ from appliance.executor import (
 )
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
 from appliance.executor.cuda_graph import (
+    GRAPH_CONTEXT,
     DecodeGraphs,
+    decode_unsplit_from,
     graph_settings,
     lm_head_rows,
     rows_view,
@@ -154,7 +156,7 @@ class ModelRunner:
             with STARTUP.phase("building the speculator"):
                 self.spec = speculative.make_speculator(self)
 
-    def warmup(self, graph_context: int = 2048) -> float:
+    def warmup(self, graph_context: int = GRAPH_CONTEXT) -> float:
         """Pay every first-use cost a run would meet (executor/warmup.py); returns the seconds taken. It writes
         KV into block 0: call it before serving (the constructor does), never with blocks cached."""
         return warmup.warm_up(self, graph_context)
@@ -200,7 +202,7 @@ class ModelRunner:
             return None
         hidden = int(self.hf_config.hidden_size)
         return DecodeGraphs(self.model, hidden, self.dtype, self.device, sizes, self.max_blocks, self.block_size,
-                            self.block_table)
+                            self.block_table, decode_unsplit_from(self.model.attention_layers(), self.device))
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:

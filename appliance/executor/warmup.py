@@ -25,6 +25,7 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, ScheduledRequest, StepPlan
+from appliance.executor.cuda_graph import GRAPH_CONTEXT
 from appliance.executor.input_batch import Chunk
 from appliance.executor.piecewise import all_buckets
 from appliance.executor.request_table import RequestState
@@ -39,7 +40,7 @@ SAMPLER_ROWS = (1, 2, 16)
 STEP_TOKENS = 4  # the most a request of the warm-up's steps holds: a 2-token prompt and two decodes
 
 
-def warm_up(runner: ModelRunner, graph_context: int = 2048) -> float:
+def warm_up(runner: ModelRunner, graph_context: int = GRAPH_CONTEXT) -> float:
     """Run everything above; returns the seconds taken. It writes KV into block 0: call it before serving (the
     runner's constructor does), never with blocks cached. Each part is a start-up phase (executor/startup.py)
     that counts its items: "capturing decode graphs 37/140"."""

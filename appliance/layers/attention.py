@@ -114,6 +114,7 @@ class Attention(nn.Module):
             self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
         else:
             self.register_parameter("sinks", None)
+        self.backend = backend
         self._store = kernel("store_kv", backend)
         self._decode = kernel("decode_attention", backend)
         self._prefill = kernel("prefill_attention", backend)
@@ -144,6 +145,16 @@ class Attention(nn.Module):
         if self.sinks is not None:
             extra["sinks"] = self.sinks
         return extra
+
+    def decode_unsplit_from(self, device: torch.device) -> int | None:
+        """The smallest decode batch whose attention launch is the same at every block-table width (no split-K),
+        or None where the backend's launch always depends on it: the decode graphs share one width from there
+        (executor/cuda_graph.py)."""
+        if self.backend != "triton":
+            return None
+        from appliance.kernels.triton.decode import unsplit_from
+
+        return unsplit_from(self.num_kv_heads, device)
 
     def bind_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
