@@ -60,7 +60,7 @@ def start_once(model: str, serve_args: list[str], cache_dir: Path, log_path: Pat
            "--port", str(port), "--set", f"cache.compile_cache_dir={cache_dir}"]
     with log_path.open("w") as log:
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=term_with_parent)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=term_with_parent)  # noqa: PLW1509 (no threads yet)
         try:
             wait_healthy(proc, f"http://127.0.0.1:{port}", timeout_s)
             ready_s = round(time.monotonic() - t0, 1)

@@ -2,9 +2,8 @@
 executor/startup.py writes and the warm-up's summary, so the cold / warm comparison prints what the worker measured."""
 from __future__ import annotations
 
-from benchmarks.cold_start import phases, worker_lines
-
 from appliance.executor.startup import StartupLog
+from benchmarks.cold_start import phases, worker_lines
 
 
 class Clock:
@@ -25,8 +24,8 @@ def test_the_breakdown_and_warm_up_lines_are_read_back() -> None:
     log.finish()
     text = "\n".join([
         "2026-11-27 10:00:00 worker0[12] INFO compile cache: TRITON_CACHE_DIR=/c/triton",
-        "2026-11-27 10:00:09 worker0[12] INFO warm-up: 56 decode graphs (batch sizes 1..256 (35), up to 2048 tokens "
-        "of context) and 0 piecewise token buckets captured, kernels compiled, in 9.0 s (decode graphs 9.0 s)",
+        ("2026-11-27 10:00:09 worker0[12] INFO warm-up: 56 decode graphs (batch sizes 1..256 (35), up to 2048 tokens "
+         "of context) and 0 piecewise token buckets captured, kernels compiled, in 9.0 s (decode graphs 9.0 s)"),
         f"2026-11-27 10:00:10 worker0[12] INFO worker 0 {log.breakdown()}",
         "2026-11-27 10:00:10 worker1[13] INFO worker 1 start-up 99.0 s: imports 99.0 s"])
     lines = worker_lines(text)

@@ -44,7 +44,13 @@ from appliance.executor.cuda_graph import (
     width_bucket,
 )
 from appliance.executor.inflight import StepHandle
-from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
+from appliance.executor.input_batch import (
+    Chunk,
+    Stager,
+    StepInputs,
+    build_inputs,
+    table_width,
+)
 from appliance.executor.kv_scales import setup as kv_scale_setup
 from appliance.executor.memory_check import check_weight_memory
 from appliance.executor.memory_profile import count_blocks
