@@ -278,6 +278,11 @@ class CacheSection(Section):
         "`triton/` subdirectory, TRITON_CACHE_DIR of every process) and torch inductor's (`inductor/`), reused "
         "by every later start on this machine. Put it on a persistent volume to keep replicas' starts warm.",
         flags=None, min_length=1)
+    compile_workers: int | None = param(
+        None, "Processes that compile, while the weights load, the Triton kernel variants an earlier start of the "
+        "same model and settings listed in compile_cache_dir (`kernels/`); the warm-up then loads them from the "
+        "cache. 0: off (each start compiles as its warm-up goes, and lists nothing). Unset: half the CPU cores, at "
+        "most 8.", flags=None, ge=0)
 
     @field_validator("block_size")
     @classmethod

@@ -25,6 +25,7 @@ from appliance.engine.config import StepTokens, host_blocks
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import (
+    compile_ahead,
     inflight,
     kv_cache,
     logits_processors,
@@ -97,6 +98,8 @@ class ModelRunner:
         _check_supported(config, self.device)
         self.model_dir = resolve_model_dir(resolve_model_path(m.path), m.revision, m.download_dir)
         self.hf_config = load_hf_config(self.model_dir, m.hf_overrides, m.trust_remote_code)
+        # the Triton variants an earlier start listed compile in other processes meanwhile (compile_ahead.py)
+        self.compile_ahead = compile_ahead.begin(config, self.model_dir, self.device)
         self.dtype = resolve_dtype(config.precision.dtype, self.hf_config, self.device)
         self.backend = resolve_backend(config.backends.attention, self.device)
         windowed = bool(getattr(model_class(self.hf_config), "sliding_window_attention", False))
@@ -157,6 +160,8 @@ class ModelRunner:
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
         self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
+        if self.compile_ahead is not None:
+            self.compile_ahead.finish()  # lists what this start compiled, for the next one
         # speculative decoding runs whole steps (executor/speculative.py)
         if config.speculative.algorithm is not None:
             with STARTUP.phase("building the speculator"):

@@ -1,0 +1,237 @@
+"""Triton kernels compiled ahead, in parallel, while the weights load: the variants an earlier start of the same
+configuration compiled, kept as a list beside the compile cache (executor/compile_cache.py).
+
+A start compiles each Triton specialisation its warm-up meets one after another on the worker's thread, most of
+the time in LLVM and ptxas: the 8B shape's warm-up spent ~15 s compiling prefill variants and much of its decode
+graph capture compiling the rest. Every start on a GPU records the variants it compiled (Triton's
+jit_post_compile_hook gives each one's specialisation data, the same record `JITFunction.preload` reads) into
+`<compile_cache_dir>/kernels/<fingerprint>.json`, keyed by what decides the variants: the model's config.json,
+the engine settings that shape its steps, the GPU target and the Triton version. A later start of the same key
+compiles that list in `cache.compile_workers` processes from its first phases on, writing Triton's file cache;
+the warm-up then loads each kernel from there instead of compiling it. That pays where the file cache misses but
+the list is still right: a fresh cache directory given the list, a new build whose kernel sources changed (their
+cache keys change, their variants do not). A listed variant that no longer exists is skipped; one the list lacks is
+compiled by the warm-up as before, so the list can only save time, never change what runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from appliance.config.schema import ApplianceConfig
+
+log = logging.getLogger(__name__)
+
+# sections whose settings cannot change which kernels a start compiles (server, logging, sampling defaults)
+UNRELATED_SECTIONS = ("api", "observability", "sampling", "multimodal")
+UNRELATED_KEYS = {"model": ("path", "tokenizer", "tokenizer_mode", "skip_tokenizer_init", "revision", "download_dir"),
+                  "cache": ("compile_cache_dir",)}
+
+
+def fingerprint(config: dict[str, Any], model_config_json: str, target: str, triton_version: str) -> str:
+    """What decides the variants a start compiles, hashed: the model's config.json, the settings that shape the
+    steps (all but UNRELATED_*), the GPU target and Triton's version."""
+    settings = {k: v for k, v in config.items() if k not in UNRELATED_SECTIONS}
+    for section, keys in UNRELATED_KEYS.items():
+        settings[section] = {k: v for k, v in dict(settings.get(section, {})).items() if k not in keys}
+    blob = json.dumps([settings, json.loads(model_config_json), target, triton_version], sort_keys=True,
+                      default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def manifest_path(cache_dir: str, key: str) -> Path:
+    return Path(cache_dir).expanduser() / "kernels" / f"{key}.json"
+
+
+def read_manifest(path: Path) -> list[dict[str, str]]:
+    """The listed variants ({module, name, spec}); an unreadable list is an empty one (logged)."""
+    if not path.is_file():
+        return []
+    try:
+        entries = json.loads(path.read_text())["variants"]
+        return [e for e in entries if isinstance(e, dict) and {"module", "name", "spec"} <= e.keys()]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("compile-ahead list %s unreadable (%s): the warm-up compiles as it goes", path, exc)
+        return []
+
+
+def write_manifest(path: Path, entries: list[dict[str, str]]) -> None:
+    """Atomically (ranks of one replica write the same list)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"variants": entries}))
+    os.replace(tmp, path)
+
+
+class CompiledVariants:
+    """Records every Triton variant this process compiles (installed as jit_post_compile_hook, chained to any
+    hook already there)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, str, str], dict[str, str]] = {}
+        self._previous: Callable[..., Any] | None = None
+
+    def install(self) -> None:
+        from triton import knobs
+
+        self._previous = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self
+
+    def uninstall(self) -> None:
+        from triton import knobs
+
+        if knobs.runtime.jit_post_compile_hook is self:
+            knobs.runtime.jit_post_compile_hook = self._previous
+
+    def __call__(self, *, key: Any, repr: str, fn: Any, compile: dict[str, Any], is_manual_warmup: bool,
+                 already_compiled: bool) -> bool | None:
+        spec = compile["specialization_data"]
+        self.entries.setdefault((fn.module, fn.name, spec), {"module": fn.module, "name": fn.name, "spec": spec})
+        if self._previous is not None:
+            return self._previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+                                  already_compiled=already_compiled)
+        return None
+
+
+def compile_variants(entries: list[dict[str, str]]) -> int:
+    """Compile these variants into Triton's file cache (TRITON_CACHE_DIR), as `JITFunction.preload` does but
+    without a device: the target comes with each record. Runs in a pool process; returns how many compiled (a
+    variant whose kernel or parameters changed since it was listed is skipped)."""
+    done = 0
+    for entry in entries:
+        try:
+            _compile_one(entry)
+            done += 1
+        except Exception as exc:  # noqa: BLE001 - a stale record costs only its compile, never the start
+            log.debug("compile-ahead skipped %s.%s: %s", entry.get("module"), entry.get("name"), exc)
+    return done
+
+
+def _compile_one(entry: dict[str, str]) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    data = json.loads(entry["spec"])
+    fn = _resolve(entry["module"], entry["name"])
+    target = GPUTarget(**data["target"])
+    backend = make_backend(target)
+    constexprs = {tuple(k): _constant(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+    signature = {k: _tuples(v) for k, v in data["signature"].items()}
+    options = backend.parse_options({k: _tuples(v) for k, v in data["options"].items()})
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def _resolve(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    while not hasattr(obj, "cache_key") and hasattr(obj, "fn"):  # an autotuner / heuristics wraps its JITFunction
+        obj = obj.fn
+    return obj
+
+
+def _constant(value: Any) -> Any:
+    import triton.language as tl
+
+    if isinstance(value, str) and tl.dtype.is_dtype(value):
+        return tl.dtype(value)
+    if isinstance(value, dict) and "constexpr" in value:
+        return tl.constexpr(_tuples(value["constexpr"]))
+    if isinstance(value, dict) and "jit_function" in value:
+        module, _, qualname = value["jit_function"].partition(":")
+        return _resolve(module, qualname)
+    return _tuples(value)
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def default_workers(cpus: int | None = None) -> int:
+    """cache.compile_workers unset: half the CPU cores, at most 8."""
+    return max(1, min(8, (cpus or os.cpu_count() or 2) // 2))
+
+
+def begin(config: ApplianceConfig, model_dir: Path, device: torch.device) -> CompileAhead | None:
+    """Start recording this start's compiles and compiling the variants listed for its configuration; None off
+    the GPU, under Triton's interpreter, or with cache.compile_workers = 0."""
+    workers = config.cache.compile_workers
+    workers = default_workers() if workers is None else workers
+    if device.type != "cuda" or workers == 0 or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    import triton
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    config_json = model_dir / "config.json"
+    key = fingerprint(config.model_dump(mode="json"), config_json.read_text() if config_json.is_file() else "{}",
+                      f"{target.backend}:{target.arch}:{target.warp_size}", triton.__version__)
+    path = manifest_path(config.cache.compile_cache_dir, key)
+    return CompileAhead(path, read_manifest(path), workers)
+
+
+class CompileAhead:
+    """One start's recorder and pool: made by `begin` (before the model is built), `wait` (the warm-up's first
+    phase, counting the listed variants), `finish` (once the warm-up has compiled everything it needs)."""
+
+    def __init__(self, path: Path, listed: list[dict[str, str]], workers: int) -> None:
+        self.path, self.listed = path, listed
+        self.recorder = CompiledVariants()
+        self.recorder.install()
+        self.pool: ProcessPoolExecutor | None = None
+        self.futures: list[Future[int]] = []
+        if listed and workers > 0:
+            import multiprocessing
+
+            # spawned, not forked: the worker has a CUDA context by now; children never touch the device
+            self.pool = ProcessPoolExecutor(min(workers, len(listed)), mp_context=multiprocessing.get_context("spawn"))
+            shards = min(len(listed), 4 * workers)  # small shards: the pool balances kernels of unequal cost
+            self.futures = [self.pool.submit(compile_variants, listed[i::shards]) for i in range(shards)]
+            log.info("compiling %d listed Triton variants ahead in %d processes (%s)", len(listed),
+                     min(workers, len(listed)), path)
+
+    def wait(self, tick: Callable[[int], None] | None = None) -> int:
+        """Block until the pool is through, calling tick(variants through) after each shard; returns how many
+        listed variants compiled (the rest were stale)."""
+        compiled = through = 0
+        for i, f in enumerate(self.futures):
+            try:
+                compiled += f.result()
+            except Exception as exc:  # noqa: BLE001 - a broken pool costs only the time it saved
+                log.warning("compile-ahead pool failed (%s): the warm-up compiles as it goes", exc)
+            through += len(self.listed[i :: len(self.futures)])
+            if tick is not None:
+                tick(through)
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+            log.info("compiled %d of %d listed Triton variants ahead", compiled, len(self.listed))
+        self.futures = []
+        return compiled
+
+    def finish(self) -> int:
+        """Wait for the pool (if the warm-up did not), stop recording and write the listed variants with those
+        this start compiled; returns the count listed now."""
+        self.wait()
+        self.recorder.uninstall()
+        merged = {(e["module"], e["name"], e["spec"]): e for e in self.listed}
+        merged.update(self.recorder.entries)
+        entries = list(merged.values())
+        if len(entries) > len(self.listed):
+            try:
+                write_manifest(self.path, entries)
+            except OSError as exc:
+                log.warning("compile-ahead list %s not written: %s", self.path, exc)
+        return len(entries)

@@ -1,0 +1,198 @@
+"""Triton variants compiled ahead (executor/compile_ahead.py): a recorded variant of one of our kernels compiles for
+sm_90 on the CPU, in pool processes, into the configured Triton cache; stale records are skipped; the list is keyed
+by what decides the variants; and the warm-up start on a GPU loads every listed variant from the cache."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from appliance.config import build_config
+from appliance.executor import compile_ahead
+from appliance.executor.compile_ahead import (
+    CompileAhead,
+    CompiledVariants,
+    compile_variants,
+    fingerprint,
+    manifest_path,
+    read_manifest,
+)
+
+MODULE, NAME = "appliance.kernels.triton.positions", "_decode_positions_kernel"
+
+
+def positions_record(block_size: int = 16, block_r: int = 64) -> dict[str, str]:
+    """The record Triton's compile hook gives for one decode_positions variant on an H100 (serialized by Triton's
+    own serializer)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import serialize_specialization_data
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    ptrs = {"rows_ptr": "*i64", "table_ptr": "*i32", "lens_ptr": "*i64", "pos_ptr": "*i64", "slots_ptr": "*i64",
+            "seq_lens_ptr": "*i32"}
+    signature = {**ptrs, "n": "i32", "width": "i32", "stride": "i32", "BLOCK_SIZE": "constexpr",
+                 "BLOCK_R": "constexpr"}
+    attrs = {(i,): backend.parse_attr("D") for i in range(len(ptrs))}
+    spec = serialize_specialization_data(f"{MODULE}.{NAME}", signature, {(9,): block_size, (10,): block_r}, attrs,
+                                         backend.parse_options({}), "key", target)
+    return {"module": MODULE, "name": NAME, "spec": spec}
+
+
+def cubins(cache: Path) -> list[str]:
+    """Kernel names of the compiled entries in a Triton cache directory."""
+    return sorted(json.loads(p.read_text())["name"] for p in cache.rglob("*.json")
+                  if not p.name.startswith("__grp__") and "name" in json.loads(p.read_text()))
+
+
+@pytest.fixture
+def triton_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cache = tmp_path / "triton"
+    cache.mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    return cache
+
+
+def test_a_recorded_variant_compiles_without_a_device_and_stale_ones_are_skipped(triton_cache: Path) -> None:
+    good = positions_record()
+    renamed = {**good, "name": "_no_such_kernel"}
+    changed = json.loads(good["spec"])
+    changed["signature"]["extra"] = "i32"  # a parameter the kernel no longer has
+    assert compile_variants([good, renamed, {**good, "spec": json.dumps(changed)}]) == 1
+    assert cubins(triton_cache) == [NAME]
+    assert any(p.suffix == ".cubin" for p in triton_cache.rglob("*"))
+    files = sorted(triton_cache.rglob("*"))
+    assert compile_variants([good]) == 1 and sorted(triton_cache.rglob("*")) == files  # a cache hit
+
+
+def test_the_pool_compiles_the_list_and_finish_writes_it_with_this_starts_variants(triton_cache: Path,
+                                                                                   tmp_path: Path) -> None:
+    from triton import knobs
+
+    listed = [positions_record(16, 64), positions_record(32, 64), {**positions_record(), "name": "_gone"}]
+    path = tmp_path / "kernels" / "k.json"
+    ticks: list[int] = []
+    ahead = CompileAhead(path, listed, workers=2)
+    try:
+        assert knobs.runtime.jit_post_compile_hook is ahead.recorder
+        assert ahead.wait(ticks.append) == 2
+        assert ticks[-1] == 3 and ticks == sorted(ticks)
+        assert cubins(triton_cache) == [NAME, NAME]
+        # a compile of this process, as Triton's hook reports it
+        new = positions_record(16, 128)
+        ahead.recorder(key="k", repr="r", fn=SimpleNamespace(module=MODULE, name=NAME),
+                       compile={"specialization_data": new["spec"]}, is_manual_warmup=False, already_compiled=False)
+    finally:
+        assert ahead.finish() == 4
+    assert knobs.runtime.jit_post_compile_hook is None  # the hook before it
+    assert read_manifest(path) == listed + [new]
+    assert CompileAhead(path, read_manifest(path), workers=0).futures == []  # 0 workers: nothing compiles
+
+
+def test_the_recorder_chains_the_hook_already_installed() -> None:
+    from triton import knobs
+
+    seen: list[str] = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
+    try:
+        rec = CompiledVariants()
+        rec.install()
+        assert knobs.runtime.jit_post_compile_hook is rec
+        knobs.runtime.jit_post_compile_hook(key="k", repr="r", fn=SimpleNamespace(module="m", name="f"),
+                                            compile={"specialization_data": "{}"}, is_manual_warmup=False,
+                                            already_compiled=False)
+        rec.uninstall()
+        assert seen == ["f"] and list(rec.entries.values()) == [{"module": "m", "name": "f", "spec": "{}"}]
+        assert knobs.runtime.jit_post_compile_hook is not rec
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+
+
+def test_the_list_is_keyed_by_what_decides_the_variants(tmp_path: Path) -> None:
+    base = build_config().model_dump(mode="json")
+    key = fingerprint(base, '{"hidden_size": 64}', "cuda:90:32", "3.9.0")
+
+    def changed(section: str, field: str, value: Any) -> dict[str, Any]:
+        out = json.loads(json.dumps(base))
+        out[section][field] = value
+        return out
+
+    # settings that cannot change the kernels: the same list
+    for section, field, value in (("api", "port", 9999), ("model", "path", "/elsewhere"),
+                                  ("cache", "compile_cache_dir", "/tmp/x"), ("observability", "log_level", "debug")):
+        assert fingerprint(changed(section, field, value), '{"hidden_size": 64}', "cuda:90:32", "3.9.0") == key
+    # the model's shape, the steps' settings, the GPU and the compiler: another list
+    assert fingerprint(base, '{"hidden_size": 128}', "cuda:90:32", "3.9.0") != key
+    assert fingerprint(changed("scheduler", "max_num_seqs", 8), '{"hidden_size": 64}', "cuda:90:32", "3.9.0") != key
+    assert fingerprint(base, '{"hidden_size": 64}', "cuda:100:32", "3.9.0") != key
+    assert fingerprint(base, '{"hidden_size": 64}', "cuda:90:32", "3.10.0") != key
+    assert manifest_path("~/c", key) == Path(os.path.expanduser("~/c")) / "kernels" / f"{key}.json"
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    assert read_manifest(bad) == [] and read_manifest(tmp_path / "missing.json") == []
+
+
+def test_begin_is_off_on_the_cpu_and_at_zero_workers(tmp_path: Path) -> None:
+    cpu = build_config(dotlist=[f"cache.compile_cache_dir={tmp_path}"])
+    assert compile_ahead.begin(cpu, tmp_path, torch.device("cpu")) is None
+    off = build_config(dotlist=["cache.compile_workers=0"])
+    assert off.cache.compile_workers == 0 and compile_ahead.begin(off, tmp_path, torch.device("cuda")) is None
+    with pytest.raises(Exception, match="compile_workers"):
+        build_config(dotlist=["cache.compile_workers=-1"])
+    assert compile_ahead.default_workers(16) == 8 and compile_ahead.default_workers(2) == 1
+    assert compile_ahead.default_workers(64) == 8
+
+
+SECOND_START = """
+import json, sys
+from pathlib import Path
+from appliance.config import build_config
+from appliance.executor import compile_ahead
+cache = Path(sys.argv[1]) / "triton"
+names = lambda: sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+seen = {}
+wait = compile_ahead.CompileAhead.wait
+def waited(self, tick=None):
+    n = wait(self, tick)
+    seen.setdefault("after_wait", names())  # the warm-up's first phase: the pool is through
+    return n
+compile_ahead.CompileAhead.wait = waited
+from appliance import LLM
+llm = LLM(config=build_config(dotlist=[f"model.path={sys.argv[2]}", "model.skip_tokenizer_init=true",
+                                       "precision.dtype=bfloat16", "scheduler.max_num_seqs=8",
+                                       f"cache.compile_cache_dir={sys.argv[1]}"]))
+print(json.dumps({"listed": len(llm.executor.runner.compile_ahead.listed),
+                  "compiled_by_the_warm_up": sorted(set(names()) - set(seen["after_wait"]))}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_second_start_loads_every_listed_variant_from_the_cache(tmp_path: Path, tiny_model: Path) -> None:
+    """Start once (it lists its variants), empty Triton's cache, start again: the pool compiles the list while the
+    model loads, and the warm-up compiles nothing itself (every variant it meets is in the cache by then)."""
+    import shutil
+    import subprocess
+    import sys
+
+    def start() -> dict[str, Any]:
+        run = subprocess.run([sys.executable, "-c", SECOND_START, str(tmp_path), str(tiny_model)],
+                             capture_output=True, text=True, check=False, timeout=600,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    assert start()["listed"] == 0
+    lists = list((tmp_path / "kernels").glob("*.json"))
+    assert len(lists) == 1 and len(read_manifest(lists[0])) > 10
+    shutil.rmtree(tmp_path / "triton")
+    second = start()
+    assert second == {"listed": len(read_manifest(lists[0])), "compiled_by_the_warm_up": []}
