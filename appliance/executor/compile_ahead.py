@@ -20,8 +20,9 @@ import importlib
 import json
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -184,41 +185,54 @@ def begin(config: ApplianceConfig, model_dir: Path, device: torch.device) -> Com
 
 class CompileAhead:
     """One start's recorder and pool: made by `begin` (before the model is built), `wait` (the warm-up's first
-    phase, counting the listed variants), `finish` (once the warm-up has compiled everything it needs)."""
+    phase, counting the listed variants), `finish` (once the warm-up has compiled everything it needs).
+    The pool is plain `python -m appliance.executor.compile_ahead` processes reading their share of the list on
+    stdin, not multiprocessing's: a spawned child would re-run an offline script's unguarded top level (its LLM)."""
 
     def __init__(self, path: Path, listed: list[dict[str, str]], workers: int) -> None:
         self.path, self.listed = path, listed
         self.recorder = CompiledVariants()
         self.recorder.install()
-        self.pool: ProcessPoolExecutor | None = None
-        self.futures: list[Future[int]] = []
-        if listed and workers > 0:
-            import multiprocessing
+        self.shards = [listed[i::workers] for i in range(min(workers, len(listed)))]
+        self.procs = [self._spawn(shard) for shard in self.shards]
+        if self.procs:
+            log.info("compiling %d listed Triton variants ahead in %d processes (%s)", len(listed), len(self.procs),
+                     path)
 
-            # spawned, not forked: the worker has a CUDA context by now; children never touch the device
-            self.pool = ProcessPoolExecutor(min(workers, len(listed)), mp_context=multiprocessing.get_context("spawn"))
-            shards = min(len(listed), 4 * workers)  # small shards: the pool balances kernels of unequal cost
-            self.futures = [self.pool.submit(compile_variants, listed[i::shards]) for i in range(shards)]
-            log.info("compiling %d listed Triton variants ahead in %d processes (%s)", len(listed),
-                     min(workers, len(listed)), path)
+    @staticmethod
+    def _spawn(shard: list[dict[str, str]]) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(shard))
+        proc.stdin.close()
+        return proc
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.procs)
 
     def wait(self, tick: Callable[[int], None] | None = None) -> int:
-        """Block until the pool is through, calling tick(variants through) after each shard; returns how many
+        """Block until the pool is through, calling tick(variants through) after each process; returns how many
         listed variants compiled (the rest were stale)."""
         compiled = through = 0
-        for i, f in enumerate(self.futures):
-            try:
-                compiled += f.result()
-            except Exception as exc:  # noqa: BLE001 - a broken pool costs only the time it saved
-                log.warning("compile-ahead pool failed (%s): the warm-up compiles as it goes", exc)
-            through += len(self.listed[i :: len(self.futures)])
+        for proc, shard in zip(self.procs, self.shards):
+            assert proc.stdout is not None
+            out = proc.stdout.read()  # its stdin is already closed: no communicate()
+            proc.stdout.close()
+            proc.wait()
+            last = out.strip().splitlines()[-1:] or [""]
+            if proc.returncode == 0 and last[0].isdigit():
+                compiled += int(last[0])
+            else:
+                log.warning("a compile-ahead process exited with %s: the warm-up compiles its share as it goes",
+                            proc.returncode)
+            through += len(shard)
             if tick is not None:
                 tick(through)
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None
+        if self.procs:
             log.info("compiled %d of %d listed Triton variants ahead", compiled, len(self.listed))
-        self.futures = []
+        self.procs = []
         return compiled
 
     def finish(self) -> int:
@@ -235,3 +249,7 @@ class CompileAhead:
             except OSError as exc:
                 log.warning("compile-ahead list %s not written: %s", self.path, exc)
         return len(entries)
+
+
+if __name__ == "__main__":  # a pool process: its share of the list on stdin, the count compiled on stdout
+    print(compile_variants(json.loads(sys.stdin.read())))

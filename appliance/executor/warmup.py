@@ -59,7 +59,7 @@ def warm_up(runner: ModelRunner, graph_context: int = GRAPH_CONTEXT) -> float:
         return out
 
     ahead = runner.compile_ahead  # the listed variants, compiling in other processes since the model config
-    if ahead is not None and ahead.futures:
+    if ahead is not None and ahead.pending:
         timed("compile ahead", "compiling kernels ahead", len(ahead.listed), lambda: ahead.wait(STARTUP.advance))
     counts = _prefill_counts(runner)
     graphs, pieces = runner.graphs, runner.pieces
