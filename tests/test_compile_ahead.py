@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from appliance.config import build_config
 from appliance.executor import compile_ahead
 from appliance.executor.compile_ahead import (
+    AheadReport,
     CompileAhead,
     CompiledVariants,
     compile_variants,
@@ -79,22 +80,26 @@ def test_the_pool_compiles_the_list_and_finish_writes_it_with_this_starts_varian
 
     listed = [positions_record(16, 64), positions_record(32, 64), {**positions_record(), "name": "_gone"}]
     path = tmp_path / "kernels" / "k.json"
-    ticks: list[int] = []
     ahead = CompileAhead(path, listed, workers=2)
-    try:
-        assert knobs.runtime.jit_post_compile_hook is ahead.recorder
-        assert ahead.wait(ticks.append) == 2
-        assert ticks == [2, 3] and not ahead.pending  # two processes: shards of 2 and 1
-        assert cubins(triton_cache) == [NAME, NAME]
-        # a compile of this process, as Triton's hook reports it
-        new = positions_record(16, 128)
-        ahead.recorder(key="k", repr="r", fn=SimpleNamespace(module=MODULE, name=NAME),
-                       compile={"specialization_data": new["spec"]}, is_manual_warmup=False, already_compiled=False)
-    finally:
-        assert ahead.finish() == 4
-    assert knobs.runtime.jit_post_compile_hook is None  # the hook before it
+    assert knobs.runtime.jit_post_compile_hook is ahead.recorder and len(ahead.procs) == 2
+    # a variant this process met, as Triton's hook reports it
+    new = positions_record(16, 128)
+    ahead.recorder(key="k", repr="r", fn=SimpleNamespace(module=MODULE, name=NAME),
+                   compile={"specialization_data": new["spec"]}, is_manual_warmup=False, already_compiled=False)
+    assert ahead.finish(wait=True) == AheadReport(listed=4, compiled=2, stopped=0)
+    assert cubins(triton_cache) == [NAME, NAME]
+    assert knobs.runtime.jit_post_compile_hook is None and ahead.procs == []  # the hook before it; reaped
     assert read_manifest(path) == listed + [new]
-    assert not CompileAhead(path, read_manifest(path), workers=0).pending  # 0 workers: nothing compiles
+    assert CompileAhead(path, read_manifest(path), workers=0).procs == []  # 0 workers: nothing compiles
+
+
+def test_finish_stops_a_pool_the_warm_up_outran(triton_cache: Path, tmp_path: Path) -> None:
+    listed = [positions_record(16, r) for r in (16, 32, 64, 128, 256, 512)]
+    ahead = CompileAhead(tmp_path / "k.json", listed, workers=1)
+    proc = ahead.procs[0]
+    report = ahead.finish()  # at once: the process is still importing
+    assert report == AheadReport(listed=6, compiled=0, stopped=1) and proc.returncode is not None
+    assert not (tmp_path / "k.json").exists()  # nothing new met: the list is not rewritten
 
 
 def test_the_recorder_chains_the_hook_already_installed() -> None:
@@ -151,48 +156,44 @@ def test_begin_is_off_on_the_cpu_and_at_zero_workers(tmp_path: Path) -> None:
     assert compile_ahead.default_workers(64) == 8
 
 
-SECOND_START = """
-import json, sys
-from pathlib import Path
-from appliance.config import build_config
-from appliance.executor import compile_ahead
-cache = Path(sys.argv[1]) / "triton"
-names = lambda: sorted(p.name for p in cache.iterdir()) if cache.exists() else []
-seen = {}
-wait = compile_ahead.CompileAhead.wait
-def waited(self, tick=None):
-    n = wait(self, tick)
-    seen.setdefault("after_wait", names())  # the warm-up's first phase: the pool is through
-    return n
-compile_ahead.CompileAhead.wait = waited
+START = """
+import sys
 from appliance import LLM
-llm = LLM(config=build_config(dotlist=[f"model.path={sys.argv[2]}", "model.skip_tokenizer_init=true",
-                                       "precision.dtype=bfloat16", "scheduler.max_num_seqs=8",
-                                       f"cache.compile_cache_dir={sys.argv[1]}"]))
-print(json.dumps({"listed": len(llm.executor.runner.compile_ahead.listed),
-                  "compiled_by_the_warm_up": sorted(set(names()) - set(seen["after_wait"]))}))
+from appliance.config import build_config
+LLM(config=build_config(dotlist=[f"model.path={sys.argv[2]}", "model.skip_tokenizer_init=true",
+                                 "precision.dtype=bfloat16", "scheduler.max_num_seqs=8",
+                                 f"cache.compile_cache_dir={sys.argv[1]}", f"cache.compile_workers={sys.argv[3]}"]))
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_second_start_loads_every_listed_variant_from_the_cache(tmp_path: Path, tiny_model: Path) -> None:
-    """Start once (it lists its variants), empty Triton's cache, start again: the pool compiles the list while the
-    model loads, and the warm-up compiles nothing itself (every variant it meets is in the cache by then)."""
+def test_a_listed_start_compiles_ahead_exactly_what_the_warm_up_loads(tmp_path: Path, tiny_model: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start lists its variants; from an empty Triton cache the pool compiles every one of them from its record;
+    a start after that (no pool) compiles nothing itself: each variant it meets is a cache hit, so the pool's
+    compiles are the JIT's own."""
     import shutil
     import subprocess
     import sys
 
-    def start() -> dict[str, Any]:
-        run = subprocess.run([sys.executable, "-c", SECOND_START, str(tmp_path), str(tiny_model)],
+    def start(workers: int) -> None:
+        run = subprocess.run([sys.executable, "-c", START, str(tmp_path), str(tiny_model), str(workers)],
                              capture_output=True, text=True, check=False, timeout=600,
                              env={**os.environ, "PYTHONPATH": os.getcwd()})
         assert run.returncode == 0, run.stderr[-3000:]
-        return json.loads(run.stdout.strip().splitlines()[-1])
 
-    assert start()["listed"] == 0
+    cache = tmp_path / "triton"
+    start(workers=2)  # nothing listed yet: no pool; it lists what it met
     lists = list((tmp_path / "kernels").glob("*.json"))
-    assert len(lists) == 1 and len(read_manifest(lists[0])) > 10
-    shutil.rmtree(tmp_path / "triton")
-    second = start()
-    assert second == {"listed": len(read_manifest(lists[0])), "compiled_by_the_warm_up": []}
+    assert len(lists) == 1
+    listed = read_manifest(lists[0])
+    assert len(listed) > 10
+    shutil.rmtree(cache)
+    cache.mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    report = CompileAhead(tmp_path / "unused.json", listed, workers=4).finish(wait=True)
+    assert report.compiled == len(listed) and report.stopped == 0
+    compiled = sorted(p.name for p in cache.iterdir())
+    start(workers=0)
+    assert sorted(p.name for p in cache.iterdir()) == compiled

@@ -8,10 +8,11 @@ jit_post_compile_hook gives each one's specialisation data, the same record `JIT
 `<compile_cache_dir>/kernels/<fingerprint>.json`, keyed by what decides the variants: the model's config.json,
 the engine settings that shape its steps, the GPU target and the Triton version. A later start of the same key
 compiles that list in `cache.compile_workers` processes from its first phases on, writing Triton's file cache;
-the warm-up then loads each kernel from there instead of compiling it. That pays where the file cache misses but
-the list is still right: a fresh cache directory given the list, a new build whose kernel sources changed (their
-cache keys change, their variants do not). A listed variant that no longer exists is skipped; one the list lacks is
-compiled by the warm-up as before, so the list can only save time, never change what runs.
+the warm-up then loads from there each kernel the pool has compiled by the time it gets to it. That pays where the
+file cache misses but the list is still right: a fresh cache directory given the list, a new build whose kernel
+sources changed (their cache keys change, their variants do not). A listed variant that no longer exists is
+skipped; one the list lacks is compiled by the warm-up as before, so the list can only save time, never change
+what runs.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -183,18 +185,27 @@ def begin(config: ApplianceConfig, model_dir: Path, device: torch.device) -> Com
     return CompileAhead(path, read_manifest(path), workers)
 
 
+@dataclass(frozen=True)
+class AheadReport:
+    listed: int  # variants listed now (the earlier list and those this start met)
+    compiled: int  # listed variants the pool compiled (or found cached) before it was stopped
+    stopped: int  # pool processes stopped unfinished
+
+
 class CompileAhead:
-    """One start's recorder and pool: made by `begin` (before the model is built), `wait` (the warm-up's first
-    phase, counting the listed variants), `finish` (once the warm-up has compiled everything it needs).
-    The pool is plain `python -m appliance.executor.compile_ahead` processes reading their share of the list on
-    stdin, not multiprocessing's: a spawned child would re-run an offline script's unguarded top level (its LLM)."""
+    """One start's recorder and pool: made by `begin` (before the model is built, so the pool runs while the weights
+    load and memory is profiled) and ended by `finish` (once the warm-up has met every variant it needs).
+    Nothing waits for the pool: the warm-up compiles or loads each variant as before, and finds in the cache those
+    the pool, running ahead in list order on several processes, has compiled by then; so the list only ever saves
+    time, and a warm cache costs no wait. The pool is plain `python -m appliance.executor.compile_ahead` processes
+    reading their share of the list on stdin, not multiprocessing's: a spawned child would re-run an offline
+    script's unguarded top level (its LLM)."""
 
     def __init__(self, path: Path, listed: list[dict[str, str]], workers: int) -> None:
         self.path, self.listed = path, listed
         self.recorder = CompiledVariants()
         self.recorder.install()
-        self.shards = [listed[i::workers] for i in range(min(workers, len(listed)))]
-        self.procs = [self._spawn(shard) for shard in self.shards]
+        self.procs = [self._spawn(listed[i::workers]) for i in range(min(workers, len(listed)))]
         if self.procs:
             log.info("compiling %d listed Triton variants ahead in %d processes (%s)", len(listed), len(self.procs),
                      path)
@@ -208,37 +219,24 @@ class CompileAhead:
         proc.stdin.close()
         return proc
 
-    @property
-    def pending(self) -> bool:
-        return bool(self.procs)
-
-    def wait(self, tick: Callable[[int], None] | None = None) -> int:
-        """Block until the pool is through, calling tick(variants through) after each process; returns how many
-        listed variants compiled (the rest were stale)."""
-        compiled = through = 0
-        for proc, shard in zip(self.procs, self.shards):
+    def finish(self, wait: bool = False) -> AheadReport:
+        """Stop the pool (its processes still compiling are no longer needed: the warm-up is through; `wait`: let
+        them finish, for tests), stop recording, and write the listed variants with those this start met."""
+        compiled, stopped = 0, 0
+        for proc in self.procs:
+            if not wait and proc.poll() is None:
+                proc.terminate()
+                stopped += 1
             assert proc.stdout is not None
             out = proc.stdout.read()  # its stdin is already closed: no communicate()
             proc.stdout.close()
             proc.wait()
             last = out.strip().splitlines()[-1:] or [""]
-            if proc.returncode == 0 and last[0].isdigit():
-                compiled += int(last[0])
-            else:
-                log.warning("a compile-ahead process exited with %s: the warm-up compiles its share as it goes",
-                            proc.returncode)
-            through += len(shard)
-            if tick is not None:
-                tick(through)
+            compiled += int(last[0]) if proc.returncode == 0 and last[0].isdigit() else 0
         if self.procs:
-            log.info("compiled %d of %d listed Triton variants ahead", compiled, len(self.listed))
+            log.info("compile ahead: %d of %d listed Triton variants compiled by %d processes, %d stopped unfinished",
+                     compiled, len(self.listed), len(self.procs), stopped)
         self.procs = []
-        return compiled
-
-    def finish(self) -> int:
-        """Wait for the pool (if the warm-up did not), stop recording and write the listed variants with those
-        this start compiled; returns the count listed now."""
-        self.wait()
         self.recorder.uninstall()
         merged = {(e["module"], e["name"], e["spec"]): e for e in self.listed}
         merged.update(self.recorder.entries)
@@ -248,7 +246,7 @@ class CompileAhead:
                 write_manifest(self.path, entries)
             except OSError as exc:
                 log.warning("compile-ahead list %s not written: %s", self.path, exc)
-        return len(entries)
+        return AheadReport(len(entries), compiled, stopped)
 
 
 if __name__ == "__main__":  # a pool process: its share of the list on stdin, the count compiled on stdout

@@ -161,7 +161,7 @@ class ModelRunner:
         self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
         if self.compile_ahead is not None:
-            self.compile_ahead.finish()  # lists what this start compiled, for the next one
+            self.compile_ahead.finish()  # stops the pool; lists what this start met, for the next one
         # speculative decoding runs whole steps (executor/speculative.py)
         if config.speculative.algorithm is not None:
             with STARTUP.phase("building the speculator"):

@@ -5,8 +5,8 @@ cuBLAS chooses a kernel per problem shape and CUDA loads each kernel's module la
 are allocated on first use. Steps that meet these in the middle of a run stall the host, and the overlapped loop
 then leaves the device idle: without the warm-up, the first Qwen3 throughput run of a process spent 279 ms
 more host time in `linear` (the LM head meeting new row counts), plus first uses of the step's gathers, scatters and
-stagers. So the warm-up waits for the kernel variants compiling ahead in other processes (executor/
-compile_ahead.py), then runs:
+stagers. (Triton variants an earlier start listed are meanwhile compiled ahead in other processes, executor/
+compile_ahead.py: the warm-up finds those in the cache.) So the warm-up runs:
 - a prefill for every padded sequence count (the Triton prefill kernel's variants, input_batch.padded_count);
 - the GPU sampler at 1, 2 and 16 rows (Triton specialises integer arguments equal to 1 and divisible by 16);
 - the LM head at each row count it runs on (the decode graphs' capture sizes: ModelRunner.logits);
@@ -58,9 +58,6 @@ def warm_up(runner: ModelRunner, graph_context: int = GRAPH_CONTEXT) -> float:
         took[name] = time.perf_counter() - t
         return out
 
-    ahead = runner.compile_ahead  # the listed variants, compiling in other processes since the model config
-    if ahead is not None and ahead.pending:
-        timed("compile ahead", "compiling kernels ahead", len(ahead.listed), lambda: ahead.wait(STARTUP.advance))
     counts = _prefill_counts(runner)
     graphs, pieces = runner.graphs, runner.pieces
     graph_keys = graphs.keys_up_to(min(graph_context, runner.max_model_len)) if graphs is not None else []
