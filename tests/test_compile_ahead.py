@@ -121,24 +121,29 @@ def test_the_recorder_chains_the_hook_already_installed() -> None:
         knobs.runtime.jit_post_compile_hook = None
 
 
-def test_the_list_is_keyed_by_what_decides_the_variants(tmp_path: Path) -> None:
+def test_the_list_is_keyed_by_the_layer_shapes_and_the_kernel_settings(tmp_path: Path) -> None:
     base = build_config().model_dump(mode="json")
-    key = fingerprint(base, '{"hidden_size": 64}', "cuda:90:32", "3.9.0")
+    shape = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_key_value_heads": 2, "vocab_size": 100}
+    key = fingerprint(base, {**shape, "num_hidden_layers": 2}, "cuda:90:32", "3.9.0")
 
     def changed(section: str, field: str, value: Any) -> dict[str, Any]:
         out = json.loads(json.dumps(base))
         out[section][field] = value
         return out
 
-    # settings that cannot change the kernels: the same list
-    for section, field, value in (("api", "port", 9999), ("model", "path", "/elsewhere"),
-                                  ("cache", "compile_cache_dir", "/tmp/x"), ("observability", "log_level", "debug")):
-        assert fingerprint(changed(section, field, value), '{"hidden_size": 64}', "cuda:90:32", "3.9.0") == key
-    # the model's shape, the steps' settings, the GPU and the compiler: another list
-    assert fingerprint(base, '{"hidden_size": 128}', "cuda:90:32", "3.9.0") != key
-    assert fingerprint(changed("scheduler", "max_num_seqs", 8), '{"hidden_size": 64}', "cuda:90:32", "3.9.0") != key
-    assert fingerprint(base, '{"hidden_size": 64}', "cuda:100:32", "3.9.0") != key
-    assert fingerprint(base, '{"hidden_size": 64}', "cuda:90:32", "3.10.0") != key
+    # depth, context, batch and step sizes, paths, the server: one list for all (the union of what they meet)
+    assert fingerprint(base, {**shape, "num_hidden_layers": 32, "max_position_embeddings": 9}, "cuda:90:32",
+                       "3.9.0") == key
+    for section, field, value in (("scheduler", "max_num_seqs", 8), ("model", "path", "/elsewhere"),
+                                  ("cache", "compile_cache_dir", "/tmp/x"), ("api", "port", 9999)):
+        assert fingerprint(changed(section, field, value), {**shape, "num_hidden_layers": 2}, "cuda:90:32",
+                           "3.9.0") == key
+    # the layer shapes, the kernel settings, the GPU and the compiler: another list
+    assert fingerprint(base, {**shape, "hidden_size": 128}, "cuda:90:32", "3.9.0") != key
+    assert fingerprint(changed("precision", "kv_cache_dtype", "fp8"), shape, "cuda:90:32", "3.9.0") != key
+    assert fingerprint(changed("backends", "decode_chain", False), shape, "cuda:90:32", "3.9.0") != key
+    assert fingerprint(base, shape, "cuda:100:32", "3.9.0") != key
+    assert fingerprint(base, shape, "cuda:90:32", "3.10.0") != key
     assert manifest_path("~/c", key) == Path(os.path.expanduser("~/c")) / "kernels" / f"{key}.json"
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
@@ -147,9 +152,10 @@ def test_the_list_is_keyed_by_what_decides_the_variants(tmp_path: Path) -> None:
 
 def test_begin_is_off_on_the_cpu_and_at_zero_workers(tmp_path: Path) -> None:
     cpu = build_config(dotlist=[f"cache.compile_cache_dir={tmp_path}"])
-    assert compile_ahead.begin(cpu, tmp_path, torch.device("cpu")) is None
+    assert compile_ahead.begin(cpu, tmp_path, torch.device("cpu"), torch.float32) is None
     off = build_config(dotlist=["cache.compile_workers=0"])
-    assert off.cache.compile_workers == 0 and compile_ahead.begin(off, tmp_path, torch.device("cuda")) is None
+    assert off.cache.compile_workers == 0
+    assert compile_ahead.begin(off, tmp_path, torch.device("cuda"), torch.bfloat16) is None
     with pytest.raises(Exception, match="compile_workers"):
         build_config(dotlist=["cache.compile_workers=-1"])
     assert compile_ahead.default_workers(16) == 8 and compile_ahead.default_workers(2) == 1

@@ -279,10 +279,10 @@ class CacheSection(Section):
         "by every later start on this machine. Put it on a persistent volume to keep replicas' starts warm.",
         flags=None, min_length=1)
     compile_workers: int | None = param(
-        None, "Processes that compile, while the weights load, the Triton kernel variants an earlier start of the "
-        "same model and settings listed in compile_cache_dir (`kernels/`); the warm-up then loads them from the "
-        "cache. 0: off (each start compiles as its warm-up goes, and lists nothing). Unset: half the CPU cores, at "
-        "most 8.", flags=None, ge=0)
+        None, "Processes per worker that compile, while the weights load, the Triton kernel variants an earlier "
+        "start of the same layer shapes and kernel settings listed in compile_cache_dir (`kernels/`, or a list the "
+        "build ships); the warm-up then loads those from the cache. 0: off (each start compiles as its warm-up "
+        "goes, and lists nothing). Unset: half the CPU cores, at most 8.", flags=None, ge=0)
 
     @field_validator("block_size")
     @classmethod

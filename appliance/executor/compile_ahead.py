@@ -5,14 +5,15 @@ A start compiles each Triton specialisation its warm-up meets one after another 
 the time in LLVM and ptxas: the 8B shape's warm-up spent ~15 s compiling prefill variants and much of its decode
 graph capture compiling the rest. Every start on a GPU records the variants it compiled (Triton's
 jit_post_compile_hook gives each one's specialisation data, the same record `JITFunction.preload` reads) into
-`<compile_cache_dir>/kernels/<fingerprint>.json`, keyed by what decides the variants: the model's config.json,
-the engine settings that shape its steps, the GPU target and the Triton version. A later start of the same key
+`<compile_cache_dir>/kernels/<fingerprint>.json`, keyed by what decides the variants: the model's layer shapes,
+the settings that pick kernels, the GPU target and the Triton version. A later start of the same key
 compiles that list in `cache.compile_workers` processes from its first phases on, writing Triton's file cache;
 the warm-up then loads from there each kernel the pool has compiled by the time it gets to it. That pays where the
 file cache misses but the list is still right: a fresh cache directory given the list, a new build whose kernel
-sources changed (their cache keys change, their variants do not). A listed variant that no longer exists is
-skipped; one the list lacks is compiled by the warm-up as before, so the list can only save time, never change
-what runs.
+sources changed (their cache keys change, their variants do not), a fresh machine where the build ships the list
+for its model in appliance/kernels/ahead/ (a copy of a list an earlier start wrote: our own kernels' variant records,
+no binaries). A listed variant that no longer exists is skipped; one the list lacks is compiled by the warm-up as
+before, so the list can only save time, never change what runs.
 """
 from __future__ import annotations
 
@@ -35,19 +36,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# sections whose settings cannot change which kernels a start compiles (server, logging, sampling defaults)
-UNRELATED_SECTIONS = ("api", "observability", "sampling", "multimodal")
-UNRELATED_KEYS = {"model": ("path", "tokenizer", "tokenizer_mode", "skip_tokenizer_init", "revision", "download_dir"),
-                  "cache": ("compile_cache_dir",)}
+# what decides a model's kernel variants: its layer shapes, not its depth, context length or ids
+MODEL_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "moe_intermediate_size",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "num_local_experts",
+              "num_experts", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "q_lora_rank",
+              "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "sliding_window", "layer_types",
+              "quantization_config")
+SETTINGS = ("precision", "backends", "parallelism", "speculative")  # the sections that pick kernels
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "kernels" / "ahead"  # lists shipped with the build
 
 
-def fingerprint(config: dict[str, Any], model_config_json: str, target: str, triton_version: str) -> str:
-    """What decides the variants a start compiles, hashed: the model's config.json, the settings that shape the
-    steps (all but UNRELATED_*), the GPU target and Triton's version."""
-    settings = {k: v for k, v in config.items() if k not in UNRELATED_SECTIONS}
-    for section, keys in UNRELATED_KEYS.items():
-        settings[section] = {k: v for k, v in dict(settings.get(section, {})).items() if k not in keys}
-    blob = json.dumps([settings, json.loads(model_config_json), target, triton_version], sort_keys=True,
+def fingerprint(config: dict[str, Any], model_config: dict[str, Any], target: str, triton_version: str) -> str:
+    """The key of a list: the model's layer shapes (MODEL_KEYS of its config.json), the settings that pick kernels
+    (SETTINGS), the GPU target and Triton's version. Coarse on purpose: starts that differ elsewhere (batch sizes,
+    context, step budget) share one list, the union of what each met; a variant one of them never meets costs a
+    pool process' time, never a wrong kernel."""
+    shape = {k: model_config[k] for k in MODEL_KEYS if k in model_config}
+    blob = json.dumps([shape, {k: config.get(k) for k in SETTINGS}, target, triton_version], sort_keys=True,
                       default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -167,9 +172,11 @@ def default_workers(cpus: int | None = None) -> int:
     return max(1, min(8, (cpus or os.cpu_count() or 2) // 2))
 
 
-def begin(config: ApplianceConfig, model_dir: Path, device: torch.device) -> CompileAhead | None:
-    """Start recording this start's compiles and compiling the variants listed for its configuration; None off
-    the GPU, under Triton's interpreter, or with cache.compile_workers = 0."""
+def begin(config: ApplianceConfig, model_dir: Path, device: torch.device, dtype: torch.dtype
+          ) -> CompileAhead | None:
+    """Start recording this start's compiles and compiling the variants listed for its configuration (its model
+    running in `dtype`, the resolved precision.dtype); None off the GPU, under Triton's interpreter, or with
+    cache.compile_workers = 0."""
     workers = config.cache.compile_workers
     workers = default_workers() if workers is None else workers
     if device.type != "cuda" or workers == 0 or os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -178,11 +185,13 @@ def begin(config: ApplianceConfig, model_dir: Path, device: torch.device) -> Com
     from triton.runtime import driver
 
     target = driver.active.get_current_target()
+    settings = config.model_dump(mode="json")
+    settings["precision"]["dtype"] = str(dtype)  # `auto` and the dtype it resolves to share a list
     config_json = model_dir / "config.json"
-    key = fingerprint(config.model_dump(mode="json"), config_json.read_text() if config_json.is_file() else "{}",
+    key = fingerprint(settings, json.loads(config_json.read_text()) if config_json.is_file() else {},
                       f"{target.backend}:{target.arch}:{target.warp_size}", triton.__version__)
     path = manifest_path(config.cache.compile_cache_dir, key)
-    return CompileAhead(path, read_manifest(path), workers)
+    return CompileAhead(path, read_manifest(path) or read_manifest(SHIPPED_DIR / path.name), workers)
 
 
 @dataclass(frozen=True)
