@@ -1,7 +1,9 @@
-"""Start to ready, twice on one machine: `appliance serve` with an empty compile cache (a fresh machine's start),
-then again with the cache the first start filled (a machine that has run it before). Each start is timed from the
-spawn to /health 200, and the worker's own account is printed beside it: its start-up breakdown (seconds per
-phase, executor/startup.py) and the warm-up's line (executor/warmup.py: graphs captured, seconds per part).
+"""Start to ready, three times on one machine: `appliance serve` with an empty compile cache (a fresh machine's
+start), again with the cache the first start filled (a machine that has run it before), and once more with Triton's
+cache emptied but the first start's list of kernel variants kept (a fresh machine given the list, as a build that
+ships it: executor/compile_ahead.py). Each start is timed from the spawn to /health 200, and the worker's own
+account is printed beside it: its start-up breakdown (seconds per phase, executor/startup.py), the warm-up's line
+(executor/warmup.py: graphs captured, seconds per part) and the compile-ahead pool's line.
 
     python -m benchmarks.cold_start [--model DIR] [--out DIR] [-- SERVE ARGS...]
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,15 +29,17 @@ from benchmarks.server import stop, term_with_parent, wait_healthy
 
 DEFAULT_ARGS = ("--load-format", "dummy", "--dtype", "bfloat16")
 # the worker's lines: "worker 0 start-up 71.2 s: imports 16.0 s, ..." and "warm-up: 56 decode graphs ..."
-BREAKDOWN = re.compile(r"worker \d+ (start-up [\d.]+ s: .*)$")
-WARMUP = re.compile(r"(warm-up: .*)$")
+PATTERNS = {"breakdown": re.compile(r"worker \d+ (start-up [\d.]+ s: .*)$"),
+            "warm_up": re.compile(r"(warm-up: .*)$"),
+            "compile_ahead": re.compile(r"(compile ahead: .*)$")}
+STARTS = ("cold", "warm", "listed")  # what each start finds in the compile cache (the module's docstring)
 
 
 def worker_lines(log_text: str) -> dict[str, str]:
-    """The first worker's start-up breakdown and warm-up lines of a server log ("" where missing)."""
-    found = {"breakdown": "", "warm_up": ""}
+    """The first worker's start-up breakdown, warm-up and compile-ahead lines of a server log ("" where missing)."""
+    found = dict.fromkeys(PATTERNS, "")
     for line in log_text.splitlines():
-        for key, pattern in (("breakdown", BREAKDOWN), ("warm_up", WARMUP)):
+        for key, pattern in PATTERNS.items():
             m = pattern.search(line)
             if m and not found[key]:
                 found[key] = m.group(1)
@@ -88,14 +93,21 @@ def main(argv: list[str] | None = None) -> int:
 
         write_presets([str(out / "models"), "--tokenizer", "--only", "llama-3.1-8b"])
         model = str(out / "models" / "llama-3.1-8b")
-    cache = out / "compile_cache"  # empty for the first start, the first start's for the second
-    results = {name: start_once(model, serve_args, cache, out / f"{name}_server.log", opts.timeout)
-               for name in ("cold", "warm")}
+    cache = out / "compile_cache"
+    results: dict[str, dict[str, Any]] = {}
+    for name in STARTS:
+        if name == "listed":  # Triton's and inductor's caches go, the kernels/ lists stay
+            for sub in ("triton", "inductor"):
+                shutil.rmtree(cache / sub, ignore_errors=True)
+        results[name] = start_once(model, serve_args, cache, out / f"{name}_server.log", opts.timeout)
     (out / "cold_start.json").write_text(json.dumps(results, indent=2))
     for name, r in results.items():
         print(f"{name}: /health 200 after {r['ready_s']} s")
         print(f"  {r['breakdown'] or '(no breakdown line: see ' + str(out / (name + '_server.log')) + ')'}")
         print(f"  {r['warm_up'] or '(no warm-up line: decode graphs off)'}")
+        if r["compile_ahead"]:
+            print(f"  {r['compile_ahead']}")
+    print(f"kernel lists: {sorted(p.name for p in (cache / 'kernels').glob('*.json'))} in {cache / 'kernels'}")
     print(f"results: {out / 'cold_start.json'}")
     return 0 if all(r["exit_code"] == 0 for r in results.values()) else 1
 

@@ -27,9 +27,13 @@ def test_the_breakdown_and_warm_up_lines_are_read_back() -> None:
         ("2026-11-27 10:00:09 worker0[12] INFO warm-up: 56 decode graphs (batch sizes 1..256 (35), up to 2048 tokens "
          "of context) and 0 piecewise token buckets captured, kernels compiled, in 9.0 s (decode graphs 9.0 s)"),
         f"2026-11-27 10:00:10 worker0[12] INFO worker 0 {log.breakdown()}",
+        ("2026-11-27 10:00:10 worker0[12] INFO compile ahead: 80 of 120 listed Triton variants compiled by 8 "
+         "processes, 3 stopped unfinished"),
         "2026-11-27 10:00:10 worker1[13] INFO worker 1 start-up 99.0 s: imports 99.0 s"])
     lines = worker_lines(text)
     assert lines["breakdown"] == log.breakdown() and lines["warm_up"].startswith("warm-up: 56 decode graphs")
     assert phases(lines["breakdown"]) == {"process start": 1.5, "imports": 6.0, "loading weights": 2.2,
                                           "capturing decode graphs": 9.0}
-    assert worker_lines("no worker here") == {"breakdown": "", "warm_up": ""} and phases("") == {}
+    assert lines["compile_ahead"].startswith("compile ahead: 80 of 120")
+    assert worker_lines("no worker here") == {"breakdown": "", "warm_up": "", "compile_ahead": ""}
+    assert phases("") == {}
