@@ -262,3 +262,29 @@ def test_cuda_graphs_match_eager_on_gpu(tiny_model) -> None:
     assert runner.graphs.graphs  # something was captured and replayed
     runner.use_graphs = False
     assert _greedy(llm, prompts, 16) == with_graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_unsplit_batches_share_a_width_and_match_eager_on_gpu(tiny_model) -> None:
+    """A decode batch past unsplit_from replays one graph whatever its tables need (the shared width), and gives
+    eager's tokens exactly: its attention launch reads the width only as a bound past seq_len."""
+    from appliance.kernels.triton.decode import unsplit_from
+
+    llm = LLM(model=str(tiny_model), dtype="bfloat16", block_size=16, max_total_tokens=65536,
+              skip_tokenizer_init=True, max_num_seqs=192, cuda_graph_sizes=[8, 192])
+    runner = llm.executor.runner
+    graphs = runner.graphs
+    assert graphs is not None and graphs.unsplit_from == unsplit_from(2, runner.device) < 192  # 2 KV heads
+    # one prefill step for all (under the 8192-token budget), then every decode step runs all of them: eager runs
+    # unsplit too (a smaller eager batch would split, as it did before tables shared a width)
+    prompts = [[(7 * i + j) % 90 + 5 for j in range(300 if i % 40 == 0 else 3 + i % 30)]
+               for i in range(graphs.unsplit_from + 8)]
+    runs: list[GraphKey] = []
+    run = graphs.run
+    graphs.run = lambda decodes, key, fix=None: (runs.append(key), run(decodes, key, fix))[1]  # type: ignore[method-assign]
+    with_graphs = _greedy(llm, prompts, 8)
+    assert {k.width for k in runs if k.batch == 192} == {graphs.shared_width}
+    assert max(-(-len(p) // 16) for p in prompts) > 16  # tables of two width buckets shared one graph
+    runner.use_graphs = False
+    assert _greedy(llm, prompts, 8) == with_graphs
