@@ -277,14 +277,13 @@ def test_unsplit_batches_share_a_width_and_match_eager_on_gpu(tiny_model) -> Non
     graphs = runner.graphs
     assert graphs is not None and graphs.unsplit_from == unsplit_from(2, runner.device) < 192  # 2 KV heads
     # one prefill step for all (under the 8192-token budget), then every decode step runs all of them: eager runs
-    # unsplit too (a smaller eager batch would split, as it did before tables shared a width)
-    prompts = [[(7 * i + j) % 90 + 5 for j in range(300 if i % 40 == 0 else 3 + i % 30)]
-               for i in range(graphs.unsplit_from + 8)]
+    # unsplit too (a smaller eager batch would split, as it did before tables shared a width); every table fits
+    # the narrowest bucket (16 blocks), which eager gathers, while the graph reads the shared width
+    prompts = [[(7 * i + j) % 90 + 5 for j in range(3 + i % 40)] for i in range(graphs.unsplit_from + 8)]
     runs: list[GraphKey] = []
     run = graphs.run
     graphs.run = lambda decodes, key, fix=None: (runs.append(key), run(decodes, key, fix))[1]  # type: ignore[method-assign]
     with_graphs = _greedy(llm, prompts, 8)
-    assert {k.width for k in runs if k.batch == 192} == {graphs.shared_width}
-    assert max(-(-len(p) // 16) for p in prompts) > 16  # tables of two width buckets shared one graph
+    assert runs and set(runs) == {GraphKey(192, graphs.shared_width)} and graphs.shared_width > 16
     runner.use_graphs = False
     assert _greedy(llm, prompts, 8) == with_graphs
