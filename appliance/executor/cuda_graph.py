@@ -19,8 +19,9 @@ row 0). Captured inside the graph, before the forward: the `decode_positions` ke
 rows' positions, seq_lens and slots from the rows' device lengths and tables and advances the lengths, and the
 gather of the rows' tables narrowed to the key's width. So a step uploads 2 x batch int64 (ids, rows) plus the
 length corrections and the block ids the device lacks, in one copy, and scatters those before the replay;
-eager steps compute the same inputs with the same kernel and gather the same table at the same bucketed width,
-so both are numerically identical. Each replay consumes one position per real row: replaying a graph again
+eager steps compute the same inputs with the same kernel and gather the same table at the same bucketed width
+(an unsplit batch's graph reads the shared width, which its attention reads only as a bound past seq_len), so
+both are numerically identical. Each replay consumes one position per real row: replaying a graph again
 without a new `run` moves those rows on (benchmarks that re-replay must restore `table.lens`). Capture and its
 warm-up run all-padding rows, which change nothing. (Gathering outside the graph into a static table buffer
 would cost a launch per step and an extra batch x width buffer per graph width; inside, the graph reads the
