@@ -257,6 +257,9 @@ def test_cuda_graphs_match_eager_on_gpu(tiny_model) -> None:
               skip_tokenizer_init=True, cuda_graph_max_bs=8)
     runner = llm.executor.runner
     assert runner.graphs is not None
+    # the warm-up: every size at both width buckets of a 512-token context, one eager run per size
+    assert set(runner.graphs.graphs) == {GraphKey(b, w) for b in (1, 2, 4, 8) for w in (16, 32)}
+    assert runner.graphs.eager_sizes == {1, 2, 4, 8}
     prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21, [3] * 300]
     with_graphs = _greedy(llm, prompts, 16)
     assert runner.graphs.graphs  # something was captured and replayed

@@ -11,7 +11,8 @@ graph for every table up to GRAPH_CONTEXT tokens (the warm-up's range), which cu
 from 140 to 56 (GQA with 8 KV heads on 132 SMs: batches of 40 and more). Graphs are captured lazily on first use
 (or all at once by `capture_all`, largest first) into one shared memory pool, on a side stream without the
 allocator flush of `torch.cuda.graph` (its `empty_cache` per capture returns the eager run's memory to the driver
-only for the next one to allocate it again); every graph reads the same static input buffers and writes its
+only for the next one to allocate it again), after one eager run per batch size (not per graph); every graph
+reads the same static input buffers and writes its
 hidden states into one static output, so only the final hidden states stay allocated.
 Block tables, positions, slots and seq_lens are not uploaded: the static inputs hold each row's token id and
 its index into the runner's persistent device state (executor/request_table.py; pad rows point at its all-zero
@@ -148,6 +149,7 @@ class DecodeGraphs:
         self.graphs: dict[GraphKey, Callable[[], None]] = {}  # replay functions
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.stream = torch.cuda.Stream(device) if self.cuda else None  # captures run on it
+        self.eager_sizes: set[int] = set()  # batch sizes whose capture had its eager run
         self._copied: torch.cuda.Event | None = None
         self._overflow = Stager(device)  # a delta larger than the room (a step of many new one-token requests)
         self.table: DeviceBlockTable | None = None
@@ -231,7 +233,12 @@ class DecodeGraphs:
             self.graphs[key] = lambda: self._body(key)
             return
         self._fill([], key)  # all padding: the warm-up and the capture store nothing in the KV cache
-        self._body(key)  # compiles kernels and settles the allocator outside the capture
+        if key.batch not in self.eager_sizes:
+            # one eager run per batch size settles its first uses (cuBLAS's shapes, the allocator) outside a
+            # capture; another width of that size differs only in the decode attention's split, and the graphs'
+            # Triton variants (programmatic dependent launch) compile inside the capture anyway
+            self._body(key)
+            self.eager_sizes.add(key.batch)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         assert self.stream is not None
