@@ -27,9 +27,10 @@ from appliance.executor.compile_ahead import (
 )
 
 MODULE, NAME = "appliance.kernels.triton.positions", "_decode_positions_kernel"
+H100 = {"backend": "cuda", "arch": 90, "warp_size": 32}
 
 
-def positions_record(block_size: int = 16, block_r: int = 64) -> dict[str, str]:
+def positions_record(block_size: int = 16, block_r: int = 64) -> dict[str, Any]:
     """The record Triton's compile hook gives for one decode_positions variant on an H100 (serialized by Triton's
     own serializer)."""
     from triton.backends.compiler import GPUTarget
@@ -45,7 +46,7 @@ def positions_record(block_size: int = 16, block_r: int = 64) -> dict[str, str]:
     attrs = {(i,): backend.parse_attr("D") for i in range(len(ptrs))}
     spec = serialize_specialization_data(f"{MODULE}.{NAME}", signature, {(9,): block_size, (10,): block_r}, attrs,
                                          backend.parse_options({}), "key", target)
-    return {"module": MODULE, "name": NAME, "spec": spec}
+    return {"module": MODULE, "name": NAME, "spec": spec, "target": H100}
 
 
 def cubins(cache: Path) -> list[str]:
@@ -72,6 +73,10 @@ def test_a_recorded_variant_compiles_without_a_device_and_stale_ones_are_skipped
     assert any(p.suffix == ".cubin" for p in triton_cache.rglob("*"))
     files = sorted(triton_cache.rglob("*"))
     assert compile_variants([good]) == 1 and sorted(triton_cache.rglob("*")) == files  # a cache hit
+    untargeted = json.loads(good["spec"])
+    del untargeted["target"]  # an older Triton's record: the target kept beside it serves
+    assert compile_variants([{**good, "spec": json.dumps(untargeted)}]) == 1
+    assert compile_variants([{**good, "spec": json.dumps(untargeted), "target": None}]) == 0
 
 
 def test_the_pool_compiles_the_list_and_finish_writes_it_with_this_starts_variants(triton_cache: Path,
@@ -80,7 +85,7 @@ def test_the_pool_compiles_the_list_and_finish_writes_it_with_this_starts_varian
 
     listed = [positions_record(16, 64), positions_record(32, 64), {**positions_record(), "name": "_gone"}]
     path = tmp_path / "kernels" / "k.json"
-    ahead = CompileAhead(path, listed, workers=2)
+    ahead = CompileAhead(path, listed, workers=2, target=H100)
     assert knobs.runtime.jit_post_compile_hook is ahead.recorder and len(ahead.procs) == 2
     # a variant this process met, as Triton's hook reports it
     new = positions_record(16, 128)
@@ -90,12 +95,12 @@ def test_the_pool_compiles_the_list_and_finish_writes_it_with_this_starts_varian
     assert cubins(triton_cache) == [NAME, NAME]
     assert knobs.runtime.jit_post_compile_hook is None and ahead.procs == []  # the hook before it; reaped
     assert read_manifest(path) == listed + [new]
-    assert CompileAhead(path, read_manifest(path), workers=0).procs == []  # 0 workers: nothing compiles
+    assert CompileAhead(path, read_manifest(path), workers=0, target=H100).procs == []  # 0 workers: nothing compiles
 
 
 def test_finish_stops_a_pool_the_warm_up_outran(triton_cache: Path, tmp_path: Path) -> None:
     listed = [positions_record(16, r) for r in (16, 32, 64, 128, 256, 512)]
-    ahead = CompileAhead(tmp_path / "k.json", listed, workers=1)
+    ahead = CompileAhead(tmp_path / "k.json", listed, workers=1, target=H100)
     proc = ahead.procs[0]
     report = ahead.finish()  # at once: the process is still importing
     assert report == AheadReport(listed=6, compiled=0, stopped=1) and proc.returncode is not None
@@ -108,14 +113,15 @@ def test_the_recorder_chains_the_hook_already_installed() -> None:
     seen: list[str] = []
     knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
     try:
-        rec = CompiledVariants()
+        rec = CompiledVariants(H100)
         rec.install()
         assert knobs.runtime.jit_post_compile_hook is rec
         knobs.runtime.jit_post_compile_hook(key="k", repr="r", fn=SimpleNamespace(module="m", name="f"),
                                             compile={"specialization_data": "{}"}, is_manual_warmup=False,
                                             already_compiled=False)
         rec.uninstall()
-        assert seen == ["f"] and list(rec.entries.values()) == [{"module": "m", "name": "f", "spec": "{}"}]
+        assert seen == ["f"]
+        assert list(rec.entries.values()) == [{"module": "m", "name": "f", "spec": "{}", "target": H100}]
         assert knobs.runtime.jit_post_compile_hook is not rec
     finally:
         knobs.runtime.jit_post_compile_hook = None
@@ -198,7 +204,7 @@ def test_a_listed_start_compiles_ahead_exactly_what_the_warm_up_loads(tmp_path: 
     shutil.rmtree(cache)
     cache.mkdir()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    report = CompileAhead(tmp_path / "unused.json", listed, workers=4).finish(wait=True)
+    report = CompileAhead(tmp_path / "unused.json", listed, workers=4, target=listed[0]["target"]).finish(wait=True)
     assert report.compiled == len(listed) and report.stopped == 0
     compiled = sorted(p.name for p in cache.iterdir())
     start(workers=0)

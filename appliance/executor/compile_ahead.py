@@ -43,6 +43,7 @@ MODEL_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size",
               "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "sliding_window", "layer_types",
               "quantization_config")
 SETTINGS = ("precision", "backends", "parallelism", "speculative")  # the sections that pick kernels
+Record = dict[str, Any]  # a listed variant: module, name, spec (Triton's specialisation data), target
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "kernels" / "ahead"  # lists shipped with the build
 
 
@@ -61,8 +62,8 @@ def manifest_path(cache_dir: str, key: str) -> Path:
     return Path(cache_dir).expanduser() / "kernels" / f"{key}.json"
 
 
-def read_manifest(path: Path) -> list[dict[str, str]]:
-    """The listed variants ({module, name, spec}); an unreadable list is an empty one (logged)."""
+def read_manifest(path: Path) -> list[Record]:
+    """The listed variants; an unreadable list is an empty one (logged)."""
     if not path.is_file():
         return []
     try:
@@ -73,7 +74,7 @@ def read_manifest(path: Path) -> list[dict[str, str]]:
         return []
 
 
-def write_manifest(path: Path, entries: list[dict[str, str]]) -> None:
+def write_manifest(path: Path, entries: list[Record]) -> None:
     """Atomically (ranks of one replica write the same list)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -85,8 +86,9 @@ class CompiledVariants:
     """Records every Triton variant this process compiles (installed as jit_post_compile_hook, chained to any
     hook already there)."""
 
-    def __init__(self) -> None:
-        self.entries: dict[tuple[str, str, str], dict[str, str]] = {}
+    def __init__(self, target: dict[str, Any]) -> None:
+        self.target = target  # the GPU's, kept with each record
+        self.entries: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._previous: Callable[..., Any] | None = None
 
     def install(self) -> None:
@@ -104,14 +106,15 @@ class CompiledVariants:
     def __call__(self, *, key: Any, repr: str, fn: Any, compile: dict[str, Any], is_manual_warmup: bool,
                  already_compiled: bool) -> bool | None:
         spec = compile["specialization_data"]
-        self.entries.setdefault((fn.module, fn.name, spec), {"module": fn.module, "name": fn.name, "spec": spec})
+        self.entries.setdefault((fn.module, fn.name, spec),
+                                {"module": fn.module, "name": fn.name, "spec": spec, "target": self.target})
         if self._previous is not None:
             return self._previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                   already_compiled=already_compiled)
         return None
 
 
-def compile_variants(entries: list[dict[str, str]]) -> int:
+def compile_variants(entries: list[Record]) -> int:
     """Compile these variants into Triton's file cache (TRITON_CACHE_DIR), as `JITFunction.preload` does but
     without a device: the target comes with each record. Runs in a pool process; returns how many compiled (a
     variant whose kernel or parameters changed since it was listed is skipped)."""
@@ -125,14 +128,14 @@ def compile_variants(entries: list[dict[str, str]]) -> int:
     return done
 
 
-def _compile_one(entry: dict[str, str]) -> None:
+def _compile_one(entry: Record) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
     data = json.loads(entry["spec"])
     fn = _resolve(entry["module"], entry["name"])
-    target = GPUTarget(**data["target"])
+    target = GPUTarget(**(data.get("target") or entry["target"]))  # older Tritons' records lack theirs
     backend = make_backend(target)
     constexprs = {tuple(k): _constant(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
     attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
@@ -184,6 +187,11 @@ def begin(config: ApplianceConfig, model_dir: Path, device: torch.device, dtype:
     import triton
     from triton.runtime import driver
 
+    knobs = getattr(triton, "knobs", None)
+    if not hasattr(getattr(knobs, "runtime", None), "jit_post_compile_hook"):
+        log.info("Triton %s has no compile hook to list variants with: no kernels compiled ahead",
+                 triton.__version__)
+        return None
     target = driver.active.get_current_target()
     settings = config.model_dump(mode="json")
     settings["precision"]["dtype"] = str(dtype)  # `auto` and the dtype it resolves to share a list
@@ -191,7 +199,8 @@ def begin(config: ApplianceConfig, model_dir: Path, device: torch.device, dtype:
     key = fingerprint(settings, json.loads(config_json.read_text()) if config_json.is_file() else {},
                       f"{target.backend}:{target.arch}:{target.warp_size}", triton.__version__)
     path = manifest_path(config.cache.compile_cache_dir, key)
-    return CompileAhead(path, read_manifest(path) or read_manifest(SHIPPED_DIR / path.name), workers)
+    return CompileAhead(path, read_manifest(path) or read_manifest(SHIPPED_DIR / path.name), workers,
+                        {"backend": target.backend, "arch": target.arch, "warp_size": target.warp_size})
 
 
 @dataclass(frozen=True)
@@ -210,9 +219,9 @@ class CompileAhead:
     reading their share of the list on stdin, not multiprocessing's: a spawned child would re-run an offline
     script's unguarded top level (its LLM)."""
 
-    def __init__(self, path: Path, listed: list[dict[str, str]], workers: int) -> None:
+    def __init__(self, path: Path, listed: list[dict[str, Any]], workers: int, target: dict[str, Any]) -> None:
         self.path, self.listed = path, listed
-        self.recorder = CompiledVariants()
+        self.recorder = CompiledVariants(target)
         self.recorder.install()
         self.procs = [self._spawn(listed[i::workers]) for i in range(min(workers, len(listed)))]
         if self.procs:
@@ -220,7 +229,7 @@ class CompileAhead:
                      path)
 
     @staticmethod
-    def _spawn(shard: list[dict[str, str]]) -> subprocess.Popen[str]:
+    def _spawn(shard: list[Record]) -> subprocess.Popen[str]:
         proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True)
         assert proc.stdin is not None
