@@ -24,18 +24,18 @@ from appliance.executor.compile_ahead import (
     fingerprint,
     manifest_path,
     read_manifest,
+    source_of,
 )
 
 MODULE, NAME = "appliance.kernels.triton.positions", "_decode_positions_kernel"
 H100 = {"backend": "cuda", "arch": 90, "warp_size": 32}
 
 
-def positions_record(block_size: int = 16, block_r: int = 64) -> dict[str, Any]:
-    """The record Triton's compile hook gives for one decode_positions variant on an H100 (serialized by Triton's
-    own serializer)."""
+def positions_variant(block_size: int = 16, block_r: int = 64) -> tuple[Any, ...]:
+    """What the JIT builds for one decode_positions launch on an H100 under a graph capture: (signature,
+    constexprs, attrs, options, target)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
-    from triton.runtime.jit import serialize_specialization_data
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
@@ -44,9 +44,31 @@ def positions_record(block_size: int = 16, block_r: int = 64) -> dict[str, Any]:
     signature = {**ptrs, "n": "i32", "width": "i32", "stride": "i32", "BLOCK_SIZE": "constexpr",
                  "BLOCK_R": "constexpr"}
     attrs = {(i,): backend.parse_attr("D") for i in range(len(ptrs))}
-    spec = serialize_specialization_data(f"{MODULE}.{NAME}", signature, {(9,): block_size, (10,): block_r}, attrs,
-                                         backend.parse_options({}), "key", target)
+    options = backend.parse_options({"num_warps": 4, "launch_pdl": True})
+    return signature, {(9,): block_size, (10,): block_r}, attrs, options, target
+
+
+def positions_record(block_size: int = 16, block_r: int = 64) -> dict[str, Any]:
+    """The record Triton's compile hook gives for that variant (serialized by Triton's own serializer)."""
+    from triton.runtime.jit import serialize_specialization_data
+
+    signature, constexprs, attrs, options, target = positions_variant(block_size, block_r)
+    spec = serialize_specialization_data(f"{MODULE}.{NAME}", signature, constexprs, attrs, options, "key", target)
     return {"module": MODULE, "name": NAME, "spec": spec, "target": H100}
+
+
+def test_a_record_rebuilds_the_jits_source_and_options_exactly() -> None:
+    """The same source hash and options hash, so the same Triton cache key: the warm-up's launch finds what the
+    pool compiled from the record."""
+    from triton.compiler import ASTSource
+
+    from appliance.kernels.triton.positions import _decode_positions_kernel
+
+    signature, constexprs, attrs, options, target = positions_variant(32, 128)
+    src, got_target, got_options = source_of(positions_record(32, 128))
+    assert src.hash() == ASTSource(_decode_positions_kernel, signature, constexprs, attrs).hash()
+    assert got_options.hash() == options.hash() and got_options.launch_pdl and got_target == target
+    assert source_of(positions_record(16, 128))[0].hash() != src.hash()
 
 
 def cubins(cache: Path) -> list[str]:

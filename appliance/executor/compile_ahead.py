@@ -130,18 +130,24 @@ def compile_variants(entries: list[Record]) -> int:
 
 def _compile_one(entry: Record) -> None:
     import triton
+
+    src, target, options = source_of(entry)
+    triton.compile(src, target=target, options=options.__dict__)
+
+
+def source_of(entry: Record) -> tuple[Any, Any, Any]:
+    """(ASTSource, GPUTarget, backend options) of a record, as the JIT built them: the same cache key."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
     data = json.loads(entry["spec"])
     fn = _resolve(entry["module"], entry["name"])
     target = GPUTarget(**(data.get("target") or entry["target"]))  # older Tritons' records lack theirs
-    backend = make_backend(target)
     constexprs = {tuple(k): _constant(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
-    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}  # lists, as parse_attr gives
     signature = {k: _tuples(v) for k, v in data["signature"].items()}
-    options = backend.parse_options({k: _tuples(v) for k, v in data["options"].items()})
-    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    options = make_backend(target).parse_options({k: _tuples(v) for k, v in data["options"].items()})
+    return ASTSource(fn, signature, constexprs, attrs), target, options
 
 
 def _resolve(module: str, qualname: str) -> Any:
