@@ -198,7 +198,11 @@ def begin(config: ApplianceConfig, model_dir: Path, device: torch.device, dtype:
         log.info("Triton %s has no compile hook to list variants with: no kernels compiled ahead",
                  triton.__version__)
         return None
-    target = driver.active.get_current_target()
+    try:
+        target = driver.active.get_current_target()
+    except Exception as exc:  # noqa: BLE001 - a start without the list only compiles as it goes
+        log.warning("no kernels compiled ahead: Triton names no GPU target here (%s)", exc)
+        return None
     settings = config.model_dump(mode="json")
     settings["precision"]["dtype"] = str(dtype)  # `auto` and the dtype it resolves to share a list
     config_json = model_dir / "config.json"
@@ -229,7 +233,13 @@ class CompileAhead:
         self.path, self.listed = path, listed
         self.recorder = CompiledVariants(target)
         self.recorder.install()
-        self.procs = [self._spawn(listed[i::workers]) for i in range(min(workers, len(listed)))]
+        self.procs: list[subprocess.Popen[str]] = []
+        for i in range(min(workers, len(listed))):
+            try:
+                self.procs.append(self._spawn(listed[i::workers]))
+            except OSError as exc:  # the warm-up compiles that share as it goes
+                log.warning("a compile-ahead process did not start (%s)", exc)
+                break
         if self.procs:
             log.info("compiling %d listed Triton variants ahead in %d processes (%s)", len(listed), len(self.procs),
                      path)
