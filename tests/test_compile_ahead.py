@@ -127,6 +127,11 @@ def test_finish_stops_a_pool_the_warm_up_outran(triton_cache: Path, tmp_path: Pa
     report = ahead.finish()  # at once: the process is still importing
     assert report == AheadReport(listed=6, compiled=0, stopped=1) and proc.returncode is not None
     assert not (tmp_path / "k.json").exists()  # nothing new met: the list is not rewritten
+    dropped = CompileAhead(tmp_path / "k.json", listed, workers=1, target=H100)
+    proc = dropped.procs[0]
+    dropped.recorder.uninstall()
+    del dropped  # a start that failed before finish(): its pool goes with it
+    assert proc.returncode is not None
 
 
 def test_the_recorder_chains_the_hook_already_installed() -> None:

@@ -24,6 +24,7 @@ import logging
 import os
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,6 +244,7 @@ class CompileAhead:
         if self.procs:
             log.info("compiling %d listed Triton variants ahead in %d processes (%s)", len(listed), len(self.procs),
                      path)
+        weakref.finalize(self, _stop, list(self.procs))  # a start that fails before finish() leaves none running
 
     @staticmethod
     def _spawn(shard: list[Record]) -> subprocess.Popen[str]:
@@ -281,6 +283,13 @@ class CompileAhead:
             except OSError as exc:
                 log.warning("compile-ahead list %s not written: %s", self.path, exc)
         return AheadReport(len(entries), compiled, stopped)
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":  # a pool process: its share of the list on stdin, the count compiled on stdout
