@@ -217,7 +217,7 @@ def begin(config: ApplianceConfig, model_dir: Path, device: torch.device, dtype:
 @dataclass(frozen=True)
 class AheadReport:
     listed: int  # variants listed now (the earlier list and those this start met)
-    compiled: int  # listed variants the pool compiled (or found cached) before it was stopped
+    compiled: int  # listed variants the pool's finished processes compiled (or found cached)
     stopped: int  # pool processes stopped unfinished
 
 
@@ -230,7 +230,7 @@ class CompileAhead:
     reading their share of the list on stdin, not multiprocessing's: a spawned child would re-run an offline
     script's unguarded top level (its LLM)."""
 
-    def __init__(self, path: Path, listed: list[dict[str, Any]], workers: int, target: dict[str, Any]) -> None:
+    def __init__(self, path: Path, listed: list[Record], workers: int, target: dict[str, Any]) -> None:
         self.path, self.listed = path, listed
         self.recorder = CompiledVariants(target)
         self.recorder.install()
@@ -270,8 +270,8 @@ class CompileAhead:
             last = out.strip().splitlines()[-1:] or [""]
             compiled += int(last[0]) if proc.returncode == 0 and last[0].isdigit() else 0
         if self.procs:
-            log.info("compile ahead: %d of %d listed Triton variants compiled by %d processes, %d stopped unfinished",
-                     compiled, len(self.listed), len(self.procs), stopped)
+            log.info("compile ahead: %d of %d listed Triton variants compiled by %d processes (%d stopped unfinished: "
+                     "the warm-up needed them no longer)", compiled, len(self.listed), len(self.procs), stopped)
         self.procs = []
         self.recorder.uninstall()
         merged = {(e["module"], e["name"], e["spec"]): e for e in self.listed}
