@@ -28,6 +28,7 @@ from appliance.executor import (
     compile_ahead,
     inflight,
     kv_cache,
+    kv_calibration,
     logits_processors,
     memory_profile,
     speculative,
@@ -45,13 +46,7 @@ from appliance.executor.cuda_graph import (
     width_bucket,
 )
 from appliance.executor.inflight import StepHandle
-from appliance.executor.input_batch import (
-    Chunk,
-    Stager,
-    StepInputs,
-    build_inputs,
-    table_width,
-)
+from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
 from appliance.executor.kv_scales import setup as kv_scale_setup
 from appliance.executor.memory_check import check_weight_memory
 from appliance.executor.memory_profile import count_blocks
@@ -162,6 +157,8 @@ class ModelRunner:
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
         if self.compile_ahead is not None:
             self.compile_ahead.finish()  # stops the pool; lists what this start met, for the next one
+        # online fp8 KV scales: armed after the warm-up, whose writes must not count (kv_calibration.py)
+        self.kv_calibration = kv_calibration.arm(layers, config.precision.kv_cache_calibration_tokens)
         # speculative decoding runs whole steps (executor/speculative.py)
         if config.speculative.algorithm is not None:
             with STARTUP.phase("building the speculator"):
@@ -324,7 +321,8 @@ class ModelRunner:
                               self.block_table, with_states=self.state_cache is not None)
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         hidden = None
-        if self.pieces is not None and self.use_graphs:
+        calibrating = self.kv_calibration is not None and not self.kv_calibration.done  # observed eagerly
+        if self.pieces is not None and self.use_graphs and not calibrating:
             hidden = self.pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
