@@ -41,6 +41,7 @@ from appliance.executor.cuda_graph import (
     rows_view,
     width_bucket,
 )
+from appliance.executor.host_copy import HostCopier
 from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
 from appliance.executor.kv_scales import setup as kv_scale_setup
@@ -132,6 +133,9 @@ class ModelRunner:
         self.host_kv = kv_cache.allocate_host(self.kv_spec, self.num_host_blocks, self.device)
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
+        # the host tier's copies on a side stream, waited for layer by layer (host_copy.py)
+        self.host_copier = HostCopier.for_device(self.kv_caches, self.host_kv, self.device)
+        self.host_copier.bind_layers(layers)
         self.sampler = Sampler(self.eos_token_ids, m.seed)
         self.batch_sampler = BatchSampler(self.sampler, self.device,
                                           gpu_sample_op(self.device, config.backends.sampling))
@@ -210,9 +214,10 @@ class ModelRunner:
         """Start a step. When every sampled row samples on the device (inflight.py), its ids stay there until
         finish(), so the caller can plan and launch the next step meanwhile; any other step first finishes the
         steps in flight (its sampling reads the complete token history) and runs to completion here."""
-        if plan.host_copies:  # before anything of this step reads or writes those blocks
-            kv_cache.copy_host_blocks(self.kv_caches, self.host_kv, plan.host_copies)
+        # issued before anything of this step reads or writes those blocks; the forward waits for them
+        self.host_copier.submit(plan.host_copies)
         if self.spec is not None:  # never overlapped (refused at start-up): the step completes here
+            self.host_copier.wait_all()
             return StepHandle(plan.step_id, self.spec.execute(plan))
         for rid in plan.finished_ids:
             self.requests.pop(rid, None)
@@ -229,6 +234,7 @@ class ModelRunner:
             self.flush()
         with torch.inference_mode():
             ordered, row_starts, hidden = self._forward(chunks)
+            self.host_copier.wait_all()  # a step's copies are all waited for by its end
             # rows run decodes first; when that moved chunks, results go back to the plan's order
             order = None if ordered is chunks else {s.request_id: i for i, s in enumerate(plan.scheduled)}
             if deferred:
@@ -302,6 +308,7 @@ class ModelRunner:
             key = self.graphs.key_for(chunks)
             if key is not None:
                 self.graphs.bind(self.block_table)  # a no-op unless graphs were swapped in (tests, benchmarks)
+                self.host_copier.wait_all()  # the graph's cache accesses are captured: no layer hooks
                 return chunks, list(range(len(chunks))), self.graphs.run(
                     chunks, key, lambda ids: inflight.resolve_pending_ids(chunks, ids, self._pending_stager))
         decodes = [c for c in chunks if c.num_tokens == 1]
@@ -312,8 +319,11 @@ class ModelRunner:
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         hidden = None
         if self.pieces is not None and self.use_graphs:
+            self.host_copier.wait_all()  # the pieces' cache stores are captured
             hidden = self.pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         if hidden is None:
+            if not self.host_copier.layerwise:
+                self.host_copier.wait_all()
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return inputs.chunks, inputs.row_starts, hidden
 
