@@ -126,6 +126,9 @@ def _scheduler(cfg: ApplianceConfig) -> list[Problem]:
     total = cfg.cache.max_total_tokens
     if total is not None and total < block:
         out.append(Problem("cache.max_total_tokens", f"{total} is smaller than one block ({block} tokens)"))
+    if sch.preemption_mode != "recompute" and not (cfg.cache.host_cache and cfg.cache.enable_prefix_caching):
+        out.append(Problem("scheduler.preemption_mode", f"{sch.preemption_mode} keeps preempted requests' KV in the "
+                           "host tier: set cache.host_cache (with cache.enable_prefix_caching), or use recompute"))
     interval = cfg.cache.ssm_checkpoint_interval
     if interval is not None and interval % block:
         out.append(Problem("cache.ssm_checkpoint_interval", f"{interval} is not a multiple of cache.block_size "

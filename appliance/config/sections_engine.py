@@ -189,6 +189,12 @@ class SchedulerSection(Section):
         flags=("--scheduling-policy", "--schedule-policy"))
     slo_tbt_ms: float = param(100.0, "Time-between-tokens deadline in milliseconds for policy `slo`.",
                               flags=("--slo-tbt-ms", "--tbt-deadline-ms"), gt=0)
+    preemption_mode: Literal["recompute", "swap", "auto"] = param(
+        "recompute", "What a preempted request keeps (vLLM V0's --preemption-mode): `recompute` frees its KV and "
+        "prefills it again on resume; `swap` copies its KV blocks to the host tier (cache.host_cache) and back on "
+        "resume; `auto` swaps a request when that copy is cheaper than its prefill, priced with the copy GB/s and "
+        "prefill tokens/s the workers measure at start-up (logged). swap and auto need cache.host_cache.",
+        flags=("--preemption-mode",))
     enable_overlap: bool | None = param(
         None, "Overlap scheduling: plan and launch step N+1 while step N runs, so the host's work hides behind "
         "the device's compute. Outputs are identical; a request that stops wastes one step's slot. Unset: on, "

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from appliance.config.sections_engine import CacheSection
 
 from appliance.engine.speculation import lookahead_tokens
+from appliance.engine.swap import PREEMPTION_MODES, SwapCosts
 
 POLICIES = ("fcfs", "lpm", "slo")
 
@@ -50,6 +51,9 @@ class EngineConfig:
     spec_lookahead: int | None = None
     schedule_conservativeness: float = 0.0
     num_host_blocks: int = 0  # the host tier's slots (host_tier.py); 0: no host tier
+    # what a preempted request keeps (swap.py): recompute | swap | auto; auto prices it with the workers' rates
+    preemption_mode: str = "recompute"
+    swap_costs: SwapCosts | None = None
     # hybrid models: request slots of the workers' state cache (executor/state_cache.py), one per running request;
     # 0 = the model keeps no recurrent state
     num_state_slots: int = 0
@@ -72,6 +76,18 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.num_host_blocks < 0:
             raise ValueError(f"EngineConfig.num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"EngineConfig.preemption_mode {self.preemption_mode!r} is not one of {PREEMPTION_MODES}")
+        if self.preemption_mode != "recompute":
+            if not (self.num_host_blocks and self.enable_prefix_caching):
+                raise ValueError(f"preemption mode {self.preemption_mode} swaps into the host tier, which this engine "
+                                 "lacks (cache.host_cache with prefix caching)")
+            if self.num_speculative_tokens or self.num_state_slots:
+                raise ValueError(f"preemption mode {self.preemption_mode} is not supported with speculative decoding "
+                                 "or a model with recurrent state (a swapped request's drafts and states are not "
+                                 "kept); use recompute")
+            if self.preemption_mode == "auto" and self.swap_costs is None:
+                raise ValueError("preemption mode auto needs the workers' measured copy and prefill rates")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"EngineConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if not 0 <= self.schedule_conservativeness < float("inf"):  # NaN fails too
@@ -112,6 +128,7 @@ class EngineConfig:
     def from_appliance(
         cls, config: ApplianceConfig, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
         num_host_blocks: int | None = None, num_state_slots: int = 0, state_cache_bytes: int = 0,
+        swap_costs: SwapCosts | None = None,
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
 
@@ -121,7 +138,7 @@ class EngineConfig:
         state cache (hybrid models). A hybrid model's prefix cannot be reused from KV blocks alone (its
         linear-attention layers need the recurrent state at the end of the prefix), so without state snapshots
         (cache.ssm_checkpoint_interval) prefix caching is turned off for it, with a warning: the prefix is
-        recomputed.
+        recomputed. swap_costs: the rates the workers measured for scheduler.preemption_mode auto (swap.py).
         """
         sched = config.scheduler
         cache = config.cache
@@ -153,6 +170,8 @@ class EngineConfig:
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
             num_host_blocks=host_blocks(cache, num_blocks) if num_host_blocks is None else num_host_blocks,
             num_state_slots=num_state_slots,
+            preemption_mode=str(getattr(sched, "preemption_mode", "recompute")),
+            swap_costs=swap_costs,
             state_cache_bytes=state_cache_bytes,
             ssm_checkpoint_interval=interval,
             ssm_snapshot_slots=snapshot_slots(config) if interval else 0,

@@ -190,7 +190,8 @@ class EngineCore:
         """free + cached + owned == total, and every refcount equals the number of live tables holding it."""
         rep = self.scheduler.pool.check_accounting(self.scheduler.live_block_refs())
         host = self.scheduler.cache.host
-        if host is not None and (problems := host.check()):
+        owned = [s for r in self.scheduler.requests.values() for s in r.swap_slots]
+        if host is not None and (problems := host.check(owned)):
             rep = replace(rep, problems=rep.problems + tuple(problems))
         return rep
 

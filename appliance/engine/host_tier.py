@@ -10,6 +10,9 @@ Copies are queued as (direction, device block, host slot) and travel in the next
 workers run them in order before the forward, so a copy out of a block always reads it before that step
 rewrites it, and a slot's new content is written after the loads planned before it.
 
+Swapped requests (engine/swap.py) own slots outside the LRU until they resume or end (`take_owned`,
+`release_owned`); such slots come from the free ones first, then from the least recently used cached blocks.
+
 KV events: a copy to the host publishes BlockStored with medium "CPU", a slot reused publishes BlockRemoved with
 medium "CPU"; a block copied back is stored again on the device (BlockStored without a medium, i.e. GPU).
 """
@@ -43,6 +46,9 @@ class HostTier:
         self.copies: list[tuple[int, int, int]] = []  # queued for the next plan
         self.num_stored = 0  # blocks copied to the host
         self.num_loaded = 0  # blocks copied back
+        self._owned: set[int] = set()  # slots holding swapped requests' blocks (engine/swap.py)
+        self.num_swapped_out = 0  # blocks copied out by swaps
+        self.num_swapped_in = 0  # blocks copied back by resumes
         self._emit = emit  # the prefix cache's KV event sink, with medium CPU
 
     def __len__(self) -> int:
@@ -76,6 +82,43 @@ class HostTier:
         self.copies.append((LOAD, block_id, hb.slot))
         self.num_loaded += 1
 
+    # ---- swapped requests' slots (engine/swap.py) -------------------------------------------------------------
+    def take_owned(self, n: int) -> list[int] | None:
+        """n slots for a swapped request (free ones, then evicted cached blocks), or None if that many cannot be
+        had (pinned and owned slots stay)."""
+        if n > len(self._free) + sum(1 for h in self._lru if h not in self._pinned):
+            return None
+        slots = []
+        for _ in range(n):
+            slot = self._take_slot()
+            assert slot is not None
+            slots.append(slot)
+        self._owned.update(slots)
+        return slots
+
+    def swap_out(self, block_ids: list[int], slots: list[int]) -> None:
+        """Queue the copies of a preempted request's blocks into its owned slots."""
+        self.copies.extend((STORE, b, s) for b, s in zip(block_ids, slots, strict=True))
+        self.num_swapped_out += len(slots)
+
+    def swap_in(self, slots: list[int], block_ids: list[int]) -> None:
+        """Queue the copies of a resumed request's owned slots into its fresh device blocks."""
+        self.copies.extend((LOAD, b, s) for s, b in zip(slots, block_ids, strict=True))
+        self.num_swapped_in += len(slots)
+
+    def release_owned(self, slots: list[int]) -> None:
+        """Give a request's slots back (copies already queued from them still run first: the queue is ordered)."""
+        for s in slots:
+            self._owned.remove(s)
+            self._free.append(s)
+
+    def clear(self) -> None:
+        """Forget every cached block (a prefix-cache reset); swapped requests keep their slots and queued copies
+        still run."""
+        self._free.extend(hb.slot for hb in self._lru.values())
+        self._lru.clear()
+        self._pinned.clear()
+
     def take_copies(self) -> list[tuple[int, int, int]]:
         out, self.copies = self.copies, []
         return out
@@ -91,14 +134,17 @@ class HostTier:
                 return hb.slot
         return None
 
-    def check(self) -> list[str]:
-        """Every slot is free or holds one block, once."""
+    def check(self, owned: list[int] | None = None) -> list[str]:
+        """Every slot is free, holds one cached block or is owned by a swapped request, once; `owned`: the slots
+        the live requests hold, which must be exactly the owned ones."""
         used = [hb.slot for hb in self._lru.values()]
-        slots = used + list(self._free)
+        slots = used + list(self._free) + list(self._owned)
         problems = []
         if len(set(slots)) != len(slots) or len(slots) != self.num_slots:
-            problems.append(f"host tier: {len(used)} used + {len(self._free)} free slots of {self.num_slots}, "
-                            f"{len(slots) - len(set(slots))} twice")
+            problems.append(f"host tier: {len(used)} used + {len(self._free)} free + {len(self._owned)} swapped "
+                            f"slots of {self.num_slots}, {len(slots) - len(set(slots))} twice")
+        if owned is not None and (len(owned) != len(set(owned)) or set(owned) != self._owned):
+            problems.append(f"host tier: requests hold swapped slots {sorted(owned)}, the tier {sorted(self._owned)}")
         if self._pinned:
             problems.append(f"host tier: {len(self._pinned)} blocks still pinned between steps")
         return problems

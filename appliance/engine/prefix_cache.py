@@ -192,10 +192,8 @@ class PrefixCache:
             self.pool.on_evict = self._on_evict
         self._by_hash.clear()
         self._by_block.clear()
-        if self.host is not None:  # the host copies go too; copies already queued still run
-            queued = self.host.copies
-            self.host = HostTier(self.host.num_slots, self._emit_host)
-            self.host.copies = queued
+        if self.host is not None:  # the host copies go too (not swapped requests'); queued copies still run
+            self.host.clear()
         self._emit(ALL_BLOCKS_CLEARED, None, None, ())
         return n
 

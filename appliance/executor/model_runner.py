@@ -41,6 +41,7 @@ from appliance.executor.cuda_graph import (
     rows_view,
     width_bucket,
 )
+from appliance.executor import swap_cost
 from appliance.executor.host_copy import HostCopier
 from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
@@ -153,6 +154,9 @@ class ModelRunner:
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
         self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
+        # scheduler.preemption_mode auto prices swaps with rates measured here, before serving (swap_cost.py)
+        self.swap_costs = (swap_cost.measure(self) if config.scheduler.preemption_mode == "auto"
+                           and self.num_host_blocks else None)
         # speculative decoding runs whole steps (executor/speculative.py)
         if config.speculative.algorithm is not None:
             with STARTUP.phase("building the speculator"):

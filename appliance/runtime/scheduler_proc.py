@@ -18,6 +18,7 @@ from appliance.engine.config import EngineConfig
 from appliance.engine.core import EngineCore, QueueFull
 from appliance.engine.delta import RequestDelta
 from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.swap import SwapCosts
 from appliance.observability import SchedulerObservability
 from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.gc_heap import freeze_startup_heap
@@ -199,7 +200,8 @@ def run_scheduler(boot: Bootstrap) -> None:
     w0 = boot.peers["worker0"]
     ecfg = EngineConfig.from_appliance(config, int(w0["num_kv_blocks"]), w0.get("eos_token_ids", []),
                                        int(w0["max_model_len"]), int(w0.get("num_host_blocks", 0)),
-                                       int(w0.get("num_state_slots", 0)), int(w0.get("state_cache_bytes", 0)))
+                                       int(w0.get("num_state_slots", 0)), int(w0.get("state_cache_bytes", 0)),
+                                       SwapCosts.from_dict(w0.get("swap_costs")))
     ctx = zmq.Context()
     executor = RemoteExecutor(ctx, boot.addresses, alive=lambda: parent_alive(boot.parent_pid))
     obs = SchedulerObservability(config.observability, ecfg.block_size, dp_rank=boot.rank)  # rank = replica
