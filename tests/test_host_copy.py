@@ -40,6 +40,9 @@ class Recording:
         assert isinstance(mark, int)
         self.log.append(("wait", mark))
 
+    def drain(self) -> None:
+        self.log.append(("drain", -1))
+
 
 def test_the_forward_waits_for_each_layers_copies_just_before_that_layer(tiny_model: Path) -> None:
     common = dict(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=64, max_model_len=64,

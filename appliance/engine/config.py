@@ -51,6 +51,7 @@ class EngineConfig:
     spec_lookahead: int | None = None
     schedule_conservativeness: float = 0.0
     num_host_blocks: int = 0  # the host tier's slots (host_tier.py); 0: no host tier
+    num_disk_blocks: int = 0  # the disk tier's slots behind it (disk_tier.py); 0: none
     # what a preempted request keeps (swap.py): recompute | swap | auto; auto prices it with the workers' rates
     preemption_mode: str = "recompute"
     swap_costs: SwapCosts | None = None
@@ -74,8 +75,11 @@ class EngineConfig:
             )
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"EngineConfig.max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        if self.num_host_blocks < 0:
-            raise ValueError(f"EngineConfig.num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.num_host_blocks < 0 or self.num_disk_blocks < 0:
+            raise ValueError(f"EngineConfig.num_host_blocks / num_disk_blocks must be >= 0, got "
+                             f"{self.num_host_blocks} / {self.num_disk_blocks}")
+        if self.num_disk_blocks and not self.num_host_blocks:
+            raise ValueError("the disk tier sits behind the host tier: it needs num_host_blocks > 0")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"EngineConfig.preemption_mode {self.preemption_mode!r} is not one of {PREEMPTION_MODES}")
         if self.preemption_mode != "recompute":
@@ -128,7 +132,7 @@ class EngineConfig:
     def from_appliance(
         cls, config: ApplianceConfig, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
         num_host_blocks: int | None = None, num_state_slots: int = 0, state_cache_bytes: int = 0,
-        swap_costs: SwapCosts | None = None,
+        swap_costs: SwapCosts | None = None, num_disk_blocks: int = 0,
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
 
@@ -138,7 +142,7 @@ class EngineConfig:
         state cache (hybrid models). A hybrid model's prefix cannot be reused from KV blocks alone (its
         linear-attention layers need the recurrent state at the end of the prefix), so without state snapshots
         (cache.ssm_checkpoint_interval) prefix caching is turned off for it, with a warning: the prefix is
-        recomputed. swap_costs: the rates the workers measured for scheduler.preemption_mode auto (swap.py).
+        recomputed. num_disk_blocks: the disk tier's slots the workers' files hold (disk_blocks). swap_costs: the rates the workers measured for scheduler.preemption_mode auto (swap.py).
         """
         sched = config.scheduler
         cache = config.cache
@@ -172,6 +176,7 @@ class EngineConfig:
             num_state_slots=num_state_slots,
             preemption_mode=str(getattr(sched, "preemption_mode", "recompute")),
             swap_costs=swap_costs,
+            num_disk_blocks=num_disk_blocks,
             state_cache_bytes=state_cache_bytes,
             ssm_checkpoint_interval=interval,
             ssm_snapshot_slots=snapshot_slots(config) if interval else 0,
@@ -222,6 +227,26 @@ def host_blocks(cache: CacheSection, num_blocks: int, bytes_per_block: int | Non
         return n
     ratio = cache.host_cache_ratio if cache.host_cache_ratio is not None else 2.0
     return max(1, int(num_blocks * ratio))
+
+
+def disk_tier_on(cache: CacheSection) -> bool:
+    """cache.disk_cache, or the storage backend `file` (SGLang's HiCacheFile), behind the host tier."""
+    return bool(getattr(cache, "host_cache", False) and (
+        getattr(cache, "disk_cache", False) or getattr(cache, "host_cache_storage_backend", None) == "file"))
+
+
+def disk_blocks(cache: CacheSection, bytes_per_block: int) -> int:
+    """The disk tier's blocks: cache.disk_cache_size_gb of them (GiB, as host_cache_size_gb); 0 without the tier.
+    The workers size their files with it and report the count to the scheduler."""
+    if not disk_tier_on(cache):
+        return 0
+    size_gb = cache.disk_cache_size_gb
+    if not size_gb:
+        raise ValueError("the disk tier needs cache.disk_cache_size_gb")
+    n = int(size_gb * (1 << 30)) // bytes_per_block
+    if n < 1:
+        raise ValueError(f"cache.disk_cache_size_gb={size_gb} holds no KV block of {bytes_per_block} bytes")
+    return n
 
 
 def num_speculative_tokens(config: ApplianceConfig) -> int:

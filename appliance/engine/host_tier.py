@@ -10,6 +10,9 @@ Copies are queued as (direction, device block, host slot) and travel in the next
 workers run them in order before the forward, so a copy out of a block always reads it before that step
 rewrites it, and a slot's new content is written after the loads planned before it.
 
+With a disk tier behind it (engine/disk_tier.py), a cached block whose slot is reused is spilled to disk first,
+and lookups go on into the disk tier: a disk hit is fetched into a host slot, then loaded like a host hit.
+
 Swapped requests (engine/swap.py) own slots outside the LRU until they resume or end (`take_owned`,
 `release_owned`); such slots come from the free ones first, then from the least recently used cached blocks.
 
@@ -21,6 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from appliance.engine.disk_tier import FETCH, SPILL, DiskBlock, DiskTier
 
 STORE, LOAD = 0, 1  # a copy's direction: device block -> host slot, host slot -> device block
 HOST_MEDIUM = "CPU"  # vLLM's KV event medium name of host memory
@@ -36,7 +41,8 @@ class HostBlock:
 
 class HostTier:
     def __init__(self, num_slots: int,
-                 emit: Callable[[str, int, int | None, tuple[int, ...]], None] | None = None) -> None:
+                 emit: Callable[[str, int, int | None, tuple[int, ...]], None] | None = None,
+                 disk: DiskTier | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
@@ -50,12 +56,21 @@ class HostTier:
         self.num_swapped_out = 0  # blocks copied out by swaps
         self.num_swapped_in = 0  # blocks copied back by resumes
         self._emit = emit  # the prefix cache's KV event sink, with medium CPU
+        self.disk = disk  # the tier behind this one; None without
 
     def __len__(self) -> int:
         return len(self._lru)
 
-    def get(self, block_hash: int) -> HostBlock | None:
-        return self._lru.get(block_hash)
+    def get(self, block_hash: int) -> HostBlock | DiskBlock | None:
+        """The block in this tier, else in the disk tier behind it."""
+        hb = self._lru.get(block_hash)
+        if hb is None and self.disk is not None:
+            return self.disk.get(block_hash)
+        return hb
+
+    def fetchable(self) -> int:
+        """Host slots an admission's pin may take: free ones or those of unpinned cached blocks."""
+        return len(self._free) + sum(1 for h in self._lru if h not in self._pinned)
 
     def offload(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> None:
         """The device evicts block_id, holding this full block: keep a host copy (none if it has one)."""
@@ -71,16 +86,36 @@ class HostTier:
         if self._emit is not None:
             self._emit("BlockStored", block_hash, parent_hash, token_ids)
 
-    def pin(self, blocks: Iterable[HostBlock]) -> None:
+    def pin(self, blocks: list[HostBlock | DiskBlock]) -> list[HostBlock]:
+        """Keep an admission's hits until they are loaded: host hits pinned first, then disk hits fetched into
+        host slots (pinned too); returns the host blocks, in order."""
         for hb in blocks:
-            self._pinned.add(hb.block_hash)
-            self._lru.move_to_end(hb.block_hash)
+            if isinstance(hb, HostBlock):
+                self._pinned.add(hb.block_hash)
+                self._lru.move_to_end(hb.block_hash)
+        for db in blocks:
+            if isinstance(db, DiskBlock):
+                self._pinned.add(self._fetch(db).block_hash)
+        return [self._lru[b.block_hash] for b in blocks]
 
     def load(self, hb: HostBlock, block_id: int) -> None:
         """Queue the copy of a (pinned) host hit into a fresh device block; unpins it."""
         self._pinned.discard(hb.block_hash)
         self.copies.append((LOAD, block_id, hb.slot))
         self.num_loaded += 1
+
+    def _fetch(self, db: DiskBlock) -> HostBlock:
+        assert self.disk is not None
+        slot = self._take_slot()
+        if slot is None:  # match_host caps disk hits at what fetchable() leaves
+            raise AssertionError("no host slot for a disk hit")
+        hb = HostBlock(slot, db.block_hash, db.parent_hash, db.token_ids)
+        self._lru[db.block_hash] = hb
+        self.copies.append((FETCH, db.slot, slot))
+        self.disk.fetched(db.block_hash)
+        if self._emit is not None:
+            self._emit("BlockStored", db.block_hash, db.parent_hash, db.token_ids)
+        return hb
 
     # ---- swapped requests' slots (engine/swap.py) -------------------------------------------------------------
     def take_owned(self, n: int) -> list[int] | None:
@@ -118,6 +153,8 @@ class HostTier:
         self._free.extend(hb.slot for hb in self._lru.values())
         self._lru.clear()
         self._pinned.clear()
+        if self.disk is not None:
+            self.disk.clear()
 
     def take_copies(self) -> list[tuple[int, int, int]]:
         out, self.copies = self.copies, []
@@ -129,6 +166,9 @@ class HostTier:
         for h, hb in self._lru.items():
             if h not in self._pinned:
                 del self._lru[h]
+                disk_slot = self.disk.spill(h, hb.parent_hash, hb.token_ids) if self.disk is not None else None
+                if disk_slot is not None:  # queued before whatever rewrites the host slot next
+                    self.copies.append((SPILL, disk_slot, hb.slot))
                 if self._emit is not None:
                     self._emit("BlockRemoved", h, None, ())
                 return hb.slot
@@ -147,4 +187,4 @@ class HostTier:
             problems.append(f"host tier: requests hold swapped slots {sorted(owned)}, the tier {sorted(self._owned)}")
         if self._pinned:
             problems.append(f"host tier: {len(self._pinned)} blocks still pinned between steps")
-        return problems
+        return problems + (self.disk.check() if self.disk is not None else [])

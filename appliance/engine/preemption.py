@@ -12,6 +12,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from appliance.engine.block_pool import BlockPool
+from appliance.engine.disk_tier import DiskBlock
 from appliance.engine.host_tier import HostBlock
 from appliance.engine.prefix_cache import PrefixCache
 from appliance.engine.request import PREEMPTED, FinishReason, Request, RequestStatus
@@ -87,7 +88,7 @@ class Preemption:
         host.swap_out(req.block_ids[:nb], slots)  # queued before any later use of the blocks being freed
         req.swap_slots, req.swapped_tokens = slots, n
 
-    def _swapped_hit(self, req: Request) -> tuple[list[int], list[HostBlock], int, int]:
+    def _swapped_hit(self, req: Request) -> tuple[list[int], list[HostBlock | DiskBlock], int, int]:
         """_admit's lookup for a swapped request: a device prefix hit, the rest of its computed tokens from its
         slots (all but the last token: the model runs on it to sample)."""
         hit = self.cache.match(req)

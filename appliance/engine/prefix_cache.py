@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from appliance.engine.block_pool import BlockPool
+from appliance.engine.disk_tier import DISK_MEDIUM, DiskBlock, DiskTier
 from appliance.engine.host_tier import HOST_MEDIUM, HostBlock, HostTier
 from appliance.engine.request import Request
 
@@ -58,7 +59,7 @@ class CachedBlock:
 class PrefixCache:
     def __init__(
         self, pool: BlockPool, block_size: int, enabled: bool = True, on_event: KVEventSink | None = None,
-        host_slots: int = 0
+        host_slots: int = 0, disk_slots: int = 0
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -72,7 +73,9 @@ class PrefixCache:
         self.hit_tokens = 0
         pool.on_evict = self._on_evict
         # the host-memory tier (host_tier.py): evicted blocks are copied there; None without one
-        self.host = HostTier(host_slots, self._emit_host) if host_slots and enabled else None
+        # and the disk tier behind it (disk_tier.py): blocks the host tier drops are spilled there
+        disk = DiskTier(disk_slots, self._emit_disk) if disk_slots and host_slots and enabled else None
+        self.host = HostTier(host_slots, self._emit_host, disk) if host_slots and enabled else None
 
     # ---- hashing -----------------------------------------------------------------------------------------
     def block_hashes(self, req: Request) -> list[int]:
@@ -108,18 +111,21 @@ class PrefixCache:
             out.append(b)
         return out
 
-    def match_host(self, req: Request, start: int) -> list[HostBlock]:
-        """The host tier's blocks that continue a device hit of `start` blocks (same last-token rule)."""
+    def match_host(self, req: Request, start: int) -> list[HostBlock | DiskBlock]:
+        """The host (then disk) tier's blocks that continue a device hit of `start` blocks (same last-token rule);
+        disk hits only as many as host slots can be had for them (HostTier.pin fetches them)."""
         if self.host is None:
             return []
         bs = self.block_size
         hashes = self.block_hashes(req)
-        out: list[HostBlock] = []
+        out: list[HostBlock | DiskBlock] = []
+        room = self.host.fetchable()  # each hit uses one: a host hit is pinned, a disk hit takes a slot
         for i in range(start, (req.num_tokens - 1) // bs):
             hb = self.host.get(hashes[i])
             if (hb is None or hb.parent_hash != (hashes[i - 1] if i else None)
-                    or hb.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs))):
+                    or hb.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs)) or room == 0):
                 break
+            room -= 1
             out.append(hb)
         return out
 
@@ -203,6 +209,10 @@ class PrefixCache:
         self._emit(BLOCK_REMOVED, cb.block_hash, None, ())
         if self.host is not None:
             self.host.offload(block_id, cb.block_hash, cb.parent_hash, cb.token_ids)
+
+    def _emit_disk(self, kind: str, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, h, parent, tokens, medium=DISK_MEDIUM)
 
     def _emit_host(self, kind: str, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
         if self.on_event is not None:

@@ -44,6 +44,7 @@ from appliance.engine.admission import OutputReservation
 from appliance.engine.block_pool import BlockPool
 from appliance.engine.config import EngineConfig
 from appliance.engine.delta import RequestDelta
+from appliance.engine.disk_tier import DiskBlock
 from appliance.engine.host_tier import HostBlock
 from appliance.engine.outputs import (
     append_token,
@@ -83,7 +84,7 @@ class Scheduler(Preemption):
         self._last_update_at = 0.0
         self.pool = BlockPool(config.num_blocks)
         self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event,
-                                 config.num_host_blocks)
+                                 config.num_host_blocks, config.num_disk_blocks)
         # hybrid models with prefix caching: recurrent-state snapshots at checkpoints (state_snapshots.py)
         self.snapshots = (StateSnapshots(config.ssm_snapshot_slots, config.ssm_checkpoint_interval,
                                          config.block_size)
@@ -263,8 +264,8 @@ class Scheduler(Preemption):
             return False
         for b in hit:  # take the hits before allocating, so allocation cannot evict them
             self.pool.incref(b)
-        if host_hit:  # nor reuse the host slots about to be loaded
-            self.cache.host.pin(host_hit)
+        if host_hit:  # nor reuse the host slots about to be loaded (disk hits are fetched into host slots now)
+            host_hit = self.cache.host.pin(host_hit)
         new_blocks = self.pool.allocate(need)
         if host_hit:
             self.cache.load_host(host_hit, new_blocks[:len(host_hit)])
@@ -284,7 +285,7 @@ class Scheduler(Preemption):
         st.issue_new(req, n, restore, self._snapshot_slot(req, num_hit + n))
         return True
 
-    def _prefix_hit(self, req: Request) -> tuple[list[int], list[HostBlock], int, int]:
+    def _prefix_hit(self, req: Request) -> tuple[list[int], list[HostBlock | DiskBlock], int, int]:
         """(device hit blocks, host hit blocks, snapshot to restore or -1, tokens hit)."""
         bs = self.config.block_size
         # Prompt logprobs need logits at every prompt position, so such requests skip the cache.

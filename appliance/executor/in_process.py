@@ -35,6 +35,10 @@ class InProcessExecutor(Executor):
         return self.runner.num_host_blocks
 
     @property
+    def num_disk_blocks(self) -> int:
+        return self.runner.num_disk_blocks
+
+    @property
     def swap_costs(self) -> SwapCosts | None:
         return self.runner.swap_costs
 

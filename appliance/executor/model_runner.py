@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from appliance.engine.config import StepTokens, host_blocks
+from appliance.engine.config import StepTokens
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import (
@@ -129,14 +129,13 @@ class ModelRunner:
         with STARTUP.phase("allocating the KV cache"):
             self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
-        # the host tier's slots (cache.host_cache): as many as the scheduler's (engine/config.py host_blocks)
-        self.num_host_blocks = host_blocks(config.cache, self.num_blocks, self.kv_spec.bytes_per_block)
-        self.host_kv = kv_cache.allocate_host(self.kv_spec, self.num_host_blocks, self.device)
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
-        # the host tier's copies on a side stream, waited for layer by layer (host_copy.py)
-        self.host_copier = HostCopier.for_device(self.kv_caches, self.host_kv, self.device)
+        # the host tier (cache.host_cache) and the disk tier behind it, and their copies (host_copy.py)
+        self.host_copier = HostCopier.build(config.cache, self.kv_spec, self.num_blocks, self.kv_caches, self.device)
         self.host_copier.bind_layers(layers)
+        self.host_kv, self.num_host_blocks = self.host_copier.host_caches, self.host_copier.num_host_slots
+        self.num_disk_blocks = self.host_copier.num_disk_slots
         self.sampler = Sampler(self.eos_token_ids, m.seed)
         self.batch_sampler = BatchSampler(self.sampler, self.device,
                                           gpu_sample_op(self.device, config.backends.sampling))

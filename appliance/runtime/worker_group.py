@@ -54,6 +54,7 @@ class WorkerGroupExecutor(Executor):
             self.num_state_slots = int(info.get("num_state_slots", 0))
             self.state_cache_bytes = int(info.get("state_cache_bytes", 0))
             self.swap_costs = SwapCosts.from_dict(info.get("swap_costs"))
+            self.num_disk_blocks = int(info.get("num_disk_blocks", 0))
             self._remote = RemoteExecutor(self._ctx, self.addresses, alive=self._all_alive)
         except BaseException:
             self.shutdown()
