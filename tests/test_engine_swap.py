@@ -119,9 +119,9 @@ def test_auto_in_the_engine_matches_recompute_outputs() -> None:
 def test_swap_needs_the_host_tier() -> None:
     with pytest.raises(ValueError, match="host tier"):
         engine(16, 0, "swap")
-    from appliance.config import ConfigError, build_config
+    from appliance.config import build_config
+    from appliance.config.support import check_supported
 
-    with pytest.raises(ConfigError, match="preemption_mode"):
-        build_config(dotlist=["scheduler.preemption_mode=swap"])
-    assert build_config(dotlist=["scheduler.preemption_mode=swap", "cache.host_cache=true"]).scheduler.preemption_mode \
-        == "swap"
+    assert any(m.startswith("scheduler.preemption_mode: swap and auto keep")
+               for m in check_supported(build_config(dotlist=["scheduler.preemption_mode=swap"])))
+    assert check_supported(build_config(dotlist=["scheduler.preemption_mode=swap", "cache.host_cache=true"])) == []

@@ -12,7 +12,6 @@ from appliance.config.errors import Problem
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
-    from appliance.config.sections_engine import CacheSection
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_model"
 
@@ -127,30 +126,10 @@ def _scheduler(cfg: ApplianceConfig) -> list[Problem]:
     total = cfg.cache.max_total_tokens
     if total is not None and total < block:
         out.append(Problem("cache.max_total_tokens", f"{total} is smaller than one block ({block} tokens)"))
-    if sch.preemption_mode != "recompute" and not (cfg.cache.host_cache and cfg.cache.enable_prefix_caching):
-        out.append(Problem("scheduler.preemption_mode", f"{sch.preemption_mode} keeps preempted requests' KV in the "
-                           "host tier: set cache.host_cache (with cache.enable_prefix_caching), or use recompute"))
-    out += _disk_tier(cfg.cache)
     interval = cfg.cache.ssm_checkpoint_interval
     if interval is not None and interval % block:
         out.append(Problem("cache.ssm_checkpoint_interval", f"{interval} is not a multiple of cache.block_size "
                                                             f"{block} (state snapshots sit at block boundaries)"))
-    return out
-
-
-def _disk_tier(cache: CacheSection) -> list[Problem]:
-    """The disk tier (cache.disk_cache or storage backend `file`) sits behind the host tier, in a directory, of a
-    size."""
-    if not (cache.disk_cache or cache.host_cache_storage_backend == "file"):
-        return []
-    key = "cache.disk_cache" if cache.disk_cache else "cache.host_cache_storage_backend"
-    out = []
-    if not cache.host_cache:
-        out.append(Problem(key, "the disk tier sits behind the host tier: set cache.host_cache"))
-    if not cache.disk_cache_dir:
-        out.append(Problem("cache.disk_cache_dir", "the disk tier needs a directory for its file"))
-    if not cache.disk_cache_size_gb:
-        out.append(Problem("cache.disk_cache_size_gb", "the disk tier needs a size"))
     return out
 
 

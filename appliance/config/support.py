@@ -59,6 +59,14 @@ def _host_tier_set(c: ApplianceConfig) -> bool:
     return cache.host_cache and not cache.enable_prefix_caching
 
 
+def _disk_tier_incomplete(c: ApplianceConfig) -> bool:
+    """The disk tier (disk_cache or the storage backend `file`) without the host tier, a directory or a size."""
+    cache = c.cache
+    if not (cache.disk_cache or cache.host_cache_storage_backend == "file"):
+        return False
+    return not (cache.host_cache and cache.disk_cache_dir and cache.disk_cache_size_gb)
+
+
 UNSUPPORTED: list[Unsupported] = [
     Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm in ("DFLASH", "DSPARK"),
                 "DFLASH and DSPARK drafting are not supported in this build; EAGLE, EAGLE3, STANDALONE, NGRAM and "
@@ -122,6 +130,14 @@ UNSUPPORTED: list[Unsupported] = [
                 "mem_layout layer_first), is sized by host_cache_size_gb or host_cache_ratio and sits under the prefix "
                 "cache (enable_prefix_caching); its one storage backend is `file` (the disk tier: disk_cache_dir, "
                 "disk_cache_size_gb, prefetch policy wait_complete, no extra storage config)"),
+    Unsupported("cache.disk_cache", _disk_tier_incomplete,
+                "the disk tier sits behind the host tier: it needs cache.host_cache, cache.disk_cache_dir and "
+                "cache.disk_cache_size_gb"),
+    Unsupported("scheduler.preemption_mode",
+                lambda c: c.scheduler.preemption_mode != "recompute"
+                and not (c.cache.host_cache and c.cache.enable_prefix_caching),
+                "swap and auto keep preempted requests' KV in the host tier: they need cache.host_cache (with "
+                "enable_prefix_caching); recompute does not"),
     Unsupported("multimodal", lambda c: not c.multimodal.text_only(),
                 "image and video inputs are not supported in this build (text only)"),
     Unsupported("api.reasoning_parser", lambda c: _parser_missing("reasoning", c.api.reasoning_parser),
