@@ -154,8 +154,7 @@ class ModelRunner:
         self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
         # scheduler.preemption_mode auto prices swaps with rates measured here, before serving (swap_cost.py)
-        self.swap_costs = (swap_cost.measure(self) if config.scheduler.preemption_mode == "auto"
-                           and self.num_host_blocks else None)
+        self.swap_costs = swap_cost.measure(self) if swap_cost.wanted(self) else None
         # speculative decoding runs whole steps (executor/speculative.py)
         if config.speculative.algorithm is not None:
             with STARTUP.phase("building the speculator"):

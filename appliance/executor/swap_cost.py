@@ -4,7 +4,8 @@ Copy bandwidth: a round trip of blocks between the device cache and the host tie
 own copy path (kv_cache.copy_host_blocks), the same coalesced per-layer copies a swap runs. Prefill rate: one
 chunk of the step's size from position 0 and one at a long context (all in block 0, which no request holds
 yet), so the cost of recomputing n tokens has a per-token and a per-token-of-context term. Each is the best
-of a few runs after one that pays first-use costs; the device is synchronised here only, before serving.
+of a few runs after one that pays first-use costs; the device is synchronised here only, before serving. The
+timed prefill runs eagerly (a served one may replay piecewise graphs, a little faster), which leans toward swap.
 """
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ COPY_BLOCKS = 256  # blocks of the copy round trip, at most (and at most the hos
 PREFILL_TOKENS = 512  # the timed chunk, at most (and at most the step budget)
 CONTEXT_TOKENS = 32768  # the long context of the second timed chunk, at most (and what max_model_len leaves)
 RUNS = 3
+
+
+def wanted(runner: ModelRunner) -> bool:
+    """Only preemption_mode auto prices swaps, and only where the engine can swap (a host tier; no recurrent
+    state, no drafter: EngineConfig refuses those with its own message)."""
+    return (runner.config.scheduler.preemption_mode == "auto" and runner.num_host_blocks > 0
+            and runner.state_cache is None and runner.config.speculative.algorithm is None)
 
 
 def measure(runner: ModelRunner) -> SwapCosts:
