@@ -39,7 +39,7 @@ def write_model_dir(out: Path, layers: int, quick: bool) -> Path:
     dims = QUICK_DIMS if quick else {}
     kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
     cfg = Qwen3NextConfig(num_hidden_layers=layers, layer_types=kinds, architectures=["Qwen3NextForCausalLM"],
-                          bos_token_id=0, eos_token_id=1, max_position_embeddings=8192, **dims)
+                          bos_token_id=0, eos_token_id=1, max_position_embeddings=32768, **dims)
     out.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(str(out))
     write_word_tokenizer(out, cfg.vocab_size, 0, 1)
