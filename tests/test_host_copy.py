@@ -5,6 +5,7 @@ are checked against the bytes, with a kernel rewriting a block right after its s
 from __future__ import annotations
 
 import contextlib
+import random
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ class Recording:
 
 def test_the_forward_waits_for_each_layers_copies_just_before_that_layer(tiny_model: Path) -> None:
     common = dict(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=64, max_model_len=64,
-                  enable_overlap_schedule=False)
+                  enable_overlap_schedule=False, device="cpu")  # eager steps: a GPU's graphs wait per step
     llm = LLM(**common, host_cache=True, host_cache_ratio=4)
     runner = llm.executor.runner
     copier = runner.host_copier
@@ -115,3 +116,30 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
     for (k, v), (bk, bv), (hk, hv) in zip(dev, before, copier.host_caches, strict=True):
         assert torch.equal(hk[0:8], bk) and torch.equal(hv[0:8], bv)
         assert torch.equal(k[40:48].cpu(), bk) and torch.equal(v[40:48].cpu(), bv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("eager", [True, False])
+def test_side_stream_reloads_are_token_exact_on_cuda(tiny_model: Path, eager: bool) -> None:
+    # eager: layer-by-layer waits; graphs: the per-step wait before decode graphs and piecewise pieces
+    from appliance.executor.host_copy import SideStream
+
+    common = dict(model=str(tiny_model), dtype="bfloat16", block_size=16, max_total_tokens=512, max_model_len=256,
+                  device="cuda", enforce_eager=eager)
+    tiered = LLM(**common, host_cache=True, host_cache_ratio=4)
+    cold = LLM(**common, enable_prefix_caching=False)
+    assert isinstance(tiered.executor.runner.host_copier.stream, SideStream)
+    def ids(seed: int, n: int) -> list[int]:  # distinct prompts within the tiny vocabulary
+        rng = random.Random(seed)
+        return [rng.randrange(20, 380) for _ in range(n)]
+
+    sessions = [ids(i, 160) for i in range(2)]
+    floods = [[ids(100 + 10 * t + j, 180) for j in range(3)] for t in range(2)]
+    batches = [sessions, floods[0], [s + ids(50, 40) for s in sessions], floods[1],
+               [s + ids(50, 40) + ids(60, 20) for s in sessions]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for batch in batches:
+        ours = tiered.generate(batch, greedy)
+        assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in cold.generate(batch, greedy)]
+    assert tiered.engine.scheduler.cache.host.num_loaded > 0
