@@ -154,3 +154,24 @@ def test_disk_tier_accounting_after_aborts_preemption_and_a_reset() -> None:
     assert core.scheduler.num_preemptions > 0 and core.scheduler.cache.host.disk.num_fetched > 0
     core.scheduler.cache.reset()
     assert len(core.scheduler.cache.host.disk) == 0 and core.check_accounting().ok
+
+
+def test_a_fetch_never_spills_over_the_disk_slot_it_reads() -> None:
+    from appliance.engine.disk_tier import FETCH, SPILL, DiskTier
+
+    disk = DiskTier(2)
+    tier = HostTier(2, disk=disk)
+    for b, h in ((0, 10), (1, 11), (2, 12), (3, 13)):  # 10 and 11 spill to disk as 12 and 13 take their slots
+        tier.offload(b, h, None, (h,))
+    assert disk.get(10) is not None and disk.get(11) is not None
+    tier.take_copies()
+    hit = tier.get(10)
+    assert hit is not None and hit.slot == disk.get(10).slot
+    (hb,) = tier.pin([hit])  # takes a host slot: 12 spills, and the disk's LRU entry is 10 itself
+    copies = tier.take_copies()
+    spill = next(c for c in copies if c[0] == SPILL)
+    fetch = next(c for c in copies if c[0] == FETCH)
+    assert spill[1] != fetch[1] == hit.slot and copies.index(spill) < copies.index(fetch)
+    assert disk.get(11) is None and disk.get(12) is not None  # 11 made room instead
+    tier.load(hb, 7)
+    assert tier.check() == []

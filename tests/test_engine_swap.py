@@ -5,7 +5,19 @@ prefill nothing twice; accounting over both tiers (swapped slots included) holds
 swapped requests included; auto's choice follows the measured rates."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+from engine_workload import (
+    PREFIXES,
+    assert_each_generates_what_it_generates_alone,
+    config_st,
+    drive,
+    engine_config,
+    ops_st,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from appliance.engine.config import EngineConfig
 from appliance.engine.core import EngineCore
@@ -125,3 +137,20 @@ def test_swap_needs_the_host_tier() -> None:
     assert any(m.startswith("scheduler.preemption_mode: swap and auto keep")
                for m in check_supported(build_config(dotlist=["scheduler.preemption_mode=swap"])))
     assert check_supported(build_config(dotlist=["scheduler.preemption_mode=swap", "cache.host_cache=true"])) == []
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=config_st, ops=ops_st(PREFIXES), host=st.sampled_from([1, 3, 8, 32]), disk=st.sampled_from([0, 2, 16]),
+       mode=st.sampled_from(["swap", "recompute"]), overlap=st.booleans())
+def test_random_workloads_over_three_tiers_never_leak_and_keep_outputs(cfg: dict, ops: list, host: int, disk: int,
+                                                                       mode: str, overlap: bool) -> None:
+    # the property test's arrivals, aborts and tiny pools, with host and disk tiers and swapped preemptions:
+    # accounting over every tier after each op and step, each request's output as it generates alone
+    cfg["enable_prefix_caching"] = True
+    config = replace(engine_config(cfg), num_host_blocks=host, num_disk_blocks=disk, preemption_mode=mode)
+    ex = FakeExecutor(config.num_blocks, config.block_size, vocab_size=48)
+    core = EngineCore(config, ex, overlap=overlap)
+    run_ = drive(core, ops, PREFIXES)
+    rep = core.check_accounting()
+    assert rep.ok and rep.owned == 0, rep.problems
+    assert_each_generates_what_it_generates_alone(ex, run_)

@@ -93,9 +93,12 @@ class HostTier:
             if isinstance(hb, HostBlock):
                 self._pinned.add(hb.block_hash)
                 self._lru.move_to_end(hb.block_hash)
-        for db in blocks:
-            if isinstance(db, DiskBlock):
-                self._pinned.add(self._fetch(db).block_hash)
+        disk_hits = [db for db in blocks if isinstance(db, DiskBlock)]
+        for db in disk_hits:  # a fetch's spill must not reuse the disk slot of another hit (or its own)
+            assert self.disk is not None
+            self.disk.pin(db.block_hash)
+        for db in disk_hits:
+            self._pinned.add(self._fetch(db).block_hash)
         return [self._lru[b.block_hash] for b in blocks]
 
     def load(self, hb: HostBlock, block_id: int) -> None:
