@@ -115,6 +115,10 @@ def test_auto_swaps_where_the_measured_copy_is_cheaper() -> None:
     with pytest.raises(ValueError, match="measured"):
         SwapPolicy("auto", None)
     assert SwapCosts.from_dict(costs.to_dict()) == costs
+    even = costs.break_even_tokens(16)  # where the two costs cross: recompute below, swap above
+    assert even is not None and 16 < even < 4096
+    n = int(even // 16 + 1) * 16
+    assert policy.swaps(n, n // 16) and not policy.swaps(n - 32, n // 16 - 2)
 
 
 def test_auto_in_the_engine_matches_recompute_outputs() -> None:

@@ -154,6 +154,13 @@ class EngineConfig:
                         "recurrent state at its end, and cache.ssm_checkpoint_interval is unset (no state "
                         "snapshots; the prefix is recomputed)")
             prefix_caching = False
+        mode = str(getattr(sched, "preemption_mode", "recompute"))
+        if mode == "auto" and swap_costs is not None:
+            even = swap_costs.break_even_tokens(cache.block_size)
+            log.info("preemption auto: a preempted request is swapped to the host tier when it has computed more "
+                     "than %s tokens, else recomputed (measured: %.2f GB/s copies, %.0f prefill tokens/s)",
+                     "no number of" if even is None else f"{even:.0f}", swap_costs.copy_gbps,
+                     swap_costs.prefill_tok_s)
         return cls(
             num_blocks=num_blocks,
             block_size=cache.block_size,
@@ -174,7 +181,7 @@ class EngineConfig:
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
             num_host_blocks=host_blocks(cache, num_blocks) if num_host_blocks is None else num_host_blocks,
             num_state_slots=num_state_slots,
-            preemption_mode=str(getattr(sched, "preemption_mode", "recompute")),
+            preemption_mode=mode,
             swap_costs=swap_costs,
             num_disk_blocks=num_disk_blocks,
             state_cache_bytes=state_cache_bytes,

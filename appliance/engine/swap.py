@@ -38,6 +38,17 @@ class SwapCosts:
         context each token sees (n^2 / 2 token-context pairs)."""
         return num_tokens / self.prefill_tok_s + self.context_s_per_token2 * num_tokens * num_tokens / 2
 
+    def break_even_tokens(self, block_size: int) -> float | None:
+        """The computed tokens above which a swap costs less than a recompute (whole blocks; 0: always, None:
+        never): per token, copying costs 2 x bytes / block_size / bandwidth, recomputing 1 / rate plus attention's
+        share, which grows with n."""
+        copy = 2 * self.bytes_per_block / block_size / (self.copy_gbps * 1e9)
+        if copy < 1 / self.prefill_tok_s:
+            return 0.0
+        if self.context_s_per_token2 == 0:
+            return None
+        return 2 * (copy - 1 / self.prefill_tok_s) / self.context_s_per_token2
+
     def to_dict(self) -> dict[str, float | int]:
         return {"copy_gbps": self.copy_gbps, "prefill_tok_s": self.prefill_tok_s,
                 "prefill_tokens": self.prefill_tokens, "bytes_per_block": self.bytes_per_block,
