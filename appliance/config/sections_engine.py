@@ -271,8 +271,8 @@ class CacheSection(Section):
         "host tier drops are spilled to a file there and fetched back on a later prefix hit (Atlas's high-speed "
         "swap; SGLang's and TokenSpeed's storage backend `file`).",
         flags=("--disk-cache", "--high-speed-swap"))
-    disk_cache_dir: str | None = param(None, "Directory of the disk tier's file (one per worker process, "
-                                       "removed when it exits).",
+    disk_cache_dir: str | None = param(None, "Directory of the disk tier's file (one per worker "
+                                       "process, unlinked once open: freed when the process ends).",
                                        flags=("--disk-cache-dir", "--high-speed-swap-dir"))
     disk_cache_size_gb: float | None = param(None, "Disk tier size in GiB (per worker process).",
                                              flags=("--disk-cache-size-gb", "--high-speed-swap-gb"), gt=0)
