@@ -14,12 +14,15 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from appliance.engine.block_pool import BlockPool
 from appliance.engine.disk_tier import DISK_MEDIUM, DiskBlock, DiskTier
 from appliance.engine.host_tier import HOST_MEDIUM, HostBlock, HostTier
 from appliance.engine.request import Request
+
+if TYPE_CHECKING:
+    from appliance.engine.state_snapshots import StateSnapshots
 
 BLOCK_STORED = "BlockStored"
 BLOCK_REMOVED = "BlockRemoved"
@@ -110,6 +113,25 @@ class PrefixCache:
                 break
             out.append(b)
         return out
+
+    def lookup(self, req: Request, speculative: bool, snapshots: StateSnapshots | None
+               ) -> tuple[list[int], list[HostBlock | DiskBlock], int, int]:
+        """Admission's prefix hit over every tier: (device hit blocks, host / disk hit blocks, the state snapshot to
+        restore or -1, tokens hit)."""
+        # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
+        hit = self.match(req) if req.sampling_params.prompt_logprobs is None else []
+        host_hit = self.match_host(req, len(hit)) if req.sampling_params.prompt_logprobs is None else []
+        if speculative:
+            # the drafter's cache at the hit's last position saw another next token (scheduler.py)
+            if host_hit:
+                host_hit = host_hit[:-1]
+            elif hit:
+                hit = hit[:-1]
+        restore = -1
+        if (hit or host_hit) and snapshots is not None:  # the KV alone is no prefix: its state must be restored
+            k, restore = snapshots.deepest(self.block_hashes(req), len(hit) + len(host_hit))
+            hit, host_hit = hit[:k], host_hit[:max(0, k - len(hit))]
+        return hit, host_hit, restore, (len(hit) + len(host_hit)) * self.block_size
 
     def match_host(self, req: Request, start: int) -> list[HostBlock | DiskBlock]:
         """The host (then disk) tier's blocks that continue a device hit of `start` blocks (same last-token rule);

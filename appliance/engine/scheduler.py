@@ -44,8 +44,6 @@ from appliance.engine.admission import OutputReservation
 from appliance.engine.block_pool import BlockPool
 from appliance.engine.config import EngineConfig
 from appliance.engine.delta import RequestDelta
-from appliance.engine.disk_tier import DiskBlock
-from appliance.engine.host_tier import HostBlock
 from appliance.engine.outputs import (
     append_token,
     append_verified,
@@ -250,7 +248,8 @@ class Scheduler(Preemption):
 
     def _admit(self, req: Request, st: StepBudget) -> bool:
         # a swapped request's own blocks come back from the host tier (preemption.py), else a prefix lookup
-        hit, host_hit, restore, num_hit = self._swapped_hit(req) if req.swap_slots else self._prefix_hit(req)
+        hit, host_hit, restore, num_hit = (self._swapped_hit(req) if req.swap_slots else
+                                           self.cache.lookup(req, bool(self._num_spec), self.snapshots))
         n = st.prefill_size(req.num_tokens - num_hit)
         if n == 0:
             return False
@@ -284,24 +283,6 @@ class Scheduler(Preemption):
             self._reserve.admitted(req)
         st.issue_new(req, n, restore, self._snapshot_slot(req, num_hit + n))
         return True
-
-    def _prefix_hit(self, req: Request) -> tuple[list[int], list[HostBlock | DiskBlock], int, int]:
-        """(device hit blocks, host hit blocks, snapshot to restore or -1, tokens hit)."""
-        bs = self.config.block_size
-        # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
-        hit = self.cache.match(req) if req.sampling_params.prompt_logprobs is None else []
-        host_hit = self.cache.match_host(req, len(hit)) if req.sampling_params.prompt_logprobs is None else []
-        if self.config.num_speculative_tokens:
-            # the drafter's cache at the hit's last position saw another next token (see top)
-            if host_hit:
-                host_hit = host_hit[:-1]
-            elif hit:
-                hit = hit[:-1]
-        restore = -1
-        if (hit or host_hit) and self.snapshots is not None:  # the KV alone is no prefix: its state must be restored
-            k, restore = self.snapshots.deepest(self.cache.block_hashes(req), len(hit) + len(host_hit))
-            hit, host_hit = hit[:k], host_hit[:max(0, k - len(hit))]
-        return hit, host_hit, restore, (len(hit) + len(host_hit)) * bs
 
     def _snapshot_slot(self, req: Request, end: int) -> int:
         """The snapshot slot a chunk ending at `end` saves its state into (-1: none): at a checkpoint of the
