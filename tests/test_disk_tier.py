@@ -88,7 +88,7 @@ def turns() -> list[list[list[int]]]:
 
 def test_blocks_the_host_drops_come_back_from_disk_token_exact(tiny_model: Path, tmp_path: Path) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    common = dict(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=128, max_model_len=96)
+    common = {"model": str(tiny_model), "dtype": "float32", "block_size": 4, "max_total_tokens": 128, "max_model_len": 96}
     tiered = LLM(**common, host_cache=True, host_cache_ratio=0.5, disk_cache=True, disk_cache_dir=str(tmp_path),
                  disk_cache_size_gb=0.01)
     host_only = LLM(**common, host_cache=True, host_cache_ratio=0.5)

@@ -46,8 +46,8 @@ class Recording:
 
 
 def test_the_forward_waits_for_each_layers_copies_just_before_that_layer(tiny_model: Path) -> None:
-    common = dict(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=64, max_model_len=64,
-                  enable_overlap_schedule=False, device="cpu")  # eager steps: a GPU's graphs wait per step
+    common = {"model": str(tiny_model), "dtype": "float32", "block_size": 4, "max_total_tokens": 64, "max_model_len": 64,
+                  "enable_overlap_schedule": False, "device": "cpu"}  # eager steps: a GPU's graphs wait per step
     llm = LLM(**common, host_cache=True, host_cache_ratio=4)
     runner = llm.executor.runner
     copier = runner.host_copier
@@ -125,8 +125,8 @@ def test_side_stream_reloads_are_token_exact_on_cuda(tiny_model: Path, eager: bo
     # eager: layer-by-layer waits; graphs: the per-step wait before decode graphs and piecewise pieces
     from appliance.executor.host_copy import SideStream
 
-    common = dict(model=str(tiny_model), dtype="bfloat16", block_size=16, max_total_tokens=512, max_model_len=256,
-                  device="cuda", enforce_eager=eager)
+    common = {"model": str(tiny_model), "dtype": "bfloat16", "block_size": 16, "max_total_tokens": 512, "max_model_len": 256,
+                  "device": "cuda", "enforce_eager": eager}
     tiered = LLM(**common, host_cache=True, host_cache_ratio=4)
     cold = LLM(**common, enable_prefix_caching=False)
     assert isinstance(tiered.executor.runner.host_copier.stream, SideStream)

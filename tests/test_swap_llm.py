@@ -17,7 +17,7 @@ PROMPTS = [list(range(10 + 40 * i, 30 + 40 * i + 2 * i)) for i in range(5)]
 
 
 def common(tiny_model: Path) -> dict:
-    return dict(model=str(tiny_model), dtype="float32", block_size=4, max_model_len=64)
+    return {"model": str(tiny_model), "dtype": "float32", "block_size": 4, "max_model_len": 64}
 
 
 def test_swapped_requests_give_the_tokens_of_a_pool_that_never_preempts(tiny_model: Path) -> None:

@@ -22,7 +22,7 @@ medium "CPU"; a block copied back is stored again on the device (BlockStored wit
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.engine.disk_tier import FETCH, SPILL, DiskBlock, DiskTier

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from appliance.engine.block_pool import BlockPool
 from appliance.engine.disk_tier import DISK_MEDIUM, DiskBlock, DiskTier

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from appliance.engine.disk_tier import FETCH, SPILL
-from appliance.executor.disk_file import DiskFile
 from appliance.engine.config import disk_blocks, host_blocks
+from appliance.engine.disk_tier import FETCH, SPILL
 from appliance.executor import kv_cache
+from appliance.executor.disk_file import DiskFile
 from appliance.executor.kv_cache import KVCacheSpec, coalesce, copy_layer_runs
 
 if TYPE_CHECKING:

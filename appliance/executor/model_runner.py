@@ -31,6 +31,7 @@ from appliance.executor import (
     memory_profile,
     speculative,
     state_cache,
+    swap_cost,
     warmup,
 )
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
@@ -41,7 +42,6 @@ from appliance.executor.cuda_graph import (
     rows_view,
     width_bucket,
 )
-from appliance.executor import swap_cost
 from appliance.executor.host_copy import HostCopier
 from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
