@@ -226,7 +226,8 @@ log_level = "info"
                                                               w, concurrency=4))
         assert all(r.timing.success for r in results), [r.timing.error for r in results]
         m = sessions.session_metrics(results, duration)
-        assert srv.wait_idle()["accounting_ok"]
+        stats = srv.wait_idle()
+        assert stats["accounting_ok"] and stats["tier_disk_spilled"] > 0 and stats["tier_host_loaded"] > 0, stats
         assert m["hit_vs_ideal"] > 0.9, m
     finally:
         stop(srv)

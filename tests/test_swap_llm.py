@@ -28,6 +28,8 @@ def test_swapped_requests_give_the_tokens_of_a_pool_that_never_preempts(tiny_mod
     assert got == want
     sched = llm.engine.scheduler
     assert sched.num_preemptions > 0 and sched.cache.host.num_swapped_in > 0
+    counts = llm.engine.stats().tier_counts
+    assert counts["tier_swapped_out"] >= counts["tier_swapped_in"] == sched.cache.host.num_swapped_in
     assert llm.engine.check_accounting().ok, llm.engine.check_accounting().problems
 
 

@@ -159,6 +159,14 @@ class HostTier:
         if self.disk is not None:
             self.disk.clear()
 
+    def counts(self) -> dict[str, int]:
+        """Cumulative block copies by kind, the disk tier's included (the stats' tier_* keys)."""
+        disk = self.disk
+        return {"tier_host_stored": self.num_stored, "tier_host_loaded": self.num_loaded,
+                "tier_swapped_out": self.num_swapped_out, "tier_swapped_in": self.num_swapped_in,
+                "tier_disk_spilled": disk.num_spilled if disk is not None else 0,
+                "tier_disk_fetched": disk.num_fetched if disk is not None else 0}
+
     def take_copies(self) -> list[tuple[int, int, int]]:
         out, self.copies = self.copies, []
         return out

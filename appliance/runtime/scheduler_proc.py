@@ -190,6 +190,9 @@ class SchedulerLoop:
             # speculative decoding, cumulative (0 without it): verifications, draft tokens, accepted drafts
             "spec_num_drafts": s.spec_num_drafts, "spec_num_draft_tokens": s.spec_num_draft_tokens,
             "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
+            # the host / disk tiers' block copies, cumulative: tier_host_stored, _loaded, tier_swapped_out, _in,
+            # tier_disk_spilled, _fetched (absent without a host tier)
+            **s.tier_counts,
             # objects kept out of garbage collection since start-up, here and in worker 0 (runtime/gc_heap.py)
             "gc_frozen_objects": gc.get_freeze_count(), "worker_gc_frozen_objects": self.worker_gc_frozen,
         }
