@@ -2,7 +2,8 @@
 # Agentic sessions on one GPU: the host KV tier and the slo policy, ours and the peer's (vLLM 0.26) in the same run,
 # with `appliance bench sessions`. Each part runs in under 8 minutes on an H100 80GB.
 #
-#   bash benchmarks/sessions.sh PART [PART...]     # results: $OUT (or $BENCH_OUT, else a temp dir)
+#   bash benchmarks/sessions.sh PART [PART...]     # results: $OUT (or $BENCH_OUT, else a temp dir); ours also
+#                                                   # leave NAME_stats.json, the server's /v1/internal/stats
 #
 # Model: the Llama-3.1-8B shape with dummy bf16 weights (`python -m appliance.bench.presets`).
 # Parts:
@@ -64,6 +65,9 @@ with_server() {
   done
   "$@" "$name"
   local rc=$?
+  # ours: the engine's counters after the run (preemptions, the tiers' copies: tier_swapped_out, tier_disk_spilled...)
+  [[ "$name" != peer ]] && "$py" -c "import httpx; print(httpx.get('$base/v1/internal/stats', timeout=5).text)" \
+    > "$out/${name}_stats.json" 2>/dev/null
   kill -TERM "$pid"; wait "$pid"
   return $rc
 }
@@ -115,7 +119,7 @@ part() {
 }
 
 trap 'kill $(jobs -p) 2>/dev/null' EXIT
-[[ $# -eq 0 ]] && { sed -n '2,31p' "$0"; exit 2; }
+[[ $# -eq 0 ]] && { sed -n '2,32p' "$0"; exit 2; }
 status=0
 for p in "$@"; do
   timeout --kill-after=10 "$limit" bash -c "$(declare -p py out limit models pool sessions think tbt model base); \
