@@ -119,7 +119,7 @@ part() {
 }
 
 trap 'kill $(jobs -p) 2>/dev/null' EXIT
-[[ $# -eq 0 ]] && { sed -n '2,32p' "$0"; exit 2; }
+[[ $# -eq 0 ]] && { sed -n '2,28p' "$0"; exit 2; }
 status=0
 for p in "$@"; do
   timeout --kill-after=10 "$limit" bash -c "$(declare -p py out limit models pool sessions think tbt model base); \
