@@ -140,12 +140,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         llm = make_llm(model_dir, args, snapshots=False)
         records += [{**shape, **r} for r in decode_and_throughput(llm, args, vocab)]
         records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=False)})
+        for r in records:
+            print(json.dumps(r), flush=True)
         del llm
         gc.collect()  # the runner's caches go with it (weakref finalizers) before the second engine sizes its own
         llm = make_llm(model_dir, args, snapshots=True)
         records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=True)})
-    for r in records:
-        print(json.dumps(r))
+        print(json.dumps(records[-1]), flush=True)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(records, indent=1))
     return records

@@ -85,6 +85,8 @@ def _speculative(cfg: ApplianceConfig) -> list[Problem]:
         for key in ("prompt_lookup_min", "prompt_lookup_max"):
             if getattr(s, key) is not None:
                 out.append(Problem(f"speculative.{key}", "only meaningful with algorithm NGRAM"))
+        if s.ngram_proposer != "host":
+            out.append(Problem("speculative.ngram_proposer", "only meaningful with algorithm NGRAM"))
     if s.prompt_lookup_min is not None and s.prompt_lookup_max is not None \
             and s.prompt_lookup_min > s.prompt_lookup_max:
         out.append(Problem("speculative.prompt_lookup_min", "must not exceed prompt_lookup_max"))
@@ -123,6 +125,11 @@ def _scheduler(cfg: ApplianceConfig) -> list[Problem]:
     if sch.chunked_prefill_size != -1 and sch.chunked_prefill_size < block:
         out.append(Problem("scheduler.chunked_prefill_size",
                            f"{sch.chunked_prefill_size} is smaller than cache.block_size {block} (or use -1)"))
+    mixed = sch.max_mixed_prefill_tokens
+    if mixed is not None and mixed > 0 and sch.chunked_prefill_size == -1:
+        out.append(Problem("scheduler.max_mixed_prefill_tokens",
+                           f"{mixed} bounds prefill chunks beside decodes: it needs chunked prefill "
+                           "(scheduler.chunked_prefill_size > 0), or unset it"))
     total = cfg.cache.max_total_tokens
     if total is not None and total < block:
         out.append(Problem("cache.max_total_tokens", f"{total} is smaller than one block ({block} tokens)"))

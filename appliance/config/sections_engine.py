@@ -26,6 +26,7 @@ Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 KvCacheDtype = Literal[
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "mxfp8", "nvfp4"
 ]
+KvCacheQuantMethod = Literal["none", "per_token_head"]
 # every method the source engines name (support.py says which this build runs); names are vLLM/SGLang's
 Quantization = Literal[
     "fp8", "nvfp4", "mxfp4", "mxfp8", "w8a8_fp8", "w8a8_int8", "w4afp8", "compressed-tensors", "awq", "awq_marlin",
@@ -95,7 +96,15 @@ class PrecisionSection(Section):
         "auto", "KV cache storage dtype. `auto` is the activation dtype; fp8 (= fp8_e4m3) and fp8_e5m2 halve KV "
         "memory. fp8 caches use per-layer k/v scales from the checkpoint (ModelOpt, compressed-tensors) or "
         "quantization_param_path, else 1.0 with a warning (values above 448 saturate).")
-    kv_cache_quant_method: str | None = param(None, "KV cache quantization method (for low-precision KV caches).")
+    kv_cache_quant_method: KvCacheQuantMethod | None = param(
+        None, "How an fp8 KV cache is scaled (TokenSpeed's names). `none` (= unset): one static scale per layer "
+        "for K and one for V (per kv head where the checkpoint has them), from the checkpoint, "
+        "quantization_param_path or kv_cache_calibration_tokens. `per_token_head` (a dynamic scale per token and "
+        "head) is not built.")
+    kv_cache_calibration_tokens: int = param(
+        0, "With an fp8 KV cache: compute each layer's k/v scales online from the key / value amax of the first "
+        "this many prefill tokens served, then freeze them (0: off). Replaces the checkpoint's scales.",
+        flags=("--kv-cache-calibration-tokens", "--fp8-kv-calibration-tokens"), ge=0)
     kv_cache_high_precision_layers: int = param(
         0, "With an fp8 KV cache: the first and the last this many attention layers keep their KV cache in the "
         "activation dtype (the layers whose keys and values quantize worst in many models).",
@@ -176,6 +185,12 @@ class SchedulerSection(Section):
         "-1 disables chunked prefill: a prompt is prefilled whole, bounded by max_prefill_tokens.", ge=-1)
     max_prefill_tokens: int = param(8192, "Prefill token budget of one step when chunked prefill is disabled.",
                                     ge=1)
+    max_mixed_prefill_tokens: int | None = param(
+        None, "Most prefill tokens a step takes while it also decodes (a mixed step): every running decode is in "
+        "every step, and prefill chunks fill at most this much beside them, so a decode never waits behind a "
+        "longer prefill (the inter-token latency under load). A step without decodes takes the whole "
+        "chunked_prefill_size. Unset: 2048 in the server (`appliance serve` / `run`), no bound in the offline LLM "
+        "(throughput first); -1: no bound. Needs chunked prefill.", ge=-1)
     max_queued_requests: int | None = param(
         None, "Most requests waiting for admission; further requests get HTTP 429 (Retry-After) at once, before "
         "tokenization. Unset: no limit.", ge=1)
@@ -216,6 +231,13 @@ class SchedulerSection(Section):
     def _chunk(cls, v: int) -> int:
         if v == 0:
             raise ValueError("must be positive, or -1 to disable chunked prefill")
+        return v
+
+    @field_validator("max_mixed_prefill_tokens")
+    @classmethod
+    def _mixed(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be positive, or -1 for no bound")
         return v
 
     @field_validator("policy", mode="before")

@@ -34,6 +34,10 @@ def _parser_missing(kind: str, name: str | None) -> bool:
     return name is not None and name not in (REASONING_PARSERS if kind == "reasoning" else TOOL_CALL_PARSERS)
 
 
+def _calibrating(c: ApplianceConfig) -> bool:
+    return c.precision.kv_cache_calibration_tokens > 0
+
+
 # What the host tier of this build is (engine/host_tier.py): blocks copied to host memory when the device evicts
 # them (SGLang's write_back), per-layer tensors shaped like the device cache (layer_first) moved by plain async
 # copies (direct), sized by host_cache_size_gb or host_cache_ratio. Behind it, optionally, the disk tier
@@ -104,8 +108,20 @@ UNSUPPORTED: list[Unsupported] = [
                 lambda c: c.precision.kv_cache_high_precision_layers > 0
                 and not c.precision.kv_cache_dtype.startswith("fp8"),
                 "16-bit KV layers apply to an fp8 KV cache (set precision.kv_cache_dtype to fp8)"),
-    Unsupported("precision.kv_cache_quant_method", lambda c: c.precision.kv_cache_quant_method is not None,
-                "KV cache quantization is not supported in this build"),
+    Unsupported("precision.kv_cache_quant_method", lambda c: c.precision.kv_cache_quant_method == "per_token_head",
+                "per_token_head (dynamic per-token, per-head KV scales) is not built; an fp8 KV cache takes static "
+                "per-layer scales (kv_cache_quant_method none) from the checkpoint, quantization_param_path or "
+                "kv_cache_calibration_tokens"),
+    Unsupported("precision.kv_cache_calibration_tokens",
+                lambda c: _calibrating(c) and not c.precision.kv_cache_dtype.startswith("fp8"),
+                "online KV scale calibration applies to an fp8 KV cache (set precision.kv_cache_dtype to fp8)"),
+    Unsupported("precision.kv_cache_calibration_tokens",
+                lambda c: _calibrating(c) and c.precision.quantization_param_path is not None,
+                "KV scales come from one source: online calibration or precision.quantization_param_path, not both"),
+    Unsupported("precision.kv_cache_calibration_tokens",
+                lambda c: _calibrating(c) and c.cache.host_cache,
+                "online KV scale calibration rescales the device cache as the scales grow; blocks copied to the host "
+                "tier meanwhile would keep the old scale (turn cache.host_cache off, or use fixed scales)"),
     Unsupported("precision.quantization_param_path",
                 lambda c: c.precision.quantization_param_path is not None
                 and not c.precision.kv_cache_dtype.startswith("fp8"),

@@ -27,6 +27,7 @@ from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepRe
 from appliance.executor import (
     inflight,
     kv_cache,
+    kv_calibration,
     logits_processors,
     memory_profile,
     speculative,
@@ -155,6 +156,8 @@ class ModelRunner:
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
         # scheduler.preemption_mode auto prices swaps with rates measured here, before serving (swap_cost.py)
         self.swap_costs = swap_cost.measure(self) if swap_cost.wanted(self) else None
+        # online fp8 KV scales: armed after the warm-up, whose writes must not count (kv_calibration.py)
+        self.kv_calibration = kv_calibration.arm(layers, config.precision.kv_cache_calibration_tokens)
         # speculative decoding runs whole steps (executor/speculative.py)
         if config.speculative.algorithm is not None:
             with STARTUP.phase("building the speculator"):
@@ -320,7 +323,8 @@ class ModelRunner:
                               self.block_table, with_states=self.state_cache is not None)
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         hidden = None
-        if self.pieces is not None and self.use_graphs:
+        calibrating = self.kv_calibration is not None and not self.kv_calibration.done  # observed eagerly
+        if self.pieces is not None and self.use_graphs and not calibrating:
             self.host_copier.wait_all()  # the pieces' cache stores are captured
             hidden = self.pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         if hidden is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -86,6 +86,12 @@ def set_piece_break(hook: PieceBreak | None) -> PieceBreak | None:
     return previous
 
 
+class KVObserver(Protocol):
+    """Sees a layer's keys and values before they are stored (executor/kv_calibration.py: online fp8 scales)."""
+
+    def observe(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None: ...
+
+
 def fused_rope_store(backend: str) -> Callable[..., Any] | None:
     """The attention backend's `rope_store_kv` (norm + rotary + KV store in one op), or None when that backend
     has none: the caller then runs norm, rope and `store_kv` separately. Never another backend's version: the op
@@ -127,6 +133,8 @@ class Attention(nn.Module):
         # called before every use of the cache: the host tier's copies of this layer are waited for here
         # (executor/host_copy.py), so the layers before it compute meanwhile
         self.kv_ready: Callable[[], None] | None = None
+        # set while online KV scale calibration is open: stores go through `forward`, which shows it K and V first
+        self.calibration: KVObserver | None = None
 
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -170,6 +178,8 @@ class Attention(nn.Module):
         t = q.shape[0]
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.calibration is not None:
+            self.calibration.observe(self, k, v, meta)
         self._store(k, v, k_cache, v_cache, meta.slot_mapping, **self.kv_scales)
         return self.attend(q, meta)
 
