@@ -131,6 +131,9 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.kv_scales: dict[str, torch.Tensor] = {}  # the ops' scale keywords for the bound cache ({} if 16-bit)
+        # called before every use of the cache: the host tier's copies of this layer are waited for here
+        # (executor/host_copy.py), so the layers before it compute meanwhile
+        self.kv_ready: Callable[[], None] | None = None
         # set while online KV scale calibration is open: stores go through `forward`, which shows it K and V first
         self.calibration: KVObserver | None = None
 
@@ -177,6 +180,8 @@ class Attention(nn.Module):
     def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner allocates it")
+        if self.kv_ready is not None:
+            self.kv_ready()
         return self.k_cache, self.v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
