@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from appliance.executor.cuda_graph import GraphKey
+from appliance.executor.cuda_graph import GRAPH_CONTEXT, GraphKey
 from appliance.executor.input_batch import Chunk, graph_stride, table_width
-from appliance.executor.verify_graphs import GRAPH_CONTEXT, VerifyGraphs, verify_rows
+from appliance.executor.verify_graphs import VerifyGraphs, verify_rows
 from appliance.layers.attention import AttentionMetadata, longest_first
 
 if TYPE_CHECKING:

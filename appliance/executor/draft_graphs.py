@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from appliance.executor.cuda_graph import GraphKey, capture_sizes, padded_batch, width_bucket
+from appliance.executor.cuda_graph import GRAPH_CONTEXT, GraphKey, capture_sizes, padded_batch, width_bucket
 from appliance.executor.input_batch import graph_stride
 from appliance.executor.request_table import DeviceBlockTable, RequestState
 from appliance.layers.attention import AttentionMetadata, longest_first
@@ -230,7 +230,7 @@ def make_chain_graphs(spec: Speculator, hidden_size: int | None, drafter: torch.
     captured."""
     from appliance.executor.cuda_graph import graph_settings
     from appliance.executor.startup import STARTUP
-    from appliance.executor.verify_graphs import GRAPH_CONTEXT, verify_batches
+    from appliance.executor.verify_graphs import verify_batches
 
     r = spec.runner
     c = r.config

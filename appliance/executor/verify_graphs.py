@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from appliance.executor.cuda_graph import DecodeGraphs, GraphKey, graph_settings, padded_batch, width_bucket
+from appliance.executor.cuda_graph import (
+    GRAPH_CONTEXT,
+    DecodeGraphs,
+    GraphKey,
+    graph_settings,
+    padded_batch,
+    width_bucket,
+)
 from appliance.executor.input_batch import Chunk, graph_stride, table_width
 from appliance.executor.startup import STARTUP
 from appliance.layers.attention import AttentionMetadata, longest_first
@@ -40,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_VERIFY_BATCH = 64  # requests per captured verification step; larger steps run eagerly
-GRAPH_CONTEXT = 2048  # context the graphs are captured for at start-up, as the decode graphs' warm-up
 
 
 def verify_batches(runner: ModelRunner) -> list[int] | None:
@@ -68,8 +74,10 @@ def make_verify_graphs(runner: ModelRunner, num_steps: int) -> VerifyGraphs | No
     if batches is None:
         return None
     rows = sorted({b * (num_steps + 1) for b in batches})
+    # rows from which the target's decode attention is the same launch at every width (cuda_graph.py)
+    unsplit = runner.graphs.unsplit_from if runner.graphs is not None else None
     graphs = VerifyGraphs(runner.model, int(runner.hf_config.hidden_size), runner.dtype, runner.device, rows,
-                          runner.max_blocks, runner.block_size, runner.block_table)
+                          runner.max_blocks, runner.block_size, runner.block_table, unsplit)
     if runner.graphs is not None:
         graphs.pool = runner.graphs.pool  # every graph's intermediates die at its end: one pool serves all
     if graphs.cuda:
@@ -121,7 +129,7 @@ class VerifyGraphs(DecodeGraphs):
         batch = padded_batch(self.sizes, sum(c.num_tokens for c in chunks))
         if batch is None:
             return None
-        return GraphKey(batch, width_bucket(table_width(chunks), self.max_blocks))
+        return GraphKey(batch, self.width_for(batch, width_bucket(table_width(chunks), self.max_blocks)))
 
     def _rows_upload(self, chunks: list[Chunk], key: GraphKey, host: np.ndarray) -> None:
         if sum(c.num_tokens for c in chunks) > key.batch or table_width(chunks) > key.width:

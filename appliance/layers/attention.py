@@ -120,6 +120,7 @@ class Attention(nn.Module):
             self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
         else:
             self.register_parameter("sinks", None)
+        self.backend = backend
         self._store = kernel("store_kv", backend)
         self._decode = kernel("decode_attention", backend)
         self._prefill = kernel("prefill_attention", backend)
@@ -130,6 +131,9 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.kv_scales: dict[str, torch.Tensor] = {}  # the ops' scale keywords for the bound cache ({} if 16-bit)
+        # called before every use of the cache: the host tier's copies of this layer are waited for here
+        # (executor/host_copy.py), so the layers before it compute meanwhile
+        self.kv_ready: Callable[[], None] | None = None
         # set while online KV scale calibration is open: stores go through `forward`, which shows it K and V first
         self.calibration: KVObserver | None = None
 
@@ -153,6 +157,16 @@ class Attention(nn.Module):
             extra["sinks"] = self.sinks
         return extra
 
+    def decode_unsplit_from(self, device: torch.device) -> int | None:
+        """The smallest decode batch whose attention launch is the same at every block-table width (no split-K),
+        or None where the backend's launch always depends on it: the decode graphs share one width from there
+        (executor/cuda_graph.py)."""
+        if self.backend != "triton":
+            return None
+        from appliance.kernels.triton.decode import unsplit_from
+
+        return unsplit_from(self.num_kv_heads, device)
+
     def bind_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.kv_scales = {}
@@ -166,6 +180,8 @@ class Attention(nn.Module):
     def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner allocates it")
+        if self.kv_ready is not None:
+            self.kv_ready()
         return self.k_cache, self.v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

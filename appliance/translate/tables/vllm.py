@@ -121,7 +121,8 @@ _FLAGS = (
             "precision.kv_cache_calibration_tokens)", C, arity="flag", const=2048),
     no("--kv-cache-memory-bytes", "size the KV pool with cache.max_total_tokens or cache.gpu_memory_utilization",
        C),
-    no("--swap-space", "preempted requests are recomputed, not swapped to host memory", C),
+    no("--swap-space", "preempted requests swap into the host KV tier (scheduler.preemption_mode, sized by "
+       "cache.host_cache_size_gb), not a separate swap space", C),
     no("--cpu-offload-gb", "weights are not offloaded to the CPU", C, neutral=("0",)),
     no("--num-gpu-blocks-override", "size the KV pool with cache.max_total_tokens", C),
     no("--prefix-caching-hash-algo", "prefix blocks are hashed with the appliance's own chain hash", C),
@@ -239,7 +240,8 @@ _FLAGS = (
     removed("--spec-decoding-acceptance-method", "removed from vLLM V1", SD),
     removed("--guided-decoding-backend", "renamed in vLLM to --structured-outputs-config backend; structured "
             "outputs here are xgrammar's", SO, neutral=("xgrammar", "auto")),
-    removed("--preemption-mode", "removed from vLLM V1 (always recompute)", S),
+    similar("--preemption-mode", "scheduler.preemption_mode", "removed from vLLM V1 (always recompute); vLLM V0's "
+            "recompute / swap, where swap needs the host KV tier (cache.host_cache)", S),
     removed("--scheduler-delay-factor", "removed from vLLM V1", S),
     removed("--tokenizer-pool-size", "removed from vLLM", M),
     removed("--tokenizer-pool-type", "removed from vLLM", M),
