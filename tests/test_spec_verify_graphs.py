@@ -1,8 +1,9 @@
-"""Speculative steps as decode rows (executor/verify_graphs.py, catch_up_graphs.py, draft_graphs.py): the
-upload's layout, the same hidden states as the multi-token (prefill attention) path on every verification step
-of a run, the drafter's catch-up drafting what its eager catch-up drafts, a chain's rows stopping at their
-limit, greedy tokens equal to plain decoding through them on the CPU (the uncaptured bodies), and on a GPU the
-captured graphs give the tokens of the eager path. GPU part: python -m pytest -q -m gpu tests/test_spec_verify_graphs.py"""
+"""Speculative steps as decode rows (executor/verify_graphs.py, catch_up_graphs.py, draft_graphs.py): the upload's
+layout, the same hidden states as the multi-token (prefill attention) path on every verification step of a run, the
+drafter's catch-up drafting what its eager catch-up drafts, a chain's rows stopping at their limit, greedy tokens
+equal to plain decoding through them on the CPU (the uncaptured bodies), and on a GPU the captured graphs give the
+tokens of the eager path. GPU part: python -m pytest -q -m gpu tests/test_spec_verify_graphs.py
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,12 +17,13 @@ from spec_heads import build_eagle3_head
 
 from appliance import LLM, SamplingParams
 from appliance.engine.sampling_params import SamplingParams as Params
+from appliance.executor.draft_graphs import ChainGraphs
 from appliance.executor.input_batch import Chunk, graph_stride
 from appliance.executor.request_table import RequestState
-from appliance.executor.draft_graphs import ChainGraphs
 from appliance.executor.verify_graphs import VerifyGraphs, verify_rows
 
-PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11], list(range(40, 60)) + list(range(40, 50))]
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
+           list(range(40, 60)) + list(range(40, 50))]
 NEW = 16
 
 

@@ -1,17 +1,18 @@
 """The drafter's catch-up after a verification step, as decode rows replayed from CUDA graphs.
 
-After a step verified drafts, the drafter runs over each request's newly confirmed positions (its own KV cache
-then holds them) and its last row drafts the first token of the next chain (speculative.py step 3). For a step
-the verify graphs ran (verify_graphs.py: every chunk samples after at most num_steps + 1 tokens), those rows are
-at most the step's rows, so the catch-up runs as decode rows too, each row seeing the drafter's cache up to
-itself: row j of a request sits at position start + j and reads the token at start + j + shift (1 for EAGLE,
-EAGLE-3 and MTP, fed the next token beside the target's state at j; 0 for a draft model, whose rows include the
-token just sampled) and, for drafters fed the target's states, the target's row `take` of a static source (the
-verify graphs' output, or the EAGLE-3 capture buffer), gathered inside the graph. The forward is the drafter's
-`draft_step` (a chain step is a catch-up row of one token), so every row's argmax draft and hidden state land
-in static outputs (a step where some request draws its drafts from the drafter's q keeps the eager catch-up); the speculator gathers each drafting request's last row for the chain (draft_graphs.py) without
-a host round trip. Graphs are keyed by (padded rows, table width) like the verify graphs and captured at
-start-up on a GPU; on a CPU the same body runs uncaptured. The drafter keeps no `lens`: nothing is corrected.
+After a step verified drafts, the drafter runs over each request's newly confirmed positions (its own KV cache then
+holds them) and its last row drafts the first token of the next chain (speculative.py step 3). For a step the verify
+graphs ran (verify_graphs.py: every chunk samples after at most num_steps + 1 tokens), those rows are at most the
+step's rows, so the catch-up runs as decode rows too, each row seeing the drafter's cache up to itself: row j of a
+request sits at position start + j and reads the token at start + j + shift (1 for EAGLE, EAGLE-3 and MTP, fed the
+next token beside the target's state at j; 0 for a draft model, whose rows include the token just sampled) and, for
+drafters fed the target's states, the target's row `take` of a static source (the verify graphs' output, or the
+EAGLE-3 capture buffer), gathered inside the graph. The forward is the drafter's `draft_step` (a chain step is a
+catch-up row of one token), so every row's argmax draft and hidden state land in static outputs (a step where some
+request draws its drafts from the drafter's q keeps the eager catch-up); the speculator gathers each drafting
+request's last row for the chain (draft_graphs.py) without a host round trip. Graphs are keyed by (padded rows,
+table width) like the verify graphs and captured at start-up on a GPU; on a CPU the same body runs uncaptured. The
+drafter keeps no `lens`: nothing is corrected.
 """
 from __future__ import annotations
 

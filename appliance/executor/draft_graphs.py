@@ -1,18 +1,18 @@
 """A drafter's chain of one-token steps, replayed from one CUDA graph.
 
-After the catch-up forward drafts each request's first token, num_steps - 1 more one-token steps of the drafter
-(the EAGLE / EAGLE-3 head, the MTP layer, the standalone draft model: the speculator's `draft_step`) feed each
-draft back. Every step's positions are known before the chain starts (draft i + 1 of a request sits at
-first_pos + i), so the whole chain is one fixed-shape body: its rows' positions, slots and seq_lens for every
-step travel in one upload, the tables are gathered once from the runner's persistent device table (the step's
-block deltas are already there), and the drafts stay on the device from step to step and come back in one copy
-at the end, which the speculator waits for only when it next reads its drafts (the next step's start): the
-chain runs on the GPU while the engine plans that step, so the verification's samples are a step's one wait. A graph is captured per (padded batch, table-width bucket), as the decode graphs are.
-A row whose next position is past its block table or max_model_len (`Speculator.draft_limit`) stores nothing
-from there on (slot -1, seq_len 0: attention reads nothing) and its later drafts are dropped on the host; pad
-rows are the same with table row 0.
-Batches above the captured sizes, a CPU (tests) and a drafter whose forward cannot be captured run the same body
-uncaptured over the same static buffers, so the speculative parity tests exercise it.
+After the catch-up forward drafts each request's first token, num_steps - 1 more one-token steps of the drafter (the
+EAGLE / EAGLE-3 head, the MTP layer, the standalone draft model: the speculator's `draft_step`) feed each draft
+back. Every step's positions are known before the chain starts (draft i + 1 of a request sits at first_pos + i), so
+the whole chain is one fixed-shape body: its rows' positions, slots and seq_lens for every step travel in one
+upload, the tables are gathered once from the runner's persistent device table (the step's block deltas are already
+there), and the drafts stay on the device from step to step and come back in one copy at the end, which the
+speculator waits for only when it next reads its drafts (the next step's start): the chain runs on the GPU while the
+engine plans that step, so the verification's samples are a step's one wait. A graph is captured per (padded batch,
+table-width bucket), as the decode graphs are. A row whose next position is past its block table or max_model_len
+(`Speculator.draft_limit`) stores nothing from there on (slot -1, seq_len 0: attention reads nothing) and its later
+drafts are dropped on the host; pad rows are the same with table row 0. Batches above the captured sizes, a CPU
+(tests) and a drafter whose forward cannot be captured run the same body uncaptured over the same static buffers, so
+the speculative parity tests exercise it.
 """
 from __future__ import annotations
 

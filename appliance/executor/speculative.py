@@ -141,7 +141,8 @@ class Speculator:
         self._drafts: dict[str, list[int]] = {}
         # a chain launched, its drafts not read yet: each request's row in it
         self._pending: tuple[dict[str, int], PendingChain] | None = None
-        self.draft_probs: dict[str, torch.Tensor] = {}  # q rows of drafts drawn from the drafter (speculative_rejection)
+        # q rows of drafts drawn from the drafter (speculative_rejection.py)
+        self.draft_probs: dict[str, torch.Tensor] = {}
         self.drafting = True  # this step proposes (False above disable_by_batch_size sampling rows)
         self._chain_stager = Stager(runner.device)  # the rows a chain starts from
         self._index_stager = Stager(runner.device)  # the drafter's row indices
