@@ -92,21 +92,34 @@ class PrefixCache:
         """
         if not self.enabled:
             return []
-        bs = self.block_size
-        limit = (req.num_tokens - 1) // bs
-        hashes = self.block_hashes(req)
         out: list[int] = []
-        for i in range(limit):
-            b = self._by_hash.get(hashes[i])
+        for i in range(self.max_hit_blocks(req)):
+            b = self.cached_at(req, i)
             if b is None:
-                break
-            cb = self._by_block[b]
-            if cb.parent_hash != (hashes[i - 1] if i else None):
-                break
-            if cb.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs)):
                 break
             out.append(b)
         return out
+
+    def max_hit_blocks(self, req: Request) -> int:
+        """The longest hit `req` may have, in blocks: its last token is always computed, to sample."""
+        return (req.num_tokens - 1) // self.block_size
+
+    def cached_at(self, req: Request, i: int) -> int | None:
+        """The cached block holding block i of `req` (its chained hash, parent and tokens confirmed), or None.
+        A sliding-window group's cache (kv_groups.py) asks block by block: its hit needs the last window only."""
+        if not self.enabled:
+            return None
+        bs = self.block_size
+        hashes = self.block_hashes(req)
+        b = self._by_hash.get(hashes[i])
+        if b is None:
+            return None
+        cb = self._by_block[b]
+        if cb.parent_hash != (hashes[i - 1] if i else None):
+            return None
+        if cb.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs)):
+            return None
+        return b
 
     def match_host(self, req: Request, start: int) -> list[HostBlock]:
         """The host tier's blocks that continue a device hit of `start` blocks (same last-token rule)."""
@@ -168,7 +181,7 @@ class PrefixCache:
         for i in range(req.num_stored_blocks, n_full):
             b = req.block_ids[i]
             h = hashes[i]
-            if h in self._by_hash or self.pool.is_cached(b):
+            if (b == 0 and self.pool.null_block) or h in self._by_hash or self.pool.is_cached(b):
                 continue
             parent = hashes[i - 1] if i else None
             cb = CachedBlock(b, h, parent, tuple(req.token_slice(i * bs, (i + 1) * bs)))
