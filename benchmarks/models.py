@@ -7,8 +7,9 @@
 Per model, through the offline runners of appliance/bench (EOS ignored: every request makes its output length):
 - batch-1 decode: `bench latency` of one request, --b1-input prompt tokens and --b1-output tokens (mean TPOT);
 - throughput: `bench throughput` of --num-prompts prompts, --input-len in / --output-len out (output tok/s);
-- KV memory per sequence of --kv-context tokens: what this build allocates (its blocks x bytes per block: every
-  layer keeps the whole context) against the sliding-window share (local layers holding only their window).
+- KV memory per sequence of --kv-context tokens: the blocks this build allocates (one table for every layer: each
+  keeps the whole context) against the blocks its KV cache groups hold (engine/kv_groups.py: a sliding-window
+  layer's group keeps the blocks of its window, at most ceil((W + block - 1) / block)), and the bytes of each.
 Each model gets a fresh engine, released before the next.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from appliance.bench import offline
 from appliance.bench.presets import write_model_dir
 from appliance.bench.workloads import random_workload
+from appliance.engine.kv_groups import kv_groups
 
 MODELS = ("gpt-oss-20b", "gemma-3-12b")
 # --quick: the same families at a size the CPU runs in seconds (two layers, one of each kind)
@@ -43,16 +45,21 @@ def model_dir(name: str, out: Path, quick: bool) -> Path:
 
 
 def kv_per_sequence(runner: Any, context: int) -> dict[str, Any]:
-    """Bytes this build allocates for one sequence of `context` tokens, and the sliding-window share."""
-    blocks = -(-context // runner.block_size)
-    allocated = blocks * runner.kv_spec.bytes_per_block
+    """Blocks and bytes of one sequence of `context` tokens: what this build allocates (one table for every
+    layer) and what its KV cache groups hold (engine/kv_groups.py: a sliding group keeps its window's blocks)."""
+    bs = runner.block_size
     layers = runner.model.attention_layers()
-    per_layer = allocated / len(layers)
-    windowed = sum(per_layer * (1.0 if a.sliding_window is None else min(1.0, a.sliding_window / context))
-                   for a in layers)
-    return {"context": context, "allocated_gib": allocated / 2**30, "window_share_gib": windowed / 2**30,
-            "ratio": windowed / allocated, "sliding_layers": sum(a.sliding_window is not None for a in layers),
-            "layers": len(layers)}
+    layer_block = runner.kv_spec.bytes_per_block / len(layers)  # one layer's K and V of one block
+    blocks = -(-context // bs)
+    groups = kv_groups([a.sliding_window for a in layers])
+    held = {("full" if g.window is None else f"window_{g.window}"): {"layers": len(g.layers),
+                                                                     "blocks": g.blocks_held(context, bs)}
+            for g in groups}
+    allocated = blocks * len(layers) * layer_block
+    windowed = sum(h["layers"] * h["blocks"] for h in held.values()) * layer_block
+    return {"context": context, "block_size": bs, "blocks_per_sequence": blocks, "group_blocks": held,
+            "allocated_gib": allocated / 2**30, "window_share_gib": windowed / 2**30, "ratio": windowed / allocated,
+            "sliding_layers": sum(a.sliding_window is not None for a in layers), "layers": len(layers)}
 
 
 def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:

@@ -169,17 +169,23 @@ class PrefixCache:
         A block whose content is already cached under another block id stays private to the request (two
         requests computed the same prefix at once); it goes back to the free list when the request ends.
         """
+        # called for every sampled token: the common case (no new full block) returns before any call
+        if self.enabled and req.num_computed_tokens // self.block_size > req.num_stored_blocks:
+            req.num_stored_blocks = self.store_table(req, req.block_ids, req.num_stored_blocks)
+
+    def store_table(self, req: Request, block_ids: list[int], num_stored: int) -> int:
+        """`store` over one table of the request (a sliding group's, kv_groups.py, beside `req.block_ids`) of
+        which `num_stored` leading blocks were offered already; returns the new count."""
         bs = self.block_size
-        # called for every sampled token: the common case (no new full block) returns before any property call
-        if not self.enabled or req.num_computed_tokens // bs <= req.num_stored_blocks:
-            return
+        if not self.enabled or req.num_computed_tokens // bs <= num_stored:
+            return num_stored
         # min: in overlap mode num_computed counts positions whose token is still being sampled
-        n_full = min(min(req.num_computed_tokens, req.num_tokens) // bs, len(req.block_ids))
-        if n_full <= req.num_stored_blocks:
-            return
+        n_full = min(min(req.num_computed_tokens, req.num_tokens) // bs, len(block_ids))
+        if n_full <= num_stored:
+            return num_stored
         hashes = self.block_hashes(req)
-        for i in range(req.num_stored_blocks, n_full):
-            b = req.block_ids[i]
+        for i in range(num_stored, n_full):
+            b = block_ids[i]
             h = hashes[i]
             if (b == 0 and self.pool.null_block) or h in self._by_hash or self.pool.is_cached(b):
                 continue
@@ -189,7 +195,7 @@ class PrefixCache:
             self._by_block[b] = cb
             self.pool.mark_cached(b)
             self._emit(BLOCK_STORED, h, parent, cb.token_ids)
-        req.num_stored_blocks = n_full
+        return n_full
 
     def reset(self) -> int:
         """Forget every cached block (blocks held by requests stay theirs); returns how many were dropped."""
