@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
     from appliance.config.sections_engine import CacheSection
 
+from appliance.engine.kv_groups import KVGroup
 from appliance.engine.speculation import lookahead_tokens
 
 POLICIES = ("fcfs", "lpm", "slo")
@@ -57,6 +58,10 @@ class EngineConfig:
     # prefix caching of hybrid models: state snapshots every ssm_checkpoint_interval tokens, in this many slots
     ssm_checkpoint_interval: int = 0
     ssm_snapshot_slots: int = 0
+    # sliding-window KV cache groups (kv_groups.py, window_blocks.py): each sliding group's window and the blocks
+    # of its pool (its null block included); empty: every layer keeps the whole context in the num_blocks pool
+    window_sizes: tuple[int, ...] = ()
+    window_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
@@ -91,6 +96,29 @@ class EngineConfig:
                 f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of {self.block_size}), fewer "
                 f"than max_model_len={self.max_model_len}; give the cache more memory or lower max_model_len"
             )
+
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        object.__setattr__(self, "window_sizes", tuple(self.window_sizes))
+        object.__setattr__(self, "window_blocks", tuple(self.window_blocks))
+        if len(self.window_sizes) != len(self.window_blocks):
+            raise ValueError(f"EngineConfig.window_sizes {self.window_sizes} and window_blocks {self.window_blocks} "
+                             "must name the same groups")
+        if not self.window_sizes:
+            return
+        other = [name for name, on in (("speculative decoding", self.num_speculative_tokens > 0),
+                                       ("the host KV tier", self.num_host_blocks > 0),
+                                       ("recurrent state", self.num_state_slots > 0)) if on]
+        if other:
+            raise ValueError(f"sliding-window KV cache groups do not work with {', '.join(other)} yet")
+        for w, n in zip(self.window_sizes, self.window_blocks):
+            if w < 1:
+                raise ValueError(f"EngineConfig.window_sizes: a window must be at least 1 token, got {w}")
+            need = KVGroup(w, ()).blocks_held(self.max_model_len, self.block_size, self.step_tokens.largest_chunk)
+            if n - 1 < need:  # one sequence must fit alone, as in the full pool
+                raise ValueError(f"the sliding-window group of window {w} has {n - 1} blocks (and its null "
+                                 f"block); one sequence of max_model_len={self.max_model_len} holds up to {need}")
 
     @property
     def lookahead(self) -> int:

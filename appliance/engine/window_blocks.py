@@ -88,17 +88,12 @@ class WindowBlocks:
         return [t.block_ids for t in tables]
 
     # ---- running -----------------------------------------------------------------------------------------
-    def needed(self, req: Request, end: int) -> int:
-        """New blocks each group's table needs to cover tokens up to `end` (equal over groups)."""
-        return max(0, self._blocks_for(end) - len(self.tables[req.request_id][0].block_ids))
-
-    def can_grow(self, req: Request, end: int) -> bool:
-        need = self.needed(req, end)
+    def can_take(self, need: int) -> bool:
+        """Whether every group's pool can give `need` blocks (a request's tables grow with its full table)."""
         return all(need <= pool.num_available for pool in self.pools)
 
-    def grow(self, req: Request, end: int) -> list[list[int]]:
-        """Append the blocks up to token `end` to every group's table; returns each group's new ids."""
-        need = self.needed(req, end)
+    def take(self, req: Request, need: int) -> list[list[int]]:
+        """Append `need` fresh blocks to each of the request's tables; returns each group's new ids."""
         out = []
         for pool, table in zip(self.pools, self.tables[req.request_id]):
             new = pool.allocate(need)
