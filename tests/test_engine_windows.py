@@ -93,12 +93,16 @@ def test_outputs_equal_each_request_run_alone(name: str) -> None:
         assert stats.prefix_hit_tokens > 0
 
 
-def test_a_long_sequence_holds_only_its_window_in_the_sliding_pool() -> None:
-    """One request of 90 tokens in a sliding pool of 9 blocks (the window's peak, its null block, one ahead):
-    the full pool holds the context, the sliding pool never more than the window."""
+@pytest.mark.parametrize("chunk", [8, 16])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_long_sequence_holds_only_its_window_in_the_sliding_pool(overlap: bool, chunk: int) -> None:
+    """One request of 90 tokens in a sliding pool of exactly its peak (the window and a chunk) and the null
+    block: the full pool holds the context, the sliding pool never more than the window, so it never preempts
+    itself; in overlap mode too, where a step is planned before the previous one's update."""
     window = 6
-    need = KVGroup(window, ()).blocks_held(MAX_LEN, BS, 8)
-    core, ex = make_core((window,), (need + 1,), chunked_prefill_size=8, enable_prefix_caching=False)
+    need = KVGroup(window, ()).blocks_held(MAX_LEN, BS, chunk)
+    core, ex = make_core((window,), (need + 1,), overlap=overlap, chunked_prefill_size=chunk,
+                         enable_prefix_caching=False)
     prompt = list(range(1, 31))
     core.add_request("r", prompt, SamplingParams(max_tokens=60, ignore_eos=True))
     out = drain(core)

@@ -119,6 +119,10 @@ def test_greedy_matches_transformers(family: str, family_dir, hf_greedy) -> None
         assert llm.engine.check_accounting().ok
         layers = llm.executor.runner.model.attention_layers()
         assert {a.sliding_window for a in layers} == {WINDOW, None}, "both layer kinds"
+        # the sliding layers keep their window in a pool of their own (executor/window_groups.py)
+        assert llm.engine.config.window_sizes == llm.executor.runner.kv_layout.window_sizes == (WINDOW,)
+        assert {a.kv_group for a in layers if a.sliding_window} == {1}
+        assert {a.kv_group for a in layers if a.sliding_window is None} == {0}
 
 
 def test_mxfp4_checkpoint_loads_as_shipped(family_dir, hf_greedy) -> None:

@@ -140,10 +140,12 @@ class EngineConfig:
     def from_appliance(
         cls, config: ApplianceConfig, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
         num_host_blocks: int | None = None, num_state_slots: int = 0, state_cache_bytes: int = 0,
+        window_groups: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
 
-        num_blocks comes from the executor's memory profiling, eos_token_ids and max_model_len from the
+        num_blocks (and window_groups: the sliding-window KV cache groups' windows and pool sizes, kv_groups.py)
+        comes from the executor's memory profiling, eos_token_ids and max_model_len from the
         model (max_model_len already resolved against model.max_model_len by the caller). num_host_blocks: the
         host tier's slots the workers allocated (host_blocks); None: from host_cache_ratio alone. num_state_slots: the workers'
         state cache (hybrid models). A hybrid model's prefix cannot be reused from KV blocks alone (its
@@ -184,6 +186,8 @@ class EngineConfig:
             state_cache_bytes=state_cache_bytes,
             ssm_checkpoint_interval=interval,
             ssm_snapshot_slots=snapshot_slots(config) if interval else 0,
+            window_sizes=tuple(window_groups[0]),
+            window_blocks=tuple(window_groups[1]),
         )
 
 

@@ -67,6 +67,7 @@ from appliance.executor.runner_setup import (
 )
 from appliance.executor.sampler import Sampler, prompt_logprobs
 from appliance.executor.startup import STARTUP
+from appliance.executor import window_groups
 from appliance.executor.state_cache import make_state_cache
 from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.parallel_state import get_tp_size
@@ -123,15 +124,20 @@ class ModelRunner:
         # allocated before the profile, so gpu_memory_utilization covers both
         self.state_cache = make_state_cache(self, config.scheduler.max_num_seqs)
         with STARTUP.phase("profiling memory"):
-            self.num_blocks = count_blocks(self)
+            # sliding-window layers in pools of their own where the run allows (window_groups.py)
+            self.kv_layout = window_groups.split(count_blocks(self), self.kv_spec, window_groups.sliding_groups(self),
+                                                 self.max_model_len, self.step_tokens.largest_chunk)
+            self.num_blocks = self.kv_layout.num_blocks
         with STARTUP.phase("allocating the KV cache"):
-            self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
+            self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device,
+                                               self.kv_layout.layer_blocks(self.kv_spec.num_layers))
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
         # the host tier's slots (cache.host_cache): as many as the scheduler's (engine/config.py host_blocks)
         self.num_host_blocks = host_blocks(config.cache, self.num_blocks, self.kv_spec.bytes_per_block)
         self.host_kv = kv_cache.allocate_host(self.kv_spec, self.num_host_blocks, self.device)
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
+        self.kv_layout.bind_groups(layers)
         self.sampler = Sampler(self.eos_token_ids, m.seed)
         self.batch_sampler = BatchSampler(self.sampler, self.device,
                                           gpu_sample_op(self.device, config.backends.sampling))
@@ -221,7 +227,8 @@ class ModelRunner:
             if new.restore_snapshot >= 0:  # a prefix hit of a hybrid model: its state at the hit's end
                 sc = self._states()
                 sc.copy(sc.snapshot_row(new.restore_snapshot), self.requests[new.request_id].table_row)
-        chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
+        chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample, s.new_window_block_ids)
+                  for s in plan.scheduled]
         if not chunks:
             return StepHandle(plan.step_id, StepResult(plan.step_id))
         deferred = self._deferrable(chunks)
@@ -330,15 +337,22 @@ class ModelRunner:
         if not 0 <= new.num_computed_tokens <= len(new.token_ids):
             raise ValueError(f"request {new.request_id!r}: num_computed_tokens {new.num_computed_tokens} outside "
                              f"0..{len(new.token_ids)}")
+        if len(new.window_block_ids) != len(self.kv_layout.groups):
+            raise ValueError(f"request {new.request_id!r} carries {len(new.window_block_ids)} sliding-window tables; "
+                             f"this worker has {len(self.kv_layout.groups)} sliding-window KV cache groups")
         return RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
                             list(new.block_ids), SamplingParams.from_dict(dict(new.sampling)),
-                            noise_seed=self._noise_seeds.getrandbits(63))
+                            noise_seed=self._noise_seeds.getrandbits(63),
+                            window_tables=[list(t) for t in new.window_block_ids])
 
-    def _chunk(self, rid: str, num_tokens: int, new_blocks: list[int], sample: bool) -> Chunk:
+    def _chunk(self, rid: str, num_tokens: int, new_blocks: list[int], sample: bool,
+               new_window_blocks: list[list[int]] | None = None) -> Chunk:
         state = self.requests.get(rid)
         if state is None:
             raise KeyError(f"step schedules request {rid!r}, which the worker does not know")
         state.block_ids.extend(new_blocks)
+        for table, new in zip(state.window_tables, new_window_blocks or ()):
+            table.extend(new)
         end = state.num_computed + num_tokens
         if num_tokens < 1 or end > state.num_tokens:
             raise ValueError(f"request {rid!r}: cannot compute {num_tokens} tokens from {state.num_computed}; "

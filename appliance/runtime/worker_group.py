@@ -22,7 +22,7 @@ from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.messages import CONTROL_CODEC, StageFailed, StageProgress, StageReady
 from appliance.runtime.remote_executor import RemoteExecutor
 from appliance.runtime.startup_progress import ProgressBoard
-from appliance.runtime.topology import Topology, replica_peers
+from appliance.runtime.topology import Topology, replica_peers, window_groups_of
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
@@ -52,6 +52,7 @@ class WorkerGroupExecutor(Executor):
             self.max_model_len = int(info["max_model_len"])
             self.num_state_slots = int(info.get("num_state_slots", 0))
             self.state_cache_bytes = int(info.get("state_cache_bytes", 0))
+            self.window_groups = window_groups_of(info)
             self._remote = RemoteExecutor(self._ctx, self.addresses, alive=self._all_alive)
         except BaseException:
             self.shutdown()

@@ -77,7 +77,10 @@ def run_worker(boot: Bootstrap) -> None:
             "num_host_blocks": min_over_ranks(runner.num_host_blocks), "eos_token_ids": list(runner.eos_token_ids),
             "max_model_len": runner.max_model_len, "block_size": runner.block_size, "device": str(runner.device),
             "vocab_size": int(getattr(runner.hf_config, "vocab_size", 0) or 0),
-            "num_state_slots": runner.num_state_slots, "state_cache_bytes": runner.state_cache_bytes}
+            "num_state_slots": runner.num_state_slots, "state_cache_bytes": runner.state_cache_bytes,
+            # sliding-window KV cache groups (executor/window_groups.py): the same on every rank, pools sized per rank
+            "window_sizes": list(runner.kv_layout.window_sizes),
+            "window_blocks": [min_over_ranks(n) for n in runner.kv_layout.window_blocks]}
     hold_for_test()
     # a full collection's pass would stall the GPU (gc_heap.py)
     with STARTUP.phase("freezing the start-up heap"):
