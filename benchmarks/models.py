@@ -7,9 +7,11 @@
 Per model, through the offline runners of appliance/bench (EOS ignored: every request makes its output length):
 - batch-1 decode: `bench latency` of one request, --b1-input prompt tokens and --b1-output tokens (mean TPOT);
 - throughput: `bench throughput` of --num-prompts prompts, --input-len in / --output-len out (output tok/s);
-- KV memory per sequence of --kv-context tokens: the blocks this build allocates (one table for every layer: each
-  keeps the whole context) against the blocks its KV cache groups hold (engine/kv_groups.py: a sliding-window
-  layer's group keeps the blocks of its window, at most ceil((W + block - 1) / block)), and the bytes of each.
+- KV memory per sequence of --kv-context tokens: the blocks per sequence this run allocates in each KV cache group
+  (engine/kv_groups.py: a sliding-window layer's group keeps the blocks of its window, at most
+  ceil((W + block - 1) / block)) when its sliding layers have pools of their own (executor/window_groups.py: eager
+  runs so far; with CUDA graphs one table serves every layer, which keeps the whole context), the bytes, and
+  their ratio to every layer keeping the whole context (`ratio`: the groups'; `allocated_ratio`: this run's).
 Each model gets a fresh engine, released before the next.
 """
 from __future__ import annotations
@@ -45,8 +47,9 @@ def model_dir(name: str, out: Path, quick: bool) -> Path:
 
 
 def kv_per_sequence(runner: Any, context: int) -> dict[str, Any]:
-    """Blocks and bytes of one sequence of `context` tokens: what this build allocates (one table for every
-    layer) and what its KV cache groups hold (engine/kv_groups.py: a sliding group keeps its window's blocks)."""
+    """Blocks and bytes of one sequence of `context` tokens: what this run allocates (its KV cache groups when the
+    sliding-window layers have pools of their own, executor/window_groups.py; else one table for every layer)
+    against what the groups hold (engine/kv_groups.py: a sliding group keeps the blocks of its window)."""
     bs = runner.block_size
     layers = runner.model.attention_layers()
     layer_block = runner.kv_spec.bytes_per_block / len(layers)  # one layer's K and V of one block
@@ -55,10 +58,14 @@ def kv_per_sequence(runner: Any, context: int) -> dict[str, Any]:
     held = {("full" if g.window is None else f"window_{g.window}"): {"layers": len(g.layers),
                                                                      "blocks": g.blocks_held(context, bs)}
             for g in groups}
-    allocated = blocks * len(layers) * layer_block
+    grouped = bool(runner.kv_layout.groups)
+    every_layer = blocks * len(layers) * layer_block
     windowed = sum(h["layers"] * h["blocks"] for h in held.values()) * layer_block
-    return {"context": context, "block_size": bs, "blocks_per_sequence": blocks, "group_blocks": held,
-            "allocated_gib": allocated / 2**30, "window_share_gib": windowed / 2**30, "ratio": windowed / allocated,
+    allocated = windowed if grouped else every_layer
+    return {"context": context, "block_size": bs, "kv_groups": grouped,
+            "blocks_per_sequence": ({k: h["blocks"] for k, h in held.items()} if grouped else {"all": blocks}),
+            "group_blocks": held, "allocated_gib": allocated / 2**30, "window_share_gib": windowed / 2**30,
+            "ratio": windowed / every_layer, "allocated_ratio": allocated / every_layer,
             "sliding_layers": sum(a.sliding_window is not None for a in layers), "layers": len(layers)}
 
 
