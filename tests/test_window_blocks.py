@@ -38,14 +38,14 @@ def step(wb: WindowBlocks, req: Request, n: int) -> None:
     if need > 0:
         assert wb.can_take(need)
         assert [len(new) for new in wb.take(req, need)] == [need] * len(wb.pools)
-    for w, table in zip(wb._windows(), wb.tables[req.request_id]):
+    for w, table in zip(wb.windows, wb.tables[req.request_id]):
         assert len(table.block_ids) * BS >= end
         for p in range(start, end):
             for k in range(max(0, p - w + 1), p + 1):
                 assert table.block_ids[k // BS] != NULL_BLOCK, (p, k)
     req.num_computed_tokens = end
     wb.after_step(req, end)
-    for w, held in zip(wb._windows(), wb.held(req)):
+    for w, held in zip(wb.windows, wb.held(req)):
         assert held == -(-end // BS) - first_live_block(end, w, BS)  # from the next query's oldest key's block on
     check(wb)
 
@@ -71,7 +71,7 @@ def test_prefill_in_chunks_then_decode_past_the_window(windows: tuple[int, ...],
     for t in range(40):  # decode: one token per step, well past every window
         req.output_token_ids.append(100 + t)
         step(wb, req, 1)
-        for w, held in zip(wb._windows(), wb.held(req)):
+        for w, held in zip(wb.windows, wb.held(req)):
             assert held <= max_blocks_held(w, BS) <= -(-w // BS) + 1
     wb.free(req)
     check(wb)

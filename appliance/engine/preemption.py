@@ -36,6 +36,8 @@ class Preemption:
         """Append `need` (> 0) new blocks to the request's table (and to its sliding groups' tables), preempting
         newer requests while a pool is short; None when the request itself was preempted."""
         win = self.windows
+        if win is not None:  # first what left the window (overlap mode: the step in flight moved it since the update)
+            win.after_step(req, req.num_computed_tokens)
         while ((need > self.pool.num_available or (win is not None and not win.can_take(need)))
                and req.status is not PREEMPTED):
             self._preempt(self._victim(st))

@@ -35,7 +35,7 @@ hit does not cover (vLLM does the same).
 Sliding-window KV cache groups (config.window_sizes; window_blocks.py): every sliding group's table grows with
 the full table (`_take_blocks` preempts while any pool is short), a prefix hit is shortened until each sliding
 group caches the window its next queries read, and after each step a request's sliding tables release the blocks
-no later query reads (again when it is next scheduled: in overlap mode the step in flight moved its window, and
+no later query reads (again before it takes blocks: in overlap mode the step in flight moved its window since, and
 the blocks it frees are rewritten only by later steps, which run after it). NewRequestData.window_block_ids / ScheduledRequest.new_window_block_ids carry the tables.
 """
 from __future__ import annotations
@@ -217,8 +217,6 @@ class Scheduler(Preemption):
         n = req.num_prompt_tokens + len(req.output_token_ids) + pending - req.num_computed_tokens
         if n == 0 or (self._chunking and n > st.tokens):
             return
-        if self.windows is not None:  # overlap mode: the step in flight moved the window since the last update
-            self.windows.after_step(req, req.num_computed_tokens)
         need = -(-(req.num_computed_tokens + n) // self._block_size) - len(req.block_ids)
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []
         if new_blocks is not None:
@@ -232,8 +230,6 @@ class Scheduler(Preemption):
             return
         if self.snapshots is not None and not decodes:
             n = self.snapshots.cut(req.num_computed_tokens, n)
-        if self.windows is not None:
-            self.windows.after_step(req, req.num_computed_tokens)
         need = self._blocks_for(table_tokens(req, req.num_computed_tokens, n, self._lookahead)) - len(req.block_ids)
         # need < 0: rejected drafts left lookahead blocks, which the table keeps
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []

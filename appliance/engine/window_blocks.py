@@ -34,14 +34,12 @@ class WindowBlocks:
         if not groups or any(not g.sliding for g in groups) or len(groups) != len(num_blocks):
             raise ValueError("WindowBlocks takes the sliding groups, each with its pool's block count")
         self.groups = tuple(groups)
+        self.windows = tuple(g.window for g in groups if g.window is not None)
         self.block_size = block_size
         self.pools = [BlockPool(n, null_block=True) for n in num_blocks]
         # no KV events: the full group's cache publishes the prefix, and the host tier holds full groups only
         self.caches = [PrefixCache(p, block_size, enable_prefix_caching) for p in self.pools]
         self.tables: dict[str, list[WindowTable]] = {}
-
-    def _windows(self) -> list[int]:
-        return [g.window for g in self.groups if g.window is not None]
 
     # ---- admission ---------------------------------------------------------------------------------------
     def hit(self, req: Request, num_blocks: int) -> int:
@@ -50,7 +48,7 @@ class WindowBlocks:
         bs = self.block_size
         while True:
             n = num_blocks
-            for w, cache in zip(self._windows(), self.caches):
+            for w, cache in zip(self.windows, self.caches):
                 n = sliding_hit(n, lambda i, c=cache: c.cached_at(req, i) is not None, w, bs)
             if n == num_blocks:
                 return n
@@ -59,7 +57,7 @@ class WindowBlocks:
     def fits(self, req: Request, num_hit_blocks: int, end: int) -> bool:
         """Whether every group can give a request admitted with this hit the blocks up to token `end` (the
         window's hit blocks that are evictable count against the pool, as they are revived)."""
-        for w, pool, cache in zip(self._windows(), self.pools, self.caches):
+        for w, pool, cache in zip(self.windows, self.pools, self.caches):
             lo = first_live_block(num_hit_blocks * self.block_size, w, self.block_size)
             hits = [cache.cached_at(req, i) for i in range(lo, num_hit_blocks)]
             revived = sum(1 for b in hits if b is not None and pool.is_evictable(b))
@@ -74,7 +72,7 @@ class WindowBlocks:
             raise ValueError(f"request {req.request_id!r} already holds window blocks")
         bs = self.block_size
         tables = []
-        for w, pool, cache in zip(self._windows(), self.pools, self.caches):
+        for w, pool, cache in zip(self.windows, self.pools, self.caches):
             lo = first_live_block(num_hit_blocks * bs, w, bs)
             hits = [cache.cached_at(req, i) for i in range(lo, num_hit_blocks)]
             if any(b is None for b in hits):
@@ -104,7 +102,7 @@ class WindowBlocks:
     def after_step(self, req: Request, start: int) -> None:
         """Offer newly full blocks to the prefix caches, then release the blocks no query from position
         `start` on reads (stored first, so a released block stays cached and evictable)."""
-        for w, pool, cache, table in zip(self._windows(), self.pools, self.caches, self.tables[req.request_id]):
+        for w, pool, cache, table in zip(self.windows, self.pools, self.caches, self.tables[req.request_id]):
             table.num_stored = cache.store_table(req, table.block_ids, table.num_stored)
             table.released = release_outside_window(table.block_ids, table.released, start, w, self.block_size,
                                                     pool)
