@@ -2,6 +2,7 @@
 
     python -m benchmarks.models                          # one H100: both models, JSON lines to stdout
     python -m benchmarks.models --only gpt-oss-20b       # one model
+    python -m benchmarks.models --only gemma-3-12b --enforce-eager   # the sliding layers in pools of their own
     python -m benchmarks.models --quick                  # tiny shapes of the same families on the CPU (a test)
 
 Per model, through the offline runners of appliance/bench (EOS ignored: every request makes its output length):
@@ -75,7 +76,8 @@ def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
     path = model_dir(name, workdir / name, args.quick)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     llm = LLM(model=str(path), load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, **({"device": "cpu", "dtype": "float32"} if args.quick else {}))
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+              **({"device": "cpu", "dtype": "float32"} if args.quick else {}))
     runner = llm.executor.runner
     out: dict[str, Any] = {"model": name, "backend": runner.backend, "device": str(runner.device),
                            "cuda_graphs": runner.graphs is not None,
@@ -108,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-context", type=int, default=32768)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: the sliding-window layers then keep only their window (own KV pools)")
     args = p.parse_args(argv)
     if args.quick:  # sizes the CPU runs in seconds
         args.num_prompts, args.input_len, args.output_len = 4, 24, 8

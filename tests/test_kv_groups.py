@@ -129,7 +129,7 @@ def test_prefix_hit_needs_the_sliding_groups_last_window() -> None:
     third = _request(tokens[:20] + [7], "c")  # diverges in block 5: hit of 5 blocks, window blocks 3 and 4
     assert len(full.match(third)) == 5
     assert sliding_hit(5, lambda i: slide.cached_at(third, i) is not None, window, bs) == 5
-    filler = slide.pool.allocate(slide.pool.num_free)  # exhaust the free list: allocations now evict cached blocks, LRU first
+    filler = slide.pool.allocate(slide.pool.num_free)  # no free blocks left: allocations evict cached ones, LRU first
     slide.pool.allocate(2)  # evicts released blocks 0 and 1 of the first request (released in table order)
     assert slide.cached_at(third, 0) is None and slide.cached_at(third, 3) is not None
     assert sliding_hit(5, lambda i: slide.cached_at(third, i) is not None, window, bs) == 5

@@ -196,8 +196,9 @@ class EngineCore:
             rep = replace(rep, problems=rep.problems + tuple(problems))
         windows = self.scheduler.windows
         for w, win in zip(self.config.window_sizes, windows.check_accounting() if windows is not None else []):
+            problems = rep.problems + tuple(f"window {w}: {p}" for p in win.problems)
             rep = AccountingReport(rep.total + win.total, rep.free + win.free, rep.cached + win.cached,
-                                   rep.owned + win.owned, rep.problems + tuple(f"window {w}: {p}" for p in win.problems))
+                                   rep.owned + win.owned, problems)
         return rep
 
     def shutdown(self) -> None:

@@ -49,7 +49,7 @@ class WindowLayout:
 def sliding_groups(runner: ModelRunner) -> tuple[KVGroup, ...]:
     """The sliding groups that get pools of their own: () unless the model has both layer kinds and nothing in
     this run needs one table for every layer yet."""
-    groups = kv_groups([a.sliding_window for a in runner.model.attention_layers()])
+    groups = kv_groups([getattr(a, "sliding_window", None) for a in runner.model.attention_layers()])  # MLA: none
     sliding = tuple(g for g in groups if g.sliding)
     if not sliding or len(sliding) == len(groups):
         return ()
