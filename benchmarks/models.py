@@ -13,13 +13,15 @@ Per model, through the offline runners of appliance/bench (EOS ignored: every re
   ceil((W + block - 1) / block)) when its sliding layers have pools of their own (executor/window_groups.py: eager
   runs so far; with CUDA graphs one table serves every layer, which keeps the whole context), the bytes, and
   their ratio to every layer keeping the whole context (`ratio`: the groups'; `allocated_ratio`: this run's).
-Each model gets a fresh engine, released before the next.
+Each model runs in its own process (a GPU engine's memory is only certainly back when its process ends).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -121,9 +123,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    names = args.only or list(MODELS)
+    if len(names) > 1 and not args.quick:
+        # one process per model: a GPU engine's memory is only certainly back when its process ends
+        argv = sys.argv[1:] if argv is None else argv
+        for name in names:
+            subprocess.run([sys.executable, "-m", "benchmarks.models", *argv, "--only", name], check=True)
+        return []
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
-        for name in args.only or MODELS:
+        for name in names:
             results.append(measure(name, args, Path(tmp)))
             print(json.dumps(results[-1]), flush=True)
     return results
