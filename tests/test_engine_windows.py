@@ -4,9 +4,20 @@ under chunked prefill, prefix hits, preemption and the overlap loop; every block
 step; a request's blocks in a sliding group stay within the window's bound; tiny pools preempt."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
+from engine_workload import (
+    PREFIXES,
+    assert_each_generates_what_it_generates_alone,
+    config_st,
+    drive,
+    engine_config,
+    ops_st,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from appliance.engine import EngineConfig, EngineCore, RequestDelta, SamplingParams
 from appliance.engine.fake_executor import FakeExecutor, reference_generation
@@ -122,3 +133,22 @@ def test_config_refuses_what_the_groups_cannot_do_yet() -> None:
         EngineConfig(**{**base, "window_blocks": (3,)})
     with pytest.raises(ValueError, match="at least 1"):
         EngineConfig(**{**base, "window_sizes": (0,)})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=config_st, ops=ops_st(PREFIXES), window=st.integers(1, 10), extra=st.sampled_from([0, 0, 1, 3, 8]),
+       overlap=st.booleans())
+def test_random_workloads_with_a_window_group(cfg: dict, ops: list, window: int, extra: int, overlap: bool) -> None:
+    """The engine's property workloads (arrivals with shared prefixes, aborts, eos, tiny pools that preempt) with
+    a sliding group of a random window whose pool holds from one sequence's peak upwards: accounting after every
+    op, every key a window reads checked by the FakeExecutor, outputs as each request alone."""
+    config = engine_config(cfg)
+    need = KVGroup(window, ()).blocks_held(config.max_model_len, config.block_size, config.step_tokens.largest_chunk)
+    config = dataclasses.replace(config, window_sizes=(window,), window_blocks=(need + 1 + extra,))
+    ex = FakeExecutor(config.num_blocks, config.block_size, vocab_size=48, window_sizes=config.window_sizes,
+                      window_blocks=config.window_blocks)
+    core = EngineCore(config, ex, overlap=overlap)
+    run = drive(core, ops, PREFIXES)
+    stats = core.stats()
+    assert stats.blocks_owned == 0 and stats.blocks_free + stats.blocks_cached == stats.blocks_total
+    assert_each_generates_what_it_generates_alone(ex, run)
