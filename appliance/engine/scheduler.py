@@ -225,7 +225,7 @@ class Scheduler(Preemption):
         need = -(-(req.num_computed_tokens + n) // self._block_size) - len(req.block_ids)
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []
         if new_blocks is not None:
-            st.issue(req, n, new_blocks, True, -1, self._window_tails(req, len(new_blocks)))
+            st.issue(req, n, new_blocks, True, -1, self._window_tails(req, len(new_blocks)) if new_blocks else None)
 
     def _schedule_chunk(self, req: Request, st: StepBudget, decodes: bool) -> None:
         """Schedule a running request's next chunk (a decode, drafts included, or a prefill chunk) if the budget
@@ -240,7 +240,7 @@ class Scheduler(Preemption):
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []
         if new_blocks is not None:
             st.issue(req, n, new_blocks, decodes, self._snapshot_slot(req, req.num_computed_tokens + n),
-                     self._window_tails(req, len(new_blocks)))
+                     self._window_tails(req, len(new_blocks)) if new_blocks else None)
 
     def _schedule_waiting(self, st: StepBudget) -> None:
         cfg = self.config
