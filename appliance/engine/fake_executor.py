@@ -126,11 +126,13 @@ class FakeExecutor(Executor):
             seen.add(s.request_id)
             if s.request_id in new_ids and s.new_block_ids:
                 self._fail(f"{s.request_id!r}: a new request carries its blocks in NewRequestData")
-            w.block_table.extend(s.new_block_ids)
-            if s.new_window_block_ids and len(s.new_window_block_ids) != len(self.windows):
-                self._fail(f"{s.request_id!r}: new blocks for {len(s.new_window_block_ids)} window groups")
-            for table, new in zip(w.window_tables, s.new_window_block_ids):
-                table.extend(new)
+            new = s.new_block_ids  # the full table's, then as many for each sliding-window group
+            n, rest = divmod(len(new), 1 + len(self.windows))
+            if rest:
+                self._fail(f"{s.request_id!r}: {len(new)} new block ids for {1 + len(self.windows)} tables")
+            w.block_table.extend(new[:n])
+            for g, table in enumerate(w.window_tables, 1):
+                table.extend(new[g * n:(g + 1) * n])
             if any(len(t) != len(w.block_table) for t in w.window_tables):
                 self._fail(f"{s.request_id!r}: window tables {[len(t) for t in w.window_tables]} long, "
                            f"the full table {len(w.block_table)}")

@@ -38,7 +38,7 @@ the full table (`_take_blocks` preempts while any pool is short), a prefix hit i
 group caches the window its next queries read, and after each step a request's sliding tables release the blocks
 no later query reads (again before it takes blocks: in overlap mode the step in flight moved its window since, and
 the blocks it frees are rewritten only by later steps, which run after it). NewRequestData.window_block_ids and
-ScheduledRequest.new_window_block_ids carry the tables.
+ScheduledRequest.new_block_ids (after the full table's new ids) carry the tables.
 """
 from __future__ import annotations
 

@@ -85,8 +85,8 @@ class StepBudget:
 
     def issue(self, req: Request, n: int, new_blocks: list[int], decodes: bool, save_snapshot: int = -1,
               new_window_blocks: list[list[int]] | None = None) -> None:
-        """Add a chunk of n tokens to the plan; new_blocks (appended to the table) becomes the plan's own list, as
-        new_window_blocks (appended to the sliding groups' tables) do."""
+        """Add a chunk of n tokens to the plan; new_blocks (appended to the table) becomes the plan's own list,
+        followed by new_window_blocks (appended to the sliding groups' tables: ScheduledRequest.new_block_ids)."""
         known = req.num_prompt_tokens + len(req.output_token_ids) + req.num_pending  # what the workers know
         end = req.num_computed_tokens + n
         # past the known tokens only by the drafts it verifies (speculative decoding)
@@ -104,6 +104,8 @@ class StepBudget:
         self.issue_seq += 1
         if sample:
             req.num_pending += 1
-        sched = ScheduledRequest(req.request_id, n, new_blocks, sample, save_snapshot, new_window_blocks or [])
+        if new_window_blocks:
+            new_blocks = new_blocks + [b for blocks in new_window_blocks for b in blocks]
+        sched = ScheduledRequest(req.request_id, n, new_blocks, sample, save_snapshot)
         self.plan_sched.append(sched)
         self.issued.append((sched, req, req.num_preemptions, drafts))

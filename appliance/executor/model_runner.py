@@ -227,8 +227,7 @@ class ModelRunner:
             if new.restore_snapshot >= 0:  # a prefix hit of a hybrid model: its state at the hit's end
                 sc = self._states()
                 sc.copy(sc.snapshot_row(new.restore_snapshot), self.requests[new.request_id].table_row)
-        chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample, s.new_window_block_ids)
-                  for s in plan.scheduled]
+        chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
             return StepHandle(plan.step_id, StepResult(plan.step_id))
         deferred = self._deferrable(chunks)
@@ -345,14 +344,16 @@ class ModelRunner:
                             noise_seed=self._noise_seeds.getrandbits(63),
                             window_tables=[list(t) for t in new.window_block_ids])
 
-    def _chunk(self, rid: str, num_tokens: int, new_blocks: list[int], sample: bool,
-               new_window_blocks: list[list[int]] | None = None) -> Chunk:
+    def _chunk(self, rid: str, num_tokens: int, new_blocks: list[int], sample: bool) -> Chunk:
         state = self.requests.get(rid)
         if state is None:
             raise KeyError(f"step schedules request {rid!r}, which the worker does not know")
+        if state.window_tables and new_blocks:  # the full table's new ids, then as many for each sliding group
+            n = len(new_blocks) // (1 + len(state.window_tables))
+            for g, table in enumerate(state.window_tables, 1):
+                table.extend(new_blocks[g * n:(g + 1) * n])
+            new_blocks = new_blocks[:n]
         state.block_ids.extend(new_blocks)
-        for table, new in zip(state.window_tables, new_window_blocks or ()):
-            table.extend(new)
         end = state.num_computed + num_tokens
         if num_tokens < 1 or end > state.num_tokens:
             raise ValueError(f"request {rid!r}: cannot compute {num_tokens} tokens from {state.num_computed}; "
