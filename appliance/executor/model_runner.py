@@ -200,7 +200,7 @@ class ModelRunner:
             return None
         hidden = int(self.hf_config.hidden_size)
         return DecodeGraphs(self.model, hidden, self.dtype, self.device, sizes, self.max_blocks, self.block_size,
-                            self.block_table)
+                            self.block_table, with_states=self.state_cache is not None)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:

@@ -114,7 +114,8 @@ class HybridModel(LlamaModel):
 
 class Qwen3NextForCausalLM(MoECausalLM):
     split_projections = False  # Qwen3.5: separate in_proj_qkv / _z / _b / _a
-    supports_cuda_graphs = False  # decode runs eagerly: the state update is not captured yet
+    # decode graphs as MoECausalLM decides (the state update never syncs with the host: its slots are the rows'
+    # device table rows); no piecewise graphs, whose pieces would capture the prefill kernels' host loops
     piecewise_graphs = False
 
     def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
