@@ -69,10 +69,23 @@ def check_settings(config: ApplianceConfig) -> None:
                          "off")
 
 
+def check_target(config: ApplianceConfig, model: torch.nn.Module) -> None:
+    """Refuse speculative decoding on a target that keeps a recurrent state (hybrid linear-attention models): a
+    verification advances each request's state over all its drafts, and a rejected draft would leave the state
+    past the tokens kept (rolling it back needs a state per draft position, or a recompute, neither built yet)."""
+    if config.speculative.algorithm is None or not getattr(model, "state_layers", lambda: [])():
+        return
+    raise ValueError(f"speculative.algorithm={config.speculative.algorithm}: speculative decoding is not supported "
+                     f"for hybrid linear-attention models ({type(model).__name__}) in this build: a rejected draft "
+                     "would leave the recurrent state advanced past the tokens kept; serve without "
+                     "speculative.algorithm")
+
+
 def load_drafter(config: ApplianceConfig, runner: ModelRunner) -> torch.nn.Module | None:
     """The separate draft model or head of STANDALONE / EAGLE / EAGLE3 (None otherwise), loaded beside the
     runner's model before the KV cache is sized."""
     check_settings(config)
+    check_target(config, runner.model)
     if config.speculative.algorithm not in ("STANDALONE", "EAGLE", "EAGLE3"):
         return None
     from appliance.executor.speculative_draft import load_draft_model
