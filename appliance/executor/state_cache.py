@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,18 +75,39 @@ def release(cache: StateCache) -> None:
             t.untyped_storage().resize_(0)
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HYBRID_ONLY = {"ssm_cache_slots": None, "ssm_checkpoint_interval": None, "ssm_cache_dtype": "auto",
+                "ssm_state_dtype": "auto"}  # cache keys and their values that ask nothing of other models
+
+
+def state_dtypes(cache: Any, model_dtype: torch.dtype, hf_config: Any) -> tuple[torch.dtype, torch.dtype]:
+    """(convolution states, recurrent states) of cache.ssm_cache_dtype / cache.ssm_state_dtype: the convolution
+    follows the model's dtype unless set; the recurrent state follows ssm_cache_dtype when that is set, else the
+    checkpoint config's mamba_ssm_dtype (Qwen3.5 names float32), else float32, as it accumulates over the sequence."""
+    conv = _DTYPES.get(cache.ssm_cache_dtype, model_dtype)
+    name = cache.ssm_state_dtype
+    if name == "auto":
+        name = cache.ssm_cache_dtype if cache.ssm_cache_dtype != "auto" else getattr(hf_config, "mamba_ssm_dtype",
+                                                                                    None)
+    if name is not None and name not in _DTYPES:
+        raise ValueError(f"the model config's mamba_ssm_dtype {name!r} is not one of {sorted(_DTYPES)}; set "
+                         "cache.ssm_state_dtype")
+    return conv, _DTYPES[name] if name is not None else torch.float32
+
+
 def make_state_cache(runner: ModelRunner, num_slots: int) -> StateCache | None:
     """The runner's state cache, bound to its layers (None: the model keeps no recurrent state)."""
     layers = getattr(runner.model, "state_layers", lambda: [])()
     c = runner.config.cache
     if not layers:
-        for key in ("ssm_cache_slots", "ssm_checkpoint_interval"):
-            if getattr(c, key) is not None:
+        for key, unset in _HYBRID_ONLY.items():
+            if getattr(c, key) != unset:
                 raise ValueError(f"cache.{key} applies to hybrid linear-attention models; "
                                  f"{type(runner.model).__name__} keeps no recurrent state")
         return None
     snapshots = snapshot_slots(runner.config) if c.enable_prefix_caching and c.ssm_checkpoint_interval else 0
-    cache = allocate(runner.model.state_cache_spec(runner.dtype), num_slots, runner.device, snapshots)
+    conv_dtype, state_dtype = state_dtypes(c, runner.dtype, runner.hf_config)
+    cache = allocate(runner.model.state_cache_spec(conv_dtype, state_dtype), num_slots, runner.device, snapshots)
     weakref.finalize(runner, release, cache)
     for layer, (conv, ssm) in zip(layers, cache.tensors):
         layer.bind_state_cache(conv, ssm)

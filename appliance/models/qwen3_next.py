@@ -158,10 +158,10 @@ class Qwen3NextForCausalLM(MoECausalLM):
     def state_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if layer.kind == LINEAR]
 
-    def state_cache_spec(self, conv_dtype: torch.dtype) -> StateCacheSpec:
+    def state_cache_spec(self, conv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> StateCacheSpec:
         layer = self.state_layers()[0]
         return StateCacheSpec(len(self.state_layers()), layer.conv_dim, layer.conv_kernel_size - 1,
-                              layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, conv_dtype)
+                              layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, conv_dtype, state_dtype)
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
