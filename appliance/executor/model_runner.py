@@ -180,6 +180,20 @@ class ModelRunner:
             raise ValueError("the plan restores or saves a state snapshot, but the model keeps no recurrent state")
         return self.state_cache
 
+    def restore_snapshots(self, plan: StepPlan) -> None:
+        """Prefix hits of a hybrid model: each new request's state at its hit's end, before the step."""
+        for new in plan.new_requests:
+            if new.restore_snapshot >= 0:
+                sc = self._states()
+                sc.copy(sc.snapshot_row(new.restore_snapshot), self.requests[new.request_id].table_row)
+
+    def save_snapshots(self, plan: StepPlan) -> None:
+        """After the step: the states of chunks that ended at a checkpoint (engine/state_snapshots.py)."""
+        for s in plan.scheduled:
+            if s.save_snapshot >= 0:
+                sc = self._states()
+                sc.copy(self.requests[s.request_id].table_row, sc.snapshot_row(s.save_snapshot))
+
     @property
     def num_state_slots(self) -> int:
         """Request slots of the state cache (0: the model keeps no recurrent state)."""
@@ -218,9 +232,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = self._new_state(new)
-            if new.restore_snapshot >= 0:  # a prefix hit of a hybrid model: its state at the hit's end
-                sc = self._states()
-                sc.copy(sc.snapshot_row(new.restore_snapshot), self.requests[new.request_id].table_row)
+        self.restore_snapshots(plan)
         chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
             return StepHandle(plan.step_id, StepResult(plan.step_id))
@@ -240,10 +252,7 @@ class ModelRunner:
                 handle = StepHandle(plan.step_id, StepResult(plan.step_id, sampled, prompt_lps))
         for c in ordered:
             c.state.num_computed += c.num_tokens
-        for s in plan.scheduled:
-            if s.save_snapshot >= 0:  # a chunk that ended at a checkpoint (engine/state_snapshots.py)
-                sc = self._states()
-                sc.copy(self.requests[s.request_id].table_row, sc.snapshot_row(s.save_snapshot))
+        self.save_snapshots(plan)
         if not handle.done:
             self._inflight.append(handle)
         return handle

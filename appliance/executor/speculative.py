@@ -39,6 +39,7 @@ from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import prompt_logprobs
 from appliance.executor.speculative_forced import ForcedAcceptance
+from appliance.executor.speculative_states import StateRollback
 from appliance.executor.speculative_verification import verify
 from appliance.layers.attention import AttentionMetadata
 
@@ -69,23 +70,10 @@ def check_settings(config: ApplianceConfig) -> None:
                          "off")
 
 
-def check_target(config: ApplianceConfig, model: torch.nn.Module) -> None:
-    """Refuse speculative decoding on a target that keeps a recurrent state (hybrid linear-attention models): a
-    verification advances each request's state over all its drafts, and a rejected draft would leave the state
-    past the tokens kept (rolling it back needs a state per draft position, or a recompute, neither built yet)."""
-    if config.speculative.algorithm is None or not getattr(model, "state_layers", lambda: [])():
-        return
-    raise ValueError(f"speculative.algorithm={config.speculative.algorithm}: speculative decoding is not supported "
-                     f"for hybrid linear-attention models ({type(model).__name__}) in this build: a rejected draft "
-                     "would leave the recurrent state advanced past the tokens kept; serve without "
-                     "speculative.algorithm")
-
-
 def load_drafter(config: ApplianceConfig, runner: ModelRunner) -> torch.nn.Module | None:
     """The separate draft model or head of STANDALONE / EAGLE / EAGLE3 (None otherwise), loaded beside the
     runner's model before the KV cache is sized."""
     check_settings(config)
-    check_target(config, runner.model)
     if config.speculative.algorithm not in ("STANDALONE", "EAGLE", "EAGLE3"):
         return None
     from appliance.executor.speculative_draft import load_draft_model
@@ -149,6 +137,7 @@ class Speculator:
         self.drafting = True  # this step proposes (False above disable_by_batch_size sampling rows)
         self._chain_stager = Stager(runner.device)  # a draft chain's inputs, one upload per step
         self._index_stager = Stager(runner.device)  # the drafter's row indices
+        self.recomputed = 0  # hybrid targets: verifications recomputed after a rejection (speculative_states.py)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -159,6 +148,7 @@ class Speculator:
         for new in plan.new_requests:
             r.requests[new.request_id] = r._new_state(new)
             self.drafts.pop(new.request_id, None)
+        r.restore_snapshots(plan)
         verifying: dict[str, int] = {}  # request id -> drafts its chunk verifies
         chunks = [self._chunk(s, verifying) for s in plan.scheduled]
         if not chunks:
@@ -166,13 +156,18 @@ class Speculator:
         sampling = sum(1 for c in chunks if c.sample)
         self.drafting = self.disable_above is None or sampling <= self.disable_above
         with torch.inference_mode():
+            rollback = StateRollback.of(r.state_cache, chunks, verifying)  # hybrid targets (speculative_states.py)
             ordered, row_starts, hidden = self._forward(chunks)
             scored = self._score(ordered, row_starts, hidden, verifying)
+            verified = list(ordered)  # as the forward ran them (before num_computed moves)
             for c in ordered:  # a verification keeps the KV of its confirmed positions only
                 rid = c.state.request_id
                 c.state.num_computed += scored.emitted[rid] if rid in verifying else c.num_tokens
                 self.drafts.pop(rid, None)
             self._propose(ordered, row_starts, hidden, scored.emitted, verifying)
+            if rollback is not None:
+                self.recomputed += rollback.roll_back(verified, scored.emitted, verifying, r._forward)
+        r.save_snapshots(plan)
         order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         scored.sampled.sort(key=lambda t: order[t.request_id])  # stable: a request's tokens stay in order
         held = {c.state.request_id: len(self.drafts[c.state.request_id]) for c in ordered

@@ -53,6 +53,20 @@ class StateCache:
             conv[dst].copy_(conv[src])
             ssm[dst].copy_(ssm[src])
 
+    def save(self, rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of every layer's states in these rows (a speculative step's, before its verification)."""
+        index = torch.tensor(rows, dtype=torch.int64, device=self.tensors[0][0].device)
+        return [(conv.index_select(0, index), ssm.index_select(0, index)) for conv, ssm in self.tensors]
+
+    def restore(self, rows: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]], picks: list[int]) -> None:
+        """Write saved[picks[i]] (rows of a `save`) back into row rows[i] of every layer."""
+        device = self.tensors[0][0].device
+        index = torch.tensor(rows, dtype=torch.int64, device=device)
+        pick = torch.tensor(picks, dtype=torch.int64, device=device)
+        for (conv, ssm), (conv_s, ssm_s) in zip(self.tensors, saved):
+            conv.index_copy_(0, index, conv_s.index_select(0, pick))
+            ssm.index_copy_(0, index, ssm_s.index_select(0, pick))
+
     def describe(self) -> str:
         return (f"state cache: {self.spec.num_layers} linear-attention layers x {self.num_slots} slots "
                 f"+ {self.num_snapshots} snapshot slots, "
