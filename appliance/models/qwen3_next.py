@@ -24,7 +24,6 @@ from appliance.layers.gated_delta_net import GatedDeltaNet, StateCacheSpec
 from appliance.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from appliance.layers.moe import GatedMLP, RouterConfig, SparseMoeBlock
 from appliance.layers.norm import RMSNorm
-from appliance.layers.parallel_state import get_tp_size
 from appliance.layers.rotary import RotaryEmbedding, rope_parameters
 from appliance.models.llama import LlamaModel
 from appliance.models.mixtral import MoECausalLM
@@ -113,7 +112,7 @@ class HybridMtp(nn.Module):
     def __init__(self, cfg: Any, layer: nn.Module, backend: str) -> None:
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.fc = ColumnParallelLinear(2 * hidden, hidden)
+        self.fc = ColumnParallelLinear(2 * hidden, hidden, gather_output=True)  # every rank needs all of it
         self.pre_fc_norm_embedding = OffsetRMSNorm(hidden, eps, backend)
         self.pre_fc_norm_hidden = OffsetRMSNorm(hidden, eps, backend)
         self.layers = nn.ModuleList([layer])
@@ -149,9 +148,6 @@ class Qwen3NextForCausalLM(MoECausalLM):
 
     def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None,
                  with_mtp: bool = False) -> None:
-        if get_tp_size() > 1:
-            raise ValueError(f"{type(self).__name__}: tensor parallelism is not supported for hybrid "
-                             "linear-attention models in this build (parallelism.tp must be 1)")
         kinds = list(hf_config.layer_types)
         if set(kinds) - {LINEAR, FULL}:
             raise ValueError(f"layer_types {sorted(set(kinds) - {LINEAR, FULL})} are not supported "
