@@ -13,8 +13,8 @@
 #             budget and with recipes/llama-3.1-8b.toml's (scheduler.chunked_prefill_size = 640)
 #             `appliance bench throughput --preset llama-3.1-8b [--set scheduler.chunked_prefill_size=640]`
 #   serve     `appliance serve` on the 8B shape (a word-level tokenizer of its vocabulary), measured by
-#             `appliance bench serve` at max concurrency 1 / 16 / 64 (8 / 64 / 192 prompts, 1024 in / 256 out,
-#             ignore_eos, greedy); the start-up to /health 200 is the cold start
+#             `appliance bench serve` at max concurrency 1 / 16 / 64 / 256 (8 / 64 / 192 / 512 prompts, 1024 in /
+#             256 out, ignore_eos, greedy); the start-up to /health 200 is the cold start
 #   peer-small  the peer's b1 and qwen;  peer-8b  the peer's 8B throughput;  peer-serve  `vllm serve`, same levels
 #   summary   the table of whatever $OUT holds (every run ends with it)
 #
@@ -30,7 +30,7 @@
 #      .peer/ ~39 MB) the first command can bring .whl/ and a later one .peer/.
 # Limits per command: PART_TIMEOUT_S (default 560) bounds each part. The serve parts take SERVE_MODEL (a model dir
 # with a tokenizer; default: the 8B shape written by appliance.bench.presets), SERVE_ARGS (default: --load-format
-# dummy --dtype bfloat16), SERVE_LEVELS (concurrency:prompts, default "1:8 16:64 64:192") and SERVE_LENS (in:out,
+# dummy --dtype bfloat16), SERVE_LEVELS (concurrency:prompts, default "1:8 16:64 64:192 256:512") and SERVE_LENS (in:out,
 # default 1024:256), so they can be dry-run on a CPU with a tiny model.
 #   e.g. SERVE_MODEL=DIR SERVE_ARGS="--dtype float32" SERVE_LEVELS="1:2 2:4" SERVE_LENS=16:4 bash benchmarks/gpu_suite.sh serve
 set -uo pipefail
@@ -47,7 +47,7 @@ limit="${PART_TIMEOUT_S:-560}"
 models="${MODELS_DIR:-/tmp/appliance_bench_models}"
 serve_model="${SERVE_MODEL:-$models/llama-3.1-8b}"
 read -r -a serve_args <<< "${SERVE_ARGS:---load-format dummy --dtype bfloat16}"
-levels="${SERVE_LEVELS:-1:8 16:64 64:192}"
+levels="${SERVE_LEVELS:-1:8 16:64 64:192 256:512}"
 lens="${SERVE_LENS:-1024:256}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
@@ -68,7 +68,7 @@ peer() {
   timeout --kill-after=10 "$limit" bash .peer/run_vllm.sh "$@"
 }
 
-# serve_levels NAME START_CMD...: start a server on :8100, time /health, run the three levels, stop it
+# serve_levels NAME START_CMD...: start a server on :8100, time /health, run the levels, stop it
 serve_levels() {
   local name="$1"; shift
   local log="$out/${name}_server.log" t0 pid ms

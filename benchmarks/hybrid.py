@@ -41,7 +41,7 @@ def write_model_dir(out: Path, layers: int, quick: bool) -> Path:
     dims = QUICK_DIMS if quick else {}
     kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
     cfg = Qwen3NextConfig(num_hidden_layers=layers, layer_types=kinds, architectures=["Qwen3NextForCausalLM"],
-                          bos_token_id=0, eos_token_id=1, max_position_embeddings=8192, **dims)
+                          bos_token_id=0, eos_token_id=1, max_position_embeddings=32768, **dims)
     out.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(str(out))
     write_word_tokenizer(out, cfg.vocab_size, 0, 1)
@@ -152,12 +152,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         shape.update(served(llm))
         records += [{**shape, **r} for r in decode_and_throughput(llm, args, vocab)]
         records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=False)})
+        for r in records:
+            print(json.dumps(r), flush=True)
         del llm
         gc.collect()  # the runner's caches go with it (weakref finalizers) before the second engine sizes its own
         llm = make_llm(model_dir, args, snapshots=True)
         records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=True)})
-    for r in records:
-        print(json.dumps(r))
+        print(json.dumps(records[-1]), flush=True)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(records, indent=1))
     return records

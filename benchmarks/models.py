@@ -9,13 +9,15 @@ Per model, through the offline runners of appliance/bench (EOS ignored: every re
 - throughput: `bench throughput` of --num-prompts prompts, --input-len in / --output-len out (output tok/s);
 - KV memory per sequence of --kv-context tokens: what this build allocates (its blocks x bytes per block: every
   layer keeps the whole context) against the sliding-window share (local layers holding only their window).
-Each model gets a fresh engine, released before the next.
+Each model runs in its own process (a GPU engine's memory is only certainly back when its process ends).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -103,9 +105,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    names = args.only or list(MODELS)
+    if len(names) > 1 and not args.quick:
+        # one process per model: a GPU engine's memory is only certainly back when its process ends
+        argv = sys.argv[1:] if argv is None else argv
+        for name in names:
+            subprocess.run([sys.executable, "-m", "benchmarks.models", *argv, "--only", name], check=True)
+        return []
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
-        for name in args.only or MODELS:
+        for name in names:
             results.append(measure(name, args, Path(tmp)))
             print(json.dumps(results[-1]), flush=True)
     return results

@@ -42,7 +42,8 @@ def _serve(name: str, c: int) -> Cell:
         f = out / f"{name}_c{c}.json"
         tput = _get(f, "output_throughput")
         return "-" if tput == "-" else (f"{tput} tok/s; TTFT {_get(f, 'median_ttft_ms')} ms, "
-                                        f"TPOT {_get(f, 'median_tpot_ms', digits=2)} ms (p50)")
+                                        f"TPOT {_get(f, 'median_tpot_ms', digits=2)} ms (p50); "
+                                        f"ITL p99 {_get(f, 'p99_itl_ms')} ms")
     return cell
 
 
@@ -57,7 +58,7 @@ ROWS: list[tuple[str, Cell, Cell]] = [
      lambda o: f"{_get(o / 'tput8b.json', 'output_throughput')} ({_get(o / 'tput8b.json', 'num_requests', digits=0)}"
                f" prompts); {_get(o / 'tput8b_640.json', 'output_throughput')} with chunked_prefill_size 640",
      _peer_8b),
-    *[(f"serving 8B 1024 / 256, concurrency {c}", _serve("serve", c), _serve("peer_serve", c)) for c in (1, 16, 64)],
+    *[(f"serving 8B 1024 / 256, concurrency {c}", _serve("serve", c), _serve("peer_serve", c)) for c in (1, 16, 64, 256)],
     ("serving 8B cold start to /health 200 (ms)",
      lambda o: _get(o / "serve_start.json", "start_ms", digits=0),
      lambda o: _get(o / "peer_serve_start.json", "start_ms", digits=0)),

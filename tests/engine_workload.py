@@ -25,6 +25,7 @@ config_st = st.builds(
     max_num_seqs=st.integers(1, 8),
     chunked_prefill_size=st.sampled_from([-1, 3, 8, 16, 64]),
     max_prefill_tokens=st.sampled_from([4, 16, 64]),
+    max_mixed_prefill_tokens=st.sampled_from([None, None, 1, 5]),  # dropped without chunking (engine_config)
     enable_prefix_caching=st.booleans(),
     policy=st.sampled_from(["fcfs", "lpm"]),
 )
@@ -51,6 +52,8 @@ def ops_st(prefixes: Sequence[list[int]]) -> st.SearchStrategy[list]:
 def engine_config(cfg: dict) -> EngineConfig:
     """The drawn config with a pool from "one sequence fits" upwards (cfg's extra_blocks is consumed)."""
     num_blocks = -(-MAX_MODEL_LEN // cfg["block_size"]) + cfg.pop("extra_blocks")
+    if cfg["chunked_prefill_size"] == -1:
+        cfg["max_mixed_prefill_tokens"] = None  # bounds chunks beside decodes: chunking only
     return EngineConfig(num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, eos_token_ids={EOS}, **cfg)
 
 

@@ -32,7 +32,8 @@ def test_table_puts_ours_beside_the_peers(tmp_path: Path) -> None:
     ours, peer = rows["Llama-3.1-8B N x 1024 / 1024: output tok/s"]
     assert ours.startswith("7,876.9 (1,000 prompts); - with") and peer == "7,017.0 (1000 prompts) |"
     ours, peer = rows["serving 8B 1024 / 256, concurrency 1"]
-    assert ours.startswith("170.7 tok/s; TTFT 60.0 ms, TPOT 5.65 ms") and peer == "- |"
+    assert ours.startswith("170.7 tok/s; TTFT 60.0 ms, TPOT 5.65 ms (p50); ITL p99 5.6 ms") and peer == "- |"
+    assert rows["serving 8B 1024 / 256, concurrency 256"] == ["-", "- |"]
     assert rows["serving 8B cold start to /health 200 (ms)"] == ["70,123", "- |"]
 
 

@@ -123,6 +123,11 @@ def _scheduler(cfg: ApplianceConfig) -> list[Problem]:
     if sch.chunked_prefill_size != -1 and sch.chunked_prefill_size < block:
         out.append(Problem("scheduler.chunked_prefill_size",
                            f"{sch.chunked_prefill_size} is smaller than cache.block_size {block} (or use -1)"))
+    mixed = sch.max_mixed_prefill_tokens
+    if mixed is not None and mixed > 0 and sch.chunked_prefill_size == -1:
+        out.append(Problem("scheduler.max_mixed_prefill_tokens",
+                           f"{mixed} bounds prefill chunks beside decodes: it needs chunked prefill "
+                           "(scheduler.chunked_prefill_size > 0), or unset it"))
     total = cfg.cache.max_total_tokens
     if total is not None and total < block:
         out.append(Problem("cache.max_total_tokens", f"{total} is smaller than one block ({block} tokens)"))

@@ -177,6 +177,12 @@ class SchedulerSection(Section):
         "-1 disables chunked prefill: a prompt is prefilled whole, bounded by max_prefill_tokens.", ge=-1)
     max_prefill_tokens: int = param(8192, "Prefill token budget of one step when chunked prefill is disabled.",
                                     ge=1)
+    max_mixed_prefill_tokens: int | None = param(
+        None, "Most prefill tokens a step takes while it also decodes (a mixed step): every running decode is in "
+        "every step, and prefill chunks fill at most this much beside them, so a decode never waits behind a "
+        "longer prefill (the inter-token latency under load). A step without decodes takes the whole "
+        "chunked_prefill_size. Unset: 2048 in the server (`appliance serve` / `run`), no bound in the offline LLM "
+        "(throughput first); -1: no bound. Needs chunked prefill.", ge=-1)
     max_queued_requests: int | None = param(
         None, "Most requests waiting for admission; further requests get HTTP 429 (Retry-After) at once, before "
         "tokenization. Unset: no limit.", ge=1)
@@ -211,6 +217,13 @@ class SchedulerSection(Section):
     def _chunk(cls, v: int) -> int:
         if v == 0:
             raise ValueError("must be positive, or -1 to disable chunked prefill")
+        return v
+
+    @field_validator("max_mixed_prefill_tokens")
+    @classmethod
+    def _mixed(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be positive, or -1 for no bound")
         return v
 
     @field_validator("policy", mode="before")

@@ -20,7 +20,8 @@ still running has grown by the finisher's remaining output, and the finished one
 The sum reserves every output at once, though the shortest finish first; with a staggered running set (a small
 step budget, as recipes/llama-3.1-8b.toml's chunked_prefill_size 640) the simulation admits up to the seat limit where the sum stops
 at what the pool holds with every output whole. Requests decode one token a step (the scheduler plans decodes
-first); prompts still to prefill go in at the step budget left beside the decode rows. A block of margin per
+first); prompts still to prefill go in at the step budget left beside the decode rows (at most
+max_mixed_prefill_tokens). A block of margin per
 request covers a step off either way, and preemption stays the backstop. O(running) with a sort, only when the
 sum refuses.
 Where SGLang charges the request being admitted its whole clipped output, this charges it like the running ones:
@@ -63,16 +64,18 @@ class OutputReservation:
 
     def __init__(self, conservativeness: float, block_size: int, running: Sequence[Request] = (),
                  shared_blocks: Callable[[Request], int] = lambda r: 0,
-                 step_tokens: int = 1 << 30) -> None:
+                 step_tokens: int = 1 << 30, mixed_prefill_tokens: int | None = None) -> None:
         """For the finish-time check (read, never changed here): running, the scheduler's running list;
         shared_blocks(req), how many of req's first blocks other requests hold too (its finish keeps them);
-        step_tokens, the step token budget."""
+        step_tokens, the step token budget; mixed_prefill_tokens, the prefill a step that decodes takes at most
+        (scheduler.max_mixed_prefill_tokens, None: no bound)."""
         if not conservativeness > 0:  # also refuses NaN
             raise ValueError(f"schedule_conservativeness must be > 0 for a reservation, got {conservativeness}")
         self.block_size = block_size
         self.running = running
         self.shared_blocks = shared_blocks
         self.step_tokens = step_tokens
+        self.mixed_prefill_tokens = mixed_prefill_tokens
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * conservativeness, 1.0)
         self.min_ratio = min(self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -153,6 +156,8 @@ class OutputReservation:
         the block ids `hit`). Outputs that may stop early count ratio x their clipped remainder, as in the sum."""
         bs = self.block_size
         share = self.step_tokens - len(self.running) - 1  # prompt tokens a step takes beside the decode rows
+        if self.mixed_prefill_tokens is not None:
+            share = min(share, self.mixed_prefill_tokens)
         if share <= 0:
             return False  # prompts would wait behind decodes: no finish time to simulate
         rows = []  # (steps until it finishes, tokens now, blocks held, blocks its finish gives back)

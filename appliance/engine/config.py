@@ -8,11 +8,16 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
-    from appliance.config.sections_engine import CacheSection
+    from appliance.config.sections_engine import CacheSection, SchedulerSection
 
 from appliance.engine.speculation import lookahead_tokens
 
 POLICIES = ("fcfs", "lpm", "slo")
+# scheduler.max_mixed_prefill_tokens unset under `appliance serve`: a mixed step's prefill share. On an H100 a
+# 2048-token chunk of an 8B model already runs its GEMMs compute-bound, so a burst of prompts costs about the same
+# device time in 2048-token pieces as in 8192-token ones, while the decodes beside them wait a quarter as long.
+# Twice what a closed loop of 256 streams of 1024 in / 256 out needs per step (1024), so prefill keeps up.
+SERVING_MIXED_PREFILL_TOKENS = 2048
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +31,9 @@ class EngineConfig:
     longer than max_prefill_tokens runs alone in its step rather than never. When more requests decode than
     the budget holds, they take turns (least recently scheduled first).
 
+    max_mixed_prefill_tokens bounds the prefill tokens of a step that also decodes (None: the budget left after
+    the decodes); a step without decodes takes the whole budget. Needs chunking.
+
     schedule_conservativeness > 0 makes admission reserve room for the running requests' outputs (SGLang's
     new_token_ratio, see admission.py); 0 admits while the blocks of the next chunk are free.
     """
@@ -35,6 +43,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     chunked_prefill_size: int = 8192
     max_prefill_tokens: int = 8192
+    max_mixed_prefill_tokens: int | None = None
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = frozenset()
@@ -68,6 +77,10 @@ class EngineConfig:
                 f"EngineConfig.chunked_prefill_size must be positive or -1 (disabled), "
                 f"got {self.chunked_prefill_size}"
             )
+        mixed = self.max_mixed_prefill_tokens
+        if mixed is not None and (mixed < 1 or not self.chunking):
+            raise ValueError(f"EngineConfig.max_mixed_prefill_tokens must be >= 1 (None: no bound) and needs "
+                             f"chunked prefill, got {mixed} with chunked_prefill_size {self.chunked_prefill_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"EngineConfig.max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.num_host_blocks < 0:
@@ -112,6 +125,7 @@ class EngineConfig:
     def from_appliance(
         cls, config: ApplianceConfig, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
         num_host_blocks: int | None = None, num_state_slots: int = 0, state_cache_bytes: int = 0,
+        serving: bool = False,
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
 
@@ -121,7 +135,8 @@ class EngineConfig:
         state cache (hybrid models). A hybrid model's prefix cannot be reused from KV blocks alone (its
         linear-attention layers need the recurrent state at the end of the prefix), so without state snapshots
         (cache.ssm_checkpoint_interval) prefix caching is turned off for it, with a warning: the prefix is
-        recomputed.
+        recomputed. serving: the scheduler process of `appliance serve` (the unset max_mixed_prefill_tokens
+        differs there: mixed_prefill_tokens).
         """
         sched = config.scheduler
         cache = config.cache
@@ -139,6 +154,7 @@ class EngineConfig:
             max_num_seqs=sched.max_num_seqs,
             chunked_prefill_size=sched.chunked_prefill_size,
             max_prefill_tokens=sched.max_prefill_tokens,
+            max_mixed_prefill_tokens=mixed_prefill_tokens(sched, serving),
             max_model_len=max_model_len,
             enable_prefix_caching=prefix_caching,
             eos_token_ids=frozenset(eos_token_ids),
@@ -157,6 +173,15 @@ class EngineConfig:
             ssm_checkpoint_interval=interval,
             ssm_snapshot_slots=snapshot_slots(config) if interval else 0,
         )
+
+
+def mixed_prefill_tokens(sched: SchedulerSection, serving: bool) -> int | None:
+    """scheduler.max_mixed_prefill_tokens as the engine runs it (None: no bound). Unset: SERVING_MIXED_PREFILL_TOKENS
+    when serving with chunked prefill (streams' inter-token latency), no bound offline (throughput first); -1: none."""
+    value = getattr(sched, "max_mixed_prefill_tokens", None)  # stand-ins of the config (tests) may lack the key
+    if value is None:
+        return SERVING_MIXED_PREFILL_TOKENS if serving and sched.chunked_prefill_size > 0 else None
+    return None if value == -1 else int(value)
 
 
 def snapshot_slots(config: ApplianceConfig) -> int:

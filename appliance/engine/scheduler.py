@@ -2,6 +2,7 @@
 
 Each step, in this order:
 1. running requests that decode (one token each), then running requests in the middle of a chunked prefill;
+   when the step decodes, its prefill chunks (here and in 2.) share at most max_mixed_prefill_tokens;
 2. waiting requests (preempted ones first, then by policy: fcfs, lpm, or slo: slo.py), while the step has budget, a seat
    (max_num_seqs) and blocks (with schedule_conservativeness > 0 also room for the running requests' outputs:
    admission.py); a waiting request never preempts a running one, and none is admitted in a step that preempted.
@@ -100,10 +101,12 @@ class Scheduler(Preemption):
         self._block_size = config.block_size
         self._num_spec = config.num_speculative_tokens
         self._lookahead = config.lookahead
+        self._mixed_prefill = config.max_mixed_prefill_tokens
         # room reserved at admission for the running requests' outputs (admission.py); None: none, no bookkeeping
         c = config.schedule_conservativeness
         self._reserve = (OutputReservation(c, config.block_size, self.running, self._shared_blocks,
-                                            config.step_token_budget) if c > 0 else None)
+                                            config.step_token_budget, config.max_mixed_prefill_tokens)
+                         if c > 0 else None)
 
     # ---- admission ---------------------------------------------------------------------------------------
     def can_queue(self) -> bool:
@@ -190,6 +193,7 @@ class Scheduler(Preemption):
                 self._schedule_chunk(req, st, True)
             else:
                 self._schedule_decode(req, st)
+        st.cap_mixed_prefill(self._mixed_prefill)
         if self.slo is not None:
             self._cap_prefills(st)
         for req in prefilling:

@@ -1,6 +1,8 @@
 """The step being planned (pure Python): what is left of its token budget, and the plan rows issued so far.
 
-The token budget is config.chunked_prefill_size for everything a step issues (decodes included). With
+The token budget is config.chunked_prefill_size for everything a step issues (decodes included); once the decodes
+are issued, a step that carries any takes at most config.max_mixed_prefill_tokens of prefill beside them
+(cap_mixed_prefill), so no decode waits behind a longer prefill. With
 chunking disabled (-1), decodes are bounded only by max_num_seqs, prompts are never split and prefills share
 max_prefill_tokens, except that a longer prompt may run as the only prefill of its step.
 
@@ -30,6 +32,7 @@ class StepBudget:
         self.first_issue_seq = issue_seq  # rows issued from here on (Request.last_issue_seq) are this step's
         self.issue_seq = issue_seq  # the scheduler's count of issued rows, lent for the step
         self.prefills = 0  # prefills scheduled in this step
+        self.decodes = 0  # decode rows scheduled in this step
         self.preempted = False
         self.plan_new: list[NewRequestData] = []
         self.plan_sched: list[ScheduledRequest] = []
@@ -46,6 +49,12 @@ class StepBudget:
                 return n + drafts  # no chunking: decodes are not charged to the prefill budget
             return n + min(drafts, self.tokens - n) if n <= self.tokens else 0
         return self.prefill_size(n)
+
+    def cap_mixed_prefill(self, cap: int | None) -> None:
+        """Called once the decodes are issued: prefill chunks still to plan get at most cap tokens if the step
+        carries decodes (None: no cap)."""
+        if cap is not None and self.decodes:
+            self.tokens = min(self.tokens, cap)
 
     def prefill_size(self, n: int) -> int:
         """Tokens of a prefill of n uncomputed tokens that this step takes (0: not this step)."""
@@ -82,8 +91,10 @@ class StepBudget:
         if not decodes:
             self.prefills += 1
             self.tokens -= n
-        elif self.chunking:
-            self.tokens -= n
+        else:
+            self.decodes += 1
+            if self.chunking:
+                self.tokens -= n
         req.num_computed_tokens = end
         req.last_issue_seq = self.issue_seq
         self.issue_seq += 1

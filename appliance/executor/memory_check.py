@@ -12,6 +12,7 @@ CPU, the machine's available memory (MemAvailable) shared by the workers of this
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -107,6 +108,10 @@ def local_workers(parallelism: Any) -> int:
 
 def memory_budget(device: torch.device, utilization: float, workers_here: int) -> MemoryBudget:
     if device.type == "cuda":
+        # an engine this process dropped earlier leaves its blocks in torch's caching allocator: give them back
+        # first, so they count as free (mem_get_info sees reserved memory as used)
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         share = int(total * utilization)
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -7,6 +7,11 @@ background task. When the supervisor says the pipeline failed, every open reques
 Request metrics (observability.FrontendObservability.on_output) are fed as the consumer takes each output, not as
 it arrives, so they count what the client receives: with stop strings a multi-token output is handed over one
 token at a time, and the tokens after the one that completed a stop string are never taken (nor counted).
+
+A consumer that falls behind (hundreds of streams on one event loop) finds several outputs of its request queued:
+without stop strings it takes them as one (merge_outputs), so detokenizing, SSE framing and the HTTP write are
+paid once per turn of the consumer instead of once per engine step; the metrics still see each output with its
+own arrival time.
 """
 from __future__ import annotations
 
@@ -130,14 +135,23 @@ class ZmqEngineClient(PipelineClient):
                 reported = True
                 raise
             self._num_sent += 1
+            carry: Any = None  # the pipeline's failure, met while taking queued outputs: raised after them
             while True:
-                item = await queue.get()
+                item = carry if carry is not None else await queue.get()
+                carry = None
                 if item is _DEAD:
                     engine_done = True
                     self._finish_metrics(request_id, "error")
                     reported = True
                     raise EngineDead(self._error or "the engine failed")
-                out, routed_at = item
+                group = [item]
+                while not per_token and group[-1][0].finish_reason is None and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if nxt is _DEAD or nxt[0].error is not None:  # the tokens before a failure go out first
+                        carry = nxt
+                        break
+                    group.append(nxt)
+                out = group[0][0] if len(group) == 1 else merge_outputs([o for o, _ in group])
                 engine_done = out.finish_reason is not None
                 parts = one_per_token(out) if per_token and len(out.new_token_ids) > 1 else (out,)
                 taken = 0
@@ -147,8 +161,11 @@ class ZmqEngineClient(PipelineClient):
                         yield part
                 finally:  # also when the consumer closes us mid-output: count only what it took
                     if self._obs is not None:
-                        reported = self._obs.on_output(out, routed_at, num_taken=taken,
-                                                       stopped_by_text=request_id in self._stopped_by_text)
+                        stopped = request_id in self._stopped_by_text
+                        for o, routed_at in group:  # each output as it arrived, the tokens taken in order
+                            n = min(taken, len(o.new_token_ids))
+                            taken -= n
+                            reported = self._obs.on_output(o, routed_at, num_taken=n, stopped_by_text=stopped)
                 if engine_done:
                     return
         finally:
@@ -277,3 +294,17 @@ def one_per_token(out: RequestOutput) -> list[RequestOutput]:
         finish_reason=out.finish_reason if i == n - 1 else None,
         error=out.error if i == n - 1 else None, error_status=out.error_status if i == n - 1 else 0)
         for i in range(n)]
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one (the inverse of one_per_token): tokens and their logprobs in
+    order, what arrives once (prompt logprobs, first-scheduled time) from the first, how it ended from the last."""
+    first, last = outs[0], outs[-1]
+    with_lps = first.logprobs is not None
+    with_top = first.top_logprobs is not None
+    return dataclasses.replace(
+        last, new_token_ids=[t for o in outs for t in o.new_token_ids],
+        logprobs=[lp for o in outs for lp in (o.logprobs or ())] if with_lps else None,
+        top_logprobs=[top for o in outs for top in (o.top_logprobs or ())] if with_top else None,
+        prompt_logprobs=first.prompt_logprobs, first_scheduled_time=first.first_scheduled_time,
+        num_prompt_tokens=first.num_prompt_tokens, num_cached_tokens=first.num_cached_tokens)

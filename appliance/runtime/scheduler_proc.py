@@ -199,7 +199,8 @@ def run_scheduler(boot: Bootstrap) -> None:
     w0 = boot.peers["worker0"]
     ecfg = EngineConfig.from_appliance(config, int(w0["num_kv_blocks"]), w0.get("eos_token_ids", []),
                                        int(w0["max_model_len"]), int(w0.get("num_host_blocks", 0)),
-                                       int(w0.get("num_state_slots", 0)), int(w0.get("state_cache_bytes", 0)))
+                                       int(w0.get("num_state_slots", 0)), int(w0.get("state_cache_bytes", 0)),
+                                       serving=True)
     ctx = zmq.Context()
     executor = RemoteExecutor(ctx, boot.addresses, alive=lambda: parent_alive(boot.parent_pid))
     obs = SchedulerObservability(config.observability, ecfg.block_size, dp_rank=boot.rank)  # rank = replica
