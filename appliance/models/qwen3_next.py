@@ -9,6 +9,10 @@ the first partial_rotary_factor of each head. Linear-attention layers keep their
 cache (executor/state_cache.py) instead of KV blocks. Qwen3.5 differs only in its linear-attention input
 projections (one per output instead of Qwen3-Next's two grouped ones); its text rotary (mrope) equals plain
 partial rotary for text, where the three position grids coincide.
+
+The multi-token-prediction layer (`mtp.*`, `HybridMtp`) is built only when speculative.algorithm = MTP and drafts
+through executor/speculative_mtp.py (executor/speculative_states.py repairs the recurrent state after a rejected
+draft). Tensor parallelism splits the linear-attention heads (layers/gated_delta_net.py).
 """
 from __future__ import annotations
 
