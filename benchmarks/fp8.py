@@ -10,6 +10,9 @@ Sections:
 - throughput: Llama-3.1-8B, FP8 weights + FP8 KV, N x 1024 in / 1024 out, ignore_eos: output tokens/s.
 - batch1: the same engine, one request of 1024 in / 256 out alone: ms per output token.
 - capacity: KV blocks at the same gpu_memory_utilization, FP8 KV against the 16-bit KV (same FP8 weights).
+- gemv: Llama-3.1-8B's projections at one row: the Triton FP8 GEMV (the decode-batch path of scaled_linear)
+  against the activation quantization + cuBLASLt scaled GEMM it replaces, microseconds each (--quick: the torch
+  reference on tiny shapes).
 - qwen3: Qwen3-0.6B shape, 256 requests of input and output lengths uniform in [100, 1024], FP8 KV against 16-bit
   KV (16-bit weights): output tokens/s of each and the ratio.
 Prints one JSON object per section and, with --output-json, writes them all.
@@ -28,7 +31,7 @@ from typing import Any
 from appliance.bench.floor import weight_read_floor
 from appliance.bench.presets import SHAPES
 
-SECTIONS = ("throughput", "batch1", "capacity", "qwen3")
+SECTIONS = ("throughput", "batch1", "capacity", "gemv", "qwen3")
 TINY = {  # --quick: a tiny Llama shape, CPU
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
@@ -115,6 +118,53 @@ def batch1(llm: Any, input_len: int, output_len: int) -> dict[str, float]:
                                                     else 1 << 30)}
 
 
+def _gemv_paths(x: Any, wq: Any, scale: Any, quick: bool) -> dict[str, Any]:
+    """The ways one row goes through an e4m3 weight: the reference (--quick), else the Triton GEMV and the
+    activation quantization + torch._scaled_mm (cuBLASLt) it replaces at small M."""
+    import torch
+
+    from appliance.kernels.fp8_gemm import fp8_gemv
+
+    if quick:
+        return {"reference": lambda: fp8_gemv(x, wq, scale, None)}
+    from appliance.kernels.triton.act_quant import quant_act
+    from appliance.kernels.triton.fp8_gemv import fp8_gemv as triton_fp8_gemv
+
+    def cublas() -> torch.Tensor:
+        xq, xs = quant_act(x, None)
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
+
+    return {"triton_gemv": lambda: triton_fp8_gemv(x, wq, scale, None), "cublaslt": cublas}
+
+
+def gemv_times(quick: bool) -> dict[str, Any]:
+    """Per projection shape, one row through each path: microseconds per call (triton's do_bench on a GPU)."""
+    import torch
+
+    from appliance.kernels.fp8_gemm import FP8, FP8_MAX
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    if quick:
+        shapes = {name: (n // 64, k // 64) for name, (n, k) in shapes.items()}
+    device = "cpu" if quick else "cuda"
+    row: dict[str, Any] = {}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device) * 0.02
+        scale = w.abs().amax(dim=1) / FP8_MAX
+        wq, x = (w / scale[:, None]).to(FP8), torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        for path, fn in _gemv_paths(x, wq, scale, quick).items():
+            if quick:
+                t = time.perf_counter()
+                for _ in range(10):
+                    fn()
+                row[f"{name}_{path}_us"] = (time.perf_counter() - t) / 10 * 1e6
+            else:
+                from triton.testing import do_bench
+
+                row[f"{name}_{path}_us"] = do_bench(fn, warmup=25, rep=200) * 1e3
+    return row
+
+
 def run(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parse_args(argv)
     sections = args.sections.split(",")
@@ -151,6 +201,8 @@ def run(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                                     "blocks_fp8": blocks_fp8, "blocks_16bit": blocks_16,
                                     "blocks_ratio": blocks_fp8 / blocks_16, "bytes_per_block_fp8": bytes_fp8,
                                     "bytes_per_block_16bit": bytes_16})
+        if "gemv" in sections:
+            report("gemv", {"rows": 1, **gemv_times(b.quick)})
         if "qwen3" in sections:
             rng = random.Random(0)
             lo, hi = b.length(100), b.length(1024)

@@ -2,7 +2,8 @@
 # Agentic sessions on one GPU: the host KV tier and the slo policy, ours and the peer's (vLLM 0.26) in the same run,
 # with `appliance bench sessions`. Each part runs in under 8 minutes on an H100 80GB.
 #
-#   bash benchmarks/sessions.sh PART [PART...]     # results: $OUT (or $BENCH_OUT, else a temp dir)
+#   bash benchmarks/sessions.sh PART [PART...]     # results: $OUT (or $BENCH_OUT, else a temp dir); ours also
+#                                                   # leave NAME_stats.json, the server's /v1/internal/stats
 #
 # Model: the Llama-3.1-8B shape with dummy bf16 weights (`python -m appliance.bench.presets`).
 # Parts:
@@ -13,6 +14,11 @@
 #             reported cache hit against the ideal.
 #   tier      the same with the host tier (cache.host_cache, host_cache_ratio = 4: 256k tokens, 32 GiB of pinned
 #             host memory on this shape).
+#   swap, recompute  the tier part with no room reserved for outputs (scheduler.schedule_conservativeness = 0),
+#             so running requests are preempted: swap with scheduler.preemption_mode = auto (the workers' measured
+#             copy and prefill rates are in the server log: "preemption costs measured"), recompute without.
+#   disk      the tier part with a host tier of 1x the pool and the disk tier behind it (cache.disk_cache, 32 GiB
+#             under DISK_DIR, default $out/disk).
 #   peer      `vllm serve` with --num-gpu-blocks-override POOL_TOKENS/16 and --enable-prompt-tokens-details,
 #             the same sessions.
 #   slo, fcfs mixed load: 16 sessions decoding 1024-token answers while 4 prompts of 32000 tokens arrive
@@ -59,6 +65,9 @@ with_server() {
   done
   "$@" "$name"
   local rc=$?
+  # ours: the engine's counters after the run (preemptions, the tiers' copies: tier_swapped_out, tier_disk_spilled...)
+  [[ "$name" != peer ]] && "$py" -c "import httpx; print(httpx.get('$base/v1/internal/stats', timeout=5).text)" \
+    > "$out/${name}_stats.json" 2>/dev/null
   kill -TERM "$pid"; wait "$pid"
   return $rc
 }
@@ -93,18 +102,24 @@ part() {
     notier) ours notier run_sessions --max-model-len 16384 --set cache.max_total_tokens="$pool" ;;
     tier) ours tier run_sessions --max-model-len 16384 --set cache.max_total_tokens="$pool" \
             --set cache.host_cache=true --set cache.host_cache_ratio=4 ;;
+    swap|recompute) ours "$1" run_sessions --max-model-len 16384 --set cache.max_total_tokens="$pool" \
+            --set cache.host_cache=true --set cache.host_cache_ratio=4 --set scheduler.schedule_conservativeness=0 \
+            --set scheduler.preemption_mode="$([[ $1 == swap ]] && echo auto || echo recompute)" ;;
+    disk) ours disk run_sessions --max-model-len 16384 --set cache.max_total_tokens="$pool" \
+            --set cache.host_cache=true --set cache.host_cache_ratio=1 --set cache.disk_cache=true \
+            --set cache.disk_cache_dir="${DISK_DIR:-$out/disk}" --set cache.disk_cache_size_gb=32 ;;
     peer)
       [[ -f .peer/run_vllm.sh ]] || { echo "sessions: .peer/run_vllm.sh is missing" >&2; return 1; }
       with_server peer bash .peer/run_vllm.sh serve "$model" 8100 --served-model-name bench --max-model-len 16384 \
         --num-gpu-blocks-override $((pool / 16)) --enable-prompt-tokens-details -- run_sessions ;;
     slo) ours slo run_mixed --max-model-len 40960 --set scheduler.policy=slo --set scheduler.slo_tbt_ms="$tbt" ;;
     fcfs) ours fcfs run_mixed --max-model-len 40960 ;;
-    *) echo "sessions: unknown part $1 (notier tier peer slo fcfs)" >&2; return 2 ;;
+    *) echo "sessions: unknown part $1 (notier tier swap recompute disk peer slo fcfs)" >&2; return 2 ;;
   esac
 }
 
 trap 'kill $(jobs -p) 2>/dev/null' EXIT
-[[ $# -eq 0 ]] && { sed -n '2,26p' "$0"; exit 2; }
+[[ $# -eq 0 ]] && { sed -n '2,28p' "$0"; exit 2; }
 status=0
 for p in "$@"; do
   timeout --kill-after=10 "$limit" bash -c "$(declare -p py out limit models pool sessions think tbt model base); \

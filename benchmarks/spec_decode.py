@@ -12,7 +12,7 @@ speculative.synthetic_acceptance_length; the drafter and the verify forward stil
 - n-gram prompt lookup on a synthetic code-editing workload (a source file, then a request to repeat it with one
   change: outputs copy spans of the prompt), real acceptance: on the embedded default model (trained weights,
   so the acceptance is a model's), and on the 8B shape (dummy weights: their outputs repeat, so that acceptance
-  only shows the cost of verification at this size).
+  only shows the cost of verification at this size), with the lookup on the host and on the device.
 Prints output tok/s, ms per output token (wall time of the whole generate call over the tokens each request
 produced: prefill included), mean acceptance length and the speed-up over plain decoding.
 """
@@ -178,9 +178,12 @@ def main(argv: list[str] | None = None) -> list[Run]:
     measure(eagle, "eagle3 acc1 b1", one, "plain b1")
     free(eagle)
 
-    ngram = LLM(model=str(target), speculative_algorithm="NGRAM", speculative_num_steps=3, **common)
-    measure(ngram, "ngram code-edit b1 (dummy weights)", code_ids, "plain code-edit b1")
-    free(ngram)
+    for proposer, name in (("host", "ngram code-edit b1 (dummy weights)"),
+                           ("device", "ngram on the device code-edit b1 (dummy weights)")):
+        ngram = LLM(model=str(target), speculative_algorithm="NGRAM", speculative_num_steps=3,
+                    speculative_ngram_proposer=proposer, **common)
+        measure(ngram, name, code_ids, "plain code-edit b1")
+        free(ngram)
     code_runs(runs, quick, output_len)
     print_table(runs)
     if a.output_json:

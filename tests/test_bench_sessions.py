@@ -193,3 +193,44 @@ log_level = "warning"
             assert m["hit_vs_ideal"] < 0.9, m
     finally:
         stop(srv)
+
+
+def test_disk_tier_and_measured_swaps_through_the_pipeline(tmp_path: Path) -> None:
+    # the same oversubscribed sessions with a host tier of 48 blocks and the disk tier behind it, no room reserved
+    # for outputs and preemption auto: the workers' measured rates and their disk slots reach the scheduler
+    port, log = free_port(), tmp_path / "server.log"
+    srv = launch(f'''
+[model]
+device = "cpu"
+max_model_len = 1024
+[scheduler]
+preemption_mode = "auto"
+schedule_conservativeness = 0
+[cache]
+block_size = {BLOCK}
+max_total_tokens = 1024
+host_cache = true
+host_cache_ratio = 0.75
+disk_cache = true
+disk_cache_dir = "{tmp_path / 'disk'}"
+disk_cache_size_gb = 0.05
+[api]
+port = {port}
+served_model_name = "disk"
+[observability]
+log_level = "info"
+''', port, cfg_path=tmp_path / "disk.toml", stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        w = sessions.SessionWorkload(4, 4, system_len=16, user_len=300, tool_len=64, output_len=16, id_high=900)
+        results, duration = asyncio.run(sessions.run_sessions(ServeTarget(srv.base, "/v1/completions", "disk"),
+                                                              w, concurrency=4))
+        assert all(r.timing.success for r in results), [r.timing.error for r in results]
+        m = sessions.session_metrics(results, duration)
+        stats = srv.wait_idle()
+        assert stats["accounting_ok"] and stats["tier_disk_spilled"] > 0 and stats["tier_host_loaded"] > 0, stats
+        assert m["hit_vs_ideal"] > 0.9, m
+    finally:
+        stop(srv)
+    text = log.read_text()
+    assert text.count("preemption costs measured") == 1 and "preemption auto:" in text
+    assert "disk tier: " in text and not list((tmp_path / "disk").iterdir())  # its file is unlinked at once

@@ -11,7 +11,8 @@ from appliance.config.flags import flag_specs, flag_table
 CONTRACT = {
     "model": "path tokenizer tokenizer_mode skip_tokenizer_init load_format trust_remote_code revision "
              "download_dir hf_overrides max_model_len seed device",
-    "precision": "dtype kv_cache_dtype kv_cache_quant_method quantization quantization_param_path",
+    "precision": "dtype kv_cache_dtype kv_cache_quant_method kv_cache_calibration_tokens quantization "
+                 "quantization_param_path",
     "parallelism": "tp dense_tp moe_tp dp pp dcp enable_expert_parallel ep world_size nprocs_per_node nnodes "
                    "node_rank dist_init_addr",
     "scheduler": "max_num_seqs chunked_prefill_size max_prefill_tokens max_queued_requests policy slo_tbt_ms",

@@ -9,9 +9,11 @@ import torch
 
 from appliance import LLM, SamplingParams
 from appliance.executor.cuda_graph import (
+    GRAPH_CONTEXT,
     DecodeGraphs,
     GraphKey,
     capture_sizes,
+    decode_unsplit_from,
     graph_settings,
     lm_head_rows,
     padded_batch,
@@ -115,12 +117,61 @@ def _record_launches(runner: Any) -> list[int]:
     return launched
 
 
-def _with_graphs(llm: LLM) -> DecodeGraphs:
+def _with_graphs(llm: LLM, unsplit_from: int | None = None) -> DecodeGraphs:
     r = llm.executor.runner
     graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, [1, 2, 4, 8], r.max_blocks,
-                          r.block_size)
+                          r.block_size, unsplit_from=unsplit_from)
     r.graphs, r.use_graphs = graphs, True
     return graphs
+
+
+def _key_graphs(unsplit_from: int | None, max_model_len: int = 131072, block_size: int = 16) -> DecodeGraphs:
+    """Keys only (nothing runs): the 8B serving shape's default sizes (max_num_seqs 256)."""
+    return DecodeGraphs(lambda *a: torch.zeros(0), 8, torch.float32, torch.device("cpu"),
+                        capture_sizes(None, None, 256), -(-max_model_len // block_size), block_size,
+                        unsplit_from=unsplit_from)
+
+
+def _decodes(n: int, context: int, block_size: int = 16) -> list[Any]:
+    """n one-token decode chunks whose longest row has `context` tokens (table_width reads only these)."""
+    blocks = list(range(-(-context // block_size)))
+    return [SimpleNamespace(start=context - 1, num_tokens=1, state=SimpleNamespace(block_ids=blocks))
+            for _ in range(n)]
+
+
+def test_unsplit_batches_share_one_width_up_to_the_graph_context() -> None:
+    split = _key_graphs(None).keys_up_to(GRAPH_CONTEXT)
+    shared = _key_graphs(33).keys_up_to(GRAPH_CONTEXT)  # 8 KV heads on 132 SMs (decode.unsplit_from)
+    assert len(split) == 35 * 4 and len(shared) == 7 * 4 + 28  # 140 -> 56 captures at start-up
+    assert shared[:35] == [GraphKey(b, 128) for b in reversed(capture_sizes(None, None, 256))]  # largest first
+    assert shared[35:] == [GraphKey(b, w) for w in (64, 32, 16) for b in (32, 24, 16, 8, 4, 2, 1)]
+    assert {k.width for k in shared if k.batch >= 33} == {128} and set(shared) <= set(split)
+    # run-time keys: the same graphs the warm-up captured; wider tables keep their own bucket
+    g = _key_graphs(33)
+    assert g.key_for(_decodes(40, 100)) == GraphKey(40, 128) and g.key_for(_decodes(37, 700)) == GraphKey(40, 128)
+    assert g.key_for(_decodes(8, 100)) == GraphKey(8, 16) and g.key_for(_decodes(30, 700)) == GraphKey(32, 64)
+    assert g.key_for(_decodes(40, 3000)) == GraphKey(40, 256) and g.key_for(_decodes(3, 3000)) == GraphKey(4, 256)
+    assert {g.key_for(_decodes(n, c)) for n in range(1, 257) for c in (1, 300, 1000, 2048)} <= set(shared)
+    # a wider warm-up keeps the shared keys and adds the wider buckets
+    wide = g.keys_up_to(4096)
+    assert len(wide) == 35 + 56 and wide[:35] == [GraphKey(b, 256) for b in reversed(g.sizes)]
+    # a short max_model_len: the shared width is the table's
+    assert {k.width for k in _key_graphs(33, max_model_len=500).keys_up_to(GRAPH_CONTEXT)} == {32, 16}
+
+
+def test_unsplit_from_matches_the_split_heuristic() -> None:
+    from appliance.kernels.triton.decode import _sm_count, num_splits_for, unsplit_from
+
+    cpu = torch.device("cpu")
+    sms = _sm_count(cpu)
+    for hkv in (1, 2, 4, 8, 16):
+        b = unsplit_from(hkv, cpu)
+        assert all(num_splits_for(b, hkv, ctx, sms) == 1 for ctx in (64, 2048, 1 << 20))
+        assert num_splits_for(b - 1, hkv, 1 << 20, sms) > 1  # the smallest such batch
+    layers = [SimpleNamespace(decode_unsplit_from=lambda d, n=n: unsplit_from(n, d)) for n in (8, 4)]
+    assert decode_unsplit_from(layers, cpu) == unsplit_from(4, cpu)  # every layer unsplit: the fewest heads
+    assert decode_unsplit_from(layers + [SimpleNamespace()], cpu) is None  # a layer without one (MLA)
+    assert decode_unsplit_from([SimpleNamespace(decode_unsplit_from=lambda d: None)], cpu) is None
 
 
 def test_padded_decode_path_matches_eager_on_cpu(tiny_model) -> None:
@@ -138,6 +189,23 @@ def test_padded_decode_path_matches_eager_on_cpu(tiny_model) -> None:
     runs.clear()
     assert _greedy(llm, prompts * 3, 3)[:3] == [e[:3] for e in eager]
     assert runs == []
+
+
+def test_shared_width_graphs_match_eager_on_cpu(tiny_model) -> None:
+    """Batches from unsplit_from on run one graph per size at the shared width, whatever their tables need."""
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=2048,
+              skip_tokenizer_init=True)
+    prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21]
+    eager = _greedy(llm, prompts, 12)
+    graphs = _with_graphs(llm, unsplit_from=2)
+    assert graphs.shared_width == min(GRAPH_CONTEXT // 4, llm.executor.runner.max_blocks) > 32
+    runs: list[GraphKey] = []
+    run = graphs.run
+    graphs.run = lambda decodes, key, fix=None: (runs.append(key), run(decodes, key, fix))[1]  # type: ignore[method-assign]
+    assert _greedy(llm, prompts, 12) == eager
+    assert {k.width for k in runs if k.batch >= 2} == {graphs.shared_width}
+    assert _greedy(llm, [list(range(10, 80))], 4) == [eager[1][:4]]
+    assert runs[-1].batch == 1 and runs[-1].width == 32  # below unsplit_from: its own bucket
 
 
 def test_warmup_leaves_results_unchanged(tiny_model) -> None:
@@ -189,8 +257,36 @@ def test_cuda_graphs_match_eager_on_gpu(tiny_model) -> None:
               skip_tokenizer_init=True, cuda_graph_max_bs=8)
     runner = llm.executor.runner
     assert runner.graphs is not None
+    # the warm-up: every size at both width buckets of a 512-token context, one eager run per size
+    assert set(runner.graphs.graphs) == {GraphKey(b, w) for b in (1, 2, 4, 8) for w in (16, 32)}
+    assert runner.graphs.eager_sizes == {1, 2, 4, 8}
     prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21, [3] * 300]
     with_graphs = _greedy(llm, prompts, 16)
     assert runner.graphs.graphs  # something was captured and replayed
     runner.use_graphs = False
     assert _greedy(llm, prompts, 16) == with_graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_unsplit_batches_share_a_width_and_match_eager_on_gpu(tiny_model) -> None:
+    """A decode batch past unsplit_from replays one graph whatever its tables need (the shared width), and gives
+    eager's tokens exactly: its attention launch reads the width only as a bound past seq_len."""
+    from appliance.kernels.triton.decode import unsplit_from
+
+    llm = LLM(model=str(tiny_model), dtype="bfloat16", block_size=16, max_total_tokens=65536,
+              skip_tokenizer_init=True, max_num_seqs=192, cuda_graph_sizes=[8, 192])
+    runner = llm.executor.runner
+    graphs = runner.graphs
+    assert graphs is not None and graphs.unsplit_from == unsplit_from(2, runner.device) < 192  # 2 KV heads
+    # one prefill step for all (under the 8192-token budget), then every decode step runs all of them: eager runs
+    # unsplit too (a smaller eager batch would split, as it did before tables shared a width); every table fits
+    # the narrowest bucket (16 blocks), which eager gathers, while the graph reads the shared width
+    prompts = [[(7 * i + j) % 90 + 5 for j in range(3 + i % 40)] for i in range(graphs.unsplit_from + 8)]
+    runs: list[GraphKey] = []
+    run = graphs.run
+    graphs.run = lambda decodes, key, fix=None: (runs.append(key), run(decodes, key, fix))[1]  # type: ignore[method-assign]
+    with_graphs = _greedy(llm, prompts, 8)
+    assert runs and set(runs) == {GraphKey(192, graphs.shared_width)} and graphs.shared_width > 16
+    runner.use_graphs = False
+    assert _greedy(llm, prompts, 8) == with_graphs

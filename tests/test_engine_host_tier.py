@@ -112,3 +112,66 @@ def test_host_tier_size_in_gb_needs_the_block_bytes() -> None:
         host_blocks(cache, 100)
     ratio = build_config(dotlist=["cache.host_cache=true", "cache.host_cache_ratio=3"]).cache
     assert host_blocks(ratio, 100) == 300 and host_blocks(build_config().cache, 100) == 0
+
+
+def disk_engine(num_blocks: int, host_blocks: int, disk_blocks: int, events: list | None = None) -> EngineCore:
+    cfg = EngineConfig(num_blocks=num_blocks, block_size=BS, max_model_len=64, chunked_prefill_size=32,
+                       num_host_blocks=host_blocks, num_disk_blocks=disk_blocks)
+    sink = None if events is None else (lambda *a, **kw: events.append((a[0], a[1], kw.get("medium"))))
+    return EngineCore(cfg, FakeExecutor(num_blocks, BS, vocab_size=500), on_kv_event=sink)
+
+
+def test_blocks_the_host_drops_spill_to_disk_and_come_back_with_the_same_outputs() -> None:
+    from appliance.engine.disk_tier import FETCH, SPILL
+
+    events: list = []
+    # a host tier smaller than the device pool: without the disk most evicted history is lost
+    tiered, cold = disk_engine(24, 8, 96, events), engine(24, 0, caching=False)
+    for turn in sessions(4):
+        assert run(tiered, turn) == run(cold, turn)
+    disk = tiered.scheduler.cache.host.disk
+    assert disk is not None and disk.num_spilled > 0 and disk.num_fetched > 0
+    kinds = {c[0] for p in tiered.executor.plans for c in p.host_copies}
+    assert {STORE, LOAD, SPILL, FETCH} <= kinds
+    assert any(m == "DISK" and k == "BlockStored" for k, _, m in events)
+    host_only = disk_engine(24, 8, 0)
+    for turn in sessions(4):
+        run(host_only, turn)
+    assert tiered.scheduler.cache.hit_tokens > host_only.scheduler.cache.hit_tokens
+
+
+def test_disk_tier_accounting_after_aborts_preemption_and_a_reset() -> None:
+    core = disk_engine(20, 6, 64)
+    for turn in sessions(3):
+        for rid, p in turn.items():
+            core.add_request(rid, p, SamplingParams(max_tokens=20, ignore_eos=True))
+        for _ in range(3):
+            core.step()
+        core.abort(next(iter(turn)))
+        while core.has_work():
+            core.step()
+            assert core.check_accounting().ok, core.check_accounting().problems
+    assert core.scheduler.num_preemptions > 0 and core.scheduler.cache.host.disk.num_fetched > 0
+    core.scheduler.cache.reset()
+    assert len(core.scheduler.cache.host.disk) == 0 and core.check_accounting().ok
+
+
+def test_a_fetch_never_spills_over_the_disk_slot_it_reads() -> None:
+    from appliance.engine.disk_tier import FETCH, SPILL, DiskTier
+
+    disk = DiskTier(2)
+    tier = HostTier(2, disk=disk)
+    for b, h in ((0, 10), (1, 11), (2, 12), (3, 13)):  # 10 and 11 spill to disk as 12 and 13 take their slots
+        tier.offload(b, h, None, (h,))
+    assert disk.get(10) is not None and disk.get(11) is not None
+    tier.take_copies()
+    hit = tier.get(10)
+    assert hit is not None and hit.slot == disk.get(10).slot
+    (hb,) = tier.pin([hit])  # takes a host slot: 12 spills, and the disk's LRU entry is 10 itself
+    copies = tier.take_copies()
+    spill = next(c for c in copies if c[0] == SPILL)
+    fetch = next(c for c in copies if c[0] == FETCH)
+    assert spill[1] != fetch[1] == hit.slot and copies.index(spill) < copies.index(fetch)
+    assert disk.get(11) is None and disk.get(12) is not None  # 11 made room instead
+    tier.load(hb, 7)
+    assert tier.check() == []

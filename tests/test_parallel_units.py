@@ -70,9 +70,9 @@ def test_translate_maps_cuda_visible_devices() -> None:
 
 
 def test_replica_peers_takes_the_smallest_pool() -> None:
-    merged = replica_peers([{"num_kv_blocks": 90, "max_model_len": 64, "num_host_blocks": 300},
-                            {"num_kv_blocks": 80, "max_model_len": 64, "num_host_blocks": 200}])
-    assert merged == {"num_kv_blocks": 80, "max_model_len": 64, "num_host_blocks": 200}
+    merged = replica_peers([{"num_kv_blocks": 90, "max_model_len": 64, "num_host_blocks": 300, "num_disk_blocks": 9},
+                            {"num_kv_blocks": 80, "max_model_len": 64, "num_host_blocks": 200, "num_disk_blocks": 7}])
+    assert merged == {"num_kv_blocks": 80, "max_model_len": 64, "num_host_blocks": 200, "num_disk_blocks": 7}
 
 
 class _FakeReplica:

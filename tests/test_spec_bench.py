@@ -16,7 +16,8 @@ def test_quick_run_measures_every_row(tmp_path: Path, capsys: pytest.CaptureFixt
     out = tmp_path / "runs.json"
     runs = {r.name: r for r in spec_decode.main(["--quick", "--output-json", str(out)])}
     assert set(runs) == {"plain b1", "plain b4", "plain code-edit b1", "eagle3 acc2.6 b1", "eagle3 acc2.6 b4",
-                         "eagle3 acc1 b1", "ngram code-edit b1 (dummy weights)", "plain code-edit default model",
+                         "eagle3 acc1 b1", "ngram code-edit b1 (dummy weights)",
+                         "ngram on the device code-edit b1 (dummy weights)", "plain code-edit default model",
                          "ngram code-edit default model"}
     for r in runs.values():
         assert r.output_tokens == r.batch * 8  # --quick: 8 output tokens per request, EOS ignored
@@ -26,5 +27,7 @@ def test_quick_run_measures_every_row(tmp_path: Path, capsys: pytest.CaptureFixt
     assert runs["eagle3 acc1 b1"].mean_acceptance_length == 1.0
     assert 1.5 < runs["eagle3 acc2.6 b4"].mean_acceptance_length < 3.5  # 8 tokens per request: few verifications
     assert runs["ngram code-edit default model"].mean_acceptance_length is not None
+    device, host = runs["ngram on the device code-edit b1 (dummy weights)"], runs["ngram code-edit b1 (dummy weights)"]
+    assert device.mean_acceptance_length == host.mean_acceptance_length  # the same drafts
     assert len(json.loads(out.read_text())) == len(runs)
     assert "| eagle3 acc2.6 b1 | 1 |" in capsys.readouterr().out

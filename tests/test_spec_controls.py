@@ -4,6 +4,7 @@ length and per-position rates it asks for), the per-position acceptance counters
 speculative part."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -141,9 +142,19 @@ def test_serve_flags_reach_the_speculative_section() -> None:
     c = parse_serve_args(["m", "--speculative-algorithm", "ngram", "--speculative-num-steps", "4",
                           "--speculative-ngram-min-match-window-size", "2",
                           "--speculative-ngram-max-match-window-size", "5",
-                          "--speculative-disable-by-batch-size", "8"], env={}).speculative
-    assert (c.algorithm, c.num_steps, c.prompt_lookup_min, c.prompt_lookup_max, c.disable_by_batch_size) == (
-        "NGRAM", 4, 2, 5, 8)
+                          "--speculative-disable-by-batch-size", "8", "--speculative-ngram-proposer", "device"],
+                         env={}).speculative
+    assert (c.algorithm, c.num_steps, c.prompt_lookup_min, c.prompt_lookup_max, c.disable_by_batch_size,
+            c.ngram_proposer) == ("NGRAM", 4, 2, 5, 8, "device")
+    for method, want in (("draft_model", {"algorithm": "STANDALONE", "draft_model_path": "d"}),
+                         ("deepseek_mtp", {"algorithm": "MTP"}), ("eagle3", {"algorithm": "EAGLE3", "draft_model_path": "d"}),
+                         ("ngram_gpu", {"algorithm": "NGRAM", "ngram_proposer": "device"})):
+        model = {} if want["algorithm"] in ("MTP", "NGRAM") else {"model": "d"}
+        doc = json.dumps({"method": method, "num_speculative_tokens": 4, **model})
+        got = parse_serve_args(["m", "--speculative-config", doc], env={}).speculative
+        assert got.model_dump(exclude_defaults=True) == {**want, "num_steps": 4}, method  # vLLM's method names
+    with pytest.raises(ConfigError, match="ngram_proposer"):  # meaningless without NGRAM
+        parse_serve_args(["m", "--speculative-algorithm", "MTP", "--speculative-ngram-proposer", "device"], env={})
     s = parse_serve_args(["m", "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
                           "--speculative-enable-synthetic-acceptance", "--speculative-synthetic-acceptance-length",
                           "2.6"], env={}).speculative

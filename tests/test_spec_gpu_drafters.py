@@ -1,6 +1,7 @@
 """N-gram, standalone-draft and EAGLE-3 speculative decoding on a GPU (Triton kernels, CUDA graphs and piecewise
 graphs as configured by default, float32 with TF32 off): the same greedy tokens as without speculation, a prefix
-hit included; a bfloat16 run with dummy weights and forced acceptance completes with the pool whole. Run on the
+hit included; the device n-gram proposer drafts as the host one; drafts drawn from a drafter equal to the target
+are kept; a bfloat16 run with dummy weights and forced acceptance completes with the pool whole. Run on the
 device machine: python -m pytest -q -m gpu tests/test_spec_gpu_drafters.py"""
 from __future__ import annotations
 
@@ -56,3 +57,30 @@ def test_gpu_bf16_eagle3_with_forced_acceptance_completes(make_tiny_model: Any, 
     stats = llm.engine.stats()
     assert 2.2 < stats.spec_mean_accepted_length < 3.0
     assert llm.engine.check_accounting().ok and stats.blocks_owned == 0
+
+
+def test_gpu_device_ngram_proposes_what_the_host_one_does(tiny_model: Path) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    runs = []
+    for proposer in ("host", "device"):
+        llm = gpu_llm(tiny_model, speculative_algorithm="NGRAM", speculative_num_steps=3,
+                      speculative_ngram_proposer=proposer)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        s = llm.engine.stats()
+        runs.append((outs, s.spec_num_draft_tokens, s.spec_num_accepted_tokens))
+    assert runs[0] == runs[1] and runs[0][1] > 0
+
+
+def test_gpu_drawn_drafts_of_a_drafter_equal_to_the_target_are_kept(tiny_model: Path) -> None:
+    """Random unseeded rows draw drafts from q and verify by rejection sampling on the device; q = p here."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    llm = gpu_llm(tiny_model, speculative_algorithm="STANDALONE", speculative_draft_model_path=str(tiny_model),
+                  speculative_num_steps=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=1.0, top_p=0.95, max_tokens=NEW, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == NEW and max(o.outputs[0].token_ids) < TINY_VOCAB for o in outs)
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens > 0.95 * stats.spec_num_draft_tokens
+    assert llm.engine.check_accounting().ok

@@ -50,3 +50,19 @@ def test_structured_outputs_are_unchanged_by_speculation(tiny_model: Path, algor
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
     if algorithm == "STANDALONE":  # the unconstrained drafts were refused somewhere
         assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_drawn_drafts_keep_random_structured_outputs_valid(tiny_model: Path) -> None:
+    """Random unseeded rows draw their drafts from the drafter's q (unconstrained) and verify against the masked
+    target: a draft the grammar refuses has p = 0 and is rejected, so every output still matches its grammar."""
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, speculative_algorithm="STANDALONE",
+              speculative_draft_model_path=str(tiny_model), speculative_num_steps=3)
+    params = [SamplingParams(temperature=1.0, max_tokens=64, extra={"structured": spec.to_dict()}) for spec in SPECS
+              for _ in PROMPTS]
+    outs = [o.outputs[0].text for o in llm.generate([p for _ in SPECS for p in PROMPTS], params)]
+    n = len(PROMPTS)
+    assert all(re.fullmatch(r"[a-z]{2,6}-[0-9]{1,3}( [a-z]{2,6}-[0-9]{1,3}){0,4}", t) for t in outs[:n])
+    assert all(set(json.loads(t)) == {"n", "s"} for t in outs[n : 2 * n])
+    assert all(t in ("red", "green", "blue") for t in outs[2 * n :])
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > 0 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens

@@ -131,11 +131,28 @@ def test_standalone_draft_model_and_draft_from_the_environment(tmp_path: Path) -
      {"algorithm": "STANDALONE", "draft_model_path": "org/small", "num_steps": 4}),
     ('{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}', {"algorithm": "MTP", "num_steps": 2}),
     ('{"method": "mtp", "num_speculative_tokens": 1}', {"algorithm": "MTP", "num_steps": 1}),
+    ('{"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_max": 5}',
+     {"algorithm": "NGRAM", "ngram_proposer": "device", "num_steps": 4, "prompt_lookup_max": 5}),
+    ('{"method": "eagle3", "model": "org/e", "num_speculative_tokens": 3, "disable_by_batch_size": 30}',
+     {"algorithm": "EAGLE3", "draft_model_path": "org/e", "num_steps": 3, "disable_by_batch_size": 30}),
 ])
 def test_vllm_speculative_config(config: str, expected: dict[str, object], tmp_path: Path) -> None:
     tr = one(f"vllm serve org/m --speculative-config '{config}'\n")
     assert tr.document()["speculative"] == expected
     validated(tr, tmp_path)
+
+
+def test_ngram_on_the_device_round_trips_through_vllm() -> None:
+    from appliance.translate.reverse import to_command
+
+    tr = one("vllm serve org/m --speculative-config.method ngram_gpu --speculative-config.num_speculative_tokens 3\n")
+    assert tr.document()["speculative"] == {"algorithm": "NGRAM", "ngram_proposer": "device", "num_steps": 3}
+    command = to_command({"model": {"path": "org/m"}, "speculative": {"algorithm": "NGRAM", "ngram_proposer": "device",
+                                                                       "num_steps": 3}}, "vllm")
+    assert '"method": "ngram_gpu"' in command.render() and command.inexpressible == {}
+    assert one(command.render() + "\n").document()["speculative"] == tr.document()["speculative"]
+    host = to_command({"speculative": {"algorithm": "NGRAM", "num_steps": 3}}, "vllm")
+    assert '"method": "ngram"' in host.render()
 
 
 def test_sglang_and_tokenspeed_speculative_flags(tmp_path: Path) -> None:
@@ -240,7 +257,7 @@ def test_host_kv_tiers(tmp_path: Path) -> None:
          "ssm_checkpoint_interval": 512}
     assert doc["scheduler"]["policy"] == "slo" and doc["scheduler"]["slo_tbt_ms"] == 40
     unsupported = {u.split(":")[0] for u in tr.unsupported}
-    assert "cache.host_cache" in unsupported
+    assert "cache.disk_cache" in unsupported  # Atlas's disk swap without the host tier it sits behind here
     # honoured for hybrid linear-attention models (state snapshots, engine/state_snapshots.py)
     assert not unsupported & {"cache.ssm_cache_slots", "cache.ssm_checkpoint_interval"}
     validated(tr, tmp_path)

@@ -85,6 +85,8 @@ def _speculative(cfg: ApplianceConfig) -> list[Problem]:
         for key in ("prompt_lookup_min", "prompt_lookup_max"):
             if getattr(s, key) is not None:
                 out.append(Problem(f"speculative.{key}", "only meaningful with algorithm NGRAM"))
+        if s.ngram_proposer != "host":
+            out.append(Problem("speculative.ngram_proposer", "only meaningful with algorithm NGRAM"))
     if s.prompt_lookup_min is not None and s.prompt_lookup_max is not None \
             and s.prompt_lookup_min > s.prompt_lookup_max:
         out.append(Problem("speculative.prompt_lookup_min", "must not exceed prompt_lookup_max"))

@@ -30,6 +30,22 @@ JSON_KEY_ALIASES: dict[KeyPath, dict[str, str]] = {
         "quantization": "draft_model_quantization",
     },
 }
+# vLLM's speculative methods -> speculative.algorithm (the translator's vLLM table reads this too); any other
+# `<arch>_mtp` is the model's own MTP layers
+VLLM_SPEC_METHODS: tuple[tuple[str, str], ...] = (
+    ("mtp", "MTP"), ("deepseek_mtp", "MTP"), ("qwen3_next_mtp", "MTP"), ("glm4_moe_mtp", "MTP"), ("ernie_mtp", "MTP"),
+    ("mimo_mtp", "MTP"), ("qwen3_5_mtp", "MTP"), ("step3p5_mtp", "MTP"), ("longcat_flash_mtp", "MTP"),
+    ("eagle", "EAGLE"), ("eagle3", "EAGLE3"), ("ngram", "NGRAM"), ("[ngram]", "NGRAM"), ("ngram_gpu", "NGRAM"),
+    ("draft_model", "STANDALONE"), ("dflash", "DFLASH"), ("dspark", "DSPARK"))
+# what a vLLM method says beyond the algorithm (speculative keys)
+VLLM_METHOD_IMPLIES: dict[str, dict[str, str]] = {"ngram_gpu": {"ngram_proposer": "device"}}
+
+
+def vllm_spec_method(method: str) -> tuple[str | None, dict[str, str]]:
+    """speculative.algorithm and the other keys a vLLM method name stands for ((None, {}) for one unknown)."""
+    word = method.strip().lower()
+    algorithm = dict(VLLM_SPEC_METHODS).get(word) or ("MTP" if word.endswith("_mtp") else None)
+    return algorithm, VLLM_METHOD_IMPLIES.get(word, {})
 
 
 @dataclass(frozen=True)
@@ -97,7 +113,12 @@ def json_value(spec: FlagSpec, raw: Any, name: str) -> Any:
     if not isinstance(value, dict):
         raise ConfigError([Problem(".".join(spec.path), f"{name} must be a JSON object", where=f"flag {name}")])
     aliases = JSON_KEY_ALIASES.get(spec.path, {})
-    return {aliases.get(k, k): v for k, v in value.items()}
+    doc = {aliases.get(k, k): v for k, v in value.items()}
+    if spec.path == ("speculative",) and isinstance(value.get("method"), str):
+        algorithm, implied = vllm_spec_method(value["method"])
+        if algorithm is not None:
+            doc = {**implied, **doc, "algorithm": algorithm}
+    return doc
 
 
 def typed_value(spec: FlagSpec, raw: Any, name: str) -> Any:

@@ -27,6 +27,7 @@ StateDtype = Literal["auto", "float32", "bfloat16", "float16"]  # hybrid models'
 KvCacheDtype = Literal[
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "mxfp8", "nvfp4"
 ]
+KvCacheQuantMethod = Literal["none", "per_token_head"]
 # every method the source engines name (support.py says which this build runs); names are vLLM/SGLang's
 Quantization = Literal[
     "fp8", "nvfp4", "mxfp4", "mxfp8", "w8a8_fp8", "w8a8_int8", "w4afp8", "compressed-tensors", "awq", "awq_marlin",
@@ -96,7 +97,15 @@ class PrecisionSection(Section):
         "auto", "KV cache storage dtype. `auto` is the activation dtype; fp8 (= fp8_e4m3) and fp8_e5m2 halve KV "
         "memory. fp8 caches use per-layer k/v scales from the checkpoint (ModelOpt, compressed-tensors) or "
         "quantization_param_path, else 1.0 with a warning (values above 448 saturate).")
-    kv_cache_quant_method: str | None = param(None, "KV cache quantization method (for low-precision KV caches).")
+    kv_cache_quant_method: KvCacheQuantMethod | None = param(
+        None, "How an fp8 KV cache is scaled (TokenSpeed's names). `none` (= unset): one static scale per layer "
+        "for K and one for V (per kv head where the checkpoint has them), from the checkpoint, "
+        "quantization_param_path or kv_cache_calibration_tokens. `per_token_head` (a dynamic scale per token and "
+        "head) is not built.")
+    kv_cache_calibration_tokens: int = param(
+        0, "With an fp8 KV cache: compute each layer's k/v scales online from the key / value amax of the first "
+        "this many prefill tokens served, then freeze them (0: off). Replaces the checkpoint's scales.",
+        flags=("--kv-cache-calibration-tokens", "--fp8-kv-calibration-tokens"), ge=0)
     kv_cache_high_precision_layers: int = param(
         0, "With an fp8 KV cache: the first and the last this many attention layers keep their KV cache in the "
         "activation dtype (the layers whose keys and values quantize worst in many models).",
@@ -196,6 +205,12 @@ class SchedulerSection(Section):
         flags=("--scheduling-policy", "--schedule-policy"))
     slo_tbt_ms: float = param(100.0, "Time-between-tokens deadline in milliseconds for policy `slo`.",
                               flags=("--slo-tbt-ms", "--tbt-deadline-ms"), gt=0)
+    preemption_mode: Literal["recompute", "swap", "auto"] = param(
+        "recompute", "What a preempted request keeps (vLLM V0's --preemption-mode): `recompute` frees its KV and "
+        "prefills it again on resume; `swap` copies its KV blocks to the host tier (cache.host_cache) and back on "
+        "resume; `auto` swaps a request when that copy is cheaper than its prefill, priced with the copy GB/s and "
+        "prefill tokens/s the workers measure at start-up (logged). swap and auto need cache.host_cache.",
+        flags=("--preemption-mode",))
     enable_overlap: bool | None = param(
         None, "Overlap scheduling: plan and launch step N+1 while step N runs, so the host's work hides behind "
         "the device's compute. Outputs are identical; a request that stops wastes one step's slot. Unset: on, "
@@ -264,20 +279,25 @@ class CacheSection(Section):
         None, "When GPU blocks are copied to the host tier.", flags=("--host-cache-write-policy",
                                                                       "--hicache-write-policy"))
     host_cache_storage_backend: str | None = param(
-        None, "A storage tier under the host tier (mooncake, hf3fs, file, nixl, ...). Unset: none.",
+        None, "A storage tier under the host tier (mooncake, hf3fs, file, nixl, ...). Unset: none. This build has "
+        "`file`: the disk tier (disk_cache), in disk_cache_dir; the others are refused at start-up.",
         flags=("--host-cache-storage-backend", "--hicache-storage-backend", "--kvstore-storage-backend"))
     host_cache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] | None = param(
-        None, "How long a request waits for blocks prefetched from the storage tier.",
+        None, "How long a request waits for blocks prefetched from the storage tier. This build's disk tier "
+        "completes every fetch before the step that needs it (wait_complete); the others are refused.",
         flags=("--host-cache-storage-prefetch-policy", "--hicache-storage-prefetch-policy"))
     host_cache_storage_config: dict[str, Any] = param(
         default_factory=dict, description="Extra settings of the storage backend (a JSON object).", flags=None,
         json_flag="--host-cache-storage-config")
     disk_cache: bool = param(
-        False, "A disk tier for KV blocks of preempted and idle sequences (Atlas's high-speed swap).",
+        False, "A disk tier behind the host tier (needs host_cache, disk_cache_dir, disk_cache_size_gb): blocks the "
+        "host tier drops are spilled to a file there and fetched back on a later prefix hit (Atlas's high-speed "
+        "swap; SGLang's and TokenSpeed's storage backend `file`).",
         flags=("--disk-cache", "--high-speed-swap"))
-    disk_cache_dir: str | None = param(None, "Directory of the disk tier.",
+    disk_cache_dir: str | None = param(None, "Directory of the disk tier's file (one per worker "
+                                       "process, unlinked once open: freed when the process ends).",
                                        flags=("--disk-cache-dir", "--high-speed-swap-dir"))
-    disk_cache_size_gb: float | None = param(None, "Disk tier size in GB.",
+    disk_cache_size_gb: float | None = param(None, "Disk tier size in GiB (per worker process).",
                                              flags=("--disk-cache-size-gb", "--high-speed-swap-gb"), gt=0)
     ssm_cache_slots: int | None = param(
         None, "Snapshot slots of hybrid linear-attention models' recurrent states kept for prefix reuse (Atlas's "
@@ -302,6 +322,11 @@ class CacheSection(Section):
         "`triton/` subdirectory, TRITON_CACHE_DIR of every process) and torch inductor's (`inductor/`), reused "
         "by every later start on this machine. Put it on a persistent volume to keep replicas' starts warm.",
         flags=None, min_length=1)
+    compile_workers: int | None = param(
+        None, "Processes per worker that compile, while the weights load, the Triton kernel variants an earlier "
+        "start of the same layer shapes and kernel settings listed in compile_cache_dir (`kernels/`, or a list the "
+        "build ships); the warm-up then loads those from the cache. 0: off (each start compiles as its warm-up "
+        "goes, and lists nothing). Unset: half the CPU cores, at most 8.", flags=None, ge=0)
 
     @field_validator("block_size")
     @classmethod

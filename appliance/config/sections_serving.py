@@ -14,7 +14,8 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 class SpeculativeSection(Section):
     """Speculative decoding. Unset algorithm: off. `--speculative-config` takes the whole section as JSON and also
-    understands vLLM's keys (method, model, num_speculative_tokens, quantization)."""
+    understands vLLM's keys (method, with vLLM's method names such as draft_model, ngram_gpu or <arch>_mtp; model,
+    num_speculative_tokens, quantization)."""
 
     algorithm: SpecAlgorithm | None = param(
         None, "Speculative algorithm: EAGLE, EAGLE3, STANDALONE (a smaller LLM drafts tokens; these three need "
@@ -35,6 +36,10 @@ class SpeculativeSection(Section):
     prompt_lookup_max: int | None = param(
         None, "NGRAM: longest n-gram matched. Unset: the algorithm's default.",
         flags=("--prompt-lookup-max", "--speculative-ngram-max-match-window-size"), ge=1)
+    ngram_proposer: Literal["host", "device"] = param(
+        "host", "NGRAM: where the lookup runs: `host` (numpy, one request at a time) or `device` (torch ops batched "
+        "over the requests, each request's tokens kept on the device; vLLM's `ngram_gpu`). Both propose the same "
+        "drafts.", flags="--speculative-ngram-proposer")
     eagle3_layers_to_capture: list[int] | None = param(
         None, "Target layers whose hidden states feed an EAGLE3 drafter. Unset: the drafter's default.",
         flags="--eagle3-layers-to-capture")

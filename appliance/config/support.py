@@ -34,25 +34,41 @@ def _parser_missing(kind: str, name: str | None) -> bool:
     return name is not None and name not in (REASONING_PARSERS if kind == "reasoning" else TOOL_CALL_PARSERS)
 
 
+def _calibrating(c: ApplianceConfig) -> bool:
+    return c.precision.kv_cache_calibration_tokens > 0
+
+
 # What the host tier of this build is (engine/host_tier.py): blocks copied to host memory when the device evicts
 # them (SGLang's write_back), per-layer tensors shaped like the device cache (layer_first) moved by plain async
-# copies (direct), sized by host_cache_size_gb or host_cache_ratio. Any other choice of these keys is refused, and so
-# is a setting of the keys it lacks (a storage backend, the disk tier).
+# copies (direct), sized by host_cache_size_gb or host_cache_ratio. Behind it, optionally, the disk tier
+# (engine/disk_tier.py: disk_cache, or SGLang's / TokenSpeed's storage backend `file`, in disk_cache_dir, of
+# disk_cache_size_gb), whose fetches complete before the step that needs them (prefetch policy wait_complete). Any
+# other choice of these keys is refused (other storage backends, their extra config, other prefetch policies).
 _HOST_TIER_HONOURED = {"host_cache_write_policy": (None, "write_back"), "host_cache_io_backend": (None, "direct"),
-                       "host_cache_mem_layout": (None, "layer_first")}
+                       "host_cache_mem_layout": (None, "layer_first"),
+                       "host_cache_storage_backend": (None, "file"),
+                       "host_cache_storage_prefetch_policy": (None, "wait_complete")}
+_HOST_TIER_FREE = ("host_cache", "host_cache_ratio", "host_cache_size_gb", "disk_cache", "disk_cache_dir",
+                   "disk_cache_size_gb")  # any value (checks.py holds them consistent)
 
 
 def _host_tier_set(c: ApplianceConfig) -> bool:
     cache, defaults = c.cache, type(c.cache)()
     for k in type(cache).model_fields:
-        if k in ("host_cache", "host_cache_ratio", "host_cache_size_gb"):
-            continue
-        if not k.startswith(("host_cache", "disk_cache")):
+        if k in _HOST_TIER_FREE or not k.startswith("host_cache"):
             continue
         value = getattr(cache, k)
         if value not in _HOST_TIER_HONOURED.get(k, (getattr(defaults, k),)):
             return True
     return cache.host_cache and not cache.enable_prefix_caching
+
+
+def _disk_tier_incomplete(c: ApplianceConfig) -> bool:
+    """The disk tier (disk_cache or the storage backend `file`) without the host tier, a directory or a size."""
+    cache = c.cache
+    if not (cache.disk_cache or cache.host_cache_storage_backend == "file"):
+        return False
+    return not (cache.host_cache and cache.disk_cache_dir and cache.disk_cache_size_gb)
 
 
 UNSUPPORTED: list[Unsupported] = [
@@ -92,8 +108,20 @@ UNSUPPORTED: list[Unsupported] = [
                 lambda c: c.precision.kv_cache_high_precision_layers > 0
                 and not c.precision.kv_cache_dtype.startswith("fp8"),
                 "16-bit KV layers apply to an fp8 KV cache (set precision.kv_cache_dtype to fp8)"),
-    Unsupported("precision.kv_cache_quant_method", lambda c: c.precision.kv_cache_quant_method is not None,
-                "KV cache quantization is not supported in this build"),
+    Unsupported("precision.kv_cache_quant_method", lambda c: c.precision.kv_cache_quant_method == "per_token_head",
+                "per_token_head (dynamic per-token, per-head KV scales) is not built; an fp8 KV cache takes static "
+                "per-layer scales (kv_cache_quant_method none) from the checkpoint, quantization_param_path or "
+                "kv_cache_calibration_tokens"),
+    Unsupported("precision.kv_cache_calibration_tokens",
+                lambda c: _calibrating(c) and not c.precision.kv_cache_dtype.startswith("fp8"),
+                "online KV scale calibration applies to an fp8 KV cache (set precision.kv_cache_dtype to fp8)"),
+    Unsupported("precision.kv_cache_calibration_tokens",
+                lambda c: _calibrating(c) and c.precision.quantization_param_path is not None,
+                "KV scales come from one source: online calibration or precision.quantization_param_path, not both"),
+    Unsupported("precision.kv_cache_calibration_tokens",
+                lambda c: _calibrating(c) and c.cache.host_cache,
+                "online KV scale calibration rescales the device cache as the scales grow; blocks copied to the host "
+                "tier meanwhile would keep the old scale (turn cache.host_cache off, or use fixed scales)"),
     Unsupported("precision.quantization_param_path",
                 lambda c: c.precision.quantization_param_path is not None
                 and not c.precision.kv_cache_dtype.startswith("fp8"),
@@ -116,7 +144,16 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("cache.host_cache", _host_tier_set,
                 "this build's host tier copies blocks on eviction (write_policy write_back, io_backend direct, "
                 "mem_layout layer_first), is sized by host_cache_size_gb or host_cache_ratio and sits under the prefix "
-                "cache (enable_prefix_caching); storage backends and the disk tier are not supported"),
+                "cache (enable_prefix_caching); its one storage backend is `file` (the disk tier: disk_cache_dir, "
+                "disk_cache_size_gb, prefetch policy wait_complete, no extra storage config)"),
+    Unsupported("cache.disk_cache", _disk_tier_incomplete,
+                "the disk tier sits behind the host tier: it needs cache.host_cache, cache.disk_cache_dir and "
+                "cache.disk_cache_size_gb"),
+    Unsupported("scheduler.preemption_mode",
+                lambda c: c.scheduler.preemption_mode != "recompute"
+                and not (c.cache.host_cache and c.cache.enable_prefix_caching),
+                "swap and auto keep preempted requests' KV in the host tier: they need cache.host_cache (with "
+                "enable_prefix_caching); recompute does not"),
     Unsupported("multimodal", lambda c: not c.multimodal.text_only(),
                 "image and video inputs are not supported in this build (text only)"),
     Unsupported("api.reasoning_parser", lambda c: _parser_missing("reasoning", c.api.reasoning_parser),

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from appliance.config.sections_engine import CacheSection, SchedulerSection
 
 from appliance.engine.speculation import lookahead_tokens
+from appliance.engine.swap import PREEMPTION_MODES, SwapCosts
 
 POLICIES = ("fcfs", "lpm", "slo")
 # scheduler.max_mixed_prefill_tokens unset under `appliance serve`: a mixed step's prefill share. On an H100 a
@@ -59,6 +60,10 @@ class EngineConfig:
     spec_lookahead: int | None = None
     schedule_conservativeness: float = 0.0
     num_host_blocks: int = 0  # the host tier's slots (host_tier.py); 0: no host tier
+    num_disk_blocks: int = 0  # the disk tier's slots behind it (disk_tier.py); 0: none
+    # what a preempted request keeps (swap.py): recompute | swap | auto; auto prices it with the workers' rates
+    preemption_mode: str = "recompute"
+    swap_costs: SwapCosts | None = None
     # hybrid models: request slots of the workers' state cache (executor/state_cache.py), one per running request;
     # 0 = the model keeps no recurrent state
     num_state_slots: int = 0
@@ -83,8 +88,23 @@ class EngineConfig:
                              f"chunked prefill, got {mixed} with chunked_prefill_size {self.chunked_prefill_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"EngineConfig.max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        if self.num_host_blocks < 0:
-            raise ValueError(f"EngineConfig.num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.num_host_blocks < 0 or self.num_disk_blocks < 0:
+            raise ValueError(f"EngineConfig.num_host_blocks / num_disk_blocks must be >= 0, got "
+                             f"{self.num_host_blocks} / {self.num_disk_blocks}")
+        if self.num_disk_blocks and not self.num_host_blocks:
+            raise ValueError("the disk tier sits behind the host tier: it needs num_host_blocks > 0")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"EngineConfig.preemption_mode {self.preemption_mode!r} is not one of {PREEMPTION_MODES}")
+        if self.preemption_mode != "recompute":
+            if not (self.num_host_blocks and self.enable_prefix_caching):
+                raise ValueError(f"preemption mode {self.preemption_mode} swaps into the host tier, which this engine "
+                                 "lacks (cache.host_cache with prefix caching)")
+            if self.num_speculative_tokens or self.num_state_slots:
+                raise ValueError(f"preemption mode {self.preemption_mode} is not supported with speculative decoding "
+                                 "or a model with recurrent state (a swapped request's drafts and states are not "
+                                 "kept); use recompute")
+            if self.preemption_mode == "auto" and self.swap_costs is None:
+                raise ValueError("preemption mode auto needs the workers' measured copy and prefill rates")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"EngineConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if not 0 <= self.schedule_conservativeness < float("inf"):  # NaN fails too
@@ -125,6 +145,7 @@ class EngineConfig:
     def from_appliance(
         cls, config: ApplianceConfig, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
         num_host_blocks: int | None = None, num_state_slots: int = 0, state_cache_bytes: int = 0,
+        swap_costs: SwapCosts | None = None, num_disk_blocks: int = 0,
         serving: bool = False,
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
@@ -135,8 +156,9 @@ class EngineConfig:
         state cache (hybrid models). A hybrid model's prefix cannot be reused from KV blocks alone (its
         linear-attention layers need the recurrent state at the end of the prefix), so without state snapshots
         (cache.ssm_checkpoint_interval) prefix caching is turned off for it, with a warning: the prefix is
-        recomputed. serving: the scheduler process of `appliance serve` (the unset max_mixed_prefill_tokens
-        differs there: mixed_prefill_tokens).
+        recomputed. num_disk_blocks: the disk tier's slots the workers' files hold (disk_blocks). swap_costs: the
+        rates the workers measured for scheduler.preemption_mode auto (swap.py). serving: the scheduler process of
+        `appliance serve` (the unset max_mixed_prefill_tokens differs there: mixed_prefill_tokens).
         """
         sched = config.scheduler
         cache = config.cache
@@ -148,6 +170,13 @@ class EngineConfig:
                         "recurrent state at its end, and cache.ssm_checkpoint_interval is unset (no state "
                         "snapshots; the prefix is recomputed)")
             prefix_caching = False
+        mode = str(getattr(sched, "preemption_mode", "recompute"))
+        if mode == "auto" and swap_costs is not None:
+            even = swap_costs.break_even_tokens(cache.block_size)
+            log.info("preemption auto: a preempted request is swapped to the host tier when it has computed more "
+                     "than %s tokens, else recomputed (measured: %.2f GB/s copies, %.0f prefill tokens/s)",
+                     "no number of" if even is None else f"{even:.0f}", swap_costs.copy_gbps,
+                     swap_costs.prefill_tok_s)
         return cls(
             num_blocks=num_blocks,
             block_size=cache.block_size,
@@ -169,6 +198,9 @@ class EngineConfig:
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
             num_host_blocks=host_blocks(cache, num_blocks) if num_host_blocks is None else num_host_blocks,
             num_state_slots=num_state_slots,
+            preemption_mode=mode,
+            swap_costs=swap_costs,
+            num_disk_blocks=num_disk_blocks,
             state_cache_bytes=state_cache_bytes,
             ssm_checkpoint_interval=interval,
             ssm_snapshot_slots=snapshot_slots(config) if interval else 0,
@@ -228,6 +260,26 @@ def host_blocks(cache: CacheSection, num_blocks: int, bytes_per_block: int | Non
         return n
     ratio = cache.host_cache_ratio if cache.host_cache_ratio is not None else 2.0
     return max(1, int(num_blocks * ratio))
+
+
+def disk_tier_on(cache: CacheSection) -> bool:
+    """cache.disk_cache, or the storage backend `file` (SGLang's HiCacheFile), behind the host tier."""
+    return bool(getattr(cache, "host_cache", False) and (
+        getattr(cache, "disk_cache", False) or getattr(cache, "host_cache_storage_backend", None) == "file"))
+
+
+def disk_blocks(cache: CacheSection, bytes_per_block: int) -> int:
+    """The disk tier's blocks: cache.disk_cache_size_gb of them (GiB, as host_cache_size_gb); 0 without the tier.
+    The workers size their files with it and report the count to the scheduler."""
+    if not disk_tier_on(cache):
+        return 0
+    size_gb = cache.disk_cache_size_gb
+    if not size_gb:
+        raise ValueError("the disk tier needs cache.disk_cache_size_gb")
+    n = int(size_gb * (1 << 30)) // bytes_per_block
+    if n < 1:
+        raise ValueError(f"cache.disk_cache_size_gb={size_gb} holds no KV block of {bytes_per_block} bytes")
+    return n
 
 
 def num_speculative_tokens(config: ApplianceConfig) -> int:

@@ -22,7 +22,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from appliance.engine.block_pool import AccountingReport
 from appliance.engine.config import EngineConfig
@@ -57,6 +57,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # [j]: verifications that accepted draft j
+    # the host and disk tiers' block copies, cumulative (host_tier.py counts(); empty without a host tier)
+    tier_counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -180,6 +182,7 @@ class EngineCore:
             spec_num_draft_tokens=s.spec.num_draft_tokens,
             spec_num_accepted_tokens=s.spec.num_accepted_tokens,
             spec_accepted_per_pos=tuple(s.spec.accepted_per_pos),
+            tier_counts=s.cache.host.counts() if s.cache.host is not None else {},
         )
 
     def spec_counts(self) -> tuple[int, int, int]:
@@ -190,7 +193,8 @@ class EngineCore:
         """free + cached + owned == total, and every refcount equals the number of live tables holding it."""
         rep = self.scheduler.pool.check_accounting(self.scheduler.live_block_refs())
         host = self.scheduler.cache.host
-        if host is not None and (problems := host.check()):
+        owned = [s for r in self.scheduler.requests.values() for s in r.swap_slots]
+        if host is not None and (problems := host.check(owned)):
             rep = replace(rep, problems=rep.problems + tuple(problems))
         return rep
 

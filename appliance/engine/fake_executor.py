@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from appliance.engine.disk_tier import FETCH, SPILL
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import Executor, SampledToken, StepPlan, StepResult
@@ -77,21 +78,30 @@ class FakeExecutor(Executor):
         self.state: dict[str, _WorkerRequest] = {}
         self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.host: dict[int, list[tuple[int, int] | None]] = {}  # host slot -> a block's slots (host tier)
+        self.disk: dict[int, list[tuple[int, int] | None]] = {}  # disk slot -> a block's slots (disk tier)
         self.plans: list[StepPlan] = []
         self.shut_down = False
 
     def _fail(self, msg: str) -> None:
         raise PlanViolation(msg)
 
+    def _held(self, tier: dict[int, list[tuple[int, int] | None]], slot: int, step: int,
+              what: str) -> list[tuple[int, int] | None]:
+        if slot not in tier:
+            self._fail(f"step {step}: {what} {slot}, which holds nothing")
+        return list(tier[slot])
+
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
         for direction, block, slot in plan.host_copies:
-            if direction == 0:
+            if direction == SPILL:  # (SPILL, disk slot, host slot), (FETCH, disk slot, host slot): the disk tier
+                self.disk[block] = self._held(self.host, slot, plan.step_id, "spills host slot")
+            elif direction == FETCH:
+                self.host[slot] = self._held(self.disk, block, plan.step_id, "fetches disk slot")
+            elif direction == 0:
                 self.host[slot] = list(self.kv[block])
-            elif slot not in self.host:
-                self._fail(f"step {plan.step_id}: loads host slot {slot}, which holds nothing")
             else:
-                self.kv[block] = list(self.host[slot])
+                self.kv[block] = self._held(self.host, slot, plan.step_id, "loads host slot")
         for rid in plan.finished_ids:
             if self.state.pop(rid, None) is None:
                 self._fail(f"step {plan.step_id}: told to forget unknown request {rid!r}")
@@ -100,8 +110,8 @@ class FakeExecutor(Executor):
                 self._fail(f"step {plan.step_id}: new request {nr.request_id!r} is already known")
             if not 0 <= nr.num_computed_tokens < len(nr.token_ids):
                 self._fail(f"{nr.request_id!r}: num_computed {nr.num_computed_tokens} of {len(nr.token_ids)}")
-            if nr.num_computed_tokens % self.block_size:
-                self._fail(f"{nr.request_id!r}: prefix hit of {nr.num_computed_tokens} is not whole blocks")
+            # a prefix hit is whole blocks, a swapped request's restore (engine/swap.py) may end inside one: either
+            # way every position read is checked against the request's own tokens below
             self.state[nr.request_id] = _WorkerRequest(
                 list(nr.token_ids), nr.num_prompt_tokens, nr.num_computed_tokens, list(nr.block_ids), nr.sampling
             )

@@ -10,14 +10,22 @@ Copies are queued as (direction, device block, host slot) and travel in the next
 workers run them in order before the forward, so a copy out of a block always reads it before that step
 rewrites it, and a slot's new content is written after the loads planned before it.
 
+With a disk tier behind it (engine/disk_tier.py), a cached block whose slot is reused is spilled to disk first,
+and lookups go on into the disk tier: a disk hit is fetched into a host slot, then loaded like a host hit.
+
+Swapped requests (engine/swap.py) own slots outside the LRU until they resume or end (`take_owned`,
+`release_owned`); such slots come from the free ones first, then from the least recently used cached blocks.
+
 KV events: a copy to the host publishes BlockStored with medium "CPU", a slot reused publishes BlockRemoved with
 medium "CPU"; a block copied back is stored again on the device (BlockStored without a medium, i.e. GPU).
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from appliance.engine.disk_tier import FETCH, SPILL, DiskBlock, DiskTier
 
 STORE, LOAD = 0, 1  # a copy's direction: device block -> host slot, host slot -> device block
 HOST_MEDIUM = "CPU"  # vLLM's KV event medium name of host memory
@@ -33,7 +41,8 @@ class HostBlock:
 
 class HostTier:
     def __init__(self, num_slots: int,
-                 emit: Callable[[str, int, int | None, tuple[int, ...]], None] | None = None) -> None:
+                 emit: Callable[[str, int, int | None, tuple[int, ...]], None] | None = None,
+                 disk: DiskTier | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
@@ -43,13 +52,25 @@ class HostTier:
         self.copies: list[tuple[int, int, int]] = []  # queued for the next plan
         self.num_stored = 0  # blocks copied to the host
         self.num_loaded = 0  # blocks copied back
+        self._owned: set[int] = set()  # slots holding swapped requests' blocks (engine/swap.py)
+        self.num_swapped_out = 0  # blocks copied out by swaps
+        self.num_swapped_in = 0  # blocks copied back by resumes
         self._emit = emit  # the prefix cache's KV event sink, with medium CPU
+        self.disk = disk  # the tier behind this one; None without
 
     def __len__(self) -> int:
         return len(self._lru)
 
-    def get(self, block_hash: int) -> HostBlock | None:
-        return self._lru.get(block_hash)
+    def get(self, block_hash: int) -> HostBlock | DiskBlock | None:
+        """The block in this tier, else in the disk tier behind it."""
+        hb = self._lru.get(block_hash)
+        if hb is None and self.disk is not None:
+            return self.disk.get(block_hash)
+        return hb
+
+    def fetchable(self) -> int:
+        """Host slots an admission's pin may take: free ones or those of unpinned cached blocks."""
+        return len(self._free) + sum(1 for h in self._lru if h not in self._pinned)
 
     def offload(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> None:
         """The device evicts block_id, holding this full block: keep a host copy (none if it has one)."""
@@ -65,16 +86,86 @@ class HostTier:
         if self._emit is not None:
             self._emit("BlockStored", block_hash, parent_hash, token_ids)
 
-    def pin(self, blocks: Iterable[HostBlock]) -> None:
+    def pin(self, blocks: list[HostBlock | DiskBlock]) -> list[HostBlock]:
+        """Keep an admission's hits until they are loaded: host hits pinned first, then disk hits fetched into
+        host slots (pinned too); returns the host blocks, in order."""
         for hb in blocks:
-            self._pinned.add(hb.block_hash)
-            self._lru.move_to_end(hb.block_hash)
+            if isinstance(hb, HostBlock):
+                self._pinned.add(hb.block_hash)
+                self._lru.move_to_end(hb.block_hash)
+        disk_hits = [db for db in blocks if isinstance(db, DiskBlock)]
+        for db in disk_hits:  # a fetch's spill must not reuse the disk slot of another hit (or its own)
+            assert self.disk is not None
+            self.disk.pin(db.block_hash)
+        for db in disk_hits:
+            self._pinned.add(self._fetch(db).block_hash)
+        return [self._lru[b.block_hash] for b in blocks]
 
     def load(self, hb: HostBlock, block_id: int) -> None:
         """Queue the copy of a (pinned) host hit into a fresh device block; unpins it."""
         self._pinned.discard(hb.block_hash)
         self.copies.append((LOAD, block_id, hb.slot))
         self.num_loaded += 1
+
+    def _fetch(self, db: DiskBlock) -> HostBlock:
+        assert self.disk is not None
+        slot = self._take_slot()
+        if slot is None:  # match_host caps disk hits at what fetchable() leaves
+            raise AssertionError("no host slot for a disk hit")
+        hb = HostBlock(slot, db.block_hash, db.parent_hash, db.token_ids)
+        self._lru[db.block_hash] = hb
+        self.copies.append((FETCH, db.slot, slot))
+        self.disk.fetched(db.block_hash)
+        if self._emit is not None:
+            self._emit("BlockStored", db.block_hash, db.parent_hash, db.token_ids)
+        return hb
+
+    # ---- swapped requests' slots (engine/swap.py) -------------------------------------------------------------
+    def take_owned(self, n: int) -> list[int] | None:
+        """n slots for a swapped request (free ones, then evicted cached blocks), or None if that many cannot be
+        had (pinned and owned slots stay)."""
+        if n > len(self._free) + sum(1 for h in self._lru if h not in self._pinned):
+            return None
+        slots = []
+        for _ in range(n):
+            slot = self._take_slot()
+            assert slot is not None
+            slots.append(slot)
+        self._owned.update(slots)
+        return slots
+
+    def swap_out(self, block_ids: list[int], slots: list[int]) -> None:
+        """Queue the copies of a preempted request's blocks into its owned slots."""
+        self.copies.extend((STORE, b, s) for b, s in zip(block_ids, slots, strict=True))
+        self.num_swapped_out += len(slots)
+
+    def swap_in(self, slots: list[int], block_ids: list[int]) -> None:
+        """Queue the copies of a resumed request's owned slots into its fresh device blocks."""
+        self.copies.extend((LOAD, b, s) for s, b in zip(slots, block_ids, strict=True))
+        self.num_swapped_in += len(slots)
+
+    def release_owned(self, slots: list[int]) -> None:
+        """Give a request's slots back (copies already queued from them still run first: the queue is ordered)."""
+        for s in slots:
+            self._owned.remove(s)
+            self._free.append(s)
+
+    def clear(self) -> None:
+        """Forget every cached block (a prefix-cache reset); swapped requests keep their slots and queued copies
+        still run."""
+        self._free.extend(hb.slot for hb in self._lru.values())
+        self._lru.clear()
+        self._pinned.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def counts(self) -> dict[str, int]:
+        """Cumulative block copies by kind, the disk tier's included (the stats' tier_* keys)."""
+        disk = self.disk
+        return {"tier_host_stored": self.num_stored, "tier_host_loaded": self.num_loaded,
+                "tier_swapped_out": self.num_swapped_out, "tier_swapped_in": self.num_swapped_in,
+                "tier_disk_spilled": disk.num_spilled if disk is not None else 0,
+                "tier_disk_fetched": disk.num_fetched if disk is not None else 0}
 
     def take_copies(self) -> list[tuple[int, int, int]]:
         out, self.copies = self.copies, []
@@ -86,19 +177,25 @@ class HostTier:
         for h, hb in self._lru.items():
             if h not in self._pinned:
                 del self._lru[h]
+                disk_slot = self.disk.spill(h, hb.parent_hash, hb.token_ids) if self.disk is not None else None
+                if disk_slot is not None:  # queued before whatever rewrites the host slot next
+                    self.copies.append((SPILL, disk_slot, hb.slot))
                 if self._emit is not None:
                     self._emit("BlockRemoved", h, None, ())
                 return hb.slot
         return None
 
-    def check(self) -> list[str]:
-        """Every slot is free or holds one block, once."""
+    def check(self, owned: list[int] | None = None) -> list[str]:
+        """Every slot is free, holds one cached block or is owned by a swapped request, once; `owned`: the slots
+        the live requests hold, which must be exactly the owned ones."""
         used = [hb.slot for hb in self._lru.values()]
-        slots = used + list(self._free)
+        slots = used + list(self._free) + list(self._owned)
         problems = []
         if len(set(slots)) != len(slots) or len(slots) != self.num_slots:
-            problems.append(f"host tier: {len(used)} used + {len(self._free)} free slots of {self.num_slots}, "
-                            f"{len(slots) - len(set(slots))} twice")
+            problems.append(f"host tier: {len(used)} used + {len(self._free)} free + {len(self._owned)} swapped "
+                            f"slots of {self.num_slots}, {len(slots) - len(set(slots))} twice")
+        if owned is not None and (len(owned) != len(set(owned)) or set(owned) != self._owned):
+            problems.append(f"host tier: requests hold swapped slots {sorted(owned)}, the tier {sorted(self._owned)}")
         if self._pinned:
             problems.append(f"host tier: {len(self._pinned)} blocks still pinned between steps")
-        return problems
+        return problems + (self.disk.check() if self.disk is not None else [])

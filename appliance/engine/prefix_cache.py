@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from appliance.engine.block_pool import BlockPool
+from appliance.engine.disk_tier import DISK_MEDIUM, DiskBlock, DiskTier
 from appliance.engine.host_tier import HOST_MEDIUM, HostBlock, HostTier
 from appliance.engine.request import Request
+
+if TYPE_CHECKING:
+    from appliance.engine.state_snapshots import StateSnapshots
 
 BLOCK_STORED = "BlockStored"
 BLOCK_REMOVED = "BlockRemoved"
@@ -58,7 +63,7 @@ class CachedBlock:
 class PrefixCache:
     def __init__(
         self, pool: BlockPool, block_size: int, enabled: bool = True, on_event: KVEventSink | None = None,
-        host_slots: int = 0
+        host_slots: int = 0, disk_slots: int = 0
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -72,7 +77,9 @@ class PrefixCache:
         self.hit_tokens = 0
         pool.on_evict = self._on_evict
         # the host-memory tier (host_tier.py): evicted blocks are copied there; None without one
-        self.host = HostTier(host_slots, self._emit_host) if host_slots and enabled else None
+        # and the disk tier behind it (disk_tier.py): blocks the host tier drops are spilled there
+        disk = DiskTier(disk_slots, self._emit_disk) if disk_slots and host_slots and enabled else None
+        self.host = HostTier(host_slots, self._emit_host, disk) if host_slots and enabled else None
 
     # ---- hashing -----------------------------------------------------------------------------------------
     def block_hashes(self, req: Request) -> list[int]:
@@ -108,18 +115,40 @@ class PrefixCache:
             out.append(b)
         return out
 
-    def match_host(self, req: Request, start: int) -> list[HostBlock]:
-        """The host tier's blocks that continue a device hit of `start` blocks (same last-token rule)."""
+    def lookup(self, req: Request, speculative: bool, snapshots: StateSnapshots | None
+               ) -> tuple[list[int], list[HostBlock | DiskBlock], int, int]:
+        """Admission's prefix hit over every tier: (device hit blocks, host / disk hit blocks, the state snapshot to
+        restore or -1, tokens hit)."""
+        # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
+        hit = self.match(req) if req.sampling_params.prompt_logprobs is None else []
+        host_hit = self.match_host(req, len(hit)) if req.sampling_params.prompt_logprobs is None else []
+        if speculative:
+            # the drafter's cache at the hit's last position saw another next token (scheduler.py)
+            if host_hit:
+                host_hit = host_hit[:-1]
+            elif hit:
+                hit = hit[:-1]
+        restore = -1
+        if (hit or host_hit) and snapshots is not None:  # the KV alone is no prefix: its state must be restored
+            k, restore = snapshots.deepest(self.block_hashes(req), len(hit) + len(host_hit))
+            hit, host_hit = hit[:k], host_hit[:max(0, k - len(hit))]
+        return hit, host_hit, restore, (len(hit) + len(host_hit)) * self.block_size
+
+    def match_host(self, req: Request, start: int) -> list[HostBlock | DiskBlock]:
+        """The host (then disk) tier's blocks that continue a device hit of `start` blocks (same last-token rule);
+        disk hits only as many as host slots can be had for them (HostTier.pin fetches them)."""
         if self.host is None:
             return []
         bs = self.block_size
         hashes = self.block_hashes(req)
-        out: list[HostBlock] = []
+        out: list[HostBlock | DiskBlock] = []
+        room = self.host.fetchable()  # each hit uses one: a host hit is pinned, a disk hit takes a slot
         for i in range(start, (req.num_tokens - 1) // bs):
             hb = self.host.get(hashes[i])
             if (hb is None or hb.parent_hash != (hashes[i - 1] if i else None)
-                    or hb.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs))):
+                    or hb.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs)) or room == 0):
                 break
+            room -= 1
             out.append(hb)
         return out
 
@@ -192,10 +221,8 @@ class PrefixCache:
             self.pool.on_evict = self._on_evict
         self._by_hash.clear()
         self._by_block.clear()
-        if self.host is not None:  # the host copies go too; copies already queued still run
-            queued = self.host.copies
-            self.host = HostTier(self.host.num_slots, self._emit_host)
-            self.host.copies = queued
+        if self.host is not None:  # the host copies go too (not swapped requests'); queued copies still run
+            self.host.clear()
         self._emit(ALL_BLOCKS_CLEARED, None, None, ())
         return n
 
@@ -205,6 +232,10 @@ class PrefixCache:
         self._emit(BLOCK_REMOVED, cb.block_hash, None, ())
         if self.host is not None:
             self.host.offload(block_id, cb.block_hash, cb.parent_hash, cb.token_ids)
+
+    def _emit_disk(self, kind: str, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, h, parent, tokens, medium=DISK_MEDIUM)
 
     def _emit_host(self, kind: str, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
         if self.on_event is not None:

@@ -103,6 +103,9 @@ class Request:
     num_stored_blocks: int = 0  # leading blocks of block_ids already offered to the prefix cache
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # a swapped request (engine/swap.py): the host slots holding its first blocks, and how many tokens they hold
+    swap_slots: list[int] = field(default_factory=list)
+    swapped_tokens: int = 0
     last_issue_seq: int = -1  # when it was last scheduled (a scheduler counter): round-robin of decodes
     last_token_time: float | None = None  # scheduler clock at its last token (policy slo's deadline); None: none yet
     known_to_workers: bool = False  # workers hold its state (sent as new, not yet told to forget)

@@ -66,6 +66,7 @@ from appliance.engine.speculation import SpecCounters, table_tokens
 from appliance.engine.state_snapshots import StateSnapshots
 from appliance.engine.step import StepPlan, StepResult
 from appliance.engine.step_budget import Issued, StepBudget
+from appliance.engine.swap import SwapPolicy
 
 
 class QueueFull(RuntimeError):
@@ -82,11 +83,12 @@ class Scheduler(Preemption):
         self._last_update_at = 0.0
         self.pool = BlockPool(config.num_blocks)
         self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event,
-                                 config.num_host_blocks)
+                                 config.num_host_blocks, config.num_disk_blocks)
         # hybrid models with prefix caching: recurrent-state snapshots at checkpoints (state_snapshots.py)
         self.snapshots = (StateSnapshots(config.ssm_snapshot_slots, config.ssm_checkpoint_interval,
                                          config.block_size)
                           if config.num_state_slots and config.enable_prefix_caching else None)
+        self.swap = SwapPolicy(config.preemption_mode, config.swap_costs)  # what preemption keeps (swap.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # live requests (waiting or running)
@@ -249,21 +251,9 @@ class Scheduler(Preemption):
         return preempted + head + fresh[k:]
 
     def _admit(self, req: Request, st: StepBudget) -> bool:
-        bs = self.config.block_size
-        # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
-        hit = self.cache.match(req) if req.sampling_params.prompt_logprobs is None else []
-        host_hit = self.cache.match_host(req, len(hit)) if req.sampling_params.prompt_logprobs is None else []
-        if self.config.num_speculative_tokens:
-            # the drafter's cache at the hit's last position saw another next token (see top)
-            if host_hit:
-                host_hit = host_hit[:-1]
-            elif hit:
-                hit = hit[:-1]
-        restore = -1
-        if (hit or host_hit) and self.snapshots is not None:  # the KV alone is no prefix: its state must be restored
-            k, restore = self.snapshots.deepest(self.cache.block_hashes(req), len(hit) + len(host_hit))
-            hit, host_hit = hit[:k], host_hit[:max(0, k - len(hit))]
-        num_hit = (len(hit) + len(host_hit)) * bs
+        # a swapped request's own blocks come back from the host tier (preemption.py), else a prefix lookup
+        hit, host_hit, restore, num_hit = (self._swapped_hit(req) if req.swap_slots else
+                                           self.cache.lookup(req, bool(self._num_spec), self.snapshots))
         n = st.prefill_size(req.num_tokens - num_hit)
         if n == 0:
             return False
@@ -277,11 +267,13 @@ class Scheduler(Preemption):
             return False
         for b in hit:  # take the hits before allocating, so allocation cannot evict them
             self.pool.incref(b)
-        if host_hit:  # nor reuse the host slots about to be loaded
-            self.cache.host.pin(host_hit)
+        if host_hit:  # nor reuse the host slots about to be loaded (disk hits are fetched into host slots now)
+            host_hit = self.cache.host.pin(host_hit)
         new_blocks = self.pool.allocate(need)
         if host_hit:
             self.cache.load_host(host_hit, new_blocks[:len(host_hit)])
+        if req.swap_slots:
+            self._swap_in(req, len(hit), num_hit, new_blocks)
         req.block_ids = hit + new_blocks
         req.num_computed_tokens = num_hit
         req.num_stored_blocks = len(hit) + len(host_hit)

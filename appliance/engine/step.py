@@ -41,8 +41,9 @@ class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # forget these before running the step
-    # host-tier copies (engine/host_tier.py), run in order before the forward: (0, block, slot) device -> host,
-    # (1, block, slot) host -> device
+    # host-tier copies (engine/host_tier.py), run in order before each layer's use of its cache: (0, block, slot)
+    # device -> host, (1, block, slot) host -> device; the disk tier's (engine/disk_tier.py): (2, disk slot, host
+    # slot) host -> disk, (3, disk slot, host slot) disk -> host
     host_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property

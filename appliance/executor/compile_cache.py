@@ -6,6 +6,8 @@ run the same model and build before loads them from this cache instead. Triton r
 compiles, so each process points it (and TORCHINDUCTOR_CACHE_DIR) here before the first kernel: every pipeline
 stage at its start (runtime/stage.py) and the offline LLM. The config decides: a TRITON_CACHE_DIR already in the
 environment is replaced (logged). Mount this directory on a persistent volume to keep replicas' starts warm.
+Its `kernels/` holds the lists of Triton variants each configuration's start compiled, which a later start compiles
+ahead in parallel where the file cache misses (executor/compile_ahead.py).
 """
 from __future__ import annotations
 

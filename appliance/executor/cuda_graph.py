@@ -5,8 +5,14 @@ capture size >= its batch; the extra rows are padding (token 0, slot -1 so nothi
 decode attention reads nothing and writes zeros). Graphs are keyed by (batch size, block-table width): the
 Triton decode kernel picks its split-K factor from the table's width, never from seq_lens (no host sync), so
 the width is bucketed to a power of two of blocks, which keeps the split factor near what the real context
-needs instead of what max_model_len allows. Graphs are captured lazily on first use (or all at once by
-`capture_all`) into one shared memory pool; every graph reads the same static input buffers and writes its
+needs instead of what max_model_len allows. A batch from `unsplit_from` on launches no split-K at any width
+(the GPU is full without it), so its graphs differ only in the gathered table's width: those batches share one
+graph for every table up to GRAPH_CONTEXT tokens (the warm-up's range), which cut an 8B model's warm-up captures
+from 140 to 56 (GQA with 8 KV heads on 132 SMs: batches of 40 and more). Graphs are captured lazily on first use
+(or all at once by `capture_all`, largest first) into one shared memory pool, on a side stream without the
+allocator flush of `torch.cuda.graph` (its `empty_cache` per capture returns the eager run's memory to the driver
+only for the next one to allocate it again), after one eager run per batch size (not per graph); every graph
+reads the same static input buffers and writes its
 hidden states into one static output, so only the final hidden states stay allocated.
 Block tables, positions, slots and seq_lens are not uploaded: the static inputs hold each row's token id and
 its index into the runner's persistent device state (executor/request_table.py; pad rows point at its all-zero
@@ -14,8 +20,9 @@ row 0). Captured inside the graph, before the forward: the `decode_positions` ke
 rows' positions, seq_lens and slots from the rows' device lengths and tables and advances the lengths, and the
 gather of the rows' tables narrowed to the key's width. So a step uploads 2 x batch int64 (ids, rows) plus the
 length corrections and the block ids the device lacks, in one copy, and scatters those before the replay;
-eager steps compute the same inputs with the same kernel and gather the same table at the same bucketed width,
-so both are numerically identical. Each replay consumes one position per real row: replaying a graph again
+eager steps compute the same inputs with the same kernel and gather the same table at the same bucketed width
+(an unsplit batch's graph reads the shared width, which its attention reads only as a bound past seq_len), so
+both are numerically identical. Each replay consumes one position per real row: replaying a graph again
 without a new `run` moves those rows on (benchmarks that re-replay must restore `table.lens`). Capture and its
 warm-up run all-padding rows, which change nothing. (Gathering outside the graph into a static table buffer
 would cost a launch per step and an extra batch x width buffer per graph width; inside, the graph reads the
@@ -52,6 +59,7 @@ from appliance.layers.attention import AttentionMetadata, SequenceStates, longes
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BS = 256
+GRAPH_CONTEXT = 2048  # tokens of context the warm-up captures graphs for (wider tables: captured on first use)
 MIN_WIDTH_BLOCKS = 16  # narrowest block table a graph is captured for
 DELTA_ROOM = 8  # block ids per captured row that fit the static upload (more: a second, separate copy)
 
@@ -119,14 +127,18 @@ class GraphKey:
 
 class DecodeGraphs:
     """Captured decode forwards over static inputs; `run` fills the inputs, replays, returns hidden states.
-    table: the runner's persistent block tables (`bind` attaches one later; graphs read it directly)."""
+    table: the runner's persistent block tables (`bind` attaches one later; graphs read it directly).
+    unsplit_from: the smallest batch whose decode attention launch is the same at every table width (None: each
+    width bucket is its own graph); such batches share the width of GRAPH_CONTEXT for narrower tables."""
 
     def __init__(self, forward: Forward, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  sizes: list[int], max_blocks: int, block_size: int, table: DeviceBlockTable | None = None,
-                 with_states: bool = False) -> None:
+                 unsplit_from: int | None = None, with_states: bool = False) -> None:
         self.forward, self.device, self.sizes = forward, device, sizes
         self.with_states = with_states  # a hybrid model: the rows also name their state slots
         self.max_blocks, self.block_size = max_blocks, block_size
+        self.unsplit_from = unsplit_from
+        self.shared_width = width_bucket(min(-(-GRAPH_CONTEXT // block_size), max_blocks), max_blocks)
         top = graph_stride(sizes[-1])
         self.cuda = device.type == "cuda"
         # the upload: [ids | rows] of the key's stride, the length corrections (at most one per row), then room
@@ -140,6 +152,8 @@ class DecodeGraphs:
         self._no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
         self.graphs: dict[GraphKey, Callable[[], None]] = {}  # replay functions
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.stream = torch.cuda.Stream(device) if self.cuda else None  # captures run on it
+        self.eager_sizes: set[int] = set()  # batch sizes whose capture had its eager run
         self._copied: torch.cuda.Event | None = None
         self._overflow = Stager(device)  # a delta larger than the room (a step of many new one-token requests)
         self.table: DeviceBlockTable | None = None
@@ -161,7 +175,14 @@ class DecodeGraphs:
         batch = padded_batch(self.sizes, len(decodes))
         if batch is None:
             return None
-        return GraphKey(batch, width_bucket(table_width(decodes), self.max_blocks))
+        return GraphKey(batch, self.width_for(batch, width_bucket(table_width(decodes), self.max_blocks)))
+
+    def width_for(self, batch: int, width: int) -> int:
+        """The graph width of a padded batch whose tables need `width` (a bucket): shared_width for narrower
+        tables of an unsplit batch, else the bucket itself."""
+        if self.unsplit_from is not None and batch >= self.unsplit_from:
+            return max(width, self.shared_width)
+        return width
 
     def _body(self, key: GraphKey) -> None:
         """What a graph runs: the rows' positions, slots and seq_lens from the device lengths (advancing them),
@@ -217,19 +238,32 @@ class DecodeGraphs:
             self.graphs[key] = lambda: self._body(key)
             return
         self._fill([], key)  # all padding: the warm-up and the capture store nothing in the KV cache
-        self._body(key)  # compiles kernels and settles the allocator outside the capture
+        if key.batch not in self.eager_sizes:
+            # one eager run per batch size settles its first uses (cuBLAS's shapes, the allocator) outside a
+            # capture; another width of that size differs only in the decode attention's split, and the graphs'
+            # Triton variants (programmatic dependent launch) compile inside the capture anyway
+            self._body(key)
+            self.eager_sizes.add(key.batch)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._body(key)
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                self._body(key)
+            finally:  # a failed forward still ends the capture it is in, or the stream stays unusable
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.graphs[key] = graph.replay
         log.debug("captured decode graph batch=%d width=%d", key.batch, key.width)
 
     def keys_up_to(self, max_context: int) -> list[GraphKey]:
-        """Every size for every width bucket up to max_context tokens, largest first (pool reuse)."""
+        """The graph of every size for every width bucket up to max_context tokens (one per unsplit batch up to
+        GRAPH_CONTEXT), largest first (pool reuse)."""
         widths = sorted({width_bucket(min(b, self.max_blocks), self.max_blocks)
                          for b in _powers(MIN_WIDTH_BLOCKS, -(-max_context // self.block_size))}, reverse=True)
-        return [GraphKey(b, w) for w in widths for b in reversed(self.sizes)]
+        keys = [GraphKey(b, self.width_for(b, w)) for w in widths for b in reversed(self.sizes)]
+        return list(dict.fromkeys(keys))  # shared widths repeat a key: keep its first (widest) place
 
     def capture_all(self, max_context: int, on_captured: Callable[[], None] | None = None) -> int:
         """Capture keys_up_to(max_context), calling on_captured after each; returns how many graphs exist."""
@@ -258,6 +292,14 @@ def _powers(start: int, stop: int) -> list[int]:
     while out[-1] < stop:
         out.append(out[-1] * 2)
     return out
+
+
+def decode_unsplit_from(layers: list[torch.nn.Module], device: torch.device) -> int | None:
+    """The smallest batch whose decode launch is the same at every table width in every layer (each layer's
+    `decode_unsplit_from`; None when any layer lacks one, as MLA does). Every rank computes the same value: the
+    same model shard on the same kind of GPU, so ranks keep capturing and replaying the same keys."""
+    found = [getattr(layer, "decode_unsplit_from", lambda _d: None)(device) for layer in layers]
+    return None if not found or None in found else max(found)
 
 
 def graph_settings(config: object, model: torch.nn.Module, device: torch.device,

@@ -14,6 +14,7 @@ from appliance.executor.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
+    from appliance.engine.swap import SwapCosts
     from transformers import PretrainedConfig
 
 
@@ -32,6 +33,14 @@ class InProcessExecutor(Executor):
     @property
     def num_host_blocks(self) -> int:
         return self.runner.num_host_blocks
+
+    @property
+    def num_disk_blocks(self) -> int:
+        return self.runner.num_disk_blocks
+
+    @property
+    def swap_costs(self) -> SwapCosts | None:
+        return self.runner.swap_costs
 
     @property
     def num_state_slots(self) -> int:

@@ -131,22 +131,30 @@ def allocate_host(spec: KVCacheSpec, num_slots: int,
 def copy_host_blocks(device_caches: list[tuple[torch.Tensor, torch.Tensor | None]],
                      host_caches: list[tuple[torch.Tensor, torch.Tensor | None]],
                      copies: list[tuple[int, int, int]]) -> None:
-    """Run a plan's host-tier copies in order: (0, block, slot) device -> host, (1, block, slot) host -> device.
-    Every copy is enqueued on the current stream (non_blocking from / to pinned memory), so it is ordered
-    before the step's forward and after the steps launched before it, without waiting on the host. Copies of
-    consecutive blocks to consecutive slots go as one range per tensor (slots and blocks are mostly handed out
-    in order), so a long history costs a few copies per layer rather than one per block."""
+    """Run a plan's host-tier copies in order on the current stream: (0, block, slot) device -> host, (1, block,
+    slot) host -> device (non_blocking from / to pinned memory). Copies of consecutive blocks to consecutive slots
+    go as one range per tensor (slots and blocks are mostly handed out in order), so a long history costs a few
+    copies per layer rather than one per block. The runner issues them through executor/host_copy.py, on a side
+    stream beside the forward."""
     if copies and not host_caches:
         raise RuntimeError("the plan carries host-tier copies but this worker has no host tier")
-    for direction, block, slot, n in coalesce(copies):
-        for dev_pair, host_pair in zip(device_caches, host_caches, strict=True):
-            for dev, host in zip(dev_pair, host_pair, strict=True):
-                if dev is None or host is None:
-                    continue
-                if direction == 0:
-                    host[slot:slot + n].copy_(dev[block:block + n], non_blocking=True)
-                else:
-                    dev[block:block + n].copy_(host[slot:slot + n], non_blocking=True)
+    runs = coalesce(copies)
+    for dev_pair, host_pair in zip(device_caches, host_caches, strict=True):
+        copy_layer_runs(dev_pair, host_pair, runs)
+
+
+def copy_layer_runs(dev_pair: tuple[torch.Tensor, torch.Tensor | None],
+                    host_pair: tuple[torch.Tensor, torch.Tensor | None],
+                    runs: list[tuple[int, int, int, int]]) -> None:
+    """One cache layer's share of coalesced copies, in order."""
+    for direction, block, slot, n in runs:
+        for dev, host in zip(dev_pair, host_pair, strict=True):
+            if dev is None or host is None:
+                continue
+            if direction == 0:
+                host[slot:slot + n].copy_(dev[block:block + n], non_blocking=True)
+            else:
+                dev[block:block + n].copy_(host[slot:slot + n], non_blocking=True)
 
 
 def coalesce(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:

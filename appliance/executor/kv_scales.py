@@ -132,6 +132,23 @@ def install(model: nn.Module, layers: list[nn.Module], checkpoint: CheckpointKVS
     return "default 1.0"
 
 
+def calibration_placeholders(layers: list[nn.Module], checkpoint: CheckpointKVScales, tokens: int) -> str:
+    """Online calibration (executor/kv_calibration.py) sets the scales from served tokens: refuse the caches it
+    cannot calibrate, hold 1.0 until then, and say when the checkpoint's scales are set aside."""
+    from appliance.layers.attention import Attention
+
+    for layer in layers:
+        if not isinstance(layer, Attention):  # noqa: TRY004 (a setting the model cannot take)
+            raise ValueError(f"precision.kv_cache_calibration_tokens: {type(layer).__name__} caches (an MLA latent "
+                             "cache) are not calibrated online in this build; use the checkpoint's scales or "
+                             "precision.quantization_param_path")
+        layer.set_kv_scales(torch.ones(layer.num_kv_heads), torch.ones(layer.num_kv_heads))
+    if checkpoint.scales:
+        log.info("precision.kv_cache_calibration_tokens is set: the checkpoint's KV cache scales are replaced by "
+                 "online calibration")
+    return f"online calibration over the first {tokens} prefill tokens"
+
+
 def setup(config: ApplianceConfig, model: nn.Module, layers: list[nn.Module], checkpoint: CheckpointKVScales) -> str:
     """The runner's entry for an fp8 KV cache: refuse what this build cannot quantize, install the scales, log
     where they came from (returned too)."""
@@ -141,7 +158,10 @@ def setup(config: ApplianceConfig, model: nn.Module, layers: list[nn.Module], ch
     if not all(hasattr(layer, "set_kv_scales") for layer in layers):
         raise ValueError(f"precision.kv_cache_dtype={precision.kv_cache_dtype}: this model's attention layers "
                          "have no fp8 KV cache in this build; use auto")
-    source = install(model, layers, checkpoint, precision.quantization_param_path, get_tp_rank(), get_tp_size(),
-                     precision.kv_cache_dtype)
+    if precision.kv_cache_calibration_tokens > 0:
+        source = calibration_placeholders(layers, checkpoint, precision.kv_cache_calibration_tokens)
+    else:
+        source = install(model, layers, checkpoint, precision.quantization_param_path, get_tp_rank(),
+                         get_tp_size(), precision.kv_cache_dtype)
     log.info("fp8 KV cache (%s): k/v scales from %s", precision.kv_cache_dtype, source)
     return source

@@ -21,26 +21,32 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from appliance.engine.config import StepTokens, host_blocks
+from appliance.engine.config import StepTokens
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
 from appliance.executor import (
+    compile_ahead,
     inflight,
     kv_cache,
+    kv_calibration,
     logits_processors,
     memory_profile,
     speculative,
     state_cache,
+    swap_cost,
     warmup,
 )
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
 from appliance.executor.cuda_graph import (
+    GRAPH_CONTEXT,
     DecodeGraphs,
+    decode_unsplit_from,
     graph_settings,
     lm_head_rows,
     rows_view,
     width_bucket,
 )
+from appliance.executor.host_copy import HostCopier
 from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
 from appliance.executor.kv_scales import setup as kv_scale_setup
@@ -90,6 +96,8 @@ class ModelRunner:
         self.model_dir = resolve_model_dir(resolve_model_path(m.path), m.revision, m.download_dir)
         self.hf_config = load_hf_config(self.model_dir, m.hf_overrides, m.trust_remote_code)
         self.dtype = resolve_dtype(config.precision.dtype, self.hf_config, self.device)
+        # the Triton variants an earlier start listed compile in other processes meanwhile (compile_ahead.py)
+        self.compile_ahead = compile_ahead.begin(config, self.model_dir, self.device, self.dtype)
         self.backend = resolve_backend(config.backends.attention, self.device)
         windowed = bool(getattr(model_class(self.hf_config), "sliding_window_attention", False))
         self.max_model_len = resolve_max_model_len(m.max_model_len, self.hf_config, windowed)
@@ -127,11 +135,13 @@ class ModelRunner:
         with STARTUP.phase("allocating the KV cache"):
             self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
-        # the host tier's slots (cache.host_cache): as many as the scheduler's (engine/config.py host_blocks)
-        self.num_host_blocks = host_blocks(config.cache, self.num_blocks, self.kv_spec.bytes_per_block)
-        self.host_kv = kv_cache.allocate_host(self.kv_spec, self.num_host_blocks, self.device)
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
+        # the host tier (cache.host_cache) and the disk tier behind it, and their copies (host_copy.py)
+        self.host_copier = HostCopier.build(config.cache, self.kv_spec, self.num_blocks, self.kv_caches, self.device)
+        self.host_copier.bind_layers(layers)
+        self.host_kv, self.num_host_blocks = self.host_copier.host_caches, self.host_copier.num_host_slots
+        self.num_disk_blocks = self.host_copier.num_disk_slots
         self.sampler = Sampler(self.eos_token_ids, m.seed)
         self.batch_sampler = BatchSampler(self.sampler, self.device,
                                           gpu_sample_op(self.device, config.backends.sampling))
@@ -149,12 +159,18 @@ class ModelRunner:
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
         self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
+        if self.compile_ahead is not None:
+            self.compile_ahead.finish()  # stops the pool; lists what this start met, for the next one
+        # scheduler.preemption_mode auto prices swaps with rates measured here, before serving (swap_cost.py)
+        self.swap_costs = swap_cost.measure(self) if swap_cost.wanted(self) else None
+        # online fp8 KV scales: armed after the warm-up, whose writes must not count (kv_calibration.py)
+        self.kv_calibration = kv_calibration.arm(layers, config.precision.kv_cache_calibration_tokens)
         # speculative decoding runs whole steps (executor/speculative.py)
         if config.speculative.algorithm is not None:
             with STARTUP.phase("building the speculator"):
                 self.spec = speculative.make_speculator(self)
 
-    def warmup(self, graph_context: int = 2048) -> float:
+    def warmup(self, graph_context: int = GRAPH_CONTEXT) -> float:
         """Pay every first-use cost a run would meet (executor/warmup.py); returns the seconds taken. It writes
         KV into block 0: call it before serving (the constructor does), never with blocks cached."""
         return warmup.warm_up(self, graph_context)
@@ -174,25 +190,6 @@ class ModelRunner:
             yield
         finally:
             self._noise_seeds.setstate(state)
-
-    def _states(self) -> state_cache.StateCache:
-        if self.state_cache is None:
-            raise ValueError("the plan restores or saves a state snapshot, but the model keeps no recurrent state")
-        return self.state_cache
-
-    def restore_snapshots(self, plan: StepPlan) -> None:
-        """Prefix hits of a hybrid model: each new request's state at its hit's end, before the step."""
-        for new in plan.new_requests:
-            if new.restore_snapshot >= 0:
-                sc = self._states()
-                sc.copy(sc.snapshot_row(new.restore_snapshot), self.requests[new.request_id].table_row)
-
-    def save_snapshots(self, plan: StepPlan) -> None:
-        """After the step: the states of chunks that ended at a checkpoint (engine/state_snapshots.py)."""
-        for s in plan.scheduled:
-            if s.save_snapshot >= 0:
-                sc = self._states()
-                sc.copy(self.requests[s.request_id].table_row, sc.snapshot_row(s.save_snapshot))
 
     @property
     def num_state_slots(self) -> int:
@@ -214,7 +211,8 @@ class ModelRunner:
             return None
         hidden = int(self.hf_config.hidden_size)
         return DecodeGraphs(self.model, hidden, self.dtype, self.device, sizes, self.max_blocks, self.block_size,
-                            self.block_table, with_states=self.state_cache is not None)
+                            self.block_table, decode_unsplit_from(self.model.attention_layers(), self.device),
+                            with_states=self.state_cache is not None)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -224,15 +222,16 @@ class ModelRunner:
         """Start a step. When every sampled row samples on the device (inflight.py), its ids stay there until
         finish(), so the caller can plan and launch the next step meanwhile; any other step first finishes the
         steps in flight (its sampling reads the complete token history) and runs to completion here."""
-        if plan.host_copies:  # before anything of this step reads or writes those blocks
-            kv_cache.copy_host_blocks(self.kv_caches, self.host_kv, plan.host_copies)
+        # issued before anything of this step reads or writes those blocks; the forward waits for them
+        self.host_copier.submit(plan.host_copies)
         if self.spec is not None:  # never overlapped (refused at start-up): the step completes here
+            self.host_copier.wait_all()
             return StepHandle(plan.step_id, self.spec.execute(plan))
         for rid in plan.finished_ids:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = self._new_state(new)
-        self.restore_snapshots(plan)
+        state_cache.restore_snapshots(self.state_cache, plan, self.requests)
         chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
             return StepHandle(plan.step_id, StepResult(plan.step_id))
@@ -241,6 +240,7 @@ class ModelRunner:
             self.flush()
         with torch.inference_mode():
             ordered, row_starts, hidden = self._forward(chunks)
+            self.host_copier.wait_all()  # a step's copies are all waited for by its end
             # rows run decodes first; when that moved chunks, results go back to the plan's order
             order = None if ordered is chunks else {s.request_id: i for i, s in enumerate(plan.scheduled)}
             if deferred:
@@ -252,7 +252,7 @@ class ModelRunner:
                 handle = StepHandle(plan.step_id, StepResult(plan.step_id, sampled, prompt_lps))
         for c in ordered:
             c.state.num_computed += c.num_tokens
-        self.save_snapshots(plan)
+        state_cache.save_snapshots(self.state_cache, plan, self.requests)
         if not handle.done:
             self._inflight.append(handle)
         return handle
@@ -311,6 +311,7 @@ class ModelRunner:
             key = self.graphs.key_for(chunks)
             if key is not None:
                 self.graphs.bind(self.block_table)  # a no-op unless graphs were swapped in (tests, benchmarks)
+                self.host_copier.wait_all()  # the graph's cache accesses are captured: no layer hooks
                 return chunks, list(range(len(chunks))), self.graphs.run(
                     chunks, key, lambda ids: inflight.resolve_pending_ids(chunks, ids, self._pending_stager))
         decodes = [c for c in chunks if c.num_tokens == 1]
@@ -320,9 +321,13 @@ class ModelRunner:
                               self.block_table, with_states=self.state_cache is not None)
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         hidden = None
-        if self.pieces is not None and self.use_graphs:
+        calibrating = self.kv_calibration is not None and not self.kv_calibration.done  # observed eagerly
+        if self.pieces is not None and self.use_graphs and not calibrating:
+            self.host_copier.wait_all()  # the pieces' cache stores are captured
             hidden = self.pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         if hidden is None:
+            if not self.host_copier.layerwise:
+                self.host_copier.wait_all()
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return inputs.chunks, inputs.row_starts, hidden
 

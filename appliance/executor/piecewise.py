@@ -158,16 +158,19 @@ class PiecewiseGraphs:
                                  prefill_block_tables=none[:0].view(0, 1))
 
     def capture(self, t: int) -> Pieces:
-        """Warm up (compile, settle the allocator) with attention skipped, then capture the pieces."""
+        """Capture the pieces of a t-token forward; the first capture (the largest bucket, capture_all's order)
+        warms up first (compile, first uses, the static output), with attention skipped. Later buckets differ in
+        shapes only: their new kernel variants compile inside the capture, as the decode graphs' PDL variants do,
+        so no bucket after the first runs an eager forward of its own (40 buckets at an 8192-token budget)."""
         if t in self.pieces:
             return self.pieces[t]
         self.slots[:t].fill_(-1)
         meta = self._meta(t)
-        with attention_breaks(_Recorder(self, t, capture=False).attention):
-            warm = self.model(self.ids[:t], self.positions[:t], meta)
         if self._hidden is None:
+            with attention_breaks(_Recorder(self, t, capture=False).attention):
+                warm = self.model(self.ids[:t], self.positions[:t], meta)
             self._hidden = torch.empty(self.max_tokens, warm.shape[1], dtype=warm.dtype, device=self.device)
-        del warm
+            del warm
         torch.cuda.synchronize(self.device)
         rec = _Recorder(self, t, capture=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))

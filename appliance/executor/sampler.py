@@ -93,13 +93,31 @@ def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, _NEG_INF)
 
 
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Probabilities of rows with temperature > 0: temperature, top-n-sigma, min_p, top_k, top_p, softmax (the
+    draw's distribution; a drafter's q at the request's settings too)."""
+    dev, dtype = logits.device, logits.dtype
+    col = lambda name: torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=dev)
+    sub = logits / col("temperature")[:, None]
+    if any(p.top_n_sigma > 0 for p in params):
+        sub = apply_top_n_sigma(sub, col("top_n_sigma"))
+    if any(p.min_p > 0 for p in params):
+        sub = apply_min_p(sub, col("min_p"))
+    if any(p.top_k > 0 for p in params):
+        sub = apply_top_k(sub, torch.tensor([p.top_k for p in params], device=dev))
+    if any(p.top_p < 1.0 for p in params):
+        sub = apply_top_p(sub, col("top_p"))
+    return torch.softmax(sub, dim=-1)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: Sequence[int] = (), seed: int = 0) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # per device, for rows without a seed
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator of rows without a seed on this device."""
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
@@ -163,21 +181,10 @@ class Sampler:
         rand = [i for i, g in enumerate(greedy) if not g]
         if not rand:
             return tokens
-        sub = logits[rand]
-        dev, dtype = logits.device, logits.dtype
-        col = lambda name: torch.tensor([getattr(rows[i].params, name) for i in rand], dtype=dtype, device=dev)
-        sub = sub / col("temperature")[:, None]
-        if any(rows[i].params.top_n_sigma > 0 for i in rand):
-            sub = apply_top_n_sigma(sub, col("top_n_sigma"))
-        if any(rows[i].params.min_p > 0 for i in rand):
-            sub = apply_min_p(sub, col("min_p"))
-        if any(rows[i].params.top_k > 0 for i in rand):
-            sub = apply_top_k(sub, torch.tensor([rows[i].params.top_k for i in rand], device=dev))
-        if any(rows[i].params.top_p < 1.0 for i in rand):
-            sub = apply_top_p(sub, col("top_p"))
-        probs = torch.softmax(sub, dim=-1)
+        dev = logits.device
+        probs = filtered_probs(logits[rand], [rows[i].params for i in rand])
         # Gumbel-style draw: argmax(p / E) with E ~ Exp(1) samples from p; each seeded row has its own noise
-        noise = torch.empty(probs.shape, dtype=torch.float32, device=dev).exponential_(generator=self._generator(dev))
+        noise = torch.empty(probs.shape, dtype=torch.float32, device=dev).exponential_(generator=self.generator(dev))
         for j, i in enumerate(rand):
             seed = rows[i].params.seed
             if seed is not None:  # drawn on the CPU so a seed means the same tokens on any device
@@ -187,6 +194,17 @@ class Sampler:
         for j, i in enumerate(rand):
             tokens[i] = drawn[j]
         return tokens
+
+    def probabilities(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The distribution each row (temperature > 0) draws its token from: logit_bias, penalties, min_tokens,
+        temperature and the filters, as __call__ applies them (speculative_rejection.py verifies against it)."""
+        logits = self._mask_min_tokens(self._penalize(self._bias(logits.float(), rows), rows), rows)
+        return filtered_probs(logits, [r.params for r in rows])
+
+    def result(self, token: int, row: SamplingRow, logits: torch.Tensor) -> SampleResult:
+        """The result for a token chosen elsewhere (a verification): logprobs of the raw logits row."""
+        raw = torch.log_softmax(logits.float()[None], dim=-1) if row.params.logprobs is not None else None
+        return self._result(0, token, row, raw)
 
     @staticmethod
     def _result(i: int, token: int, row: SamplingRow, raw: torch.Tensor | None) -> SampleResult:

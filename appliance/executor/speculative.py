@@ -9,13 +9,14 @@ the drafts this worker holds for the request):
    normal sampler, row j as if the first j drafts were confirmed, and keeps the longest prefix of rows whose
    sample equals their draft, plus the first sample that differs (or the bonus sample after the last draft;
    speculative_verification.py).
-   Drafts are greedy (one token, not a distribution), and with a one-hot draft x this is exactly rejection
+   A greedy draft is one token, not a distribution, and with a one-hot draft x this is exactly rejection
    sampling: x is accepted with probability p(x), and a rejection emits a sample of p with x removed,
    renormalised. So every emitted token is distributed as the target's; greedy rows, seeded rows (their noise
    is keyed on the tokens generated so far) and the GPU fast path (keyed on the same count) emit exactly what
    they emit without drafts, and logprobs are the target's for each emitted token. Structured-output rows are
    masked as after the drafts before them (a draft the grammar refuses is rejected); thinking-budget requests
-   get no drafts;
+   get no drafts. Random unseeded requests of a drafter with a distribution draw their drafts from it and are
+   verified against it instead (min(1, p/q) acceptance; speculative_rejection.py);
 3. proposal (the drafter's `_propose`): the drafter catches up over the chunk's confirmed positions and drafts up
    to num_steps tokens for each request that sampled; the result reports how many it holds (StepResult.drafts),
    and the next plan verifies at most that many. Above speculative.disable_by_batch_size sampling rows a step
@@ -34,11 +35,12 @@ import torch
 
 from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
-from appliance.executor import logits_processors
+from appliance.executor import logits_processors, state_cache
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.request_table import RequestState
-from appliance.executor.sampler import prompt_logprobs
+from appliance.executor.sampler import SampleResult, prompt_logprobs
 from appliance.executor.speculative_forced import ForcedAcceptance
+from appliance.executor.speculative_rejection import DraftPicker
 from appliance.executor.speculative_states import StateRollback
 from appliance.executor.speculative_verification import verify
 from appliance.layers.attention import AttentionMetadata
@@ -134,6 +136,7 @@ class Speculator:
         self.disable_above: int | None = s.disable_by_batch_size
         self.forced = ForcedAcceptance.from_section(s, runner.config.model.seed)
         self.drafts: dict[str, list[int]] = {}
+        self.draft_probs: dict[str, torch.Tensor] = {}  # q rows of drafts drawn from the drafter (speculative_rejection)
         self.drafting = True  # this step proposes (False above disable_by_batch_size sampling rows)
         self._chain_stager = Stager(runner.device)  # a draft chain's inputs, one upload per step
         self._index_stager = Stager(runner.device)  # the drafter's row indices
@@ -144,11 +147,11 @@ class Speculator:
         r = self.runner
         for rid in plan.finished_ids:
             r.requests.pop(rid, None)
-            self.drafts.pop(rid, None)
+            self._forget(rid)
         for new in plan.new_requests:
             r.requests[new.request_id] = r._new_state(new)
-            self.drafts.pop(new.request_id, None)
-        r.restore_snapshots(plan)
+            self._forget(new.request_id)
+        state_cache.restore_snapshots(r.state_cache, plan, r.requests)
         verifying: dict[str, int] = {}  # request id -> drafts its chunk verifies
         chunks = [self._chunk(s, verifying) for s in plan.scheduled]
         if not chunks:
@@ -163,16 +166,20 @@ class Speculator:
             for c in ordered:  # a verification keeps the KV of its confirmed positions only
                 rid = c.state.request_id
                 c.state.num_computed += scored.emitted[rid] if rid in verifying else c.num_tokens
-                self.drafts.pop(rid, None)
+                self._forget(rid)
             self._propose(ordered, row_starts, hidden, scored.emitted, verifying)
             if rollback is not None:
                 self.recomputed += rollback.roll_back(verified, scored.emitted, verifying, r._forward)
-        r.save_snapshots(plan)
+        state_cache.save_snapshots(r.state_cache, plan, r.requests)
         order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         scored.sampled.sort(key=lambda t: order[t.request_id])  # stable: a request's tokens stay in order
         held = {c.state.request_id: len(self.drafts[c.state.request_id]) for c in ordered
                 if c.sample and self.drafts.get(c.state.request_id)}
         return StepResult(plan.step_id, scored.sampled, scored.prompt_logprobs, held)
+
+    def _forget(self, rid: str) -> None:
+        self.drafts.pop(rid, None)
+        self.draft_probs.pop(rid, None)
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
         return self.runner._forward(chunks)
@@ -244,16 +251,19 @@ class Speculator:
     def _verify(self, logits: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
         at = torch.tensor([i + j for _, i, d in verify_at for j in range(d + 1)], device=logits.device)
         rows = logits[at]
-        masked: list[int] = []  # structured outputs: each row masked as after the drafts before it
         first = 0
-        for c, _, d in verify_at:
+        for c, _, d in verify_at:  # structured outputs: each row masked as after the drafts before it
             if logits_processors.wants_processors(c.state.params.extra):
                 logits_processors.processors_for(self.runner).mask_drafts(rows[first : first + d + 1], c.state, d)
-                masked += range(first, first + d + 1)
             first += d + 1
         sampler = self.runner.batch_sampler
-        emitted = verify(lambda lg, states: logits_processors.draw(sampler, lg, states, masked), rows,
-                         [(c.state, d) for c, _, d in verify_at], self.forced)
+
+        def sample(lg: torch.Tensor, states: list[Any]) -> list[SampleResult]:
+            masked = [i for i, s in enumerate(states) if logits_processors.wants_processors(s.params.extra)]
+            return logits_processors.draw(sampler, lg, states, masked)
+
+        probs = [self.draft_probs.get(c.state.request_id) for c, _, _ in verify_at]
+        emitted = verify(sample, rows, [(c.state, d) for c, _, d in verify_at], self.forced, probs, sampler.sampler)
         for (c, _, _), results in zip(verify_at, emitted):
             rid = c.state.request_id
             out.sampled += [SampledToken(rid, x.token_id, x.logprob, x.top_logprobs, x.rank) for x in results]
@@ -299,14 +309,21 @@ class Speculator:
         """First position a draft chain may not write: past the block table or the model's length."""
         return min(len(state.block_ids) * self.runner.block_size, self.runner.max_model_len)
 
-    def chain(self, states: list[RequestState], tokens: torch.Tensor, first_pos: list[int], hidden: Any,
-              step: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, Any], tuple[torch.Tensor, Any]]) -> None:
-        """Drafts 2..num_steps of each state after the first (`tokens`): step i feeds draft i (and the drafter's
-        `hidden` rows, if it chains them) at position first_pos + i - 1. A chain stops early where that position
-        is past the block table or max_model_len (the scheduler never asks for more drafts than the result
-        reports). Every step's positions, slots and tables are known before the chain starts, so they travel in
-        one staged upload, and the drafts come back in one read at the end: no host round trip per draft step."""
-        device = tokens.device
+    def chain(self, states: list[RequestState], logits: torch.Tensor, first_pos: list[int], hidden: Any,
+              step: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, Any], tuple[torch.Tensor, Any]],
+              id_map: torch.Tensor | None = None) -> None:
+        """Drafts 1..num_steps of each state: the first is picked from `logits` (the drafter's, one row per state),
+        then step i feeds draft i (and the drafter's `hidden` rows, if it chains them) at position
+        first_pos + i - 1 and returns the next logits. Drafts are argmax, or draws of the drafter's q for random
+        unseeded requests (speculative_rejection.py DraftPicker; `id_map`: the drafter's vocabulary -> the
+        target's). A chain stops early where that position is past the block table or max_model_len (the
+        scheduler never asks for more drafts than the result reports). Every step's positions, slots and tables
+        are known before the chain starts, so they travel in one staged upload, and the drafts come back in one
+        read at the end: no host round trip per draft step."""
+        device = logits.device
+        picker = DraftPicker(states, self.runner.batch_sampler.sampler.generator(device), id_map,
+                             int(self.runner.hf_config.vocab_size))
+        tokens = picker.pick(logits, np.arange(len(states)))
         plan = self._chain_plan(states, first_pos)
         steps = [tokens]
         if plan:
@@ -329,12 +346,16 @@ class Speculator:
                     prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device),
                     prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
                     prefill_block_tables=torch.zeros((0, p.width), dtype=torch.int32, device=device))
-                tokens, hidden = step(tokens, positions, meta, hidden)
+                logits, hidden = step(tokens, positions, meta, hidden)
+                tokens = picker.pick(logits, p.alive)
                 steps.append(torch.full((len(states),), -1, dtype=torch.int64, device=device).index_copy_(
                     0, alive, tokens))
         table = torch.stack(steps, dim=1).tolist()  # the chain's one read-back
-        for state, row in zip(states, table):
+        for i, (state, row) in enumerate(zip(states, table)):
             self.drafts[state.request_id] = [t for t in row if t >= 0]
+            q = picker.probs(i, len(self.drafts[state.request_id]))
+            if q is not None:
+                self.draft_probs[state.request_id] = q
 
     def _chain_plan(self, states: list[RequestState], first_pos: list[int]) -> list[_ChainStep]:
         """The host side of every chain step, computed up front (positions and limits are known)."""

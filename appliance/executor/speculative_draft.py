@@ -156,12 +156,10 @@ class DraftModelSpeculator(Speculator):
         states, rows = self.last_rows(inputs)
         if not states:
             return
-        first = self.model.compute_logits(h[rows]).argmax(dim=-1)
-
         def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, _: Any) -> tuple[torch.Tensor, None]:
-            return self.model.compute_logits(self.model(tokens, positions, meta)).argmax(dim=-1), None
+            return self.model.compute_logits(self.model(tokens, positions, meta)), None
 
-        self.chain(states, first, [s.num_computed + 1 for s in states], None, step)
+        self.chain(states, self.model.compute_logits(h[rows]), [s.num_computed + 1 for s in states], None, step)
 
 
 class EagleSpeculator(Speculator):
@@ -171,10 +169,9 @@ class EagleSpeculator(Speculator):
         self.target = runner.model
         self.eagle3 = isinstance(self.head, Eagle3Head)
 
-    def _tokens(self, normed: torch.Tensor) -> torch.Tensor:
-        if self.eagle3:
-            return self.head.draft_tokens(normed)
-        return self.target.compute_logits(normed).argmax(dim=-1)
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The head's logits (an EAGLE-3 head's own vocabulary, mapped to the target's by head.target_ids)."""
+        return self.head.lm_head.compute_logits(normed) if self.eagle3 else self.target.compute_logits(normed)
 
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
@@ -190,6 +187,7 @@ class EagleSpeculator(Speculator):
         def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, h: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
             normed, pre = self.head(tokens, positions, h, meta)
-            return self._tokens(normed), pre
+            return self._logits(normed), pre
 
-        self.chain(states, self._tokens(normed[at]), [s.num_computed for s in states], pre[at], step)
+        self.chain(states, self._logits(normed[at]), [s.num_computed for s in states], pre[at], step,
+                   self.head.target_ids() if self.eagle3 else None)

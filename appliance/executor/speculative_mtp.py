@@ -6,7 +6,8 @@ same block table (executor/speculative.py runs the step and verification).
    (prefix-cached blocks included); its last row drafts the first token;
 2. chain: num_steps - 1 more one-token steps of the same MTP layer, each on the previous step's draft and hidden
    state (before the MTP head's norm, as vLLM chains it), at the next position.
-Drafts are greedy (argmax of the MTP head).
+Drafts are the MTP head's argmax, or draws of its distribution for random unseeded requests
+(speculative_rejection.py).
 """
 from __future__ import annotations
 
@@ -49,6 +50,6 @@ class MtpSpeculator(Speculator):
         def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, h: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
             h = self.model.mtp_forward(tokens, positions, h, meta)
-            return self.model.mtp_logits(h).argmax(dim=-1), h
+            return self.model.mtp_logits(h), h
 
-        self.chain(states, self.model.mtp_logits(h).argmax(dim=-1), [s.num_computed for s in states], h, step)
+        self.chain(states, self.model.mtp_logits(h), [s.num_computed for s in states], h, step)

@@ -24,7 +24,11 @@ from appliance.executor.memory_check import GIB
 from appliance.layers.gated_delta_net import StateCacheSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from appliance.engine.step import StepPlan
     from appliance.executor.model_runner import ModelRunner
+    from appliance.executor.request_table import RequestState
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,28 @@ class StateCache:
         return (f"state cache: {self.spec.num_layers} linear-attention layers x {self.num_slots} slots "
                 f"+ {self.num_snapshots} snapshot slots, "
                 f"{self.spec.bytes_per_slot / 2**20:.2f} MiB per slot, {self.nbytes / GIB:.3f} GiB")
+
+
+def _snapshots(cache: StateCache | None) -> StateCache:
+    if cache is None:
+        raise ValueError("the plan restores or saves a state snapshot, but the model keeps no recurrent state")
+    return cache
+
+
+def restore_snapshots(cache: StateCache | None, plan: StepPlan, requests: Mapping[str, RequestState]) -> None:
+    """Prefix hits of a hybrid model: each new request's state at its hit's end, before the step."""
+    for new in plan.new_requests:
+        if new.restore_snapshot >= 0:
+            sc = _snapshots(cache)
+            sc.copy(sc.snapshot_row(new.restore_snapshot), requests[new.request_id].table_row)
+
+
+def save_snapshots(cache: StateCache | None, plan: StepPlan, requests: Mapping[str, RequestState]) -> None:
+    """After the step: the states of chunks that ended at a checkpoint (engine/state_snapshots.py)."""
+    for s in plan.scheduled:
+        if s.save_snapshot >= 0:
+            sc = _snapshots(cache)
+            sc.copy(requests[s.request_id].table_row, sc.snapshot_row(s.save_snapshot))
 
 
 def allocate(spec: StateCacheSpec, num_slots: int, device: torch.device, num_snapshots: int = 0) -> StateCache:

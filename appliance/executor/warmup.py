@@ -5,7 +5,8 @@ cuBLAS chooses a kernel per problem shape and CUDA loads each kernel's module la
 are allocated on first use. Steps that meet these in the middle of a run stall the host, and the overlapped loop
 then leaves the device idle: without the warm-up, the first Qwen3 throughput run of a process spent 279 ms
 more host time in `linear` (the LM head meeting new row counts), plus first uses of the step's gathers, scatters and
-stagers. So the warm-up runs:
+stagers. (Triton variants an earlier start listed are meanwhile compiled ahead in other processes, executor/
+compile_ahead.py: the warm-up finds those in the cache.) So the warm-up runs:
 - a prefill for every padded sequence count (the Triton prefill kernel's variants, input_batch.padded_count);
 - the GPU sampler at 1, 2 and 16 rows (Triton specialises integer arguments equal to 1 and divisible by 16);
 - the LM head at each row count it runs on (the decode graphs' capture sizes: ModelRunner.logits);
@@ -25,6 +26,7 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, ScheduledRequest, StepPlan
+from appliance.executor.cuda_graph import GRAPH_CONTEXT
 from appliance.executor.input_batch import Chunk
 from appliance.executor.piecewise import all_buckets
 from appliance.executor.request_table import RequestState
@@ -39,7 +41,7 @@ SAMPLER_ROWS = (1, 2, 16)
 STEP_TOKENS = 4  # the most a request of the warm-up's steps holds: a 2-token prompt and two decodes
 
 
-def warm_up(runner: ModelRunner, graph_context: int = 2048) -> float:
+def warm_up(runner: ModelRunner, graph_context: int = GRAPH_CONTEXT) -> float:
     """Run everything above; returns the seconds taken. It writes KV into block 0: call it before serving (the
     runner's constructor does), never with blocks cached. Each part is a start-up phase (executor/startup.py)
     that counts its items: "capturing decode graphs 37/140"."""

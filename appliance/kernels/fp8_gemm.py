@@ -4,7 +4,8 @@ ModelOpt FP8 checkpoints (kernels/../layers/fp8_scaled.py).
 Activations are quantized to e4m3 per token (dynamic: each row's amax maps to 448) or with one static scale from
 the checkpoint; weights carry one scale per output row (a per-tensor scale is that value repeated). On a GPU with
 fp8 tensor cores (sm_89 and later) the product runs in cuBLASLt through torch._scaled_mm with row-wise scales
-(float32 accumulation, the output in the activation dtype); elsewhere `scaled_mm_reference` computes the same
+(float32 accumulation, the output in the activation dtype), except decode batches of up to 16 rows, which take
+the Triton FP8 GEMV (kernels/triton/fp8_gemv.py: the same product, activation quantization inside); elsewhere `scaled_mm_reference` computes the same
 quantized product in float32 (the oracle, and the CPU path).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 
 import torch
 
+from appliance.kernels.reference.linear import GEMV_MAX_ROWS
 from appliance.kernels.registry import register
 
 FP8 = torch.float8_e4m3fn
@@ -49,11 +51,30 @@ def cublas_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.shape[1] % 16 == 0)
 
 
+@register("fp8_gemv", "torch")
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode-batch op's reference (kernels/triton/fp8_gemv.py): x [M, K] -> [M, N], the quantized product."""
+    xq, xs = quantize_activation(x, input_scale)
+    y = scaled_mm_reference(xq, xs, weight, weight_scale, x.dtype)
+    return y + bias if bias is not None else y
+
+
+def _gemv_rows(x: torch.Tensor) -> bool:
+    """Decode batches on a GPU (up to GEMV_MAX_ROWS rows) take the Triton FP8 GEMV: at M = 1 cuBLASLt's
+    scaled GEMM plus the separate activation quantization cost more than streaming the weight bytes."""
+    return x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   input_scale: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] through an e4m3 weight [N, K] with per-row scales [N]; returns [..., N] in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if _gemv_rows(x2):
+        from appliance.kernels.triton.fp8_gemv import fp8_gemv as triton_fp8_gemv
+
+        return triton_fp8_gemv(x2, weight, weight_scale, input_scale, bias).reshape(*shape[:-1], weight.shape[0])
     if x.is_cuda:  # one launch (kernels/triton/act_quant.py) instead of five torch ops
         from appliance.kernels.triton.act_quant import quant_act
 

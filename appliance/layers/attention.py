@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -86,6 +86,12 @@ def set_piece_break(hook: PieceBreak | None) -> PieceBreak | None:
     return previous
 
 
+class KVObserver(Protocol):
+    """Sees a layer's keys and values before they are stored (executor/kv_calibration.py: online fp8 scales)."""
+
+    def observe(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None: ...
+
+
 def fused_rope_store(backend: str) -> Callable[..., Any] | None:
     """The attention backend's `rope_store_kv` (norm + rotary + KV store in one op), or None when that backend
     has none: the caller then runs norm, rope and `store_kv` separately. Never another backend's version: the op
@@ -114,6 +120,7 @@ class Attention(nn.Module):
             self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
         else:
             self.register_parameter("sinks", None)
+        self.backend = backend
         self._store = kernel("store_kv", backend)
         self._decode = kernel("decode_attention", backend)
         self._prefill = kernel("prefill_attention", backend)
@@ -124,6 +131,11 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.kv_scales: dict[str, torch.Tensor] = {}  # the ops' scale keywords for the bound cache ({} if 16-bit)
+        # called before every use of the cache: the host tier's copies of this layer are waited for here
+        # (executor/host_copy.py), so the layers before it compute meanwhile
+        self.kv_ready: Callable[[], None] | None = None
+        # set while online KV scale calibration is open: stores go through `forward`, which shows it K and V first
+        self.calibration: KVObserver | None = None
 
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -145,6 +157,16 @@ class Attention(nn.Module):
             extra["sinks"] = self.sinks
         return extra
 
+    def decode_unsplit_from(self, device: torch.device) -> int | None:
+        """The smallest decode batch whose attention launch is the same at every block-table width (no split-K),
+        or None where the backend's launch always depends on it: the decode graphs share one width from there
+        (executor/cuda_graph.py)."""
+        if self.backend != "triton":
+            return None
+        from appliance.kernels.triton.decode import unsplit_from
+
+        return unsplit_from(self.num_kv_heads, device)
+
     def bind_kv_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.kv_scales = {}
@@ -158,6 +180,8 @@ class Attention(nn.Module):
     def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner allocates it")
+        if self.kv_ready is not None:
+            self.kv_ready()
         return self.k_cache, self.v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -165,6 +189,8 @@ class Attention(nn.Module):
         t = q.shape[0]
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.calibration is not None:
+            self.calibration.observe(self, k, v, meta)
         self._store(k, v, k_cache, v_cache, meta.slot_mapping, **self.kv_scales)
         return self.attend(q, meta)
 

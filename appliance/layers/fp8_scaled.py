@@ -11,7 +11,10 @@
 
 Inside, every layer holds `weight` e4m3 [N, K], `weight_scale` float32 [N] (one per output row: a fused qkv or
 gate_up layer whose parts have their own per-tensor scales keeps them row by row) and `input_scale` [1] or None.
-The GEMM is kernels/fp8_gemm.py. KV cache scales in the same checkpoints go to the attention layers
+The GEMM is kernels/fp8_gemm.py. MoE experts in these formats (gate / up / down of each expert, per-tensor or
+per-channel) become e4m3 stacks with one scale per output row, run weight-only by the fused MoE kernels (the
+tile dequantized in the GEMM; activations stay 16-bit, so a checkpoint's static expert input scales go unused).
+KV cache scales in the same checkpoints go to the attention layers
 (executor/kv_scales.py).
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from appliance.kernels.fp8_gemm import FP8, FP8_MAX, scaled_linear
+from appliance.kernels.moe.reference import row_quantize
 from appliance.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -208,12 +212,31 @@ def _params(module: nn.Module, static_input: bool, device: torch.device) -> None
         module.input_scale = None
 
 
-def _targets(model: nn.Module, cfg: Fp8ScaledConfig) -> list[tuple[str, nn.Module]]:
+def _expert_targets(model: nn.Module, cfg: Fp8ScaledConfig) -> list[nn.Module]:
+    """The 16-bit FusedMoE layers the scheme covers (block-fp8 ones are another format)."""
     from appliance.layers.moe import FusedMoE  # moe.py imports the fp8 layers
 
-    if any(isinstance(m, FusedMoE) for m in model.modules()):
-        raise ValueError(f"{cfg.method} fp8: MoE experts in this format are not supported in this build "
-                         "(dense models only)")
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and module.quant is None and cfg.applies_to(name):
+            out.append(module)
+    return out
+
+
+def _expert_params(moe: nn.Module, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> None:
+    """e4m3 expert stacks and their per-row scales ([E, 2I], [E, H]); given tensors fill them, else empty ones
+    for the checkpoint. The fused MoE kernels dequantize each weight tile in the GEMM (weight-only)."""
+    device = moe.w13_weight.device
+    for name in ("w13", "w2"):
+        shape = getattr(moe, f"{name}_weight").shape
+        given = w13 if name == "w13" else w2
+        q, scale = given if given is not None else (torch.empty(shape, dtype=FP8, device=device),
+                                                    torch.zeros(shape[:2], device=device))
+        setattr(moe, f"{name}_weight", nn.Parameter(q, requires_grad=False))
+        setattr(moe, f"{name}_weight_scale", nn.Parameter(scale, requires_grad=False))
+
+
+def _targets(model: nn.Module, cfg: Fp8ScaledConfig) -> list[tuple[str, nn.Module]]:
     out = []
     for name, module in model.named_modules():
         if type(module) not in _TWINS:
@@ -233,7 +256,10 @@ def prepare_scaled_fp8(model: nn.Module, cfg: Fp8ScaledConfig) -> int:
     for _, module in targets:
         _params(module, cfg.static_input, module.weight.device)
         module.__class__ = _TWINS[type(module)]
-    return len(targets)
+    experts = _expert_targets(model, cfg)
+    for moe in experts:
+        _expert_params(moe)
+    return len(targets) + len(experts)
 
 
 def quantize_scaled_fp8(model: nn.Module, cfg: Fp8ScaledConfig) -> int:
@@ -246,4 +272,17 @@ def quantize_scaled_fp8(model: nn.Module, cfg: Fp8ScaledConfig) -> int:
         _params(module, False, w.device)
         module.weight.data, module.weight_scale.data = q, scale
         module.__class__ = _TWINS[type(module)]
-    return len(targets)
+    experts = _expert_targets(model, cfg)
+    for moe in experts:
+        _expert_params(moe, _row_quantize_experts(moe.w13_weight.data), _row_quantize_experts(moe.w2_weight.data))
+    return len(targets) + len(experts)
+
+
+def _row_quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert stack [E, N, K] quantized per row, one expert at a time (a float32 copy of the whole stack
+    would not fit beside a large model)."""
+    q = torch.empty(w.shape, dtype=FP8, device=w.device)
+    scale = torch.empty(w.shape[:2], device=w.device)
+    for e in range(w.shape[0]):
+        q[e], scale[e] = row_quantize(w[e])
+    return q, scale

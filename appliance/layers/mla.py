@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,6 +85,7 @@ class MLAAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.kv_scale: torch.Tensor | None = None  # an fp8 latent cache's one scale ([1] float32)
         self.kv_scales: dict[str, torch.Tensor] = {}  # the ops' keyword for the bound cache ({} if 16-bit)
+        self.kv_ready: Callable[[], None] | None = None  # the host tier's wait for this layer (as Attention's)
 
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """executor/kv_scales.py's call: one latent tensor, one scale (k's; the latent is also the value)."""
@@ -107,6 +109,8 @@ class MLAAttention(nn.Module):
         w_kv_b [H*(dn+dv), R] -> [T, H*dv]."""
         if self.k_cache is None:
             raise RuntimeError("MLA layer has no latent cache bound; the model runner allocates it")
+        if self.kv_ready is not None:
+            self.kv_ready()
         t = q_nope.shape[0]
         self._store(torch.cat((kv_c, k_pe), dim=-1), self.k_cache, meta.slot_mapping, **self.kv_scales)
         w = w_kv_b.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)

@@ -126,7 +126,7 @@ class Router(nn.Module):
 EXPERT_SHARDS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
                  "w2": ("w2", None), "down_proj": ("w2", None)}
 EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)"
-                         r"\.(?P<kind>weight|weight_scale_inv)$")
+                         r"\.(?P<kind>weight|weight_scale_inv|weight_scale|input_scale)$")
 FUSED_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -165,7 +165,29 @@ class FusedMoE(nn.Module):
         else:
             self.register_parameter("w13_weight_scale_inv", None)
             self.register_parameter("w2_weight_scale_inv", None)
+        # per-row scales [E, 2I] / [E, H] of per-tensor / per-channel fp8 experts (layers/fp8_scaled.py sets them)
+        self.register_parameter("w13_weight_scale", None)
+        self.register_parameter("w2_weight_scale", None)
         self._op = kernel("fused_moe", backend)
+
+    def load_row_scale(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, shard: int | None) -> None:
+        """One expert's per-tensor ([1]) or per-channel ([N] / [N, 1]) scale of a gate / up / down weight into
+        this rank's rows: gate and up rows are split over tensor-parallel ranks like their weights, down's rows
+        (the hidden size) are whole on every rank."""
+        expert -= self.expert_start
+        if not 0 <= expert < self.num_local:
+            return
+        t = loaded.float().reshape(-1)
+        rows = self.hidden_size if shard is None else self.intermediate * self.tp_size
+        if t.numel() == 1:
+            t = t.expand(rows)
+        if t.numel() != rows:
+            raise ValueError(f"expert scale of {t.numel()} values fits neither one tensor nor {rows} rows")
+        dst = param.data[expert]
+        if shard is not None:
+            dst = dst.narrow(0, shard * self.intermediate, self.intermediate)
+            t = t.narrow(0, self.tp_rank * self.intermediate, self.intermediate)
+        dst.copy_(t)
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, shard: int | None) -> None:
         """One checkpoint tensor of one expert (a gate/up/down weight or its fp8 scale) into this rank's slice.
@@ -175,6 +197,8 @@ class FusedMoE(nn.Module):
         """
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} outside 0..{self.num_experts - 1}")
+        if param is self.w13_weight_scale or param is self.w2_weight_scale:
+            return self.load_row_scale(param, loaded, expert, shard)
         expert -= self.expert_start
         if not 0 <= expert < self.num_local:
             return  # another expert-parallel rank's expert
@@ -209,8 +233,12 @@ class FusedMoE(nn.Module):
             mine = (local >= 0) & (local < self.num_local)
             topk_ids = torch.where(mine, local, torch.zeros_like(local))
             topk_weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
-        out = self._op(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                       self.w13_weight_scale_inv, self.w2_weight_scale_inv, block)
+        if self.w13_weight_scale is not None:  # per-row fp8 scales
+            out = self._op(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_weight_scale,
+                           self.w2_weight_scale, None)
+        else:
+            out = self._op(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                           self.w13_weight_scale_inv, self.w2_weight_scale_inv, block)
         return tp_all_reduce(out) if self.reduce_results else out
 
 

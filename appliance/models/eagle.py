@@ -111,10 +111,9 @@ class Eagle3Head(nn.Module):
         x, residual = self.layers[0].forward_eagle(positions, self.embed_tokens(input_ids), hidden, meta)
         return self.norm(x, residual)
 
-    def draft_tokens(self, normed: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts as target token ids."""
-        d = self.lm_head.compute_logits(normed).argmax(dim=-1)
-        return d + self.d2t[d]
+    def target_ids(self) -> torch.Tensor:
+        """The target's token id of each id of the head's vocabulary (d + d2t[d])."""
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def attention_layers(self) -> list[Attention]:
         return [self.layers[0].self_attn.attn]

@@ -86,7 +86,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if self._rope_store is None:
+        if self._rope_store is None or self.attn.calibration is not None:  # calibration observes post-rope keys
             return self.o_proj(self._unfused(positions, qkv, meta))
         k_cache, v_cache = self.attn.kv_cache()
         qn, kn = self.q_norm, self.k_norm

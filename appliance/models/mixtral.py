@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from appliance.layers.fp8_scaled import SCALED_METHODS
 from appliance.layers.moe import (
     EXPERT_NAME,
     EXPERT_SHARDS,
@@ -65,9 +66,12 @@ class MoECausalLM(LlamaForCausalLM):
 
     def __init__(self, hf_config: PretrainedConfig, backend: str = "torch", moe_backend: str | None = None) -> None:
         nn.Module.__init__(self)
-        if not self.supports_fp8 and getattr(hf_config, "quantization_config", None):
-            raise ValueError(f"{type(self).__name__}: quantized checkpoints are not supported for this family yet "
-                             "(block fp8 works for DeepSeek-V2/V3)")
+        qc = getattr(hf_config, "quantization_config", None) or {}
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        # per-tensor / per-channel fp8 (layers/fp8_scaled.py) swaps this family's layers after it is built
+        if not self.supports_fp8 and qc and method not in SCALED_METHODS:
+            raise ValueError(f"{type(self).__name__}: {method} checkpoints are not supported for this family yet "
+                             "(compressed-tensors and ModelOpt fp8 are; block fp8 works for DeepSeek-V2/V3)")
         self.config = hf_config
         self.backend = backend
         self.moe_backend = moe_backend or backend  # the fused_moe kernels
@@ -106,6 +110,8 @@ class MoECausalLM(LlamaForCausalLM):
             m = EXPERT_NAME.match(name)
             if m is not None:
                 moe = self._experts(m["prefix"], ckpt_name)
+                if m["kind"] == "input_scale" and moe.w13_weight_scale is not None:
+                    continue  # fp8 experts run weight-only (layers/fp8_scaled.py): static input scales go unused
                 stacked, shard = EXPERT_SHARDS[m["proj"]]
                 target = f"{stacked}_{m['kind']}"
                 param = getattr(moe, target, None)

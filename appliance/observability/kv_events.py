@@ -12,7 +12,9 @@ Each batch is three frames on a PUB socket:
 
 Blocks of the host-memory tier (engine/host_tier.py) add vLLM's trailing fields: ["BlockStored", [block_hash],
 parent_hash, token_ids, block_size, lora_id (None), "CPU"] when a block is copied to the host and ["BlockRemoved",
-[block_hash], "CPU"] when its host slot is reused; events without a medium are the device's.
+[block_hash], "CPU"] when its host slot is reused; the disk tier behind it (engine/disk_tier.py) does the same with
+medium "DISK" when a block is spilled to disk and when its disk slot is reused; events without a medium are the
+device's.
 
 Hashes are the prefix cache's chained 64-bit hashes (unsigned, parent_hash None for a first block). The
 publisher is the prefix cache's event sink (`PrefixCache(on_event=publisher)`): events are collected as the

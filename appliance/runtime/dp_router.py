@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 # stats keys that add up over replicas; the rest are combined below
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached",
            "kv_blocks_owned", "num_preemptions", "num_steps", "malformed_frames", "spec_num_drafts",
-           "spec_num_draft_tokens", "spec_num_accepted_tokens")
+           "spec_num_draft_tokens", "spec_num_accepted_tokens", "tier_host_stored", "tier_host_loaded",
+           "tier_swapped_out", "tier_swapped_in", "tier_disk_spilled", "tier_disk_fetched")
 
 
 def make_engine_client(addresses: Addresses, config: ApplianceConfig, max_queued_requests: int | None,

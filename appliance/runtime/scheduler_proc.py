@@ -18,6 +18,7 @@ from appliance.engine.config import EngineConfig
 from appliance.engine.core import EngineCore, QueueFull
 from appliance.engine.delta import RequestDelta
 from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.swap import SwapCosts
 from appliance.observability import SchedulerObservability
 from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.gc_heap import freeze_startup_heap
@@ -189,6 +190,9 @@ class SchedulerLoop:
             # speculative decoding, cumulative (0 without it): verifications, draft tokens, accepted drafts
             "spec_num_drafts": s.spec_num_drafts, "spec_num_draft_tokens": s.spec_num_draft_tokens,
             "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
+            # the host / disk tiers' block copies, cumulative: tier_host_stored, _loaded, tier_swapped_out, _in,
+            # tier_disk_spilled, _fetched (absent without a host tier)
+            **s.tier_counts,
             # objects kept out of garbage collection since start-up, here and in worker 0 (runtime/gc_heap.py)
             "gc_frozen_objects": gc.get_freeze_count(), "worker_gc_frozen_objects": self.worker_gc_frozen,
         }
@@ -200,6 +204,7 @@ def run_scheduler(boot: Bootstrap) -> None:
     ecfg = EngineConfig.from_appliance(config, int(w0["num_kv_blocks"]), w0.get("eos_token_ids", []),
                                        int(w0["max_model_len"]), int(w0.get("num_host_blocks", 0)),
                                        int(w0.get("num_state_slots", 0)), int(w0.get("state_cache_bytes", 0)),
+                                       SwapCosts.from_dict(w0.get("swap_costs")), int(w0.get("num_disk_blocks", 0)),
                                        serving=True)
     ctx = zmq.Context()
     executor = RemoteExecutor(ctx, boot.addresses, alive=lambda: parent_alive(boot.parent_pid))

@@ -131,6 +131,7 @@ def replica_peers(infos: list[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(infos[0])
     merged["num_kv_blocks"] = min(int(i["num_kv_blocks"]) for i in infos)
     merged["num_host_blocks"] = min(int(i.get("num_host_blocks", 0)) for i in infos)
+    merged["num_disk_blocks"] = min(int(i.get("num_disk_blocks", 0)) for i in infos)
     return merged
 
 

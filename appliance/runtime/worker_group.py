@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from appliance.engine.step import Executor, StepPlan, StepResult
+from appliance.engine.swap import SwapCosts
 from appliance.runtime.addresses import Addresses, remove_dir
 from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.messages import CONTROL_CODEC, StageFailed, StageProgress, StageReady
@@ -52,6 +53,8 @@ class WorkerGroupExecutor(Executor):
             self.max_model_len = int(info["max_model_len"])
             self.num_state_slots = int(info.get("num_state_slots", 0))
             self.state_cache_bytes = int(info.get("state_cache_bytes", 0))
+            self.swap_costs = SwapCosts.from_dict(info.get("swap_costs"))
+            self.num_disk_blocks = int(info.get("num_disk_blocks", 0))
             self._remote = RemoteExecutor(self._ctx, self.addresses, alive=self._all_alive)
         except BaseException:
             self.shutdown()

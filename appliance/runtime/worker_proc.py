@@ -74,10 +74,12 @@ def run_worker(boot: Bootstrap) -> None:
     results.connect(boot.addresses.results)
     # every rank sized its own pool; the scheduler may use only what all of them have (ranks may be on other nodes)
     info = {"num_kv_blocks": min_over_ranks(runner.num_blocks),
-            "num_host_blocks": min_over_ranks(runner.num_host_blocks), "eos_token_ids": list(runner.eos_token_ids),
+            "num_host_blocks": min_over_ranks(runner.num_host_blocks),
+            "num_disk_blocks": min_over_ranks(runner.num_disk_blocks), "eos_token_ids": list(runner.eos_token_ids),
             "max_model_len": runner.max_model_len, "block_size": runner.block_size, "device": str(runner.device),
             "vocab_size": int(getattr(runner.hf_config, "vocab_size", 0) or 0),
-            "num_state_slots": runner.num_state_slots, "state_cache_bytes": runner.state_cache_bytes}
+            "num_state_slots": runner.num_state_slots, "state_cache_bytes": runner.state_cache_bytes,
+            "swap_costs": runner.swap_costs.to_dict() if runner.swap_costs is not None else None}
     hold_for_test()
     # a full collection's pass would stall the GPU (gc_heap.py)
     with STARTUP.phase("freezing the start-up heap"):

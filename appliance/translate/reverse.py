@@ -152,6 +152,10 @@ def _special(engine: str, values: dict[str, Any], argv: list[str]) -> dict[str, 
         values.pop("backends.all2all")
         argv.extend(["--all2all-backend",
                      "deepep_low_latency" if mode == "low_latency" else "deepep_high_throughput"])
+    if engine == "vllm" and values.get("speculative.ngram_proposer") == "device" \
+            and values.get("speculative.algorithm") == "NGRAM":
+        values.pop("speculative.ngram_proposer")
+        values["speculative.algorithm"] = "ngram_gpu"  # vLLM's method name (no table value maps back to it)
     tp, dp, dense = (values.get(f"parallelism.{k}", 1) for k in ("tp", "dp", "dense_tp"))
     if engine == "sglang" and isinstance(dense, int) and dense > tp and dense == tp * dp:
         # split parallelism with attention replicas is SGLang's --tp T --dp D --enable-dp-attention

@@ -5,13 +5,16 @@ prefill switched off, an EP size that implies expert parallelism, the visible de
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
+from appliance.config.flags import vllm_spec_method
 from appliance.translate import schema_view
 from appliance.translate.apply import Applier
 from appliance.translate.argv import FlagUse
 from appliance.translate.result import Pending, Translation
+from appliance.translate.shell import restore
 from appliance.translate.spec import EngineTable
 
 
@@ -26,6 +29,7 @@ def finish(out: Translation, applier: Applier, uses: list[FlagUse], table: Engin
     _expert_parallel(out)
     _deepep_mode(out, uses)
     _draft_only(out)
+    _method_implies(out, uses)
     _eagle_as_mtp(out)
     _mtp(out)
     _host_tier(out)
@@ -167,6 +171,25 @@ def _draft_only(out: Translation) -> None:
     algorithm = "EAGLE3" if "eagle3" in name else "EAGLE" if "eagle" in name else "STANDALONE"
     out.set("speculative.algorithm", algorithm, draft.source, "no method given: vLLM infers it from the draft "
             f"model's name ({algorithm}: {'an EAGLE head' if 'EAGLE' in algorithm else 'a smaller LLM drafts'})")
+
+
+def _method_implies(out: Translation, uses: list[FlagUse]) -> None:
+    """What a vLLM method name says beyond the algorithm (ngram_gpu: NGRAM with the lookup on the device)."""
+    for use in uses:
+        if use.flag is None or use.flag.canonical != "--speculative-config" or not isinstance(use.value, str):
+            continue
+        method = use.value if use.subkey == "method" else _json_key(use.value, "method")
+        implied = vllm_spec_method(method)[1] if isinstance(method, str) else {}
+        for key, value in implied.items():
+            out.set(f"speculative.{key}", value, use.display, f"vLLM's method {method.strip()} says {key} {value}")
+
+
+def _json_key(text: str, key: str) -> Any:
+    try:
+        doc = json.loads(restore(text))
+    except ValueError:
+        return None
+    return doc.get(key) if isinstance(doc, dict) else None
 
 
 def _eagle_as_mtp(out: Translation) -> None:

@@ -24,6 +24,12 @@ def block_quantize(w: torch.Tensor, block_shape: tuple[int, int] = (128, 128)) -
     return q.contiguous(), scale
 
 
+def row_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (fp8 weight, float32 scale [..., N]): each output row's amax maps to 448."""
+    scale = (w.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    return (w.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
 def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
     """w [..., N, K] (fp8) times its per-tile scale [..., ceil(N/bn), ceil(K/bk)] -> float32 [..., N, K]."""
     bn, bk = block_shape
@@ -43,8 +49,12 @@ def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int,
                    block_shape: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
     if scale is None:
         return w[e]
+    if scale.dim() == 2:  # one scale per output row [E, N] (per-tensor / per-channel checkpoints)
+        if block_shape is not None:
+            raise ValueError("per-row expert scales [E, N] take no block_shape")
+        return (w[e].float() * scale[e].float()[:, None]).to(dtype)
     if block_shape is None:
-        raise ValueError("fp8 expert weights need block_shape")
+        raise ValueError("block-scaled fp8 expert weights need block_shape")
     return dequantize_blocks(w[e], scale[e], block_shape).to(dtype)
 
 

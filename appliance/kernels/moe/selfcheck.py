@@ -26,6 +26,7 @@ class Case:
     fp8_block: tuple[int, int] | None = None
     tol: float = 2e-3
     gpt_oss: bool = False  # expert biases and the clamped SwiGLU
+    fp8_rows: bool = False  # fp8 weights with one scale per output row (per-tensor / per-channel checkpoints)
 
 
 def small_cases() -> list[Case]:
@@ -36,6 +37,8 @@ def small_cases() -> list[Case]:
         Case("bf16", 20, 64, 64, 6, 2, torch.bfloat16, tol=3e-2),
         Case("fp8_blocks", 19, 64, 64, 4, 2, torch.float32, fp8_block=(32, 32), tol=2e-3),
         Case("fp8_fine_blocks", 11, 64, 48, 4, 2, torch.float32, fp8_block=(16, 16), tol=2e-3),  # tiles shrink
+        Case("fp8_rows", 23, 64, 48, 4, 2, torch.float32, fp8_rows=True),
+        Case("fp8_rows_bf16_prefill_tiles", 70, 96, 80, 4, 2, torch.bfloat16, fp8_rows=True, tol=3e-2),
         Case("gpt_oss_bias_clamp", 13, 64, 48, 8, 4, torch.float32, gpt_oss=True),
         Case("gpt_oss_prefill_bf16", 70, 64, 32, 4, 4, torch.bfloat16, gpt_oss=True, tol=3e-2),
     ]
@@ -45,6 +48,8 @@ def gpu_cases() -> list[Case]:
     return [
         Case("qwen3_30b_decode", 64, 2048, 768, 128, 8, torch.bfloat16, tol=3e-2),
         Case("deepseek_v3_fp8_batch1", 1, 7168, 2048, 32, 8, torch.bfloat16, fp8_block=(128, 128), tol=3e-2),
+        Case("qwen3_30b_fp8_rows_decode", 64, 2048, 768, 128, 8, torch.bfloat16, fp8_rows=True, tol=3e-2),
+        Case("qwen3_30b_fp8_rows_prefill", 2048, 2048, 768, 128, 8, torch.bfloat16, fp8_rows=True, tol=3e-2),
         Case("deepseek_v2_lite_prefill", 2048, 2048, 1408, 64, 6, torch.bfloat16, tol=3e-2),
         Case("deepseek_v3_fp8", 256, 7168, 2048, 32, 8, torch.bfloat16, fp8_block=(128, 128), tol=3e-2),
         Case("gpt_oss_20b_decode", 1, 2880, 2880, 32, 4, torch.bfloat16, gpt_oss=True, tol=3e-2),
@@ -57,7 +62,7 @@ def run_case(case: Case, device: str) -> dict[str, object]:
         moe,  # noqa: F401
         registry,
     )
-    from appliance.kernels.moe.reference import block_quantize
+    from appliance.kernels.moe.reference import block_quantize, row_quantize
 
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     x = torch.randn(case.tokens, case.hidden, generator=gen)
@@ -68,6 +73,9 @@ def run_case(case: Case, device: str) -> dict[str, object]:
     scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     if case.fp8_block is not None:
         (w13, s13), (w2, s2) = block_quantize(w13, case.fp8_block), block_quantize(w2, case.fp8_block)
+        scales = (s13.to(device), s2.to(device))
+    elif case.fp8_rows:
+        (w13, s13), (w2, s2) = row_quantize(w13), row_quantize(w2)
         scales = (s13.to(device), s2.to(device))
     else:
         w13, w2 = w13.to(case.dtype), w2.to(case.dtype)

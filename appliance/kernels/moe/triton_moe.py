@@ -7,8 +7,8 @@
    silu(gate) * up (the activation is fused: the [T*K, 2I] intermediate never exists).
 3. `_down_kernel`: that [T*K, I] activation @ w2[e]^T, times the routing weight, into [T*K, H]; the K slots of
    each token are summed in torch.
-fp8 weights (block scales) are dequantized tile by tile inside both GEMMs (weight-only; activations stay in
-the model dtype). gpt-oss adds expert biases to both GEMMs and clamps its SwiGLU (constexpr-guarded: BIAS,
+fp8 weights are dequantized tile by tile inside both GEMMs (weight-only; activations stay in the model dtype),
+with block scales or one scale per output row ([E, N], block_shape None: per-tensor and per-channel checkpoints). gpt-oss adds expert biases to both GEMMs and clamps its SwiGLU (constexpr-guarded: BIAS,
 CLAMPED; reference.gated_activation).
 """
 from __future__ import annotations
@@ -149,6 +149,8 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
 def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     if scale is None:
         return w, 0, 0, 0  # never read (FP8 is off)
+    if scale.dim() == 2:  # per-row [E, N]: a k stride of 0 gives every k step the row's one scale
+        return scale, scale.stride(0), scale.stride(1), 0
     return scale, scale.stride(0), scale.stride(1), scale.stride(2)
 
 
@@ -164,13 +166,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     fp8 = w13_scale is not None
-    if fp8 and (block_shape is None or w2_scale is None):
-        raise ValueError("fp8 fused_moe needs both scales and block_shape")
-    bn_q, bk_q = block_shape if fp8 else (1, 1)  # type: ignore[misc]
+    per_row = fp8 and w13_scale.dim() == 2  # type: ignore[union-attr]
+    if fp8 and (w2_scale is None or (block_shape is None) != per_row):
+        raise ValueError("fp8 fused_moe needs both scales, and block_shape with block scales (none with per-row "
+                         "[E, N] scales)")
+    bn_q, bk_q = block_shape if fp8 and not per_row else (1, 1)  # type: ignore[misc]
     pairs = t * top_k
     tiles = tiles_for(pairs, num_experts)
-    tile_n, tile_k = (scale_aligned_tiles((bn_q, bk_q), tiles.block_n, tiles.block_k, "Triton fused MoE") if fp8
-                      else (tiles.block_n, tiles.block_k))
+    tile_n, tile_k = (scale_aligned_tiles((bn_q, bk_q), tiles.block_n, tiles.block_k, "Triton fused MoE")
+                      if fp8 and not per_row else (tiles.block_n, tiles.block_k))
     x = x.contiguous()
     sorted_ids, block_experts = align_blocks(topk_ids, num_experts, tiles.block_m)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)

@@ -232,6 +232,13 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, sms: int) ->
     return max(1, min(want, cap))
 
 
+def unsplit_from(num_kv_heads: int, device: torch.device) -> int:
+    """The smallest batch that runs unsplit at every block-table width (num_splits_for gives 1: its programs
+    fill the GPU alone), so its launch differs between widths only in the table's stride and split_tokens, which
+    an unsplit program reads only as a bound past seq_len."""
+    return -(-PROGRAMS_PER_SM * _sm_count(device) // max(1, num_kv_heads))
+
+
 @register("decode_attention", "triton")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,

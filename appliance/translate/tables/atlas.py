@@ -48,8 +48,7 @@ FLAGS = (
     # Atlas: the first N and last N attention layers keep a BF16 KV cache; auto = 2, max / all = every layer
     same("--kv-high-precision-layers", "precision.kv_cache_high_precision_layers", K,
          values=(("auto", 2), ("max", 1 << 16), ("all", 1 << 16))),
-    no("--fp8-kv-calibration-tokens", "fp8 KV scales come from precision.quantization_param_path", K,
-       neutral=("0",)),
+    same("--fp8-kv-calibration-tokens", "precision.kv_cache_calibration_tokens", K),
     similar("--swap-space-gb", "cache.host_cache_size_gb", "Atlas swaps KV blocks to host memory; here that is "
             "the host KV tier of this size", K),
     same("--high-speed-swap", "cache.disk_cache", K, arity="flag"),

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from appliance.config.flags import VLLM_SPEC_METHODS
 from appliance.translate.spec import EngineTable, implied, nones, removed, same, similar, switches
 from appliance.translate.spec import none as no
 
 M, LD, P, C, S, SO = "Model", "Load", "Parallelism", "Cache", "Scheduler", "Structured outputs and parsers"
 CO, SD, F, OB, LO, MM = "Compilation", "Speculative decoding", "Frontend (HTTP)", "Observability", "LoRA", \
     "Multimodal"
-# vLLM's speculative methods; every `<arch>_mtp` is the model's own MTP layers (rules.py maps names not listed)
-SPEC_METHODS = (("mtp", "MTP"), ("deepseek_mtp", "MTP"), ("qwen3_next_mtp", "MTP"), ("glm4_moe_mtp", "MTP"),
-                ("ernie_mtp", "MTP"), ("mimo_mtp", "MTP"), ("qwen3_5_mtp", "MTP"), ("step3p5_mtp", "MTP"),
-                ("longcat_flash_mtp", "MTP"), ("eagle", "EAGLE"), ("eagle3", "EAGLE3"), ("ngram", "NGRAM"),
-                ("[ngram]", "NGRAM"), ("draft_model", "STANDALONE"), ("dflash", "DFLASH"), ("dspark", "DSPARK"))
+SPEC_METHODS = VLLM_SPEC_METHODS  # vLLM's speculative method names (config/flags.py)
 
 # vLLM's attention backend names (AttentionBackendEnum) -> the appliance's (support.py says which run here)
 VLLM_ATTENTION = (
@@ -119,11 +116,13 @@ _FLAGS = (
     same("--enable-prefix-caching", "cache.enable_prefix_caching", C, arity="flag"),
     similar("--quantization-param-path", "precision.quantization_param_path", "dropped from vLLM (fp8 KV scales "
             "now come with the checkpoint); here the JSON file of KV cache scales", C),
-    no("--calculate-kv-scales", "KV scales are not computed on the fly; give them with "
-       "precision.quantization_param_path", C, arity="flag"),
+    similar("--calculate-kv-scales", "precision.kv_cache_calibration_tokens", "vLLM computes the fp8 KV scales "
+            "once, from its first forward pass; here from the first 2048 prefill tokens (set the count with "
+            "precision.kv_cache_calibration_tokens)", C, arity="flag", const=2048),
     no("--kv-cache-memory-bytes", "size the KV pool with cache.max_total_tokens or cache.gpu_memory_utilization",
        C),
-    no("--swap-space", "preempted requests are recomputed, not swapped to host memory", C),
+    no("--swap-space", "preempted requests swap into the host KV tier (scheduler.preemption_mode, sized by "
+       "cache.host_cache_size_gb), not a separate swap space", C),
     no("--cpu-offload-gb", "weights are not offloaded to the CPU", C, neutral=("0",)),
     no("--num-gpu-blocks-override", "size the KV pool with cache.max_total_tokens", C),
     no("--prefix-caching-hash-algo", "prefix blocks are hashed with the appliance's own chain hash", C),
@@ -176,6 +175,7 @@ _FLAGS = (
                      ("quantization", "speculative.draft_model_quantization"),
                      ("prompt_lookup_min", "speculative.prompt_lookup_min"),
                      ("prompt_lookup_max", "speculative.prompt_lookup_max"),
+                     ("disable_by_batch_size", "speculative.disable_by_batch_size"),
                      ("draft_tensor_parallel_size", "-"))),
     same("--kv-events-config", "observability.kv_events", OB, arity="json"),
     no("--kv-transfer-config", "KV transfer (disaggregated prefill) is not available", SD),
@@ -248,7 +248,8 @@ _FLAGS = (
     removed("--spec-decoding-acceptance-method", "removed from vLLM V1", SD),
     removed("--guided-decoding-backend", "renamed in vLLM to --structured-outputs-config backend; structured "
             "outputs here are xgrammar's", SO, neutral=("xgrammar", "auto")),
-    removed("--preemption-mode", "removed from vLLM V1 (always recompute)", S),
+    similar("--preemption-mode", "scheduler.preemption_mode", "removed from vLLM V1 (always recompute); vLLM V0's "
+            "recompute / swap, where swap needs the host KV tier (cache.host_cache)", S),
     removed("--scheduler-delay-factor", "removed from vLLM V1", S),
     removed("--tokenizer-pool-size", "removed from vLLM", M),
     removed("--tokenizer-pool-type", "removed from vLLM", M),

@@ -1,0 +1,106 @@
+"""FP8 x FP8 GEMV for decode batches (M <= 16 rows): y = (x_q * s_x) (W_q * s_w)^T in one launch, the product
+kernels/fp8_gemm.py defines (e4m3 weights with one scale per output row, activations quantized per token or with
+one static scale).
+
+At batch 1 torch._scaled_mm pays for a GEMM tiled for large M and a separate activation-quantization launch; a
+decode step's linear layers only stream weight bytes, so this kernel does what gemv.py does for 16-bit weights
+(one program per BLOCK_N output rows, y^T = W x^T so the weight tile feeds the MMA as stored) on half the bytes,
+and quantizes x itself: each program first reads its rows of x for their amax (x is a few KB, in L2 after the
+first program), then quantizes each x tile as it goes with the same saturating cast as kernels/triton/
+act_quant.py. fp8 operands go to tl.dot on the GPU (float32 accumulation); the interpreter upcasts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from appliance.kernels.fp8_gemm import FP8, FP8_MAX, MIN_SCALE
+from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
+from appliance.kernels.registry import register
+from appliance.kernels.triton.common import INTERPRET, pdl_kwargs
+from appliance.kernels.triton.kv_fp8 import saturate
+
+
+@dataclass(frozen=True)
+class Fp8GemvConfig:
+    block_n: int = 64
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def config_for(n: int, k: int) -> Fp8GemvConfig:
+    """Tiles by analogy with gemv.py's H100 sweep at twice the K per tile (a byte per weight: the same bytes per
+    load); not yet swept for fp8 (benchmarks/fp8.py measures the batch-1 step)."""
+    if INTERPRET:
+        return Fp8GemvConfig(block_n=16, block_k=32, num_stages=2)
+    return Fp8GemvConfig(block_n=32, block_k=512) if k > 2 * n else Fp8GemvConfig()
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                     MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr, STATIC: tl.constexpr, BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                     GDC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if GDC:  # launched early: x is the kernel before's output
+        tl.extra.cuda.gdc_wait()
+    if STATIC:
+        x_scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(static_ptr).to(tl.float32)
+    else:  # each row's amax over the whole of K
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                        mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
+        x_scale = tl.maximum(amax, MIN_AMAX) / FP8_MAX
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        xq = saturate(x, x_scale[None, :], FP8_MAX).to(w.dtype)
+        if UPCAST:
+            acc += tl.dot(w.to(tl.float32), xq.to(tl.float32))
+        else:
+            acc += tl.dot(w, xq)
+    acc = acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None] * x_scale[None, :]
+    if BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[None, :] & n_mask[:, None])
+
+
+@register("fp8_gemv", "triton")
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+             bias: torch.Tensor | None = None, config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (16-bit, M <= 16) through an e4m3 weight [N, K] with per-row scales [N] -> [M, N] in x's dtype;
+    the contract of kernels/fp8_gemm.scaled_linear. `config` overrides the tiles (tuning)."""
+    m, k = x.shape if x.dim() == 2 else (0, -1)
+    if x.dim() != 2 or m > MAX_M or weight.dtype != FP8 or weight.shape[1] != k or weight.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} does not fit an e4m3 weight {tuple(weight.shape)} "
+                         f"{weight.dtype} (at most {MAX_M} rows, K contiguous)")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    n = weight.shape[0]
+    cfg = config or config_for(n, k)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    scale = weight_scale.float().contiguous()
+    if m and n:
+        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, weight, scale, input_scale if input_scale is not None else scale,
+            bias if bias is not None else scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+            MIN_AMAX=MIN_SCALE * FP8_MAX, FP8_MAX=FP8_MAX, STATIC=input_scale is not None, BIAS=bias is not None,
+            BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_kwargs(x))
+    return y
