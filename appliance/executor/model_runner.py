@@ -158,6 +158,7 @@ class ModelRunner:
         # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
         self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
+        self.kv_calibration: kv_calibration.KVCalibration | None = None  # and without calibration (armed below)
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
         if self.compile_ahead is not None:
             self.compile_ahead.finish()  # stops the pool; lists what this start met, for the next one
