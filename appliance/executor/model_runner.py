@@ -198,11 +198,6 @@ class ModelRunner:
         finally:
             self._noise_seeds.setstate(state)
 
-    def _states(self) -> state_cache.StateCache:
-        if self.state_cache is None:
-            raise ValueError("the plan restores or saves a state snapshot, but the model keeps no recurrent state")
-        return self.state_cache
-
     @property
     def num_state_slots(self) -> int:
         """Request slots of the state cache (0: the model keeps no recurrent state)."""
@@ -223,7 +218,8 @@ class ModelRunner:
             return None
         hidden = int(self.hf_config.hidden_size)
         return DecodeGraphs(self.model, hidden, self.dtype, self.device, sizes, self.max_blocks, self.block_size,
-                            self.block_table, decode_unsplit_from(self.model.attention_layers(), self.device))
+                            self.block_table, decode_unsplit_from(self.model.attention_layers(), self.device),
+                            with_states=self.state_cache is not None)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -242,9 +238,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = self._new_state(new)
-            if new.restore_snapshot >= 0:  # a prefix hit of a hybrid model: its state at the hit's end
-                sc = self._states()
-                sc.copy(sc.snapshot_row(new.restore_snapshot), self.requests[new.request_id].table_row)
+        state_cache.restore_snapshots(self.state_cache, plan, self.requests)
         chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
             return StepHandle(plan.step_id, StepResult(plan.step_id))
@@ -265,10 +259,7 @@ class ModelRunner:
                 handle = StepHandle(plan.step_id, StepResult(plan.step_id, sampled, prompt_lps))
         for c in ordered:
             c.state.num_computed += c.num_tokens
-        for s in plan.scheduled:
-            if s.save_snapshot >= 0:  # a chunk that ended at a checkpoint (engine/state_snapshots.py)
-                sc = self._states()
-                sc.copy(self.requests[s.request_id].table_row, sc.snapshot_row(s.save_snapshot))
+        state_cache.save_snapshots(self.state_cache, plan, self.requests)
         if not handle.done:
             self._inflight.append(handle)
         return handle
