@@ -10,8 +10,10 @@ answer plus 10% new tokens. Prints one JSON record per measurement.
 
 Shape: transformers' Qwen3NextConfig defaults (hidden 2048, 512 experts of 512, 10 active + a shared expert, 16 q
 / 2 kv heads of 256 for full attention, 16 key / 32 value heads of 128 for the linear attention, every 4th layer
-full attention), num_hidden_layers from --layers. Linear-attention layers run the torch reference kernels
-(kernels/reference/gated_delta.py) on the GPU too: flash-linear-attention is not wired in this build.
+full attention), num_hidden_layers from --layers. On a GPU the gated delta rule runs flash-linear-attention's
+Triton kernels where fla-core is installed (`pip install fla-core einops`, the `hybrid` extra), else the torch
+reference (kernels/reference/gated_delta.py); decode replays CUDA graphs. Each record names both
+(`gated_delta`, `decode_graphs`).
 """
 from __future__ import annotations
 
@@ -105,6 +107,15 @@ def shared_prefix_ttft(llm: Any, args: argparse.Namespace, vocab: int, snapshots
             "checkpoint_interval": args.interval if snapshots else None}
 
 
+def served(llm: Any) -> dict[str, Any]:
+    """What ran: the gated delta rule's kernels (fla-core's Triton ones or the torch reference) and decode graphs."""
+    runner = llm.executor.runner
+    layer = runner.model.state_layers()[0]
+    module = getattr(layer._decode, "__module__", "")
+    return {"gated_delta": "fla" if module.startswith("appliance.kernels.triton") else "torch",
+            "decode_graphs": runner.graphs is not None}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CPU, tiny dims, short lengths")
@@ -138,6 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         shape = {"layers": args.layers, "device": "cpu" if args.quick else "cuda"}
         llm = make_llm(model_dir, args, snapshots=False)
+        shape.update(served(llm))
         records += [{**shape, **r} for r in decode_and_throughput(llm, args, vocab)]
         records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=False)})
         for r in records:

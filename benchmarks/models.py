@@ -2,13 +2,17 @@
 
     python -m benchmarks.models                          # one H100: both models, JSON lines to stdout
     python -m benchmarks.models --only gpt-oss-20b       # one model
+    python -m benchmarks.models --only gemma-3-12b --enforce-eager   # the sliding layers in pools of their own
     python -m benchmarks.models --quick                  # tiny shapes of the same families on the CPU (a test)
 
 Per model, through the offline runners of appliance/bench (EOS ignored: every request makes its output length):
 - batch-1 decode: `bench latency` of one request, --b1-input prompt tokens and --b1-output tokens (mean TPOT);
 - throughput: `bench throughput` of --num-prompts prompts, --input-len in / --output-len out (output tok/s);
-- KV memory per sequence of --kv-context tokens: what this build allocates (its blocks x bytes per block: every
-  layer keeps the whole context) against the sliding-window share (local layers holding only their window).
+- KV memory per sequence of --kv-context tokens: the blocks per sequence this run allocates in each KV cache group
+  (engine/kv_groups.py: a sliding-window layer's group keeps the blocks of its window, at most
+  ceil((W + block - 1) / block)) when its sliding layers have pools of their own (executor/window_groups.py: eager
+  runs so far; with CUDA graphs one table serves every layer, which keeps the whole context), the bytes, and
+  their ratio to every layer keeping the whole context (`ratio`: the groups'; `allocated_ratio`: this run's).
 Each model runs in its own process (a GPU engine's memory is only certainly back when its process ends).
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 from appliance.bench import offline
 from appliance.bench.presets import write_model_dir
 from appliance.bench.workloads import random_workload
+from appliance.engine.kv_groups import kv_groups
 
 MODELS = ("gpt-oss-20b", "gemma-3-12b")
 # --quick: the same families at a size the CPU runs in seconds (two layers, one of each kind)
@@ -45,16 +50,26 @@ def model_dir(name: str, out: Path, quick: bool) -> Path:
 
 
 def kv_per_sequence(runner: Any, context: int) -> dict[str, Any]:
-    """Bytes this build allocates for one sequence of `context` tokens, and the sliding-window share."""
-    blocks = -(-context // runner.block_size)
-    allocated = blocks * runner.kv_spec.bytes_per_block
+    """Blocks and bytes of one sequence of `context` tokens: what this run allocates (its KV cache groups when the
+    sliding-window layers have pools of their own, executor/window_groups.py; else one table for every layer)
+    against what the groups hold (engine/kv_groups.py: a sliding group keeps the blocks of its window)."""
+    bs = runner.block_size
     layers = runner.model.attention_layers()
-    per_layer = allocated / len(layers)
-    windowed = sum(per_layer * (1.0 if a.sliding_window is None else min(1.0, a.sliding_window / context))
-                   for a in layers)
-    return {"context": context, "allocated_gib": allocated / 2**30, "window_share_gib": windowed / 2**30,
-            "ratio": windowed / allocated, "sliding_layers": sum(a.sliding_window is not None for a in layers),
-            "layers": len(layers)}
+    layer_block = runner.kv_spec.bytes_per_block / len(layers)  # one layer's K and V of one block
+    blocks = -(-context // bs)
+    groups = kv_groups([a.sliding_window for a in layers])
+    held = {("full" if g.window is None else f"window_{g.window}"): {"layers": len(g.layers),
+                                                                     "blocks": g.blocks_held(context, bs)}
+            for g in groups}
+    grouped = bool(runner.kv_layout.groups)
+    every_layer = blocks * len(layers) * layer_block
+    windowed = sum(h["layers"] * h["blocks"] for h in held.values()) * layer_block
+    allocated = windowed if grouped else every_layer
+    return {"context": context, "block_size": bs, "kv_groups": grouped,
+            "blocks_per_sequence": ({k: h["blocks"] for k, h in held.items()} if grouped else {"all": blocks}),
+            "group_blocks": held, "allocated_gib": allocated / 2**30, "window_share_gib": windowed / 2**30,
+            "ratio": windowed / every_layer, "allocated_ratio": allocated / every_layer,
+            "sliding_layers": sum(a.sliding_window is not None for a in layers), "layers": len(layers)}
 
 
 def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -63,7 +78,8 @@ def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
     path = model_dir(name, workdir / name, args.quick)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     llm = LLM(model=str(path), load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, **({"device": "cpu", "dtype": "float32"} if args.quick else {}))
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+              **({"device": "cpu", "dtype": "float32"} if args.quick else {}))
     runner = llm.executor.runner
     out: dict[str, Any] = {"model": name, "backend": runner.backend, "device": str(runner.device),
                            "cuda_graphs": runner.graphs is not None,
@@ -96,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-context", type=int, default=32768)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: the sliding-window layers then keep only their window (own KV pools)")
     args = p.parse_args(argv)
     if args.quick:  # sizes the CPU runs in seconds
         args.num_prompts, args.input_len, args.output_len = 4, 24, 8

@@ -15,3 +15,4 @@ def test_quick_run_reports_every_measurement() -> None:
     # each second turn restores the snapshot at 32 tokens (checkpoints every 16; its first turn had 41 tokens)
     assert by[("multi_turn_ttft", True)]["prefix_hit_tokens"] == 32 * by[("multi_turn_ttft", True)]["sessions"]
     assert all(r["layers"] == 4 for r in records)
+    assert all(r["gated_delta"] == "torch" and r["decode_graphs"] is False for r in records)  # CPU: no fla, no graphs

@@ -11,9 +11,13 @@ def test_quick_run_measures_every_model() -> None:
     assert [r["model"] for r in results] == list(models.MODELS)
     for r in results:
         kv = r["kv_per_sequence"]
-        # two tiny layers, one of each kind: the window (8 of 64 tokens) saves half of the sliding layer's share
+        # two tiny layers, one of each kind: 64 tokens are 4 blocks of 16; the window of 8 keys spans at most 2
         assert kv["layers"] == 2 and kv["sliding_layers"] == 1
-        assert kv["window_share_gib"] == pytest.approx(kv["allocated_gib"] * (1 + 8 / 64) / 2)
+        assert kv["block_size"] == 16 and kv["kv_groups"]  # the CPU runs eagerly: the sliding layer has its pool
+        assert kv["blocks_per_sequence"] == {"full": 4, "window_8": 2}
+        assert kv["group_blocks"] == {"full": {"layers": 1, "blocks": 4}, "window_8": {"layers": 1, "blocks": 2}}
+        assert kv["allocated_gib"] == kv["window_share_gib"]
+        assert kv["ratio"] == kv["allocated_ratio"] == pytest.approx((4 + 2) / (2 * 4))
         assert r["batch1_decode_ms_per_token"] > 0
         tp = r["throughput"]
         assert tp["output_tok_s"] == pytest.approx(tp["num_prompts"] * tp["output_len"] / tp["seconds"])

@@ -157,3 +157,30 @@ def test_padded_prefills_give_the_same_tokens(tiny_model) -> None:
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     llm.executor.runner._pad_prefills = True
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == plain
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_window_groups_get_their_own_slots_and_tables(pad: bool) -> None:
+    """Requests with sliding-window tables (executor/window_inputs.py): each group's slot of every row and its
+    decode / prefill table rows come from that group's table, in build_inputs' row order, beside the full ones."""
+    rng = random.Random(3)
+    chunks = _random_chunks(3)
+    for c in chunks:  # two groups; null entries (0) before the window, as the engine sends them for a hit
+        n = len(c.state.block_ids)
+        c.state.window_tables = [[0] * min(1, n) + rng.sample(range(1, 100), n - min(1, n)) for _ in range(2)]
+    inp = build_inputs(chunks, BS, torch.device("cpu"), decode_width=3, pad_prefills=pad)
+    m = inp.meta
+    decodes, prefills = [c for c in chunks if c.num_tokens == 1], [c for c in chunks if c.num_tokens > 1]
+    assert len(m.windows) == 2
+    for g, w in enumerate(m.windows):
+        want = [c.state.window_tables[g][p // BS] * BS + p % BS
+                for c in decodes + prefills for p in range(c.start, c.start + c.num_tokens)]
+        assert w.slot_mapping.dtype == torch.int64 and w.slot_mapping.tolist() == want
+        assert w.decode_block_tables.shape == m.decode_block_tables.shape
+        assert w.prefill_block_tables.shape == m.prefill_block_tables.shape  # padded sequences included
+        for table, group in ((w.decode_block_tables, decodes), (w.prefill_block_tables, prefills)):
+            assert table.dtype == torch.int32
+            for row, c in zip(table.tolist(), group):
+                assert row[: len(c.state.window_tables[g])] == c.state.window_tables[g]
+    plain = build_inputs(_random_chunks(3), BS, torch.device("cpu"), decode_width=3)
+    assert plain.meta.windows == ()  # a model of one group: no window addresses at all

@@ -119,6 +119,24 @@ def test_greedy_matches_transformers(family: str, family_dir, hf_greedy) -> None
         assert llm.engine.check_accounting().ok
         layers = llm.executor.runner.model.attention_layers()
         assert {a.sliding_window for a in layers} == {WINDOW, None}, "both layer kinds"
+        # the sliding layers keep their window in a pool of their own (executor/window_groups.py)
+        assert llm.engine.config.window_sizes == llm.executor.runner.kv_layout.window_sizes == (WINDOW,)
+        assert {a.kv_group for a in layers if a.sliding_window} == {1}
+        assert {a.kv_group for a in layers if a.sliding_window is None} == {0}
+
+
+def test_one_pool_where_the_groups_do_not_apply_yet(family_dir, hf_greedy) -> None:
+    """With the host KV tier the sliding layers keep the whole context in the shared pool, as before the groups,
+    and the tokens are the same."""
+    from appliance import LLM
+
+    path = family_dir("gemma3")
+    refs = hf_greedy(path, PROMPTS, NEW)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, chunked_prefill_size=16, host_cache=True)
+    assert llm.executor.runner.kv_layout.groups == () and llm.engine.config.window_sizes == ()
+    assert {a.kv_group for a in llm.executor.runner.model.attention_layers()} == {0}
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())
+    assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]
 
 
 def test_mxfp4_checkpoint_loads_as_shipped(family_dir, hf_greedy) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from test_models_vs_transformers import NEW, PROMPTS, greedy_params
-from test_models_windowed import FAMILIES, build_family
+from test_models_windowed import FAMILIES, WINDOW, build_family
 
 from appliance import LLM
 
@@ -28,6 +28,8 @@ def test_gpu_triton_matches_transformers(family: str, eager: bool, tmp_path: Pat
     runner = llm.executor.runner
     assert runner.backend == "triton" and runner.model.supports_cuda_graphs
     assert (runner.graphs is None) == eager
+    # eager runs keep the sliding layers' windows in pools of their own; decode graphs do not carry them yet
+    assert runner.kv_layout.window_sizes == ((WINDOW,) if eager else ())
     for _ in range(2):  # the second pass hits the prefix cache
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())
         assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]

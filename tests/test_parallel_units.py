@@ -14,7 +14,7 @@ import torch
 from appliance.executor.distributed import DistributedEnv, LazyCheckpointTensor
 from appliance.runtime.addresses import Addresses
 from appliance.runtime.dp_router import DataParallelClient, combine_stats
-from appliance.runtime.topology import Topology, replica_peers
+from appliance.runtime.topology import Topology, replica_peers, window_groups_of
 
 
 def _config(**par: Any) -> Any:
@@ -73,6 +73,9 @@ def test_replica_peers_takes_the_smallest_pool() -> None:
     merged = replica_peers([{"num_kv_blocks": 90, "max_model_len": 64, "num_host_blocks": 300, "num_disk_blocks": 9},
                             {"num_kv_blocks": 80, "max_model_len": 64, "num_host_blocks": 200, "num_disk_blocks": 7}])
     assert merged == {"num_kv_blocks": 80, "max_model_len": 64, "num_host_blocks": 200, "num_disk_blocks": 7}
+    windows = replica_peers([{"num_kv_blocks": 9, "window_sizes": [4, 8], "window_blocks": [30, 7]},
+                             {"num_kv_blocks": 8, "window_sizes": [4, 8], "window_blocks": [20, 9]}])
+    assert windows["window_blocks"] == [20, 7] and window_groups_of(windows) == ((4, 8), (20, 7))
 
 
 class _FakeReplica:

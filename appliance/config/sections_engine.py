@@ -23,6 +23,7 @@ class Section(BaseModel):
 
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+StateDtype = Literal["auto", "float32", "bfloat16", "float16"]  # hybrid models' state cache (cache.ssm_*_dtype)
 KvCacheDtype = Literal[
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "mxfp8", "nvfp4"
 ]
@@ -306,6 +307,16 @@ class CacheSection(Section):
         None, "Tokens between snapshots of hybrid models' recurrent states taken during prefill for prefix reuse, "
         "a multiple of block_size (Atlas's --ssm-checkpoint-interval). Unset: no snapshots, and prefix caching "
         "is off for hybrid models.", flags=("--ssm-checkpoint-interval",), ge=1)
+    ssm_cache_dtype: StateDtype = param(
+        "auto", "Data type of hybrid linear-attention models' state cache: the short convolution's states and, "
+        "unless ssm_state_dtype is set, the recurrent states (vLLM's --mamba-cache-dtype). auto: the model's dtype "
+        "for the convolution states; the recurrent states follow ssm_state_dtype.",
+        flags=("--ssm-cache-dtype", "--mamba-cache-dtype"))
+    ssm_state_dtype: StateDtype = param(
+        "auto", "Data type of hybrid models' recurrent states (vLLM's --mamba-ssm-cache-dtype, SGLang's "
+        "--mamba-ssm-dtype). auto: ssm_cache_dtype when that is set, else the model config's mamba_ssm_dtype, "
+        "else float32 (the state accumulates over the whole sequence; vLLM's auto is the model's dtype).",
+        flags=("--ssm-state-dtype", "--mamba-ssm-cache-dtype", "--mamba-ssm-dtype"))
     compile_cache_dir: str = param(
         "~/.cache/appliance", "Directory of the persistent compile cache: Triton's compiled kernels (its "
         "`triton/` subdirectory, TRITON_CACHE_DIR of every process) and torch inductor's (`inductor/`), reused "

@@ -8,6 +8,10 @@ Every block is in exactly one of three places, which is what `check_accounting` 
 - owned:  refcount > 0, in the block table of at least one live request (shared prefix blocks have
           refcount > 1; they may also be registered in the prefix cache).
 
+A sliding-window group's pool (kv_groups.py) reserves block 0 as its null block (`null_block=True`): the table
+entry of a block released out of the window. It is in none of the three places, never allocated, and counted in
+no total; any reference to it is a bug.
+
 The pool does not know hashes: the prefix cache marks blocks as cached and is told (through `on_evict`) when
 the pool reclaims one, so it can forget the hash and publish a removal.
 """
@@ -40,13 +44,15 @@ class AccountingReport:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int, null_block: bool = False) -> None:
+        if num_blocks < 1 + null_block:
+            raise ValueError(f"num_blocks must be >= {1 + null_block}, got {num_blocks}")
+        self.num_blocks = num_blocks  # ids 0 .. num_blocks - 1, the null block included
+        self.null_block = null_block
+        self._first = int(null_block)  # the first id that is ever allocated
         self._ref = [0] * num_blocks
         self._is_cached = [False] * num_blocks  # registered in the prefix cache
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(self._first, num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached and unreferenced, LRU first
         self.on_evict: Callable[[int], None] | None = None
 
@@ -65,8 +71,13 @@ class BlockPool:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_usable(self) -> int:
+        """Blocks that can hold KV: all but the null block."""
+        return self.num_blocks - self._first
+
+    @property
     def num_owned(self) -> int:
-        return self.num_blocks - self.num_available
+        return self.num_usable - self.num_available
 
     def refcount(self, block_id: int) -> int:
         return self._ref[self._check_id(block_id)]
@@ -76,7 +87,7 @@ class BlockPool:
 
     def usage(self) -> float:
         """Fraction of blocks held by live requests (evictable cache blocks count as available)."""
-        return self.num_owned / self.num_blocks
+        return self.num_owned / self.num_usable
 
     # ---- mutations ---------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -160,8 +171,9 @@ class BlockPool:
             self.on_evict(b)
 
     def _check_id(self, block_id: int) -> int:
-        if not 0 <= block_id < self.num_blocks:
-            raise BlockPoolError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        if not self._first <= block_id < self.num_blocks:
+            what = "the null block" if self.null_block and block_id == 0 else "out of range"
+            raise BlockPoolError(f"block id {block_id} is {what}: ids are [{self._first}, {self.num_blocks})")
         return block_id
 
     # ---- invariant ---------------------------------------------------------------------------------------
@@ -178,7 +190,9 @@ class BlockPool:
         evict_set = set(self._evictable)
         if free_set & evict_set:
             problems.append(f"blocks both free and cached: {sorted(free_set & evict_set)[:8]}")
-        for b in range(self.num_blocks):
+        if self.null_block and (self._ref[0] or self._is_cached[0] or 0 in free_set or 0 in evict_set):
+            problems.append("the null block is referenced, cached, free or evictable")
+        for b in range(self._first, self.num_blocks):
             r = self._ref[b]
             if r < 0:
                 problems.append(f"block {b} has refcount {r}")
@@ -192,13 +206,13 @@ class BlockPool:
             if b in evict_set and not self._is_cached[b]:
                 problems.append(f"evictable block {b} is not marked cached")
         if expected_refs is not None:
-            for b in range(self.num_blocks):
+            for b in range(self._first, self.num_blocks):
                 want = expected_refs.get(b, 0)
                 if self._ref[b] != want:
                     problems.append(f"block {b}: refcount {self._ref[b]}, but {want} live tables hold it")
         owned = sum(1 for r in self._ref if r > 0)
         return AccountingReport(
-            total=self.num_blocks,
+            total=self.num_usable,
             free=len(self._free),
             cached=len(self._evictable),
             owned=owned,

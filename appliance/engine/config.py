@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
     from appliance.config.sections_engine import CacheSection, SchedulerSection
 
+from appliance.engine.kv_groups import KVGroup
 from appliance.engine.speculation import lookahead_tokens
 from appliance.engine.swap import PREEMPTION_MODES, SwapCosts
 
@@ -71,6 +72,10 @@ class EngineConfig:
     # prefix caching of hybrid models: state snapshots every ssm_checkpoint_interval tokens, in this many slots
     ssm_checkpoint_interval: int = 0
     ssm_snapshot_slots: int = 0
+    # sliding-window KV cache groups (kv_groups.py, window_blocks.py): each sliding group's window and the blocks
+    # of its pool (its null block included); empty: every layer keeps the whole context in the num_blocks pool
+    window_sizes: tuple[int, ...] = ()
+    window_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
@@ -125,6 +130,30 @@ class EngineConfig:
                 f"than max_model_len={self.max_model_len}; give the cache more memory or lower max_model_len"
             )
 
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        object.__setattr__(self, "window_sizes", tuple(self.window_sizes))
+        object.__setattr__(self, "window_blocks", tuple(self.window_blocks))
+        if len(self.window_sizes) != len(self.window_blocks):
+            raise ValueError(f"EngineConfig.window_sizes {self.window_sizes} and window_blocks {self.window_blocks} "
+                             "must name the same groups")
+        if not self.window_sizes:
+            return
+        other = [name for name, on in (("speculative decoding", self.num_speculative_tokens > 0),
+                                       ("the host KV tier", self.num_host_blocks > 0),
+                                       ("the disk KV tier", self.num_disk_blocks > 0),
+                                       ("recurrent state", self.num_state_slots > 0)) if on]
+        if other:
+            raise ValueError(f"sliding-window KV cache groups do not work with {', '.join(other)} yet")
+        for w, n in zip(self.window_sizes, self.window_blocks):
+            if w < 1:
+                raise ValueError(f"EngineConfig.window_sizes: a window must be at least 1 token, got {w}")
+            need = KVGroup(w, ()).blocks_held(self.max_model_len, self.block_size, self.step_tokens.largest_chunk)
+            if n - 1 < need:  # one sequence must fit alone, as in the full pool
+                raise ValueError(f"the sliding-window group of window {w} has {n - 1} blocks (and its null "
+                                 f"block); one sequence of max_model_len={self.max_model_len} holds up to {need}")
+
     @property
     def lookahead(self) -> int:
         return self.spec_lookahead if self.spec_lookahead is not None else max(0, self.num_speculative_tokens - 1)
@@ -146,11 +175,12 @@ class EngineConfig:
         cls, config: ApplianceConfig, num_blocks: int, eos_token_ids: Iterable[int], max_model_len: int,
         num_host_blocks: int | None = None, num_state_slots: int = 0, state_cache_bytes: int = 0,
         swap_costs: SwapCosts | None = None, num_disk_blocks: int = 0,
-        serving: bool = False,
+        window_groups: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), serving: bool = False,
     ) -> EngineConfig:
         """Read the appliance config's scheduler and cache sections.
 
-        num_blocks comes from the executor's memory profiling, eos_token_ids and max_model_len from the
+        num_blocks (and window_groups: the sliding-window KV cache groups' windows and pool sizes, kv_groups.py)
+        comes from the executor's memory profiling, eos_token_ids and max_model_len from the
         model (max_model_len already resolved against model.max_model_len by the caller). num_host_blocks: the
         host tier's slots the workers allocated (host_blocks); None: from host_cache_ratio alone. num_state_slots: the workers'
         state cache (hybrid models). A hybrid model's prefix cannot be reused from KV blocks alone (its
@@ -204,6 +234,8 @@ class EngineConfig:
             state_cache_bytes=state_cache_bytes,
             ssm_checkpoint_interval=interval,
             ssm_snapshot_slots=snapshot_slots(config) if interval else 0,
+            window_sizes=tuple(window_groups[0]),
+            window_blocks=tuple(window_groups[1]),
         )
 
 

@@ -164,15 +164,17 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        pool = s.pool
+        # every pool's blocks: the full group's and the sliding groups' (their null blocks are no KV)
+        pools = [s.pool] + (s.windows.pools if s.windows is not None else [])
+        total, owned = sum(p.num_usable for p in pools), sum(p.num_owned for p in pools)
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
-            kv_usage=pool.usage(),
-            blocks_total=pool.num_blocks,
-            blocks_free=pool.num_free,
-            blocks_cached=pool.num_evictable,
-            blocks_owned=pool.num_owned,
+            kv_usage=owned / total,
+            blocks_total=total,
+            blocks_free=sum(p.num_free for p in pools),
+            blocks_cached=sum(p.num_evictable for p in pools),
+            blocks_owned=owned,
             prefix_hit_rate=s.cache.hit_rate,
             prefix_queried_tokens=s.cache.queried_tokens,
             prefix_hit_tokens=s.cache.hit_tokens,
@@ -196,6 +198,11 @@ class EngineCore:
         owned = [s for r in self.scheduler.requests.values() for s in r.swap_slots]
         if host is not None and (problems := host.check(owned)):
             rep = replace(rep, problems=rep.problems + tuple(problems))
+        windows = self.scheduler.windows
+        for w, win in zip(self.config.window_sizes, windows.check_accounting() if windows is not None else []):
+            problems = rep.problems + tuple(f"window {w}: {p}" for p in win.problems)
+            rep = AccountingReport(rep.total + win.total, rep.free + win.free, rep.cached + win.cached,
+                                   rep.owned + win.owned, problems)
         return rep
 
     def shutdown(self) -> None:

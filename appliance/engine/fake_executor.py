@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from appliance.engine.disk_tier import FETCH, SPILL
+from appliance.engine.kv_groups import first_live_block
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import Executor, SampledToken, StepPlan, StepResult
@@ -52,6 +53,7 @@ class _WorkerRequest:
     prompt_logprobs: list = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
     num_confirmed: int = 0  # len(token_ids) before this step's provisional drafts
+    window_tables: list[list[int]] = field(default_factory=list)  # one per sliding-window group
 
 
 class FakeExecutor(Executor):
@@ -65,6 +67,8 @@ class FakeExecutor(Executor):
         num_speculative_tokens: int = 0,
         max_model_len: int = 1 << 62,
         draft_quality: Callable[[str, int], int] | None = None,
+        window_sizes: Sequence[int] = (),
+        window_blocks: Sequence[int] = (),
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -77,6 +81,9 @@ class FakeExecutor(Executor):
         self.draft_quality = draft_quality or (lambda rid, n: (n * 7 + len(rid)) % (num_speculative_tokens + 1))
         self.state: dict[str, _WorkerRequest] = {}
         self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
+        # sliding-window groups (engine/kv_groups.py): each its window, and its own blocks' slots
+        self.windows = tuple(window_sizes)
+        self.window_kv = [[[None] * block_size for _ in range(n)] for n in window_blocks]
         self.host: dict[int, list[tuple[int, int] | None]] = {}  # host slot -> a block's slots (host tier)
         self.disk: dict[int, list[tuple[int, int] | None]] = {}  # disk slot -> a block's slots (disk tier)
         self.plans: list[StepPlan] = []
@@ -112,8 +119,11 @@ class FakeExecutor(Executor):
                 self._fail(f"{nr.request_id!r}: num_computed {nr.num_computed_tokens} of {len(nr.token_ids)}")
             # a prefix hit is whole blocks, a swapped request's restore (engine/swap.py) may end inside one: either
             # way every position read is checked against the request's own tokens below
+            if len(nr.window_block_ids) != len(self.windows):
+                self._fail(f"{nr.request_id!r}: {len(nr.window_block_ids)} window tables, {len(self.windows)} groups")
             self.state[nr.request_id] = _WorkerRequest(
-                list(nr.token_ids), nr.num_prompt_tokens, nr.num_computed_tokens, list(nr.block_ids), nr.sampling
+                list(nr.token_ids), nr.num_prompt_tokens, nr.num_computed_tokens, list(nr.block_ids), nr.sampling,
+                window_tables=[list(t) for t in nr.window_block_ids]
             )
         new_ids = {nr.request_id for nr in plan.new_requests}
         seen: set[str] = set()
@@ -126,7 +136,16 @@ class FakeExecutor(Executor):
             seen.add(s.request_id)
             if s.request_id in new_ids and s.new_block_ids:
                 self._fail(f"{s.request_id!r}: a new request carries its blocks in NewRequestData")
-            w.block_table.extend(s.new_block_ids)
+            new = s.new_block_ids  # the full table's, then as many for each sliding-window group
+            n, rest = divmod(len(new), 1 + len(self.windows))
+            if rest:
+                self._fail(f"{s.request_id!r}: {len(new)} new block ids for {1 + len(self.windows)} tables")
+            w.block_table.extend(new[:n])
+            for g, table in enumerate(w.window_tables, 1):
+                table.extend(new[g * n:(g + 1) * n])
+            if any(len(t) != len(w.block_table) for t in w.window_tables):
+                self._fail(f"{s.request_id!r}: window tables {[len(t) for t in w.window_tables]} long, "
+                           f"the full table {len(w.block_table)}")
             end = w.num_computed + s.num_tokens
             w.num_confirmed = len(w.token_ids)
             drafts = end - len(w.token_ids) if s.sample else 0
@@ -166,6 +185,30 @@ class FakeExecutor(Executor):
             shared = [b for b in w.block_table if b in owner and owner[b] != rid]
             if shared:
                 self._fail(f"{rid!r} holds block(s) {shared} that another request writes this step")
+        for g in range(len(self.windows)):
+            self._check_window_tables(plan, g)
+
+    def _check_window_tables(self, plan: StepPlan, g: int) -> None:
+        """A sliding group's live entries (from the oldest key the request's next query reads on; the engine
+        released the ones before, which other requests may own now): no null entry where a key is, and a block
+        written in this step belongs to its writer alone."""
+        bs, window = self.block_size, self.windows[g]
+        live = {rid: w.window_tables[g][first_live_block(w.num_computed, window, bs):]
+                for rid, w in self.state.items()}
+        owner: dict[int, str] = {}
+        for s in plan.scheduled:
+            w = self.state[s.request_id]
+            first = w.num_computed // bs
+            for b in w.window_tables[g][first:(w.num_computed + s.num_tokens - 1) // bs + 1]:
+                if b in owner:
+                    self._fail(f"window {window}: block {b} written by {owner[b]!r} and {s.request_id!r}")
+                owner[b] = s.request_id
+        for rid, blocks in live.items():
+            if not all(0 < b < len(self.window_kv[g]) for b in blocks):
+                self._fail(f"{rid!r}: window {window} table's live entries {blocks} hold a null or unknown block")
+            shared = [b for b in blocks if b in owner and owner[b] != rid]
+            if shared:
+                self._fail(f"{rid!r} reads window {window} block(s) {shared} that another request writes")
 
     def _run(self, plan: StepPlan) -> StepResult:
         bs = self.block_size
@@ -175,6 +218,8 @@ class FakeExecutor(Executor):
             w = self.state[s.request_id]
             for p in range(w.num_computed, w.num_computed + s.num_tokens):
                 self.kv[w.block_table[p // bs]][p % bs] = (w.token_ids[p], p)
+                for kv, table in zip(self.window_kv, w.window_tables):
+                    kv[table[p // bs]][p % bs] = (w.token_ids[p], p)
         for s in plan.scheduled:
             w = self.state[s.request_id]
             end = w.num_computed + s.num_tokens
@@ -184,6 +229,7 @@ class FakeExecutor(Executor):
                     if got != (w.token_ids[p], p):
                         self._fail(f"{s.request_id!r}: KV at position {p} holds {got}, "
                                    f"expected {(w.token_ids[p], p)}")
+                self._verify_windows(s.request_id, w, end)
             if w.sampling.get("prompt_logprobs") is not None:
                 lo, hi = w.num_computed, min(end, w.num_prompt_tokens)
                 prompt_lps[s.request_id] = [
@@ -201,6 +247,16 @@ class FakeExecutor(Executor):
         drafts = {s.request_id: len(self.state[s.request_id].drafts) for s in plan.scheduled
                   if s.sample and self.k and self.state[s.request_id].drafts}
         return StepResult(plan.step_id, sampled, prompt_lps, drafts)
+
+    def _verify_windows(self, rid: str, w: _WorkerRequest, end: int) -> None:
+        """Every key a query of the chunk reads in a sliding group (the last W positions) holds its token."""
+        bs = self.block_size
+        for window, kv, table in zip(self.windows, self.window_kv, w.window_tables):
+            for k in range(max(0, w.num_computed - window + 1), end):
+                got = kv[table[k // bs]][k % bs]
+                if got != (w.token_ids[k], k):
+                    self._fail(f"{rid!r}: window {window} KV at position {k} holds {got}, "
+                               f"expected {(w.token_ids[k], k)}")
 
     def _verify(self, w: _WorkerRequest) -> list[int]:
         """Tokens after a sampling chunk: the provisional drafts the model agrees with, then its own token."""

@@ -22,6 +22,7 @@ from appliance.engine.swap import SwapPolicy
 if TYPE_CHECKING:
     from appliance.engine.admission import OutputReservation
     from appliance.engine.slo import SloPolicy
+    from appliance.engine.window_blocks import WindowBlocks
 
 
 class Preemption:
@@ -31,6 +32,7 @@ class Preemption:
     cache: PrefixCache
     swap: SwapPolicy
     _block_size: int
+    windows: WindowBlocks | None
     running: list[Request]
     waiting: deque[Request]
     requests: dict[str, Request]
@@ -40,16 +42,28 @@ class Preemption:
     _reserve: OutputReservation | None
 
     def _take_blocks(self, req: Request, need: int, st: StepBudget) -> list[int] | None:
-        """Append `need` (> 0) new blocks to the request's table, preempting newer requests while the pool is
-        short; None when the request itself was preempted."""
-        while need > self.pool.num_available and req.status is not PREEMPTED:
+        """Append `need` (> 0) new blocks to the request's table (and to its sliding groups' tables), preempting
+        newer requests while a pool is short; None when the request itself was preempted."""
+        win = self.windows
+        if win is not None:  # first what left the window (overlap mode: the step in flight moved it since the update)
+            win.after_step(req, req.num_computed_tokens)
+        while ((need > self.pool.num_available or (win is not None and not win.can_take(need)))
+               and req.status is not PREEMPTED):
             self._preempt(self._victim(st))
             st.preempted = True
         if req.status is PREEMPTED:
             return None
         new_blocks = self.pool.allocate(need)
         req.block_ids.extend(new_blocks)
+        if win is not None:
+            win.take(req, need)
         return new_blocks
+
+    def _window_tails(self, req: Request, n: int) -> list[list[int]] | None:
+        """The last n entries of each of the request's sliding-group tables (taken with its full table's)."""
+        if self.windows is None or n == 0:
+            return None
+        return [t.block_ids[len(t.block_ids) - n:] for t in self.windows.tables[req.request_id]]
 
     def _victim(self, st: StepBudget) -> Request:
         unscheduled = [r for r in reversed(self.running) if r.last_issue_seq < st.first_issue_seq]
@@ -119,6 +133,8 @@ class Preemption:
             self._reserve.released(req)
         # Tail first: the pool's LRU then evicts a sequence's last blocks before its shared prefix.
         self.pool.free(reversed(req.block_ids))
+        if self.windows is not None:
+            self.windows.free(req)
         req.block_ids = []
         req.num_stored_blocks = 0
         if req.known_to_workers:

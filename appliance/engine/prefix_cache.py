@@ -99,21 +99,34 @@ class PrefixCache:
         """
         if not self.enabled:
             return []
-        bs = self.block_size
-        limit = (req.num_tokens - 1) // bs
-        hashes = self.block_hashes(req)
         out: list[int] = []
-        for i in range(limit):
-            b = self._by_hash.get(hashes[i])
+        for i in range(self.max_hit_blocks(req)):
+            b = self.cached_at(req, i)
             if b is None:
-                break
-            cb = self._by_block[b]
-            if cb.parent_hash != (hashes[i - 1] if i else None):
-                break
-            if cb.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs)):
                 break
             out.append(b)
         return out
+
+    def max_hit_blocks(self, req: Request) -> int:
+        """The longest hit `req` may have, in blocks: its last token is always computed, to sample."""
+        return (req.num_tokens - 1) // self.block_size
+
+    def cached_at(self, req: Request, i: int) -> int | None:
+        """The cached block holding block i of `req` (its chained hash, parent and tokens confirmed), or None.
+        A sliding-window group's cache (kv_groups.py) asks block by block: its hit needs the last window only."""
+        if not self.enabled:
+            return None
+        bs = self.block_size
+        hashes = self.block_hashes(req)
+        b = self._by_hash.get(hashes[i])
+        if b is None:
+            return None
+        cb = self._by_block[b]
+        if cb.parent_hash != (hashes[i - 1] if i else None):
+            return None
+        if cb.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs)):
+            return None
+        return b
 
     def lookup(self, req: Request, speculative: bool, snapshots: StateSnapshots | None
                ) -> tuple[list[int], list[HostBlock | DiskBlock], int, int]:
@@ -185,19 +198,25 @@ class PrefixCache:
         A block whose content is already cached under another block id stays private to the request (two
         requests computed the same prefix at once); it goes back to the free list when the request ends.
         """
+        # called for every sampled token: the common case (no new full block) returns before any call
+        if self.enabled and req.num_computed_tokens // self.block_size > req.num_stored_blocks:
+            req.num_stored_blocks = self.store_table(req, req.block_ids, req.num_stored_blocks)
+
+    def store_table(self, req: Request, block_ids: list[int], num_stored: int) -> int:
+        """`store` over one table of the request (a sliding group's, kv_groups.py, beside `req.block_ids`) of
+        which `num_stored` leading blocks were offered already; returns the new count."""
         bs = self.block_size
-        # called for every sampled token: the common case (no new full block) returns before any property call
-        if not self.enabled or req.num_computed_tokens // bs <= req.num_stored_blocks:
-            return
+        if not self.enabled or req.num_computed_tokens // bs <= num_stored:
+            return num_stored
         # min: in overlap mode num_computed counts positions whose token is still being sampled
-        n_full = min(min(req.num_computed_tokens, req.num_tokens) // bs, len(req.block_ids))
-        if n_full <= req.num_stored_blocks:
-            return
+        n_full = min(min(req.num_computed_tokens, req.num_tokens) // bs, len(block_ids))
+        if n_full <= num_stored:
+            return num_stored
         hashes = self.block_hashes(req)
-        for i in range(req.num_stored_blocks, n_full):
-            b = req.block_ids[i]
+        for i in range(num_stored, n_full):
+            b = block_ids[i]
             h = hashes[i]
-            if h in self._by_hash or self.pool.is_cached(b):
+            if (b == 0 and self.pool.null_block) or h in self._by_hash or self.pool.is_cached(b):
                 continue
             parent = hashes[i - 1] if i else None
             cb = CachedBlock(b, h, parent, tuple(req.token_slice(i * bs, (i + 1) * bs)))
@@ -205,7 +224,7 @@ class PrefixCache:
             self._by_block[b] = cb
             self.pool.mark_cached(b)
             self._emit(BLOCK_STORED, h, parent, cb.token_ids)
-        req.num_stored_blocks = n_full
+        return n_full
 
     def reset(self) -> int:
         """Forget every cached block (blocks held by requests stay theirs); returns how many were dropped."""

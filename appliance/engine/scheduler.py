@@ -32,6 +32,13 @@ for MTP and EAGLE, k for a draft model, none for n-gram lookup; capped at
 max_model_len). The result carries 1..d+1 tokens for it (outputs.py). A prefix hit gives back its last
 block: the drafter's cache entry at a block's last position depends on the next block's first token, which the
 hit does not cover (vLLM does the same).
+
+Sliding-window KV cache groups (config.window_sizes; window_blocks.py): every sliding group's table grows with
+the full table (`_take_blocks` preempts while any pool is short), a prefix hit is shortened until each sliding
+group caches the window its next queries read, and after each step a request's sliding tables release the blocks
+no later query reads (again before it takes blocks: in overlap mode the step in flight moved its window since, and
+the blocks it frees are rewritten only by later steps, which run after it). NewRequestData.window_block_ids and
+ScheduledRequest.new_block_ids (after the full table's new ids) carry the tables.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ from appliance.engine.admission import OutputReservation
 from appliance.engine.block_pool import BlockPool
 from appliance.engine.config import EngineConfig
 from appliance.engine.delta import RequestDelta
+from appliance.engine.kv_groups import KVGroup
 from appliance.engine.outputs import (
     append_token,
     append_verified,
@@ -67,6 +75,7 @@ from appliance.engine.state_snapshots import StateSnapshots
 from appliance.engine.step import StepPlan, StepResult
 from appliance.engine.step_budget import Issued, StepBudget
 from appliance.engine.swap import SwapPolicy
+from appliance.engine.window_blocks import WindowBlocks
 
 
 class QueueFull(RuntimeError):
@@ -89,6 +98,10 @@ class Scheduler(Preemption):
                                          config.block_size)
                           if config.num_state_slots and config.enable_prefix_caching else None)
         self.swap = SwapPolicy(config.preemption_mode, config.swap_costs)  # what preemption keeps (swap.py)
+        # sliding-window groups: their own pools and tables beside the full group's (window_blocks.py)
+        self.windows = (WindowBlocks([KVGroup(w, ()) for w in config.window_sizes], config.window_blocks,
+                                     config.block_size, config.enable_prefix_caching)
+                        if config.window_sizes else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # live requests (waiting or running)
@@ -214,7 +227,7 @@ class Scheduler(Preemption):
         need = -(-(req.num_computed_tokens + n) // self._block_size) - len(req.block_ids)
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []
         if new_blocks is not None:
-            st.issue(req, n, new_blocks, True)
+            st.issue(req, n, new_blocks, True, -1, self._window_tails(req, len(new_blocks)) if new_blocks else None)
 
     def _schedule_chunk(self, req: Request, st: StepBudget, decodes: bool) -> None:
         """Schedule a running request's next chunk (a decode, drafts included, or a prefill chunk) if the budget
@@ -228,7 +241,8 @@ class Scheduler(Preemption):
         # need < 0: rejected drafts left lookahead blocks, which the table keeps
         new_blocks = self._take_blocks(req, need, st) if need > 0 else []
         if new_blocks is not None:
-            st.issue(req, n, new_blocks, decodes, self._snapshot_slot(req, req.num_computed_tokens + n))
+            st.issue(req, n, new_blocks, decodes, self._snapshot_slot(req, req.num_computed_tokens + n),
+                     self._window_tails(req, len(new_blocks)) if new_blocks else None)
 
     def _schedule_waiting(self, st: StepBudget) -> None:
         cfg = self.config
@@ -254,16 +268,23 @@ class Scheduler(Preemption):
         # a swapped request's own blocks come back from the host tier (preemption.py), else a prefix lookup
         hit, host_hit, restore, num_hit = (self._swapped_hit(req) if req.swap_slots else
                                            self.cache.lookup(req, bool(self._num_spec), self.snapshots))
+        win = self.windows
+        if win is not None and hit:  # the sliding groups must hold the window the queries after the hit read
+            hit = hit[:win.hit(req, len(hit))]
+            num_hit = len(hit) * self.config.block_size  # no host tier with sliding groups (config.py)
         n = st.prefill_size(req.num_tokens - num_hit)
         if n == 0:
             return False
         if self.snapshots is not None:
             n = self.snapshots.cut(num_hit, n)
-        need = self._blocks_for(table_tokens(req, num_hit, n, self._lookahead)) - len(hit)  # host hits included
+        end = table_tokens(req, num_hit, n, self._lookahead)
+        need = self._blocks_for(end) - len(hit)  # host hits included
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         spare = self.pool.num_available - need - revived  # blocks left after this chunk's
         rsv = self._reserve  # it also wants room for the rest of the prompt and the outputs (admission.py)
         if spare < 0 or (rsv is not None and not rsv.fits(req, spare, req.num_tokens - num_hit - n, hit)):
+            return False
+        if win is not None and not win.fits(req, len(hit), end):
             return False
         for b in hit:  # take the hits before allocating, so allocation cannot evict them
             self.pool.incref(b)
@@ -274,6 +295,7 @@ class Scheduler(Preemption):
             self.cache.load_host(host_hit, new_blocks[:len(host_hit)])
         if req.swap_slots:
             self._swap_in(req, len(hit), num_hit, new_blocks)
+        window_tables = win.admit(req, len(hit), end) if win is not None else None
         req.block_ids = hit + new_blocks
         req.num_computed_tokens = num_hit
         req.num_stored_blocks = len(hit) + len(host_hit)
@@ -285,7 +307,7 @@ class Scheduler(Preemption):
         self.running.append(req)
         if self._reserve is not None:
             self._reserve.admitted(req)
-        st.issue_new(req, n, restore, self._snapshot_slot(req, num_hit + n))
+        st.issue_new(req, n, restore, self._snapshot_slot(req, num_hit + n), window_tables)
         return True
 
     def _snapshot_slot(self, req: Request, end: int) -> int:
@@ -328,6 +350,8 @@ class Scheduler(Preemption):
             if (req.num_preemptions != num_preemptions or live.get(s.request_id) is not req
                     or (status is not DECODING and status is not PREFILLING)):
                 continue  # finished, aborted or preempted after the step was planned: its result is dropped
+            if self.windows is not None:  # store the sliding groups' full blocks, release what left the window
+                self.windows.after_step(req, req.num_computed_tokens)
             if prompt_logprobs:
                 take_prompt_logprobs(req, result)
             if not s.sample:

@@ -22,6 +22,9 @@ class NewRequestData:
     block_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams.to_dict()
     restore_snapshot: int = -1  # hybrid models: copy this state snapshot into the request first (state_snapshots.py)
+    # the request's table in each sliding-window group (kv_groups.py), as long as block_ids; NULL_BLOCK entries
+    # before the window; empty without sliding groups
+    window_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,10 @@ class ScheduledRequest:
 
     request_id: str
     num_tokens: int
-    new_block_ids: list[int]  # appended to the request's block table before the step runs
+    # appended to the request's block table before the step runs; with sliding-window groups (kv_groups.py) as many
+    # again for each group's table follow, in group order (one flat list: no field more on every row of every
+    # plan). Blocks the engine releases later stay in the workers' tables: no query reads them again
+    new_block_ids: list[int]
     sample: bool  # sample a token after this chunk (last prefill chunk, or a decode)
     save_snapshot: int = -1  # hybrid models: copy the request's state into this snapshot slot after the chunk
 

@@ -64,7 +64,8 @@ class StepBudget:
             return n  # whole prompt; an over-budget one only as the step's first prefill
         return 0
 
-    def issue_new(self, req: Request, n: int, restore_snapshot: int = -1, save_snapshot: int = -1) -> None:
+    def issue_new(self, req: Request, n: int, restore_snapshot: int = -1, save_snapshot: int = -1,
+                  window_tables: list[list[int]] | None = None) -> None:
         """Add a request that is new to the workers (or must be rebuilt) with its first chunk of n tokens; its
         table and num_computed_tokens (the prefix-cache hit) are set."""
         self.plan_new.append(
@@ -76,13 +77,16 @@ class StepBudget:
                 block_ids=list(req.block_ids),
                 sampling=req.sampling_params.to_dict(),
                 restore_snapshot=restore_snapshot,
+                window_block_ids=[list(t) for t in window_tables or ()],
             )
         )
         req.known_to_workers = True
         self.issue(req, n, [], False, save_snapshot)
 
-    def issue(self, req: Request, n: int, new_blocks: list[int], decodes: bool, save_snapshot: int = -1) -> None:
-        """Add a chunk of n tokens to the plan; new_blocks (appended to the table) becomes the plan's own list."""
+    def issue(self, req: Request, n: int, new_blocks: list[int], decodes: bool, save_snapshot: int = -1,
+              new_window_blocks: list[list[int]] | None = None) -> None:
+        """Add a chunk of n tokens to the plan; new_blocks (appended to the table) becomes the plan's own list,
+        followed by new_window_blocks (appended to the sliding groups' tables: ScheduledRequest.new_block_ids)."""
         known = req.num_prompt_tokens + len(req.output_token_ids) + req.num_pending  # what the workers know
         end = req.num_computed_tokens + n
         # past the known tokens only by the drafts it verifies (speculative decoding)
@@ -100,6 +104,8 @@ class StepBudget:
         self.issue_seq += 1
         if sample:
             req.num_pending += 1
+        if new_window_blocks:
+            new_blocks = new_blocks + [b for blocks in new_window_blocks for b in blocks]
         sched = ScheduledRequest(req.request_id, n, new_blocks, sample, save_snapshot)
         self.plan_sched.append(sched)
         self.issued.append((sched, req, req.num_preemptions, drafts))

@@ -90,7 +90,8 @@ class LLM:
                                                     self.executor.num_host_blocks,
                                                     self.executor.num_state_slots,
                                                     self.executor.state_cache_bytes,
-                                                    self.executor.swap_costs, self.executor.num_disk_blocks)
+                                                    self.executor.swap_costs, self.executor.num_disk_blocks,
+                                                    self.executor.window_groups)
         self.engine = EngineCore(engine_config, self.executor, overlap=self.config.overlap_enabled())
 
     def _load_tokenizer(self) -> Any:

@@ -32,6 +32,9 @@ the padding and bucketing logic is exercised against the torch reference kernels
 
 The model's forward inside a graph must not synchronise with the host nor allocate outside the pool: models
 declare this with a class attribute `supports_cuda_graphs = True` (the Llama family does).
+Hybrid models (with_states): a row's recurrent-state slot is its table row (executor/state_cache.py), so the
+rows' segment of the static upload doubles as the device tensor of state slots; pad rows read and write the
+scratch slot 0, and one graph serves any set of requests.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ from appliance.executor.input_batch import (
     table_width,
 )
 from appliance.executor.request_table import DeviceBlockTable
-from appliance.layers.attention import AttentionMetadata, longest_first
+from appliance.layers.attention import AttentionMetadata, SequenceStates, longest_first
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +137,9 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  sizes: list[int], max_blocks: int, block_size: int, table: DeviceBlockTable | None = None,
-                 unsplit_from: int | None = None) -> None:
+                 unsplit_from: int | None = None, with_states: bool = False) -> None:
         self.forward, self.device, self.sizes = forward, device, sizes
+        self.with_states = with_states  # a hybrid model: the rows also name their state slots
         self.max_blocks, self.block_size = max_blocks, block_size
         self.unsplit_from = unsplit_from
         self.shared_width = width_bucket(min(-(-GRAPH_CONTEXT // block_size), max_blocks), max_blocks)
@@ -196,7 +200,8 @@ class DecodeGraphs:
             slot_mapping=slots, num_decode_tokens=b, decode_block_tables=self.table.gather(rows, w),
             decode_seq_lens=self.seq_lens[:b],
             prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
-            prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(self.seq_lens[:b]))
+            prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(self.seq_lens[:b]),
+            states=SequenceStates(rows, [], [], [0]) if self.with_states else None)
         self.hidden[:b].copy_(self.forward(self.buf[:b], positions, meta))
 
     def _fill(self, decodes: list[Chunk], key: GraphKey) -> None:

@@ -31,6 +31,11 @@ class InProcessExecutor(Executor):
         return self.runner.num_blocks
 
     @property
+    def window_groups(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The sliding-window KV cache groups' windows and pool sizes (executor/window_groups.py)."""
+        return self.runner.kv_layout.window_sizes, self.runner.kv_layout.window_blocks
+
+    @property
     def num_host_blocks(self) -> int:
         return self.runner.num_host_blocks
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from appliance.executor.window_inputs import window_tables
 from appliance.layers.attention import AttentionMetadata, SequenceStates, longest_first
 
 if TYPE_CHECKING:
@@ -241,6 +242,7 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         prefill_block_tables=prefill_tables,
         decode_order=longest_first(tail[o[0]]),
         states=states,
+        windows=window_tables(decodes, prefills, npad, wd, wp, block_size, device),
     )
     return StepInputs(head[seg[0]], head[seg[1]], meta, ordered, row_starts)
 

@@ -104,12 +104,14 @@ def blocks_for_gpu(spec: KVCacheSpec, device: torch.device, utilization: float, 
     return int(n)
 
 
-def allocate(spec: KVCacheSpec, num_blocks: int,
-             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(K, V) per layer; V is None for a one-tensor (MLA latent) cache."""
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    own = [(torch.zeros(shape, dtype=spec.layer_dtype(i), device=device),
-            torch.zeros(shape, dtype=spec.layer_dtype(i), device=device) if spec.num_tensors == 2 else None)
+def allocate(spec: KVCacheSpec, num_blocks: int, device: torch.device,
+             layer_blocks: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(K, V) per layer; V is None for a one-tensor (MLA latent) cache. layer_blocks: each layer's block count
+    where it differs (its KV cache group's pool: executor/window_groups.py); num_blocks for all by default."""
+    counts = layer_blocks if layer_blocks is not None else [num_blocks] * spec.num_layers
+    shapes = [(n, spec.block_size, spec.num_kv_heads, spec.head_dim) for n in counts]
+    own = [(torch.zeros(shapes[i], dtype=spec.layer_dtype(i), device=device),
+            torch.zeros(shapes[i], dtype=spec.layer_dtype(i), device=device) if spec.num_tensors == 2 else None)
            for i in range(spec.num_layers)]
     return own + (allocate(spec.drafter, num_blocks, device) if spec.drafter is not None else [])
 

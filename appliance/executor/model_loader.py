@@ -221,6 +221,8 @@ def build_model(runner: ModelRunner, load_format: str,
                 from appliance.layers.moe import resolve_moe_backend
 
                 extra["moe_backend"] = resolve_moe_backend(runner.config.backends.moe, runner.backend)
+            if getattr(cls, "builds_mtp_on_request", False):  # its MTP layer only when it drafts (qwen3_next.py)
+                extra["with_mtp"] = runner.config.speculative.algorithm == "MTP"
             model = cls(runner.hf_config, backend=runner.backend, **extra)
     finally:
         torch.set_default_dtype(previous)

@@ -73,6 +73,7 @@ from appliance.executor.runner_setup import (
 )
 from appliance.executor.sampler import Sampler, prompt_logprobs
 from appliance.executor.startup import STARTUP
+from appliance.executor import window_groups
 from appliance.executor.state_cache import make_state_cache
 from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.parallel_state import get_tp_size
@@ -131,12 +132,17 @@ class ModelRunner:
         # allocated before the profile, so gpu_memory_utilization covers both
         self.state_cache = make_state_cache(self, config.scheduler.max_num_seqs)
         with STARTUP.phase("profiling memory"):
-            self.num_blocks = count_blocks(self)
+            # sliding-window layers in pools of their own where the run allows (window_groups.py)
+            self.kv_layout = window_groups.split(count_blocks(self), self.kv_spec, window_groups.sliding_groups(self),
+                                                 self.max_model_len, self.step_tokens.largest_chunk)
+            self.num_blocks = self.kv_layout.num_blocks
         with STARTUP.phase("allocating the KV cache"):
-            self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device)
+            self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device,
+                                               self.kv_layout.layer_blocks(self.kv_spec.num_layers))
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)
+        self.kv_layout.bind_groups(layers)
         # the host tier (cache.host_cache) and the disk tier behind it, and their copies (host_copy.py)
         self.host_copier = HostCopier.build(config.cache, self.kv_spec, self.num_blocks, self.kv_caches, self.device)
         self.host_copier.bind_layers(layers)
@@ -158,6 +164,7 @@ class ModelRunner:
         # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
         self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
+        self.kv_calibration: kv_calibration.KVCalibration | None = None  # and without calibration (armed below)
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
         if self.compile_ahead is not None:
             self.compile_ahead.finish()  # stops the pool; lists what this start met, for the next one
@@ -191,11 +198,6 @@ class ModelRunner:
         finally:
             self._noise_seeds.setstate(state)
 
-    def _states(self) -> state_cache.StateCache:
-        if self.state_cache is None:
-            raise ValueError("the plan restores or saves a state snapshot, but the model keeps no recurrent state")
-        return self.state_cache
-
     @property
     def num_state_slots(self) -> int:
         """Request slots of the state cache (0: the model keeps no recurrent state)."""
@@ -216,7 +218,8 @@ class ModelRunner:
             return None
         hidden = int(self.hf_config.hidden_size)
         return DecodeGraphs(self.model, hidden, self.dtype, self.device, sizes, self.max_blocks, self.block_size,
-                            self.block_table, decode_unsplit_from(self.model.attention_layers(), self.device))
+                            self.block_table, decode_unsplit_from(self.model.attention_layers(), self.device),
+                            with_states=self.state_cache is not None)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -235,9 +238,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = self._new_state(new)
-            if new.restore_snapshot >= 0:  # a prefix hit of a hybrid model: its state at the hit's end
-                sc = self._states()
-                sc.copy(sc.snapshot_row(new.restore_snapshot), self.requests[new.request_id].table_row)
+        state_cache.restore_snapshots(self.state_cache, plan, self.requests)
         chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
             return StepHandle(plan.step_id, StepResult(plan.step_id))
@@ -258,10 +259,7 @@ class ModelRunner:
                 handle = StepHandle(plan.step_id, StepResult(plan.step_id, sampled, prompt_lps))
         for c in ordered:
             c.state.num_computed += c.num_tokens
-        for s in plan.scheduled:
-            if s.save_snapshot >= 0:  # a chunk that ended at a checkpoint (engine/state_snapshots.py)
-                sc = self._states()
-                sc.copy(self.requests[s.request_id].table_row, sc.snapshot_row(s.save_snapshot))
+        state_cache.save_snapshots(self.state_cache, plan, self.requests)
         if not handle.done:
             self._inflight.append(handle)
         return handle
@@ -353,14 +351,23 @@ class ModelRunner:
         if not 0 <= new.num_computed_tokens <= len(new.token_ids):
             raise ValueError(f"request {new.request_id!r}: num_computed_tokens {new.num_computed_tokens} outside "
                              f"0..{len(new.token_ids)}")
+        if len(new.window_block_ids) != len(self.kv_layout.groups):
+            raise ValueError(f"request {new.request_id!r} carries {len(new.window_block_ids)} sliding-window tables; "
+                             f"this worker has {len(self.kv_layout.groups)} sliding-window KV cache groups")
         return RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
                             list(new.block_ids), SamplingParams.from_dict(dict(new.sampling)),
-                            noise_seed=self._noise_seeds.getrandbits(63))
+                            noise_seed=self._noise_seeds.getrandbits(63),
+                            window_tables=[list(t) for t in new.window_block_ids])
 
     def _chunk(self, rid: str, num_tokens: int, new_blocks: list[int], sample: bool) -> Chunk:
         state = self.requests.get(rid)
         if state is None:
             raise KeyError(f"step schedules request {rid!r}, which the worker does not know")
+        if state.window_tables and new_blocks:  # the full table's new ids, then as many for each sliding group
+            n = len(new_blocks) // (1 + len(state.window_tables))
+            for g, table in enumerate(state.window_tables, 1):
+                table.extend(new_blocks[g * n:(g + 1) * n])
+            new_blocks = new_blocks[:n]
         state.block_ids.extend(new_blocks)
         end = state.num_computed + num_tokens
         if num_tokens < 1 or end > state.num_tokens:

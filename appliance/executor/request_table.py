@@ -67,6 +67,9 @@ class RequestState:
     blocks_on_device: int = 0
     pos_on_device: int = UNKNOWN_POSITION
     _blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    # its table in each sliding-window KV cache group (engine/kv_groups.py), as long as block_ids; none when the
+    # model's layers share one group
+    window_tables: list[list[int]] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:

@@ -35,11 +35,12 @@ import numpy as np
 import torch
 
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
-from appliance.executor import logits_processors
+from appliance.executor import logits_processors, state_cache
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.sampler import SampleResult, prompt_logprobs
 from appliance.executor.speculative_drafts import Drafting
 from appliance.executor.speculative_forced import ForcedAcceptance
+from appliance.executor.speculative_states import StateRollback
 from appliance.executor.speculative_verification import verify
 from appliance.executor.verify_graphs import make_verify_graphs
 
@@ -141,6 +142,7 @@ class Speculator(Drafting):
         self.verify_graphs = make_verify_graphs(runner, self.num_steps)
         self.chains, self.catch_up_graphs = None, None  # set by drafters with a model
         self._verified_on_graphs = False
+        self.recomputed = 0  # hybrid targets: verifications recomputed after a rejection (speculative_states.py)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -151,6 +153,7 @@ class Speculator(Drafting):
         for new in plan.new_requests:
             r.requests[new.request_id] = r._new_state(new)
             self._forget(new.request_id)
+        state_cache.restore_snapshots(r.state_cache, plan, r.requests)
         verifying: dict[str, int] = {}  # request id -> drafts its chunk verifies
         chunks = [self._chunk(s, verifying) for s in plan.scheduled]
         if not chunks:
@@ -158,13 +161,18 @@ class Speculator(Drafting):
         sampling = sum(1 for c in chunks if c.sample)
         self.drafting = self.disable_above is None or sampling <= self.disable_above
         with torch.inference_mode():
+            rollback = StateRollback.of(r.state_cache, chunks, verifying)  # hybrid targets (speculative_states.py)
             ordered, row_starts, hidden = self._forward(chunks)
             scored = self._score(ordered, row_starts, hidden, verifying)
+            verified = list(ordered)  # as the forward ran them (before num_computed moves)
             for c in ordered:  # a verification keeps the KV of its confirmed positions only
                 rid = c.state.request_id
                 c.state.num_computed += scored.emitted[rid] if rid in verifying else c.num_tokens
                 self._forget(rid)
             self._propose(ordered, row_starts, hidden, scored.emitted, verifying)
+            if rollback is not None:
+                self.recomputed += rollback.roll_back(verified, scored.emitted, verifying, r._forward)
+        state_cache.save_snapshots(r.state_cache, plan, r.requests)
         order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         scored.sampled.sort(key=lambda t: order[t.request_id])  # stable: a request's tokens stay in order
         held: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""MTP drafting (DeepSeek-V3 family): the model's own multi-token-prediction layer, its own latent cache on the
+"""MTP drafting (DeepSeek-V3 family, GLM-4.5, Qwen3-Next / Qwen3.5): the model's own multi-token-prediction layer, its own latent cache on the
 same block table (executor/speculative.py runs the step and verification).
 
 1. catch-up: the MTP layer runs over the chunk's positions whose tokens are now confirmed (row i: the target's
@@ -27,8 +27,9 @@ def mtp_attention_layers(model: Any) -> list[Any]:
     layers = model.mtp_attention_layers() if hasattr(model, "mtp_attention_layers") else []
     if not layers:
         raise ValueError(f"speculative.algorithm=MTP needs multi-token-prediction layers; {type(model).__name__} "
-                         "has none (DeepSeek-V3 family with num_nextn_predict_layers >= 1, from a checkpoint that "
-                         "keeps them: transformers' save_pretrained drops them)")
+                         "has none (DeepSeek-V3 / GLM-4.5 with num_nextn_predict_layers >= 1, Qwen3-Next / Qwen3.5 "
+                         "whose config declares one, from a checkpoint that keeps them: transformers' "
+                         "save_pretrained drops them)")
     return layers
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +24,11 @@ from appliance.executor.memory_check import GIB
 from appliance.layers.gated_delta_net import StateCacheSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from appliance.engine.step import StepPlan
     from appliance.executor.model_runner import ModelRunner
+    from appliance.executor.request_table import RequestState
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +57,46 @@ class StateCache:
             conv[dst].copy_(conv[src])
             ssm[dst].copy_(ssm[src])
 
+    def save(self, rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of every layer's states in these rows (a speculative step's, before its verification)."""
+        index = torch.tensor(rows, dtype=torch.int64, device=self.tensors[0][0].device)
+        return [(conv.index_select(0, index), ssm.index_select(0, index)) for conv, ssm in self.tensors]
+
+    def restore(self, rows: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]], picks: list[int]) -> None:
+        """Write saved[picks[i]] (rows of a `save`) back into row rows[i] of every layer."""
+        device = self.tensors[0][0].device
+        index = torch.tensor(rows, dtype=torch.int64, device=device)
+        pick = torch.tensor(picks, dtype=torch.int64, device=device)
+        for (conv, ssm), (conv_s, ssm_s) in zip(self.tensors, saved):
+            conv.index_copy_(0, index, conv_s.index_select(0, pick))
+            ssm.index_copy_(0, index, ssm_s.index_select(0, pick))
+
     def describe(self) -> str:
         return (f"state cache: {self.spec.num_layers} linear-attention layers x {self.num_slots} slots "
                 f"+ {self.num_snapshots} snapshot slots, "
                 f"{self.spec.bytes_per_slot / 2**20:.2f} MiB per slot, {self.nbytes / GIB:.3f} GiB")
+
+
+def _snapshots(cache: StateCache | None) -> StateCache:
+    if cache is None:
+        raise ValueError("the plan restores or saves a state snapshot, but the model keeps no recurrent state")
+    return cache
+
+
+def restore_snapshots(cache: StateCache | None, plan: StepPlan, requests: Mapping[str, RequestState]) -> None:
+    """Prefix hits of a hybrid model: each new request's state at its hit's end, before the step."""
+    for new in plan.new_requests:
+        if new.restore_snapshot >= 0:
+            sc = _snapshots(cache)
+            sc.copy(sc.snapshot_row(new.restore_snapshot), requests[new.request_id].table_row)
+
+
+def save_snapshots(cache: StateCache | None, plan: StepPlan, requests: Mapping[str, RequestState]) -> None:
+    """After the step: the states of chunks that ended at a checkpoint (engine/state_snapshots.py)."""
+    for s in plan.scheduled:
+        if s.save_snapshot >= 0:
+            sc = _snapshots(cache)
+            sc.copy(requests[s.request_id].table_row, sc.snapshot_row(s.save_snapshot))
 
 
 def allocate(spec: StateCacheSpec, num_slots: int, device: torch.device, num_snapshots: int = 0) -> StateCache:
@@ -75,18 +115,39 @@ def release(cache: StateCache) -> None:
             t.untyped_storage().resize_(0)
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HYBRID_ONLY = {"ssm_cache_slots": None, "ssm_checkpoint_interval": None, "ssm_cache_dtype": "auto",
+                "ssm_state_dtype": "auto"}  # cache keys and their values that ask nothing of other models
+
+
+def state_dtypes(cache: Any, model_dtype: torch.dtype, hf_config: Any) -> tuple[torch.dtype, torch.dtype]:
+    """(convolution states, recurrent states) of cache.ssm_cache_dtype / cache.ssm_state_dtype: the convolution
+    follows the model's dtype unless set; the recurrent state follows ssm_cache_dtype when that is set, else the
+    checkpoint config's mamba_ssm_dtype (Qwen3.5 names float32), else float32, as it accumulates over the sequence."""
+    conv = _DTYPES.get(cache.ssm_cache_dtype, model_dtype)
+    name = cache.ssm_state_dtype
+    if name == "auto":
+        name = cache.ssm_cache_dtype if cache.ssm_cache_dtype != "auto" else getattr(hf_config, "mamba_ssm_dtype",
+                                                                                    None)
+    if name is not None and name not in _DTYPES:
+        raise ValueError(f"the model config's mamba_ssm_dtype {name!r} is not one of {sorted(_DTYPES)}; set "
+                         "cache.ssm_state_dtype")
+    return conv, _DTYPES[name] if name is not None else torch.float32
+
+
 def make_state_cache(runner: ModelRunner, num_slots: int) -> StateCache | None:
     """The runner's state cache, bound to its layers (None: the model keeps no recurrent state)."""
     layers = getattr(runner.model, "state_layers", lambda: [])()
     c = runner.config.cache
     if not layers:
-        for key in ("ssm_cache_slots", "ssm_checkpoint_interval"):
-            if getattr(c, key) is not None:
+        for key, unset in _HYBRID_ONLY.items():
+            if getattr(c, key) != unset:
                 raise ValueError(f"cache.{key} applies to hybrid linear-attention models; "
                                  f"{type(runner.model).__name__} keeps no recurrent state")
         return None
     snapshots = snapshot_slots(runner.config) if c.enable_prefix_caching and c.ssm_checkpoint_interval else 0
-    cache = allocate(runner.model.state_cache_spec(runner.dtype), num_slots, runner.device, snapshots)
+    conv_dtype, state_dtype = state_dtypes(c, runner.dtype, runner.hf_config)
+    cache = allocate(runner.model.state_cache_spec(conv_dtype, state_dtype), num_slots, runner.device, snapshots)
     weakref.finalize(runner, release, cache)
     for layer, (conv, ssm) in zip(layers, cache.tensors):
         layer.bind_state_cache(conv, ssm)

@@ -10,11 +10,15 @@ prefix), so both kernels get contiguous slices.
 Two per-layer properties reach the kernels as keywords (only when set, so every backend serves plain layers):
 `sliding_window` (Gemma 3's local layers, gpt-oss's banded layers) and `sinks`, one learned logit per query
 head that joins the softmax (gpt-oss). Backends that lack them are refused when the layer is built.
+
+A sliding-window layer whose cache is its KV cache group's own (engine/kv_groups.py: `kv_group` >= 1, set by the
+model runner) reads and writes it through that group's slots and tables (`AttentionMetadata.windows`, picked
+by `group_meta`); group 0 (every layer of a model without sliding groups) uses the metadata's own.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -42,6 +46,15 @@ class SequenceStates:
 
 
 @dataclass(frozen=True)
+class WindowTables:
+    """A sliding-window KV cache group's own addresses for one step (its blocks are its pool's)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    decode_block_tables: torch.Tensor  # [Bd, M] int32
+    prefill_block_tables: torch.Tensor  # [Bp, M] int32
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, cache slot of every row (-1: do not store)
     num_decode_tokens: int  # rows [0, num_decode_tokens) are one-token requests
@@ -52,6 +65,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [Bp, M] int32
     decode_order: torch.Tensor | None = None  # [Bd] the decode rows longest first (longest_first), or row order
     states: SequenceStates | None = None  # state slots of the linear-attention layers (hybrid models only)
+    windows: tuple[WindowTables, ...] = ()  # each sliding-window KV cache group's (Attention.kv_group - 1)
 
     @property
     def num_prefills(self) -> int:
@@ -115,6 +129,7 @@ class Attention(nn.Module):
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.sliding_window = sliding_window
+        self.kv_group = 0  # 0: the full group's addresses; g >= 1: sliding group g's (AttentionMetadata.windows)
         if sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False)
             self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
@@ -184,6 +199,14 @@ class Attention(nn.Module):
             self.kv_ready()
         return self.k_cache, self.v_cache
 
+    def group_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The metadata addressing this layer's cache: its KV cache group's slots and tables."""
+        if not self.kv_group:
+            return meta
+        w = meta.windows[self.kv_group - 1]
+        return replace(meta, slot_mapping=w.slot_mapping, decode_block_tables=w.decode_block_tables,
+                       prefill_block_tables=w.prefill_block_tables, windows=())
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache()
         t = q.shape[0]
@@ -191,7 +214,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.calibration is not None:
             self.calibration.observe(self, k, v, meta)
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping, **self.kv_scales)
+        self._store(k, v, k_cache, v_cache, self.group_meta(meta).slot_mapping, **self.kv_scales)
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,6 +222,7 @@ class Attention(nn.Module):
         into `out` ([T, H * D]) when given."""
         if _piece_break is not None:
             return _piece_break(self, q)
+        meta = self.group_meta(meta)
         k_cache, v_cache = self.kv_cache()
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)

@@ -18,7 +18,8 @@ from torch import nn
 
 from appliance.layers.attention import AttentionMetadata
 from appliance.layers.kernels import kernel
-from appliance.layers.linear import ColumnParallelLinear, RowParallelLinear
+from appliance.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from appliance.layers.parallel_state import get_tp_rank, get_tp_size
 
 
 @dataclass(frozen=True)
@@ -59,37 +60,70 @@ class GatedRMSNorm(nn.Module):
         return ((self.weight * h.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
 
 
-class ConvWeight(nn.Module):
-    """The depthwise convolution's weight in the checkpoint's shape [C, 1, K] (no bias)."""
+def _rank_rows(loaded: torch.Tensor, parts: list[int]) -> torch.Tensor:
+    """This rank's share of each consecutive part of dim 0 (each split evenly over the ranks), concatenated."""
+    rank, size = get_tp_rank(), get_tp_size()
+    out, at = [], 0
+    for n in parts:
+        out.append(loaded.narrow(0, at + rank * (n // size), n // size))
+        at += n
+    return torch.cat(out)
 
-    def __init__(self, channels: int, kernel_size: int) -> None:
+
+def _sharded(param: nn.Parameter, parts: list[int]) -> nn.Parameter:
+    """Give param a loader that keeps this rank's rows of each part (tensor parallelism splits heads)."""
+
+    def load(p: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = _rank_rows(loaded, parts)
+        if shard.shape != p.shape:
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(p.shape)} "
+                             f"x {get_tp_size()} ranks")
+        p.data.copy_(shard)
+
+    param.weight_loader = load  # type: ignore[attr-defined]
+    return param
+
+
+class ConvWeight(nn.Module):
+    """The depthwise convolution's weight in the checkpoint's shape [C, 1, K] (no bias); its channels are the q, k
+    and v heads in order, each part split over the ranks."""
+
+    def __init__(self, parts: list[int], kernel_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size), requires_grad=False)
+        channels = sum(parts) // get_tp_size()
+        self.weight = _sharded(nn.Parameter(torch.empty(channels, 1, kernel_size), requires_grad=False), parts)
 
 
 class GatedDeltaNet(nn.Module):
+    """Tensor parallelism splits the key and value heads over the ranks (each rank's value heads stay with their
+    key head); every size below is this rank's, the state cache's slots hold this rank's heads."""
+
     def __init__(self, cfg: Any, backend: str, split_projections: bool = False) -> None:
         super().__init__()
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        tp, hk, hv = get_tp_size(), cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if hk % tp or hv % tp:
+            raise ValueError(f"tensor parallelism {tp} must divide the linear-attention heads ({hk} key, {hv} value)")
+        self.num_k_heads, self.num_v_heads = hk // tp, hv // tp
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = cfg.linear_conv_kernel_dim
         hidden = cfg.hidden_size
+        qkv = [tp * self.key_dim, tp * self.key_dim, tp * self.value_dim]  # the checkpoint's q, k, v parts
         self.split_projections = split_projections
         if split_projections:
-            self.in_proj_qkv = ColumnParallelLinear(hidden, self.conv_dim)
-            self.in_proj_z = ColumnParallelLinear(hidden, self.value_dim)
-            self.in_proj_b = ColumnParallelLinear(hidden, self.num_v_heads)
-            self.in_proj_a = ColumnParallelLinear(hidden, self.num_v_heads)
-        else:
-            self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
-            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads)
-        self.conv1d = ConvWeight(self.conv_dim, self.conv_kernel_size)
-        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
+            self.in_proj_qkv = MergedColumnParallelLinear(hidden, qkv)
+            self.in_proj_z = ColumnParallelLinear(hidden, tp * self.value_dim)
+            self.in_proj_b = ColumnParallelLinear(hidden, hv)
+            self.in_proj_a = ColumnParallelLinear(hidden, hv)
+        else:  # grouped per key head: a contiguous split keeps whole key-head groups
+            self.in_proj_qkvz = ColumnParallelLinear(hidden, tp * (2 * self.key_dim + 2 * self.value_dim))
+            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * hv)
+        self.conv1d = ConvWeight(qkv, self.conv_kernel_size)
+        self.dt_bias = _sharded(nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False), [hv])
+        self.A_log = _sharded(nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False), [hv])
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = RowParallelLinear(self.value_dim, hidden)
+        self.out_proj = RowParallelLinear(tp * self.value_dim, hidden)
         self._prefill = kernel("gated_delta_prefill", backend)
         self._decode = kernel("gated_delta_decode", backend)
         self._conv = kernel("causal_conv1d", backend)

@@ -90,10 +90,11 @@ class LlamaAttention(nn.Module):
             return self.o_proj(self._unfused(positions, qkv, meta))
         k_cache, v_cache = self.attn.kv_cache()
         qn, kn = self.q_norm, self.k_norm
+        slots = self.attn.group_meta(meta).slot_mapping  # its KV cache group's (a sliding group's own pool)
         q = self._rope_store(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                              self.rotary.cos_sin_cache, self.rotary.is_neox,
                              qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                             qn.eps if qn is not None else 0.0, k_cache, v_cache, meta.slot_mapping,
+                             qn.eps if qn is not None else 0.0, k_cache, v_cache, slots,
                              **self.attn.kv_scales)
         return self.o_proj(self.attn.attend(q, meta))
 

@@ -9,9 +9,14 @@ the first partial_rotary_factor of each head. Linear-attention layers keep their
 cache (executor/state_cache.py) instead of KV blocks. Qwen3.5 differs only in its linear-attention input
 projections (one per output instead of Qwen3-Next's two grouped ones); its text rotary (mrope) equals plain
 partial rotary for text, where the three position grids coincide.
+
+The multi-token-prediction layer (`mtp.*`, `HybridMtp`) is built only when speculative.algorithm = MTP and drafts
+through executor/speculative_mtp.py (executor/speculative_states.py repairs the recurrent state after a rejected
+draft). Tensor parallelism splits the linear-attention heads (layers/gated_delta_net.py).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,10 +25,9 @@ from torch import nn
 from appliance.layers.attention import Attention, AttentionMetadata
 from appliance.layers.embedding import VocabParallelEmbedding
 from appliance.layers.gated_delta_net import GatedDeltaNet, StateCacheSpec
-from appliance.layers.linear import QKVParallelLinear, RowParallelLinear
+from appliance.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from appliance.layers.moe import GatedMLP, RouterConfig, SparseMoeBlock
 from appliance.layers.norm import RMSNorm
-from appliance.layers.parallel_state import get_tp_size
 from appliance.layers.rotary import RotaryEmbedding, rope_parameters
 from appliance.models.llama import LlamaModel
 from appliance.models.mixtral import MoECausalLM
@@ -104,6 +108,32 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class HybridMtp(nn.Module):
+    """The multi-token-prediction layer (checkpoint `mtp.*`): the draft token's embedding and the previous hidden
+    state, each RMS-normed, concatenated and projected by fc, one gated full-attention decoder layer, a final norm;
+    the model's embedding and LM head are shared. Speculative decoding (speculative.algorithm = MTP) drafts with it."""
+
+    def __init__(self, cfg: Any, layer: nn.Module, backend: str) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = ColumnParallelLinear(2 * hidden, hidden, gather_output=True)  # every rank needs all of it
+        self.pre_fc_norm_embedding = OffsetRMSNorm(hidden, eps, backend)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(hidden, eps, backend)
+        self.layers = nn.ModuleList([layer])
+        self.norm = OffsetRMSNorm(hidden, eps, backend)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(previous_hidden)], dim=-1)
+        h, residual = self.layers[0](positions, self.fc(x), None, meta)
+        return self.norm(h, residual)[0]
+
+
+def num_mtp_layers(cfg: Any) -> int:
+    """MTP layers a config declares (Qwen3-Next: num_nextn_predict_layers, Qwen3.5: mtp_num_hidden_layers)."""
+    return int(getattr(cfg, "num_nextn_predict_layers", 0) or getattr(cfg, "mtp_num_hidden_layers", 0) or 0)
+
+
 class HybridModel(LlamaModel):
     def __init__(self, cfg: Any, layers: list[nn.Module], backend: str) -> None:
         nn.Module.__init__(self)
@@ -114,13 +144,14 @@ class HybridModel(LlamaModel):
 
 class Qwen3NextForCausalLM(MoECausalLM):
     split_projections = False  # Qwen3.5: separate in_proj_qkv / _z / _b / _a
-    supports_cuda_graphs = False  # decode runs eagerly: the state update is not captured yet
+    # decode graphs as MoECausalLM decides (the state update never syncs with the host: its slots are the rows'
+    # device table rows); no piecewise graphs, whose pieces would capture the prefill kernels' host loops
     piecewise_graphs = False
 
-    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None) -> None:
-        if get_tp_size() > 1:
-            raise ValueError(f"{type(self).__name__}: tensor parallelism is not supported for hybrid "
-                             "linear-attention models in this build (parallelism.tp must be 1)")
+    builds_mtp_on_request = True  # model_loader passes with_mtp: the MTP layer is built only to draft with
+
+    def __init__(self, hf_config: Any, backend: str = "torch", moe_backend: str | None = None,
+                 with_mtp: bool = False) -> None:
         kinds = list(hf_config.layer_types)
         if set(kinds) - {LINEAR, FULL}:
             raise ValueError(f"layer_types {sorted(set(kinds) - {LINEAR, FULL})} are not supported "
@@ -129,13 +160,43 @@ class Qwen3NextForCausalLM(MoECausalLM):
         self.model = HybridModel(hf_config, list(self.model.layers), backend)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+        self.mtp: HybridMtp | None = None
+        if with_mtp and num_mtp_layers(hf_config):  # the first MTP layer drafts every step (as vLLM's)
+            layer = HybridDecoderLayer(hf_config, FULL, self._mlp(0, backend), backend, self.split_projections)
+            self.mtp = HybridMtp(hf_config, layer, backend)
 
     def rename(self, name: str) -> str | None:
-        if name.startswith("mtp."):
-            return None  # the multi-token-prediction layer: not used as a drafter in this build
+        if name.startswith("mtp."):  # built only for speculative.algorithm = MTP, with its first layer only
+            keep = self.mtp is not None and (not name.startswith("mtp.layers.") or name.startswith("mtp.layers.0."))
+            return name if keep else None
         return super().rename(name)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(weights)
+        if self.mtp is not None and not any(n.startswith("mtp.") for n in loaded):
+            raise ValueError(f"speculative.algorithm=MTP: the checkpoint has no MTP layer (mtp.*) for "
+                             f"{type(self).__name__} to draft with (transformers' save_pretrained drops it)")
+        return loaded
+
+    # ---- speculative decoding with the MTP layer (executor/speculative_mtp.py) ----------------------------
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """Draft rows (token at i + 1, hidden state at i) at positions i; returns the normed hidden states (the
+        next draft step's previous_hidden, and the LM head's input)."""
+        assert self.mtp is not None
+        return self.mtp(self.model.embed_tokens(input_ids), positions, previous_hidden, meta)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden)
+
+    def mtp_attention_layers(self) -> list[Attention]:
+        return [self.mtp.layers[0].self_attn.attn] if self.mtp is not None else []
+
     def make_layer(self, index: int, backend: str) -> nn.Module:
+        return HybridDecoderLayer(self.config, self.config.layer_types[index], self._mlp(index, backend), backend,
+                                  self.split_projections)
+
+    def _mlp(self, index: int, backend: str) -> nn.Module:
         cfg = self.config
         act = getattr(cfg, "hidden_act", "silu")
         if not is_sparse_layer(cfg, index):
@@ -149,7 +210,7 @@ class Qwen3NextForCausalLM(MoECausalLM):
             mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, router, shared=shared,
                                  shared_name="shared_expert", shared_gate=shared is not None, backend=backend,
                                  moe_backend=self.moe_backend)
-        return HybridDecoderLayer(cfg, cfg.layer_types[index], mlp, backend, self.split_projections)
+        return mlp
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers if layer.kind == FULL]
@@ -157,10 +218,10 @@ class Qwen3NextForCausalLM(MoECausalLM):
     def state_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if layer.kind == LINEAR]
 
-    def state_cache_spec(self, conv_dtype: torch.dtype) -> StateCacheSpec:
+    def state_cache_spec(self, conv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> StateCacheSpec:
         layer = self.state_layers()[0]
         return StateCacheSpec(len(self.state_layers()), layer.conv_dim, layer.conv_kernel_size - 1,
-                              layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, conv_dtype)
+                              layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, conv_dtype, state_dtype)
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):

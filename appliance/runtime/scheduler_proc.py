@@ -35,6 +35,7 @@ from appliance.runtime.messages import (
 )
 from appliance.runtime.process import parent_alive
 from appliance.runtime.remote_executor import RemoteExecutor
+from appliance.runtime.topology import window_groups_of
 from appliance.runtime.watchdog import Watchdog
 from appliance.server.engine_client import RequestOutput
 
@@ -205,7 +206,7 @@ def run_scheduler(boot: Bootstrap) -> None:
                                        int(w0["max_model_len"]), int(w0.get("num_host_blocks", 0)),
                                        int(w0.get("num_state_slots", 0)), int(w0.get("state_cache_bytes", 0)),
                                        SwapCosts.from_dict(w0.get("swap_costs")), int(w0.get("num_disk_blocks", 0)),
-                                       serving=True)
+                                       window_groups_of(w0), serving=True)
     ctx = zmq.Context()
     executor = RemoteExecutor(ctx, boot.addresses, alive=lambda: parent_alive(boot.parent_pid))
     obs = SchedulerObservability(config.observability, ecfg.block_size, dp_rank=boot.rank)  # rank = replica

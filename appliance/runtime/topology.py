@@ -132,7 +132,15 @@ def replica_peers(infos: list[dict[str, Any]]) -> dict[str, Any]:
     merged["num_kv_blocks"] = min(int(i["num_kv_blocks"]) for i in infos)
     merged["num_host_blocks"] = min(int(i.get("num_host_blocks", 0)) for i in infos)
     merged["num_disk_blocks"] = min(int(i.get("num_disk_blocks", 0)) for i in infos)
+    if merged.get("window_blocks"):  # the sliding-window groups' pools (executor/window_groups.py), each the same way
+        merged["window_blocks"] = [min(n) for n in zip(*(i["window_blocks"] for i in infos), strict=True)]
     return merged
+
+
+def window_groups_of(info: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The sliding-window KV cache groups' windows and pool sizes of a worker's ready info (none if absent)."""
+    return (tuple(int(w) for w in info.get("window_sizes", [])),
+            tuple(int(n) for n in info.get("window_blocks", [])))
 
 
 def scheduler_binds(plan_address: str) -> bool:

@@ -23,7 +23,7 @@ from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.messages import CONTROL_CODEC, StageFailed, StageProgress, StageReady
 from appliance.runtime.remote_executor import RemoteExecutor
 from appliance.runtime.startup_progress import ProgressBoard
-from appliance.runtime.topology import Topology, replica_peers
+from appliance.runtime.topology import Topology, replica_peers, window_groups_of
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
@@ -55,6 +55,7 @@ class WorkerGroupExecutor(Executor):
             self.state_cache_bytes = int(info.get("state_cache_bytes", 0))
             self.swap_costs = SwapCosts.from_dict(info.get("swap_costs"))
             self.num_disk_blocks = int(info.get("num_disk_blocks", 0))
+            self.window_groups = window_groups_of(info)
             self._remote = RemoteExecutor(self._ctx, self.addresses, alive=self._all_alive)
         except BaseException:
             self.shutdown()

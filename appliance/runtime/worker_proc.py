@@ -79,7 +79,10 @@ def run_worker(boot: Bootstrap) -> None:
             "max_model_len": runner.max_model_len, "block_size": runner.block_size, "device": str(runner.device),
             "vocab_size": int(getattr(runner.hf_config, "vocab_size", 0) or 0),
             "num_state_slots": runner.num_state_slots, "state_cache_bytes": runner.state_cache_bytes,
-            "swap_costs": runner.swap_costs.to_dict() if runner.swap_costs is not None else None}
+            "swap_costs": runner.swap_costs.to_dict() if runner.swap_costs is not None else None,
+            # sliding-window KV cache groups (executor/window_groups.py): the same on every rank, pools sized per rank
+            "window_sizes": list(runner.kv_layout.window_sizes),
+            "window_blocks": [min_over_ranks(n) for n in runner.kv_layout.window_blocks]}
     hold_for_test()
     # a full collection's pass would stall the GPU (gc_heap.py)
     with STARTUP.phase("freezing the start-up heap"):

@@ -23,7 +23,8 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, t
 
 
 def _initial(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    return states.index_select(0, slots) * (~fresh).to(states.dtype)[:, None, None, None]
+    """The rows' states in float32 (the kernels' accumulation type, whatever cache.ssm_state_dtype stores)."""
+    return states.index_select(0, slots).float() * (~fresh).float()[:, None, None, None]
 
 
 def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -190,8 +190,22 @@ FLAGS = (
             "SGLang's radix tree and the appliance's hashed block chains both reuse shared prefixes", O,
             arity="flag", const=False),
     same("--disable-overlap-schedule", "scheduler.enable_overlap", O, arity="flag", const=False),
-    *nones(C, "Mamba / hybrid-state caches are not available", "--max-mamba-cache-size", "--mamba-ssm-dtype",
-           "--mamba-full-memory-ratio", "--mamba-scheduler-strategy", "--mamba-track-interval"),
+    similar("--max-mamba-cache-size", "cache.ssm_cache_slots", "SGLang's pool holds the running requests' states "
+            "and the cached prefixes' states together; here every running request (scheduler.max_num_seqs) has "
+            "its own state slot and this counts the prefix snapshots beside them", C),
+    same("--mamba-ssm-dtype", "cache.ssm_state_dtype", C),
+    no("--mamba-full-memory-ratio", "the state cache is sized in slots (scheduler.max_num_seqs running requests "
+       "plus cache.ssm_cache_slots snapshots); the KV cache takes the rest of cache.gpu_memory_utilization", C),
+    no("--mamba-scheduler-strategy", "state snapshots for prefix reuse are taken during prefill at "
+       "cache.ssm_checkpoint_interval (no extra buffer during decode)", C, neutral=("auto", "no_buffer")),
+    similar("--mamba-track-interval", "cache.ssm_checkpoint_interval", "SGLang tracks the state every N decoded "
+            "tokens (extra_buffer); here snapshots are taken every N tokens of prefill (a multiple of "
+            "block_size), which turns prefix caching of hybrid models on", C),
+    no("--mamba-backend", "no Mamba-2 models in this build; the Gated DeltaNet kernels follow backends.attention",
+       C, neutral=("triton",)),
+    *nones(C, "the Gated DeltaNet kernels follow backends.attention: fla-core's Triton kernels (triton), the torch "
+           "reference (torch)", "--linear-attn-backend", "--linear-attn-decode-backend",
+           "--linear-attn-prefill-backend"),
     same("--enable-hierarchical-cache", "cache.host_cache", C, arity="flag"),
     same("--hicache-ratio", "cache.host_cache_ratio", C),
     same("--hicache-size", "cache.host_cache_size_gb", C),

@@ -126,8 +126,16 @@ _FLAGS = (
     no("--cpu-offload-gb", "weights are not offloaded to the CPU", C, neutral=("0",)),
     no("--num-gpu-blocks-override", "size the KV pool with cache.max_total_tokens", C),
     no("--prefix-caching-hash-algo", "prefix blocks are hashed with the appliance's own chain hash", C),
-    *nones(C, "not available", "--mamba-cache-dtype", "--mamba-ssm-cache-dtype", "--kv-offloading-size",
-           "--kv-offloading-backend"),
+    same("--mamba-cache-dtype", "cache.ssm_cache_dtype", C),
+    similar("--mamba-ssm-cache-dtype", "cache.ssm_state_dtype", "vLLM's auto follows --mamba-cache-dtype (the "
+            "model's dtype); the appliance's auto keeps the recurrent state in float32 (or the config's "
+            "mamba_ssm_dtype)", C),
+    similar("--mamba-block-size", "cache.ssm_checkpoint_interval", "vLLM caches the recurrent state every "
+            "mamba_block_size tokens; here state snapshots are taken during prefill every ssm_checkpoint_interval "
+            "tokens (a multiple of block_size), in cache.ssm_cache_slots LRU slots", C),
+    no("--mamba-cache-mode", "the recurrent state is cached for prefix reuse at checkpoints taken during prefill "
+       "(cache.ssm_checkpoint_interval set) or not at all (unset)", C),
+    *nones(C, "not available", "--kv-offloading-size", "--kv-offloading-backend"),
     switches(C, "not available", "--kv-sharing-fast-prefill")[0],
     similar("--max-num-batched-tokens", "scheduler.chunked_prefill_size",
             "vLLM's per-step token budget; the appliance calls its per-step issue budget chunked_prefill_size "

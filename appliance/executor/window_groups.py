@@ -1,0 +1,84 @@
+"""The worker's side of the sliding-window KV cache groups (engine/kv_groups.py): whether this runner gives its
+sliding-window layers pools of their own, how the KV budget splits over the groups, and which cache each layer
+binds. Without sliding groups (a model without sliding layers, or a run whose other features do not carry the
+groups' tables yet, logged) every layer keeps the whole context in the one pool, as before.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from appliance.engine.kv_groups import KVGroup, kv_groups, plan_blocks
+from appliance.executor.cuda_graph import graph_settings
+
+if TYPE_CHECKING:
+    from appliance.executor.kv_cache import KVCacheSpec
+    from appliance.executor.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """The full group's blocks, and each sliding group with its pool's blocks (its null block included)."""
+
+    num_blocks: int
+    groups: tuple[KVGroup, ...] = ()
+    window_blocks: tuple[int, ...] = ()
+
+    @property
+    def window_sizes(self) -> tuple[int, ...]:
+        return tuple(g.window for g in self.groups if g.window is not None)
+
+    def layer_blocks(self, num_layers: int) -> list[int]:
+        """Blocks of each attention layer's cache (its group's pool)."""
+        out = [self.num_blocks] * num_layers
+        for g, n in zip(self.groups, self.window_blocks):
+            for i in g.layers:
+                out[i] = n
+        return out
+
+    def bind_groups(self, layers: list[Any]) -> None:
+        """Point each sliding layer at its group's addresses (AttentionMetadata.windows[g - 1])."""
+        for g, group in enumerate(self.groups, 1):
+            for i in group.layers:
+                layers[i].kv_group = g
+
+
+def sliding_groups(runner: ModelRunner) -> tuple[KVGroup, ...]:
+    """The sliding groups that get pools of their own: () unless the model has both layer kinds and nothing in
+    this run needs one table for every layer yet."""
+    groups = kv_groups([getattr(a, "sliding_window", None) for a in runner.model.attention_layers()])  # MLA: none
+    sliding = tuple(g for g in groups if g.sliding)
+    if not sliding or len(sliding) == len(groups):
+        return ()
+    c = runner.config
+    why = [name for name, on in (
+        ("CUDA graphs", graph_settings(c, runner.model, runner.device, runner.backend) is not None),
+        ("speculative decoding", c.speculative.algorithm is not None),
+        ("the host KV tier", c.cache.host_cache),
+        ("recurrent state", runner.state_cache is not None),
+        ("precision.kv_cache_high_precision_layers", bool(runner.kv_spec.high_precision_layers)),
+    ) if on]
+    if why:
+        log.info("sliding-window layers keep the whole context in the shared KV pool: their own pools do not "
+                 "work with %s yet", ", ".join(why))
+        return ()
+    return sliding
+
+
+def split(num_blocks: int, spec: KVCacheSpec, sliding: tuple[KVGroup, ...], max_model_len: int,
+          largest_chunk: int) -> WindowLayout:
+    """The memory of `num_blocks` blocks of every layer, split over the groups in proportion to what a sequence of
+    max_model_len holds in each (kv_groups.plan_blocks)."""
+    if not sliding:
+        return WindowLayout(num_blocks)
+    n_sliding = {i for g in sliding for i in g.layers}
+    full = KVGroup(None, tuple(i for i in range(spec.num_layers) if i not in n_sliding))
+    layer_block = spec.bytes_per_block // spec.num_layers
+    counts = plan_blocks(num_blocks * spec.bytes_per_block, (full, *sliding), layer_block, max_model_len,
+                         spec.block_size, largest_chunk)
+    log.info("KV cache groups: full attention %d blocks (%d layers); %s", counts[0], len(full.layers),
+             "; ".join(f"window {g.window}: {n} blocks ({len(g.layers)} layers)" for g, n in zip(sliding, counts[1:])))
+    return WindowLayout(counts[0], sliding, counts[1:])
