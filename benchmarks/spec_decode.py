@@ -3,6 +3,7 @@
     python -m benchmarks.spec_decode                 # Llama-3.1-8B shape, dummy weights, one GPU (~5 min)
     python -m benchmarks.spec_decode --quick         # tiny shapes on the CPU (a smoke test)
     python -m benchmarks.spec_decode --output-json results.json
+    python -m benchmarks.spec_decode --eagle-only   # plain and EAGLE-3 only (the targets' first three rows)
 
 Runs (dummy weights: drafts are never right, so the EAGLE-3 runs force the accept decision with
 speculative.synthetic_acceptance_length; the drafter and the verify forward still run):
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (a smoke test)")
     p.add_argument("--output-json", help="write the runs here")
+    p.add_argument("--eagle-only", action="store_true",
+                   help="plain and EAGLE-3 runs only (the n-gram runs load three more models)")
     a = p.parse_args(argv)
     quick = a.quick
     input_len, output_len, big_batch = (32, 8, 4) if quick else (1024, 256, 32)
@@ -183,12 +186,13 @@ def main(argv: list[str] | None = None) -> list[Run]:
     free(eagle)
 
     for proposer, name in (("host", "ngram code-edit b1 (dummy weights)"),
-                           ("device", "ngram on the device code-edit b1 (dummy weights)")):
+                           ("device", "ngram on the device code-edit b1 (dummy weights)"))[: 0 if a.eagle_only else 2]:
         ngram = LLM(model=str(target), speculative_algorithm="NGRAM", speculative_num_steps=3,
                     speculative_ngram_proposer=proposer, **common)
         measure(ngram, name, code_ids, "plain code-edit b1")
         free(ngram)
-    code_runs(runs, quick, output_len)
+    if not a.eagle_only:
+        code_runs(runs, quick, output_len)
     print_table(runs)
     if a.output_json:
         Path(a.output_json).write_text(json.dumps([{**asdict(r), "tok_s": r.tok_s, "ms_per_token": r.ms_per_token}
