@@ -72,11 +72,13 @@ def timed(llm: Any, batch: list[list[int]], new: int) -> float:
 
 
 def decode_and_throughput(llm: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    from appliance.bench import offline
+    from appliance.bench.workloads import random_workload
+
     rng = random.Random(0)
-    one = prompts(rng, 1, args.input_len, vocab)
-    timed(llm, one, 2)  # warm-up
-    first, full = timed(llm, one, 1), timed(llm, one, args.output_len)
-    tpot_ms = (full - first) / (args.output_len - 1) * 1e3
+    one = random_workload(vocab, 2, (args.input_len,) * 2, (args.output_len,) * 2, seed=1)
+    # TPOT from each request's own token times (one warm-up request, then one timed): never a difference of runs
+    tpot_ms = offline.latency(llm, one, batch_size=1, num_iters=1, num_iters_warmup=1, temperature=0.0)["mean_tpot_ms"]
     batch = prompts(rng, args.num_prompts, args.input_len, vocab)
     wall = timed(llm, batch, args.output_len)
     return [{"metric": "batch1_decode", "tpot_ms": round(tpot_ms, 3), "input_len": args.input_len,
