@@ -172,5 +172,5 @@ def test_fp8_checkpoint_of_a_family_without_fp8_support_is_refused(tmp_path: Pat
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized checkpoints are not supported"):
+    with pytest.raises(ValueError, match="fp8 checkpoints are not supported for this family"):
         LLM(model=str(path), dtype="float32", skip_tokenizer_init=True)
