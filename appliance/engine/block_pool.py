@@ -108,6 +108,9 @@ class BlockPool:
                 self._uncache(b)
             self._ref[b] = 1
             out.append(b)
+        # ascending: the blocks one request takes at once then tend to be a consecutive range (a range is freed
+        # and evicted together), so the host tier's copies of them are a few range copies (host_tier.py)
+        out.sort()
         return out
 
     def incref(self, block_id: int) -> None:

@@ -1,0 +1,155 @@
+"""The host KV tier's copy count on the CPU: a closed loop of agentic sessions (a shared system prompt, a history
+that grows by the answer and a tool result each turn, think time between turns) drives the engine with the fake
+executor under a device pool ~3x smaller than the sessions' histories and a host tier 4x the pool. It reports the
+blocks the tier moved, the copy calls a worker issues for them per cache tensor of a layer (executor/block_copies.py:
+one per run of consecutive host slots and device blocks, two for a host-slot run whose device blocks are
+scattered) per block moved, the runs of (block, slot) pairs consecutive in both (a copy per such run is the issue
+path before executor/block_copies.py),
+and the distribution of the host-slot ranges' lengths; then it times HostCopier.submit on CPU tensors for the step
+that moved the most blocks, with the 8B shape's layer count (32 layers, K and V) and tiny blocks.
+
+    python -m benchmarks.tier_copies [--sessions 32] [--turns 10] [--scale 8] [--check-kv]
+
+--scale divides the GPU benchmark's lengths (benchmarks/sessions.sh: 2048-token system prompt, 256-token first
+message, 128-token answers, 320-token tool results, a 65,536-token pool, 16-token blocks).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from appliance.engine.config import EngineConfig
+from appliance.engine.core import EngineCore
+from appliance.engine.fake_executor import FakeExecutor
+from appliance.engine.sampling_params import SamplingParams
+from appliance.executor.block_copies import host_runs
+from appliance.executor.host_copy import HostCopier, Inline
+from appliance.executor.kv_cache import KVCacheSpec, allocate, allocate_host
+
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    sessions: int
+    turns: int
+    system: int
+    user: int
+    output: int
+    tool: int
+    pool_tokens: int
+    think_steps: int
+
+
+def shape(sessions: int, turns: int, scale: int) -> Shape:
+    return Shape(sessions, turns, 2048 // scale, 256 // scale, max(2, 128 // scale), 320 // scale,
+                 65536 // scale, 20)
+
+
+def drive(s: Shape, check_kv: bool) -> EngineCore:
+    """Every session's turns, closed loop: a session's next turn arrives think_steps steps after its answer."""
+    num_blocks = s.pool_tokens // BLOCK
+    cfg = EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_model_len=s.pool_tokens // 4, chunked_prefill_size=2048,
+                       max_prefill_tokens=2048, num_host_blocks=4 * num_blocks, max_num_seqs=s.sessions)
+    core = EngineCore(cfg, FakeExecutor(num_blocks, BLOCK, vocab_size=1000, verify_kv=check_kv))
+    rng = random.Random(0)
+    system = [rng.randrange(10, 1000) for _ in range(s.system)]
+    history = {i: system + [rng.randrange(10, 1000) for _ in range(s.user)] for i in range(s.sessions)}
+    turn = dict.fromkeys(history, 0)
+    due: dict[int, int] = dict.fromkeys(history, 0)  # session -> step its next turn arrives
+    out: dict[str, list[int]] = {}
+    step = 0
+    while due or core.has_work():
+        for i in [i for i, at in due.items() if at <= step]:
+            del due[i]
+            rid = f"s{i}-t{turn[i]}"
+            out[rid] = []
+            core.add_request(rid, history[i], SamplingParams(max_tokens=s.output, ignore_eos=True))
+        for d in core.step() if core.has_work() else ():
+            out[d.request_id].extend(d.new_token_ids)
+            if d.finished:
+                i = int(d.request_id[1:d.request_id.index("-")])
+                history[i] = history[i] + out[d.request_id] + [rng.randrange(10, 1000) for _ in range(s.tool)]
+                turn[i] += 1
+                if turn[i] < s.turns:
+                    due[i] = step + s.think_steps
+        step += 1
+    return core
+
+
+def report_counts(core: EngineCore, num_tensors: int) -> list[tuple[int, int, int]]:
+    """Prints the copy figures; returns the step's copies that moved the most blocks."""
+    plans = core.executor.plans
+    blocks = sum(len(p.host_copies) for p in plans)
+    host = core.scheduler.cache.host
+    assert host is not None
+    runs = [r for p in plans for r in host_runs(p.host_copies)]
+    calls = sum(r.calls for r in runs)
+    pairs = sum(pair_runs(p.host_copies) for p in plans)
+    lengths = Counter(len(r.blocks) for r in runs)
+    biggest = max((p.host_copies for p in plans), key=len)
+    print(f"steps {len(plans)}, host hit {core.scheduler.cache.hit_rate:.3f}, stored {host.num_stored}, "
+          f"loaded {host.num_loaded}, blocks moved {blocks}")
+    print(f"runs of consecutive (block, slot) pairs, one copy each: {pairs} ({pairs / max(blocks, 1):.3f} per block)")
+    print(f"host-slot runs: {len(runs)}, {sum(r.consecutive for r in runs)} of them on consecutive device blocks")
+    print(f"copy calls per layer tensor: {calls} ({calls / max(blocks, 1):.3f} per block moved); "
+          f"with {num_tensors} layer tensors: {calls * num_tensors}")
+    edges = (1, 2, 4, 8, 16, 32, 64, 128, 1 << 30)
+    by_edge = Counter(next(e for e in edges if n <= e) for n in lengths.elements())
+    weighted = Counter()
+    for n, c in lengths.items():
+        weighted[next(e for e in edges if n <= e)] += n * c
+    print("host range length <=  ranges  blocks")
+    for e in edges:
+        if by_edge[e]:
+            print(f"  {e if e < 1 << 30 else 'more':>17}  {by_edge[e]:>6}  {weighted[e]:>6}")
+    print(f"largest step: {len(biggest)} blocks, {sum(r.calls for r in host_runs(biggest))} calls per layer tensor "
+          f"({pair_runs(biggest)} runs of consecutive pairs)")
+    return biggest
+
+
+def pair_runs(copies: list[tuple[int, int, int]]) -> int:
+    """Runs of copies whose blocks and slots both step by one (what a copy per run of pairs would issue)."""
+    n, last = 0, (-1, -2, -2)
+    for d, b, s in copies:
+        n += not (d == last[0] and b == last[1] + 1 and s == last[2] + 1)
+        last = (d, b, s)
+    return n
+
+
+def time_submit(copies: list[tuple[int, int, int]], num_blocks: int, num_slots: int) -> None:
+    """HostCopier.submit on CPU tensors, 32 layers of K and V with tiny blocks: the issuing cost, not the bytes."""
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=1, head_dim=8, block_size=BLOCK, dtype=torch.bfloat16)
+    device = torch.device("cpu")
+    copier = HostCopier(allocate(spec, num_blocks, device), allocate_host(spec, num_slots, device), Inline())
+    copier.submit(copies)  # warm
+    t0 = time.perf_counter()
+    reps = 3
+    for _ in range(reps):
+        copier.submit(copies)
+    ms = (time.perf_counter() - t0) / reps * 1e3
+    print(f"HostCopier.submit of the largest step ({len(copies)} blocks, 32 layers x K/V, CPU): {ms:.1f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--scale", type=int, default=8)
+    ap.add_argument("--check-kv", action="store_true", help="the fake executor checks every position read")
+    a = ap.parse_args()
+    s = shape(a.sessions, a.turns, a.scale)
+    t0 = time.perf_counter()
+    core = drive(s, a.check_kv)
+    print(f"{s} in {time.perf_counter() - t0:.1f} s")
+    biggest = report_counts(core, 64)
+    time_submit(biggest, s.pool_tokens // BLOCK, 4 * s.pool_tokens // BLOCK)
+
+
+if __name__ == "__main__":
+    main()
