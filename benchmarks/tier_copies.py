@@ -9,6 +9,7 @@ and the distribution of the host-slot ranges' lengths; then it times HostCopier.
 that moved the most blocks, with the 8B shape's layer count (32 layers, K and V) and tiny blocks.
 
     python -m benchmarks.tier_copies [--sessions 32] [--turns 10] [--scale 8] [--check-kv]
+    python -m benchmarks.tier_copies --gpu    # submit() on a GPU: the 8B shape's cache, a 3,840-block reload
 
 --scale divides the GPU benchmark's lengths (benchmarks/sessions.sh: 2048-token system prompt, 256-token first
 message, 128-token answers, 320-token tool results, a 65,536-token pool, 16-token blocks).
@@ -45,6 +46,11 @@ class Shape:
     pool_tokens: int
     think_steps: int
 
+    @property
+    def longest(self) -> int:
+        """The last turn's prompt and answer."""
+        return self.system + self.user + self.turns * (self.output + self.tool)
+
 
 def shape(sessions: int, turns: int, scale: int) -> Shape:
     return Shape(sessions, turns, 2048 // scale, 256 // scale, max(2, 128 // scale), 320 // scale,
@@ -54,7 +60,7 @@ def shape(sessions: int, turns: int, scale: int) -> Shape:
 def drive(s: Shape, check_kv: bool) -> EngineCore:
     """Every session's turns, closed loop: a session's next turn arrives think_steps steps after its answer."""
     num_blocks = s.pool_tokens // BLOCK
-    cfg = EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_model_len=s.pool_tokens // 4, chunked_prefill_size=2048,
+    cfg = EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_model_len=s.longest, chunked_prefill_size=2048,
                        max_prefill_tokens=2048, num_host_blocks=4 * num_blocks, max_num_seqs=s.sessions)
     core = EngineCore(cfg, FakeExecutor(num_blocks, BLOCK, vocab_size=1000, verify_kv=check_kv))
     rng = random.Random(0)
@@ -82,32 +88,47 @@ def drive(s: Shape, check_kv: bool) -> EngineCore:
     return core
 
 
+@dataclass(frozen=True)
+class CopyCounts:
+    blocks: int  # blocks moved between the tiers
+    pair_runs: int  # runs of (block, slot) pairs consecutive in both
+    runs: int  # runs of consecutive host slots
+    consecutive_runs: int  # of which on consecutive device blocks
+    calls: int  # copy calls per cache tensor of a layer
+    lengths: Counter[int]  # host-slot run length -> how many
+
+    @classmethod
+    def of(cls, plans: list[list[tuple[int, int, int]]]) -> CopyCounts:
+        runs = [r for p in plans for r in host_runs(p)]
+        return cls(sum(map(len, plans)), sum(map(pair_runs, plans)), len(runs), sum(r.consecutive for r in runs),
+                   sum(r.calls for r in runs), Counter(len(r.blocks) for r in runs))
+
+
 def report_counts(core: EngineCore, num_tensors: int) -> list[tuple[int, int, int]]:
     """Prints the copy figures; returns the step's copies that moved the most blocks."""
-    plans = core.executor.plans
-    blocks = sum(len(p.host_copies) for p in plans)
+    plans = [p.host_copies for p in core.executor.plans]
+    c = CopyCounts.of(plans)
     host = core.scheduler.cache.host
     assert host is not None
-    runs = [r for p in plans for r in host_runs(p.host_copies)]
-    calls = sum(r.calls for r in runs)
-    pairs = sum(pair_runs(p.host_copies) for p in plans)
-    lengths = Counter(len(r.blocks) for r in runs)
-    biggest = max((p.host_copies for p in plans), key=len)
+    biggest = max(plans, key=len)
     print(f"steps {len(plans)}, host hit {core.scheduler.cache.hit_rate:.3f}, stored {host.num_stored}, "
-          f"loaded {host.num_loaded}, blocks moved {blocks}")
-    print(f"runs of consecutive (block, slot) pairs, one copy each: {pairs} ({pairs / max(blocks, 1):.3f} per block)")
-    print(f"host-slot runs: {len(runs)}, {sum(r.consecutive for r in runs)} of them on consecutive device blocks")
-    print(f"copy calls per layer tensor: {calls} ({calls / max(blocks, 1):.3f} per block moved); "
-          f"with {num_tensors} layer tensors: {calls * num_tensors}")
+          f"loaded {host.num_loaded}, blocks moved {c.blocks}")
+    print(f"runs of consecutive (block, slot) pairs, one copy each: {c.pair_runs} "
+          f"({c.pair_runs / max(c.blocks, 1):.3f} per block)")
+    print(f"host-slot runs: {c.runs}, {c.consecutive_runs} of them on consecutive device blocks")
+    print(f"copy calls per layer tensor: {c.calls} ({c.calls / max(c.blocks, 1):.3f} per block moved); "
+          f"with {num_tensors} layer tensors: {c.calls * num_tensors}")
     edges = (1, 2, 4, 8, 16, 32, 64, 128, 1 << 30)
-    by_edge = Counter(next(e for e in edges if n <= e) for n in lengths.elements())
-    weighted = Counter()
-    for n, c in lengths.items():
-        weighted[next(e for e in edges if n <= e)] += n * c
-    print("host range length <=  ranges  blocks")
+    ranges: Counter[int] = Counter()
+    weighted: Counter[int] = Counter()
+    for n, k in c.lengths.items():
+        e = next(e for e in edges if n <= e)
+        ranges[e] += k
+        weighted[e] += n * k
+    print("host run length <=  runs  blocks")
     for e in edges:
-        if by_edge[e]:
-            print(f"  {e if e < 1 << 30 else 'more':>17}  {by_edge[e]:>6}  {weighted[e]:>6}")
+        if ranges[e]:
+            print(f"  {e if e < 1 << 30 else 'more':>15}  {ranges[e]:>5}  {weighted[e]:>6}")
     print(f"largest step: {len(biggest)} blocks, {sum(r.calls for r in host_runs(biggest))} calls per layer tensor "
           f"({pair_runs(biggest)} runs of consecutive pairs)")
     return biggest
@@ -136,13 +157,55 @@ def time_submit(copies: list[tuple[int, int, int]], num_blocks: int, num_slots: 
     print(f"HostCopier.submit of the largest step ({len(copies)} blocks, 32 layers x K/V, CPU): {ms:.1f} ms")
 
 
+def issue_timed(copier: HostCopier, copies: list[tuple[int, int, int]], per_block: bool) -> tuple[float, float]:
+    """(seconds to issue, seconds until the copies are done) of submit, or of one copy per block and tensor."""
+    t = time.perf_counter()
+    if per_block:
+        with copier.stream.scope():
+            for _, b, s in copies:
+                for (dk, dv), (hk, hv) in zip(copier.device_caches, copier.host_caches, strict=True):
+                    dk[b].copy_(hk[s], non_blocking=True)
+                    if dv is not None and hv is not None:
+                        dv[b].copy_(hv[s], non_blocking=True)
+    else:
+        copier.submit(copies)
+    issued = time.perf_counter() - t
+    copier.stream.drain()
+    return issued, time.perf_counter() - t
+
+
+def gpu_submit(num_blocks: int = 4096, num_slots: int = 8192, histories: int = 10, history: int = 384) -> None:
+    """HostCopier.submit on a GPU with the 8B shape's cache (32 layers, 8 KV heads of 128, bf16, 16-token blocks):
+    a step reloading `histories` histories of `history` blocks, each in 10 ranges of host slots, into scattered
+    and into consecutive device blocks, against one copy per block and tensor: host issue time, time to done."""
+    device = torch.device("cuda")
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=BLOCK, dtype=torch.bfloat16)
+    copier = HostCopier.for_device(allocate(spec, num_blocks, device), allocate_host(spec, num_slots, device), device)
+    stride = num_slots // (histories * 10)  # one range of history // 10 slots at the start of each stride
+    slots = [r * stride + i for r in range(histories * 10) for i in range(history // 10)]
+    scattered = random.Random(0).sample(range(num_blocks), len(slots))
+    plans = {"scattered device blocks": [(1, b, s) for b, s in zip(scattered, slots, strict=True)],
+             "consecutive device blocks": [(1, b, s) for b, s in enumerate(slots)]}
+    gb = len(slots) * spec.bytes_per_block / 1e9
+    for name, copies in plans.items():
+        for per_block in (False, True):
+            issue_timed(copier, copies, per_block)  # first use
+            issued, done = issue_timed(copier, copies, per_block)
+            print(f"{name}, {'one copy per block' if per_block else 'submit'}: {len(copies)} blocks, issued in "
+                  f"{issued * 1e3:.1f} ms, done in {done * 1e3:.1f} ms, {gb / done:.1f} GB/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--scale", type=int, default=8)
     ap.add_argument("--check-kv", action="store_true", help="the fake executor checks every position read")
+    ap.add_argument("--gpu", action="store_true", help="time HostCopier.submit on the GPU with the 8B shape instead")
     a = ap.parse_args()
+    if a.gpu:
+        gpu_submit()
+        return
     s = shape(a.sessions, a.turns, a.scale)
     t0 = time.perf_counter()
     core = drive(s, a.check_kv)

@@ -6,7 +6,12 @@ import random
 import pytest
 import torch
 
-from appliance.executor.block_copies import CopyPlan, HostRun, copy_host_blocks, host_runs
+from appliance.executor.block_copies import (
+    CopyPlan,
+    HostRun,
+    copy_host_blocks,
+    host_runs,
+)
 from appliance.executor.kv_cache import KVCacheSpec, allocate_host
 
 

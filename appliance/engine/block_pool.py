@@ -18,8 +18,8 @@ the pool reclaims one, so it can forget the hash and publish a removal.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 
 class BlockPoolError(RuntimeError):
