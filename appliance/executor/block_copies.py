@@ -24,6 +24,7 @@ import torch
 STORE, LOAD = 0, 1  # engine/host_tier.py's directions: device block -> host slot, host slot -> device block
 
 Pair = tuple[torch.Tensor, torch.Tensor | None]  # one layer's K and V (V None for a one-tensor cache)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits, by its size
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,10 @@ class CopyPlan:
                 if idx is None:
                     d = dev[run.blocks[0]:run.blocks[0] + n]
                     (h.copy_(d, non_blocking=True) if run.direction == STORE else d.copy_(h, non_blocking=True))
-                elif run.direction == STORE:  # the staging tensor lives on the copy stream, freed in its order
+                    continue
+                # the gather / scatter moves bits: fp8 caches have no index_copy_ of their own
+                dev, h = dev.view(_BITS[dev.element_size()]), h.view(_BITS[h.element_size()])
+                if run.direction == STORE:  # the staging tensor lives on the copy stream, freed in its order
                     h.copy_(dev.index_select(0, idx), non_blocking=True)
                 else:
                     dev.index_copy_(0, idx, h.to(dev.device, non_blocking=True))
