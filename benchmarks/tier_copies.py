@@ -174,12 +174,14 @@ def issue_timed(copier: HostCopier, copies: list[tuple[int, int, int]], per_bloc
     return issued, time.perf_counter() - t
 
 
-def gpu_submit(num_blocks: int = 4096, num_slots: int = 8192, histories: int = 10, history: int = 384) -> None:
+LLAMA_8B = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=BLOCK, dtype=torch.bfloat16)
+
+
+def gpu_submit(device: torch.device, spec: KVCacheSpec = LLAMA_8B, num_blocks: int = 4096, num_slots: int = 4096,
+               histories: int = 10, history: int = 384) -> None:
     """HostCopier.submit on a GPU with the 8B shape's cache (32 layers, 8 KV heads of 128, bf16, 16-token blocks):
     a step reloading `histories` histories of `history` blocks, each in 10 ranges of host slots, into scattered
     and into consecutive device blocks, against one copy per block and tensor: host issue time, time to done."""
-    device = torch.device("cuda")
-    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=BLOCK, dtype=torch.bfloat16)
     copier = HostCopier.for_device(allocate(spec, num_blocks, device), allocate_host(spec, num_slots, device), device)
     stride = num_slots // (histories * 10)  # one range of history // 10 slots at the start of each stride
     slots = [r * stride + i for r in range(histories * 10) for i in range(history // 10)]
@@ -204,7 +206,7 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="time HostCopier.submit on the GPU with the 8B shape instead")
     a = ap.parse_args()
     if a.gpu:
-        gpu_submit()
+        gpu_submit(torch.device("cuda"))
         return
     s = shape(a.sessions, a.turns, a.scale)
     t0 = time.perf_counter()
