@@ -104,7 +104,8 @@ class CopyPlan:
         return sum(r.calls for r in self.runs)
 
     def issue(self, dev_pair: Pair, host_pair: Pair) -> None:
-        """One cache layer's share, in order, on the current stream (non-blocking to and from pinned memory)."""
+        """One cache layer's share, in order, on the current stream (non-blocking to and from pinned memory). The
+        caches come as `bits` views: fp8 has no index_copy_ of its own."""
         for run, idx in zip(self.runs, self.index, strict=True):
             n = len(run.blocks)
             for dev, host in zip(dev_pair, host_pair, strict=True):
@@ -115,12 +116,16 @@ class CopyPlan:
                     d = dev[run.blocks[0]:run.blocks[0] + n]
                     (h.copy_(d, non_blocking=True) if run.direction == STORE else d.copy_(h, non_blocking=True))
                     continue
-                # the gather / scatter moves bits: fp8 caches have no index_copy_ of their own
-                dev, h = dev.view(_BITS[dev.element_size()]), h.view(_BITS[h.element_size()])
                 if run.direction == STORE:  # the staging tensor lives on the copy stream, freed in its order
                     h.copy_(dev.index_select(0, idx), non_blocking=True)
                 else:
                     dev.index_copy_(0, idx, h.to(dev.device, non_blocking=True))
+
+
+def bits(caches: list[Pair]) -> list[Pair]:
+    """The caches viewed as integers of their element size: what the copies move, whatever the dtype."""
+    return [(k.view(_BITS[k.element_size()]), None if v is None else v.view(_BITS[v.element_size()]))
+            for k, v in caches]
 
 
 def copy_host_blocks(device_caches: list[Pair], host_caches: list[Pair], copies: list[tuple[int, int, int]]) -> None:
@@ -131,5 +136,5 @@ def copy_host_blocks(device_caches: list[Pair], host_caches: list[Pair], copies:
     if not copies:
         return
     plan = CopyPlan.of(copies, device_caches[0][0].device)
-    for dev_pair, host_pair in zip(device_caches, host_caches, strict=True):
+    for dev_pair, host_pair in zip(bits(device_caches), bits(host_caches), strict=True):
         plan.issue(dev_pair, host_pair)

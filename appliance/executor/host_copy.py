@@ -27,7 +27,7 @@ import torch
 from appliance.engine.config import disk_blocks, host_blocks
 from appliance.engine.disk_tier import FETCH, SPILL
 from appliance.executor import kv_cache
-from appliance.executor.block_copies import CopyPlan
+from appliance.executor.block_copies import CopyPlan, bits
 from appliance.executor.disk_file import DiskFile
 from appliance.executor.kv_cache import KVCacheSpec
 
@@ -107,6 +107,8 @@ class HostCopier:
     def __init__(self, device_caches: Caches, host_caches: Caches, stream: CopyStream,
                  disk: DiskFile | None = None) -> None:
         self.device_caches, self.host_caches, self.stream, self.disk = device_caches, host_caches, stream, disk
+        # what the copies move (none without a tier)
+        self._bits = list(zip(bits(device_caches), bits(host_caches), strict=True)) if host_caches else []
         self._marks: list[object | None] = [None] * len(device_caches)  # per cache layer, not yet waited for
         self.layerwise = False  # every cache layer's attention calls its kv_ready hook (bind_layers)
 
@@ -161,7 +163,7 @@ class HostCopier:
                 continue
             with self.stream.scope():  # the index tensor goes on the copy stream too, before the copies that read it
                 plan = CopyPlan.of(ops, self.device_caches[0][0].device)
-                for i, (dev_pair, host_pair) in enumerate(zip(self.device_caches, self.host_caches, strict=True)):
+                for i, (dev_pair, host_pair) in enumerate(self._bits):
                     plan.issue(dev_pair, host_pair)
                     self._marks[i] = self.stream.mark()
 
