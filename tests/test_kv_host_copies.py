@@ -25,6 +25,7 @@ def test_runs_follow_consecutive_host_slots_either_way_in_plan_order() -> None:
         HostRun(1, 2, (30,), True), HostRun(1, 3, (30,), True),  # a block loaded twice: the later must win
         HostRun(1, 5, (2,), True), HostRun(1, 4, (2,), True)]
     assert [r.calls for r in host_runs(ops)[:2]] == [2, 1]
+    assert [len(r.blocks) for r in host_runs([(0, b, 10 - b) for b in range(5)], max_len=2)] == [2, 2, 1]
     # a chain evicted tail first into descending slots is one range copy
     assert host_runs([(0, 12, 5), (0, 11, 4), (0, 10, 3)]) == [HostRun(0, 3, (10, 11, 12), True)]
     with pytest.raises(ValueError, match="direction 2"):

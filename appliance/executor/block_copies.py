@@ -24,6 +24,8 @@ import torch
 STORE, LOAD = 0, 1  # engine/host_tier.py's directions: device block -> host slot, host slot -> device block
 
 Pair = tuple[torch.Tensor, torch.Tensor | None]  # one layer's K and V (V None for a one-tensor cache)
+MAX_RUN = 1024  # blocks of one run: a scattered run's staging tensor is the transient device memory beside the
+# cache (32 MiB per tensor of an 8B model's 16-token blocks)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits, by its size
 
 
@@ -42,9 +44,10 @@ class HostRun:
         return 1 if self.consecutive else 2
 
 
-def host_runs(copies: list[tuple[int, int, int]]) -> list[HostRun]:
-    """The plan's copies (direction, block, slot) of one kind (STORE / LOAD) as runs over host slots that step
-    by +1 or -1, in plan order; a load's run never takes the same device block twice (the later must win)."""
+def host_runs(copies: list[tuple[int, int, int]], max_len: int = MAX_RUN) -> list[HostRun]:
+    """The plan's copies (direction, block, slot) of one kind (STORE / LOAD) as runs of at most max_len over host
+    slots that step by +1 or -1, in plan order; a load's run never takes the same device block twice (the later
+    must win)."""
     out: list[HostRun] = []
     direction, slots, blocks, step = -1, [0], [0], 0
     taken: set[int] = set()
@@ -52,7 +55,8 @@ def host_runs(copies: list[tuple[int, int, int]]) -> list[HostRun]:
         if d not in (STORE, LOAD):
             raise ValueError(f"host_runs takes device <-> host copies, got direction {d}")
         s = slot - slots[-1]
-        if d == direction and s in ((1, -1) if step == 0 else (step,)) and (d == STORE or block not in taken):
+        if (d == direction and s in ((1, -1) if step == 0 else (step,)) and (d == STORE or block not in taken)
+                and len(slots) < max_len):
             slots.append(slot)
             blocks.append(block)
             taken.add(block)
