@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-STORE, LOAD = 0, 1  # engine/host_tier.py's directions: device block -> host slot, host slot -> device block
+from appliance.engine.host_tier import LOAD, STORE
 
 Pair = tuple[torch.Tensor, torch.Tensor | None]  # one layer's K and V (V None for a one-tensor cache)
 MAX_RUN = 1024  # blocks of one run: a scattered run's staging tensor is the transient device memory beside the
@@ -52,7 +52,7 @@ def host_runs(copies: list[tuple[int, int, int]], max_len: int = MAX_RUN) -> lis
     direction, slots, blocks, step = -1, [0], [0], 0
     taken: set[int] = set()
     for d, block, slot in copies:
-        if d not in (STORE, LOAD):
+        if d not in (STORE, LOAD):  # the disk tier's go to executor/disk_file.py
             raise ValueError(f"host_runs takes device <-> host copies, got direction {d}")
         s = slot - slots[-1]
         if (d == direction and s in ((1, -1) if step == 0 else (step,)) and (d == STORE or block not in taken)
