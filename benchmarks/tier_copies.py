@@ -8,7 +8,7 @@ path before executor/block_copies.py),
 and the distribution of the host-slot ranges' lengths; then it times HostCopier.submit on CPU tensors for the step
 that moved the most blocks, with the 8B shape's layer count (32 layers, K and V) and tiny blocks.
 
-    python -m benchmarks.tier_copies [--sessions 32] [--turns 10] [--scale 8] [--check-kv]
+    python -m benchmarks.tier_copies [--sessions 32] [--turns 10] [--scale 8] [--host-ratio 4] [--check-kv]
     python -m benchmarks.tier_copies --gpu    # submit() on a GPU: the 8B shape's cache, a 3,840-block reload
 
 --scale divides the GPU benchmark's lengths (benchmarks/sessions.sh: 2048-token system prompt, 256-token first
@@ -45,6 +45,7 @@ class Shape:
     tool: int
     pool_tokens: int
     think_steps: int
+    host_ratio: int = 4  # host slots per device block
 
     @property
     def longest(self) -> int:
@@ -52,16 +53,16 @@ class Shape:
         return self.system + self.user + self.turns * (self.output + self.tool)
 
 
-def shape(sessions: int, turns: int, scale: int) -> Shape:
+def shape(sessions: int, turns: int, scale: int, host_ratio: int = 4) -> Shape:
     return Shape(sessions, turns, 2048 // scale, 256 // scale, max(2, 128 // scale), 320 // scale,
-                 65536 // scale, 20)
+                 65536 // scale, 20, host_ratio)
 
 
 def drive(s: Shape, check_kv: bool) -> EngineCore:
     """Every session's turns, closed loop: a session's next turn arrives think_steps steps after its answer."""
     num_blocks = s.pool_tokens // BLOCK
     cfg = EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_model_len=s.longest, chunked_prefill_size=2048,
-                       max_prefill_tokens=2048, num_host_blocks=4 * num_blocks, max_num_seqs=s.sessions)
+                       max_prefill_tokens=2048, num_host_blocks=s.host_ratio * num_blocks, max_num_seqs=s.sessions)
     core = EngineCore(cfg, FakeExecutor(num_blocks, BLOCK, vocab_size=1000, verify_kv=check_kv))
     rng = random.Random(0)
     system = [rng.randrange(10, 1000) for _ in range(s.system)]
@@ -202,18 +203,19 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--scale", type=int, default=8)
+    ap.add_argument("--host-ratio", type=int, default=4, help="host slots per device block (1: the tier recycles)")
     ap.add_argument("--check-kv", action="store_true", help="the fake executor checks every position read")
     ap.add_argument("--gpu", action="store_true", help="time HostCopier.submit on the GPU with the 8B shape instead")
     a = ap.parse_args()
     if a.gpu:
         gpu_submit(torch.device("cuda"))
         return
-    s = shape(a.sessions, a.turns, a.scale)
+    s = shape(a.sessions, a.turns, a.scale, a.host_ratio)
     t0 = time.perf_counter()
     core = drive(s, a.check_kv)
     print(f"{s} in {time.perf_counter() - t0:.1f} s")
     biggest = report_counts(core, 64)
-    time_submit(biggest, s.pool_tokens // BLOCK, 4 * s.pool_tokens // BLOCK)
+    time_submit(biggest, s.pool_tokens // BLOCK, s.host_ratio * s.pool_tokens // BLOCK)
 
 
 if __name__ == "__main__":
