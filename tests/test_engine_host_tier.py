@@ -9,6 +9,7 @@ from appliance.engine.core import EngineCore
 from appliance.engine.fake_executor import FakeExecutor
 from appliance.engine.host_tier import LOAD, STORE, HostTier
 from appliance.engine.sampling_params import SamplingParams
+from appliance.executor.block_copies import HostRun, host_runs
 
 BS = 4
 
@@ -175,3 +176,27 @@ def test_a_fetch_never_spills_over_the_disk_slot_it_reads() -> None:
     assert disk.get(11) is None and disk.get(12) is not None  # 11 made room instead
     tier.load(hb, 7)
     assert tier.check() == []
+
+
+def test_a_chain_evicted_tail_first_lands_in_ascending_slots_and_comes_back_as_one_range() -> None:
+    tier = HostTier(8)
+    chain = [(10 + i, (100 + i - 1) if i else None, 100 + i) for i in range(4)]  # (block, parent hash, hash)
+    for b, parent, h in reversed(chain):  # the device pool evicts a chain tail first
+        tier.offload(b, h, parent, (h,))
+    slots = [tier.get(h).slot for _, _, h in chain]
+    assert slots == list(range(slots[0], slots[0] + 4))
+    hits = tier.pin([tier.get(h) for _, _, h in chain])
+    for hb, b in zip(hits, range(20, 24), strict=True):  # fresh device blocks, ascending (BlockPool.allocate)
+        tier.load(hb, b)
+    copies = tier.take_copies()
+    assert host_runs(copies) == [HostRun(STORE, slots[0], (10, 11, 12, 13), True),
+                                 HostRun(LOAD, slots[0], (20, 21, 22, 23), True)]
+    # the tier full: a second chain evicted tail first recycles the first one's slots as a range again
+    for i in range(4):
+        tier.offload(30 + i, 200 + i, None, (200 + i,))
+    tier.take_copies()
+    for b, parent, h in reversed([(40 + i, (300 + i - 1) if i else None, 300 + i) for i in range(4)]):
+        tier.offload(b, h, parent, (h,))
+    assert [tier.get(300 + i).slot for i in range(4)] == slots
+    assert len(host_runs(tier.take_copies())) == 1 and tier.check() == []
+    assert tier.fetchable() == 8  # nothing free, nothing pinned: every cached slot may be taken

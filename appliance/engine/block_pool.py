@@ -18,8 +18,8 @@ the pool reclaims one, so it can forget the hash and publish a removal.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 
 class BlockPoolError(RuntimeError):
@@ -108,6 +108,9 @@ class BlockPool:
                 self._uncache(b)
             self._ref[b] = 1
             out.append(b)
+        # ascending: the blocks one request takes at once then tend to be a consecutive range (a range is freed
+        # and evicted together), so the host tier's copies of them are a few range copies (host_tier.py)
+        out.sort()
         return out
 
     def incref(self, block_id: int) -> None:

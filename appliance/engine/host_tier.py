@@ -6,6 +6,12 @@ device hits continues in the host tier; each host hit gets a fresh device block 
 step's forward, then it is an ordinary device prefix-cache block. The host copy stays (the tiers are inclusive),
 so a block evicted again needs no second copy. Slots are reused least recently used first.
 
+Slots are kept consecutive along a request's chain, so a worker moves a history in a few copies per layer
+(executor/block_copies.py) rather than one per block: the device pool evicts a chain tail first (its release order,
+engine/preemption.py), and free slots are handed out from the highest down, so a chain lands in ascending slots in
+chain order. The LRU keeps that order too (a hit refreshes its chain tail first), so slots recycled from it come
+back as the same descending ranges.
+
 Copies are queued as (direction, device block, host slot) and travel in the next StepPlan (`host_copies`);
 workers run them in order before the forward, so a copy out of a block always reads it before that step
 rewrites it, and a slot's new content is written after the loads planned before it.
@@ -46,7 +52,7 @@ class HostTier:
         if num_slots < 1:
             raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        self._free: deque[int] = deque(range(num_slots))
+        self._free: deque[int] = deque(range(num_slots))  # taken from the right: the highest first
         self._lru: OrderedDict[int, HostBlock] = OrderedDict()  # by block hash, least recently used first
         self._pinned: set[int] = set()  # hashes an admission is about to load: never reused meanwhile
         self.copies: list[tuple[int, int, int]] = []  # queued for the next plan
@@ -69,8 +75,9 @@ class HostTier:
         return hb
 
     def fetchable(self) -> int:
-        """Host slots an admission's pin may take: free ones or those of unpinned cached blocks."""
-        return len(self._free) + sum(1 for h in self._lru if h not in self._pinned)
+        """Host slots an admission's pin may take: free ones or those of unpinned cached blocks (every pinned
+        block is a cached one)."""
+        return len(self._free) + len(self._lru) - len(self._pinned)
 
     def offload(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> None:
         """The device evicts block_id, holding this full block: keep a host copy (none if it has one)."""
@@ -89,16 +96,18 @@ class HostTier:
     def pin(self, blocks: list[HostBlock | DiskBlock]) -> list[HostBlock]:
         """Keep an admission's hits until they are loaded: host hits pinned first, then disk hits fetched into
         host slots (pinned too); returns the host blocks, in order."""
-        for hb in blocks:
-            if isinstance(hb, HostBlock):
-                self._pinned.add(hb.block_hash)
-                self._lru.move_to_end(hb.block_hash)
+        host_hits = [hb for hb in blocks if isinstance(hb, HostBlock)]
         disk_hits = [db for db in blocks if isinstance(db, DiskBlock)]
+        self._pinned.update(hb.block_hash for hb in host_hits)  # the fetches below must not reuse their slots
         for db in disk_hits:  # a fetch's spill must not reuse the disk slot of another hit (or its own)
             assert self.disk is not None
             self.disk.pin(db.block_hash)
-        for db in disk_hits:
+        # the chain refreshed tail first, as the device pool evicts (see above): the fetches land in ascending
+        # slots in chain order, and slots recycle from the LRU as ranges
+        for db in reversed(disk_hits):
             self._pinned.add(self._fetch(db).block_hash)
+        for hb in reversed(host_hits):
+            self._lru.move_to_end(hb.block_hash)
         return [self._lru[b.block_hash] for b in blocks]
 
     def load(self, hb: HostBlock, block_id: int) -> None:
@@ -124,13 +133,14 @@ class HostTier:
     def take_owned(self, n: int) -> list[int] | None:
         """n slots for a swapped request (free ones, then evicted cached blocks), or None if that many cannot be
         had (pinned and owned slots stay)."""
-        if n > len(self._free) + sum(1 for h in self._lru if h not in self._pinned):
+        if n > self.fetchable():
             return None
         slots = []
         for _ in range(n):
             slot = self._take_slot()
             assert slot is not None
             slots.append(slot)
+        slots.sort()  # taken from the highest down: ascending in chain order, like the blocks they copy
         self._owned.update(slots)
         return slots
 
@@ -153,7 +163,7 @@ class HostTier:
     def clear(self) -> None:
         """Forget every cached block (a prefix-cache reset); swapped requests keep their slots and queued copies
         still run."""
-        self._free.extend(hb.slot for hb in self._lru.values())
+        self._free.extend(sorted(hb.slot for hb in self._lru.values()))  # the highest taken first again
         self._lru.clear()
         self._pinned.clear()
         if self.disk is not None:
@@ -173,7 +183,7 @@ class HostTier:
 
     def _take_slot(self) -> int | None:
         if self._free:
-            return self._free.popleft()
+            return self._free.pop()
         for h, hb in self._lru.items():
             if h not in self._pinned:
                 del self._lru[h]

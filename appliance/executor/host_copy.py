@@ -27,8 +27,9 @@ import torch
 from appliance.engine.config import disk_blocks, host_blocks
 from appliance.engine.disk_tier import FETCH, SPILL
 from appliance.executor import kv_cache
+from appliance.executor.block_copies import CopyPlan, bits
 from appliance.executor.disk_file import DiskFile
-from appliance.executor.kv_cache import KVCacheSpec, coalesce, copy_layer_runs
+from appliance.executor.kv_cache import KVCacheSpec
 
 if TYPE_CHECKING:
     from appliance.config.sections_engine import CacheSection
@@ -106,6 +107,8 @@ class HostCopier:
     def __init__(self, device_caches: Caches, host_caches: Caches, stream: CopyStream,
                  disk: DiskFile | None = None) -> None:
         self.device_caches, self.host_caches, self.stream, self.disk = device_caches, host_caches, stream, disk
+        # what the copies move (none without a tier)
+        self._bits = list(zip(bits(device_caches), bits(host_caches), strict=True)) if host_caches else []
         self._marks: list[object | None] = [None] * len(device_caches)  # per cache layer, not yet waited for
         self.layerwise = False  # every cache layer's attention calls its kv_ready hook (bind_layers)
 
@@ -147,7 +150,8 @@ class HostCopier:
         self.layerwise = hooked
 
     def submit(self, copies: list[tuple[int, int, int]]) -> None:
-        """Issue a plan's copies, layer by layer, in the plan's order within each layer."""
+        """Issue a plan's copies, layer by layer, in the plan's order within each layer: a few calls per run of
+        consecutive host slots (executor/block_copies.py), never one per block."""
         if not copies:
             return
         if not self.host_caches:
@@ -157,10 +161,10 @@ class HostCopier:
             if on_disk:
                 self._disk_io(ops)
                 continue
-            runs = coalesce(ops)
-            with self.stream.scope():
-                for i, (dev_pair, host_pair) in enumerate(zip(self.device_caches, self.host_caches, strict=True)):
-                    copy_layer_runs(dev_pair, host_pair, runs)
+            with self.stream.scope():  # the index tensor goes on the copy stream too, before the copies that read it
+                plan = CopyPlan.of(ops, self.device_caches[0][0].device)
+                for i, (dev_pair, host_pair) in enumerate(self._bits):
+                    plan.issue(dev_pair, host_pair)
                     self._marks[i] = self.stream.mark()
 
     def _disk_io(self, ops: list[tuple[int, int, int]]) -> None:

@@ -130,49 +130,6 @@ def allocate_host(spec: KVCacheSpec, num_slots: int,
     return own + (allocate_host(spec.drafter, num_slots, device) if spec.drafter is not None else [])
 
 
-def copy_host_blocks(device_caches: list[tuple[torch.Tensor, torch.Tensor | None]],
-                     host_caches: list[tuple[torch.Tensor, torch.Tensor | None]],
-                     copies: list[tuple[int, int, int]]) -> None:
-    """Run a plan's host-tier copies in order on the current stream: (0, block, slot) device -> host, (1, block,
-    slot) host -> device (non_blocking from / to pinned memory). Copies of consecutive blocks to consecutive slots
-    go as one range per tensor (slots and blocks are mostly handed out in order), so a long history costs a few
-    copies per layer rather than one per block. The runner issues them through executor/host_copy.py, on a side
-    stream beside the forward."""
-    if copies and not host_caches:
-        raise RuntimeError("the plan carries host-tier copies but this worker has no host tier")
-    runs = coalesce(copies)
-    for dev_pair, host_pair in zip(device_caches, host_caches, strict=True):
-        copy_layer_runs(dev_pair, host_pair, runs)
-
-
-def copy_layer_runs(dev_pair: tuple[torch.Tensor, torch.Tensor | None],
-                    host_pair: tuple[torch.Tensor, torch.Tensor | None],
-                    runs: list[tuple[int, int, int, int]]) -> None:
-    """One cache layer's share of coalesced copies, in order."""
-    for direction, block, slot, n in runs:
-        for dev, host in zip(dev_pair, host_pair, strict=True):
-            if dev is None or host is None:
-                continue
-            if direction == 0:
-                host[slot:slot + n].copy_(dev[block:block + n], non_blocking=True)
-            else:
-                dev[block:block + n].copy_(host[slot:slot + n], non_blocking=True)
-
-
-def coalesce(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
-    """(direction, first block, first slot, count): runs of one direction whose blocks and slots both step by
-    one, in the given order."""
-    runs: list[tuple[int, int, int, int]] = []
-    for direction, block, slot in copies:
-        if runs:
-            d, b, s, n = runs[-1]
-            if d == direction and block == b + n and slot == s + n:
-                runs[-1] = (d, b, s, n + 1)
-                continue
-        runs.append((direction, block, slot, 1))
-    return runs
-
-
 def release(caches: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
     """Give the caches' memory back now (the runner's finalizer). On a GPU with the Triton backend a tensor
     object of the cache outlived its dropped engine, held by a reference gc cannot see (found by

@@ -1,7 +1,7 @@
 """Measures, at start-up, the rates scheduler.preemption_mode = "auto" prices a swap with (engine/swap.py).
 
 Copy bandwidth: a round trip of blocks between the device cache and the host tier's slots through the runner's
-own copy path (kv_cache.copy_host_blocks), the same coalesced per-layer copies a swap runs. Prefill rate: one
+own copy path (block_copies.copy_host_blocks), the same per-run copies a swap runs. Prefill rate: one
 chunk of the step's size from position 0 and one at a long context (all in block 0, which no request holds
 yet), so the cost of recomputing n tokens has a per-token and a per-token-of-context term. Each is the best
 of a few runs after one that pays first-use costs; the device is synchronised here only, before serving. The
@@ -18,7 +18,7 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.swap import SwapCosts
-from appliance.executor import kv_cache
+from appliance.executor import block_copies
 from appliance.executor.input_batch import Chunk
 from appliance.executor.request_table import RequestState
 
@@ -43,7 +43,7 @@ def wanted(runner: ModelRunner) -> bool:
 def measure(runner: ModelRunner) -> SwapCosts:
     n = max(1, min(COPY_BLOCKS, runner.num_host_blocks, runner.num_blocks))
     copies = [(0, b, b) for b in range(n)] + [(1, b, b) for b in range(n)]
-    copy_s = _best(runner.device, lambda: kv_cache.copy_host_blocks(runner.kv_caches, runner.host_kv, copies))
+    copy_s = _best(runner.device, lambda: block_copies.copy_host_blocks(runner.kv_caches, runner.host_kv, copies))
     gbps = 2 * n * runner.kv_spec.bytes_per_block / copy_s / 1e9
     t = max(1, min(PREFILL_TOKENS, runner.step_tokens.budget, runner.max_model_len // 2))
     context = min(CONTEXT_TOKENS, runner.max_model_len - t)
