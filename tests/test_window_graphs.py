@@ -127,6 +127,30 @@ def test_one_graph_serves_other_requests(family_dir, hf_greedy) -> None:
     assert set(keys) == {GraphKey(4, 16)}
 
 
+def test_group_tables_larger_than_the_upload_room(family_dir, hf_greedy) -> None:
+    """A 200-token prompt prefilled eagerly reaches its first graph step with 50 group entries the device lacks,
+    more than the static upload holds for a graph of one row: they go through the overflow copy."""
+    path = family_dir("gemma3")
+    prompt = [3 + i % 300 for i in range(200)]
+    refs = hf_greedy(path, [prompt], NEW)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, chunked_prefill_size=64, max_num_seqs=2)
+    graphs_run = _with_decode_graphs(llm, [1])
+    graphs = llm.executor.runner.graphs
+    sent: list[int] = []
+    send = graphs._overflow.send
+
+    def counting(flat: np.ndarray) -> torch.Tensor:
+        sent.append(flat.shape[0])
+        return send(flat)
+
+    graphs._overflow.send = counting  # type: ignore[method-assign]
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+    got = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0]
+    assert got.token_ids == refs[0][0]
+    assert [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)] == pytest.approx(refs[0][1], abs=1e-4)
+    assert graphs_run and sent and max(sent) >= 2 * 50
+
+
 def test_piecewise_and_decode_graphs_match_transformers(family_dir, hf_greedy) -> None:
     """The default GPU run's shape on the CPU: mixed and prefill steps in (emulated) pieces, whose captured KV
     stores write each sliding group through its own static slots, and decode-only steps in decode graphs."""

@@ -74,8 +74,8 @@ from appliance.executor.runner_setup import (
 from appliance.executor.sampler import Sampler, prompt_logprobs
 from appliance.executor.startup import STARTUP
 from appliance.executor import window_groups
-from appliance.executor.window_table import WindowDeviceTables
 from appliance.executor.state_cache import make_state_cache
+from appliance.executor.window_table import WindowDeviceTables
 from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
