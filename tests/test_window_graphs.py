@@ -127,28 +127,46 @@ def test_one_graph_serves_other_requests(family_dir, hf_greedy) -> None:
     assert set(keys) == {GraphKey(4, 16)}
 
 
-def test_group_tables_larger_than_the_upload_room(family_dir, hf_greedy) -> None:
-    """A 200-token prompt prefilled eagerly reaches its first graph step with 50 group entries the device lacks,
-    more than the static upload holds for a graph of one row: they go through the overflow copy."""
-    path = family_dir("gemma3")
-    prompt = [3 + i % 300 for i in range(200)]
-    refs = hf_greedy(path, [prompt], NEW)
-    llm = LLM(model=str(path), dtype="float32", block_size=4, chunked_prefill_size=64, max_num_seqs=2)
-    graphs_run = _with_decode_graphs(llm, [1])
-    graphs = llm.executor.runner.graphs
+def _echo_windows(hidden: int):
+    """A stand-in model: each row's hidden state is group 1's gathered table, then its slot and the full slot."""
+    def forward(ids: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor:
+        w = meta.windows[0]
+        out = torch.cat([w.decode_block_tables.float(), w.slot_mapping.float()[:, None],
+                         meta.slot_mapping.float()[:, None]], 1)
+        return torch.nn.functional.pad(out, (0, hidden - out.shape[1]))
+    return forward
+
+
+@pytest.mark.parametrize("blocks_each", [2, 40])  # 40 x 3 rows overflow the static upload of a 4-row graph
+def test_graph_steps_address_the_groups_on_the_device(blocks_each: int) -> None:
+    """Rows whose group tables the device lacks entirely (new rows, as after a prefix hit): uploaded inline or,
+    past the static room, through the overflow copy; every row reads its own group table and slot, the pad row a
+    zero table and slot -1."""
+    bs, max_blocks = 4, 64
+    full = DeviceBlockTable(8, max_blocks, CPU)
+    live = LiveRequests(full)
+    graphs = DecodeGraphs(_echo_windows(80), 80, torch.float32, CPU, [1, 2, 4], max_blocks, bs)
+    graphs.bind(full, WindowDeviceTables(1, full))
     sent: list[int] = []
     send = graphs._overflow.send
-
-    def counting(flat: np.ndarray) -> torch.Tensor:
-        sent.append(flat.shape[0])
-        return send(flat)
-
-    graphs._overflow.send = counting  # type: ignore[method-assign]
-    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
-    got = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0]
-    assert got.token_ids == refs[0][0]
-    assert [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)] == pytest.approx(refs[0][1], abs=1e-4)
-    assert graphs_run and sent and max(sent) >= 2 * 50
+    graphs._overflow.send = lambda flat: sent.append(flat.shape[0]) or send(flat)  # type: ignore[method-assign]
+    rng = np.random.default_rng(blocks_each)
+    decodes = []
+    for i in range(3):
+        length = (blocks_each - 1) * bs + 1 + i
+        st = _state(f"r{i}", rng.integers(1, 999, blocks_each).tolist(), [rng.integers(0, 99, blocks_each).tolist()])
+        st.token_ids, st.num_computed = list(range(length)), length - 1
+        live[st.request_id] = st
+        decodes.append(Chunk(st, length - 1, 1, True))
+    key = graphs.key_for(decodes)
+    assert key is not None and key.batch == 4
+    out = graphs.run(decodes, key)
+    assert bool(sent) == (blocks_each == 40)
+    for c, row in zip(decodes, out.tolist()):
+        t, p = c.state.window_tables[0], c.start
+        assert row[: key.width] == [float(x) for x in t + [0] * (key.width - len(t))]
+        assert row[key.width] == t[p // bs] * bs + p % bs != row[key.width + 1]
+    assert graphs.hidden[3, : key.width + 2].tolist() == [0.0] * key.width + [-1.0, -1.0]
 
 
 def test_piecewise_and_decode_graphs_match_transformers(family_dir, hf_greedy) -> None:

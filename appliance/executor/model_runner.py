@@ -330,7 +330,7 @@ class ModelRunner:
         # decode tables padded like the graphs' (the split-K factor follows the width): same numerics either way
         width = width_bucket(table_width(decodes), self.max_blocks) if decodes else 1
         inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager, self._pad_prefills,
-                              self.block_table, with_states=self.state_cache is not None)
+                              self.block_table, with_states=self.state_cache is not None, windows=self.window_table)
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         hidden = None
         calibrating = self.kv_calibration is not None and not self.kv_calibration.done  # observed eagerly

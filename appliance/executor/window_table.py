@@ -10,17 +10,24 @@ tail past `RequestState.windows_on_device`.
 
 Inside the graph, after `DeviceBlockTable.advance` computed the rows' positions and full-group slots, each group's
 table is gathered at the graph's width and its slots come from the same positions (slot -1 of a pad row stays
--1): one captured graph serves any set of requests.
+-1): one captured graph serves any set of requests. Eager steps with device state (input_batch.build_inputs) read
+the same tables (`step_windows`), so a row's group tables cross the bus once, not every step; only their prefill
+rows' slots are built on the host, from the chunk's own positions.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from appliance.executor.input_batch import Stager
 from appliance.executor.request_table import ZERO_ROW, DeviceBlockTable, RequestState
 from appliance.layers.attention import WindowTables
+
+if TYPE_CHECKING:
+    from appliance.executor.input_batch import Chunk
 
 
 class WindowDeviceTables:
@@ -34,6 +41,7 @@ class WindowDeviceTables:
         self.table = torch.zeros(groups, rows, full.width, dtype=torch.int32, device=full.table.device)
         self._dirty = np.zeros((groups, rows), dtype=np.int64)  # columns a previous owner may have left nonzero
         self._no_prefill = torch.zeros(0, 1, dtype=torch.int32, device=full.table.device)
+        self._stager = Stager(full.table.device)  # eager steps' deltas and prefill slots
 
     def delta(self, states: Iterable[RequestState]) -> tuple[np.ndarray, np.ndarray]:
         """(flat index into table, block id), int64, of every group entry the device lacks for these requests;
@@ -81,11 +89,47 @@ class WindowDeviceTables:
         """Each group's addresses for one-token rows, computed on the device (capturable: no host sync): the rows'
         tables narrowed to `width` and the slots of their positions; a row whose full-group slot is -1 (padding)
         stores nothing in any group."""
-        column = torch.div(positions, block_size, rounding_mode="floor").unsqueeze(1)
-        offset = positions % block_size
         out = []
         for g in range(self.groups):
             tables = self.table[g, :, :width].index_select(0, rows)
-            group_slots = tables.gather(1, column).squeeze(1).to(torch.int64) * block_size + offset
-            out.append(WindowTables(torch.where(slots >= 0, group_slots, slots), tables, self._no_prefill))
+            out.append(WindowTables(_slots(tables, positions, slots, block_size), tables, self._no_prefill))
         return tuple(out)
+
+    def step_windows(self, decodes: list[Chunk], prefills: list[Chunk], decode_rows: torch.Tensor,
+                     prefill_rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, decode_width: int,
+                     prefill_width: int, block_size: int) -> tuple[WindowTables, ...]:
+        """Each group's addresses for an eager step with device state, in build_inputs' row order: the groups'
+        deltas and the prefill rows' slots in one copy; the decode rows' slots (from their device positions and
+        full-group slots) and both kinds of table on the device. prefill_rows: the prefill sequences' table rows,
+        padding (row 0) included."""
+        index, values = self.delta(c.state for c in (*decodes, *prefills))
+        k = index.shape[0]
+        pre = [_prefill_slots(prefills, g, block_size) for g in range(self.groups)]
+        sent = self._stager.send(np.concatenate([index, values, *pre]))
+        self.apply(sent[:k], sent[k : 2 * k])
+        at, n = 2 * k, pre[0].shape[0]
+        out = []
+        for g in range(self.groups):
+            dec = self.table[g, :, :decode_width].index_select(0, decode_rows)
+            group_slots = torch.cat([_slots(dec, positions, slots, block_size), sent[at + g * n : at + (g + 1) * n]])
+            out.append(WindowTables(group_slots, dec, self.table[g, :, :prefill_width].index_select(0, prefill_rows)))
+        return tuple(out)
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """One-token rows' cache slots in a group from their gathered tables and positions; -1 where the full group's
+    slot is -1 (padding)."""
+    column = torch.div(positions, block_size, rounding_mode="floor").unsqueeze(1)
+    group_slots = tables.gather(1, column).squeeze(1).to(torch.int64) * block_size + positions % block_size
+    return torch.where(slots >= 0, group_slots, slots)
+
+
+def _prefill_slots(prefills: list[Chunk], g: int, block_size: int) -> np.ndarray:
+    """Group g's cache slots of the prefill chunks' tokens, from only the blocks the chunks cover."""
+    out = [np.zeros(0, np.int64)]
+    for c in prefills:
+        first, last = c.start // block_size, (c.start + c.num_tokens - 1) // block_size
+        blocks = np.asarray(c.state.window_tables[g][first : last + 1], dtype=np.int64)
+        pos = np.arange(c.start, c.start + c.num_tokens, dtype=np.int64)
+        out.append(blocks[pos // block_size - first] * block_size + pos % block_size)
+    return np.concatenate(out)
