@@ -133,7 +133,11 @@ class DecodeGraphs:
     """Captured decode forwards over static inputs; `run` fills the inputs, replays, returns hidden states.
     table: the runner's persistent block tables (`bind` attaches one later; graphs read it directly).
     unsplit_from: the smallest batch whose decode attention launch is the same at every table width (None: each
-    width bucket is its own graph); such batches share the width of GRAPH_CONTEXT for narrower tables."""
+    width bucket is its own graph); such batches share the width of GRAPH_CONTEXT for narrower tables.
+    Subclasses with other per-row inputs (executor/verify_graphs.py) override SEGMENTS, `_rows_upload`,
+    `_lens_corrections` and `_body`."""
+
+    SEGMENTS = 2  # int64 segments of graph_stride(batch) per step in the upload: [ids | rows]
 
     def __init__(self, forward: Forward, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  sizes: list[int], max_blocks: int, block_size: int, table: DeviceBlockTable | None = None,
@@ -148,7 +152,7 @@ class DecodeGraphs:
         # the upload: [ids | rows] of the key's stride, the length corrections (at most one per row), then room
         # for the step's block delta; positions, slots and seq_lens are written on the device (DeviceBlockTable.
         # advance) into their own static buffers, at 32-byte aligned offsets
-        self.buf = torch.zeros(4 * top + 2 * DELTA_ROOM * top, dtype=torch.int64, device=device)
+        self.buf = torch.zeros((self.SEGMENTS + 2) * top + 2 * DELTA_ROOM * top, dtype=torch.int64, device=device)
         self.host = torch.zeros(self.buf.numel(), dtype=torch.int64, pin_memory=self.cuda)
         self.computed = torch.zeros(2 * top, dtype=torch.int64, device=device)  # [positions | slots]
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=device)
@@ -215,10 +219,11 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffer is about to be overwritten
         host = self.host.numpy()
-        build_graph_rows(decodes, self.block_size, key.batch, key.width, host)
+        self._rows_upload(decodes, key, host)
         index, blocks = self.table.delta(c.state for c in decodes)
-        corrections = self.table.lens_delta(decodes)
-        n, m, k = 2 * graph_stride(key.batch), corrections.shape[1], index.shape[0]
+        corrections = self._lens_corrections(decodes)
+        at = self.SEGMENTS * graph_stride(key.batch)
+        n, m, k = at, corrections.shape[1], index.shape[0]
         host[n : n + 2 * m] = corrections.reshape(-1)  # at most one per row: always fits
         n += 2 * m
         inline = n + 2 * k <= host.shape[0]
@@ -243,7 +248,6 @@ class DecodeGraphs:
             assert self.windows is not None
             sent = self.buf[full_end:n] if w_inline else self._overflow.send(windows)
             self.windows.apply(sent[: windows.shape[0] // 2], sent[windows.shape[0] // 2 :])
-        at = 2 * graph_stride(key.batch)
         self.table.set_lens(self.buf[at : at + m], self.buf[at + m : at + 2 * m])
 
     def _window_delta(self, decodes: list[Chunk]) -> np.ndarray | None:
@@ -252,6 +256,15 @@ class DecodeGraphs:
             return None
         index, blocks = self.windows.delta(c.state for c in decodes)
         return np.concatenate([index, blocks]) if index.shape[0] else None
+
+    def _rows_upload(self, decodes: list[Chunk], key: GraphKey, host: np.ndarray) -> None:
+        """The step's per-row segments of the upload (SEGMENTS of graph_stride(key.batch))."""
+        build_graph_rows(decodes, self.block_size, key.batch, key.width, host)
+
+    def _lens_corrections(self, decodes: list[Chunk]) -> np.ndarray:
+        """[2, m] (table row, length) corrections, at most one per request (DeviceBlockTable.lens_delta)."""
+        assert self.table is not None
+        return self.table.lens_delta(decodes)
 
     def capture(self, key: GraphKey) -> None:
         if key in self.graphs:

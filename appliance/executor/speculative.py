@@ -22,28 +22,27 @@ the drafts this worker holds for the request):
    and the next plan verifies at most that many. Above speculative.disable_by_batch_size sampling rows a step
    drafts nothing (a drafter with a cache still catches up, so its cache stays whole).
 With speculative.synthetic_acceptance_* (benchmarks only) step 2's accept decision is forced (speculative_forced.py).
+On a GPU steps 1 and 3 replay CUDA graphs: verification steps as decode rows (verify_graphs.py), the drafter's
+catch-up after them (catch_up_graphs.py) and the draft chain (draft_graphs.py).
 """
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from appliance.engine.speculation import drafts_allowed
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
 from appliance.executor import logits_processors, state_cache
 from appliance.executor.input_batch import Chunk, Stager
-from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import SampleResult, prompt_logprobs
+from appliance.executor.speculative_drafts import Drafting
 from appliance.executor.speculative_forced import ForcedAcceptance
-from appliance.executor.speculative_rejection import DraftPicker
 from appliance.executor.speculative_states import StateRollback
 from appliance.executor.speculative_verification import verify
-from appliance.layers.attention import AttentionMetadata
+from appliance.executor.verify_graphs import make_verify_graphs
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
@@ -123,7 +122,7 @@ class _Scored:
     emitted: dict[str, int]  # tokens emitted per sampling chunk
 
 
-class Speculator:
+class Speculator(Drafting):
     """Runs StepPlans for a ModelRunner with speculative decoding (ModelRunner.launch hands them here);
     subclasses implement `_propose`, which fills `self.drafts` for the requests that sampled."""
 
@@ -135,11 +134,14 @@ class Speculator:
         self.num_steps = int(s.num_steps)
         self.disable_above: int | None = s.disable_by_batch_size
         self.forced = ForcedAcceptance.from_section(s, runner.config.model.seed)
-        self.drafts: dict[str, list[int]] = {}
-        self.draft_probs: dict[str, torch.Tensor] = {}  # q rows of drafts drawn from the drafter (speculative_rejection)
-        self.drafting = True  # this step proposes (False above disable_by_batch_size sampling rows)
-        self._chain_stager = Stager(runner.device)  # a draft chain's inputs, one upload per step
+        self._drafts, self._pending, self.draft_probs = {}, None, {}
+        self.drafting = True
+        self._chain_stager = Stager(runner.device)  # the rows a chain starts from
         self._index_stager = Stager(runner.device)  # the drafter's row indices
+        # verification steps as decode rows, from CUDA graphs on a GPU (None: the multi-token path)
+        self.verify_graphs = make_verify_graphs(runner, self.num_steps)
+        self.chains, self.catch_up_graphs = None, None  # set by drafters with a model
+        self._verified_on_graphs = False
         self.recomputed = 0  # hybrid targets: verifications recomputed after a rejection (speculative_states.py)
 
     # ---- the step ----------------------------------------------------------------------------------------
@@ -173,15 +175,21 @@ class Speculator:
         state_cache.save_snapshots(r.state_cache, plan, r.requests)
         order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         scored.sampled.sort(key=lambda t: order[t.request_id])  # stable: a request's tokens stay in order
-        held = {c.state.request_id: len(self.drafts[c.state.request_id]) for c in ordered
-                if c.sample and self.drafts.get(c.state.request_id)}
+        held: dict[str, int] = {}
+        for c in ordered:
+            n = self._held(c.state.request_id) if c.sample else 0
+            if n:
+                held[c.state.request_id] = n
         return StepResult(plan.step_id, scored.sampled, scored.prompt_logprobs, held)
 
-    def _forget(self, rid: str) -> None:
-        self.drafts.pop(rid, None)
-        self.draft_probs.pop(rid, None)
-
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
+        v = self.verify_graphs
+        self._verified_on_graphs = False
+        if v is not None and v.fits(chunks, self.num_steps + 1):
+            got = v.run_step(chunks)
+            if got is not None:
+                self._verified_on_graphs = True
+                return chunks, got[0], got[1]
         return self.runner._forward(chunks)
 
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
@@ -237,8 +245,8 @@ class Speculator:
         out.prompt_logprobs = {c.state.request_id: prompt_logprobs(c, logits[i : i + n].float())
                                for c, i, n in prompt_at}
         if plain_at:
-            at = torch.tensor([i for _, i in plain_at], device=logits.device)
-            results = logits_processors.sample(r, logits[at], [c.state for c, _ in plain_at])
+            results = logits_processors.sample(r, self._rows_of(logits, [i for _, i in plain_at]),
+                                               [c.state for c, _ in plain_at])
             for (c, _), res in zip(plain_at, results):
                 c.state.token_ids.append(res.token_id)
                 out.sampled.append(SampledToken(c.state.request_id, res.token_id, res.logprob, res.top_logprobs,
@@ -248,9 +256,15 @@ class Speculator:
             self._verify(logits, verify_at, out)
         return out
 
+    def _rows_of(self, logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+        """These rows of logits: all of them in order without a gather (a step of verifications only), else a
+        gather through a staged upload (a plain torch.tensor(..., device) waits for the GPU to catch up)."""
+        if index == list(range(logits.shape[0])):
+            return logits
+        return logits[self._index_stager.send(np.asarray(index, dtype=np.int64))]
+
     def _verify(self, logits: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
-        at = torch.tensor([i + j for _, i, d in verify_at for j in range(d + 1)], device=logits.device)
-        rows = logits[at]
+        rows = self._rows_of(logits, [i + j for _, i, d in verify_at for j in range(d + 1)])
         first = 0
         for c, _, d in verify_at:  # structured outputs: each row masked as after the drafts before it
             if logits_processors.wants_processors(c.state.params.extra):
@@ -268,136 +282,3 @@ class Speculator:
             rid = c.state.request_id
             out.sampled += [SampledToken(rid, x.token_id, x.logprob, x.top_logprobs, x.rank) for x in results]
             out.emitted[rid] = len(results)
-
-    # ---- helpers of the drafters -------------------------------------------------------------------------
-    def shifted_inputs(self, chunks: list[Chunk], row_starts: list[int], emitted: dict[str, int],
-                       verifying: dict[str, int], device: torch.device) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Catch-up inputs of a drafter fed (token at i + 1, target's hidden state at i) (MTP, EAGLE): rows over
-        every chunk's positions whose next token is confirmed (a verification's emitted count, every row of other
-        chunks). Returns the inputs (positions, metadata, rows in their order), the shifted token ids and the
-        target's row of each."""
-        r = self.runner
-        own: list[Chunk] = []
-        target_first: dict[str, int] = {}
-        for c, first in zip(chunks, row_starts):
-            rid = c.state.request_id
-            own.append(Chunk(c.state, c.start, emitted[rid] if rid in verifying else c.num_tokens, c.sample))
-            target_first[rid] = first
-        inputs = r.host_inputs(own)
-        ids: list[int] = []
-        take: list[int] = []
-        for c in inputs.chunks:
-            ids += c.state.token_ids[c.start + 1 : c.start + c.num_tokens + 1]
-            first = target_first[c.state.request_id]
-            take += range(first, first + c.num_tokens)
-        sent = self._index_stager.send(np.asarray(ids + take, dtype=np.int64))
-        return inputs, sent[: len(ids)], sent[len(ids) :]
-
-    def last_rows(self, inputs: Any) -> tuple[list[RequestState], torch.Tensor]:
-        """The requests this step drafts for and their last catch-up rows (on the device, staged: a plain copy
-        would wait for the catch-up forward)."""
-        drafting = [(c.state, s + c.num_tokens - 1) for c, s in zip(inputs.chunks, inputs.row_starts)
-                    if self.wants_drafts(c)]
-        rows = self._chain_stager.send(np.asarray([row for _, row in drafting], dtype=np.int64)) if drafting else None
-        return [s for s, _ in drafting], rows  # type: ignore[return-value]
-
-    def wants_drafts(self, c: Chunk) -> bool:
-        """Whether this step proposes for the chunk's request."""
-        return self.drafting and c.sample and drafts_allowed(c.state.params)
-
-    def draft_limit(self, state: RequestState) -> int:
-        """First position a draft chain may not write: past the block table or the model's length."""
-        return min(len(state.block_ids) * self.runner.block_size, self.runner.max_model_len)
-
-    def chain(self, states: list[RequestState], logits: torch.Tensor, first_pos: list[int], hidden: Any,
-              step: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, Any], tuple[torch.Tensor, Any]],
-              id_map: torch.Tensor | None = None) -> None:
-        """Drafts 1..num_steps of each state: the first is picked from `logits` (the drafter's, one row per state),
-        then step i feeds draft i (and the drafter's `hidden` rows, if it chains them) at position
-        first_pos + i - 1 and returns the next logits. Drafts are argmax, or draws of the drafter's q for random
-        unseeded requests (speculative_rejection.py DraftPicker; `id_map`: the drafter's vocabulary -> the
-        target's). A chain stops early where that position is past the block table or max_model_len (the
-        scheduler never asks for more drafts than the result reports). Every step's positions, slots and tables
-        are known before the chain starts, so they travel in one staged upload, and the drafts come back in one
-        read at the end: no host round trip per draft step."""
-        device = logits.device
-        picker = DraftPicker(states, self.runner.batch_sampler.sampler.generator(device), id_map,
-                             int(self.runner.hf_config.vocab_size))
-        tokens = picker.pick(logits, np.arange(len(states)))
-        plan = self._chain_plan(states, first_pos)
-        steps = [tokens]
-        if plan:
-            flat = np.concatenate([a for p in plan for a in p.arrays()])
-            sent = self._chain_stager.send(flat)
-            at = 0
-            for p in plan:
-                views = []
-                for a in p.arrays():
-                    views.append(sent[at : at + a.shape[0]])
-                    at += a.shape[0]
-                keep, alive, positions, slots, seq_lens, tables = views
-                if p.narrows:
-                    tokens = tokens.index_select(0, keep)
-                    hidden = hidden.index_select(0, keep) if hidden is not None else None
-                n = p.rows
-                meta = AttentionMetadata(
-                    slot_mapping=slots, num_decode_tokens=n, decode_block_tables=tables.view(n, -1).to(torch.int32),
-                    decode_seq_lens=seq_lens.to(torch.int32),
-                    prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device),
-                    prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
-                    prefill_block_tables=torch.zeros((0, p.width), dtype=torch.int32, device=device))
-                logits, hidden = step(tokens, positions, meta, hidden)
-                tokens = picker.pick(logits, p.alive)
-                steps.append(torch.full((len(states),), -1, dtype=torch.int64, device=device).index_copy_(
-                    0, alive, tokens))
-        table = torch.stack(steps, dim=1).tolist()  # the chain's one read-back
-        for i, (state, row) in enumerate(zip(states, table)):
-            self.drafts[state.request_id] = [t for t in row if t >= 0]
-            q = picker.probs(i, len(self.drafts[state.request_id]))
-            if q is not None:
-                self.draft_probs[state.request_id] = q
-
-    def _chain_plan(self, states: list[RequestState], first_pos: list[int]) -> list[_ChainStep]:
-        """The host side of every chain step, computed up front (positions and limits are known)."""
-        bs = self.runner.block_size
-        limits = [self.draft_limit(s) for s in states]
-        out: list[_ChainStep] = []
-        alive = list(range(len(states)))
-        for i in range(1, self.num_steps):
-            keep = [j for j, a in enumerate(alive) if first_pos[a] + i - 1 < limits[a]]
-            if not keep:
-                break
-            narrows = len(keep) < len(alive)
-            alive = [alive[j] for j in keep]
-            rows = [states[a] for a in alive]
-            width = max(len(s.block_ids) for s in rows)
-            tables = np.zeros((len(rows), width), dtype=np.int64)
-            for r, s in enumerate(rows):
-                tables[r, : len(s.block_ids)] = s.block_ids
-            pos = np.asarray([first_pos[a] + i - 1 for a in alive], dtype=np.int64)
-            slots = tables[np.arange(len(rows)), pos // bs] * bs + pos % bs
-            out.append(_ChainStep(np.asarray(keep, dtype=np.int64), np.asarray(alive, dtype=np.int64), pos, slots,
-                                  pos + 1, tables.reshape(-1), narrows, width))
-        return out
-
-
-@dataclass
-class _ChainStep:
-    """One draft step's rows: which of the previous step's rows go on (keep), their index among the chain's
-    states (alive), positions, cache slots, sequence lengths and flattened block tables of `width` columns."""
-
-    keep: np.ndarray
-    alive: np.ndarray
-    positions: np.ndarray
-    slots: np.ndarray
-    seq_lens: np.ndarray
-    tables: np.ndarray
-    narrows: bool
-    width: int
-
-    @property
-    def rows(self) -> int:
-        return self.alive.shape[0]
-
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.keep, self.alive, self.positions, self.slots, self.seq_lens, self.tables

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from appliance.executor.catch_up_graphs import make_catch_up_graphs
+from appliance.executor.draft_graphs import make_chain_graphs
 from appliance.executor.input_batch import Chunk
 from appliance.executor.model_loader import init_dummy_weights, iterate_weights, load_hf_config, resolve_model_dir
 from appliance.executor.speculative import Speculator
@@ -140,26 +142,34 @@ class DraftModelSpeculator(Speculator):
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
         self.model = runner.draft_model
+        self.chains = make_chain_graphs(self, None, self.model, _drafter_backend(runner.config, runner))
+        self.catch_up_graphs = make_catch_up_graphs(self, None, None, 0)
+
+    def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: Any
+                   ) -> tuple[torch.Tensor, None]:
+        return self.model.compute_logits(self.model(tokens, positions, meta)), None
+
+    def catch_up_chunk(self, c: Chunk, emitted: dict[str, int], verifying: dict[str, int]) -> Chunk:
+        """Row i reads the token at i; the token just sampled is the first draft's input, if its position fits
+        the table and the model."""
+        rid = c.state.request_id
+        n = emitted[rid] if rid in verifying else c.num_tokens
+        fits = c.sample and c.start + n < self.draft_limit(c.state)
+        return Chunk(c.state, c.start, n + 1 if fits else n, fits)
+
+    def first_position(self, state: Any) -> int:
+        return state.num_computed + 1
 
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
-        r = self.runner
-        own: list[Chunk] = []
-        for c in chunks:
-            rid = c.state.request_id
-            n = emitted[rid] if rid in verifying else c.num_tokens
-            # the token just sampled is the first draft's input, if its position fits the table and the model
-            fits = c.sample and c.start + n < self.draft_limit(c.state)
-            own.append(Chunk(c.state, c.start, n + 1 if fits else n, fits))
-        inputs = r.host_inputs(own)
+        if self.propose_on_graphs(chunks, row_starts, emitted, verifying):
+            return
+        inputs = self.runner.host_inputs([self.catch_up_chunk(c, emitted, verifying) for c in chunks])
         h = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         states, rows = self.last_rows(inputs)
         if not states:
             return
-        def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, _: Any) -> tuple[torch.Tensor, None]:
-            return self.model.compute_logits(self.model(tokens, positions, meta)), None
-
-        self.chain(states, self.model.compute_logits(h[rows]), [s.num_computed + 1 for s in states], None, step)
+        self.chain(states, self.model.compute_logits(h[rows]), [self.first_position(s) for s in states], None)
 
 
 class EagleSpeculator(Speculator):
@@ -168,26 +178,35 @@ class EagleSpeculator(Speculator):
         self.head = runner.draft_model
         self.target = runner.model
         self.eagle3 = isinstance(self.head, Eagle3Head)
+        size = int(self.head.config.hidden_size)
+        self.chains = make_chain_graphs(self, size, self.head, _drafter_backend(runner.config, runner),
+                                        self.head.target_ids() if self.eagle3 else None)
+        self.catch_up_graphs = make_catch_up_graphs(self, self.catch_up_source(), size, 1)
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         """The head's logits (an EAGLE-3 head's own vocabulary, mapped to the target's by head.target_ids)."""
         return self.head.lm_head.compute_logits(normed) if self.eagle3 else self.target.compute_logits(normed)
 
+    def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, pre = self.head(tokens, positions, hidden, meta)
+        return self._logits(normed), pre
+
+    def catch_up_source(self) -> torch.Tensor | None:
+        """EAGLE-3: the captured target layers' buffer; EAGLE: the verify graphs' output."""
+        if self.eagle3:
+            return self.target.model.aux.buffer
+        return self.verify_graphs.hidden if self.verify_graphs is not None else None
+
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
-        device = hidden.device
-        inputs, input_ids, take = self.shifted_inputs(chunks, row_starts, emitted, verifying, device)
+        if self.propose_on_graphs(chunks, row_starts, emitted, verifying):
+            return
+        inputs, input_ids, take = self.shifted_inputs(chunks, row_starts, emitted, verifying, hidden.device)
         features = self.target.model.aux.rows(take) if self.eagle3 else hidden[take]
         normed, pre = self.head(input_ids, inputs.positions, features, inputs.meta)
         states, rows = self.last_rows(inputs)
         if not states:
             return
-        at = rows
-
-        def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, h: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-            normed, pre = self.head(tokens, positions, h, meta)
-            return self._logits(normed), pre
-
-        self.chain(states, self._logits(normed[at]), [s.num_computed for s in states], pre[at], step,
-                   self.head.target_ids() if self.eagle3 else None)
+        self.chain(states, self._logits(normed[rows]), [self.first_position(s) for s in states], pre[rows],
+                   self.chains.id_map if self.chains is not None else None)

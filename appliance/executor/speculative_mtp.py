@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from appliance.executor.catch_up_graphs import make_catch_up_graphs
+from appliance.executor.draft_graphs import make_chain_graphs
 from appliance.executor.input_batch import Chunk
 from appliance.executor.speculative import Speculator
 
@@ -35,10 +37,23 @@ class MtpSpeculator(Speculator):
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
         self.model = runner.model
+        self.chains = make_chain_graphs(self, int(runner.hf_config.hidden_size), self.model, runner.backend)
+        self.catch_up_graphs = make_catch_up_graphs(self, self.catch_up_source(), int(runner.hf_config.hidden_size), 1)
+
+    def catch_up_source(self) -> torch.Tensor | None:
+        """The verify graphs' output: the target's final hidden states."""
+        return self.verify_graphs.hidden if self.verify_graphs is not None else None
+
+    def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.model.mtp_forward(tokens, positions, hidden, meta)
+        return self.model.mtp_logits(h), h
 
     def _propose(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
         """MTP catch-up over every chunk's confirmed positions, then the draft chain for sampled requests."""
+        if self.propose_on_graphs(chunks, row_starts, emitted, verifying):
+            return
         device = hidden.device
         inputs, input_ids, take = self.shifted_inputs(chunks, row_starts, emitted, verifying, device)
         h = self.model.mtp_forward(input_ids, inputs.positions, hidden[take], inputs.meta)
@@ -46,10 +61,4 @@ class MtpSpeculator(Speculator):
         if not states:
             return
         h = h[rows]
-
-        def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, h: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-            h = self.model.mtp_forward(tokens, positions, h, meta)
-            return self.model.mtp_logits(h), h
-
-        self.chain(states, self.model.mtp_logits(h), [s.num_computed for s in states], h, step)
+        self.chain(states, self.model.mtp_logits(h), [s.num_computed for s in states], h)

@@ -100,6 +100,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64), persistent=False)
 
     tie_word_embeddings = False  # read by the Llama loader (_load)
+    supports_cuda_graphs = True  # Llama layers; never syncs with the host (executor/draft_graphs.py)
     _param = staticmethod(LlamaForCausalLM._param)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
@@ -152,6 +153,7 @@ class EagleHead(nn.Module):
         self.layers[0].input_layernorm = _PassResidual()
 
     tie_word_embeddings = False
+    supports_cuda_graphs = True
     _param = staticmethod(LlamaForCausalLM._param)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
