@@ -132,8 +132,7 @@ class ModelRunner:
         # hybrid models: per-request recurrent states beside the KV cache, one slot per table row (state_cache.py);
         # allocated before the profile, so gpu_memory_utilization covers both
         self.state_cache = make_state_cache(self, config.scheduler.max_num_seqs)
-        # sliding-window layers in pools of their own where the run allows (window_groups.py), their tables on the
-        # device beside the full one's for the decode graphs (window_table.py)
+        # sliding layers in pools of their own where the run allows (window_groups.py), tables on the device too
         sliding = window_groups.sliding_groups(self)
         self.window_table = WindowDeviceTables(len(sliding), self.block_table) if sliding else None
         with STARTUP.phase("profiling memory"):
