@@ -230,13 +230,13 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         table.advance(rows, block_size, head[seg[1]][:nd], head[seg[2]][:nd], tail[o[0]])
         decode_tables, prefill_tables = table.gather(rows, wd), table.gather(tail[o[4]], wp)
         if windows is not None:
-            group_meta = windows.step_windows(decodes, prefills, rows, tail[o[4]], head[seg[1]][:nd],
+            window_meta = windows.step_windows(decodes, prefills, rows, tail[o[4]], head[seg[1]][:nd],
                                               head[seg[2]][:nd], wd, wp, block_size)
     else:
         decode_tables, prefill_tables = tail[o[3]].view(nd, wd), tail[o[4]].view(npf, wp)
         decode_slots = torch.zeros(nd, dtype=torch.int64, device=device)
     if table is None or windows is None:
-        group_meta = window_tables(decodes, prefills, npad, wd, wp, block_size, device)
+        window_meta = window_tables(decodes, prefills, npad, wd, wp, block_size, device)
     states = None
     if with_states:
         rows_p = [c.state.table_row if table is not None else 0 for c in prefills]
@@ -251,7 +251,7 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         prefill_block_tables=prefill_tables,
         decode_order=longest_first(tail[o[0]]),
         states=states,
-        windows=group_meta,
+        windows=window_meta,
     )
     return StepInputs(head[seg[0]], head[seg[1]], meta, ordered, row_starts)
 
