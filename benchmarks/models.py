@@ -2,7 +2,7 @@
 
     python -m benchmarks.models                          # one H100: both models, JSON lines to stdout
     python -m benchmarks.models --only gpt-oss-20b       # one model
-    python -m benchmarks.models --only gemma-3-12b --enforce-eager   # the sliding layers in pools of their own
+    python -m benchmarks.models --only gemma-3-12b --enforce-eager   # the same without CUDA graphs
     python -m benchmarks.models --quick                  # tiny shapes of the same families on the CPU (a test)
 
 Per model, through the offline runners of appliance/bench (EOS ignored: every request makes its output length):
@@ -11,8 +11,9 @@ Per model, through the offline runners of appliance/bench (EOS ignored: every re
 - KV memory per sequence of --kv-context tokens: the blocks per sequence this run allocates in each KV cache group
   (engine/kv_groups.py: a sliding-window layer's group keeps the blocks of its window, at most
   ceil((W + block - 1) / block)) when its sliding layers have pools of their own (executor/window_groups.py: eager
-  runs so far; with CUDA graphs one table serves every layer, which keeps the whole context), the bytes, and
-  their ratio to every layer keeping the whole context (`ratio`: the groups'; `allocated_ratio`: this run's).
+  steps, decode graphs and piecewise graphs alike; speculative decoding, the host tier and recurrent state still
+  keep one table for every layer, the whole context), the bytes, and their ratio to every layer keeping the whole
+  context (`ratio`: the groups'; `allocated_ratio`: this run's).
 Each model runs in its own process (a GPU engine's memory is only certainly back when its process ends).
 """
 from __future__ import annotations
@@ -113,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: the sliding-window layers then keep only their window (own KV pools)")
+                   help="no CUDA graphs (the sliding-window layers keep only their window either way)")
     args = p.parse_args(argv)
     if args.quick:  # sizes the CPU runs in seconds
         args.num_prompts, args.input_len, args.output_len = 4, 24, 8

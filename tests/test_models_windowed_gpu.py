@@ -28,8 +28,9 @@ def test_gpu_triton_matches_transformers(family: str, eager: bool, tmp_path: Pat
     runner = llm.executor.runner
     assert runner.backend == "triton" and runner.model.supports_cuda_graphs
     assert (runner.graphs is None) == eager
-    # eager runs keep the sliding layers' windows in pools of their own; decode graphs do not carry them yet
-    assert runner.kv_layout.window_sizes == ((WINDOW,) if eager else ())
+    # the sliding layers keep their windows in pools of their own, eager or in graphs (executor/window_table.py)
+    assert runner.kv_layout.window_sizes == (WINDOW,)
+    assert eager or runner.graphs.windows is runner.window_table is not None
     for _ in range(2):  # the second pass hits the prefix cache
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())
         assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]

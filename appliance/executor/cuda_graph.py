@@ -35,6 +35,9 @@ declare this with a class attribute `supports_cuda_graphs = True` (the Llama fam
 Hybrid models (with_states): a row's recurrent-state slot is its table row (executor/state_cache.py), so the
 rows' segment of the static upload doubles as the device tensor of state slots; pad rows read and write the
 scratch slot 0, and one graph serves any set of requests.
+Sliding-window KV cache groups (bound with the table: `bind(table, windows)`, executor/window_table.py): each
+group's persistent table rows travel as a second delta in the same upload, and inside the graph each group's
+tables are gathered at the key's width and its slots computed from the rows' positions.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from appliance.executor.input_batch import (
     table_width,
 )
 from appliance.executor.request_table import DeviceBlockTable
+from appliance.executor.window_table import WindowDeviceTables
 from appliance.layers.attention import AttentionMetadata, SequenceStates, longest_first
 
 log = logging.getLogger(__name__)
@@ -161,18 +165,20 @@ class DecodeGraphs:
         self._copied: torch.cuda.Event | None = None
         self._overflow = Stager(device)  # a delta larger than the room (a step of many new one-token requests)
         self.table: DeviceBlockTable | None = None
+        self.windows: WindowDeviceTables | None = None  # the sliding groups' tables (None: one group)
         self.last_key: GraphKey | None = None
         if table is not None:
             self.bind(table)
 
-    def bind(self, table: DeviceBlockTable) -> None:
-        """Read this persistent table (a no-op when bound to it); graphs captured for another are dropped."""
-        if table is self.table:
+    def bind(self, table: DeviceBlockTable, windows: WindowDeviceTables | None = None) -> None:
+        """Read this persistent table and these sliding groups' tables (a no-op when bound to them); graphs
+        captured for others are dropped."""
+        if table is self.table and windows is self.windows:
             return
         if table.width < self.max_blocks:
             raise ValueError(f"a block table of {table.width} columns is narrower than max_model_len's "
                              f"{self.max_blocks} blocks")
-        self.table = table
+        self.table, self.windows = table, windows
         self.graphs.clear()
 
     def key_for(self, decodes: list[Chunk]) -> GraphKey | None:
@@ -201,7 +207,9 @@ class DecodeGraphs:
             decode_seq_lens=self.seq_lens[:b],
             prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
             prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(self.seq_lens[:b]),
-            states=SequenceStates(rows, [], [], [0]) if self.with_states else None)
+            states=SequenceStates(rows, [], [], [0]) if self.with_states else None,
+            windows=() if self.windows is None else self.windows.decode_windows(rows, positions, slots, w,
+                                                                                self.block_size))
         self.hidden[:b].copy_(self.forward(self.buf[:b], positions, meta))
 
     def _fill(self, decodes: list[Chunk], key: GraphKey) -> None:
@@ -222,6 +230,11 @@ class DecodeGraphs:
         if inline:
             host[n : n + k], host[n + k : n + 2 * k] = index, blocks
             n += 2 * k
+        full_end, windows = n, self._window_delta(decodes)  # the sliding groups' delta after the full one's
+        w_inline = windows is not None and n + windows.shape[0] <= host.shape[0]
+        if w_inline:
+            host[n : n + windows.shape[0]] = windows
+            n += windows.shape[0]
         self.buf[:n].copy_(self.host[:n], non_blocking=self.cuda)
         if self.cuda:
             self._copied = torch.cuda.Event()
@@ -230,8 +243,19 @@ class DecodeGraphs:
             delta = self._overflow.send(np.concatenate([index, blocks]))
             self.table.apply(delta[:k], delta[k:])
         elif k:
-            self.table.apply(self.buf[n - 2 * k : n - k], self.buf[n - k : n])
+            self.table.apply(self.buf[full_end - 2 * k : full_end - k], self.buf[full_end - k : full_end])
+        if windows is not None:
+            assert self.windows is not None
+            sent = self.buf[full_end:n] if w_inline else self._overflow.send(windows)
+            self.windows.apply(sent[: windows.shape[0] // 2], sent[windows.shape[0] // 2 :])
         self.table.set_lens(self.buf[at : at + m], self.buf[at + m : at + 2 * m])
+
+    def _window_delta(self, decodes: list[Chunk]) -> np.ndarray | None:
+        """[index | block ids] of the sliding groups' entries the device lacks, or None when there are none."""
+        if self.windows is None:
+            return None
+        index, blocks = self.windows.delta(c.state for c in decodes)
+        return np.concatenate([index, blocks]) if index.shape[0] else None
 
     def _rows_upload(self, decodes: list[Chunk], key: GraphKey, host: np.ndarray) -> None:
         """The step's per-row segments of the upload (SEGMENTS of graph_stride(key.batch))."""

@@ -27,6 +27,7 @@ from appliance.layers.attention import AttentionMetadata, SequenceStates, longes
 
 if TYPE_CHECKING:
     from appliance.executor.request_table import DeviceBlockTable, RequestState
+    from appliance.executor.window_table import WindowDeviceTables
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ def _layout(sizes: list[int]) -> tuple[list[slice], int]:
 
 def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, decode_width: int = 1,
                  stager: Stager | None = None, pad_prefills: bool = False,
-                 table: DeviceBlockTable | None = None, with_states: bool = False) -> StepInputs:
+                 table: DeviceBlockTable | None = None, with_states: bool = False,
+                 windows: WindowDeviceTables | None = None) -> StepInputs:
     """Order chunks decode-first and flatten them into one batch of rows.
 
     decode_width: least width of the decode block table (the split-K factor of decode attention follows the
@@ -157,6 +159,8 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
     rows' positions, slots and seq_lens computed there (which advances the table's lengths: every call with a
     table must be followed by the forward it builds). None: everything is built here, nothing on the device
     changes.
+    windows: the sliding-window groups' device tables (with `table`): the groups' addresses come from them, like
+    the decode graphs'; else from the requests' tables, built here (window_inputs.py).
     """
     decodes, prefills = order_chunks(chunks)
     ordered = decodes + prefills
@@ -225,9 +229,14 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         decode_slots = rows
         table.advance(rows, block_size, head[seg[1]][:nd], head[seg[2]][:nd], tail[o[0]])
         decode_tables, prefill_tables = table.gather(rows, wd), table.gather(tail[o[4]], wp)
+        if windows is not None:
+            window_meta = windows.step_windows(decodes, prefills, rows, tail[o[4]], head[seg[1]][:nd],
+                                              head[seg[2]][:nd], wd, wp, block_size)
     else:
         decode_tables, prefill_tables = tail[o[3]].view(nd, wd), tail[o[4]].view(npf, wp)
         decode_slots = torch.zeros(nd, dtype=torch.int64, device=device)
+    if table is None or windows is None:
+        window_meta = window_tables(decodes, prefills, npad, wd, wp, block_size, device)
     states = None
     if with_states:
         rows_p = [c.state.table_row if table is not None else 0 for c in prefills]
@@ -242,7 +251,7 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         prefill_block_tables=prefill_tables,
         decode_order=longest_first(tail[o[0]]),
         states=states,
-        windows=window_tables(decodes, prefills, npad, wd, wp, block_size, device),
+        windows=window_meta,
     )
     return StepInputs(head[seg[0]], head[seg[1]], meta, ordered, row_starts)
 

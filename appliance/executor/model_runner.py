@@ -75,6 +75,7 @@ from appliance.executor.sampler import Sampler, prompt_logprobs
 from appliance.executor.startup import STARTUP
 from appliance.executor import window_groups
 from appliance.executor.state_cache import make_state_cache
+from appliance.executor.window_table import WindowDeviceTables
 from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
@@ -131,10 +132,12 @@ class ModelRunner:
         # hybrid models: per-request recurrent states beside the KV cache, one slot per table row (state_cache.py);
         # allocated before the profile, so gpu_memory_utilization covers both
         self.state_cache = make_state_cache(self, config.scheduler.max_num_seqs)
+        # sliding layers in pools of their own where the run allows (window_groups.py), tables on the device too
+        sliding = window_groups.sliding_groups(self)
+        self.window_table = WindowDeviceTables(len(sliding), self.block_table) if sliding else None
         with STARTUP.phase("profiling memory"):
-            # sliding-window layers in pools of their own where the run allows (window_groups.py)
-            self.kv_layout = window_groups.split(count_blocks(self), self.kv_spec, window_groups.sliding_groups(self),
-                                                 self.max_model_len, self.step_tokens.largest_chunk)
+            self.kv_layout = window_groups.split(count_blocks(self), self.kv_spec, sliding, self.max_model_len,
+                                                 self.step_tokens.largest_chunk)
             self.num_blocks = self.kv_layout.num_blocks
         with STARTUP.phase("allocating the KV cache"):
             self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device,
@@ -210,7 +213,8 @@ class ModelRunner:
     def _make_pieces(self) -> PiecewiseGraphs | None:
         limit = piecewise_max_tokens(self.config, self.model, self.graphs is not None, get_tp_size(),
                                      self.step_tokens)
-        return None if limit is None else PiecewiseGraphs(self.model, self.device, self.dtype, limit)
+        return None if limit is None else PiecewiseGraphs(self.model, self.device, self.dtype, limit,
+                                                          len(self.kv_layout.groups))
 
     def _make_graphs(self) -> DecodeGraphs | None:
         sizes = graph_settings(self.config, self.model, self.device, self.backend)
@@ -317,7 +321,7 @@ class ModelRunner:
                                                                 for c in chunks):
             key = self.graphs.key_for(chunks)
             if key is not None:
-                self.graphs.bind(self.block_table)  # a no-op unless graphs were swapped in (tests, benchmarks)
+                self.graphs.bind(self.block_table, self.window_table)  # a no-op unless swapped in (tests, benchmarks)
                 self.host_copier.wait_all()  # the graph's cache accesses are captured: no layer hooks
                 return chunks, list(range(len(chunks))), self.graphs.run(
                     chunks, key, lambda ids: inflight.resolve_pending_ids(chunks, ids, self._pending_stager))
@@ -325,7 +329,7 @@ class ModelRunner:
         # decode tables padded like the graphs' (the split-K factor follows the width): same numerics either way
         width = width_bucket(table_width(decodes), self.max_blocks) if decodes else 1
         inputs = build_inputs(chunks, self.block_size, self.device, width, self._stager, self._pad_prefills,
-                              self.block_table, with_states=self.state_cache is not None)
+                              self.block_table, with_states=self.state_cache is not None, windows=self.window_table)
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         hidden = None
         calibrating = self.kv_calibration is not None and not self.kv_calibration.done  # observed eagerly
@@ -343,7 +347,7 @@ class ModelRunner:
         use), calling on_captured after each; returns how many graphs exist."""
         if self.graphs is None:
             return 0
-        self.graphs.bind(self.block_table)
+        self.graphs.bind(self.block_table, self.window_table)
         with torch.inference_mode():
             return self.graphs.capture_all(min(max_context, self.max_model_len), on_captured)
 

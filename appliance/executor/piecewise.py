@@ -11,6 +11,9 @@ back the static buffer the eager attention will write at replay; the next graph 
 Token counts are padded up to a bucket (`bucket_for`). Padded rows carry a valid token id, a valid position and
 slot -1 (no KV store); attention never reads them (it runs on the step's own metadata, rows [0, T)), so their
 values in the static attention output are stale but finite, and no real row reads a padded one.
+Sliding-window KV cache groups (engine/kv_groups.py): their layers store K/V inside the pieces through their group's
+slots, so each group has a static slot buffer of its own beside the full group's, staged the same way (its
+tables are read only by the eager attention, from the step's metadata).
 
 Settings: backends.piecewise_cuda_graph (on by default) and backends.piecewise_cuda_graph_max_tokens; every bucket
 is captured at warm-up, largest first, into one pool (the smaller ones reuse its blocks). On a CPU (tests) run()
@@ -30,7 +33,7 @@ import torch
 
 from appliance.engine.config import StepTokens
 from appliance.layers import attention as attention_layer
-from appliance.layers.attention import Attention, AttentionMetadata, PieceBreak
+from appliance.layers.attention import Attention, AttentionMetadata, PieceBreak, WindowTables
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
@@ -121,11 +124,15 @@ def attention_breaks(hook: PieceBreak) -> Iterator[None]:
 class PiecewiseGraphs:
     """The eager steps' forward as CUDA-graph pieces per token bucket, with eager attention between them."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, max_tokens: int,
+                 window_groups: int = 0) -> None:
+        """window_groups: the runner's sliding-window KV cache groups (their layers' kv_group 1..n)."""
         self.model, self.device, self.dtype, self.max_tokens = model, device, dtype, max_tokens
         self.ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.window_slots = [torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+                             for _ in range(window_groups)]
         self.cuda = device.type == "cuda"  # elsewhere (tests) run() emulates the pieces without graphs
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -152,10 +159,12 @@ class PiecewiseGraphs:
     def _meta(self, t: int) -> AttentionMetadata:
         """What the captured forward sees: the static slots (padding stores nothing); attention never runs."""
         none = torch.zeros(1, dtype=torch.int32, device=self.device)
+        empty = none[:0].view(0, 1)
         return AttentionMetadata(slot_mapping=self.slots[:t], num_decode_tokens=0,
-                                 decode_block_tables=none[:0].view(0, 1), decode_seq_lens=none[:0],
+                                 decode_block_tables=empty, decode_seq_lens=none[:0],
                                  prefill_cu_seqlens=none, prefill_seq_lens=none[:0],
-                                 prefill_block_tables=none[:0].view(0, 1))
+                                 prefill_block_tables=empty,
+                                 windows=tuple(WindowTables(w[:t], empty, empty) for w in self.window_slots))
 
     def capture(self, t: int) -> Pieces:
         """Capture the pieces of a t-token forward; the first capture (the largest bucket, capture_all's order)
@@ -164,7 +173,8 @@ class PiecewiseGraphs:
         so no bucket after the first runs an eager forward of its own (40 buckets at an 8192-token budget)."""
         if t in self.pieces:
             return self.pieces[t]
-        self.slots[:t].fill_(-1)
+        for slots in (self.slots, *self.window_slots):
+            slots[:t].fill_(-1)
         meta = self._meta(t)
         if self._hidden is None:
             with attention_breaks(_Recorder(self, t, capture=False).attention):
@@ -221,8 +231,12 @@ class PiecewiseGraphs:
         t = int(input_ids.shape[0])
         self.ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
-        self.slots[:t].copy_(meta.slot_mapping)
-        self.slots[t:b].fill_(-1)
+        if len(meta.windows) != len(self.window_slots):
+            raise ValueError(f"a step of {len(meta.windows)} sliding-window groups reached pieces built for "
+                             f"{len(self.window_slots)}")
+        for static, step in zip((self.slots, *self.window_slots), (meta, *meta.windows)):
+            static[:t].copy_(step.slot_mapping)
+            static[t:b].fill_(-1)
         return t
 
     def _emulate(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -70,6 +70,9 @@ class RequestState:
     # its table in each sliding-window KV cache group (engine/kv_groups.py), as long as block_ids; none when the
     # model's layers share one group
     window_tables: list[list[int]] = field(default_factory=list)
+    # per sliding group: how many of window_tables[g] the device's window tables hold (window_table.py; decode
+    # graphs only), reset with the row like blocks_on_device
+    windows_on_device: list[int] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:
@@ -125,12 +128,14 @@ class DeviceBlockTable:
                                "more live requests than the scheduler may run at once")
         state.table_row = self._free.pop()
         state.blocks_on_device, state.pos_on_device = 0, UNKNOWN_POSITION  # the row's length is a stranger's
+        state.windows_on_device = []
 
     def release(self, state: RequestState) -> None:
         if state.table_row == ZERO_ROW:
             return
         self._free.append(state.table_row)
         state.table_row, state.blocks_on_device, state.pos_on_device = ZERO_ROW, 0, UNKNOWN_POSITION
+        state.windows_on_device = []
 
     def delta(self, states: Iterable[RequestState]) -> tuple[np.ndarray, np.ndarray]:
         """(flat index into table, block id), int64, of every entry the device lacks for these requests; marks

@@ -13,7 +13,8 @@ compile_ahead.py: the warm-up finds those in the cache.) So the warm-up runs:
 - the decode graphs (contexts up to graph_context) and the piecewise token buckets;
 - real steps through `launch` / `finish`, overlapped like a run: a prefill, a decode reading the ids still in
   flight (a graph replay), and a mixed step (the pieces, the eager pending-id path, a gathered LM head).
-Everything writes only block 0 and no request outlives the warm-up.
+Everything writes only block 0 (of every KV pool: a sliding-window group's block 0 is its null block, which no
+query reads) and no request outlives the warm-up.
 """
 from __future__ import annotations
 
@@ -96,10 +97,16 @@ def _prefill_counts(runner: ModelRunner) -> list[int]:
 def _prefills(runner: ModelRunner, counts: list[int], tick: Callable[[], None]) -> None:
     """Two tokens per sequence, all in block 0 (no request holds it yet)."""
     for n in counts:
-        states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams()) for i in range(n)]
+        states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams(),
+                               window_tables=_window_tables(runner, 2)) for i in range(n)]
         inputs = runner.host_inputs([Chunk(st, 0, 2, False) for st in states])
         runner.model(inputs.input_ids, inputs.positions, inputs.meta)
         tick()
+
+
+def _window_tables(runner: ModelRunner, num_blocks: int) -> list[list[int]]:
+    """A warm-up request's table in each sliding-window KV cache group: block 0 throughout."""
+    return [[0] * num_blocks for _ in runner.kv_layout.groups]
 
 
 def _sampler(runner: ModelRunner, tick: Callable[[], None]) -> None:
@@ -141,7 +148,8 @@ def _steps(runner: ModelRunner) -> None:
     capacity = runner.block_table.num_free
     k = min(3, max(1, capacity - 1))  # decoding requests; one row left for the mixed step's prompt
     blocks = [0] * -(-STEP_TOKENS // runner.block_size)  # every position in block 0, whatever the block size
-    new = [NewRequestData(f"warmup-step{i}", [0, 0], 2, 0, blocks, rand if i % 2 else greedy)
+    new = [NewRequestData(f"warmup-step{i}", [0, 0], 2, 0, blocks, rand if i % 2 else greedy,
+                          window_block_ids=_window_tables(runner, len(blocks)))
            for i in range(min(k + 1, capacity))]
     ids = [r.request_id for r in new]
     plans = [StepPlan(0, new[:k], [ScheduledRequest(r, 2, [], True) for r in ids[:k]]),

@@ -1,7 +1,8 @@
 """The worker's side of the sliding-window KV cache groups (engine/kv_groups.py): whether this runner gives its
 sliding-window layers pools of their own, how the KV budget splits over the groups, and which cache each layer
-binds. Without sliding groups (a model without sliding layers, or a run whose other features do not carry the
-groups' tables yet, logged) every layer keeps the whole context in the one pool, as before.
+binds. Eager steps, the decode graphs and the piecewise graphs carry the groups' tables (window_inputs.py,
+window_table.py). Without sliding groups (a model without sliding layers, or a run whose other features do not
+carry the groups' tables yet, logged) every layer keeps the whole context in the one pool, as before.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from appliance.engine.kv_groups import KVGroup, kv_groups, plan_blocks
-from appliance.executor.cuda_graph import graph_settings
 
 if TYPE_CHECKING:
     from appliance.executor.kv_cache import KVCacheSpec
@@ -55,7 +55,6 @@ def sliding_groups(runner: ModelRunner) -> tuple[KVGroup, ...]:
         return ()
     c = runner.config
     why = [name for name, on in (
-        ("CUDA graphs", graph_settings(c, runner.model, runner.device, runner.backend) is not None),
         ("speculative decoding", c.speculative.algorithm is not None),
         ("the host KV tier", c.cache.host_cache),
         ("recurrent state", runner.state_cache is not None),

@@ -1,6 +1,7 @@
 """The sliding-window KV cache groups' addresses of one step (engine/kv_groups.py): each group's cache slot of
 every row and the block tables of its decode and prefill rows, built on the host from the requests' group tables
-(request_table.py `RequestState.window_tables`) in the row order of input_batch.py's `build_inputs`.
+(request_table.py `RequestState.window_tables`) in the row order of input_batch.py's `build_inputs`, for steps
+without device state (the warm-up's, profiling); the runner's steps read the device tables (window_table.py).
 
 A group's table covers the same positions as the full one; entries before a request's window are the group's
 null block or blocks the engine released (which other requests may own now): the window's kernels read no key
