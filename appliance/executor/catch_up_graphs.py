@@ -26,7 +26,6 @@ import torch
 from appliance.executor.cuda_graph import GRAPH_CONTEXT, GraphKey
 from appliance.executor.input_batch import Chunk, graph_stride, table_width
 from appliance.executor.verify_graphs import VerifyGraphs, verify_rows
-from appliance.layers.attention import AttentionMetadata, longest_first
 
 if TYPE_CHECKING:
     from appliance.executor.speculative import Speculator
@@ -66,15 +65,9 @@ class CatchUpGraphs(VerifyGraphs):
 
     def _body(self, key: GraphKey) -> None:
         step = self._step()
-        assert self.table is not None and step is not None
-        b, w, s = key.batch, key.width, graph_stride(key.batch)
-        ids, rows, positions, slots = (self.buf[i * s : i * s + b] for i in range(4))
-        seq_lens = self.seq_lens[:b]
-        seq_lens.copy_(self.buf[4 * s : 4 * s + b])
-        meta = AttentionMetadata(
-            slot_mapping=slots, num_decode_tokens=b, decode_block_tables=self.table.gather(rows, w),
-            decode_seq_lens=seq_lens, prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
-            prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(seq_lens))
+        assert step is not None
+        b, s = key.batch, graph_stride(key.batch)
+        ids, positions, meta = self._rows(key)
         fed = self.source.index_select(0, self.buf[5 * s : 5 * s + b]) if self.source is not None else None
         logits, hidden = step(ids, positions, meta, fed)
         self.tokens[:b].copy_(self._greedy(logits))

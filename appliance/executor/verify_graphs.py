@@ -147,7 +147,9 @@ class VerifyGraphs(DecodeGraphs):
             s.pos_on_device = end
         return np.array(flat, dtype=np.int64).reshape(-1, 2).T
 
-    def _body(self, key: GraphKey) -> None:
+    def _rows(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A graph's query rows as decode rows: ids, positions and the metadata, read from the static upload
+        [ids | rows | positions | slots | seq_lens | ...] (each segment graph_stride long)."""
         assert self.table is not None
         b, w, s = key.batch, key.width, graph_stride(key.batch)
         ids, rows, positions, slots = (self.buf[i * s : i * s + b] for i in range(4))
@@ -157,7 +159,11 @@ class VerifyGraphs(DecodeGraphs):
             slot_mapping=slots, num_decode_tokens=b, decode_block_tables=self.table.gather(rows, w),
             decode_seq_lens=seq_lens, prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
             prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(seq_lens))
-        self.hidden[:b].copy_(self.forward(ids, positions, meta))
+        return ids, positions, meta
+
+    def _body(self, key: GraphKey) -> None:
+        ids, positions, meta = self._rows(key)
+        self.hidden[: key.batch].copy_(self.forward(ids, positions, meta))
 
     def run_step(self, chunks: list[Chunk]) -> tuple[list[int], torch.Tensor] | None:
         """Each chunk's first row and the hidden states of a verification step, or None when no graph fits it."""
