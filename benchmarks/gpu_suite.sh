@@ -16,6 +16,14 @@
 #             `appliance bench serve` at max concurrency 1 / 16 / 64 / 256 (8 / 64 / 192 / 512 prompts, 1024 in /
 #             256 out, ignore_eos, greedy); the start-up to /health 200 is the cold start
 #   peer-small  the peer's b1 and qwen;  peer-8b  the peer's 8B throughput;  peer-serve  `vllm serve`, same levels
+#   gputests  every test file with a `gpu` test, one pytest per file (-m gpu) under GPU_TEST_TIMEOUT_S (default 150),
+#             each file's outcome appended to gpu_tests.txt as it ends (a part cut short keeps what finished)
+#   spec      `python -m benchmarks.spec_decode`: EAGLE-3 at forced acceptance 2.6 / 1, batch 1 and 32, n-gram,
+#             against plain decoding of the same build
+#   fp8       `python -m benchmarks.fp8 --sections gemv,batch1,capacity,qwen3`;  fp8tput  its 1000 x 1024/1024 section
+#   models    `python -m benchmarks.models` (gpt-oss-20b and Gemma-3-12B: batch 1, throughput, KV per sequence)
+#   hybrid    `python -m benchmarks.hybrid` (the Qwen3-Next shape; fla-core from .whl, tools/device_wheels.sh WITH_FLA=1)
+#   coldstart `python -m benchmarks.cold_start`: `appliance serve` cold, warm and with the kernel list kept
 #   summary   the table of whatever $OUT holds (every run ends with it)
 #
 # Set-up of the GPU machine (Python 3.12 with torch, triton, transformers and httpx, no internet):
@@ -35,7 +43,7 @@
 #   e.g. SERVE_MODEL=DIR SERVE_ARGS="--dtype float32" SERVE_LEVELS="1:2 2:4" SERVE_LENS=16:4 bash benchmarks/gpu_suite.sh serve
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ALL_PARTS=(b1 qwen tput8b serve peer-small peer-8b peer-serve)
+ALL_PARTS=(b1 qwen tput8b serve peer-small peer-8b peer-serve gputests spec fp8 fp8tput models hybrid coldstart)
 for p in "$@"; do  # every part named is checked before anything is installed or run
   [[ " ${ALL_PARTS[*]} summary all " == *" $p "* ]] \
     || { echo "gpu_suite: unknown part $p (${ALL_PARTS[*]} summary all)" >&2; exit 2; }
@@ -114,6 +122,23 @@ part() {
       [[ -f .peer/run_vllm.sh ]] || { echo "gpu_suite: .peer/run_vllm.sh is missing (see the set-up above)" >&2; return 1; }
       [[ -n "${SERVE_MODEL:-}" ]] || "$py" -m appliance.bench.presets "$models" --tokenizer --only llama-3.1-8b >/dev/null
       serve_levels peer_serve bash .peer/run_vllm.sh serve "$serve_model" 8100 --served-model-name bench ;;
+    gputests)
+      : > "$out/gpu_tests.txt"
+      for f in $(grep -l "mark.gpu\|pytest.mark.gpu\|pytestmark = .*gpu" tests/test_*.py); do
+        timeout --kill-after=5 "${GPU_TEST_TIMEOUT_S:-150}" "$py" -m pytest -m gpu -q -rfE -p no:cacheprovider "$f" \
+          > "$out/gpu_test_last.txt" 2>&1
+        echo "$f rc=$? $(tail -1 "$out/gpu_test_last.txt")" >> "$out/gpu_tests.txt"
+        grep -E "^(FAILED|ERROR) " "$out/gpu_test_last.txt" >> "$out/gpu_tests.txt"
+      done
+      cat "$out/gpu_tests.txt" ;;
+    spec) timeout --kill-after=10 "$limit" "$py" -m benchmarks.spec_decode --output-json "$out/spec.json" ;;
+    fp8) timeout --kill-after=10 "$limit" "$py" -m benchmarks.fp8 --sections gemv,batch1,capacity,qwen3 \
+           --output-json "$out/fp8.json" ;;
+    fp8tput) timeout --kill-after=10 "$limit" "$py" -m benchmarks.fp8 --sections throughput \
+               --num-prompts "${NUM_PROMPTS:-1000}" --output-json "$out/fp8_tput.json" ;;
+    models) timeout --kill-after=10 "$limit" "$py" -m benchmarks.models > "$out/models.jsonl" ;;
+    hybrid) timeout --kill-after=10 "$limit" "$py" -m benchmarks.hybrid --output-json "$out/hybrid.json" ;;
+    coldstart) timeout --kill-after=10 "$limit" "$py" -m benchmarks.cold_start --out "$out/cold_start" ;;
     summary) ;;
   esac
 }

@@ -4,6 +4,8 @@
 # Versions follow this machine's environment (what CI tests), so the GPU host runs the same code paths.
 #   tools/device_wheels.sh            # server + config + test deps
 #   WITH_XGRAMMAR=1 tools/device_wheels.sh   # also xgrammar (structured output)
+#   WITH_FLA=1 tools/device_wheels.sh       # also fla-core + einops (the hybrid models' gated-delta kernels on
+#                                            # the GPU: benchmarks/hybrid.py, gpu_suite part hybrid)
 #   WITH_FLASHINFER=1 tools/device_wheels.sh # also the optional flashinfer kernel backend (benchmarks/flashinfer.sh):
 #                                            # flashinfer-python 0.6.14 + apache-tvm-ffi (the pair tested on an H100;
 #                                            # its other declared dependencies are not needed for the kernels we use)
@@ -37,6 +39,7 @@ for name in "${NAMES[@]}"; do
 done
 
 # pinned, not taken from this machine (flashinfer is not installed here; it needs a GPU)
+[[ "${WITH_FLA:-0}" == 1 ]] && SPECS+=("fla-core==0.6.0" "einops==0.8.2")
 [[ "${WITH_FLASHINFER:-0}" == 1 ]] && SPECS+=("flashinfer-python==0.6.14" "apache-tvm-ffi==0.1.15.post2")
 
 grep -qs '^/.whl/' .gitignore || echo "device_wheels: warning: /.whl/ is not in .gitignore" >&2
