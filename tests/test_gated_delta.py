@@ -106,7 +106,7 @@ def test_fla_kernels_match_the_reference_on_gpu():
         pytest.skip("needs a CUDA GPU")
     from appliance.kernels.triton import gated_delta as fla_gd
 
-    if fla_gd.chunk_gated_delta_rule is None:
+    if not fla_gd.HAVE_FLA:
         pytest.skip("fla-core is not installed (pip install appliance[hybrid])")
     dev = torch.device("cuda")
     seqs = [_inputs(n, hk=2, hv=4, dk=64, dv=64, seed=s) for s, n in ((7, 37), (8, 100))]

@@ -1,42 +1,59 @@
-"""HF `architectures` names -> model classes."""
+"""HF `architectures` names -> model classes.
+
+Each model module is imported on first lookup, not here: a worker serving a Llama imports neither the MoE and MLA
+layers nor their kernels (its start-up imports stay short). `ARCHITECTURES` names the module of every class; each
+module's own `MODELS` holds the classes (tests/test_model_registry.py holds the two equal).
+"""
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from torch import nn
-
-from appliance.models.deepseek import MODELS as DEEPSEEK_MODELS
-from appliance.models.gemma3 import MODELS as GEMMA3_MODELS
-from appliance.models.glm4_moe import MODELS as GLM4_MOE_MODELS
-from appliance.models.gpt_oss import MODELS as GPT_OSS_MODELS
-from appliance.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
-from appliance.models.minimax_m2 import MODELS as MINIMAX_M2_MODELS
-from appliance.models.mixtral import MODELS as MIXTRAL_MODELS
-from appliance.models.qwen3_next import MODELS as QWEN3_NEXT_MODELS
-from appliance.models.qwen_moe import MODELS as QWEN_MOE_MODELS
-
 if TYPE_CHECKING:
+    from torch import nn
     from transformers import PretrainedConfig
 
-MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    **MIXTRAL_MODELS,  # MixtralForCausalLM
-    **QWEN_MOE_MODELS,  # Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-    **DEEPSEEK_MODELS,  # DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-    **GEMMA3_MODELS,  # Gemma3ForCausalLM
-    **GPT_OSS_MODELS,  # GptOssForCausalLM
-    **GLM4_MOE_MODELS,  # Glm4MoeForCausalLM (GLM-4.5 / 4.6 / 4.7)
-    **MINIMAX_M2_MODELS,  # MiniMaxM2ForCausalLM
-    **QWEN3_NEXT_MODELS,  # Qwen3NextForCausalLM (hybrid linear attention)
+# architecture name -> the module (under appliance.models) whose MODELS holds its class
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen_moe",
+    "Qwen3MoeForCausalLM": "qwen_moe",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5 / 4.6 / 4.7
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Qwen3NextForCausalLM": "qwen3_next",  # hybrid linear attention
+    "Qwen3_5ForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_next",
 }
+
+
+class LazyModels(Mapping[str, "type[nn.Module]"]):
+    """`ARCHITECTURES` as a mapping to the classes, importing a class' module when it is looked up."""
+
+    def __getitem__(self, name: str) -> type[nn.Module]:
+        module = importlib.import_module(f"appliance.models.{ARCHITECTURES[name]}")
+        return module.MODELS[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ARCHITECTURES)
+
+    def __len__(self) -> int:
+        return len(ARCHITECTURES)
+
+    def __contains__(self, name: object) -> bool:
+        return name in ARCHITECTURES
+
+
+MODELS = LazyModels()
 
 
 def model_class(hf_config: PretrainedConfig) -> type[nn.Module]:

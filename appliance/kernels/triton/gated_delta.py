@@ -7,14 +7,26 @@ torch version (one small depthwise conv per layer; fla's causal-conv kernels wou
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from appliance.kernels.registry import register
 
-try:
+# fla is looked for here but imported on the first call: its import costs seconds that a worker serving any other
+# model must not pay at start-up (the registry imports this package with every Triton kernel)
+HAVE_FLA = importlib.util.find_spec("fla") is not None
+
+
+@functools.cache
+def _fla() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """fla's (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-except ImportError:  # optional: the torch reference serves these ops
-    chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
+
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +47,7 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
     init = _initial(states, slots_t, torch.tensor(fresh, dtype=torch.bool, device=dev))
     q, k = _grouped(q, k, v.shape[-2])
+    chunk_gated_delta_rule, _ = _fla()
     o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None], scale=q.shape[-1] ** -0.5,
                                       initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
                                       cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int64, device=dev))
@@ -46,6 +59,7 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
     """kernels/reference/gated_delta.py's gated_delta_decode: one token per row, no host sync."""
     q, k = _grouped(q, k, v.shape[-2])
+    _, fused_recurrent_gated_delta_rule = _fla()
     o, final = fused_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None].float(),
                                                 beta=beta[:, None], scale=q.shape[-1] ** -0.5,
                                                 initial_state=_initial(states, slots, fresh),
@@ -54,6 +68,6 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return o[:, 0].to(v.dtype)
 
 
-if chunk_gated_delta_rule is not None:
+if HAVE_FLA:
     register("gated_delta_prefill", "triton")(gated_delta_prefill)
     register("gated_delta_decode", "triton")(gated_delta_decode)
