@@ -93,6 +93,13 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict[str, Any] | None = None, is_neox: bool = True, backend: str = "torch") -> None:
         super().__init__()
         self.head_dim, self.rotary_dim, self.is_neox = head_dim, rotary_dim, is_neox
+        self._op = kernel("rope", backend)
+        if torch.get_default_device().type == "meta":
+            # the memory check's build (executor/memory_check.py) needs only the shape; computing on the meta
+            # device would import torch's decompositions and dynamo, most of a second of start-up
+            self.register_buffer("cos_sin_cache", torch.empty(max_position, rotary_dim, dtype=torch.float32),
+                                 persistent=False)
+            return
         inv_freq = _inv_freq(rotary_dim, base)
         positions = torch.arange(max_position, dtype=torch.float32)
         attn_factor = 1.0
@@ -111,7 +118,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)
         cache = torch.cat((freqs.cos() * attn_factor, freqs.sin() * attn_factor), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self._op = kernel("rope", backend)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ from appliance.runtime.process import parent_alive
 from appliance.runtime.topology import scheduler_binds
 
 if TYPE_CHECKING:
+    from appliance.executor.model_runner import ModelRunner
     from appliance.executor.runner_protocol import ModelRunnerProtocol
     from appliance.engine.step import StepPlan
     from appliance.executor.inflight import StepHandle
@@ -48,18 +49,10 @@ def run_worker(boot: Bootstrap) -> None:
     control = ctx.socket(zmq.PUSH)
     control.connect(boot.addresses.control)
     report_progress(boot, control)
-    with STARTUP.phase("imports"):
-        config = boot.load_config()
-        from appliance.executor.distributed import init_distributed, min_over_ranks
-        from appliance.executor.model_runner import ModelRunner
-        from appliance.layers.custom_all_reduce import AllReduceSettings
-        from appliance.layers.parallel_state import init_expert_parallel
+    runner = build_runner(boot)
+    config = runner.config
+    from appliance.executor.distributed import min_over_ranks
 
-    # boot.rank / world_size: this worker's tensor-parallel rank within its data-parallel replica
-    with STARTUP.phase("initialising the device and process group"):
-        init_distributed(config.model.device, all_reduce=AllReduceSettings.from_config(config))
-        init_expert_parallel(config.parallelism.enable_expert_parallel)  # ep = tp: experts split over the group
-    runner = ModelRunner(config)
     plans = ctx.socket(zmq.PULL)
     plan_addr = boot.addresses.plans[boot.rank]
     head = None  # on several nodes: watches the connection to the head's scheduler
@@ -104,6 +97,23 @@ def run_worker(boot: Bootstrap) -> None:
             log.warning("dropped a malformed plan frame (%d so far)", PLAN_CODEC.num_malformed)
             continue
         steps.run(plan)
+
+
+def build_runner(boot: Bootstrap) -> ModelRunner:
+    """The worker's start-up up to serving: its imports, the device and process group, the ModelRunner (each a
+    phase of STARTUP; benchmarks/startup_imports.py times them in a fresh interpreter)."""
+    with STARTUP.phase("imports"):
+        config = boot.load_config()
+        from appliance.executor.distributed import init_distributed
+        from appliance.executor.model_runner import ModelRunner
+        from appliance.layers.custom_all_reduce import AllReduceSettings
+        from appliance.layers.parallel_state import init_expert_parallel
+
+    # boot.rank / world_size: this worker's tensor-parallel rank within its data-parallel replica
+    with STARTUP.phase("initialising the device and process group"):
+        init_distributed(config.model.device, all_reduce=AllReduceSettings.from_config(config))
+        init_expert_parallel(config.parallelism.enable_expert_parallel)  # ep = tp: experts split over the group
+    return ModelRunner(config)
 
 
 def report_progress(boot: Bootstrap, control: zmq.Socket) -> None:

@@ -1,0 +1,101 @@
+"""The worker's start-up up to serving, timed phase by phase in fresh interpreters, with what its imports cost.
+
+Each run spawns `python -X importtime` that does what a worker stage does (runtime/stage.py, then
+runtime/worker_proc.py `build_runner`: its imports, the device and process group, the ModelRunner) and prints
+STARTUP's phases (executor/startup.py); the parent reads the import-time log and sums each top-level package's own
+import time, so the heaviest imports and who brought them show beside the phases.
+
+    python -m benchmarks.startup_imports [--repeat 3] [--top 15] [--set model.device=cpu ...] [--json PATH]
+
+Default: the embedded default model on the CPU. On a GPU machine: `--set model.device=cuda --set model.path=DIR`.
+Figures are the median of the runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+# the child: a worker stage's imports, then build_runner; prints {"took": {phase: s}, "total": s} as its last line
+CHILD = """
+import json, os, sys
+spawned = float(sys.argv[1])
+import appliance.runtime.stage
+from appliance.executor.startup import STARTUP
+from appliance.runtime import worker_proc
+from appliance.runtime.addresses import Addresses
+from appliance.runtime.bootstrap import Bootstrap
+STARTUP.start_at(spawned)
+boot = Bootstrap("worker", "worker0", 0, 1, os.getppid(), Addresses("", "", "", "", "", ("",)),
+                 json.loads(sys.argv[2]), spawned_at=spawned)
+runner = worker_proc.build_runner(boot)
+total = STARTUP.finish()
+print(json.dumps({"took": STARTUP.took, "total": total}))
+"""
+
+IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)$")
+
+
+def package_self_times(importtime_log: str) -> dict[str, float]:
+    """Seconds of own import time per top-level package ("torch", "transformers", "appliance", ...)."""
+    out: dict[str, float] = defaultdict(float)
+    for line in importtime_log.splitlines():
+        m = IMPORT_LINE.match(line)
+        if m:
+            out[m.group(4).split(".")[0]] += int(m.group(1)) / 1e6
+    return dict(out)
+
+
+def run_once(config: dict[str, Any]) -> tuple[dict[str, float], float, dict[str, float]]:
+    """One fresh interpreter: (phase -> s, seconds from spawn to the runner built, package -> own import s)."""
+    spawned = time.time()
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", CHILD, str(spawned), json.dumps(config)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the start-up failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result["took"], result["total"], package_self_times(proc.stderr)
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    keys = list(dict.fromkeys(k for r in runs for k in r))
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--top", type=int, default=15, help="packages listed by their own import time")
+    ap.add_argument("--set", action="append", default=[], dest="dotlist", metavar="KEY=VALUE")
+    ap.add_argument("--json", default=None, help="write the medians here")
+    args = ap.parse_args(argv)
+    from appliance.config import build_config
+
+    config = build_config(dotlist=["model.device=cpu", *args.dotlist]).to_dict()
+    phases, totals, packages = [], [], []
+    for _ in range(args.repeat):
+        took, total, pkgs = run_once(config)
+        phases.append(took)
+        totals.append(total)
+        packages.append(pkgs)
+    med, pkg = median_of(phases), median_of(packages)
+    print(f"start-up to the runner built, median of {args.repeat}: {statistics.median(totals):.2f} s")
+    for name, s in med.items():
+        print(f"  {name:<45} {s:6.2f} s")
+    print(f"own import time by package (top {args.top}):")
+    for name, s in sorted(pkg.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"  {name:<45} {s:6.2f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"total_s": statistics.median(totals), "phases_s": med, "packages_s": pkg}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
