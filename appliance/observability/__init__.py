@@ -46,26 +46,23 @@ stay empty (TTFT, ITL, TPOT, e2e and decode time do not need it).
 """
 from __future__ import annotations
 
-from appliance.observability.dump import (
-    RequestDump,
-    StreamAggregator,
-    open_dump,
-    read_dump,
-)
-from appliance.observability.hooks import FrontendObservability, SchedulerObservability
-from appliance.observability.kv_events import (
-    NullKVEventPublisher,
-    ZmqKVEventPublisher,
-    decode_batch,
-    make_kv_event_publisher,
-    offset_endpoint,
-)
-from appliance.observability.metrics import MetricsRegistry
-from appliance.observability.request_log import DecodeProgressLog, RequestLogger
-from appliance.observability.stats import StatsSnapshot, snapshot_from_core
+import importlib
+from typing import Any
 
-__all__ = [
-    "DecodeProgressLog", "FrontendObservability", "MetricsRegistry", "NullKVEventPublisher", "RequestDump",
-    "RequestLogger", "SchedulerObservability", "StatsSnapshot", "StreamAggregator", "ZmqKVEventPublisher",
-    "decode_batch", "make_kv_event_publisher", "offset_endpoint", "open_dump", "read_dump", "snapshot_from_core",
-]
+# name -> its module: imported on first use, so a process that needs one of them (the worker reads StatsSnapshot's
+# module through runtime/messages.py) does not import prometheus_client and the rest with it
+_MODULES = {
+    "RequestDump": "dump", "StreamAggregator": "dump", "open_dump": "dump", "read_dump": "dump",
+    "FrontendObservability": "hooks", "SchedulerObservability": "hooks",
+    "NullKVEventPublisher": "kv_events", "ZmqKVEventPublisher": "kv_events", "decode_batch": "kv_events",
+    "make_kv_event_publisher": "kv_events", "offset_endpoint": "kv_events",
+    "MetricsRegistry": "metrics", "DecodeProgressLog": "request_log", "RequestLogger": "request_log",
+    "StatsSnapshot": "stats", "snapshot_from_core": "stats",
+}
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULES:
+        raise AttributeError(f"module 'appliance.observability' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"appliance.observability.{_MODULES[name]}"), name)
