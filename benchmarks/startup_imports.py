@@ -5,10 +5,10 @@ runtime/worker_proc.py `build_runner`: its imports, the device and process group
 STARTUP's phases (executor/startup.py); the parent reads the import-time log and sums each top-level package's own
 import time, so the heaviest imports and who brought them show beside the phases.
 
-    python -m benchmarks.startup_imports [--repeat 3] [--top 15] [--set model.device=cpu ...] [--json PATH]
+    python -m benchmarks.startup_imports [--preset NAME] [--repeat 3] [--top 15] [--set KEY=VALUE ...] [--json PATH]
 
-Default: the embedded default model on the CPU. On a GPU machine: `--set model.device=cuda --set model.path=DIR`.
-Figures are the median of the runs.
+Default: the embedded default model on the CPU. On a GPU machine: `--preset llama-3.1-8b --set model.device=cuda`
+(the preset's shape with dummy weights, appliance.bench.presets). Figures are the median of the runs.
 """
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 # the child: a worker stage's imports, then build_runner; prints {"took": {phase: s}, "total": s} as its last line
@@ -72,12 +74,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--top", type=int, default=15, help="packages listed by their own import time")
+    ap.add_argument("--preset", default=None, help="a preset shape (appliance.bench.presets), dummy weights")
     ap.add_argument("--set", action="append", default=[], dest="dotlist", metavar="KEY=VALUE")
     ap.add_argument("--json", default=None, help="write the medians here")
     args = ap.parse_args(argv)
     from appliance.config import build_config
 
-    config = build_config(dotlist=["model.device=cpu", *args.dotlist]).to_dict()
+    dotlist = ["model.device=cpu"]
+    if args.preset:
+        from appliance.bench.presets import write_model_dir
+
+        model_dir = write_model_dir(args.preset, Path(tempfile.mkdtemp(prefix="startup_")) / args.preset, False)
+        dotlist += [f"model.path={model_dir}", "model.load_format=dummy"]
+    config = build_config(dotlist=[*dotlist, *args.dotlist]).to_dict()
     phases, totals, packages = [], [], []
     for _ in range(args.repeat):
         took, total, pkgs = run_once(config)

@@ -1,0 +1,31 @@
+"""benchmarks/startup_imports.py: the import-time log summed by package, and one fresh worker start-up timed."""
+from __future__ import annotations
+
+from appliance.config import build_config
+from benchmarks.startup_imports import median_of, package_self_times, run_once
+
+LOG = """import time: self [us] | cumulative | imported package
+import time:       120 |        120 |   _io
+import time:     20000 |      50000 | torch
+import time:     30000 |      30000 |   torch._C
+import time:      5000 |       5000 |     transformers.utils.hub
+import time:      1000 |       6000 | transformers
+"""
+
+
+def test_self_times_are_summed_per_top_level_package() -> None:
+    got = package_self_times(LOG)
+    assert got == {"_io": 120e-6, "torch": 0.05, "transformers": 0.006}
+
+
+def test_medians_take_each_phase_over_the_runs() -> None:
+    runs = [{"imports": 1.0, "x": 3.0}, {"imports": 3.0}, {"imports": 2.0, "x": 1.0}]
+    assert median_of(runs) == {"imports": 2.0, "x": 1.0}
+
+
+def test_a_fresh_worker_start_up_reports_its_phases() -> None:
+    took, total, packages = run_once(build_config(dotlist=["model.device=cpu"]).to_dict())
+    assert ["imports", "reading the model config", "loading weights", "allocating the KV cache"] == [
+        p for p in took if p in ("imports", "reading the model config", "loading weights", "allocating the KV cache")]
+    assert 0 < sum(took.values()) <= total
+    assert packages["torch"] > 0 and "prometheus_client" not in packages
