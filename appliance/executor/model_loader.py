@@ -196,6 +196,8 @@ def apply_quantization(model: nn.Module, quantization: str | None, hf_config: Pr
     the linear layers and experts to e4m3 with 128x128 tile scales (the layout DeepSeek-V3 ships, run by the
     same block-scaled GEMMs); on a checkpoint that ships block fp8 it only confirms the format. "w8a8_fp8" on a
     float checkpoint (`scaled`, from prepare_quantization) quantizes the linear layers per channel."""
+    if scaled is None and quantization is None:  # 16-bit, or a checkpoint's own block fp8: nothing to do here
+        return  # (and the fp8 layers, which import every MoE kernel, stay unimported)
     from appliance.layers.fp8 import online_fp8_needed, quantize_model_fp8
     from appliance.layers.fp8_scaled import quantize_scaled_fp8
 

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from appliance.kernels.fp8_gemm import FP8, FP8_MAX, scaled_linear
-from appliance.kernels.moe.reference import row_quantize
 from appliance.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -281,6 +280,10 @@ def quantize_scaled_fp8(model: nn.Module, cfg: Fp8ScaledConfig) -> int:
 def _row_quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An expert stack [E, N, K] quantized per row, one expert at a time (a float32 copy of the whole stack
     would not fit beside a large model)."""
+    # here, not at the top: importing kernels.moe defines every MoE Triton kernel, which a dense model's
+    # start-up (model_loader.prepare_quantization imports this module) does not need
+    from appliance.kernels.moe.reference import row_quantize
+
     q = torch.empty(w.shape, dtype=FP8, device=w.device)
     scale = torch.empty(w.shape[:2], device=w.device)
     for e in range(w.shape[0]):
