@@ -43,18 +43,22 @@ def rope_cache_and_mscale(cfg: PretrainedConfig, dim: int) -> tuple[torch.Tensor
     """(cos_sin_cache [max_pos, dim], softmax-scale multiplier) for DeepSeek's default or YaRN rope."""
     base, scaling = rope_parameters(cfg)
     max_pos = int(cfg.max_position_embeddings)
-    attn_factor, softmax_mult = 1.0, 1.0
-    if scaling is None:
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    else:
+    attn_factor, softmax_mult, factor = 1.0, 1.0, 1.0
+    if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "yarn":
             raise ValueError(f"DeepSeek rope scaling {kind!r} is not supported (supported: default, yarn)")
         factor, attn_factor = yarn_factors(scaling, max_pos)
-        inv_freq = yarn_inv_freq(dim, base, factor, scaling)
         mscale_all = scaling.get("mscale_all_dim")
         if mscale_all:
             softmax_mult = yarn_mscale(factor, float(mscale_all)) ** 2
+    if torch.get_default_device().type == "meta":  # the memory check's build: the shape only (layers/rotary.py)
+        key = (base, json.dumps(scaling, sort_keys=True, default=str), max_pos, dim, "meta")
+        return _ROPE_TABLES.setdefault(key, torch.empty(max_pos, dim, dtype=torch.float32)), softmax_mult
+    if scaling is None:
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    else:
+        inv_freq = yarn_inv_freq(dim, base, factor, scaling)
     key = (base, json.dumps(scaling, sort_keys=True, default=str), max_pos, dim, str(inv_freq.device))
     cache = _ROPE_TABLES.get(key)
     if cache is None:
