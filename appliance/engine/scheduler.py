@@ -357,7 +357,7 @@ class Scheduler(Preemption):
             if not s.sample:
                 cache.store(req)
                 continue
-            req.num_pending -= 1
+            req.num_pending -= 1 + drafts
             req.num_drafts_held = result.drafts.get(s.request_id, 0)
             tok = sampled.get(s.request_id)
             if tok is None:
@@ -369,7 +369,8 @@ class Scheduler(Preemption):
                                            error=tok.error))
                 continue
             if drafts or (verified and s.request_id in verified):
-                delta = append_verified(req, verified.get(s.request_id, [tok]), drafts, cache, reserve, self.spec)
+                delta = append_verified(req, verified.get(s.request_id, [tok]), drafts, cache, reserve, self.spec,
+                                        result.verified.get(s.request_id))
             else:
                 delta = append_token(req, tok, cache, reserve)
             req.last_token_time = now

@@ -32,11 +32,16 @@ def drafts_allowed(params: SamplingParams) -> bool:
 
 def num_drafts(req: Request, k: int) -> int:
     """Drafts the workers hold for a decoding request that it may verify now (0 without speculation, k = 0)."""
-    if not k or not req.num_drafts_held or req.status is not RequestStatus.DECODING:
+    pending = req.num_pending
+    # with a step in flight (overlap mode) the drafts held after it are not known yet: plan for k, and the
+    # workers verify the drafts they hold, at most these (executor/speculative.py)
+    held = (k if drafts_allowed(req.sampling_params) else 0) if pending else req.num_drafts_held
+    if not k or not held or req.status is not RequestStatus.DECODING:
         return 0
-    # every accepted draft and the bonus token must fit max_tokens and max_model_len
-    room = min(req.max_output_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens) - 1
-    return max(0, min(k, req.num_drafts_held, room))
+    # every accepted draft and the bonus token must fit max_tokens and max_model_len, after the optimistic
+    # pending tokens (every draft in flight accepted)
+    room = min(req.max_output_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens) - pending - 1
+    return max(0, min(k, held, room))
 
 
 def table_tokens(req: Request, start: int, n: int, lookahead: int) -> int:
