@@ -180,7 +180,6 @@ def test_seeded_and_penalised_sampling_is_unchanged_by_speculation(tiny_v3: Path
     ({"speculative_algorithm": "MTP", "speculative_eagle_topk": 2}, "eagle_topk"),
     ({"speculative_algorithm": "MTP", "speculative_num_steps": 2, "speculative_num_draft_tokens": 2},
      "num_draft_tokens"),
-    ({"speculative_algorithm": "MTP", "enable_overlap_schedule": True}, "scheduler.enable_overlap"),
 ])
 def test_unsupported_settings_are_refused_at_start(tiny_v3: Path, overrides: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):

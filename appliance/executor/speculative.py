@@ -66,9 +66,6 @@ def check_settings(config: ApplianceConfig) -> None:
     if s.effective_num_draft_tokens != s.num_steps + 1:
         raise ValueError(f"speculative.num_draft_tokens={s.num_draft_tokens}: a chain of num_steps="
                          f"{s.num_steps} verifies num_steps + 1 = {s.num_steps + 1} tokens; set that or leave it unset")
-    if config.scheduler.enable_overlap:
-        raise ValueError("speculative decoding runs with the synchronous engine loop; turn scheduler.enable_overlap "
-                         "off")
 
 
 def load_drafter(config: ApplianceConfig, runner: ModelRunner) -> torch.nn.Module | None:
