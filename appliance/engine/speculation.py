@@ -9,6 +9,12 @@ the worker's next draft chain writes: lookahead_tokens), and the worker answers 
 request, in order (the accepted drafts, then the target's own token at the first mismatch or after the last
 draft). The scheduler applies them one by one under every stop rule and moves num_computed by the count.
 
+Overlap mode (scheduler.enable_overlap): step N+1 is planned before step N's count is known. A verification in
+flight counts as 1 + d pending tokens (all accepted), so N+1's chunk starts after them, asks for up to k drafts
+and takes blocks for that end; the worker, which finishes N before it runs N+1, verifies the drafts it holds
+(fewer: StepResult.verified) from where N really ended, and update() rewinds num_computed by N+1's planned d.
+Greedy and seeded outputs are what the synchronous loop gives; only how many drafts a step verifies differs.
+
 A request with structured outputs verifies drafts under its grammar (executor/logits_processors.py
 mask_drafts: row j masked as after the first j drafts, the matcher rolled back afterwards). One with a thinking
 budget (a processor without rollback) gets no drafts: it decodes one token per step, as without speculation.
