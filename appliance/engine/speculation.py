@@ -42,7 +42,8 @@ def num_drafts(req: Request, k: int) -> int:
     # with a step in flight (overlap mode) the drafts held after it are not known yet: plan for k, and the
     # workers verify the drafts they hold, at most these (executor/speculative.py)
     held = (k if drafts_allowed(req.sampling_params) else 0) if pending else req.num_drafts_held
-    if not k or not held or req.status is not RequestStatus.DECODING:
+    # (a request whose last prompt chunk is in flight decodes next: the workers draft after that chunk)
+    if not k or not held or (req.status is not RequestStatus.DECODING and not pending):
         return 0
     # every accepted draft and the bonus token must fit max_tokens and max_model_len, after the optimistic
     # pending tokens (every draft in flight accepted)
