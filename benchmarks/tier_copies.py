@@ -8,7 +8,7 @@ path before executor/block_copies.py),
 and the distribution of the host-slot ranges' lengths; then it times HostCopier.submit on CPU tensors for the step
 that moved the most blocks, with the 8B shape's layer count (32 layers, K and V) and tiny blocks.
 
-    python -m benchmarks.tier_copies [--sessions 32] [--turns 10] [--scale 8] [--host-ratio 4] [--check-kv]
+    python -m benchmarks.tier_copies [--sessions=32] [--turns=10] [--scale=8] [--host-ratio=4] [--check-kv]
     python -m benchmarks.tier_copies --gpu    # submit() on a GPU: the 8B shape's cache, a 3,840-block reload
 
 --scale divides the GPU benchmark's lengths (benchmarks/sessions.sh: 2048-token system prompt, 256-token first

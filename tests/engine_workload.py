@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from appliance.engine import EngineConfig, EngineCore, SamplingParams
 from appliance.engine.fake_executor import FakeExecutor, reference_generation
 from appliance.engine.request import Request
+from appliance.engine.step import StepPlan, StepResult
 
 EOS = 0
 MAX_MODEL_LEN = 32
@@ -130,3 +131,26 @@ def make_request(rid: str, prompt: int, max_tokens: int | None, generated: int =
                 max_model_len=max_model_len)
     r.output_token_ids = [7] * generated
     return r
+
+
+class LazyFakeExecutor(FakeExecutor):
+    """Runs a submitted step only when it (or a later one) is collected, in submission order."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.queue: list[StepPlan] = []
+        self.done: dict[int, StepResult] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def submit(self, plan: StepPlan) -> object:
+        self.calls.append(("submit", plan.step_id))
+        self.queue.append(plan)
+        return plan.step_id
+
+    def collect(self, handle: object) -> StepResult:
+        assert isinstance(handle, int)
+        self.calls.append(("collect", handle))
+        while handle not in self.done:
+            plan = self.queue.pop(0)
+            self.done[plan.step_id] = self.execute(plan)
+        return self.done.pop(handle)

@@ -110,3 +110,9 @@ def test_mtp_needs_the_layer(hybrid_dirs: tuple[Path, Path]) -> None:
     assert _llm(mtp_dir).executor.runner.model.mtp is None  # built only to draft with
     with pytest.raises(ValueError, match="multi-token-prediction"):
         _llm(plain, speculative_algorithm="MTP", speculative_num_steps=1)
+
+
+def test_overlap_with_drafts_is_refused_for_recurrent_state(hybrid_dirs: tuple[Path, Path]) -> None:
+    plain, _ = hybrid_dirs  # state rollback and snapshots follow the plan's chunk, which a clamp would change
+    with pytest.raises(ValueError, match="recurrent-state layers; turn scheduler.enable_overlap off"):
+        _llm(plain, speculative_algorithm="NGRAM", speculative_num_steps=3, enable_overlap_schedule=True)

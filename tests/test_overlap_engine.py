@@ -1,6 +1,6 @@
 """Overlap scheduling (EngineCore(overlap=True)) on the FakeExecutor: one step always in flight.
 
-The executor below runs each step lazily, when its result is collected, in submission order: like a device
+engine_workload.LazyFakeExecutor runs each step lazily, when its result is collected, in submission order: like a device
 stream, nothing of step N is visible to the host before collect, and plan N+1 is validated against the worker
 state after step N ran. Random arrivals, aborts, EOS finishes and tiny pools (preemption): no block leaks or is
 owned twice, no delta follows a finish, and every request that was not aborted generates exactly what it
@@ -11,6 +11,7 @@ from __future__ import annotations
 from engine_workload import (
     EOS,
     PREFIXES,
+    LazyFakeExecutor,
     assert_each_generates_what_it_generates_alone,
     config_st,
     drive,
@@ -20,33 +21,9 @@ from engine_workload import (
 from hypothesis import HealthCheck, given, settings
 
 from appliance.engine import EngineConfig, EngineCore, SamplingParams
-from appliance.engine.fake_executor import FakeExecutor, reference_generation
-from appliance.engine.step import StepPlan, StepResult
+from appliance.engine.fake_executor import reference_generation
 
 OVERLAP_PREFIXES = PREFIXES[:3]
-
-
-class LazyFakeExecutor(FakeExecutor):
-    """Runs a submitted step only when it (or a later one) is collected, in submission order."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.queue: list[StepPlan] = []
-        self.done: dict[int, StepResult] = {}
-        self.calls: list[tuple[str, int]] = []
-
-    def submit(self, plan: StepPlan) -> object:
-        self.calls.append(("submit", plan.step_id))
-        self.queue.append(plan)
-        return plan.step_id
-
-    def collect(self, handle: object) -> StepResult:
-        assert isinstance(handle, int)
-        self.calls.append(("collect", handle))
-        while handle not in self.done:
-            plan = self.queue.pop(0)
-            self.done[plan.step_id] = self.execute(plan)
-        return self.done.pop(handle)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -35,6 +35,8 @@ def test_round_trips() -> None:
     assert PLAN_CODEC.decode(PLAN_CODEC.encode(plan)) == plan
     result = StepResult(7, [SampledToken("a", 9, -0.25, [(9, -0.25), (3, -1.5)])], {"a": [None, [(2, -0.1)]]})
     assert RESULT_CODEC.decode(RESULT_CODEC.encode(result)) == result
+    spec = StepResult(8, [SampledToken("a", 9, None)], {}, drafts={"a": 3}, verified={"a": 1})
+    assert RESULT_CODEC.decode(RESULT_CODEC.encode(spec)) == spec
     batch = OutputBatch([RequestOutput("a", [1], [-0.1], [[(1, -0.1)]], None, "stop", 3, 2)], 1, 0)
     assert OUTPUT_CODEC.decode(OUTPUT_CODEC.encode(batch)) == batch
     for msg in (GenerateRequest("r", [1], {"n": 1}, 1.5), AbortRequest(["r"]), StatsQuery(3)):

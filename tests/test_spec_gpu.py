@@ -29,13 +29,16 @@ def gpu_reference(tiny_v3: Path) -> dict[tuple[int, ...], list[int]]:  # noqa: F
     return {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, outs)}
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("forced", [False, True], ids=["mtp_drafts", "oracle_drafts"])
 def test_gpu_greedy_parity(tiny_v3: Path, gpu_reference: dict[tuple[int, ...], list[int]],  # noqa: F811
-                           monkeypatch: pytest.MonkeyPatch, steps: int, forced: bool) -> None:
+                           monkeypatch: pytest.MonkeyPatch, steps: int, forced: bool, overlap: bool) -> None:
     if forced:
         oracle(monkeypatch, gpu_reference, wrong=3)
-    llm = gpu_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=steps, chunked_prefill_size=16)
+    llm = gpu_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=steps, chunked_prefill_size=16,
+                  enable_overlap_schedule=overlap)
+    assert llm.engine.overlap == overlap
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     for _ in range(2):  # the second pass hits the prefix cache
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)

@@ -30,15 +30,18 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head", TINY_VOCAB, 128)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE3"])
-def test_gpu_greedy_parity(tiny_model: Path, head: Path, algorithm: str) -> None:
+def test_gpu_greedy_parity(tiny_model: Path, head: Path, algorithm: str, overlap: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     want = [o.outputs[0].token_ids for o in gpu_llm(tiny_model).generate(prompts, params)]
     draft = {"STANDALONE": {"speculative_draft_model_path": str(tiny_model)},
              "EAGLE3": {"speculative_draft_model_path": str(head)}}.get(algorithm, {})
-    llm = gpu_llm(tiny_model, speculative_algorithm=algorithm, speculative_num_steps=3, **draft)
+    llm = gpu_llm(tiny_model, speculative_algorithm=algorithm, speculative_num_steps=3,
+                  enable_overlap_schedule=overlap, **draft)
+    assert llm.engine.overlap == overlap
     for _ in range(2):  # the second pass hits the prefix cache
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     stats = llm.engine.stats()

@@ -180,7 +180,6 @@ def test_seeded_and_penalised_sampling_is_unchanged_by_speculation(tiny_v3: Path
     ({"speculative_algorithm": "MTP", "speculative_eagle_topk": 2}, "eagle_topk"),
     ({"speculative_algorithm": "MTP", "speculative_num_steps": 2, "speculative_num_draft_tokens": 2},
      "num_draft_tokens"),
-    ({"speculative_algorithm": "MTP", "enable_overlap_schedule": True}, "scheduler.enable_overlap"),
 ])
 def test_unsupported_settings_are_refused_at_start(tiny_v3: Path, overrides: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -213,10 +212,12 @@ def test_the_drafter_cache_is_in_the_kv_budget(tiny_v3: Path) -> None:
     assert on.model.mtp[0].self_attn.attn.k_cache is on.kv_caches[-1][0]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_drafter_cache_and_drafts_equal_a_from_scratch_pass(tiny_v3: Path, reference: dict[str, Any],
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
     """The drafter's KV cache stays right through verifications (accepted and rejected), chained steps and prefix
-    hits: after every step, each request's MTP cache rows over its computed positions and its drafts equal what a
+    hits, with steps planned one ahead too (overlap: clamped verifications, blocks stored before the next step
+    ran): after every step, each request's MTP cache rows over its computed positions and its drafts equal what a
     fresh engine computes after prefilling the same history in one go."""
     seen: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
     real = MtpSpeculator._propose
@@ -230,8 +231,9 @@ def test_drafter_cache_and_drafts_equal_a_from_scratch_pass(tiny_v3: Path, refer
             seen[tuple(st.token_ids)] = (list(drafts), rows)
 
     monkeypatch.setattr(MtpSpeculator, "_propose", record)
-    oracle(monkeypatch, reference["tokens"], wrong=3)  # accepted drafts: catch-up over several rows
-    llm = make_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=2)
+    # accepted drafts: catch-up over several rows; rejected ones too (overlap verifies at other token counts)
+    oracle(monkeypatch, reference["tokens"], wrong=2 if overlap else 3)
+    llm = make_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=2, enable_overlap_schedule=overlap)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     generate(llm, params, [PROMPTS[1]])
     generate(llm, params, [PROMPTS[3], PROMPTS[0]])  # PROMPTS[3] hits PROMPTS[1]'s first blocks

@@ -130,12 +130,6 @@ def test_prefix_hit_gives_back_its_last_block() -> None:
     assert new.num_computed_tokens == 8  # 3 blocks match; the last one is recomputed for the drafter
 
 
-def test_overlap_with_speculation_is_refused() -> None:
-    config = EngineConfig(num_blocks=64, max_model_len=32, num_speculative_tokens=1)
-    with pytest.raises(ValueError, match="enable_overlap"):
-        EngineCore(config, FakeExecutor(64, 16), overlap=True)
-
-
 def test_preemption_and_abort_mid_speculation_keep_the_pool_whole() -> None:
     # 10 blocks of 2 tokens for three requests that each want up to 20: preemption is certain
     core, ex = _spec_engine(3, quality=lambda rid, n: n % 4, num_blocks=10, block_size=2, max_model_len=20,

@@ -214,7 +214,8 @@ class SchedulerSection(Section):
     enable_overlap: bool | None = param(
         None, "Overlap scheduling: plan and launch step N+1 while step N runs, so the host's work hides behind "
         "the device's compute. Outputs are identical; a request that stops wastes one step's slot. Unset: on, "
-        "except with speculative decoding (which runs the synchronous loop; setting both is an error).",
+        "except with speculative decoding, where it is off unless set (models with recurrent-state layers refuse it "
+        "with speculation).",
         flags=("--enable-overlap-schedule", "--async-scheduling"))
     schedule_conservativeness: float = param(
         1.0, "Room admission keeps for the running requests' outputs, as SGLang's --schedule-conservativeness: a "

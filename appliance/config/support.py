@@ -92,9 +92,6 @@ UNSUPPORTED: list[Unsupported] = [
                 lambda c: c.backends.draft_moe not in (None, "auto", "torch", "triton")
                 or (c.speculative.algorithm == "MTP" and c.backends.draft_moe not in (None, c.backends.moe)),
                 "the draft model's MoE runs on auto, torch or triton in this build (MTP's layers on backends.moe)"),
-    Unsupported("scheduler.enable_overlap",
-                lambda c: c.speculative.algorithm is not None and c.scheduler.enable_overlap,
-                "overlap scheduling with speculative decoding is not supported in this build"),
     Unsupported("precision.quantization",
                 lambda c: c.precision.quantization not in (None, "fp8", "w8a8_fp8", "modelopt", "compressed-tensors"),
                 "only fp8 quantization (fp8: block fp8 or online; w8a8_fp8; modelopt and compressed-tensors fp8 "

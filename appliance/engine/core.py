@@ -85,9 +85,10 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         overlap: bool = False,
     ) -> None:
-        if overlap and config.num_speculative_tokens:
-            raise ValueError("speculative decoding runs with the synchronous engine loop; turn "
-                             "scheduler.enable_overlap off")
+        if overlap and config.num_speculative_tokens and config.num_state_slots:
+            # their state snapshots and rollback follow the plan's chunk, which a verification in flight changes
+            raise ValueError("overlap scheduling with speculative decoding is not supported for models with "
+                             "recurrent-state layers; turn scheduler.enable_overlap off")
         self.config = config
         self.executor = executor
         self.scheduler = Scheduler(config, on_kv_event, clock)

@@ -53,6 +53,7 @@ class _WorkerRequest:
     prompt_logprobs: list = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
     num_confirmed: int = 0  # len(token_ids) before this step's provisional drafts
+    num_tokens: int = 0  # this step's chunk: the plan's, less the drafts it asked for beyond those held
     window_tables: list[list[int]] = field(default_factory=list)  # one per sliding-window group
 
 
@@ -69,6 +70,8 @@ class FakeExecutor(Executor):
         draft_quality: Callable[[str, int], int] | None = None,
         window_sizes: Sequence[int] = (),
         window_blocks: Sequence[int] = (),
+        overlap: bool = False,
+        draft_count: Callable[[str, int], int] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -77,6 +80,13 @@ class FakeExecutor(Executor):
         self.vocab_size = vocab_size
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
+        # the engine plans a step before the previous one's result (overlap mode): a plan may ask for more
+        # drafts than are held, and the worker verifies those it holds
+        self.overlap = overlap
+        # how many drafts it proposes at most, given (request id, its token count), as an n-gram lookup that
+        # finds a shorter match (None: k)
+        self.draft_count = draft_count
+        self._clamped: dict[str, int] = {}  # this step's StepResult.verified
         # how many of a request's drafts are right, given (request id, its token count): by default a mix
         self.draft_quality = draft_quality or (lambda rid, n: (n * 7 + len(rid)) % (num_speculative_tokens + 1))
         self.state: dict[str, _WorkerRequest] = {}
@@ -151,16 +161,22 @@ class FakeExecutor(Executor):
             drafts = end - len(w.token_ids) if s.sample else 0
             if drafts > 0:  # a verification: the drafts become provisional tokens of this step
                 if drafts > len(w.drafts):
-                    self._fail(f"{s.request_id!r}: verifies {drafts} drafts, the worker holds {len(w.drafts)}")
+                    if not self.overlap:
+                        self._fail(f"{s.request_id!r}: verifies {drafts} drafts, the worker holds {len(w.drafts)}")
+                    end, drafts = end - drafts + len(w.drafts), len(w.drafts)
+                    self._clamped[s.request_id] = drafts
                 w.token_ids.extend(w.drafts[:drafts])
             if s.num_tokens < 1 or end > len(w.token_ids):
                 self._fail(f"{s.request_id!r}: computes {s.num_tokens} tokens from {w.num_computed}, "
                            f"knows {len(w.token_ids)}")
             blocks, least = len(w.block_table), -(-end // self.block_size)
-            if blocks < least or blocks > (-(-(end + 2 * self.k) // self.block_size) if self.k else least):
+            # the lookahead past the chunk, rejected drafts' blocks, and in overlap mode the plan's optimism
+            slack = (3 if self.overlap else 2) * self.k
+            if blocks < least or blocks > (-(-(end + slack) // self.block_size) if self.k else least):
                 self._fail(f"{s.request_id!r}: {len(w.block_table)} blocks for {end} tokens")
             if s.sample != (end == len(w.token_ids)):
                 self._fail(f"{s.request_id!r}: sample={s.sample} with {end} of {len(w.token_ids)} tokens")
+            w.num_tokens = end - w.num_computed
         self._check_tables(plan)
         return self._run(plan)
 
@@ -176,7 +192,7 @@ class FakeExecutor(Executor):
         for s in plan.scheduled:
             w = self.state[s.request_id]
             first = w.num_computed // self.block_size
-            last = (w.num_computed + s.num_tokens - 1) // self.block_size
+            last = (w.num_computed + w.num_tokens - 1) // self.block_size
             for b in w.block_table[first : last + 1]:
                 if b in owner:
                     self._fail(f"block {b} written by {owner[b]!r} and {s.request_id!r} in one step")
@@ -199,7 +215,7 @@ class FakeExecutor(Executor):
         for s in plan.scheduled:
             w = self.state[s.request_id]
             first = w.num_computed // bs
-            for b in w.window_tables[g][first:(w.num_computed + s.num_tokens - 1) // bs + 1]:
+            for b in w.window_tables[g][first:(w.num_computed + w.num_tokens - 1) // bs + 1]:
                 if b in owner:
                     self._fail(f"window {window}: block {b} written by {owner[b]!r} and {s.request_id!r}")
                 owner[b] = s.request_id
@@ -216,13 +232,13 @@ class FakeExecutor(Executor):
         prompt_lps: dict[str, list] = {}
         for s in plan.scheduled:  # all KV writes of the step happen before any read, like store_kv per layer
             w = self.state[s.request_id]
-            for p in range(w.num_computed, w.num_computed + s.num_tokens):
+            for p in range(w.num_computed, w.num_computed + w.num_tokens):
                 self.kv[w.block_table[p // bs]][p % bs] = (w.token_ids[p], p)
                 for kv, table in zip(self.window_kv, w.window_tables):
                     kv[table[p // bs]][p % bs] = (w.token_ids[p], p)
         for s in plan.scheduled:
             w = self.state[s.request_id]
-            end = w.num_computed + s.num_tokens
+            end = w.num_computed + w.num_tokens
             if self.verify_kv:
                 for p in range(end):
                     got = self.kv[w.block_table[p // bs]][p % bs]
@@ -246,7 +262,8 @@ class FakeExecutor(Executor):
                     self._draft(s.request_id, w)
         drafts = {s.request_id: len(self.state[s.request_id].drafts) for s in plan.scheduled
                   if s.sample and self.k and self.state[s.request_id].drafts}
-        return StepResult(plan.step_id, sampled, prompt_lps, drafts)
+        clamped, self._clamped = self._clamped, {}
+        return StepResult(plan.step_id, sampled, prompt_lps, drafts, clamped)
 
     def _verify_windows(self, rid: str, w: _WorkerRequest, end: int) -> None:
         """Every key a query of the chunk reads in a sliding group (the last W positions) holds its token."""
@@ -279,6 +296,8 @@ class FakeExecutor(Executor):
         # draft j >= 2 writes the drafter's KV at num_computed + j - 2: it must fit the table and the model
         limit = min(len(w.block_table) * self.block_size, self.max_model_len)
         held = 1 + sum(1 for j in range(2, self.k + 1) if w.num_computed + j - 2 < limit)
+        if self.draft_count is not None:
+            held = min(held, self.draft_count(rid, len(w.token_ids)))
         good = self.draft_quality(rid, len(w.token_ids))
         history = list(w.token_ids)
         for i in range(held):

@@ -68,14 +68,18 @@ def append_verified(
     cache: PrefixCache,
     reserve: OutputReservation | None,
     spec: SpecCounters,
+    num_verified: int | None = None,
 ) -> RequestDelta:
     """A verification's 1..num_drafts+1 tokens: rewind num_computed to the positions whose KV holds confirmed
     tokens, then append them one by one until one finishes the request (the rest are dropped); as append_token,
-    the caller retires a finished request."""
-    if not 1 <= len(toks) <= num_drafts + 1:
+    the caller retires a finished request. num_verified: the drafts the workers checked, where fewer than the
+    plan's num_drafts (overlap mode); num_computed moved by the plan, so the rewind counts from num_drafts."""
+    checked = num_drafts if num_verified is None else num_verified
+    if not 0 <= checked <= num_drafts or not 1 <= len(toks) <= checked + 1:
         raise ValueError(f"executor returned {len(toks)} tokens for {req.request_id!r}, which verified "
-                         f"{num_drafts} drafts (1 to {num_drafts + 1} expected)")
-    spec.record(num_drafts, len(toks) - 1)
+                         f"{checked} of {num_drafts} drafts (1 to {checked + 1} expected)")
+    if checked:
+        spec.record(checked, len(toks) - 1)
     req.num_computed_tokens -= num_drafts + 1 - len(toks)
     delta: RequestDelta | None = None
     for tok in toks:

@@ -109,7 +109,9 @@ class Request:
     last_issue_seq: int = -1  # when it was last scheduled (a scheduler counter): round-robin of decodes
     last_token_time: float | None = None  # scheduler clock at its last token (policy slo's deadline); None: none yet
     known_to_workers: bool = False  # workers hold its state (sent as new, not yet told to forget)
-    num_pending: int = 0  # tokens sampled by steps in flight, not yet appended (overlap mode; 0 when synchronous)
+    # tokens sampled by steps in flight, not yet appended (overlap mode; 0 when synchronous); a verification in
+    # flight counts 1 + its drafts, as if all were accepted (engine/speculation.py)
+    num_pending: int = 0
     num_drafts_held: int = 0  # drafts the workers hold for it (speculative decoding: the last StepResult.drafts)
     prompt_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     prompt_logprobs_done: bool = False
@@ -160,7 +162,8 @@ class Request:
 
     @property
     def will_reach_length(self) -> bool:
-        """The pending samples alone finish it by length: a further step would compute past the end."""
+        """The pending samples alone finish it by length: a further step would compute past the end (with a
+        verification in flight: would if all its drafts are accepted; if not, a later plan continues it)."""
         n = self.num_pending
         if not n:
             return False

@@ -25,13 +25,15 @@ which the workers append themselves. A request the pending tokens finish by leng
 one that stops on EOS or a stop token, is aborted or preempted meanwhile has its in-flight result dropped
 (recognised by request object and preemption count, so a re-added id never gets a stale token).
 
-Speculative decoding (config.num_speculative_tokens = k > 0, synchronous loop only; see speculation.py): a
+Speculative decoding (config.num_speculative_tokens = k > 0; see speculation.py): a
 decoding request verifies d = min(k, what its limits leave) drafts the workers hold, as one chunk of 1 + d
 tokens; its table grows to cover the chunk plus the positions the next draft chain writes (config.lookahead: k - 1
 for MTP and EAGLE, k for a draft model, none for n-gram lookup; capped at
 max_model_len). The result carries 1..d+1 tokens for it (outputs.py). A prefix hit gives back its last
 block: the drafter's cache entry at a block's last position depends on the next block's first token, which the
-hit does not cover (vLLM does the same).
+hit does not cover (vLLM does the same). In overlap mode a verification in flight counts 1 + d pending tokens (as
+if every draft were accepted): the next chunk starts there, its blocks cover that optimistic end, and update()
+rewinds num_computed by the plan's d once the count is known (speculation.num_drafts, outputs.append_verified).
 
 Sliding-window KV cache groups (config.window_sizes; window_blocks.py): every sliding group's table grows with
 the full table (`_take_blocks` preempts while any pool is short), a prefix hit is shortened until each sliding
@@ -357,7 +359,7 @@ class Scheduler(Preemption):
             if not s.sample:
                 cache.store(req)
                 continue
-            req.num_pending -= 1
+            req.num_pending -= 1 + drafts
             req.num_drafts_held = result.drafts.get(s.request_id, 0)
             tok = sampled.get(s.request_id)
             if tok is None:
@@ -369,7 +371,8 @@ class Scheduler(Preemption):
                                            error=tok.error))
                 continue
             if drafts or (verified and s.request_id in verified):
-                delta = append_verified(req, verified.get(s.request_id, [tok]), drafts, cache, reserve, self.spec)
+                delta = append_verified(req, verified.get(s.request_id, [tok]), drafts, cache, reserve, self.spec,
+                                        result.verified.get(s.request_id))
             else:
                 delta = append_token(req, tok, cache, reserve)
             req.last_token_time = now

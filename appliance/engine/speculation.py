@@ -9,6 +9,12 @@ the worker's next draft chain writes: lookahead_tokens), and the worker answers 
 request, in order (the accepted drafts, then the target's own token at the first mismatch or after the last
 draft). The scheduler applies them one by one under every stop rule and moves num_computed by the count.
 
+Overlap mode (scheduler.enable_overlap): step N+1 is planned before step N's count is known. A verification in
+flight counts as 1 + d pending tokens (all accepted), so N+1's chunk starts after them, asks for up to k drafts
+and takes blocks for that end; the worker, which finishes N before it runs N+1, verifies the drafts it holds
+(fewer: StepResult.verified) from where N really ended, and update() rewinds num_computed by N+1's planned d.
+Greedy and seeded outputs are what the synchronous loop gives; only how many drafts a step verifies differs.
+
 A request with structured outputs verifies drafts under its grammar (executor/logits_processors.py
 mask_drafts: row j masked as after the first j drafts, the matcher rolled back afterwards). One with a thinking
 budget (a processor without rollback) gets no drafts: it decodes one token per step, as without speculation.
@@ -32,11 +38,17 @@ def drafts_allowed(params: SamplingParams) -> bool:
 
 def num_drafts(req: Request, k: int) -> int:
     """Drafts the workers hold for a decoding request that it may verify now (0 without speculation, k = 0)."""
-    if not k or not req.num_drafts_held or req.status is not RequestStatus.DECODING:
+    pending = req.num_pending
+    # with a step in flight (overlap mode) the drafts held after it are not known yet: plan for k, and the
+    # workers verify the drafts they hold, at most these (executor/speculative.py)
+    held = (k if drafts_allowed(req.sampling_params) else 0) if pending else req.num_drafts_held
+    # (a request whose last prompt chunk is in flight decodes next: the workers draft after that chunk)
+    if not k or not held or (req.status is not RequestStatus.DECODING and not pending):
         return 0
-    # every accepted draft and the bonus token must fit max_tokens and max_model_len
-    room = min(req.max_output_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens) - 1
-    return max(0, min(k, req.num_drafts_held, room))
+    # every accepted draft and the bonus token must fit max_tokens and max_model_len, after the optimistic
+    # pending tokens (every draft in flight accepted)
+    room = min(req.max_output_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens) - pending - 1
+    return max(0, min(k, held, room))
 
 
 def table_tokens(req: Request, start: int, n: int, lookahead: int) -> int:

@@ -76,6 +76,8 @@ class StepResult:
     # speculative decoding: drafts the workers hold after this step, per request that sampled and has some
     # (the next step verifies at most that many; absent = none, e.g. no n-gram match)
     drafts: dict[str, int] = field(default_factory=dict)
+    # overlap mode: drafts a verification checked, where the workers held fewer than its plan asked for
+    verified: dict[str, int] = field(default_factory=dict)
 
 
 class Executor:

@@ -102,8 +102,8 @@ class StepBudget:
         req.num_computed_tokens = end
         req.last_issue_seq = self.issue_seq
         self.issue_seq += 1
-        if sample:
-            req.num_pending += 1
+        if sample:  # its sample and, optimistically, every draft it verifies (overlap mode; scheduler.py)
+            req.num_pending += 1 + drafts
         if new_window_blocks:
             new_blocks = new_blocks + [b for blocks in new_window_blocks for b in blocks]
         sched = ScheduledRequest(req.request_id, n, new_blocks, sample, save_snapshot)

@@ -66,9 +66,6 @@ def check_settings(config: ApplianceConfig) -> None:
     if s.effective_num_draft_tokens != s.num_steps + 1:
         raise ValueError(f"speculative.num_draft_tokens={s.num_draft_tokens}: a chain of num_steps="
                          f"{s.num_steps} verifies num_steps + 1 = {s.num_steps + 1} tokens; set that or leave it unset")
-    if config.scheduler.enable_overlap:
-        raise ValueError("speculative decoding runs with the synchronous engine loop; turn scheduler.enable_overlap "
-                         "off")
 
 
 def load_drafter(config: ApplianceConfig, runner: ModelRunner) -> torch.nn.Module | None:
@@ -136,6 +133,8 @@ class Speculator(Drafting):
         self.forced = ForcedAcceptance.from_section(s, runner.config.model.seed)
         self._drafts, self._pending, self.draft_probs = {}, None, {}
         self.drafting = True
+        # overlap mode: a plan may ask for more drafts than the previous step left (engine/speculation.py)
+        self.overlapped = runner.config.overlap_enabled()
         self._chain_stager = Stager(runner.device)  # the rows a chain starts from
         self._index_stager = Stager(runner.device)  # the drafter's row indices
         # verification steps as decode rows, from CUDA graphs on a GPU (None: the multi-token path)
@@ -155,7 +154,8 @@ class Speculator(Drafting):
             self._forget(new.request_id)
         state_cache.restore_snapshots(r.state_cache, plan, r.requests)
         verifying: dict[str, int] = {}  # request id -> drafts its chunk verifies
-        chunks = [self._chunk(s, verifying) for s in plan.scheduled]
+        clamped: dict[str, int] = {}  # the same, where fewer than the plan asked (StepResult.verified)
+        chunks = [self._chunk(s, verifying, clamped) for s in plan.scheduled]
         if not chunks:
             return StepResult(plan.step_id)
         sampling = sum(1 for c in chunks if c.sample)
@@ -180,7 +180,7 @@ class Speculator(Drafting):
             n = self._held(c.state.request_id) if c.sample else 0
             if n:
                 held[c.state.request_id] = n
-        return StepResult(plan.step_id, scored.sampled, scored.prompt_logprobs, held)
+        return StepResult(plan.step_id, scored.sampled, scored.prompt_logprobs, held, clamped)
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
         v = self.verify_graphs
@@ -196,7 +196,7 @@ class Speculator(Drafting):
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
         raise NotImplementedError
 
-    def _chunk(self, s: ScheduledRequest, verifying: dict[str, int]) -> Chunk:
+    def _chunk(self, s: ScheduledRequest, verifying: dict[str, int], clamped: dict[str, int]) -> Chunk:
         state = self.runner.requests.get(s.request_id)
         if state is None:
             raise KeyError(f"step schedules request {s.request_id!r}, which the worker does not know")
@@ -206,15 +206,21 @@ class Speculator(Drafting):
         if d > 0:  # a verification: the drafts become provisional tokens until scored
             held = self.drafts.get(s.request_id, [])
             if d > len(held):
-                raise ValueError(f"request {s.request_id!r}: asked to verify {d} drafts, the worker holds {len(held)}")
+                if not self.overlapped:
+                    raise ValueError(f"request {s.request_id!r}: asked to verify {d} drafts, the worker holds "
+                                     f"{len(held)}")
+                # planned before the previous step's outcome: verify what is held (the engine rewinds by the plan)
+                end, d = end - d + len(held), len(held)
+                clamped[s.request_id] = d
             state.token_ids.extend(held[:d])
-            verifying[s.request_id] = d
+            if d:
+                verifying[s.request_id] = d
         if s.num_tokens < 1 or end > len(state.token_ids):
             raise ValueError(f"request {s.request_id!r}: cannot compute {s.num_tokens} tokens from "
                              f"{state.num_computed}; it has {len(state.token_ids)}")
         if s.sample and end != len(state.token_ids):
             raise ValueError(f"request {s.request_id!r}: asked to sample after token {end} of {len(state.token_ids)}")
-        return Chunk(state, state.num_computed, s.num_tokens, s.sample)
+        return Chunk(state, state.num_computed, end - state.num_computed, s.sample)
 
     # ---- scoring: plain samples and verifications ------------------------------------------------------
     def _score(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
