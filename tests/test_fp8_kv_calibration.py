@@ -1,7 +1,8 @@
 """Online fp8 KV scale calibration (precision.kv_cache_calibration_tokens) and kv_cache_quant_method: the scales
 equal the amax of the first N prefill tokens' keys / values over 448 (a torch reference: the 16-bit model's own
 keys and values), they are frozen after, entries stored before a scale grew stay readable, and the outlier model
-that saturates at scale 1.0 comes back close to the 16-bit cache.
+that saturates at scale 1.0 comes back close to the 16-bit cache; the same for DeepSeek's MLA latent cache (one
+scale: the amax of the stored latents).
 
 Run: python -m pytest -q -p no:cacheprovider tests/test_fp8_kv_calibration.py
 """
@@ -19,8 +20,10 @@ from appliance.config import build_config, check_supported, parse_serve_args
 from appliance.executor.kv_calibration import KVCalibration
 from appliance.kernels.reference.kv_quant import dequantize, quantize
 from appliance.layers.attention import Attention
+from appliance.layers.mla import MLAAttention
 from tests.test_fp8_kv_cache import (
     COMMON,
+    MLA_BOUNDS,
     OUTLIER_BOUND,
     OUTLIER_FLOOR,
     _compare,
@@ -118,18 +121,62 @@ def test_scales_grow_and_earlier_entries_are_rescaled() -> None:
     assert float(layer.k_scale[0]) == pytest.approx(want_k)
 
 
-def test_only_fp8_attention_caches_are_calibrated() -> None:
-    """arm() leaves 16-bit (high-precision) layers out; an MLA latent cache is refused before any allocation."""
+def test_only_fp8_caches_are_calibrated() -> None:
+    """arm() leaves 16-bit (high-precision) layers out and takes an fp8 MLA latent cache; the placeholders hold
+    1.0 for both kinds (one scale for the latent)."""
     from appliance.executor.kv_calibration import arm
-    from appliance.executor.kv_scales import CheckpointKVScales, calibration_placeholders
+    from appliance.executor.kv_scales import (
+        CheckpointKVScales,
+        calibration_placeholders,
+    )
 
     fp8, plain = _layer(), Attention(num_heads=2, head_dim=8, num_kv_heads=2, scale=0.35, backend="torch")
     plain.bind_kv_cache(*(torch.zeros(4, 4, 2, 8) for _ in range(2)))
-    cal = arm([fp8, plain], tokens=8)
-    assert cal is not None and cal.layers == [fp8] and plain.calibration is None and fp8.calibration is cal
+    mla = _mla_layer()
+    cal = arm([fp8, plain, mla], tokens=8)
+    assert cal is not None and cal.layers == [fp8, mla] and plain.calibration is None
+    assert fp8.calibration is cal and mla.calibration is cal
     assert arm([fp8], tokens=0) is None
-    with pytest.raises(ValueError, match="MLA latent"):
-        calibration_placeholders([fp8, torch.nn.Linear(2, 2)], CheckpointKVScales(), 8)
+    fresh = MLAAttention(2, 12, 4, 4, 4, 0.3)
+    source = calibration_placeholders([fresh], CheckpointKVScales(), 8)
+    assert source == "online calibration over the first 8 prefill tokens"
+    assert fresh.kv_scale is not None and fresh.kv_scale.tolist() == [1.0]
+
+
+def _mla_layer(blocks: int = 4, block: int = 4) -> MLAAttention:
+    layer = MLAAttention(num_heads=2, kv_lora_rank=12, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+                         scale=0.3, backend="torch")
+    layer.set_kv_scales(torch.ones(1), torch.ones(1))
+    layer.bind_kv_cache(torch.zeros(blocks, block, 1, 16, dtype=E4M3))
+    return layer
+
+
+def test_latent_scale_grows_and_earlier_latents_are_rescaled() -> None:
+    """The MLA latent cache's one scale: 6 prefill latents of amax ~3, then a decode row and 4 prefill latents of
+    amax ~300 (one padding row), then more past the window; stored through the layer's mla_store op. The scale
+    ends at amax / 448 of the 10 counted rows, frozen; the first step's latents read back within e4m3's rounding."""
+    g = torch.Generator().manual_seed(1)
+    layer = _mla_layer()
+    cal = KVCalibration([layer], tokens=10)
+
+    def step(latent: torch.Tensor, slots: list[int], num_decode: int = 0) -> None:
+        meta = SimpleNamespace(num_decode_tokens=num_decode, slot_mapping=torch.tensor(slots))
+        cal.observe_latent(layer, latent, meta)  # type: ignore[arg-type]
+        assert layer.k_cache is not None
+        layer._store(latent, layer.k_cache, meta.slot_mapping, **layer.kv_scales)
+
+    first = 3 * torch.randn(6, 16, generator=g)
+    step(first, list(range(6)))
+    assert layer.kv_scale is not None and float(layer.kv_scale[0]) == pytest.approx(float(first.abs().max()) / 448)
+    second = 300 * torch.randn(5, 16, generator=g)
+    step(torch.cat([1000 * torch.ones(1, 16), second]), [6, 7, 8, 9, 10, -1], num_decode=1)
+    assert cal.done and layer.calibration is None
+    want = float(torch.cat([first, second[:4]]).abs().max()) / 448
+    assert layer.kv_scale.tolist() == [pytest.approx(want)]
+    got = dequantize(layer.k_cache.view(-1, 1, 16)[:6], layer.kv_scale).view(6, 16)
+    assert torch.allclose(got, first, rtol=0.07, atol=want), (got - first).abs().max()
+    step(1e4 * torch.ones(3, 16), [11, 12, 13])  # after the window: frozen
+    assert layer.kv_scale.tolist() == [pytest.approx(want)]
 
 
 # ---- on a tiny model -----------------------------------------------------------------------------------------
@@ -191,6 +238,73 @@ def test_calibrated_outlier_model_stays_close_to_16_bit(tiny_model: Path) -> Non
     assert mean < OUTLIER_BOUND and agree >= OUTLIER_FLOOR, (mean, agree)
 
 
+def _recorded_latents(llm: LLM, n: int) -> list[torch.Tensor]:
+    """Each MLA layer's latents (c_kv and the rotated k_pe, as stored) of PROMPT's first n tokens in a 16-bit run."""
+    seen: list[torch.Tensor] = []
+    forward = MLAAttention.forward
+
+    def record(self: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+               k_pe: torch.Tensor, *rest: object) -> torch.Tensor:
+        seen.append(torch.cat((kv_c, k_pe), dim=-1).float().clone())
+        return forward(self, q_nope, q_pe, kv_c, k_pe, *rest)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MLAAttention, "forward", record)
+        llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0.0, max_tokens=1))
+    per_layer = seen[: len(llm.executor.runner.model.attention_layers())]  # the prompt's one prefill step
+    assert all(x.shape[0] == len(PROMPT) for x in per_layer)
+    return [x[:n] for x in per_layer]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_mla_latent_scales_equal_the_16_bit_models_amax(tmp_path: Path, arch: str) -> None:
+    """DeepSeek's latent cache calibrated over PROMPT's first 20 tokens in 8-token chunks (the scale grows between
+    them; MLA prefill reads the earlier chunks' rescaled latents back): each layer's scale is the amax of the 16-bit
+    model's latents of the same tokens over 448 (layer 0 exact up to bf16 rounding, later layers see the fp8
+    cache's attention output: bound 5%), frozen after; the output stays within test_fp8_kv_cache.py's MLA fp8
+    bounds of the 16-bit cache. Measured (bf16, CPU): scales within 0.0% / 0.6% / 1.0% of the reference by layer,
+    mean |logprob diff| 0.044 (V2) / 0.050 (V3) nats, top-1 agreement 0.91 / 0.84."""
+    from test_moe_models import build_family
+
+    path = build_family(arch, tmp_path / arch)
+    base = LLM(model=str(path), **COMMON)
+    ref = _recorded_latents(base, N)
+    fp8 = LLM(model=str(path), kv_cache_dtype="fp8", kv_cache_calibration_tokens=N, chunked_prefill_size=8,
+              **COMMON)
+    runner = fp8.executor.runner
+    assert runner.kv_scale_source == f"online calibration over the first {N} prefill tokens"
+    fp8.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0.0, max_tokens=2))
+    assert runner.kv_calibration is not None and runner.kv_calibration.done
+    layers = runner.model.attention_layers()
+    assert len(layers) == len(ref) == 3 and all(isinstance(layer, MLAAttention) for layer in layers)
+    frozen = [layer.kv_scale.clone() for layer in layers]
+    mean, agree = _stats(_prompt_logprobs(base), _prompt_logprobs(fp8))
+    for i, (layer, x) in enumerate(zip(layers, ref)):
+        assert layer.calibration is None and torch.equal(layer.kv_scale, frozen[i])
+        want = float(x.abs().max()) / 448
+        assert layer.kv_scale.tolist() == [pytest.approx(want, rel=0.01 if i == 0 else 0.05)], (i, want)
+    bound, floor = MLA_BOUNDS[arch]
+    assert mean < bound and agree >= floor, (mean, agree)
+
+
+def test_mtp_drafter_latent_cache_is_calibrated(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """DeepSeek-V3 with its MTP drafter: the drafter's own latent cache is calibrated too (its window closes with
+    the target's), and greedy speculative decoding emits the tokens of plain decoding on a calibrated cache."""
+    import test_spec_mtp as spec
+
+    path = spec.tiny_v3.__wrapped__(tmp_path_factory)  # the fixture's builder, outside its module
+    params = SamplingParams(temperature=0.0, max_tokens=spec.NEW, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in spec.PROMPTS]
+    plain = spec.make_llm(path, kv_cache_dtype="fp8", kv_cache_calibration_tokens=16)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = spec.make_llm(path, kv_cache_dtype="fp8", kv_cache_calibration_tokens=16, speculative_algorithm="MTP",
+                        speculative_num_steps=2)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    cal = llm.executor.runner.kv_calibration
+    assert cal is not None and cal.done and len(cal.layers) == 3  # 2 layers + MTP
+    assert all(layer.kv_scale is not None and float(layer.kv_scale[0]) != 1.0 for layer in cal.layers)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_calibration_through_graphs(make_tiny_model: Callable[..., Path]) -> None:
@@ -209,3 +323,26 @@ def test_gpu_calibration_through_graphs(make_tiny_model: Callable[..., Path]) ->
     assert runner.kv_calibration is not None and runner.kv_calibration.done
     assert float(runner.model.attention_layers()[0].v_scale[0]) > 1.0
     assert mean < OUTLIER_BOUND and agree >= OUTLIER_FLOOR, (mean, agree)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_gpu_mla_calibration_through_graphs(tmp_path: Path, arch: str) -> None:
+    """The Triton MLA kernels with decode graphs and 16-token chunks: the latent cache calibrates over the first
+    40 prefill tokens (mixed steps, graph-stored decodes rescaled with the rest), then freezes; the output stays
+    within the CPU test's MLA bounds of the 16-bit cache."""
+    from test_moe_models import build_family
+
+    path = build_family(arch, tmp_path / arch)
+    kw = {"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": 0.3, "attention_backend": "triton",
+          "chunked_prefill_size": 16, "skip_tokenizer_init": True, "block_size": 16}
+    base = LLM(model=str(path), **kw)
+    fp8 = LLM(model=str(path), kv_cache_dtype="fp8", kv_cache_calibration_tokens=40, **kw)
+    runner = fp8.executor.runner
+    assert runner.graphs is not None
+    mean, agree = _stats(_prompt_logprobs(base), _prompt_logprobs(fp8))
+    assert runner.kv_calibration is not None and runner.kv_calibration.done
+    assert all(float(layer.kv_scale[0]) != 1.0 for layer in runner.model.attention_layers())
+    bound, floor = MLA_BOUNDS[arch]
+    assert mean < bound and agree >= floor, (mean, agree)

@@ -1,6 +1,7 @@
 """Online fp8 KV scales (`precision.kv_cache_calibration_tokens`): each attention layer's per-tensor k and v
 scales are the amax of the keys / values of the first N prefill tokens served, divided by the format's largest
-value (448 for e4m3), then frozen.
+value (448 for e4m3), then frozen. An MLA latent cache (layers/mla.py: one tensor, one scale) is calibrated the
+same way from the amax of its stored latents (c_kv and the rotated k_pe, concatenated).
 
 The scales move while the window is open, and every token stored so far must stay readable with the current one.
 So a layer observes a step's prefill keys and values before they are stored (the scale already covers them), and
@@ -10,8 +11,7 @@ step and are rewritten the same way. The scale tensors are updated in place, so 
 
 While the window is open the runner runs prefill steps eagerly (no piecewise graphs) and Llama-family layers
 take the unfused norm / rope / store path: the observation needs the post-rotary keys. Under tensor parallelism
-each rank scales its own kv heads. Only the paged K/V cache of `Attention` is calibrated: an MLA latent cache is
-refused at start-up.
+each rank scales its own kv heads (an MLA latent is replicated: every rank reaches the same scale).
 """
 from __future__ import annotations
 
@@ -22,10 +22,20 @@ import torch
 
 from appliance.kernels.reference.kv_quant import FP8_MAX, is_fp8
 from appliance.layers.attention import Attention, AttentionMetadata
+from appliance.layers.mla import MLAAttention
 
 log = logging.getLogger(__name__)
 
 _RESCALE_BYTES = 64 << 20  # float32 working set of one rescale chunk
+
+Calibrated = Attention | MLAAttention
+
+
+def calibrated_caches(layer: Calibrated) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """A layer's fp8 caches and their scale tensors, by the name its state keeps them under."""
+    if isinstance(layer, MLAAttention):
+        return {"latent": (layer.k_cache, layer.kv_scale)}
+    return {"k": (layer.k_cache, layer.k_scale), "v": (layer.v_cache, layer.v_scale)}
 
 
 def rescale_cache(cache: torch.Tensor, factor: float) -> None:
@@ -39,21 +49,26 @@ def rescale_cache(cache: torch.Tensor, factor: float) -> None:
 
 @dataclass
 class LayerCalibration:
-    """One layer's running amax and the scales it has set (None before its first prefill token)."""
+    """One layer's running amax and the scales it has set (None before its first prefill token), by cache name."""
     remaining: int
-    amax: dict[str, float] = field(default_factory=lambda: {"k": 0.0, "v": 0.0})
-    scale: dict[str, float | None] = field(default_factory=lambda: {"k": None, "v": None})
+    names: tuple[str, ...]
+    amax: dict[str, float] = field(init=False)
+    scale: dict[str, float | None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.amax = {name: 0.0 for name in self.names}
+        self.scale = {name: None for name in self.names}
 
 
 class KVCalibration:
     """The open calibration window of a runner's fp8 attention layers; `done` once every layer saw N tokens."""
 
-    def __init__(self, layers: list[Attention], tokens: int) -> None:
+    def __init__(self, layers: list[Calibrated], tokens: int) -> None:
         if tokens < 1:
             raise ValueError(f"kv_cache_calibration_tokens must be at least 1, got {tokens}")
         self.tokens = tokens
         self.layers = layers
-        self.state = {id(layer): LayerCalibration(tokens) for layer in layers}
+        self.state = {id(layer): LayerCalibration(tokens, tuple(calibrated_caches(layer))) for layer in layers}
         for layer in layers:
             layer.calibration = self
 
@@ -63,29 +78,36 @@ class KVCalibration:
 
     def observe(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """Before layer stores k / v ([T, Hkv, D]): fold this step's first remaining prefill rows into its amax and
-        grow its scales to cover them. Decode rows (the first num_decode_tokens) and padding rows (slot -1) do not
-        count."""
+        grow its scales to cover them."""
+        self._fold(layer, {"k": k, "v": v}, meta)
+
+    def observe_latent(self, layer: MLAAttention, latent: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Before an MLA layer stores its latents ([T, R + dr]): as `observe`."""
+        self._fold(layer, {"latent": latent}, meta)
+
+    def _fold(self, layer: Calibrated, x: dict[str, torch.Tensor], meta: AttentionMetadata) -> None:
+        """Decode rows (the first num_decode_tokens) and padding rows (slot -1) do not count."""
         st = self.state[id(layer)]
         nd = meta.num_decode_tokens
-        if st.remaining == 0 or nd == k.shape[0]:
+        t = next(iter(x.values())).shape[0]
+        if st.remaining == 0 or nd == t:
             return
         real = meta.slot_mapping[nd:] >= 0  # a host sync: the window is eager and short
-        rows = {"k": k[nd:][real][: st.remaining], "v": v[nd:][real][: st.remaining]}
-        n = rows["k"].shape[0]
+        rows = {name: y[nd:][real][: st.remaining] for name, y in x.items()}
+        n = next(iter(rows.values())).shape[0]
         if n == 0:
             return
         st.remaining -= n
-        for which, x in rows.items():
-            st.amax[which] = max(st.amax[which], float(x.abs().amax()))
-            self._grow(layer, st, which)
+        for name, y in rows.items():
+            st.amax[name] = max(st.amax[name], float(y.abs().amax()))
+            self._grow(layer, st, name)
         if st.remaining == 0:
             layer.calibration = None
             if self.done:
                 self._report()
 
-    def _grow(self, layer: Attention, st: LayerCalibration, which: str) -> None:
-        cache = layer.k_cache if which == "k" else layer.v_cache
-        scale = layer.k_scale if which == "k" else layer.v_scale
+    def _grow(self, layer: Calibrated, st: LayerCalibration, which: str) -> None:
+        cache, scale = calibrated_caches(layer)[which]
         assert cache is not None and scale is not None and is_fp8(cache.dtype)
         if st.amax[which] == 0.0:
             return  # nothing to scale yet; the first non-zero amax sets it
@@ -99,15 +121,17 @@ class KVCalibration:
         st.scale[which] = new
 
     def _report(self) -> None:
-        ks = [s.scale["k"] or 0.0 for s in self.state.values()]
-        vs = [s.scale["v"] or 0.0 for s in self.state.values()]
-        log.info("fp8 KV scales calibrated over the first %d prefill tokens and frozen: k %.3g..%.3g, v %.3g..%.3g "
-                 "over %d layers", self.tokens, min(ks), max(ks), min(vs), max(vs), len(ks))
+        ranges = []
+        for name in ("k", "v", "latent"):
+            got = [s.scale[name] or 0.0 for s in self.state.values() if name in s.scale]
+            if got:
+                ranges.append(f"{name} {min(got):.3g}..{max(got):.3g}")
+        log.info("fp8 KV scales calibrated over the first %d prefill tokens and frozen: %s over %d layers",
+                 self.tokens, ", ".join(ranges), len(self.state))
 
 
-def arm(layers: list[Attention], tokens: int) -> KVCalibration | None:
+def arm(layers: list[Calibrated], tokens: int) -> KVCalibration | None:
     """Open the window over the layers with a bound fp8 cache (16-bit high-precision layers keep none); None when
-    calibration is off. Call after the warm-up, whose KV writes would count otherwise. executor/kv_scales.py has
-    refused the caches this cannot calibrate."""
+    calibration is off. Call after the warm-up, whose KV writes would count otherwise."""
     fp8 = [layer for layer in layers if layer.kv_scales]
     return KVCalibration(fp8, tokens) if tokens > 0 and fp8 else None

@@ -133,15 +133,9 @@ def install(model: nn.Module, layers: list[nn.Module], checkpoint: CheckpointKVS
 
 
 def calibration_placeholders(layers: list[nn.Module], checkpoint: CheckpointKVScales, tokens: int) -> str:
-    """Online calibration (executor/kv_calibration.py) sets the scales from served tokens: refuse the caches it
-    cannot calibrate, hold 1.0 until then, and say when the checkpoint's scales are set aside."""
-    from appliance.layers.attention import Attention
-
+    """Online calibration (executor/kv_calibration.py) sets the scales from served tokens: hold 1.0 until then
+    (an MLA latent cache has one kv head: one scale), and say when the checkpoint's scales are set aside."""
     for layer in layers:
-        if not isinstance(layer, Attention):  # noqa: TRY004 (a setting the model cannot take)
-            raise ValueError(f"precision.kv_cache_calibration_tokens: {type(layer).__name__} caches (an MLA latent "
-                             "cache) are not calibrated online in this build; use the checkpoint's scales or "
-                             "precision.quantization_param_path")
         layer.set_kv_scales(torch.ones(layer.num_kv_heads), torch.ones(layer.num_kv_heads))
     if checkpoint.scales:
         log.info("precision.kv_cache_calibration_tokens is set: the checkpoint's KV cache scales are replaced by "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -28,7 +28,12 @@ from appliance.layers.fp8 import Fp8BlockConfig, dense_weight, make_linear
 from appliance.layers.kernels import kernel
 from appliance.layers.norm import RMSNorm
 from appliance.layers.parallel_state import divide, get_tp_size
-from appliance.layers.rotary import rope_parameters, yarn_factors, yarn_inv_freq, yarn_mscale
+from appliance.layers.rotary import (
+    rope_parameters,
+    yarn_factors,
+    yarn_inv_freq,
+    yarn_mscale,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -68,6 +73,12 @@ def rope_cache_and_mscale(cfg: PretrainedConfig, dim: int) -> tuple[torch.Tensor
     return cache, softmax_mult
 
 
+class LatentObserver(Protocol):
+    """Sees a layer's latents before they are stored (executor/kv_calibration.py: online fp8 scales)."""
+
+    def observe_latent(self, layer: MLAAttention, latent: torch.Tensor, meta: AttentionMetadata) -> None: ...
+
+
 class MLAAttention(nn.Module):
     """The cache-facing half: stores latents and runs the decode (absorbed) and prefill (expanded) kernels.
 
@@ -90,6 +101,7 @@ class MLAAttention(nn.Module):
         self.kv_scale: torch.Tensor | None = None  # an fp8 latent cache's one scale ([1] float32)
         self.kv_scales: dict[str, torch.Tensor] = {}  # the ops' keyword for the bound cache ({} if 16-bit)
         self.kv_ready: Callable[[], None] | None = None  # the host tier's wait for this layer (as Attention's)
+        self.calibration: LatentObserver | None = None  # set while online KV scale calibration is open
 
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """executor/kv_scales.py's call: one latent tensor, one scale (k's; the latent is also the value)."""
@@ -116,7 +128,10 @@ class MLAAttention(nn.Module):
         if self.kv_ready is not None:
             self.kv_ready()
         t = q_nope.shape[0]
-        self._store(torch.cat((kv_c, k_pe), dim=-1), self.k_cache, meta.slot_mapping, **self.kv_scales)
+        latent = torch.cat((kv_c, k_pe), dim=-1)
+        if self.calibration is not None:  # the scale must cover this step's latents before they are stored
+            self.calibration.observe_latent(self, latent, meta)
+        self._store(latent, self.k_cache, meta.slot_mapping, **self.kv_scales)
         w = w_kv_b.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
         out = q_nope.new_empty(t, self.num_heads, self.v_head_dim)
