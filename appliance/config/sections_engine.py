@@ -104,7 +104,8 @@ class PrecisionSection(Section):
         "head) is not built.")
     kv_cache_calibration_tokens: int = param(
         0, "With an fp8 KV cache: compute each layer's k/v scales online from the key / value amax of the first "
-        "this many prefill tokens served, then freeze them (0: off). Replaces the checkpoint's scales.",
+        "this many prefill tokens served (an MLA latent cache: its one scale from the latents' amax), then freeze "
+        "them (0: off). Replaces the checkpoint's scales.",
         flags=("--kv-cache-calibration-tokens", "--fp8-kv-calibration-tokens"), ge=0)
     kv_cache_high_precision_layers: int = param(
         0, "With an fp8 KV cache: the first and the last this many attention layers keep their KV cache in the "
