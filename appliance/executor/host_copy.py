@@ -10,10 +10,11 @@ Either way the wait is one stream waiting on an event: the host never waits, and
 On the CPU the copies run synchronously in the same order (`Inline`), so the same interface is exercised.
 
 The disk tier's copies (engine/disk_tier.py: spills of host slots, fetches into them) are file I/O on the host
-(executor/disk_file.py), run where they stand in the plan's order: before one, the host waits for the copy
-stream's work so far (`drain`: that stream only, which also waited for the steps launched before it), so a spill
-reads a host slot after the stores into it and a fetch writes one after the loads from it. A plan with disk
-copies therefore holds the host until the step before it has run.
+(executor/disk_file.py: runs of consecutive disk and host slots, one write or read per tensor per run), run where
+they stand in the plan's order: before them, the host waits for the copy stream's work so far (`drain`: that
+stream only, which also waited for the steps launched before it), so a spill reads a host slot after the stores
+into it and a fetch writes one after the loads from it. A plan with disk copies therefore holds the host until the
+step before it has run.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from appliance.engine.config import disk_blocks, host_blocks
 from appliance.engine.disk_tier import FETCH, SPILL
 from appliance.executor import kv_cache
 from appliance.executor.block_copies import CopyPlan, bits
-from appliance.executor.disk_file import DiskFile
+from appliance.executor.disk_file import DiskFile, disk_runs
 from appliance.executor.kv_cache import KVCacheSpec
 
 if TYPE_CHECKING:
@@ -171,11 +172,8 @@ class HostCopier:
         if self.disk is None:
             raise RuntimeError("the plan carries disk-tier copies but this worker has no disk tier")
         self.stream.drain()
-        for direction, disk_slot, host_slot in ops:
-            if direction == SPILL:
-                self.disk.spill(disk_slot, host_slot)
-            else:
-                self.disk.fetch(disk_slot, host_slot)
+        for run in disk_runs(ops):  # one write or read per tensor per run of consecutive slots
+            self.disk.run(run)
 
     def wait_layer(self, layer: int) -> None:
         """The compute stream waits for this layer's copies (a no-op once waited, or without copies)."""
