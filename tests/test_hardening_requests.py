@@ -263,15 +263,19 @@ def test_a_nested_schema_does_not_stall_health_or_other_streams(server: Server) 
     stop = threading.Event()
 
     def live() -> None:
-        body = {"prompt": prompt_ids(5, 8), "ignore_eos": True, "stream": True}  # until max_model_len
-        with httpx.Client(timeout=60) as h, h.stream("POST", f"{server.base}/v1/completions", json=body) as r:
-            last = time.monotonic()
-            for _ in r.iter_lines():
-                now = time.monotonic()
-                gaps.append((now, now - last))
-                last = now
-                if stop.is_set():
-                    break
+        # streams until max_model_len, one after another, so a stream is live for the whole compile however fast
+        # the tiny model decodes
+        body = {"prompt": prompt_ids(5, 8), "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as h:
+            while not stop.is_set():
+                with h.stream("POST", f"{server.base}/v1/completions", json=body) as r:
+                    last = time.monotonic()
+                    for _ in r.iter_lines():
+                        now = time.monotonic()
+                        gaps.append((now, now - last))
+                        last = now
+                        if stop.is_set():
+                            break
 
     streamer = threading.Thread(target=live)
     streamer.start()
