@@ -29,7 +29,8 @@ def test_startup_freeze_collects_garbage_first(thawed) -> None:
     assert dead() is not None  # unreachable, but a cycle: still there until a collection
     frozen = freeze_startup_heap("test")
     assert dead() is None  # collected, not frozen for good
-    assert frozen == gc.get_freeze_count() > 1000
+    # objects freed since the freeze (other threads of the test process run on) leave the permanent generation
+    assert frozen >= gc.get_freeze_count() > max(1000, frozen - 100)
     ref = weakref.ref(kept)
     del kept
     gc.collect()
