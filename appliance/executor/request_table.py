@@ -98,6 +98,13 @@ ZERO_ROW = 0  # reserved: padding rows read it; a RequestState with table_row 0 
 COLUMN_MULTIPLE = 16  # padded prefill tables round their width up to 16 columns (input_batch.build_inputs)
 
 
+def scatter_delta(table: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """One scatter of a table delta into `table` at flat positions (already on the device; values int32 or int64):
+    the full table's and the sliding groups' (window_table.py)."""
+    if index.numel():
+        table.view(-1).index_copy_(0, index, values.to(torch.int32))
+
+
 class DeviceBlockTable:
     """The persistent block tables and computed lengths of one worker's live requests (see the module
     docstring)."""
@@ -171,9 +178,7 @@ class DeviceBlockTable:
         return np.concatenate(index), np.concatenate(values)
 
     def apply(self, index: torch.Tensor, values: torch.Tensor) -> None:
-        """One scatter of a delta (already on the device; values int32 or int64)."""
-        if index.numel():
-            self.table.view(-1).index_copy_(0, index, values.to(torch.int32))
+        scatter_delta(self.table, index, values)
 
     def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:
         """[len(rows), width] int32 tables of these rows (ZERO_ROW for padding), contiguous."""

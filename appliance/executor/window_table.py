@@ -23,7 +23,12 @@ import numpy as np
 import torch
 
 from appliance.executor.input_batch import Stager
-from appliance.executor.request_table import ZERO_ROW, DeviceBlockTable, RequestState
+from appliance.executor.request_table import (
+    ZERO_ROW,
+    DeviceBlockTable,
+    RequestState,
+    scatter_delta,
+)
 from appliance.layers.attention import WindowTables
 
 if TYPE_CHECKING:
@@ -80,9 +85,7 @@ class WindowDeviceTables:
         return np.concatenate(index), np.concatenate(values)
 
     def apply(self, index: torch.Tensor, values: torch.Tensor) -> None:
-        """One scatter of a delta (already on the device; values int32 or int64)."""
-        if index.numel():
-            self.table.view(-1).index_copy_(0, index, values.to(torch.int32))
+        scatter_delta(self.table, index, values)
 
     def decode_windows(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, width: int,
                        block_size: int) -> tuple[WindowTables, ...]:
