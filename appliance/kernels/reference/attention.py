@@ -9,6 +9,11 @@ Two optional arguments serve gpt-oss and Gemma 3 (None: plain causal attention):
   as transformers' sliding-window mask does;
 - `sinks` [H] float: a learned logit per query head that joins each row's softmax and is then dropped (its
   probability mass goes nowhere), gpt-oss's attention sinks.
+
+Prefill attention also takes a draft tree's mask (speculative decoding, executor/draft_tree.py): `tree_mask`
+[Tq] int64, one bitmask per query row, and `tree_width` [B] int32, the tree's size W per sequence (0: none). A
+sequence's last W keys are its tree's nodes; query row j sees key L - W + i of them only where bit i of its mask
+is set (its ancestors and itself), every key before them as usual, and nothing past its own position.
 """
 from __future__ import annotations
 
@@ -54,9 +59,21 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return dequantize(cache[block_table[:n_blocks].long()].flatten(0, 1)[:length], scale)
 
 
+def tree_hidden(bits: torch.Tensor, width: int, num_keys: int) -> torch.Tensor:
+    """[Tq, Tk] bool: the keys a draft tree's mask hides from each query row (bits [Tq] int64 over the last
+    `width` of num_keys keys; the keys before them are not hidden)."""
+    k_pos = torch.arange(num_keys, device=bits.device)
+    index = k_pos - (num_keys - width)
+    in_tree = index >= 0
+    bit = (bits[:, None] >> index.clamp(min=0)[None, :]) & 1
+    return in_tree[None, :] & (bit == 0)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-            sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [Tq,H,D] at positions q_pos; k, v [Tk,Hkv,D] at positions 0..Tk-1; causal; float32 math."""
+            sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+            tree: torch.Tensor | None = None) -> torch.Tensor:
+    """q [Tq,H,D] at positions q_pos; k, v [Tk,Hkv,D] at positions 0..Tk-1; causal; float32 math. `tree`
+    [Tq, Tk] bool: keys hidden from each row besides (a draft tree's mask: tree_hidden)."""
     h, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(h // hkv, dim=1)
     v = v.repeat_interleave(h // hkv, dim=1)
@@ -65,6 +82,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     hidden = k_pos[None, None, :] > q_pos[None, :, None]
     if sliding_window is not None:
         hidden = hidden | (k_pos[None, None, :] <= q_pos[None, :, None] - sliding_window)
+    if tree is not None:
+        hidden = hidden | tree[None]
     scores.masked_fill_(hidden, float("-inf"))
     if sinks is not None:  # one more logit per row, dropped after the softmax
         sink = sinks.float()[:, None, None].expand(h, scores.shape[1], 1)
@@ -97,8 +116,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                      tree_width: torch.Tensor | None = None) -> torch.Tensor:
+    """`tree_mask` / `tree_width`: a draft tree's mask (module docstring)."""
     out = attention_out("prefill_attention", q, out)
+    widths = tree_width.tolist() if tree_width is not None else None
     k_scale, v_scale = kv_scale(k_cache, k_scale, "prefill_attention"), kv_scale(v_cache, v_scale, "prefill_attention")
     cu = cu_seqlens_q.tolist()
     for b, length in enumerate(seq_lens.tolist()):
@@ -108,5 +130,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k = _gather(k_cache, block_tables[b], length, k_scale)
         v = _gather(v_cache, block_tables[b], length, v_scale)
         pos = torch.arange(length - (end - start), length, device=q.device)
-        out[start:end] = _attend(q[start:end], k, v, pos, scale, sliding_window, sinks)
+        tree = None
+        if widths is not None and widths[b] > 0:
+            assert tree_mask is not None
+            tree = tree_hidden(tree_mask[start:end], widths[b], length)
+        out[start:end] = _attend(q[start:end], k, v, pos, scale, sliding_window, sinks, tree)
     return out

@@ -5,6 +5,8 @@ first key its first row sees and masks every tile; sinks (`sinks`) join each row
 Which sequence a program serves comes from `cu_tiles` (a prefix sum of
 tiles per sequence, built with torch ops on the device, once per step: kernels/step_cache.py) by binary search in
 the kernel, so the grid size is an upper bound known on the host (T / BLOCK_M + B) and nothing syncs.
+A draft tree's mask (`tree_mask` [T] int64 bits per query row over its sequence's last `tree_width` [B] keys;
+kernels/reference/attention.py states it) masks every tile from the one holding the tree's first key.
 """
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ _TILES = StepCache()  # the step's cu_tiles: the same for every layer (~6 small 
 def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end, q_pos,
              m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr, window=0,
-             WINDOW: tl.constexpr = False):
+             WINDOW: tl.constexpr = False, tree_lo=0, tree_bits=None, TREE: tl.constexpr = False):
     """One online-softmax step over kv positions n0 .. n0 + BLOCK_N; MASKED applies the causal and end masks (and
-    the window's, with WINDOW). An fp8 tile is read in q's dtype (its k scale is in qk_scale, its v scale applied
-    to the output)."""
+    the window's, with WINDOW; the tree's, with TREE: keys from tree_lo on need their bit in the row's
+    tree_bits). An fp8 tile is read in q's dtype (its k scale is in qk_scale, its v scale applied to the
+    output)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -58,6 +61,10 @@ def _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_
         keep = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOW:
             keep = keep & (pos[None, :] > q_pos[:, None] - window)
+        if TREE:
+            index = pos - tree_lo
+            bit = (tree_bits[:, None] >> tl.maximum(index, 0).to(tl.int64)[None, :]) & 1
+            keep = keep & ((index < 0)[None, :] | (bit != 0))
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet stays empty
@@ -79,7 +86,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG_SEQS: tl.constexpr, UPCAST: tl.constexpr,
                     KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, window=0, sinks_ptr=None,
-                    WINDOW: tl.constexpr = False, SINKS: tl.constexpr = False):
+                    WINDOW: tl.constexpr = False, SINKS: tl.constexpr = False, tree_mask_ptr=None,
+                    tree_width_ptr=None, TREE: tl.constexpr = False):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     total_tiles = tl.load(cu_tiles_ptr + num_seqs)
@@ -98,6 +106,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
+    tree_lo = seq_len
+    tree_bits = tl.zeros([BLOCK_M], tl.int64)
+    if TREE:
+        tree_lo = seq_len - tl.load(tree_width_ptr + b)
+        tree_bits = tl.load(tree_mask_ptr + q_start + offs_m, mask=m_mask, other=0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -110,6 +123,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
         first = tl.maximum(seq_len - q_len + m0 - window + 1, 0)
         full_end = (first // BLOCK_N) * BLOCK_N
     else:
+        if TREE:  # the tree's keys may lie before the tile's first query position (a drafter's tree steps)
+            full_end = tl.minimum(full_end, (tree_lo // BLOCK_N) * BLOCK_N)
         for n0 in range(0, full_end, BLOCK_N):
             m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0,
                                      kv_end, q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False,
@@ -117,7 +132,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, lens_ptr, bt_ptr, cu
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _kv_tile(q, k_ptr, v_ptr, bt_ptr, kv_row, kvh, stride_cb, stride_cs, stride_ch, n0, kv_end,
                                  q_pos, m_i, l_i, acc, qk_scale, D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, UPCAST, KV_FP8,
-                                 window, WINDOW)
+                                 window, WINDOW, tree_lo, tree_bits, TREE)
     if SINKS:  # the sink joins the denominator only
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
         m_new = tl.maximum(m_i, sink)
@@ -145,7 +160,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                      tree_width: torch.Tensor | None = None) -> torch.Tensor:
     t, h, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
     bsz = seq_lens.shape[0]
@@ -157,6 +173,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError("prefill_attention: the head_dim axis must be contiguous")
     if sinks is not None and sinks.shape != (h,):
         raise ValueError(f"prefill_attention: sinks {tuple(sinks.shape)} is not [{h}]")
+    if (tree_mask is None) != (tree_width is None) or (tree_mask is not None and (
+            tree_mask.shape != (t,) or tree_mask.dtype != torch.int64 or tree_width.shape != (bsz,))):
+        raise ValueError("prefill_attention: a tree mask is tree_mask [T] int64 with tree_width [B]")
     out = attention_out("prefill_attention", q, out)
     if t == 0 or bsz == 0:
         return out
@@ -172,5 +191,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         UPCAST=INTERPRET, **fp8, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         **({} if sliding_window is None else {"window": int(sliding_window), "WINDOW": True}),
         **({} if sinks is None else {"sinks_ptr": sinks, "SINKS": True}),
+        **({} if tree_mask is None else {"tree_mask_ptr": tree_mask, "tree_width_ptr": tree_width, "TREE": True}),
     )
     return out
