@@ -96,6 +96,12 @@ def _speculative(cfg: ApplianceConfig) -> list[Problem]:
     if s.eagle_topk == 1 and s.num_draft_tokens is not None and s.num_draft_tokens > s.num_steps + 1:
         out.append(Problem("speculative.num_draft_tokens",
                            f"with eagle_topk 1 a chain has at most num_steps + 1 = {s.num_steps + 1} tokens"))
+    # a tree search offers topk children of the root, then topk * topk candidates per further step
+    offered = 1 + s.eagle_topk + (s.num_steps - 1) * s.eagle_topk * s.eagle_topk
+    if s.eagle_topk > 1 and s.num_draft_tokens is not None and not 2 <= s.num_draft_tokens <= offered:
+        out.append(Problem("speculative.num_draft_tokens",
+                           f"a tree of eagle_topk {s.eagle_topk} over num_steps {s.num_steps} has 2 to 1 + topk + "
+                           f"(num_steps - 1) * topk^2 = {offered} tokens (the root and its nodes)"))
     return out
 
 

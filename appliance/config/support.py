@@ -75,12 +75,24 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("speculative.algorithm", lambda c: c.speculative.algorithm in ("DFLASH", "DSPARK"),
                 "DFLASH and DSPARK drafting are not supported in this build; EAGLE, EAGLE3, STANDALONE, NGRAM and "
                 "MTP are"),
-    Unsupported("speculative.eagle_topk", lambda c: c.speculative.algorithm is not None and c.speculative.eagle_topk > 1,
-                "draft trees (eagle_topk > 1) are not supported in this build; drafts are one chain"),
+    Unsupported("speculative.eagle_topk",
+                lambda c: c.speculative.eagle_topk > 1 and c.speculative.algorithm in ("MTP", "NGRAM"),
+                "draft trees (eagle_topk > 1) are drafted by EAGLE, EAGLE3 and STANDALONE in this build; MTP and "
+                "NGRAM draft one chain"),
+    Unsupported("speculative.eagle_topk",
+                lambda c: c.speculative.eagle_topk > 1 and c.speculative.algorithm is not None and c.overlap_enabled(),
+                "draft trees (eagle_topk > 1) run the synchronous loop in this build: set scheduler.enable_overlap "
+                "= false"),
     Unsupported("speculative.num_draft_tokens",
-                lambda c: c.speculative.algorithm is not None
+                lambda c: c.speculative.algorithm is not None and c.speculative.eagle_topk == 1
                 and c.speculative.effective_num_draft_tokens != c.speculative.num_steps + 1,
-                "a draft chain verifies num_steps + 1 tokens in this build (leave num_draft_tokens unset)"),
+                "a draft chain (eagle_topk 1) verifies num_steps + 1 tokens (leave num_draft_tokens unset)"),
+    Unsupported("speculative.num_draft_tokens",
+                lambda c: c.speculative.algorithm is not None and c.speculative.eagle_topk > 1
+                and (c.speculative.effective_num_draft_tokens > 64
+                     or c.speculative.eagle_topk * (c.speculative.num_steps - 1) > 64),
+                "a draft tree's mask row is one 64-bit word in this build: num_draft_tokens and eagle_topk * "
+                "(num_steps - 1) must be at most 64"),
     Unsupported("speculative.draft_model_quantization", lambda c: c.speculative.draft_model_quantization != "unquant",
                 "the drafter's weights are used as stored in this build (unquant)"),
     Unsupported("backends.drafter_attention",

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from appliance.config.sections_engine import CacheSection, SchedulerSection
 
 from appliance.engine.kv_groups import KVGroup
-from appliance.engine.speculation import lookahead_tokens
+from appliance.engine.speculation import lookahead_tokens, tree_scratch_tokens
 from appliance.engine.swap import PREEMPTION_MODES, SwapCosts
 
 POLICIES = ("fcfs", "lpm", "slo")
@@ -222,8 +222,7 @@ class EngineConfig:
             slo_tbt_ms=float(getattr(sched, "slo_tbt_ms", 100.0)),
             num_speculative_tokens=num_speculative_tokens(config),
             spec_disable_batch_size=getattr(getattr(config, "speculative", None), "disable_by_batch_size", None),
-            spec_lookahead=lookahead_tokens(getattr(getattr(config, "speculative", None), "algorithm", None),
-                                            num_speculative_tokens(config)),
+            spec_lookahead=spec_lookahead(config),
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
             num_host_blocks=host_blocks(cache, num_blocks) if num_host_blocks is None else num_host_blocks,
@@ -315,8 +314,20 @@ def disk_blocks(cache: CacheSection, bytes_per_block: int) -> int:
 
 
 def num_speculative_tokens(config: ApplianceConfig) -> int:
-    """Drafts per verification: a chain of num_steps tokens (eagle_topk 1), 0 without speculative decoding."""
+    """Drafts per verification: a chain of num_steps tokens (eagle_topk 1), a tree of num_draft_tokens - 1 nodes
+    (eagle_topk > 1), 0 without speculative decoding."""
     spec = getattr(config, "speculative", None)
     if spec is None or spec.algorithm is None:
         return 0
+    if getattr(spec, "eagle_topk", 1) > 1:
+        return int(spec.effective_num_draft_tokens) - 1
     return int(spec.num_steps)
+
+
+def spec_lookahead(config: ApplianceConfig) -> int:
+    """Positions past a sampling chunk the drafter writes (speculation.lookahead_tokens)."""
+    spec = getattr(config, "speculative", None)
+    algorithm = getattr(spec, "algorithm", None)
+    if algorithm is not None and getattr(spec, "eagle_topk", 1) > 1:
+        return tree_scratch_tokens(algorithm, int(spec.eagle_topk), int(spec.num_steps))
+    return lookahead_tokens(algorithm, num_speculative_tokens(config))

@@ -1,6 +1,8 @@
 """Speculative decoding, the engine's side (pure Python): which requests verify drafts, and the counters.
 
-Drafts live on the workers. After every step that samples a request, a worker proposes up to
+Drafts live on the workers (a chain per request, or with eagle_topk > 1 a tree of num_draft_tokens - 1 nodes:
+k counts its nodes, a verification's chunk is its root and nodes, and the tokens emitted follow one accepted path,
+so at most num_steps + 1; executor/tree_verification.py). After every step that samples a request, a worker proposes up to
 `num_speculative_tokens` (k) draft tokens for it (executor/speculative.py: MTP, EAGLE, a draft model, n-gram
 lookup), keeps them and reports how many it holds (StepResult.drafts, kept in Request.num_drafts_held); the next
 step verifies d <= that many: the
@@ -67,6 +69,13 @@ def lookahead_tokens(algorithm: str | None, k: int) -> int:
     if algorithm is None or algorithm == "NGRAM" or k == 0:
         return 0
     return k if algorithm == "STANDALONE" else k - 1
+
+
+def tree_scratch_tokens(algorithm: str, topk: int, num_steps: int) -> int:
+    """Positions past a sampling chunk a draft tree's search writes into the drafter's cache (eagle_topk > 1;
+    executor/tree_drafting.py): topk per step after the first, from the first draft's position (one further for
+    a draft model, as for its chain)."""
+    return topk * (num_steps - 1) + (1 if algorithm == "STANDALONE" else 0)
 
 
 @dataclass

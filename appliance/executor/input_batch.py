@@ -23,21 +23,25 @@ import numpy as np
 import torch
 
 from appliance.executor.window_inputs import window_tables
-from appliance.layers.attention import AttentionMetadata, SequenceStates, longest_first
+from appliance.layers.attention import AttentionMetadata, SequenceStates, TreeMask, longest_first
 
 if TYPE_CHECKING:
+    from appliance.executor.draft_tree import DraftTree
     from appliance.executor.request_table import DeviceBlockTable, RequestState
     from appliance.executor.window_table import WindowDeviceTables
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """One request's share of a step: tokens [start, start + num_tokens) and whether to sample after it."""
+    """One request's share of a step: tokens [start, start + num_tokens) and whether to sample after it. A
+    verification of a draft tree (`tree`: its root and nodes are the chunk's tokens) runs its rows at their depths
+    under the tree's mask, each still in its own slot (draft_tree.py)."""
 
     state: RequestState
     start: int
     num_tokens: int
     sample: bool
+    tree: DraftTree | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -179,10 +183,10 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         end = c.start + c.num_tokens
         row_starts.append(nd + cu[-1])
         cu.append(cu[-1] + c.num_tokens)
-        pos = np.arange(c.start, end, dtype=np.int64)
+        index = np.arange(c.start, end, dtype=np.int64)
         ids_l.append(np.asarray(c.state.token_ids[c.start : end], dtype=np.int64))
-        pos_l.append(pos)
-        slots_l.append(c.state.block_array()[pos // block_size] * block_size + pos % block_size)
+        pos_l.append(index if c.tree is None else c.start + c.tree.chunk_rows()[0])
+        slots_l.append(c.state.block_array()[index // block_size] * block_size + index % block_size)
     t = nd + cu[-1]
     wd = table_width(decodes, decode_width) if nd else 1
     wp = -(-table_width(prefills) // 16) * 16 if pad_prefills else table_width(prefills)
@@ -252,8 +256,24 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         decode_order=longest_first(tail[o[0]]),
         states=states,
         windows=window_meta,
+        tree=tree_mask(prefills, npad, device),
     )
     return StepInputs(head[seg[0]], head[seg[1]], meta, ordered, row_starts)
+
+
+def tree_mask(prefills: list[Chunk], npad: int, device: torch.device) -> TreeMask | None:
+    """The prefill rows' draft-tree masks (None: no chunk verifies a tree). Trees run eagerly: a plain upload."""
+    if all(c.tree is None for c in prefills):
+        return None
+    for c in prefills:
+        if c.tree is not None and c.num_tokens != len(c.tree) + 1:
+            raise ValueError(f"request {c.state.request_id!r}: a chunk of {c.num_tokens} tokens cannot verify a "
+                             f"tree of {len(c.tree)} nodes (its root and nodes only)")
+    bits = [c.tree.chunk_rows()[1] if c.tree is not None else np.zeros(c.num_tokens, dtype=np.int64)
+            for c in prefills]
+    widths = [c.num_tokens if c.tree is not None else 0 for c in prefills] + [0] * npad
+    return TreeMask(torch.from_numpy(np.concatenate(bits)).to(device),
+                    torch.tensor(widths, dtype=torch.int32, device=device))
 
 
 class Stager:

@@ -333,7 +333,7 @@ class ModelRunner:
         inflight.resolve_pending_ids(inputs.chunks, inputs.input_ids, self._pending_stager)
         hidden = None
         calibrating = self.kv_calibration is not None and not self.kv_calibration.done  # observed eagerly
-        if self.pieces is not None and self.use_graphs and not calibrating:
+        if self.pieces is not None and self.use_graphs and not calibrating and inputs.meta.tree is None:
             self.host_copier.wait_all()  # the pieces' cache stores are captured
             hidden = self.pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         if hidden is None:

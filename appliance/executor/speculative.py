@@ -22,13 +22,15 @@ the drafts this worker holds for the request):
    and the next plan verifies at most that many. Above speculative.disable_by_batch_size sampling rows a step
    drafts nothing (a drafter with a cache still catches up, so its cache stays whole).
 With speculative.synthetic_acceptance_* (benchmarks only) step 2's accept decision is forced (speculative_forced.py).
+With eagle_topk > 1 the drafts of a request are a tree (draft_tree.py): drafted by tree_drafting.py, verified by
+tree_verification.py (the walk down the tree, then the accepted path moved to consecutive slots and rows), eagerly.
 On a GPU steps 1 and 3 replay CUDA graphs: verification steps as decode rows (verify_graphs.py), the drafter's
 catch-up after them (catch_up_graphs.py) and the draft chain (draft_graphs.py).
 """
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +44,8 @@ from appliance.executor.speculative_drafts import Drafting
 from appliance.executor.speculative_forced import ForcedAcceptance
 from appliance.executor.speculative_states import StateRollback
 from appliance.executor.speculative_verification import verify
+from appliance.executor.tree_drafting import make_tree_drafter
+from appliance.executor.tree_verification import compact, path_moves, verify_trees
 from appliance.executor.verify_graphs import make_verify_graphs
 
 if TYPE_CHECKING:
@@ -60,12 +64,33 @@ def check_settings(config: ApplianceConfig) -> None:
     if s.algorithm not in SUPPORTED_ALGORITHMS:
         raise ValueError(f"speculative.algorithm={s.algorithm!r} is not supported by this build (supported: "
                          f"{', '.join(SUPPORTED_ALGORITHMS)})")
-    if s.eagle_topk != 1:
-        raise ValueError(f"speculative.eagle_topk={s.eagle_topk}: drafts are one chain (eagle_topk = 1); draft "
-                         "trees are not supported")
-    if s.effective_num_draft_tokens != s.num_steps + 1:
+    if s.eagle_topk > 1:
+        check_tree_settings(config)
+    elif s.effective_num_draft_tokens != s.num_steps + 1:
         raise ValueError(f"speculative.num_draft_tokens={s.num_draft_tokens}: a chain of num_steps="
                          f"{s.num_steps} verifies num_steps + 1 = {s.num_steps + 1} tokens; set that or leave it unset")
+
+
+def check_tree_settings(config: ApplianceConfig) -> None:
+    """Draft trees: drafters with a model, the synchronous loop, masks of at most MAX_TREE_ROWS rows."""
+    from appliance.executor.draft_tree import MAX_TREE_ROWS, num_candidates
+
+    s = config.speculative
+    if s.algorithm not in ("EAGLE", "EAGLE3", "STANDALONE"):
+        raise ValueError(f"speculative.eagle_topk={s.eagle_topk}: draft trees are drafted by EAGLE, EAGLE3 and "
+                         f"STANDALONE; {s.algorithm} drafts one chain (set eagle_topk = 1)")
+    if config.overlap_enabled():
+        raise ValueError(f"speculative.eagle_topk={s.eagle_topk}: draft trees run the synchronous loop; set "
+                         "scheduler.enable_overlap = false (or leave it unset) or use eagle_topk = 1")
+    nodes = s.effective_num_draft_tokens - 1
+    if not 1 <= nodes <= num_candidates(s.eagle_topk, s.num_steps):
+        raise ValueError(f"speculative.num_draft_tokens={s.effective_num_draft_tokens}: a tree search of "
+                         f"eagle_topk={s.eagle_topk}, num_steps={s.num_steps} offers 1 to "
+                         f"{num_candidates(s.eagle_topk, s.num_steps)} nodes besides the root")
+    if s.effective_num_draft_tokens > MAX_TREE_ROWS or s.eagle_topk * (s.num_steps - 1) > MAX_TREE_ROWS:
+        raise ValueError(f"speculative.num_draft_tokens={s.effective_num_draft_tokens} and eagle_topk * "
+                         f"(num_steps - 1) = {s.eagle_topk * (s.num_steps - 1)} must be at most {MAX_TREE_ROWS} "
+                         "(a tree mask row is one 64-bit word)")
 
 
 def load_drafter(config: ApplianceConfig, runner: ModelRunner) -> torch.nn.Module | None:
@@ -117,6 +142,7 @@ class _Scored:
     sampled: list[SampledToken]
     prompt_logprobs: dict[str, list[list[tuple[int, float]] | None]]
     emitted: dict[str, int]  # tokens emitted per sampling chunk
+    paths: dict[str, list[int]] = field(default_factory=dict)  # a tree verification's accepted rows
 
 
 class Speculator(Drafting):
@@ -137,8 +163,10 @@ class Speculator(Drafting):
         self.overlapped = runner.config.overlap_enabled()
         self._chain_stager = Stager(runner.device)  # the rows a chain starts from
         self._index_stager = Stager(runner.device)  # the drafter's row indices
-        # verification steps as decode rows, from CUDA graphs on a GPU (None: the multi-token path)
-        self.verify_graphs = make_verify_graphs(runner, self.num_steps)
+        self.tree = make_tree_drafter(runner)  # None: drafts are chains
+        self.trees = {}
+        # verification steps as decode rows, from CUDA graphs on a GPU (None: the multi-token path; trees)
+        self.verify_graphs = make_verify_graphs(runner, self.num_steps) if self.tree is None else None
         self.chains, self.catch_up_graphs = None, None  # set by drafters with a model
         self._verified_on_graphs = False
         self.recomputed = 0  # hybrid targets: verifications recomputed after a rejection (speculative_states.py)
@@ -164,6 +192,8 @@ class Speculator(Drafting):
             rollback = StateRollback.of(r.state_cache, chunks, verifying)  # hybrid targets (speculative_states.py)
             ordered, row_starts, hidden = self._forward(chunks)
             scored = self._score(ordered, row_starts, hidden, verifying)
+            if scored.paths:
+                self._compact(ordered, row_starts, hidden, scored.paths)
             verified = list(ordered)  # as the forward ran them (before num_computed moves)
             for c in ordered:  # a verification keeps the KV of its confirmed positions only
                 rid = c.state.request_id
@@ -196,6 +226,22 @@ class Speculator(Drafting):
                  emitted: dict[str, int], verifying: dict[str, int]) -> None:
         raise NotImplementedError
 
+    def _compact(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
+                 paths: dict[str, list[int]]) -> None:
+        """Accepted tree paths to consecutive slots (every target layer's KV) and rows (the hidden states, an
+        EAGLE-3 target's captured rows), as a chain would have left them (tree_verification.py)."""
+        r = self.runner
+        moves: list[tuple[int, int]] = []
+        rows: list[tuple[int, int]] = []
+        for c, first in zip(chunks, row_starts):
+            path = paths.get(c.state.request_id)
+            if path is not None:
+                m, w = path_moves(c.state, c.start, first, path, r.block_size)
+                moves, rows = moves + m, rows + w
+        caches = [t for layer in r.model.attention_layers() for t in layer.kv_cache()]
+        aux = getattr(getattr(r.model, "model", None), "aux", None)
+        compact(moves, caches, rows, [hidden] + ([aux.buffer] if aux is not None else []))
+
     def _chunk(self, s: ScheduledRequest, verifying: dict[str, int], clamped: dict[str, int]) -> Chunk:
         state = self.runner.requests.get(s.request_id)
         if state is None:
@@ -215,12 +261,13 @@ class Speculator(Drafting):
             state.token_ids.extend(held[:d])
             if d:
                 verifying[s.request_id] = d
+        tree = self.trees[s.request_id].pruned(d) if d > 0 and s.request_id in self.trees else None
         if s.num_tokens < 1 or end > len(state.token_ids):
             raise ValueError(f"request {s.request_id!r}: cannot compute {s.num_tokens} tokens from "
                              f"{state.num_computed}; it has {len(state.token_ids)}")
         if s.sample and end != len(state.token_ids):
             raise ValueError(f"request {s.request_id!r}: asked to sample after token {end} of {len(state.token_ids)}")
-        return Chunk(state, state.num_computed, end - state.num_computed, s.sample)
+        return Chunk(state, state.num_computed, end - state.num_computed, s.sample, tree)
 
     # ---- scoring: plain samples and verifications ------------------------------------------------------
     def _score(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
@@ -258,7 +305,9 @@ class Speculator(Drafting):
                 out.sampled.append(SampledToken(c.state.request_id, res.token_id, res.logprob, res.top_logprobs,
                                                 res.rank, res.error))
                 out.emitted[c.state.request_id] = 1
-        if verify_at:
+        if verify_at and self.tree is not None:
+            self._verify_trees(logits, verify_at, out)
+        elif verify_at:
             self._verify(logits, verify_at, out)
         return out
 
@@ -288,3 +337,14 @@ class Speculator(Drafting):
             rid = c.state.request_id
             out.sampled += [SampledToken(rid, x.token_id, x.logprob, x.top_logprobs, x.rank) for x in results]
             out.emitted[rid] = len(results)
+
+    def _verify_trees(self, logits: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
+        rows = self._rows_of(logits, [i + j for _, i, d in verify_at for j in range(d + 1)])
+        sampler = self.runner.batch_sampler
+        trees = [(c.state, c.tree) for c, _, _ in verify_at]
+        assert all(t is not None for _, t in trees), "a tree speculator verified a chunk without its tree"
+        for (c, _, _), (results, path) in zip(verify_at, verify_trees(sampler, rows, trees, self.forced)):
+            rid = c.state.request_id
+            out.sampled += [SampledToken(rid, x.token_id, x.logprob, x.top_logprobs, x.rank) for x in results]
+            out.emitted[rid] = len(results)
+            out.paths[rid] = path

@@ -134,7 +134,8 @@ def _capture(config: Any, runner: Any, draft_cfg: Any) -> None:
                          f"Mistral, Qwen2, Qwen3); {type(runner.model).__name__} does not expose them")
     layers = capture_layers(config, draft_cfg, len(inner.layers))
     sched = config.scheduler
-    rows = max(sched.chunked_prefill_size, sched.max_prefill_tokens) + sched.max_num_seqs * (config.speculative.num_steps + 1)
+    rows = (max(sched.chunked_prefill_size, sched.max_prefill_tokens)
+            + sched.max_num_seqs * config.speculative.effective_num_draft_tokens)
     inner.aux = AuxCapture(layers, int(runner.hf_config.hidden_size), rows, runner.dtype, runner.device)
 
 
@@ -142,7 +143,8 @@ class DraftModelSpeculator(Speculator):
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
         self.model = runner.draft_model
-        self.chains = make_chain_graphs(self, None, self.model, _drafter_backend(runner.config, runner))
+        if self.tree is None:  # trees draft eagerly (tree_drafting.py)
+            self.chains = make_chain_graphs(self, None, self.model, _drafter_backend(runner.config, runner))
         self.catch_up_graphs = make_catch_up_graphs(self, None, None, 0)
 
     def draft_step(self, tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: Any
@@ -179,8 +181,10 @@ class EagleSpeculator(Speculator):
         self.target = runner.model
         self.eagle3 = isinstance(self.head, Eagle3Head)
         size = int(self.head.config.hidden_size)
-        self.chains = make_chain_graphs(self, size, self.head, _drafter_backend(runner.config, runner),
-                                        self.head.target_ids() if self.eagle3 else None)
+        self.id_map = self.head.target_ids() if self.eagle3 else None  # the head's vocabulary -> the target's
+        if self.tree is None:  # trees draft eagerly (tree_drafting.py)
+            self.chains = make_chain_graphs(self, size, self.head, _drafter_backend(runner.config, runner),
+                                            self.id_map)
         self.catch_up_graphs = make_catch_up_graphs(self, self.catch_up_source(), size, 1)
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
@@ -209,4 +213,4 @@ class EagleSpeculator(Speculator):
         if not states:
             return
         self.chain(states, self._logits(normed[rows]), [self.first_position(s) for s in states], pre[rows],
-                   self.chains.id_map if self.chains is not None else None)
+                   self.id_map)

@@ -13,12 +13,15 @@ import torch
 
 from appliance.engine.speculation import drafts_allowed
 from appliance.executor.input_batch import Chunk, Stager
+from appliance.executor.logits_processors import wants_processors
 from appliance.executor.request_table import RequestState
 from appliance.executor.speculative_rejection import DraftPicker, draws_drafts
 from appliance.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from appliance.executor.catch_up_graphs import CatchUpGraphs
+    from appliance.executor.draft_tree import DraftTree
+    from appliance.executor.tree_drafting import TreeDrafter
     from appliance.executor.draft_graphs import ChainGraphs, PendingChain
     from appliance.executor.model_runner import ModelRunner
     from appliance.executor.verify_graphs import VerifyGraphs
@@ -35,6 +38,8 @@ class Drafting:
     chains: ChainGraphs | None  # drafters with a model set it (draft_graphs.py)
     catch_up_graphs: CatchUpGraphs | None  # and their catch-up after verify graphs (catch_up_graphs.py)
     draft_probs: dict[str, torch.Tensor]  # q rows of drafts drawn from the drafter (speculative_rejection.py)
+    tree: TreeDrafter | None  # eagle_topk > 1: drafts are trees (tree_drafting.py)
+    trees: dict[str, DraftTree]  # each request's tree; its tokens are `drafts`, best first
     _drafts: dict[str, list[int]]
     _pending: tuple[dict[str, int], PendingChain] | None  # a chain launched, its drafts not read: each row
     _verified_on_graphs: bool  # this step's forward ran the verify graphs
@@ -62,6 +67,7 @@ class Drafting:
     def _forget(self, rid: str) -> None:
         self.drafts.pop(rid, None)
         self.draft_probs.pop(rid, None)
+        self.trees.pop(rid, None)
 
     def catch_up_chunk(self, c: Chunk, emitted: dict[str, int], verifying: dict[str, int]) -> Chunk:
         """The drafter's catch-up share of a chunk: its confirmed positions (a verification's emitted count, every
@@ -129,6 +135,8 @@ class Drafting:
 
     def wants_drafts(self, c: Chunk) -> bool:
         """Whether this step proposes for the chunk's request."""
+        if self.tree is not None and wants_processors(c.state.params.extra):
+            return False  # grammar masks follow one chain of drafts (logits_processors.mask_drafts), not a tree
         return self.drafting and c.sample and drafts_allowed(c.state.params)
 
     def draft_limit(self, state: RequestState) -> int:
@@ -145,6 +153,9 @@ class Drafting:
         chain runs uncaptured with the picker and keeps the q rows. A chain stops early where that position is
         past the block table or max_model_len (the scheduler never asks for more drafts than the result
         reports)."""
+        if self.tree is not None:
+            self._draft_trees(states, logits, first_pos, hidden, id_map)
+            return
         assert self.chains is not None, f"{type(self).__name__} drafts without a chain"
         if not any(draws_drafts(s.params) for s in states):
             self.launch_chain(states, self.chains.greedy(logits), first_pos, hidden)
@@ -161,6 +172,22 @@ class Drafting:
             q = picker.probs(i, len(row))
             if q is not None:
                 self.draft_probs[state.request_id] = q
+
+    def _draft_trees(self, states: list[RequestState], logits: torch.Tensor, first_pos: list[int], hidden: Any,
+                     id_map: torch.Tensor | None) -> None:
+        """Trees for the states whose tree steps fit their block table and the model; the others get none."""
+        assert self.tree is not None
+        fits = [i for i, (s, p) in enumerate(zip(states, first_pos))
+                if p + self.tree.scratch() <= self.draft_limit(s) and p + self.num_steps <= self.runner.max_model_len]
+        if not fits:
+            return
+        if len(fits) < len(states):
+            index = torch.tensor(fits, dtype=torch.int64, device=logits.device)
+            logits, hidden = logits[index], hidden[index] if hidden is not None else None
+        states, first_pos = [states[i] for i in fits], [first_pos[i] for i in fits]
+        for state, tree in zip(states, self.tree.draft(self.draft_step, states, logits, first_pos, hidden, id_map)):
+            self._drafts[state.request_id] = list(tree.tokens)
+            self.trees[state.request_id] = tree
 
     def launch_chain(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int], hidden: Any) -> None:
         """The greedy chain after these first drafts (target ids), from its graph; its drafts are read when

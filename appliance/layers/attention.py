@@ -55,6 +55,16 @@ class WindowTables:
 
 
 @dataclass(frozen=True)
+class TreeMask:
+    """Draft trees among a step's prefill sequences (speculative decoding, executor/draft_tree.py): a sequence's
+    last `tree_width` keys are a tree's nodes, and each prefill row sees those whose bit its `tree_mask` sets
+    (its ancestors and itself); kernels/reference/attention.py states the rule."""
+
+    tree_mask: torch.Tensor  # [Tp] int64, one per prefill row
+    tree_width: torch.Tensor  # [Bp] int32, 0: a sequence without a tree
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, cache slot of every row (-1: do not store)
     num_decode_tokens: int  # rows [0, num_decode_tokens) are one-token requests
@@ -66,6 +76,7 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None  # [Bd] the decode rows longest first (longest_first), or row order
     states: SequenceStates | None = None  # state slots of the linear-attention layers (hybrid models only)
     windows: tuple[WindowTables, ...] = ()  # each sliding-window KV cache group's (Attention.kv_group - 1)
+    tree: TreeMask | None = None  # draft trees among the prefill sequences (speculative decoding)
 
     @property
     def num_prefills(self) -> int:
@@ -229,6 +240,7 @@ class Attention(nn.Module):
         out = None if out is None else out.view(t, self.num_heads, self.head_dim)
         nd = meta.num_decode_tokens
         extra = {**self._extra(), **self.kv_scales}  # window / sinks and an fp8 cache's scales
+        tree = {} if meta.tree is None else {"tree_mask": meta.tree.tree_mask, "tree_width": meta.tree.tree_width}
         # one kind of row (every decode step, most prefill steps): the kernel's output is the answer, no copy
         if nd == t:
             return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
@@ -236,12 +248,12 @@ class Attention(nn.Module):
         if nd == 0:
             return self._prefill(q, k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
                                  meta.prefill_block_tables, self.scale, out=out,
-                                 **extra).view(t, self.num_heads * self.head_dim)
+                                 **extra, **tree).view(t, self.num_heads * self.head_dim)
         out = torch.empty_like(q) if out is None else out  # both kernels write their rows of it
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
                          order=meta.decode_order, out=out[:nd], **extra)
         if nd < t:
             self._prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
-                          meta.prefill_block_tables, self.scale, out=out[nd:], **extra)
+                          meta.prefill_block_tables, self.scale, out=out[nd:], **extra, **tree)
         return out.view(t, self.num_heads * self.head_dim)

@@ -1,0 +1,268 @@
+"""Draft trees (speculative.eagle_topk > 1) on the tiny Llama (CPU, float32, random weights; heads in the published
+layouts, tests/spec_heads.py): greedy tokens and logprobs equal those without speculation for EAGLE-3, EAGLE and a
+standalone draft model at several tree shapes (prefix caching on, a second pass hitting it); seeded and penalised
+sampling are unchanged; the target as its own draft model accepts whole paths; a standalone drafter's trees equal
+a from-scratch search with the draft model in transformers; a forced (synthetic) acceptance of multi-node paths
+leaves the target's cache equal to a plain prefill of the same tokens; aborts leave the pool whole; the tree
+structure itself; and the settings that cannot run are refused with their key names."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_VOCAB
+from spec_heads import build_eagle3_head, build_eagle_head
+
+from appliance import LLM, SamplingParams
+from appliance.executor.draft_tree import DraftTree, select_tree
+from appliance.executor.tree_verification import walk
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
+           list(range(40, 60)) + list(range(40, 50)), [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 50, 51]]
+NEW = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def drafters(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("tree_drafters")
+    return {"draft": make_tiny_model("llama", seed=1, num_hidden_layers=1),
+            "eagle3": build_eagle3_head(out / "eagle3", TINY_VOCAB, 128),
+            "eagle": build_eagle_head(out / "eagle", TINY_VOCAB)}
+
+
+def make_llm(model: Path, **overrides: Any) -> LLM:
+    return LLM(model=str(model), dtype="float32", block_size=4, skip_tokenizer_init=True, **overrides)
+
+
+def tree_kwargs(algorithm: str, drafter: Path, topk: int, steps: int, tokens: int) -> dict[str, Any]:
+    return {"speculative_algorithm": algorithm, "speculative_num_steps": steps, "speculative_eagle_topk": topk,
+            "speculative_num_draft_tokens": tokens, "speculative_draft_model_path": str(drafter)}
+
+
+def generate(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list[list[int]] = PROMPTS) -> list[Any]:
+    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def logprobs_of(o: Any) -> list[float]:
+    return [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> list[Any]:
+    return generate(make_llm(tiny_model), SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1))
+
+
+# ---- the tree itself ----------------------------------------------------------------------------------------
+def test_a_tree_orders_parents_first_and_masks_each_row_to_its_ancestors() -> None:
+    # candidates: root children a (-0.1), b (-0.5); a's children c (-0.3), d (-0.9); b's child e (-0.6)
+    scores = np.array([-0.1, -0.5, -0.3, -0.9, -0.6])
+    tree = select_tree(scores, np.array([10, 11, 12, 13, 14]), np.array([-1, -1, 0, 0, 1]), np.array([1, 1, 2, 2, 2]),
+                       4)
+    assert tree == DraftTree((10, 12, 11, 14), (-1, 0, -1, 2))
+    offsets, bits = tree.chunk_rows()
+    assert offsets.tolist() == [0, 1, 2, 1, 2]
+    assert bits.tolist() == [0b1, 0b11, 0b111, 0b1001, 0b11001]
+    assert tree.pruned(2) == DraftTree((10, 12), (-1, 0)) and tree.children() == [[1, 3], [2], [], [4], []]
+    assert tree.best_path(5) == [0, 1, 2] and tree.best_path(1) == [0, 1]
+    # the walk follows the samples: root samples 11 (node 2 = row 3), which samples 14 (row 4), which ends it
+    assert walk(tree, [11, 0, 0, 14, 99]) == [0, 3, 4]
+    assert walk(tree, [99, 0, 0, 0, 0]) == [0]
+
+
+def test_equal_scores_keep_a_parent_before_its_child() -> None:
+    tree = select_tree(np.array([0.0, 0.0, -1.0]), np.array([5, 6, 7]), np.array([-1, 0, 1]), np.array([1, 2, 3]), 2)
+    assert tree == DraftTree((5, 6), (-1, 0))
+
+
+# ---- through the offline LLM ---------------------------------------------------------------------------------
+SHAPES = [("EAGLE3", "eagle3", 2, 3, 6), ("EAGLE3", "eagle3", 4, 3, 8), ("EAGLE3", "eagle3", 3, 2, 4),
+          ("EAGLE", "eagle", 2, 3, 5), ("STANDALONE", "draft", 2, 3, 7)]
+
+
+@pytest.mark.parametrize("algorithm,key,topk,steps,tokens", SHAPES)
+def test_greedy_tokens_and_logprobs_equal_without_speculation(tiny_model: Path, drafters: dict[str, Path],
+                                                              reference: list[Any], algorithm: str, key: str,
+                                                              topk: int, steps: int, tokens: int) -> None:
+    llm = make_llm(tiny_model, **tree_kwargs(algorithm, drafters[key], topk, steps, tokens),
+                   enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
+    for _ in range(2):  # the second pass hits the prefix cache
+        for o, ref in zip(generate(llm, params), reference):
+            assert o.token_ids == ref.token_ids
+            assert logprobs_of(o) == pytest.approx(logprobs_of(ref), abs=1e-4)
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens > stats.spec_num_drafts  # trees, not one node
+    assert llm.executor.runner.spec.trees is not None and llm.engine.check_accounting().ok
+    assert stats.prefix_hit_tokens > 0
+
+
+def test_the_target_as_its_own_draft_model_accepts_its_best_paths(tiny_model: Path, reference: list[Any]) -> None:
+    llm = make_llm(tiny_model, **tree_kwargs("STANDALONE", tiny_model, 2, 3, 6))
+    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    stats = llm.engine.stats()
+    # the root's best child is the target's own greedy token: every verification accepts it, and deeper nodes of
+    # the best path too (the random model's flat distributions keep the best 5 nodes within depth 2)
+    assert stats.spec_accepted_per_pos[0] == stats.spec_num_drafts and len(stats.spec_accepted_per_pos) >= 2
+    assert stats.spec_mean_accepted_length > 2.5
+
+
+@pytest.mark.parametrize("drafter", ["target", "eagle3"])
+def test_seeded_and_penalised_sampling_is_unchanged(tiny_model: Path, drafters: dict[str, Path], drafter: str) -> None:
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=NEW, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=NEW, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=11, min_tokens=3, max_tokens=NEW),
+              SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=NEW,
+                             ignore_eos=True)]
+    base = generate(make_llm(tiny_model), params)
+    kw = (tree_kwargs("STANDALONE", tiny_model, 3, 3, 8) if drafter == "target"
+          else tree_kwargs("EAGLE3", drafters["eagle3"], 2, 3, 6))
+    llm = make_llm(tiny_model, **kw)
+    for o, ref in zip(generate(llm, params), base):
+        assert o.token_ids == ref.token_ids
+    assert llm.engine.stats().spec_num_accepted_tokens > 0 or drafter != "target"
+
+
+def _search(model: Any, history: list[int], topk: int, steps: int, nodes: int) -> DraftTree:
+    """The tree search written out over whole sequences with the transformers draft model: each node's
+    children from a full causal pass over the history and its path."""
+    def top(path: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            logits = model(torch.tensor([history + path])).logits[0, -1]
+        return torch.log_softmax(logits.float(), -1).topk(topk)
+
+    v, t = top([])
+    cands = [(float(v[j]), 1, [int(t[j])], -1) for j in range(topk)]  # (score, depth, path, parent id)
+    frontier = list(range(topk))
+    for depth in range(2, steps + 1):
+        children = []
+        for f in frontier:
+            v, t = top(cands[f][2])
+            children += [(cands[f][0] + float(v[j]), depth, cands[f][2] + [int(t[j])], f) for j in range(topk)]
+        first = len(cands)
+        cands += children
+        order = sorted(range(len(children)), key=lambda i: -children[i][0])[:topk]
+        frontier = [first + i for i in order]
+    return select_tree(np.array([c[0] for c in cands]), np.array([c[2][-1] for c in cands]),
+                       np.array([c[3] for c in cands]), np.array([c[1] for c in cands]), nodes)
+
+
+def test_a_draft_models_trees_equal_a_from_scratch_search(tiny_model: Path, drafters: dict[str, Path],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """After every step (catch-up over accepted and rejected paths), each request's tree equals the search run with
+    the draft model over its whole history: the drafter's tree steps (scratch slots, depths as positions, the
+    mask over fed nodes) compute what full causal passes over each path do."""
+    from transformers import AutoModelForCausalLM
+
+    from appliance.executor.speculative_drafts import Drafting
+
+    seen: list[tuple[list[int], DraftTree]] = []
+    real = Drafting._draft_trees
+
+    def record(self: Drafting, states: list[Any], *args: Any) -> None:
+        real(self, states, *args)
+        seen.extend((list(s.token_ids), self.trees[s.request_id]) for s in states if s.request_id in self.trees)
+
+    monkeypatch.setattr(Drafting, "_draft_trees", record)
+    llm = make_llm(tiny_model, **tree_kwargs("STANDALONE", drafters["draft"], 2, 3, 6))
+    generate(llm, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), PROMPTS[:2])
+    assert len(seen) >= 8
+    model = AutoModelForCausalLM.from_pretrained(str(drafters["draft"]), dtype=torch.float32).eval()
+    for history, tree in seen[::2]:
+        assert tree == _search(model, history, 2, 3, 5), history
+
+
+def _dense_kv(runner: Any, state: Any) -> torch.Tensor:
+    """The target's K and V of a request's computed positions, every layer, in position order."""
+    bs = runner.block_size
+    slots = torch.tensor([state.block_ids[t // bs] * bs + t % bs for t in range(state.num_computed)])
+    return torch.stack([c.flatten(0, 1)[slots] for layer in runner.model.attention_layers()
+                        for c in layer.kv_cache()])
+
+
+def _record_kv(runner: Any, into: dict[str, tuple[list[int], torch.Tensor]]) -> None:
+    """After every step, each live request's computed tokens and their KV (the last snapshot stays)."""
+    target = runner.spec if runner.spec is not None else runner
+    real = target.execute
+
+    def execute(plan: Any) -> Any:
+        out = real(plan)
+        for rid, state in runner.requests.items():
+            into[rid] = (list(state.token_ids[: state.num_computed]), _dense_kv(runner, state))
+        return out
+
+    target.execute = execute
+
+
+def test_forced_acceptance_leaves_the_cache_a_chain_leaves(tiny_model: Path, drafters: dict[str, Path]) -> None:
+    """Accepted paths of several nodes, forced (the drafts are a random head's): the target's KV of every
+    computed position equals a plain prefill of the same tokens, as after a chain; unmoved, the accepted nodes'
+    KV would sit in the wrong slots."""
+    llm = make_llm(tiny_model, **tree_kwargs("EAGLE3", drafters["eagle3"], 3, 3, 8),
+                   speculative_synthetic_acceptance_length=3.5, speculative_enable_synthetic_acceptance=True)
+    runner = llm.executor.runner
+    snaps: dict[str, tuple[list[int], torch.Tensor]] = {}
+    moved: list[int] = []
+    real_compact = runner.spec._compact
+    runner.spec._compact = lambda c, r, h, paths: (moved.extend(p[-1] - len(p) + 1 for p in paths.values()),
+                                                   real_compact(c, r, h, paths))
+    _record_kv(runner, snaps)
+    generate(llm, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), PROMPTS[:2])
+    assert llm.engine.stats().spec_mean_accepted_length > 2.5 and any(m > 0 for m in moved)  # paths off the diagonal
+    plain = make_llm(tiny_model, enable_overlap_schedule=False)  # steps through runner.execute
+    ref: dict[str, tuple[list[int], torch.Tensor]] = {}
+    _record_kv(plain.executor.runner, ref)
+    for rid, (tokens, kv) in snaps.items():
+        ref.clear()
+        generate(plain, SamplingParams(temperature=0.0, max_tokens=1), [tokens])
+        (want_tokens, want), = ref.values()
+        assert want_tokens == tokens and len(tokens) > len(PROMPTS[0]) + 4
+        torch.testing.assert_close(kv, want, atol=1e-4, rtol=1e-4)
+
+
+def test_aborts_mid_tree_keep_the_pool_whole(tiny_model: Path, drafters: dict[str, Path]) -> None:
+    llm = make_llm(tiny_model, **tree_kwargs("EAGLE3", drafters["eagle3"], 2, 3, 6))
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    got: dict[str, int] = {}
+    while eng.has_work():
+        for d in eng.step():
+            got[d.request_id] = got.get(d.request_id, 0) + len(d.new_token_ids)
+        for rid in ("r1", "r3"):
+            if got.get(rid, 0) >= 3 and eng.get_request(rid) is not None:
+                assert eng.abort(rid)
+                assert eng.check_accounting().ok
+    assert got["r0"] == NEW and got["r2"] == NEW and got["r1"] < NEW
+    assert eng.check_accounting().ok and eng.stats().spec_num_drafts > 0
+    assert not llm.executor.runner.spec.trees or set(llm.executor.runner.spec.trees) <= {"r0", "r2"}
+
+
+# ---- settings ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,key", [
+    ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 2}, "speculative.eagle_topk"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 2, "enable_overlap_schedule": True},
+     "speculative.eagle_topk"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 2, "speculative_num_steps": 2,
+      "speculative_num_draft_tokens": 8}, "speculative.num_draft_tokens"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 8, "speculative_num_steps": 3,
+      "speculative_num_draft_tokens": 65}, "speculative.num_draft_tokens"),
+])
+def test_trees_that_cannot_run_are_refused_by_key(tiny_model: Path, drafters: dict[str, Path],
+                                                  overrides: dict[str, Any], key: str) -> None:
+    if overrides["speculative_algorithm"] == "EAGLE3":
+        overrides = {**overrides, "speculative_draft_model_path": str(drafters["eagle3"])}
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        make_llm(tiny_model, **overrides)
