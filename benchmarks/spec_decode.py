@@ -10,6 +10,8 @@ speculative.synthetic_acceptance_length; the drafter and the verify forward stil
 - EAGLE-3 (a one-layer head of the published layout, 32k draft vocabulary), 3 draft tokens, batch 1,
   1024 in / 256 out, forced acceptance length 2.6 and 1 (every draft rejected), each against plain decoding;
 - the same at batch 32 with 2.6;
+- an EAGLE-3 draft tree (eagle_topk 4, num_steps 3, num_draft_tokens 8: the best 7 of the search's candidates),
+  forced acceptance length 2.6 along its longest path, batch 1 and 32 (trees run eagerly, without overlap);
 - n-gram prompt lookup on a synthetic code-editing workload (a source file, then a request to repeat it with one
   change: outputs copy spans of the prompt), real acceptance: on the embedded default model (trained weights,
   so the acceptance is a model's), and on the 8B shape (dummy weights: their outputs repeat, so that acceptance
@@ -184,6 +186,14 @@ def main(argv: list[str] | None = None) -> list[Run]:
     spec.forced.length = 1.0  # the same engine, every draft rejected (the decision is all that changes)
     measure(eagle, "eagle3 acc1 b1", one, "plain b1")
     free(eagle)
+
+    # a draft tree beside the chains: top 4 per step over 3 steps, the best 7 nodes verified with the root (eager)
+    tree = LLM(model=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
+               speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
+               speculative_enable_synthetic_acceptance=True, speculative_synthetic_acceptance_length=2.6, **common)
+    measure(tree, "eagle3 tree k4 n8 acc2.6 b1", one, "plain b1")
+    measure(tree, f"eagle3 tree k4 n8 acc2.6 b{big_batch}", many, f"plain b{big_batch}")
+    free(tree)
 
     for proposer, name in (("host", "ngram code-edit b1 (dummy weights)"),
                            ("device", "ngram on the device code-edit b1 (dummy weights)"))[: 0 if a.eagle_only else 2]:

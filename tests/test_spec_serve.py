@@ -1,5 +1,5 @@
-"""`appliance serve` with n-gram, standalone-draft and EAGLE-3 speculative decoding (flags on the command line) on
-the tiny Llama, asked with the official openai client: greedy completions (text, logprobs, usage) equal the
+"""`appliance serve` with n-gram, standalone-draft and EAGLE-3 speculative decoding (chains, and an EAGLE-3 draft
+tree; flags on the command line) on the tiny Llama, asked with the official openai client: greedy completions (text, logprobs, usage) equal the
 offline engine's without speculation, a stop string ends the text where it ends without speculation, /metrics
 shows the speculative counters, and the KV pool is whole afterwards."""
 from __future__ import annotations
@@ -25,11 +25,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], list(range(40, 60)) + list(range(40, 50))]
 NEW = 12
 
 
-@pytest.fixture(scope="module", params=["NGRAM", "STANDALONE", "EAGLE3"])
+@pytest.fixture(scope="module", params=["NGRAM", "STANDALONE", "EAGLE3", "EAGLE3-tree"])
 def served(request: pytest.FixtureRequest, tiny_model: Path, make_tiny_model: Callable[..., Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Server]]:
-    algorithm = request.param
+    algorithm, _, shape = request.param.partition("-")
     flags = ["--speculative-algorithm", algorithm, "--speculative-num-steps", "3"]
+    if shape == "tree":  # a draft tree: top 3 per step, the best 6 nodes verified with the root
+        flags += ["--speculative-eagle-topk", "3", "--speculative-num-draft-tokens", "7"]
     if algorithm == "STANDALONE":
         flags += ["--speculative-draft-model-path", str(make_tiny_model("llama", seed=1, num_hidden_layers=1))]
     if algorithm == "EAGLE3":

@@ -75,7 +75,10 @@ def test_a_tree_orders_parents_first_and_masks_each_row_to_its_ancestors() -> No
     assert offsets.tolist() == [0, 1, 2, 1, 2]
     assert bits.tolist() == [0b1, 0b11, 0b111, 0b1001, 0b11001]
     assert tree.pruned(2) == DraftTree((10, 12), (-1, 0)) and tree.children() == [[1, 3], [2], [], [4], []]
-    assert tree.best_path(5) == [0, 1, 2] and tree.best_path(1) == [0, 1]
+    assert tree.heights() == [2, 1, 0, 1, 0]
+    assert tree.longest_path(5) == [0, 1, 2] and tree.longest_path(1) == [0, 1]
+    deeper = DraftTree((10, 11, 12), (-1, -1, 1))  # the root's best child is a leaf: the path goes via the other
+    assert deeper.longest_path(3) == [0, 2, 3]
     # the walk follows the samples: root samples 11 (node 2 = row 3), which samples 14 (row 4), which ends it
     assert walk(tree, [11, 0, 0, 14, 99]) == [0, 3, 4]
     assert walk(tree, [99, 0, 0, 0, 0]) == [0]

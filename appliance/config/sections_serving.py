@@ -27,9 +27,13 @@ class SpeculativeSection(Section):
     draft_model_quantization: str = param("unquant", "Draft model quantization; `unquant` keeps its weights as "
                                           "stored.", flags="--speculative-draft-model-quantization")
     num_steps: int = param(3, "Draft model steps per verification.", flags="--speculative-num-steps", ge=1)
-    num_draft_tokens: int | None = param(None, "Draft tokens verified per step. Unset: num_steps + 1.",
+    num_draft_tokens: int | None = param(None, "Tokens a verification runs: the last confirmed token and the "
+                                         "drafts (with eagle_topk > 1 the tree's best num_draft_tokens - 1 nodes). "
+                                         "Unset: num_steps + 1.",
                                          flags="--speculative-num-draft-tokens", ge=1)
-    eagle_topk: int = param(1, "EAGLE tree branching (top-k per step).", flags="--speculative-eagle-topk", ge=1)
+    eagle_topk: int = param(1, "Draft tree branching: each draft step expands the top-k children of the k best "
+                            "nodes so far. 1: one chain. Trees (> 1) are drafted by EAGLE, EAGLE3 and STANDALONE and "
+                            "run without overlap and CUDA graphs.", flags="--speculative-eagle-topk", ge=1)
     prompt_lookup_min: int | None = param(
         None, "NGRAM: shortest n-gram matched against the prompt and output so far. Unset: the algorithm's "
         "default.", flags=("--prompt-lookup-min", "--speculative-ngram-min-match-window-size"), ge=1)

@@ -57,11 +57,20 @@ class DraftTree:
             out[p + 1].append(i + 1)
         return out
 
-    def best_path(self, length: int) -> list[int]:
-        """Rows of the first `length` nodes down from the root along each node's best child."""
-        kids, rows = self.children(), [0]
+    def heights(self) -> list[int]:
+        """Per chunk row, the nodes on the longest path down from it (0 at a leaf)."""
+        out = [0] * (len(self) + 1)
+        for i in range(len(self) - 1, -1, -1):  # children come after their parents
+            p = self.parents[i] + 1
+            out[p] = max(out[p], out[i + 1] + 1)
+        return out
+
+    def longest_path(self, length: int) -> list[int]:
+        """Rows of the first `length` nodes (at most) down the tree's longest root-to-leaf path, the best child
+        among equally deep ones (the root's row 0 first): where a benchmark forces the accept decision."""
+        kids, heights, rows = self.children(), self.heights(), [0]
         while len(rows) <= length and kids[rows[-1]]:
-            rows.append(kids[rows[-1]][0])
+            rows.append(max(kids[rows[-1]], key=lambda c: (heights[c], -c)))
         return rows
 
 

@@ -6,7 +6,7 @@ the row's sample and goes on from there; the first sample no child matches (or t
 emitted tokens are the samples along the path, so each is the target's own sample after the tokens before it: greedy
 and seeded rows emit exactly what they emit without drafts, and a random row's tokens are distributed as the
 target's (the drafts only decide how far one step gets). Drafts are never drawn from the drafter's distribution for
-trees (speculative_rejection.py is for chains). `forced` (benchmarks) keeps that many nodes along the best path.
+trees (speculative_rejection.py is for chains). `forced` (benchmarks) keeps that many nodes along the longest path.
 
 Afterwards the accepted path's rows move to consecutive rows (`compact`): their KV to the slots start + 1 .. start
 + a in every target layer, their hidden rows (and an EAGLE-3 head's captured rows) to first + 1 .. first + a, so
@@ -85,7 +85,7 @@ def verify_trees(sample: Callable[[torch.Tensor, list[Any]], list[SampleResult]]
             path = walk(tree, [x.token_id for x in mine])
             kept = [mine[r] for r in path]
         else:
-            path = tree.best_path(forced.accepted(len(tree.best_path(len(tree))) - 1))
+            path = tree.longest_path(forced.accepted(tree.heights()[0]))
             kept = [SampleResult(tree.tokens[r - 1]) for r in path[1:]] + [mine[path[-1]]]
         del state.token_ids[len(state.token_ids) - len(tree) :]
         state.token_ids.extend(x.token_id for x in kept)
