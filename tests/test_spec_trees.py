@@ -227,7 +227,7 @@ def test_forced_acceptance_leaves_the_cache_a_chain_leaves(tiny_model: Path, dra
     plain = make_llm(tiny_model, enable_overlap_schedule=False)  # steps through runner.execute
     ref: dict[str, tuple[list[int], torch.Tensor]] = {}
     _record_kv(plain.executor.runner, ref)
-    for rid, (tokens, kv) in snaps.items():
+    for tokens, kv in snaps.values():
         ref.clear()
         generate(plain, SamplingParams(temperature=0.0, max_tokens=1), [tokens])
         (want_tokens, want), = ref.values()
@@ -253,6 +253,36 @@ def test_aborts_mid_tree_keep_the_pool_whole(tiny_model: Path, drafters: dict[st
     assert not llm.executor.runner.spec.trees or set(llm.executor.runner.spec.trees) <= {"r0", "r2"}
 
 
+def test_structured_requests_decode_without_tree_drafts(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grammar masks follow one chain of drafts: a structured request gets no tree (its output is unchanged and
+    valid) while a plain request beside it verifies trees."""
+    pytest.importorskip("xgrammar")
+    from appliance.executor.speculative_drafts import Drafting
+    from appliance.structured import StructuredSpec
+
+    drafted_for: list[bool] = []  # per tree drafted: whether its request is structured
+    real = Drafting._draft_trees
+
+    def record(self: Drafting, states: list[Any], *args: Any) -> None:
+        drafted_for.extend("structured" in (s.params.extra or {}) for s in states)
+        real(self, states, *args)
+
+    monkeypatch.setattr(Drafting, "_draft_trees", record)
+
+    spec = StructuredSpec.regex("[a-z]{2,6}-[0-9]{1,3}( [a-z]{2,6}-[0-9]{1,3}){0,4}")
+    params = [SamplingParams(temperature=0.0, max_tokens=24, extra={"structured": spec.to_dict()}),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    prompts = ["name: ab-12 cd-34", "Hello world, hello world, hello"]
+    kw: dict[str, Any] = {"dtype": "float32", "block_size": 4}
+    base = LLM(model=str(tiny_model), **kw).generate(prompts, params)
+    llm = LLM(model=str(tiny_model), **kw, **tree_kwargs("STANDALONE", tiny_model, 2, 3, 6))
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [b.outputs[0].token_ids for b in base]
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens > stats.spec_num_drafts
+    assert drafted_for and not any(drafted_for)
+
+
 # ---- settings ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides,key", [
     ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 2}, "speculative.eagle_topk"),
@@ -269,3 +299,42 @@ def test_trees_that_cannot_run_are_refused_by_key(tiny_model: Path, drafters: di
         overrides = {**overrides, "speculative_draft_model_path": str(drafters["eagle3"])}
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         make_llm(tiny_model, **overrides)
+
+
+# ---- GPU (Triton kernels, padded prefill batches, CUDA graphs for the plain steps) --------------------------
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def gpu_llm(path: Path, **overrides: Any) -> LLM:
+    return LLM(model=str(path), device="cuda", dtype="float32", gpu_memory_utilization=0.3, block_size=16,
+               attention_backend="triton", skip_tokenizer_init=True, **overrides)
+
+
+@pytest.mark.parametrize("algorithm,key", [("STANDALONE", "target"), ("EAGLE3", "eagle3")])
+@gpu[0]
+@gpu[1]
+def test_gpu_tree_greedy_parity(tiny_model: Path, drafters: dict[str, Path], algorithm: str, key: str) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    want = [o.outputs[0].token_ids for o in gpu_llm(tiny_model).generate(prompts, params)]
+    drafter = tiny_model if key == "target" else drafters[key]
+    llm = gpu_llm(tiny_model, **tree_kwargs(algorithm, drafter, 3, 3, 8))
+    for _ in range(2):  # the second pass hits the prefix cache
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens > 0 and llm.engine.check_accounting().ok and stats.prefix_hit_tokens > 0
+
+
+@gpu[0]
+@gpu[1]
+def test_gpu_bf16_tree_with_forced_acceptance_completes(make_tiny_model: Any, drafters: dict[str, Path]) -> None:
+    target = make_tiny_model("llama", seed=5, num_hidden_layers=4)
+    llm = LLM(model=str(target), device="cuda", dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.3,
+              skip_tokenizer_init=True, max_num_seqs=8, **tree_kwargs("EAGLE3", drafters["eagle3"], 4, 3, 8),
+              speculative_enable_synthetic_acceptance=True, speculative_synthetic_acceptance_length=2.6)
+    prompts = [{"prompt_token_ids": list(range(10 + i, 40 + 3 * i))} for i in range(6)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
+    stats = llm.engine.stats()
+    assert 2.0 < stats.spec_mean_accepted_length < 3.2 and llm.engine.check_accounting().ok

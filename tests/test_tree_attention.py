@@ -87,7 +87,9 @@ def run_case(spec: tuple[Any, ...], device: str) -> dict[str, Any]:
 
 def main() -> None:
     """Under TRITON_INTERPRET=1: one JSON row per case."""
-    from tests.selfcheck_runner import print_case_rows  # run as `python -m tests.<this module>`
+    from tests.selfcheck_runner import (
+        print_case_rows,  # run as `python -m tests.<this module>`
+    )
 
     print_case_rows(CASES, run_case)
 

@@ -20,10 +20,10 @@ from appliance.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from appliance.executor.catch_up_graphs import CatchUpGraphs
-    from appliance.executor.draft_tree import DraftTree
-    from appliance.executor.tree_drafting import TreeDrafter
     from appliance.executor.draft_graphs import ChainGraphs, PendingChain
+    from appliance.executor.draft_tree import DraftTree
     from appliance.executor.model_runner import ModelRunner
+    from appliance.executor.tree_drafting import TreeDrafter
     from appliance.executor.verify_graphs import VerifyGraphs
 
 
