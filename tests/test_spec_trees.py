@@ -89,6 +89,44 @@ def test_equal_scores_keep_a_parent_before_its_child() -> None:
     assert tree == DraftTree((5, 6), (-1, 0))
 
 
+def test_random_rows_emit_the_targets_distribution() -> None:
+    """Random rows: every emitted token is a sample of the target's distribution given the tokens before it, so a
+    verification's emitted sequence has the probability of sampling it token by token (synthetic distributions
+    per path; the tree holds tokens 0 and 1 under the root and 2 under 0)."""
+    from appliance.engine.sampling_params import SamplingParams as Params
+    from appliance.executor.request_table import RequestState
+    from appliance.executor.sampler import SampleResult
+    from appliance.executor.tree_verification import verify_trees
+
+    gen = torch.Generator().manual_seed(0)
+    table = {(): [0.4, 0.3, 0.2, 0.1], (0,): [0.1, 0.2, 0.5, 0.2], (1,): [0.25, 0.25, 0.25, 0.25],
+             (0, 2): [0.7, 0.1, 0.1, 0.1]}
+
+    def sample(logits: torch.Tensor, rows: list[Any]) -> list[SampleResult]:
+        return [SampleResult(int(torch.multinomial(torch.tensor(table[tuple(r.path)]), 1, generator=gen)))
+                for r in rows]
+
+    tree = DraftTree((0, 1, 2), (-1, -1, 0))
+    counts: dict[tuple[int, ...], int] = {}
+    n = 20000
+    for _ in range(n):
+        state = RequestState("r", [9, 9, 0, 1, 2], 2, 1, [0], Params(temperature=1.0))
+        (kept, _), = verify_trees(sample, torch.zeros(4, 4), [(state, tree)])
+        key = tuple(x.token_id for x in kept)
+        counts[key] = counts.get(key, 0) + 1
+
+    def exact(seq: tuple[int, ...]) -> float:
+        prob, path = 1.0, ()
+        for t in seq:
+            prob *= table[path][t]
+            path = path + (t,)
+        return prob
+
+    assert sum(exact(k) for k in counts) == pytest.approx(1.0)  # only reachable sequences were emitted
+    for key, c in counts.items():
+        assert abs(c / n - exact(key)) < 4 * (exact(key) * (1 - exact(key)) / n) ** 0.5 + 1e-3, key
+
+
 # ---- through the offline LLM ---------------------------------------------------------------------------------
 SHAPES = [("EAGLE3", "eagle3", 2, 3, 6), ("EAGLE3", "eagle3", 4, 3, 8), ("EAGLE3", "eagle3", 3, 2, 4),
           ("EAGLE", "eagle", 2, 3, 5), ("STANDALONE", "draft", 2, 3, 7)]
