@@ -1,5 +1,6 @@
 """benchmarks/spec_decode.py --quick runs every measurement on tiny CPU shapes: each speculative run has its
-plain baseline and ratio (the draft tree's too), the forced acceptance lengths are met, the n-gram runs report a real acceptance."""
+plain baseline and ratio (the draft tree's too), the forced acceptance lengths are met, the n-gram runs report a
+real acceptance."""
 from __future__ import annotations
 
 import json

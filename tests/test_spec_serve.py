@@ -1,7 +1,7 @@
 """`appliance serve` with n-gram, standalone-draft and EAGLE-3 speculative decoding (chains, and an EAGLE-3 draft
-tree; flags on the command line) on the tiny Llama, asked with the official openai client: greedy completions (text, logprobs, usage) equal the
-offline engine's without speculation, a stop string ends the text where it ends without speculation, /metrics
-shows the speculative counters, and the KV pool is whole afterwards."""
+tree; flags on the command line) on the tiny Llama, asked with the official openai client: greedy completions
+(text, logprobs, usage) equal the offline engine's without speculation, a stop string ends the text where it ends
+without speculation, /metrics shows the speculative counters, and the KV pool is whole afterwards."""
 from __future__ import annotations
 
 import os

@@ -1,15 +1,15 @@
 """Speculative decoding, the engine's side (pure Python): which requests verify drafts, and the counters.
 
-Drafts live on the workers (a chain per request, or with eagle_topk > 1 a tree of num_draft_tokens - 1 nodes:
-k counts its nodes, a verification's chunk is its root and nodes, and the tokens emitted follow one accepted path,
-so at most num_steps + 1; executor/tree_verification.py). After every step that samples a request, a worker proposes up to
-`num_speculative_tokens` (k) draft tokens for it (executor/speculative.py: MTP, EAGLE, a draft model, n-gram
+Drafts live on the workers (a chain per request, or with eagle_topk > 1 a tree of num_draft_tokens - 1 nodes: k
+counts its nodes, a verification's chunk is its root and nodes, and the tokens emitted follow one accepted path, so
+at most num_steps + 1; executor/tree_verification.py). After every step that samples a request, a worker proposes
+up to `num_speculative_tokens` (k) draft tokens for it (executor/speculative.py: MTP, EAGLE, a draft model, n-gram
 lookup), keeps them and reports how many it holds (StepResult.drafts, kept in Request.num_drafts_held); the next
-step verifies d <= that many: the
-scheduler schedules the decode with num_tokens = 1 + d (and KV blocks for that lookahead plus the positions
-the worker's next draft chain writes: lookahead_tokens), and the worker answers with 1 to d + 1 SampledTokens of the
-request, in order (the accepted drafts, then the target's own token at the first mismatch or after the last
-draft). The scheduler applies them one by one under every stop rule and moves num_computed by the count.
+step verifies d <= that many: the scheduler schedules the decode with num_tokens = 1 + d (and KV blocks for that
+lookahead plus the positions the worker's next draft chain writes: lookahead_tokens), and the worker answers with 1
+to d + 1 SampledTokens of the request, in order (the accepted drafts, then the target's own token at the first
+mismatch or after the last draft). The scheduler applies them one by one under every stop rule and moves
+num_computed by the count.
 
 Overlap mode (scheduler.enable_overlap): step N+1 is planned before step N's count is known. A verification in
 flight counts as 1 + d pending tokens (all accepted), so N+1's chunk starts after them, asks for up to k drafts

@@ -23,12 +23,7 @@ import numpy as np
 import torch
 
 from appliance.executor.window_inputs import window_tables
-from appliance.layers.attention import (
-    AttentionMetadata,
-    SequenceStates,
-    TreeMask,
-    longest_first,
-)
+from appliance.layers.attention import AttentionMetadata, SequenceStates, TreeMask, longest_first
 
 if TYPE_CHECKING:
     from appliance.executor.draft_tree import DraftTree

@@ -132,10 +132,7 @@ def make_speculator(runner: ModelRunner) -> Speculator | None:
         from appliance.executor.speculative_ngram import NgramSpeculator
 
         return NgramSpeculator(runner)
-    from appliance.executor.speculative_draft import (
-        DraftModelSpeculator,
-        EagleSpeculator,
-    )
+    from appliance.executor.speculative_draft import DraftModelSpeculator, EagleSpeculator
 
     return DraftModelSpeculator(runner) if algorithm == "STANDALONE" else EagleSpeculator(runner)
 
