@@ -149,6 +149,16 @@ def test_greedy_tokens_and_logprobs_equal_without_speculation(tiny_model: Path, 
     assert stats.prefix_hit_tokens > 0
 
 
+def test_padded_tree_steps_draft_the_same_trees(tiny_model: Path, drafters: dict[str, Path],
+                                               reference: list[Any]) -> None:
+    """A GPU runner pads a tree step's sequence count to a power of two with empty sequences (as its prefill
+    batches): three requests draft in four sequences, with the same tokens."""
+    llm = make_llm(tiny_model, **tree_kwargs("EAGLE3", drafters["eagle3"], 2, 3, 6))
+    llm.executor.runner.spec.tree.pad_sequences = True
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    assert [o.token_ids for o in generate(llm, params, PROMPTS[:3])] == [r.token_ids for r in reference[:3]]
+
+
 def test_the_target_as_its_own_draft_model_accepts_its_best_paths(tiny_model: Path, reference: list[Any]) -> None:
     llm = make_llm(tiny_model, **tree_kwargs("STANDALONE", tiny_model, 2, 3, 6))
     outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from appliance.executor.draft_tree import DraftTree, select_tree
+from appliance.executor.input_batch import padded_count
 from appliance.executor.request_table import RequestState
 from appliance.layers.attention import AttentionMetadata, TreeMask
 
@@ -29,9 +30,13 @@ DraftStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, Any], tuple
 
 
 class TreeDrafter:
-    def __init__(self, topk: int, num_steps: int, num_nodes: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, topk: int, num_steps: int, num_nodes: int, block_size: int, device: torch.device,
+                 pad_sequences: bool = False) -> None:
         self.topk, self.num_steps, self.num_nodes = topk, num_steps, num_nodes
         self.block_size, self.device = block_size, device
+        # pad a tree step's sequence count as a step's prefills are (input_batch.padded_count: empty sequences),
+        # so the prefill kernel's variants recur (the runner's pad_prefills)
+        self.pad_sequences = pad_sequences
 
     def scratch(self) -> int:
         """Slots the tree steps write past a request's first tree position (the fed nodes)."""
@@ -93,14 +98,18 @@ class TreeDrafter:
         slots = table[np.arange(n)[:, None], keys // bs] * bs + keys % bs
         host = np.concatenate([np.repeat(first + i - 2, k), slots.reshape(-1)])
         head = torch.from_numpy(host).to(self.device)
-        small = torch.from_numpy(np.concatenate([np.arange(n + 1) * k, lens, [width] * n, table.reshape(-1)]
+        m = padded_count(n) if self.pad_sequences else n
+        pad = np.zeros(m - n, dtype=np.int64)
+        cu = np.concatenate([np.arange(n + 1) * k, np.full(m - n, n * k)])
+        table = np.concatenate([table, np.zeros((m - n, cols), dtype=np.int64)])
+        small = torch.from_numpy(np.concatenate([cu, lens, pad, [width] * n, pad, table.reshape(-1)]
                                                 ).astype(np.int32)).to(self.device)
         meta = AttentionMetadata(
             slot_mapping=head[n * k :], num_decode_tokens=0,
             decode_block_tables=small[:0].view(0, 1), decode_seq_lens=small[:0],
-            prefill_cu_seqlens=small[: n + 1], prefill_seq_lens=small[n + 1 : 2 * n + 1],
-            prefill_block_tables=small[3 * n + 1 :].view(n, cols),
-            tree=TreeMask(fed_bits.reshape(-1).contiguous(), small[2 * n + 1 : 3 * n + 1]))
+            prefill_cu_seqlens=small[: m + 1], prefill_seq_lens=small[m + 1 : 2 * m + 1],
+            prefill_block_tables=small[3 * m + 1 :].view(m, cols),
+            tree=TreeMask(fed_bits.reshape(-1).contiguous(), small[2 * m + 1 : 3 * m + 1]))
         return meta, head[: n * k]
 
     def _select(self, cand: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]) -> list[DraftTree]:
@@ -137,4 +146,5 @@ def make_tree_drafter(runner: Any) -> TreeDrafter | None:
     if why is not None:
         raise ValueError(f"speculative.eagle_topk={s.eagle_topk}: draft trees cannot run on "
                          f"{type(runner.model).__name__}: {why}; use eagle_topk = 1 (a chain)")
-    return TreeDrafter(s.eagle_topk, s.num_steps, s.effective_num_draft_tokens - 1, runner.block_size, runner.device)
+    return TreeDrafter(s.eagle_topk, s.num_steps, s.effective_num_draft_tokens - 1, runner.block_size, runner.device,
+                       runner._pad_prefills)
