@@ -130,6 +130,37 @@ def test_a_malformed_tree_mask_is_refused() -> None:
         get("prefill_attention", "triton")(*args, tree_mask=tree["tree_mask"][:-1], tree_width=tree["tree_width"])
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_tree_variant_compiles_for_hopper(dtype: str) -> None:
+    """sm_90 without a GPU: the kernel with TREE on (and with a sliding window besides) compiles, as the launcher
+    specialises it for Llama-3.1-8B's shapes, so the first GPU run is not a compile-error hunt."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from appliance.kernels.triton import prefill as P
+
+    fn = P._prefill_kernel
+    if not isinstance(fn, triton.runtime.JITFunction):
+        pytest.skip("this process imported the kernels under TRITON_INTERPRET")
+    ptrs = {p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "k_scale_ptr", "v_scale_ptr")}
+    ptrs.update({p: "*i32" for p in ("cu_q_ptr", "lens_ptr", "bt_ptr", "cu_tiles_ptr", "tree_width_ptr")})
+    ptrs["tree_mask_ptr"] = "*i64"
+    ints = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch", "stride_bt",
+            "num_seqs", "window")
+    for window in (False, True):
+        const = {"GROUP": 4, "D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": P.BLOCK_M, "BLOCK_N": P.BLOCK_N,
+                 "LOG_SEQS": 3, "UPCAST": False, "KV_FP8": False, "FP8_MAX": 0.0, "WINDOW": window, "SINKS": False,
+                 "sinks_ptr": None, "TREE": True}
+        sig = {**ptrs, **{i: "i32" for i in ints}, "qk_scale": "fp32", **{c: "constexpr" for c in const}}
+        div = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig
+               if sig[a].startswith("*") or a.startswith("stride")}
+        kernel = triton.compile(ASTSource(fn=fn, signature={a: sig[a] for a in fn.arg_names}, constexprs=const,
+                                          attrs=div), target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": P.NUM_WARPS, "num_stages": P.NUM_STAGES})
+        assert "mma" in kernel.asm["ptx"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_matches_the_reference_on_the_gpu() -> None:
