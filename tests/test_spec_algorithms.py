@@ -199,7 +199,8 @@ class Eagle3Reference:
         m = (torch.nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)
              ) @ w[p + "mlp.down_proj.weight"].T
         pre = (m + r1)[-len(tokens):]
-        draft = (_rms(pre, w["norm.weight"]) @ w["lm_head.weight"].T).argmax(-1)
+        self.logits = _rms(pre, w["norm.weight"]) @ w["lm_head.weight"].T  # the new rows' (draft vocabulary)
+        draft = self.logits.argmax(-1)
         return draft + w["d2t"][draft], pre
 
 

@@ -89,6 +89,47 @@ def test_equal_scores_keep_a_parent_before_its_child() -> None:
     assert tree == DraftTree((5, 6), (-1, 0))
 
 
+def test_a_search_feeds_each_frontier_node_its_own_ancestors() -> None:
+    """The drafter's tree steps, with a scripted drafter: token 3's two children beat every other candidate, so
+    both nodes of the last frontier descend from the first frontier's node 0 (not one from each): their masks name
+    that node and themselves, they take its hidden row, sit at depth 2's position and in the next scratch slots."""
+    from appliance.engine.sampling_params import SamplingParams as Params
+    from appliance.executor.request_table import RequestState
+    from appliance.executor.tree_drafting import TreeDrafter
+
+    v = 8
+    prefs = {3: {1: 0.0, 2: -0.5}, 5: {6: -3.0, 7: -3.5}, 1: {4: -0.2, 0: -0.3}, 2: {4: -0.1, 7: -0.4}}
+    seen: list[tuple[list[int], list[int], Any, list[float]]] = []
+
+    def logits_of(tokens: list[int]) -> torch.Tensor:
+        out = torch.full((len(tokens), v), -20.0)
+        for r, t in enumerate(tokens):
+            for c, lp in prefs[t].items():
+                out[r, c] = lp
+        return out
+
+    def step(tokens: torch.Tensor, positions: torch.Tensor, meta: Any, hidden: torch.Tensor) -> Any:
+        seen.append((tokens.tolist(), positions.tolist(), meta, hidden[:, 0].tolist()))
+        return logits_of(tokens.tolist()), tokens[:, None].float().expand(-1, 4) + 100.0  # pre row: its token
+
+    state = RequestState("r", list(range(10)), 5, 9, [7, 3, 8, 2, 6], Params())
+    first = torch.full((1, v), -20.0)
+    first[0, 3], first[0, 5] = 0.0, -1.0
+    drafter = TreeDrafter(2, 3, 6, 4, torch.device("cpu"))
+    tree, = drafter.draft(step, [state], first, [9], torch.full((1, 4), 7.0), None)
+    (t2, p2, m2, h2), (t3, p3, m3, h3) = seen
+    assert t2 == [3, 5] and p2 == [9, 9] and h2 == [7.0, 7.0]  # depth 1, the catch-up's hidden row
+    assert m2.tree.tree_mask.tolist() == [0b01, 0b10] and m2.tree.tree_width.tolist() == [2]
+    assert t3 == [1, 2] and p3 == [10, 10] and h3 == [103.0, 103.0]  # both under token 3: its pre row
+    assert m3.tree.tree_mask.tolist() == [0b0101, 0b1001] and m3.tree.tree_width.tolist() == [4]
+    assert m3.prefill_seq_lens.tolist() == [13]
+    bs, blocks = 4, state.block_ids
+    assert m3.slot_mapping.tolist() == [blocks[k // bs] * bs + k % bs for k in (11, 12)]
+    # cumulative log-probabilities: 3 -0.31, 1 -0.79, 2 -1.29, 5 -1.31, 4 under 1 -1.43, 0 under 1 -1.53, 6 under 5
+    # -1.79, 4 under 2 -1.84: the best 6
+    assert tree == DraftTree((3, 1, 2, 5, 4, 0), (-1, 0, 0, -1, 1, 1))
+
+
 def test_random_rows_emit_the_targets_distribution() -> None:
     """Random rows: every emitted token is a sample of the target's distribution given the tokens before it, so a
     verification's emitted sequence has the probability of sampling it token by token (synthetic distributions
@@ -233,6 +274,64 @@ def test_a_draft_models_trees_equal_a_from_scratch_search(tiny_model: Path, draf
     model = AutoModelForCausalLM.from_pretrained(str(drafters["draft"]), dtype=torch.float32).eval()
     for history, tree in seen[::2]:
         assert tree == _search(model, history, 2, 3, 5), history
+
+
+def _eagle3_search(head: Path, target: Path, layers: list[int], history: list[int], topk: int, steps: int,
+                   nodes: int) -> DraftTree:
+    """The tree search with the EAGLE-3 head written out (test_spec_algorithms.Eagle3Reference) over whole
+    sequences: each node's logits from the head's pass over the history's rows (token i + 1, fc of the target's
+    captured states at i) and then the node's path (token, the previous row's pre-norm output)."""
+    from test_spec_algorithms import Eagle3Reference, _captured
+
+    aux = _captured(target, history, layers)
+    d2t = Eagle3Reference(head, target).w["d2t"]
+
+    def top(path: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ref = Eagle3Reference(head, target)
+        _, pre = ref.step(history[1:], aux[:-1] @ ref.w["fc.weight"].T)
+        h = pre[-1:]
+        for t in path:
+            _, h = ref.step([t], h)
+        v, d = torch.log_softmax(ref.logits[-1].float(), -1).topk(topk)
+        return v, d + d2t[d]
+
+    v, t = top([])
+    cands = [(float(v[j]), 1, [int(t[j])], -1) for j in range(topk)]
+    frontier = list(range(topk))
+    for depth in range(2, steps + 1):
+        children = []
+        for f in frontier:
+            v, t = top(cands[f][2])
+            children += [(cands[f][0] + float(v[j]), depth, cands[f][2] + [int(t[j])], f) for j in range(topk)]
+        first = len(cands)
+        cands += children
+        frontier = [first + i for i in sorted(range(len(children)), key=lambda i: -children[i][0])[:topk]]
+    return select_tree(np.array([c[0] for c in cands]), np.array([c[2][-1] for c in cands]),
+                       np.array([c[3] for c in cands]), np.array([c[1] for c in cands]), nodes)
+
+
+def test_eagle3_trees_equal_a_from_scratch_search(tiny_model: Path, drafters: dict[str, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The EAGLE-3 head's trees: each frontier node is fed its parent's pre-norm output (the rows gathered through
+    the search), at its depth, under the mask over the fed nodes; equal to the head written out."""
+    from appliance.executor.speculative_drafts import Drafting
+
+    seen: list[tuple[list[int], DraftTree]] = []
+    real = Drafting._draft_trees
+
+    def record(self: Drafting, states: list[Any], *args: Any) -> None:
+        real(self, states, *args)
+        seen.extend((list(s.token_ids), self.trees[s.request_id]) for s in states if s.request_id in self.trees)
+
+    monkeypatch.setattr(Drafting, "_draft_trees", record)
+    llm = make_llm(tiny_model, **tree_kwargs("EAGLE3", drafters["eagle3"], 3, 3, 9))
+    generate(llm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), PROMPTS[:3])
+    assert len(seen) >= 6 and len({t for _, tree in seen for t in tree.tokens}) > 5
+    from appliance.models.eagle import default_capture_layers
+
+    layers = default_capture_layers(len(llm.executor.runner.model.model.layers))
+    for history, tree in seen:
+        assert tree == _eagle3_search(drafters["eagle3"], tiny_model, layers, history, 3, 3, 8), history
 
 
 def _dense_kv(runner: Any, state: Any) -> torch.Tensor:
