@@ -382,6 +382,36 @@ def test_forced_acceptance_leaves_the_cache_a_chain_leaves(tiny_model: Path, dra
         torch.testing.assert_close(kv, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("algorithm,key", [("STANDALONE", "target"), ("EAGLE3", "eagle3")])
+def test_preemption_and_the_models_length_keep_the_greedy_tokens(tiny_model: Path, drafters: dict[str, Path],
+                                                                 reference: list[Any], algorithm: str,
+                                                                 key: str) -> None:
+    """A pool too small for all four requests (preempted requests come back, their drafter caches rebuilt by the
+    recompute) and max_model_len just past the longest request (its last trees do not fit: they are skipped)."""
+    drafter = tiny_model if key == "target" else drafters[key]
+    llm = make_llm(tiny_model, max_total_tokens=64, max_model_len=48, enable_prefix_caching=False,
+                   schedule_conservativeness=0.0, **tree_kwargs(algorithm, drafter, 2, 3, 6))
+    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_drafts > 0 and stats.blocks_owned == 0
+    assert llm.engine.check_accounting().ok
+
+
+@pytest.mark.slow
+def test_tensor_parallel_trees_equal_one_process_without_speculation(tiny_model: Path, drafters: dict[str, Path],
+                                                                     reference: list[Any]) -> None:
+    """Two CPU worker processes (gloo): every rank builds the same trees from the gathered logits."""
+    llm = make_llm(tiny_model, tensor_parallel_size=2, **tree_kwargs("EAGLE3", drafters["eagle3"], 3, 3, 8))
+    try:
+        outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        stats = llm.engine.stats()
+        assert stats.spec_num_draft_tokens > stats.spec_num_drafts and llm.engine.check_accounting().ok
+    finally:
+        llm.shutdown()
+
+
 def test_aborts_mid_tree_keep_the_pool_whole(tiny_model: Path, drafters: dict[str, Path]) -> None:
     llm = make_llm(tiny_model, **tree_kwargs("EAGLE3", drafters["eagle3"], 2, 3, 6))
     eng = llm.engine
