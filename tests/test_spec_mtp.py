@@ -177,7 +177,7 @@ def test_seeded_and_penalised_sampling_is_unchanged_by_speculation(tiny_v3: Path
 
 @pytest.mark.parametrize("overrides,match", [
     ({"speculative_algorithm": "DFLASH", "speculative_draft_model_path": "x"}, "speculative.algorithm"),
-    ({"speculative_algorithm": "MTP", "speculative_eagle_topk": 2}, "eagle_topk"),
+    ({"speculative_algorithm": "MTP", "speculative_eagle_topk": 2}, r"eagle_topk=2: draft trees cannot run .*MLA"),
     ({"speculative_algorithm": "MTP", "speculative_num_steps": 2, "speculative_num_draft_tokens": 2},
      "num_draft_tokens"),
 ])

@@ -1,7 +1,8 @@
 """GLM-4.5's MTP layer as the drafter (speculative.algorithm = MTP): a tiny Glm4Moe checkpoint with one MTP layer
 in the shipped layout (layer num_hidden_layers: a GLM decoder layer plus enorm / hnorm / eh_proj / shared_head)
-loads it, drafts with it, and gives transformers' greedy tokens, with the MTP's own drafts and with an oracle's
-mostly right ones (accepted and rejected paths); a checkpoint without the layer loads with no drafter."""
+loads it, drafts with it (chains and draft trees), and gives transformers' greedy tokens, with the MTP's own drafts
+and with an oracle's mostly right ones (accepted and rejected paths); a checkpoint without the layer loads with no
+drafter."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -73,6 +74,49 @@ def test_glm_mtp_drafts_keep_the_targets_tokens(glm_dirs: tuple[Path, Path], hf_
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
     assert llm.engine.check_accounting().ok
+
+
+def tree_oracle(monkeypatch: pytest.MonkeyPatch, refs: dict[tuple, list[int]], wrong: int) -> None:
+    """After the MTP layer drafts its trees, replace each by [x, a, y, b]: a wrong child x of the root, the true
+    next token a, a wrong child y of a, the true token b after a (about one in `wrong` of a, b corrupted), so an
+    accepted path runs over rows 0, 2, 4 and its nodes move."""
+    from appliance.executor.draft_tree import DraftTree
+    from appliance.executor.speculative_mtp import MtpSpeculator
+
+    real = MtpSpeculator._propose
+
+    def propose(self: MtpSpeculator, *args: Any) -> None:
+        real(self, *args)
+        for rid, tree in list(self.trees.items()):
+            st = self.runner.requests[rid]
+            done = len(st.token_ids) - st.num_prompt_tokens
+            want = refs.get(tuple(st.token_ids[: st.num_prompt_tokens]), [])[done : done + 2]
+            if len(want) < 2 or len(tree) < 4:
+                continue
+            a, b = ((t + 1) % TINY["vocab_size"] if (done * 7 + j * 5) % wrong == 0 else t for j, t in enumerate(want))
+            nodes = DraftTree(((a + 3) % TINY["vocab_size"], a, (b + 3) % TINY["vocab_size"], b), (-1, -1, 1, 1))
+            self.trees[rid], self._drafts[rid] = nodes, list(nodes.tokens)
+
+    monkeypatch.setattr(MtpSpeculator, "_propose", propose)
+
+
+@pytest.mark.parametrize("oracle_drafts", [False, True])
+def test_glm_mtp_trees_keep_the_targets_tokens(glm_dirs: tuple[Path, Path], hf_greedy: Any,
+                                               monkeypatch: pytest.MonkeyPatch, oracle_drafts: bool) -> None:
+    """Draft trees from the MTP layer (eagle_topk 2, 2 steps, 4 nodes): the same tokens, with its own trees and
+    with an oracle's first logits (mostly right roots: multi-node paths accepted and moved)."""
+    plain, mtp_dir = glm_dirs
+    refs = [t for t, _ in hf_greedy(plain, PROMPTS, NEW + 8)]
+    if oracle_drafts:
+        tree_oracle(monkeypatch, {tuple(p): r for p, r in zip(PROMPTS, refs)}, wrong=4)
+    llm = _llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=2, speculative_eagle_topk=2,
+               speculative_num_draft_tokens=5)
+    assert llm.executor.runner.spec.tree is not None
+    assert _generate(llm) == [r[:NEW] for r in refs]
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens > stats.spec_num_drafts and llm.engine.check_accounting().ok
+    if oracle_drafts:  # most roots' true child accepted, often the one after it too
+        assert stats.spec_accepted_per_pos[0] > stats.spec_num_drafts // 2 and stats.spec_accepted_per_pos[1] > 0
 
 
 def test_glm_without_mtp_layer_has_no_drafter(glm_dirs: tuple[Path, Path]) -> None:

@@ -32,8 +32,9 @@ class SpeculativeSection(Section):
                                          "Unset: num_steps + 1.",
                                          flags="--speculative-num-draft-tokens", ge=1)
     eagle_topk: int = param(1, "Draft tree branching: each draft step expands the top-k children of the k best "
-                            "nodes so far. 1: one chain. Trees (> 1) are drafted by EAGLE, EAGLE3 and STANDALONE and "
-                            "run without overlap and CUDA graphs.", flags="--speculative-eagle-topk", ge=1)
+                            "nodes so far. 1: one chain. Trees (> 1) are drafted by EAGLE, EAGLE3, STANDALONE and MTP "
+                            "(not on MLA or linear-attention models) and run without overlap and CUDA graphs.",
+                            flags="--speculative-eagle-topk", ge=1)
     prompt_lookup_min: int | None = param(
         None, "NGRAM: shortest n-gram matched against the prompt and output so far. Unset: the algorithm's "
         "default.", flags=("--prompt-lookup-min", "--speculative-ngram-min-match-window-size"), ge=1)

@@ -76,9 +76,9 @@ UNSUPPORTED: list[Unsupported] = [
                 "DFLASH and DSPARK drafting are not supported in this build; EAGLE, EAGLE3, STANDALONE, NGRAM and "
                 "MTP are"),
     Unsupported("speculative.eagle_topk",
-                lambda c: c.speculative.eagle_topk > 1 and c.speculative.algorithm in ("MTP", "NGRAM"),
-                "draft trees (eagle_topk > 1) are drafted by EAGLE, EAGLE3 and STANDALONE in this build; MTP and "
-                "NGRAM draft one chain"),
+                lambda c: c.speculative.eagle_topk > 1 and c.speculative.algorithm == "NGRAM",
+                "draft trees (eagle_topk > 1) are drafted by EAGLE, EAGLE3, STANDALONE and MTP; NGRAM proposes one "
+                "chain"),
     Unsupported("speculative.eagle_topk",
                 lambda c: c.speculative.eagle_topk > 1 and c.speculative.algorithm is not None and c.overlap_enabled(),
                 "draft trees (eagle_topk > 1) run the synchronous loop in this build: set scheduler.enable_overlap "

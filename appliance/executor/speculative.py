@@ -76,9 +76,9 @@ def check_tree_settings(config: ApplianceConfig) -> None:
     from appliance.executor.draft_tree import MAX_TREE_ROWS, num_candidates
 
     s = config.speculative
-    if s.algorithm not in ("EAGLE", "EAGLE3", "STANDALONE"):
-        raise ValueError(f"speculative.eagle_topk={s.eagle_topk}: draft trees are drafted by EAGLE, EAGLE3 and "
-                         f"STANDALONE; {s.algorithm} drafts one chain (set eagle_topk = 1)")
+    if s.algorithm not in ("EAGLE", "EAGLE3", "STANDALONE", "MTP"):
+        raise ValueError(f"speculative.eagle_topk={s.eagle_topk}: draft trees are drafted by EAGLE, EAGLE3, "
+                         f"STANDALONE and MTP; {s.algorithm} proposes one chain (set eagle_topk = 1)")
     if config.overlap_enabled():
         raise ValueError(f"speculative.eagle_topk={s.eagle_topk}: draft trees run the synchronous loop; set "
                          "scheduler.enable_overlap = false (or leave it unset) or use eagle_topk = 1")

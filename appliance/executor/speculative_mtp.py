@@ -7,7 +7,8 @@ same block table (executor/speculative.py runs the step and verification).
 2. chain: num_steps - 1 more one-token steps of the same MTP layer, each on the previous step's draft and hidden
    state (before the MTP head's norm, as vLLM chains it), at the next position.
 Drafts are the MTP head's argmax, or draws of its distribution for random unseeded requests
-(speculative_rejection.py).
+(speculative_rejection.py); with eagle_topk > 1, trees of the same steps (tree_drafting.py) where the model's
+attention takes a tree mask (not MLA, not linear attention).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class MtpSpeculator(Speculator):
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
         self.model = runner.model
-        self.chains = make_chain_graphs(self, int(runner.hf_config.hidden_size), self.model, runner.backend)
+        if self.tree is None:  # trees draft eagerly (tree_drafting.py)
+            self.chains = make_chain_graphs(self, int(runner.hf_config.hidden_size), self.model, runner.backend)
         self.catch_up_graphs = make_catch_up_graphs(self, self.catch_up_source(), int(runner.hf_config.hidden_size), 1)
 
     def catch_up_source(self) -> torch.Tensor | None:

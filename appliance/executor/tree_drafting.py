@@ -134,7 +134,9 @@ def make_tree_drafter(runner: Any) -> TreeDrafter | None:
     if s.eagle_topk == 1:
         return None
     why = None
-    layers = runner.model.attention_layers() + (runner.draft_model.attention_layers() if runner.draft_model else [])
+    drafter = (runner.model.mtp_attention_layers() if s.algorithm == "MTP"
+               else runner.draft_model.attention_layers() if runner.draft_model is not None else [])
+    layers = runner.model.attention_layers() + drafter
     if runner.state_cache is not None:
         why = "its recurrent-state (linear attention) layers advance along one sequence, not a tree"
     elif not all(isinstance(x, Attention) for x in layers):
