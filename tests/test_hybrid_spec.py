@@ -116,3 +116,10 @@ def test_overlap_with_drafts_is_refused_for_recurrent_state(hybrid_dirs: tuple[P
     plain, _ = hybrid_dirs  # state rollback and snapshots follow the plan's chunk, which a clamp would change
     with pytest.raises(ValueError, match="recurrent-state layers; turn scheduler.enable_overlap off"):
         _llm(plain, speculative_algorithm="NGRAM", speculative_num_steps=3, enable_overlap_schedule=True)
+
+
+def test_draft_trees_are_refused_for_recurrent_state(hybrid_dirs: tuple[Path, Path]) -> None:
+    _, mtp_dir = hybrid_dirs  # a linear-attention layer's state advances along one sequence, not a tree
+    with pytest.raises(ValueError, match="eagle_topk=2: draft trees cannot run .*recurrent-state"):
+        _llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=2, speculative_eagle_topk=2,
+             speculative_num_draft_tokens=4)
