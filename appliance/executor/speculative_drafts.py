@@ -1,6 +1,7 @@
 """What a speculator's drafters share (the base of executor/speculative.py `Speculator`): the drafts held per
 request, the catch-up inputs of drafters fed the target's states, and the draft chain, run from the graphs of
-executor/draft_graphs.py and, after a verify-graph step, the catch-up graphs of executor/catch_up_graphs.py. A
+executor/draft_graphs.py and, after a verify-graph step, the catch-up graphs of executor/catch_up_graphs.py (or,
+with eagle_topk > 1, the draft tree of executor/tree_drafting.py, eagerly). A
 greedy chain's drafts come back through pinned memory and are read when `drafts` is next read (the next step's
 start), so the host waits once per step, for the verification's samples.
 """
@@ -145,9 +146,9 @@ class Drafting:
 
     def chain(self, states: list[RequestState], logits: torch.Tensor, first_pos: list[int], hidden: Any,
               id_map: torch.Tensor | None = None) -> None:
-        """Drafts 1..num_steps of each state: the first is picked from `logits` (the drafter's, one row per state),
-        then chain step i feeds draft i (and the drafter's `hidden` rows, if it chains them) to `draft_step` at
-        position first_pos + i - 1 (draft_graphs.py). Drafts are argmax (`id_map`: the drafter's vocabulary ->
+        """Drafts 1..num_steps of each state (with a tree drafter, a tree each instead: _draft_trees): the first is
+        picked from `logits` (the drafter's, one row per state), then chain step i feeds draft i (and the
+        drafter's `hidden` rows, if it chains them) to `draft_step` at position first_pos + i - 1 (draft_graphs.py). Drafts are argmax (`id_map`: the drafter's vocabulary ->
         the target's), from one graph per batch whose drafts are read when next needed; or, when a random
         unseeded request draws its drafts from the drafter's q (speculative_rejection.py DraftPicker), the same
         chain runs uncaptured with the picker and keeps the q rows. A chain stops early where that position is

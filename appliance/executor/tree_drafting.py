@@ -30,6 +30,9 @@ DraftStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, Any], tuple
 
 
 class TreeDrafter:
+    """The tree search of a speculator's drafter (its `draft_step`): eagle_topk, num_steps and the nodes a tree
+    keeps (num_draft_tokens - 1)."""
+
     def __init__(self, topk: int, num_steps: int, num_nodes: int, block_size: int, device: torch.device,
                  pad_sequences: bool = False) -> None:
         self.topk, self.num_steps, self.num_nodes = topk, num_steps, num_nodes
