@@ -148,7 +148,8 @@ class Drafting:
               id_map: torch.Tensor | None = None) -> None:
         """Drafts 1..num_steps of each state (with a tree drafter, a tree each instead: _draft_trees): the first is
         picked from `logits` (the drafter's, one row per state), then chain step i feeds draft i (and the
-        drafter's `hidden` rows, if it chains them) to `draft_step` at position first_pos + i - 1 (draft_graphs.py). Drafts are argmax (`id_map`: the drafter's vocabulary ->
+        drafter's `hidden` rows, if it chains them) to `draft_step` at position first_pos + i - 1
+        (draft_graphs.py). Drafts are argmax (`id_map`: the drafter's vocabulary ->
         the target's), from one graph per batch whose drafts are read when next needed; or, when a random
         unseeded request draws its drafts from the drafter's q (speculative_rejection.py DraftPicker), the same
         chain runs uncaptured with the picker and keeps the q rows. A chain stops early where that position is
