@@ -130,6 +130,29 @@ def test_a_search_feeds_each_frontier_node_its_own_ancestors() -> None:
     assert tree == DraftTree((3, 1, 2, 5, 4, 0), (-1, 0, 0, -1, 1, 1))
 
 
+def test_a_tree_chunk_runs_at_depths_in_its_own_slots_under_its_mask() -> None:
+    """A step's inputs with a decode, a plain chunk and a tree verification (the root and three nodes, one of them
+    a grandchild): the tree's rows take positions start + depth and slots start + row, the prefill rows their
+    masks (none for the plain chunk)."""
+    from appliance.engine.sampling_params import SamplingParams as Params
+    from appliance.executor.input_batch import Chunk, build_inputs
+    from appliance.executor.request_table import RequestState
+
+    def state(rid: str, n: int, blocks: list[int]) -> RequestState:
+        return RequestState(rid, list(range(100, 100 + n)), 2, 0, blocks, Params())
+
+    tree = DraftTree((7, 8, 9), (-1, 0, -1))
+    chunks = [Chunk(state("d", 6, [4, 5]), 5, 1, True), Chunk(state("p", 3, [9]), 0, 3, False),
+              Chunk(state("t", 10, [1, 3, 2]), 6, 4, True, tree)]
+    inputs = build_inputs(chunks, 4, torch.device("cpu"))
+    assert inputs.positions.tolist() == [5, 0, 1, 2, 6, 7, 8, 7]
+    assert inputs.meta.slot_mapping.tolist() == [5 * 4 + 1, 36, 37, 38, 3 * 4 + 2, 3 * 4 + 3, 2 * 4, 2 * 4 + 1]
+    assert inputs.meta.tree.tree_width.tolist() == [0, 4]
+    assert inputs.meta.tree.tree_mask.tolist()[3:] == [0b1, 0b11, 0b111, 0b1001]
+    with pytest.raises(ValueError, match="cannot verify a tree of 3 nodes"):
+        build_inputs([Chunk(state("t", 10, [1, 3, 2]), 5, 5, True, tree)], 4, torch.device("cpu"))
+
+
 def test_random_rows_emit_the_targets_distribution() -> None:
     """Random rows: every emitted token is a sample of the target's distribution given the tokens before it, so a
     verification's emitted sequence has the probability of sampling it token by token (synthetic distributions

@@ -185,7 +185,7 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
         cu.append(cu[-1] + c.num_tokens)
         index = np.arange(c.start, end, dtype=np.int64)
         ids_l.append(np.asarray(c.state.token_ids[c.start : end], dtype=np.int64))
-        pos_l.append(index if c.tree is None else c.start + c.tree.chunk_rows()[0])
+        pos_l.append(index if c.tree is None else c.start + tree_rows(c)[0])
         slots_l.append(c.state.block_array()[index // block_size] * block_size + index % block_size)
     t = nd + cu[-1]
     wd = table_width(decodes, decode_width) if nd else 1
@@ -261,16 +261,20 @@ def build_inputs(chunks: list[Chunk], block_size: int, device: torch.device, dec
     return StepInputs(head[seg[0]], head[seg[1]], meta, ordered, row_starts)
 
 
+def tree_rows(c: Chunk) -> tuple[np.ndarray, np.ndarray]:
+    """A tree verification's rows (DraftTree.chunk_rows: position offsets, masks); its chunk is the root and nodes."""
+    assert c.tree is not None
+    if c.num_tokens != len(c.tree) + 1:
+        raise ValueError(f"request {c.state.request_id!r}: a chunk of {c.num_tokens} tokens cannot verify a tree of "
+                         f"{len(c.tree)} nodes (its root and nodes only)")
+    return c.tree.chunk_rows()
+
+
 def tree_mask(prefills: list[Chunk], npad: int, device: torch.device) -> TreeMask | None:
     """The prefill rows' draft-tree masks (None: no chunk verifies a tree). Trees run eagerly: a plain upload."""
     if all(c.tree is None for c in prefills):
         return None
-    for c in prefills:
-        if c.tree is not None and c.num_tokens != len(c.tree) + 1:
-            raise ValueError(f"request {c.state.request_id!r}: a chunk of {c.num_tokens} tokens cannot verify a "
-                             f"tree of {len(c.tree)} nodes (its root and nodes only)")
-    bits = [c.tree.chunk_rows()[1] if c.tree is not None else np.zeros(c.num_tokens, dtype=np.int64)
-            for c in prefills]
+    bits = [tree_rows(c)[1] if c.tree is not None else np.zeros(c.num_tokens, dtype=np.int64) for c in prefills]
     widths = [c.num_tokens if c.tree is not None else 0 for c in prefills] + [0] * npad
     return TreeMask(torch.from_numpy(np.concatenate(bits)).to(device),
                     torch.tensor(widths, dtype=torch.int32, device=device))
