@@ -435,6 +435,17 @@ def test_tensor_parallel_trees_equal_one_process_without_speculation(tiny_model:
         llm.shutdown()
 
 
+def test_an_fp8_kv_cache_keeps_the_tokens_of_plain_decoding_on_it(tiny_model: Path) -> None:
+    """The accepted nodes' KV moves as bytes (an fp8 cache has no index copy of its own): the target as its own
+    draft model accepts multi-node paths, and the tokens are plain decoding's on the same fp8 cache."""
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    plain = [o.token_ids for o in generate(make_llm(tiny_model, kv_cache_dtype="fp8"), params)]
+    llm = make_llm(tiny_model, kv_cache_dtype="fp8", **tree_kwargs("STANDALONE", tiny_model, 2, 3, 6))
+    assert llm.executor.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert [o.token_ids for o in generate(llm, params)] == plain
+    assert len(llm.engine.stats().spec_accepted_per_pos) >= 2
+
+
 def test_aborts_mid_tree_keep_the_pool_whole(tiny_model: Path, drafters: dict[str, Path]) -> None:
     llm = make_llm(tiny_model, **tree_kwargs("EAGLE3", drafters["eagle3"], 2, 3, 6))
     eng = llm.engine

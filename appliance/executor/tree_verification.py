@@ -102,12 +102,21 @@ def compact(moves: list[tuple[int, int]], caches: Sequence[torch.Tensor], rows: 
         device = caches[0].device if caches else torch.device("cpu")
         src, dst = (torch.tensor(x, dtype=torch.int64, device=device) for x in zip(*moves))
         for cache in caches:
-            flat = cache.flatten(0, 1)
+            flat = _raw(cache.flatten(0, 1))
             flat.index_copy_(0, dst, flat.index_select(0, src))
     if rows:
         for t in row_tensors:
             src, dst = (torch.tensor(x, dtype=torch.int64, device=t.device) for x in zip(*rows))
             t.index_copy_(0, dst, t.index_select(0, src))
+
+
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers of its element size: index copies exist for every integer type, not for
+    fp8 (an fp8 KV cache)."""
+    return t.view(_RAW[t.element_size()])
 
 
 def path_moves(state: RequestState, start: int, first_row: int, path: list[int], block_size: int
