@@ -223,6 +223,16 @@ def test_padded_tree_steps_draft_the_same_trees(tiny_model: Path, drafters: dict
     assert [o.token_ids for o in generate(llm, params, PROMPTS[:3])] == [r.token_ids for r in reference[:3]]
 
 
+def test_chunked_prefill_keeps_the_greedy_tokens(tiny_model: Path, drafters: dict[str, Path],
+                                                reference: list[Any]) -> None:
+    """Prompts in chunks of 8 (a prompt's last chunk drafts the first tree beside other requests' chunks)."""
+    llm = make_llm(tiny_model, **tree_kwargs("EAGLE3", drafters["eagle3"], 3, 2, 5), enable_prefix_caching=False,
+                   chunked_prefill_size=8)
+    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert llm.engine.stats().spec_num_drafts > 0 and llm.engine.check_accounting().ok
+
+
 def test_the_target_as_its_own_draft_model_accepts_its_best_paths(tiny_model: Path, reference: list[Any]) -> None:
     llm = make_llm(tiny_model, **tree_kwargs("STANDALONE", tiny_model, 2, 3, 6))
     outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
