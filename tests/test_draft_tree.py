@@ -98,6 +98,10 @@ def test_a_tree_chunk_runs_at_depths_in_its_own_slots_under_its_mask() -> None:
     assert inputs.meta.slot_mapping.tolist() == [5 * 4 + 1, 36, 37, 38, 3 * 4 + 2, 3 * 4 + 3, 2 * 4, 2 * 4 + 1]
     assert inputs.meta.tree.tree_width.tolist() == [0, 4]
     assert inputs.meta.tree.tree_mask.tolist()[3:] == [0b1, 0b11, 0b111, 0b1001]
+    padded = build_inputs(chunks + [Chunk(state("q", 4, [11]), 0, 2, False)], 4, torch.device("cpu"),
+                          pad_prefills=True)  # a GPU runner's: three prefills padded to four sequences
+    assert padded.meta.tree.tree_width.tolist() == [0, 4, 0, 0]
+    assert padded.meta.tree.tree_mask.shape[0] == 3 + 4 + 2  # one per prefill row
     with pytest.raises(ValueError, match="cannot verify a tree of 3 nodes"):
         build_inputs([Chunk(state("t", 10, [1, 3, 2]), 5, 5, True, tree)], 4, torch.device("cpu"))
 
