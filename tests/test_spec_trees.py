@@ -104,6 +104,22 @@ def test_chunked_prefill_keeps_the_greedy_tokens(tiny_model: Path, drafters: dic
     assert llm.engine.stats().spec_num_drafts > 0 and llm.engine.check_accounting().ok
 
 
+def test_the_warm_up_runs_each_prefill_count_as_tree_verifications_too(tiny_model: Path, drafters: dict[str, Path],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the warm-up pays the prefill kernel's variants with a tree mask before serving (run here on the
+    CPU runner: its model sees each count plain and as trees)."""
+    from appliance.executor import warmup
+
+    runner = make_llm(tiny_model, **tree_kwargs("EAGLE3", drafters["eagle3"], 2, 3, 6)).executor.runner
+    seen: list[tuple[int, bool]] = []
+    real = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda ids, pos, meta: (
+        seen.append((meta.num_prefills, meta.tree is not None)), real(ids, pos, meta))[1])
+    ticks: list[None] = []
+    warmup._prefills(runner, [1, 2, 4], lambda: ticks.append(None))
+    assert seen == [(1, False), (1, True), (2, False), (2, True), (4, False), (4, True)] and len(ticks) == 3
+
+
 def test_the_target_as_its_own_draft_model_accepts_its_best_paths(tiny_model: Path, reference: list[Any]) -> None:
     llm = make_llm(tiny_model, **tree_kwargs("STANDALONE", tiny_model, 2, 3, 6))
     outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))

@@ -7,7 +7,8 @@ then leaves the device idle: without the warm-up, the first Qwen3 throughput run
 more host time in `linear` (the LM head meeting new row counts), plus first uses of the step's gathers, scatters and
 stagers. (Triton variants an earlier start listed are meanwhile compiled ahead in other processes, executor/
 compile_ahead.py: the warm-up finds those in the cache.) So the warm-up runs:
-- a prefill for every padded sequence count (the Triton prefill kernel's variants, input_batch.padded_count);
+- a prefill for every padded sequence count (the Triton prefill kernel's variants, input_batch.padded_count), with
+  draft trees (speculative.eagle_topk > 1) also as tree verifications (the kernel's variants with a tree mask);
 - the GPU sampler at 1, 2 and 16 rows (Triton specialises integer arguments equal to 1 and divisible by 16);
 - the LM head at each row count it runs on (the decode graphs' capture sizes: ModelRunner.logits);
 - the decode graphs (contexts up to graph_context) and the piecewise token buckets;
@@ -28,6 +29,7 @@ import torch
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.step import NewRequestData, ScheduledRequest, StepPlan
 from appliance.executor.cuda_graph import GRAPH_CONTEXT
+from appliance.executor.draft_tree import DraftTree
 from appliance.executor.input_batch import Chunk
 from appliance.executor.piecewise import all_buckets
 from appliance.executor.request_table import RequestState
@@ -95,12 +97,16 @@ def _prefill_counts(runner: ModelRunner) -> list[int]:
 
 
 def _prefills(runner: ModelRunner, counts: list[int], tick: Callable[[], None]) -> None:
-    """Two tokens per sequence, all in block 0 (no request holds it yet)."""
+    """Two tokens per sequence, all in block 0 (no request holds it yet); with draft trees, again as a root and one
+    node per sequence."""
+    s = runner.config.speculative
+    trees = [None] + ([DraftTree((0,), (-1,))] if s.algorithm is not None and s.eagle_topk > 1 else [])
     for n in counts:
-        states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams(),
-                               window_tables=_window_tables(runner, 2)) for i in range(n)]
-        inputs = runner.host_inputs([Chunk(st, 0, 2, False) for st in states])
-        runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+        for tree in trees:
+            states = [RequestState(f"warmup{i}", [0, 0], 2, 0, [0, 0], SamplingParams(),
+                                   window_tables=_window_tables(runner, 2)) for i in range(n)]
+            inputs = runner.host_inputs([Chunk(st, 0, 2, False, tree) for st in states])
+            runner.model(inputs.input_ids, inputs.positions, inputs.meta)
         tick()
 
 
