@@ -54,7 +54,7 @@ def inputs(spec: tuple[Any, ...], device: str, seed: int = 0) -> tuple[tuple[Any
 
 def dense_reference(args: tuple[Any, ...], tree: dict[str, Any]) -> torch.Tensor:
     """The same attention as one dense masked softmax per sequence (float32), written without the reference's
-    helpers: key i of a sequence of length L is seen by its query at position p when i <= p and, for i among the
+    functions: key i of a sequence of length L is seen by its query at position p when i <= p and, for i among the
     last W keys, bit i - (L - W) of the row's mask is set."""
     q, k_cache, v_cache, cu, lens, table, scale = args
     out = torch.empty(q.shape, dtype=torch.float32)
