@@ -96,8 +96,8 @@ def verify_trees(sample: Callable[[torch.Tensor, list[Any]], list[SampleResult]]
 def compact(moves: list[tuple[int, int]], caches: Sequence[torch.Tensor], rows: list[tuple[int, int]],
             row_tensors: Sequence[torch.Tensor]) -> None:
     """Copy accepted nodes down: `moves` (source slot, destination slot) in every cache ([blocks, block_size,
-    ...]), `rows` (source row, destination row) in every row tensor. Sources lie past their destinations and no
-    destination is a later source (a path's rows only grow), so one gather then one scatter per tensor is exact."""
+    ...]), `rows` (source row, destination row) in every row tensor. Every source is read before any destination
+    is written (one gather, then one scatter per tensor): a destination may be another move's source."""
     if moves:
         device = caches[0].device if caches else torch.device("cpu")
         src, dst = (torch.tensor(x, dtype=torch.int64, device=device) for x in zip(*moves))
