@@ -142,3 +142,24 @@ def test_random_rows_emit_the_targets_distribution() -> None:
     assert sum(exact(k) for k in counts) == pytest.approx(1.0)  # only reachable sequences were emitted
     for key, c in counts.items():
         assert abs(c / n - exact(key)) < 4 * (exact(key) * (1 - exact(key)) / n) ** 0.5 + 1e-3, key
+
+
+def test_an_accepted_path_moves_down_even_where_a_destination_is_another_source() -> None:
+    """Path rows [0, 2, 3] of a chunk from position 6: row 2 moves to 1 across a block boundary while row 3 moves to
+    2, the first move's source (an fp8 cache, moved as bytes; the hidden rows from the chunk's first row 10)."""
+    from appliance.engine.sampling_params import SamplingParams as Params
+    from appliance.executor.request_table import RequestState
+    from appliance.executor.tree_verification import compact, path_moves
+
+    state = RequestState("r", list(range(12)), 2, 6, [5, 2, 9], Params())
+    moves, rows = path_moves(state, 6, 10, [0, 2, 3], 4)
+    assert moves == [(9 * 4 + 0, 2 * 4 + 3), (9 * 4 + 1, 9 * 4 + 0)] and rows == [(12, 11), (13, 12)]
+    cache = torch.randn(10, 4, 2, 3).to(torch.float8_e4m3fn)
+    before = cache.view(torch.uint8).clone()
+    hidden = torch.arange(20.0)[:, None].expand(20, 2).contiguous()
+    compact(moves, [cache], rows, [hidden])
+    after = cache.view(torch.uint8)
+    assert torch.equal(after[2, 3], before[9, 0]) and torch.equal(after[9, 0], before[9, 1])
+    assert torch.equal(after[9, 1:], before[9, 1:]) and torch.equal(after[:2], before[:2])
+    assert torch.equal(after[2, :3], before[2, :3]) and not torch.equal(before[2, 3], before[9, 0])
+    assert hidden[:, 0].tolist()[10:14] == [10.0, 12.0, 13.0, 13.0]
