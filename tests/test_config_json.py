@@ -33,6 +33,10 @@ COVERED: dict[str, dict[str, Any]] = {
     "llama linear rope by its old name": {**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}},
     "llama yarn": {**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "dtype": "bfloat16"},
     "llama partial rotary": {**LLAMA, "partial_rotary_factor": 0.5, "rope_theta": 1e6},
+    "llama fp8 checkpoint": {**LLAMA, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                               "weight_block_size": [128, 128]}},
+    "eagle-3 head": {**LLAMA, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+                     "draft_vocab_size": 100, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}},
     "mistral sliding": {**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
                         "num_key_value_heads": 2},
     "mistral no window": {**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
@@ -42,6 +46,8 @@ COVERED: dict[str, dict[str, Any]] = {
     "qwen2 window off": {**QWEN2, "sliding_window": 64, "attention_dropout": 0},
     "qwen2 layer types given": {**QWEN2, "use_sliding_window": True, "sliding_window": 64,
                                 "layer_types": ["full_attention", "sliding_attention"] * 2},
+    "llama layer types": {**LLAMA, "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+                          "sliding_window": 128},
     "qwen3 int theta, null scaling": {**SHAPES["qwen3-0.6b"], "rope_theta": 1000000, "rope_scaling": None,
                                       "sliding_window": None, "use_sliding_window": False, "max_window_layers": 28},
 }
@@ -60,6 +66,8 @@ UNCOVERED: dict[str, dict[str, Any]] = {
     "labels": {**LLAMA, "id2label": {"0": "a"}},
     "unknown dtype": {**LLAMA, "torch_dtype": "auto"},
     "bad layer types": {**QWEN2, "layer_types": ["attention"] * 4},
+    "llama legacy layer types": {**LLAMA, "layer_types": ["attention"] * 3},
+    "llama layer types of another length": {**LLAMA, "layer_types": ["full_attention"] * 2},
     "special float": {**LLAMA, "rms_norm_eps": {"__float__": "NaN"}},
     "no model type": {k: v for k, v in LLAMA.items() if k != "model_type"},
 }

@@ -91,7 +91,7 @@ DROPPED_KEYS = frozenset(("name_or_path", "_commit_hash", "output_attentions", "
                           "_experts_implementation_internal"))
 # keys whose handling this reader does not copy: a config with any of them goes to transformers
 UNCOVERED_KEYS = frozenset(("auto_map", "id2label", "label2id", "problem_type", "num_labels", "per_layer_config",
-                            "mtp_layer_types", "sub_configs"))
+                            "mtp_layer_types", "sub_configs", "num_heads", "embed_dim"))
 # rotary types whose required keys transformers checks, and those keys (original_max_position_embeddings is
 # filled in from max_position_embeddings for llama3 and yarn)
 ROPE_REQUIRED: dict[str, frozenset[str]] = {
@@ -132,7 +132,7 @@ def config_from_dict(raw: dict[str, Any]) -> ConfigJson | None:
     extra = {k: v for k, v in raw.items() if k not in fields}
     if not _post_init(values, cls):
         return None
-    if not _base_post_init(values, extra):
+    if not _base_post_init(values, extra) or not _layer_types_valid(values):
         return None
     return ConfigJson(**values)
 
@@ -157,15 +157,19 @@ def _post_init(values: dict[str, Any], cls: ConfigClass) -> bool:
         values["head_dim"] = hidden // heads
     if values["num_key_value_heads"] is None:
         values["num_key_value_heads"] = heads
-    if cls.sliding_layers:
-        layers = values["layer_types"]
-        if layers is None:
-            window = values["sliding_window"]
-            values["layer_types"] = ["sliding_attention" if window is not None and i >= values["max_window_layers"]
-                                     else "full_attention" for i in range(values["num_hidden_layers"])]
-        elif len(layers) != values["num_hidden_layers"] or any(t not in LAYER_TYPES for t in layers):
-            return False
+    if cls.sliding_layers and values["layer_types"] is None:
+        window = values["sliding_window"]
+        values["layer_types"] = ["sliding_attention" if window is not None and i >= values["max_window_layers"]
+                                 else "full_attention" for i in range(values["num_hidden_layers"])]
     return True
+
+
+def _layer_types_valid(values: dict[str, Any]) -> bool:
+    """transformers checks layer_types (a field or a key of config.json) against the layer count and renames
+    legacy names; only full / sliding lists of the right length are taken here."""
+    layers = values.get("layer_types")
+    return layers is None or (isinstance(layers, list) and len(layers) == values["num_hidden_layers"]
+                              and all(t in LAYER_TYPES for t in layers))
 
 
 def _base_post_init(values: dict[str, Any], extra: dict[str, Any]) -> bool:
