@@ -34,6 +34,15 @@ def test_a_fresh_worker_start_up_reports_its_phases() -> None:
     assert packages["torch"] > 0 and "prometheus_client" not in packages
 
 
+def test_the_tokenizer_and_scheduler_stages_report_their_phases() -> None:
+    config = build_config(dotlist=["model.device=cpu"]).to_dict()
+    took, total, packages = run_once(config, "tokenizer")
+    assert list(took) == ["process start", "imports", "loading the tokenizer"] and 0 < sum(took.values()) <= total
+    assert "torch" not in packages and packages["transformers"] > 0  # a Llama tokenizer loads without torch
+    took, total, packages = run_once(config, "scheduler")
+    assert list(took) == ["process start", "imports"] and "torch" not in packages and "zmq" in packages
+
+
 def test_a_dense_model_worker_imports_only_what_it_runs() -> None:
     """The embedded Llama built on the CPU: its config read without transformers (models/config_json.py), no MLA,
     MoE or fp8-block layers or kernels (the fp8 KV calibration looks for MLA layers without importing them), no
