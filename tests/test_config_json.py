@@ -12,7 +12,12 @@ from transformers import AutoConfig, GenerationConfig
 from appliance.bench.presets import SHAPES
 from appliance.config import resolve_model_path
 from appliance.executor.model_loader import load_hf_config
-from appliance.models.config_json import GENERATION_KEYS, ConfigJson, config_from_dict, read_config_json
+from appliance.models.config_json import (
+    GENERATION_KEYS,
+    ConfigJson,
+    config_from_dict,
+    read_config_json,
+)
 
 MISSING = object()
 
@@ -105,7 +110,7 @@ def test_uncovered_configs_go_to_transformers(name: str) -> None:
 @pytest.mark.parametrize("name", ["float for an int field", "heads do not divide", "rope lacks a required key"])
 def test_what_transformers_refuses_is_still_refused(name: str, tmp_path: Path) -> None:
     model_dir = write(tmp_path, UNCOVERED[name])
-    with pytest.raises(Exception):  # noqa: B017,PT011 - transformers' own error types (strict dataclass, KeyError)
+    with pytest.raises(Exception):  # noqa: B017 - transformers' own error types (strict dataclass, KeyError)
         load_hf_config(model_dir)
 
 

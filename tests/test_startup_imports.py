@@ -53,7 +53,7 @@ def test_a_dense_model_worker_imports_only_what_it_runs() -> None:
             "ModelRunner(build_config(dotlist=['model.device=cpu', 'backends.enforce_eager=true']))\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} | set(m for m in sys.modules if m.startswith(('appliance', 'torch._dynamo', 'torch._inductor')))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    loaded = set(eval(out.stdout.strip().splitlines()[-1]))  # noqa: S307 (our own subprocess' list of names)
+    loaded = set(eval(out.stdout.strip().splitlines()[-1]))
     assert "appliance.models.llama" in loaded and "torch" in loaded
     unwanted = {"transformers", "sympy", "triton", "appliance.layers.mla", "appliance.kernels.mla",
                 "appliance.kernels.moe", "appliance.layers.fp8", "appliance.layers.moe", "appliance.kernels.triton",

@@ -19,7 +19,11 @@ from transformers.models.auto.tokenization_auto import (
 from appliance.bench.presets import write_model_dir
 from appliance.config import resolve_model_path
 from appliance.tokenization import load_tokenizer
-from appliance.tokenization.tokenizer import GENERIC_CLASSES, GENERIC_MODEL_TYPES, loads_as_generic
+from appliance.tokenization.tokenizer import (
+    GENERIC_CLASSES,
+    GENERIC_MODEL_TYPES,
+    loads_as_generic,
+)
 
 DEFAULT = Path(resolve_model_path(None))
 SAMPLES = ["Hello world, this is a test.", "  leading spaces and ünïcödé 字 🙂", "<|endoftext|> w12 w7 x", ""]
