@@ -37,6 +37,7 @@ COVERED: dict[str, dict[str, Any]] = {
                                               "_commit_hash": "abc", "eos_token_id": [2, 7], "pad_token_id": None},
     "llama linear rope by its old name": {**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}},
     "llama yarn": {**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "dtype": "bfloat16"},
+    "llama dynamic rope, old name": {**LLAMA, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
     "llama partial rotary": {**LLAMA, "partial_rotary_factor": 0.5, "rope_theta": 1e6},
     "llama fp8 checkpoint": {**LLAMA, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                                                                "weight_block_size": [128, 128]}},
