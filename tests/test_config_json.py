@@ -85,6 +85,14 @@ def attributes(cfg: Any) -> dict[str, Any]:
     return {k: getattr(cfg, k, MISSING) for k in sorted(keys)}
 
 
+def assert_same(ours: ConfigJson, theirs: Any) -> None:
+    """The same attribute names, each with an equal value of the same type."""
+    want, got = attributes(theirs), attributes(ours)
+    assert set(got) == set(want), (sorted(set(got) - set(want)), sorted(set(want) - set(got)))
+    for key, value in want.items():
+        assert got[key] == value and type(got[key]) is type(value), (key, got[key], value)
+
+
 def write(tmp_path: Path, raw: dict[str, Any]) -> Path:
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(raw))
@@ -96,11 +104,17 @@ def test_covered_configs_equal_transformers(name: str, tmp_path: Path) -> None:
     model_dir = write(tmp_path, COVERED[name])
     ours = read_config_json(model_dir)
     assert isinstance(ours, ConfigJson), name
-    theirs = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    want, got = attributes(theirs), attributes(ours)
-    assert set(got) == set(want), (sorted(set(got) - set(want)), sorted(set(want) - set(got)))
-    for key, value in want.items():
-        assert got[key] == value and type(got[key]) is type(value), (key, got[key], value)
+    assert_same(ours, AutoConfig.from_pretrained(str(model_dir), local_files_only=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+def test_configs_transformers_saved_equal_transformers(arch: str, make_tiny_model: Any) -> None:
+    """config.json as transformers 5 writes it (save_pretrained of the test models: rope_parameters, dtype,
+    layer_types already in their new shape)."""
+    model_dir = make_tiny_model(arch)
+    ours = read_config_json(model_dir)
+    assert isinstance(ours, ConfigJson)
+    assert_same(ours, AutoConfig.from_pretrained(str(model_dir), local_files_only=True))
 
 
 @pytest.mark.parametrize("name", list(UNCOVERED))
