@@ -30,9 +30,10 @@ SAMPLES = ["Hello world, this is a test.", "  leading spaces and ünïcödé 字
 
 
 @pytest.fixture(scope="module")
-def preset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Llama-3.1-8B preset's directory with its word-level tokenizer."""
-    return write_model_dir("llama-3.1-8b", tmp_path_factory.mktemp("preset") / "llama", True)
+def preset_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The Llama-3.1-8B and Qwen3-0.6B presets' directories with their word-level tokenizers."""
+    out = tmp_path_factory.mktemp("preset")
+    return {name: write_model_dir(name, out / name, True) for name in ("llama-3.1-8b", "qwen3-0.6b")}
 
 
 def copy_model(src: Path, dst: Path) -> Path:
@@ -46,9 +47,9 @@ def edit_json(path: Path, **changes: object) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
-@pytest.mark.parametrize("which", ["default", "preset"])
-def test_generic_tokenizer_equals_autotokenizers(which: str, preset_dir: Path) -> None:
-    model_dir = DEFAULT if which == "default" else preset_dir
+@pytest.mark.parametrize("which", ["default", "llama-3.1-8b", "qwen3-0.6b"])
+def test_generic_tokenizer_equals_autotokenizers(which: str, preset_dirs: dict[str, Path]) -> None:
+    model_dir = DEFAULT if which == "default" else preset_dirs[which]
     assert loads_as_generic(model_dir)
     ours = load_tokenizer(str(model_dir))
     theirs = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -67,7 +68,7 @@ def test_generic_tokenizer_equals_autotokenizers(which: str, preset_dir: Path) -
 
 
 def test_other_tokenizers_go_through_autotokenizer(tmp_path: Path) -> None:
-    cases = {"qwen": ("config.json", {"model_type": "qwen2"}),
+    cases = {"qwen2": ("config.json", {"model_type": "qwen2"}),
              "remote code": ("tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["x.T", None]}}),
              "model remote code": ("config.json", {"auto_map": {"AutoConfig": "x.C"}}),
              "named class": ("tokenizer_config.json", {"tokenizer_class": "LlamaTokenizerFast"})}
@@ -82,11 +83,12 @@ def test_other_tokenizers_go_through_autotokenizer(tmp_path: Path) -> None:
 
 
 def test_autotokenizer_picks_the_generic_class_for_these_model_types() -> None:
-    """The premise of the direct load, as AutoTokenizer's selection reads it in this transformers: no per-model
-    class for these types, none on its list of wrong hub classes, and the generic names resolve to one class."""
+    """The premise of the direct load, as AutoTokenizer's selection reads it in this transformers: none of these
+    types is on its list of wrong hub classes (so the class tokenizer_config.json names is used), none maps to
+    the Mistral backend, and the generic names resolve to one class."""
     for model_type in GENERIC_MODEL_TYPES:
-        assert TOKENIZER_MAPPING_NAMES.get(model_type) is None
         assert model_type not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+        assert TOKENIZER_MAPPING_NAMES.get(model_type) != "MistralCommonBackend"
     classes = {tokenizer_class_from_name(name) for name in GENERIC_CLASSES}
     assert len(classes) == 1 and next(iter(classes)).__name__ == "TokenizersBackend"
 

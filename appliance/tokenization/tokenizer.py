@@ -9,9 +9,9 @@ from appliance.config.hf_cache import resolve_model_dir
 
 # tokenizer_config.json classes that name transformers' generic tokenizers.json tokenizer
 GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
-# model types for which AutoTokenizer loads such a tokenizer as that generic class (no per-model class registered,
-# not on transformers' list of hubs that name the wrong class; tests/test_tokenizer_loading.py holds this)
-GENERIC_MODEL_TYPES = ("llama",)
+# model types for which AutoTokenizer loads such a tokenizer as that generic class (not on transformers' list of
+# hubs that name the wrong class, so the named class is trusted; tests/test_tokenizer_loading.py holds this)
+GENERIC_MODEL_TYPES = ("llama", "qwen3")
 
 
 def load_tokenizer(path: str, *, mode: str = "auto", trust_remote_code: bool = False, revision: str | None = None,
