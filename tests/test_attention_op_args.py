@@ -52,7 +52,7 @@ def test_step_inputs_carry_the_order_of_their_decode_rows(monkeypatch: pytest.Mo
 KERNEL_CHECK = """
 import torch
 from appliance.kernels.registry import get
-from appliance.kernels.triton.selfcheck import decode_inputs, prefill_inputs
+from appliance.kernels.triton.selfcheck_attention import decode_inputs, prefill_inputs
 import appliance.kernels.triton  # registers the ops
 
 q, k, v, table, seq, scale = decode_inputs(5, 8, 2, 64, 16, [37, 1, 100, 0, 64], torch.float32, "cpu").args
