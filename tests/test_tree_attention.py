@@ -37,7 +37,7 @@ def random_tree_bits(q_len: int, width: int, gen: torch.Generator) -> torch.Tens
 
 
 def inputs(spec: tuple[Any, ...], device: str, seed: int = 0) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    from appliance.kernels.triton.selfcheck import _paged_kv
+    from appliance.kernels.triton.selfcheck_attention import _paged_kv
 
     q_lens, widths, prefixes, h, hkv, d, bs, dtype = spec
     gen = torch.Generator().manual_seed(seed)
