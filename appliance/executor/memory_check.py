@@ -162,11 +162,9 @@ def check_weight_memory(config: ApplianceConfig, hf_config: PretrainedConfig, dt
     from appliance.models.registry import model_class
 
     cls = model_class(hf_config)
-    kwargs: dict[str, Any] = {"backend": backend}
-    if getattr(cls, "is_moe", False):
-        from appliance.layers.moe import resolve_moe_backend
+    from appliance.executor.runner_setup import model_kwargs
 
-        kwargs["moe_backend"] = resolve_moe_backend(config.backends.moe, backend)
+    kwargs: dict[str, Any] = {"backend": backend, **model_kwargs(cls, config, backend)}
     quantization = config.precision.quantization
     estimate = estimate_weights(cls, hf_config, dtype, kwargs, quantization, model_dir)
     budget = memory_budget(device, float(config.cache.gpu_memory_utilization), local_workers(config.parallelism))

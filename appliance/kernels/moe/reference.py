@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from appliance.kernels import mxfp4
 from appliance.kernels.registry import register
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -92,3 +93,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                      _expert_weight(w2, w2_scale, e, block_shape, x.dtype), None if w2_bias is None else w2_bias[e])
         out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
     return out.to(x.dtype)
+
+
+@register("fused_moe_mxfp4", "torch")
+def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
+                    w2_scales: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                    swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> torch.Tensor:
+    """The oracle of the MXFP4 expert kernel: blocks [E, N, K/2] and scales [E, N, K/32] (kernels/mxfp4.py)
+    dequantized to x's dtype, then fused_moe."""
+    w13 = mxfp4.dequantize(mxfp4.unpacked(w13_blocks), w13_scales, x.dtype)
+    w2 = mxfp4.dequantize(mxfp4.unpacked(w2_blocks), w2_scales, x.dtype)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias=w13_bias, w2_bias=w2_bias,
+                     swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
