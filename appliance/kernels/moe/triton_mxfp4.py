@@ -8,9 +8,10 @@ dequantized stack.
                     swiglu_limit=None, swiglu_alpha=1.702) -> [T,H]
 
 The shape of triton_moe.py: the same expert sort and tile alignment (`align_blocks`, `tiles_for`), a gate/up GEMM
-with the activation fused, a down GEMM times the routing weight. A byte holds the weights of columns 2j (low
-nibble) and 2j + 1 (high nibble), so each K step takes the activation tile's even and odd columns and meets them
-with the low and high nibbles in two dots of BLOCK_K / 2: the interleaved weight tile is never built.
+with the activation fused, a down GEMM times the routing weight. A K step of BLOCK_K walks its 32-value scale
+groups: each group's scale is one value per output column, and its bytes hold columns 2j (low nibble) and
+2j + 1 (high nibble), so the activation tile's even and odd columns meet the low and high nibbles in two dots of
+K = 16 (tl.dot's least): the interleaved weight tile is never built.
 """
 from __future__ import annotations
 
@@ -25,29 +26,29 @@ from appliance.kernels.triton.common import INTERPRET, mma
 
 
 @triton.jit
-def e2m1_value(code):
-    """e2m1 codes (int32 0..15: bit 3 the sign, bits 2-1 the exponent with bias 1, bit 0 the mantissa) -> float32."""
-    magnitude = code & 7
-    exponent = magnitude >> 1
-    mantissa = magnitude & 1
-    # a normal value 2^(e - 1) * (1 + m / 2) written as float32 bits; exponent 0 is the subnormal m / 2
-    normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
-    value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
-    return tl.where((code & 8) != 0, -value, value)
+def e2m1_tiny(code):
+    """e2m1 codes (int32, the low 4 bits: sign, 2 exponent bits with bias 1, 1 mantissa bit) -> value * 2^-14 in
+    float32. Moved into a half's exponent and mantissa fields the code is that half exactly (codes of exponent 0
+    land on the half's subnormals, 0 and 0.5 * 2^-14), and half -> float32 is exact: a few bit operations and one
+    conversion a weight, where decoding sign, exponent and mantissa arithmetically takes about fifteen (at batch 1
+    the dequantization runs once per weight read, so its cost sits beside the memory time)."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def mxfp4_tiles(b_ptr, s_ptr, e, offs_n, offs_j, n_mask, j_mask, stride_be, stride_bn, stride_se, stride_sn):
-    """The [BLOCK_K / 2, BLOCK_N] tiles of w[e]^T at the even and odd columns of a K step (byte column j holds
-    columns 2j and 2j + 1), each value times its group's power of two, in float32: (even, odd)."""
-    mask = n_mask[None, :] & j_mask[:, None]
-    byte = tl.load(b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_j[:, None], mask=mask,
-                   other=0).to(tl.int32)
-    biased = tl.load(s_ptr + e * stride_se + offs_n[None, :] * stride_sn + (offs_j // 16)[:, None], mask=mask,
-                     other=127).to(tl.int32)
-    # 2^(s - 127) as float32 bits; s = 0 is 2^-127, a float32 subnormal
-    scale = tl.where(biased == 0, 0x400000, biased << 23).to(tl.float32, bitcast=True)
-    return e2m1_value(byte & 15) * scale, e2m1_value(byte >> 4) * scale
+def mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, k_mask, group, stride_be, stride_bn, stride_se, stride_sn,
+                dtype: tl.constexpr):
+    """One 32-value scale group of w[e]^T for the output columns offs_n, dequantized to `dtype`: the [16, BLOCK_N]
+    tiles of its even and odd k (byte j holds k = 2j in its low nibble, 2j + 1 in its high one); k_mask [16]
+    is false for a group past the end."""
+    offs_j = group * 16 + tl.arange(0, 16)
+    byte = tl.load(b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_j[:, None],
+                   mask=n_mask[None, :] & k_mask[:, None], other=0).to(tl.int32)
+    biased = tl.load(s_ptr + e * stride_se + offs_n * stride_sn + group, mask=n_mask, other=0).to(tl.int32)
+    # 2^(s - 127) * 2^14 (e2m1_tiny's 2^-14 undone) as float32 bits; exact for every scale up to 2^113
+    scale = ((biased + 14) << 23).to(tl.float32, bitcast=True)[None, :]
+    return (e2m1_tiny(byte) * scale).to(dtype), (e2m1_tiny(byte >> 4) * scale).to(dtype)
 
 
 @triton.jit
@@ -69,19 +70,21 @@ def _gate_up_kernel(x_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
     n_mask = offs_n < inter
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        j_mask = offs_j < hidden // 2
-        a_mask = m_mask[:, None] & j_mask[None, :]
-        a_ptrs = x_ptr + row[:, None] * stride_xm + 2 * offs_j[None, :]
-        a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
-        g_even, g_odd = mxfp4_tiles(b_ptr, s_ptr, e, offs_n, offs_j, n_mask, j_mask, stride_be, stride_bn,
-                                    stride_se, stride_sn)
-        u_even, u_odd = mxfp4_tiles(b_ptr, s_ptr, e, offs_n + inter, offs_j, n_mask, j_mask, stride_be, stride_bn,
-                                    stride_se, stride_sn)
-        acc_g += mma(a_even, g_even.to(a_even.dtype), UPCAST) + mma(a_odd, g_odd.to(a_odd.dtype), UPCAST)
-        acc_u += mma(a_even, u_even.to(a_even.dtype), UPCAST) + mma(a_odd, u_odd.to(a_odd.dtype), UPCAST)
+    dtype = x_ptr.dtype.element_ty
+    for k0 in range(0, hidden, BLOCK_K):  # hidden is whole groups: only the last step's tail groups are masked
+        for sub in tl.static_range(BLOCK_K // 32):
+            group = k0 // 32 + sub
+            offs_k = group * 32 + 2 * tl.arange(0, 16)  # the even columns of the group
+            k_mask = offs_k < hidden
+            a_ptrs = x_ptr + row[:, None] * stride_xm + offs_k[None, :]
+            a_even = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            a_odd = tl.load(a_ptrs + 1, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            g_even, g_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, k_mask, group, stride_be, stride_bn,
+                                        stride_se, stride_sn, dtype)
+            u_even, u_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n + inter, n_mask, k_mask, group, stride_be,
+                                        stride_bn, stride_se, stride_sn, dtype)
+            acc_g += mma(a_even, g_even, UPCAST) + mma(a_odd, g_odd, UPCAST)
+            acc_u += mma(a_even, u_even, UPCAST) + mma(a_odd, u_odd, UPCAST)
     if BIAS:  # [E, 2I]: gate biases, then up biases
         acc_g += tl.load(bias_ptr + e * 2 * inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bias_ptr + e * 2 * inter + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -106,16 +109,18 @@ def _down_kernel(a_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    dtype = a_ptr.dtype.element_ty
     for k0 in range(0, inter, BLOCK_K):
-        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        j_mask = offs_j < inter // 2
-        a_mask = m_mask[:, None] & j_mask[None, :]
-        a_ptrs = a_ptr + pair[:, None] * stride_am + 2 * offs_j[None, :]
-        a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
-        w_even, w_odd = mxfp4_tiles(b_ptr, s_ptr, e, offs_n, offs_j, n_mask, j_mask, stride_be, stride_bn,
-                                    stride_se, stride_sn)
-        acc += mma(a_even, w_even.to(a_even.dtype), UPCAST) + mma(a_odd, w_odd.to(a_odd.dtype), UPCAST)
+        for sub in tl.static_range(BLOCK_K // 32):
+            group = k0 // 32 + sub
+            offs_k = group * 32 + 2 * tl.arange(0, 16)
+            k_mask = offs_k < inter
+            a_ptrs = a_ptr + pair[:, None] * stride_am + offs_k[None, :]
+            a_even = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            a_odd = tl.load(a_ptrs + 1, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w_even, w_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, k_mask, group, stride_be, stride_bn,
+                                        stride_se, stride_sn, dtype)
+            acc += mma(a_even, w_even, UPCAST) + mma(a_odd, w_odd, UPCAST)
     if BIAS:  # [E, H]
         acc += tl.load(bias_ptr + e * hidden + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     route = tl.load(weights_ptr + pair, mask=m_mask, other=0.0)
@@ -151,7 +156,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch
     num_experts, hidden, inter = check_shapes(x, w13_blocks, w13_scales, w2_blocks, w2_scales)
     t, top_k = topk_ids.shape
     pairs = t * top_k
-    tiles = tiles_for(pairs, num_experts)  # BLOCK_K >= 32: each half-step dot keeps tl.dot's 16
+    tiles = tiles_for(pairs, num_experts)  # every BLOCK_K is a multiple of the 32-value group
     x = x.contiguous()
     sorted_ids, block_experts = align_blocks(topk_ids, num_experts, tiles.block_m)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
