@@ -179,3 +179,63 @@ def test_cpu_without_the_interpreter_is_refused() -> None:
     with pytest.raises(ValueError, match="needs a GPU"):
         GptOssExperts(_gpt_oss_config(), "triton", "mxfp4")
 
+
+
+def test_gpt_oss_120b_fits_one_80gb_gpu_in_mxfp4() -> None:
+    """The weight estimate the start-up check uses (the model built on the meta device): gpt-oss-120b's bf16
+    weights are ~4x one GPU; with its experts in MXFP4 they fit 0.9 of an 80 GB GPU at tp 1."""
+    pytest.importorskip("triton")
+    import transformers
+
+    from appliance.executor.memory_check import estimate_weights
+    from appliance.models.gpt_oss import GptOssForCausalLM
+
+    cfg = transformers.GptOssConfig(  # openai/gpt-oss-120b's config.json
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 18, max_position_embeddings=131072,
+        swiglu_limit=7.0, tie_word_embeddings=False)
+    gib = {fmt: estimate_weights(GptOssForCausalLM, cfg, torch.bfloat16,
+                                 {"backend": "triton", "moe_backend": "triton", "moe_weight_format": fmt}
+                                 ).bytes_per_rank / 2**30 for fmt in ("dequantized", "mxfp4")}
+    assert gib["dequantized"] > 200
+    assert 55 < gib["mxfp4"] < 0.9 * 80 * 1e9 / 2**30
+
+
+
+def test_shortfall_message_suggests_keeping_the_experts_in_mxfp4() -> None:
+    from appliance.executor import memory_check as mc
+
+    gib = 1 << 30
+    budget = mc.MemoryBudget(int(71.2 * gib), "GPU 0 has 79.1 GiB total")
+    est = mc.WeightEstimate(int(218.7 * gib), int(218.7 * gib), ("bfloat16",))
+    kept = mc.shortfall_message(est.bytes_per_rank, budget, "GptOssForCausalLM", torch.device("cuda"), est, True)
+    assert 'moe_weight_format = "mxfp4"' in kept and "precision.quantization" not in kept
+    plain = mc.shortfall_message(est.bytes_per_rank, budget, "LlamaForCausalLM", torch.device("cuda"), est)
+    assert "moe_weight_format" not in plain and "precision.quantization" in plain
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_gpu_kernel_path_matches_transformers(eager: bool, tmp_path: Path, tiny_tokenizer_dir: Path,
+                                             hf_greedy: Any) -> None:
+    """The shipped layout on the GPU: Triton attention and the compiled MXFP4 kernel (float32 activations, so the
+    tokens can equal transformers'), decode in CUDA graphs or eager, a second pass over the prefix cache."""
+    from test_models_vs_transformers import greedy_params
+
+    from appliance import LLM
+
+    path = build_family("gpt_oss", tmp_path / "float", tiny_tokenizer_dir)
+    refs = hf_greedy(path, PROMPTS, NEW)
+    path = to_mxfp4_checkpoint(path, tmp_path / "mxfp4")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    llm = LLM(model=str(path), device="cuda", dtype="float32", gpu_memory_utilization=0.3, block_size=16,
+              chunked_prefill_size=16, enforce_eager=eager, moe_weight_format="mxfp4")
+    runner = llm.executor.runner
+    assert all(layer.mlp.experts.mxfp4 for layer in runner.model.model.layers)
+    assert runner.model.moe_backend == "triton" and (runner.graphs is None) == eager
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())
+        assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]
+    assert llm.engine.check_accounting().ok
+    llm.shutdown()

@@ -137,7 +137,7 @@ def describe(hf_config: PretrainedConfig, estimate: WeightEstimate, quantization
 
 
 def shortfall_message(need: int, budget: MemoryBudget, what: str, device: torch.device,
-                      estimate: WeightEstimate) -> str:
+                      estimate: WeightEstimate, mxfp4_experts: bool = False) -> str:
     unit = "GPU" if device.type == "cuda" else "worker"
     text = f"model weights need {need / GIB:.1f} GiB per {unit} ({what})"
     if estimate.final_bytes_per_rank != need:
@@ -148,7 +148,10 @@ def shortfall_message(need: int, budget: MemoryBudget, what: str, device: torch.
              if device.type == "cuda" else "use a machine with more memory or more nodes (parallelism.nnodes)"]
     if device.type == "cuda":
         hints.append("raise cache.gpu_memory_utilization")
-    if estimate.dtypes and estimate.dtypes[0] in ("float32", "bfloat16", "float16"):
+    if mxfp4_experts:  # experts that ship in MXFP4, dequantized here
+        hints.append('keep the experts in MXFP4 (precision.moe_weight_format = "mxfp4", about a quarter of their '
+                     'bytes)')
+    elif estimate.dtypes and estimate.dtypes[0] in ("float32", "bfloat16", "float16"):
         hints.append('quantize the weights (precision.quantization = "fp8")')
     hints.append("or pick a smaller model")
     return text + ", ".join(hints)
@@ -170,5 +173,8 @@ def check_weight_memory(config: ApplianceConfig, hf_config: PretrainedConfig, dt
     budget = memory_budget(device, float(config.cache.gpu_memory_utilization), local_workers(config.parallelism))
     if estimate.bytes_per_rank > budget.bytes:
         what = describe(hf_config, estimate, quantization, get_tp_size(), get_ep_size())
-        raise WeightMemoryError(shortfall_message(estimate.bytes_per_rank, budget, what, device, estimate))
+        dequantized_mxfp4 = (getattr(cls, "mxfp4_experts", False)
+                             and config.precision.moe_weight_format == "dequantized")
+        raise WeightMemoryError(shortfall_message(estimate.bytes_per_rank, budget, what, device, estimate,
+                                                  dequantized_mxfp4))
     return estimate

@@ -26,7 +26,13 @@ from appliance.kernels import mxfp4
 from appliance.layers.attention import Attention
 from appliance.layers.embedding import ParallelLMHead
 from appliance.layers.kernels import kernel
-from appliance.layers.parallel_state import divide, get_ep_size, get_tp_rank, get_tp_size, tp_all_reduce
+from appliance.layers.parallel_state import (
+    divide,
+    get_ep_size,
+    get_tp_rank,
+    get_tp_size,
+    tp_all_reduce,
+)
 from appliance.models.layer_types import SLIDING, layer_types
 from appliance.models.llama import LlamaAttention, LlamaForCausalLM
 from appliance.models.mixtral import MoEDecoderLayer, MoEModel
