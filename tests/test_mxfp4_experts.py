@@ -72,6 +72,16 @@ def test_kernel_path_greedy_equals_dequantized_and_transformers(checkpoint: str,
     assert got["mxfp4"] == refs
 
 
+def test_k_steps_are_whole_scale_groups_dividing_k() -> None:
+    pytest.importorskip("triton")
+    from appliance.kernels.moe.triton_mxfp4 import whole_steps
+
+    assert whole_steps(2880, 128) == 64  # gpt-oss: 90 groups
+    assert whole_steps(1440, 128) == 32  # its intermediate at tp 2: 45 groups
+    assert whole_steps(4096, 128) == 128
+    assert whole_steps(96, 16) == 32  # never under one group
+
+
 def test_tensor_parallel_shards_dequantize_to_the_dequantized_shards() -> None:
     """Rank r of tp 2 holds gate rows, up rows (interleaved in the checkpoint) and down's input columns of its
     half; in MXFP4 those are whole 32-value groups of blocks and scales, so they dequantize to the same shard."""

@@ -44,7 +44,7 @@ def small_cases() -> list[Case]:
         Case("fp8_rows_bf16_prefill_tiles", 70, 96, 80, 4, 2, torch.bfloat16, fp8_rows=True, tol=3e-2),
         Case("gpt_oss_bias_clamp", 13, 64, 48, 8, 4, torch.float32, gpt_oss=True),
         Case("gpt_oss_prefill_bf16", 70, 64, 32, 4, 4, torch.bfloat16, gpt_oss=True, tol=3e-2),
-        # MXFP4: every code and a spread of scales; hidden 96 is not a whole number of 64-wide K steps
+        # MXFP4: every code and a spread of scales; steps of two groups, and of one where hidden is 3 groups
         Case("mxfp4_one_token", 1, 64, 32, 4, 2, torch.float32, gpt_oss=True, mxfp4=True, tol=1e-5),
         Case("mxfp4_ragged", 13, 96, 64, 8, 4, torch.float32, gpt_oss=True, mxfp4=True, tol=1e-5),
         Case("mxfp4_prefill_tiles", 70, 64, 96, 2, 2, torch.float32, mxfp4=True, tol=1e-5),

@@ -9,11 +9,13 @@ dequantized stack.
 
 The shape of triton_moe.py: the same expert sort and tile alignment (`align_blocks`, `tiles_for`), a gate/up GEMM
 with the activation fused, a down GEMM times the routing weight. A K step of BLOCK_K walks its 32-value scale
-groups: each group's scale is one value per output column, and its bytes hold columns 2j (low nibble) and
-2j + 1 (high nibble), so the activation tile's even and odd columns meet the low and high nibbles in two dots of
-K = 16 (tl.dot's least): the interleaved weight tile is never built.
+groups (BLOCK_K divides K, so no step is partial): each group's scale is one value per output column, and its
+bytes hold columns 2j (low nibble) and 2j + 1 (high nibble), so the activation tile's even and odd columns meet
+the low and high nibbles in two dots of K = 16 (tl.dot's least): the interleaved weight tile is never built.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -37,14 +39,13 @@ def e2m1_tiny(code):
 
 
 @triton.jit
-def mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, k_mask, group, stride_be, stride_bn, stride_se, stride_sn,
+def mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, group, stride_be, stride_bn, stride_se, stride_sn,
                 dtype: tl.constexpr):
     """One 32-value scale group of w[e]^T for the output columns offs_n, dequantized to `dtype`: the [16, BLOCK_N]
-    tiles of its even and odd k (byte j holds k = 2j in its low nibble, 2j + 1 in its high one); k_mask [16]
-    is false for a group past the end."""
+    tiles of its even and odd k (byte j holds k = 2j in its low nibble, 2j + 1 in its high one)."""
     offs_j = group * 16 + tl.arange(0, 16)
-    byte = tl.load(b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_j[:, None],
-                   mask=n_mask[None, :] & k_mask[:, None], other=0).to(tl.int32)
+    byte = tl.load(b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_j[:, None], mask=n_mask[None, :],
+                   other=0).to(tl.int32)
     biased = tl.load(s_ptr + e * stride_se + offs_n * stride_sn + group, mask=n_mask, other=0).to(tl.int32)
     # 2^(s - 127) * 2^14 (e2m1_tiny's 2^-14 undone) as float32 bits; exact for every scale up to 2^113
     scale = ((biased + 14) << 23).to(tl.float32, bitcast=True)[None, :]
@@ -71,18 +72,16 @@ def _gate_up_kernel(x_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     dtype = x_ptr.dtype.element_ty
-    for k0 in range(0, hidden, BLOCK_K):  # hidden is whole groups: only the last step's tail groups are masked
+    for k0 in range(0, hidden, BLOCK_K):  # BLOCK_K divides hidden: no step is partial
         for sub in tl.static_range(BLOCK_K // 32):
             group = k0 // 32 + sub
-            offs_k = group * 32 + 2 * tl.arange(0, 16)  # the even columns of the group
-            k_mask = offs_k < hidden
-            a_ptrs = x_ptr + row[:, None] * stride_xm + offs_k[None, :]
-            a_even = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            a_odd = tl.load(a_ptrs + 1, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            g_even, g_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, k_mask, group, stride_be, stride_bn,
+            a_ptrs = x_ptr + row[:, None] * stride_xm + group * 32 + 2 * tl.arange(0, 16)[None, :]  # even columns
+            a_even = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            a_odd = tl.load(a_ptrs + 1, mask=m_mask[:, None], other=0.0)
+            g_even, g_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, group, stride_be, stride_bn, stride_se,
+                                        stride_sn, dtype)
+            u_even, u_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n + inter, n_mask, group, stride_be, stride_bn,
                                         stride_se, stride_sn, dtype)
-            u_even, u_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n + inter, n_mask, k_mask, group, stride_be,
-                                        stride_bn, stride_se, stride_sn, dtype)
             acc_g += mma(a_even, g_even, UPCAST) + mma(a_odd, g_odd, UPCAST)
             acc_u += mma(a_even, u_even, UPCAST) + mma(a_odd, u_odd, UPCAST)
     if BIAS:  # [E, 2I]: gate biases, then up biases
@@ -110,16 +109,14 @@ def _down_kernel(a_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
     n_mask = offs_n < hidden
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     dtype = a_ptr.dtype.element_ty
-    for k0 in range(0, inter, BLOCK_K):
+    for k0 in range(0, inter, BLOCK_K):  # BLOCK_K divides inter
         for sub in tl.static_range(BLOCK_K // 32):
             group = k0 // 32 + sub
-            offs_k = group * 32 + 2 * tl.arange(0, 16)
-            k_mask = offs_k < inter
-            a_ptrs = a_ptr + pair[:, None] * stride_am + offs_k[None, :]
-            a_even = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            a_odd = tl.load(a_ptrs + 1, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w_even, w_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, k_mask, group, stride_be, stride_bn,
-                                        stride_se, stride_sn, dtype)
+            a_ptrs = a_ptr + pair[:, None] * stride_am + group * 32 + 2 * tl.arange(0, 16)[None, :]
+            a_even = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            a_odd = tl.load(a_ptrs + 1, mask=m_mask[:, None], other=0.0)
+            w_even, w_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, group, stride_be, stride_bn, stride_se,
+                                        stride_sn, dtype)
             acc += mma(a_even, w_even, UPCAST) + mma(a_odd, w_odd, UPCAST)
     if BIAS:  # [E, H]
         acc += tl.load(bias_ptr + e * hidden + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -147,6 +144,12 @@ def check_shapes(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Te
     return e, hidden, inter
 
 
+def whole_steps(k: int, block_k: int) -> int:
+    """The K step for a reduction of k (whole 32-value groups): the largest number of groups that divides both
+    block_k's and k's, so every step is whole and no load needs a K mask (2880 = 90 groups: 64 for a 128 tile)."""
+    return BLOCK * math.gcd(k // BLOCK, max(1, block_k // BLOCK))
+
+
 @register("fused_moe_mxfp4", "triton")
 def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
                     w2_scales: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
@@ -156,7 +159,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch
     num_experts, hidden, inter = check_shapes(x, w13_blocks, w13_scales, w2_blocks, w2_scales)
     t, top_k = topk_ids.shape
     pairs = t * top_k
-    tiles = tiles_for(pairs, num_experts)  # every BLOCK_K is a multiple of the 32-value group
+    tiles = tiles_for(pairs, num_experts)
     x = x.contiguous()
     sorted_ids, block_experts = align_blocks(topk_ids, num_experts, tiles.block_m)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
@@ -165,7 +168,8 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch
     _gate_up_kernel[grid](x, w13_blocks, w13_scales, act, sorted_ids, block_experts, pairs, inter, hidden,
                           x.stride(0), w13_blocks.stride(0), w13_blocks.stride(1), w13_scales.stride(0),
                           w13_scales.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=tiles.block_m,
-                          BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, UPCAST=upcast, num_stages=tiles.num_stages,
+                          BLOCK_N=tiles.block_n, BLOCK_K=whole_steps(hidden, tiles.block_k), UPCAST=upcast,
+                          num_stages=tiles.num_stages,
                           **({} if w13_bias is None else {"bias_ptr": w13_bias.contiguous(), "BIAS": True}),
                           **({} if swiglu_limit is None else {"limit": float(swiglu_limit),
                                                               "alpha": float(swiglu_alpha), "CLAMPED": True}))
@@ -175,6 +179,6 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch
     _down_kernel[grid](act, w2_blocks, w2_scales, out, sorted_ids, block_experts, weights, pairs, hidden, inter,
                        act.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0),
                        w2_scales.stride(1), out.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                       BLOCK_K=tiles.block_k, UPCAST=upcast, num_stages=tiles.num_stages,
+                       BLOCK_K=whole_steps(inter, tiles.block_k), UPCAST=upcast, num_stages=tiles.num_stages,
                        **({} if w2_bias is None else {"bias_ptr": w2_bias.contiguous(), "BIAS": True}))
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
