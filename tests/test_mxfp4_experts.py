@@ -249,3 +249,22 @@ def test_gpu_kernel_path_matches_transformers(eager: bool, tmp_path: Path, tiny_
         assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]
     assert llm.engine.check_accounting().ok
     llm.shutdown()
+
+
+def test_config_checks_against_the_model(tmp_path: Path) -> None:
+    """Against config.json, before anything starts: the tensor-parallel shares of gpt-oss's 2880-wide
+    intermediate (tp 4: 720, not whole groups) and a model whose experts do not ship in MXFP4 (a warning)."""
+    from appliance.config import ConfigError, resolve
+
+    oss, qwen = tmp_path / "oss", tmp_path / "qwen"
+    for path, data in ((oss, {"model_type": "gpt_oss", "intermediate_size": 2880, "num_attention_heads": 64,
+                              "num_key_value_heads": 8}),
+                       (qwen, {"model_type": "qwen3_moe", "intermediate_size": 768})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(data))
+    fmt = "precision.moe_weight_format=mxfp4"
+    assert build_config(dotlist=[f"model.path={oss}", fmt, "parallelism.tp=2"]).parallelism.tp == 2
+    with pytest.raises(ConfigError, match=r"2880 / tp 4\) to be a multiple of 32"):
+        build_config(dotlist=[f"model.path={oss}", fmt, "parallelism.tp=4"])
+    warnings = resolve(dotlist=[f"model.path={qwen}", fmt], env={}).warnings
+    assert any(w.path == "precision.moe_weight_format" and "qwen3_moe" in w.message for w in warnings)
