@@ -1,9 +1,10 @@
 """The sliding-window families on dummy weights: gpt-oss-20b and Gemma-3-12B (appliance/bench/presets.py shapes).
 
-    python -m benchmarks.models                          # one H100: every model, JSON lines to stdout
+    python -m benchmarks.models                          # one H100: DEFAULT_MODELS, JSON lines to stdout
     python -m benchmarks.models --only gpt-oss-20b       # one model
     python -m benchmarks.models --only gpt-oss-20b --only gpt-oss-20b-mxfp4 --num-prompts 32 --output-len 128
                                                          # gpt-oss's experts dequantized, then kept in MXFP4
+    python -m benchmarks.models --only gpt-oss-120b-mxfp4 --num-prompts 32 --output-len 128   # 120b, one GPU
     python -m benchmarks.models --only gemma-3-12b --enforce-eager   # the same without CUDA graphs
     python -m benchmarks.models --quick                  # tiny shapes of the same families on the CPU (a test)
 
@@ -18,7 +19,7 @@ Per model, through the offline runners of appliance/bench (EOS ignored: every re
   context (`ratio`: the groups'; `allocated_ratio`: this run's).
 `gpt-oss-20b-mxfp4` is gpt-oss-20b with precision.moe_weight_format = mxfp4: dummy experts drawn as MXFP4 codes
 and scales, run by the fused_moe_mxfp4 kernel (kernels/moe/triton_mxfp4.py); --quick leaves it out (on the CPU that
-kernel needs Triton's interpreter).
+kernel needs Triton's interpreter). `gpt-oss-120b-mxfp4` (only when named) is gpt-oss-120b on one GPU that way.
 Each model runs in its own process (a GPU engine's memory is only certainly back when its process ends).
 """
 from __future__ import annotations
@@ -37,11 +38,13 @@ from appliance.bench.presets import write_model_dir
 from appliance.bench.workloads import random_workload
 from appliance.engine.kv_groups import kv_groups
 
-MODELS = ("gpt-oss-20b", "gpt-oss-20b-mxfp4", "gemma-3-12b")
+MODELS = ("gpt-oss-20b", "gpt-oss-20b-mxfp4", "gemma-3-12b", "gpt-oss-120b-mxfp4")
 # a measured name -> (its preset in appliance/bench/presets.py, the LLM settings that differ)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-oss-20b-mxfp4": ("gpt-oss-20b", {"moe_weight_format": "mxfp4"}),
+    "gpt-oss-120b-mxfp4": ("gpt-oss-120b", {"moe_weight_format": "mxfp4"}),  # one GPU only this way
 }
+DEFAULT_MODELS = ("gpt-oss-20b", "gpt-oss-20b-mxfp4", "gemma-3-12b")  # the 120b runs when named (--only)
 QUICK_MODELS = ("gpt-oss-20b", "gemma-3-12b")
 # --quick: the same families at a size the CPU runs in seconds (two layers, one of each kind)
 QUICK = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -115,7 +118,8 @@ def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=MODELS, action="append", help="a model (repeatable); default: every one")
+    p.add_argument("--only", choices=MODELS, action="append",
+                   help=f"a model (repeatable); default: {', '.join(DEFAULT_MODELS)}")
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=1024)
@@ -136,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    names = args.only or list(QUICK_MODELS if args.quick else MODELS)
+    names = args.only or list(QUICK_MODELS if args.quick else DEFAULT_MODELS)
     if len(names) > 1 and not args.quick:
         # one process per model: a GPU engine's memory is only certainly back when its process ends
         argv = sys.argv[1:] if argv is None else argv
