@@ -268,3 +268,42 @@ def test_config_checks_against_the_model(tmp_path: Path) -> None:
         build_config(dotlist=[f"model.path={oss}", fmt, "parallelism.tp=4"])
     warnings = resolve(dotlist=[f"model.path={qwen}", fmt], env={}).warnings
     assert any(w.path == "precision.moe_weight_format" and "qwen3_moe" in w.message for w in warnings)
+
+
+def _signature(kernel: Any, act: str) -> tuple[dict[str, str], dict[tuple[int, ...], list[list[Any]]]]:
+    """Argument types of a fused_moe_mxfp4 kernel for an ahead-of-time compile, with the divisibility by 16 a
+    launch on real shapes reports for its pointers and strides."""
+    types = {"b_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "experts_ptr": "*i32", "weights_ptr": "*fp32",
+             "limit": "fp32", "alpha": "fp32", "x_ptr": act, "a_ptr": act, "bias_ptr": act,
+             "out_ptr": act if "gate" in kernel.__name__ else "*fp32"}
+    names = kernel.arg_names
+    sig = {n: types.get(n, "constexpr" if n.isupper() else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n.endswith("_ptr") or n.startswith("stride_") or n in ("hidden", "inter")}
+    return sig, attrs
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp16", "fp32"])
+def test_kernels_compile_for_hopper(act: str) -> None:
+    """The GPU path without a GPU: both kernels, at the decode and prefill tiles gpt-oss gets, compile through
+    Triton's NVIDIA backend to an sm_90 cubin (the interpreter accepts code that this rejects)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter replaces the compiler")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from appliance.kernels.moe import triton_mxfp4
+    from appliance.kernels.moe.triton_moe import DECODE, PREFILL
+
+    for tiles in (DECODE, PREFILL):
+        consts = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "ACT_FORMAT": act,
+                  "BLOCK_K": triton_mxfp4.whole_steps(2880, tiles.block_k)}
+        for kernel, extra in ((triton_mxfp4._gate_up_kernel, {"TOP_K": 4, "BIAS": True, "CLAMPED": True}),
+                              (triton_mxfp4._down_kernel, {"BIAS": True})):
+            sig, attrs = _signature(kernel, f"*{act}")
+            compiled = triton.compile(ASTSource(kernel, sig, {**consts, **extra}, attrs=attrs),
+                                      target=GPUTarget("cuda", 90, 32),
+                                      options={"num_stages": tiles.num_stages, "num_warps": 4})
+            assert compiled.asm["cubin"], (kernel.__name__, tiles)

@@ -8,10 +8,12 @@ dequantized stack.
                     swiglu_limit=None, swiglu_alpha=1.702) -> [T,H]
 
 The shape of triton_moe.py: the same expert sort and tile alignment (`align_blocks`, `tiles_for`), a gate/up GEMM
-with the activation fused, a down GEMM times the routing weight. A K step of BLOCK_K walks its 32-value scale
-groups (BLOCK_K divides K, so no step is partial): each group's scale is one value per output column, and its
-bytes hold columns 2j (low nibble) and 2j + 1 (high nibble), so the activation tile's even and odd columns meet
-the low and high nibbles in two dots of K = 16 (tl.dot's least): the interleaved weight tile is never built.
+with the activation fused, a down GEMM times the routing weight. Each K step (whole 32-value scale groups, dividing
+K: no step is partial) multiplies the activation tile by the packed weight tile through `tl.dot_scaled` (bf16 or
+fp16 x e2m1 with e8m0 scales): Triton's own MX product, which on Hopper upcasts the weight tile to 16 bits in
+registers (a table lookup per nibble pair, a packed multiply by the scale) and runs the MMA; on the tile shapes
+here it took about half the instructions per weight of decoding the nibbles by hand (sm_90 SASS). Float32
+activations (the CPU tests) take the hand-decoded tile and a float32 dot instead: dot_scaled has no float32 side.
 """
 from __future__ import annotations
 
@@ -24,39 +26,52 @@ import triton.language as tl
 from appliance.kernels.moe.triton_moe import align_blocks, gated_activation, tiles_for
 from appliance.kernels.mxfp4 import BLOCK
 from appliance.kernels.registry import register
-from appliance.kernels.triton.common import INTERPRET, mma
 
 
 @triton.jit
 def e2m1_tiny(code):
     """e2m1 codes (int32, the low 4 bits: sign, 2 exponent bits with bias 1, 1 mantissa bit) -> value * 2^-14 in
-    float32. Moved into a half's exponent and mantissa fields the code is that half exactly (codes of exponent 0
-    land on the half's subnormals, 0 and 0.5 * 2^-14), and half -> float32 is exact: a few bit operations and one
-    conversion a weight, where decoding sign, exponent and mantissa arithmetically takes about fifteen (at batch 1
-    the dequantization runs once per weight read, so its cost sits beside the memory time)."""
+    float32: moved into a half's exponent and mantissa fields the code is that half exactly (codes of exponent 0
+    land on the half's subnormals), and half -> float32 is exact."""
     bits = ((code & 7) << 9) | ((code & 8) << 12)
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, group, stride_be, stride_bn, stride_se, stride_sn,
-                dtype: tl.constexpr):
-    """One 32-value scale group of w[e]^T for the output columns offs_n, dequantized to `dtype`: the [16, BLOCK_N]
-    tiles of its even and odd k (byte j holds k = 2j in its low nibble, 2j + 1 in its high one)."""
-    offs_j = group * 16 + tl.arange(0, 16)
-    byte = tl.load(b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_j[:, None], mask=n_mask[None, :],
-                   other=0).to(tl.int32)
-    biased = tl.load(s_ptr + e * stride_se + offs_n * stride_sn + group, mask=n_mask, other=0).to(tl.int32)
-    # 2^(s - 127) * 2^14 (e2m1_tiny's 2^-14 undone) as float32 bits; exact for every scale up to 2^113
-    scale = ((biased + 14) << 23).to(tl.float32, bitcast=True)[None, :]
-    return (e2m1_tiny(byte) * scale).to(dtype), (e2m1_tiny(byte >> 4) * scale).to(dtype)
+def float32_tile(packed, biased, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The packed [BLOCK_K / 2, BLOCK_N] tile (byte j: k = 2j low nibble, 2j + 1 high) with each byte's scale
+    exponent `biased` -> the [BLOCK_K, BLOCK_N] float32 weights."""
+    code = packed.to(tl.int32)
+    scale = ((biased.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127), e2m1_tiny's 2^-14 undone
+    pairs = tl.join(e2m1_tiny(code) * scale, e2m1_tiny(code >> 4) * scale)  # [BLOCK_K / 2, BLOCK_N, 2]
+    return tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def mxfp4_dot(acc, a, b_ptr, s_ptr, e, offs_n, n_mask, k0, stride_be, stride_bn, stride_se, stride_sn,
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ACT_FORMAT: tl.constexpr):
+    """acc + a [BLOCK_M, BLOCK_K] @ the [BLOCK_K, BLOCK_N] tile of w[e]^T at k0 (columns offs_n of w[e]).
+    ACT_FORMAT: a's dot_scaled format ("bf16" / "fp16"), or "fp32" for the hand-decoded float32 product."""
+    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_j[:, None], mask=n_mask[None, :],
+                     other=0)
+    if ACT_FORMAT == "fp32":
+        biased = tl.load(s_ptr + e * stride_se + offs_n[None, :] * stride_sn + (offs_j // 16)[:, None],
+                         mask=n_mask[None, :], other=0)
+        acc = acc + tl.dot(a, float32_tile(packed, biased, BLOCK_K, BLOCK_N))
+    else:
+        offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        scales = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :],
+                         mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K / 32]: dot_scaled's right-hand scales
+        acc = tl.dot_scaled(a, None, ACT_FORMAT, packed, scales, "e2m1", acc)
+    return acc
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pairs, inter, hidden,
                     stride_xm, stride_be, stride_bn, stride_se, stride_sn, stride_om,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    UPCAST: tl.constexpr, bias_ptr=None, limit=0.0, alpha=1.702, BIAS: tl.constexpr = False,
+                    ACT_FORMAT: tl.constexpr, bias_ptr=None, limit=0.0, alpha=1.702, BIAS: tl.constexpr = False,
                     CLAMPED: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -71,19 +86,13 @@ def _gate_up_kernel(x_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
     n_mask = offs_n < inter
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    dtype = x_ptr.dtype.element_ty
-    for k0 in range(0, hidden, BLOCK_K):  # BLOCK_K divides hidden: no step is partial
-        for sub in tl.static_range(BLOCK_K // 32):
-            group = k0 // 32 + sub
-            a_ptrs = x_ptr + row[:, None] * stride_xm + group * 32 + 2 * tl.arange(0, 16)[None, :]  # even columns
-            a_even = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-            a_odd = tl.load(a_ptrs + 1, mask=m_mask[:, None], other=0.0)
-            g_even, g_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, group, stride_be, stride_bn, stride_se,
-                                        stride_sn, dtype)
-            u_even, u_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n + inter, n_mask, group, stride_be, stride_bn,
-                                        stride_se, stride_sn, dtype)
-            acc_g += mma(a_even, g_even, UPCAST) + mma(a_odd, g_odd, UPCAST)
-            acc_u += mma(a_even, u_even, UPCAST) + mma(a_odd, u_odd, UPCAST)
+    for k0 in range(0, hidden, BLOCK_K):  # BLOCK_K divides hidden
+        a = tl.load(x_ptr + row[:, None] * stride_xm + k0 + tl.arange(0, BLOCK_K)[None, :], mask=m_mask[:, None],
+                    other=0.0)
+        acc_g = mxfp4_dot(acc_g, a, b_ptr, s_ptr, e, offs_n, n_mask, k0, stride_be, stride_bn, stride_se, stride_sn,
+                          BLOCK_K, BLOCK_N, ACT_FORMAT)
+        acc_u = mxfp4_dot(acc_u, a, b_ptr, s_ptr, e, offs_n + inter, n_mask, k0, stride_be, stride_bn, stride_se,
+                          stride_sn, BLOCK_K, BLOCK_N, ACT_FORMAT)
     if BIAS:  # [E, 2I]: gate biases, then up biases
         acc_g += tl.load(bias_ptr + e * 2 * inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bias_ptr + e * 2 * inter + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -95,7 +104,7 @@ def _gate_up_kernel(x_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
 @triton.jit
 def _down_kernel(a_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr, num_pairs, hidden, inter,
                  stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_FORMAT: tl.constexpr,
                  bias_ptr=None, BIAS: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -108,16 +117,11 @@ def _down_kernel(a_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    dtype = a_ptr.dtype.element_ty
     for k0 in range(0, inter, BLOCK_K):  # BLOCK_K divides inter
-        for sub in tl.static_range(BLOCK_K // 32):
-            group = k0 // 32 + sub
-            a_ptrs = a_ptr + pair[:, None] * stride_am + group * 32 + 2 * tl.arange(0, 16)[None, :]
-            a_even = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-            a_odd = tl.load(a_ptrs + 1, mask=m_mask[:, None], other=0.0)
-            w_even, w_odd = mxfp4_group(b_ptr, s_ptr, e, offs_n, n_mask, group, stride_be, stride_bn, stride_se,
-                                        stride_sn, dtype)
-            acc += mma(a_even, w_even, UPCAST) + mma(a_odd, w_odd, UPCAST)
+        a = tl.load(a_ptr + pair[:, None] * stride_am + k0 + tl.arange(0, BLOCK_K)[None, :], mask=m_mask[:, None],
+                    other=0.0)
+        acc = mxfp4_dot(acc, a, b_ptr, s_ptr, e, offs_n, n_mask, k0, stride_be, stride_bn, stride_se, stride_sn,
+                        BLOCK_K, BLOCK_N, ACT_FORMAT)
     if BIAS:  # [E, H]
         acc += tl.load(bias_ptr + e * hidden + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     route = tl.load(weights_ptr + pair, mask=m_mask, other=0.0)
@@ -144,6 +148,10 @@ def check_shapes(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Te
     return e, hidden, inter
 
 
+# an activation dtype -> mxfp4_dot's ACT_FORMAT
+ACT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
 def whole_steps(k: int, block_k: int) -> int:
     """The K step for a reduction of k (whole 32-value groups): the largest number of groups that divides both
     block_k's and k's, so every step is whole and no load needs a K mask (2880 = 90 groups: 64 for a 128 tile)."""
@@ -163,12 +171,14 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch
     x = x.contiguous()
     sorted_ids, block_experts = align_blocks(topk_ids, num_experts, tiles.block_m)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    upcast = INTERPRET or x.dtype == torch.float32
+    act_format = ACT_FORMATS.get(x.dtype)
+    if act_format is None:
+        raise ValueError(f"fused_moe_mxfp4: activations in {x.dtype}; it takes {', '.join(map(str, ACT_FORMATS))}")
     grid = (block_experts.numel(), triton.cdiv(inter, tiles.block_n))
     _gate_up_kernel[grid](x, w13_blocks, w13_scales, act, sorted_ids, block_experts, pairs, inter, hidden,
                           x.stride(0), w13_blocks.stride(0), w13_blocks.stride(1), w13_scales.stride(0),
                           w13_scales.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=tiles.block_m,
-                          BLOCK_N=tiles.block_n, BLOCK_K=whole_steps(hidden, tiles.block_k), UPCAST=upcast,
+                          BLOCK_N=tiles.block_n, BLOCK_K=whole_steps(hidden, tiles.block_k), ACT_FORMAT=act_format,
                           num_stages=tiles.num_stages,
                           **({} if w13_bias is None else {"bias_ptr": w13_bias.contiguous(), "BIAS": True}),
                           **({} if swiglu_limit is None else {"limit": float(swiglu_limit),
@@ -179,6 +189,6 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch
     _down_kernel[grid](act, w2_blocks, w2_scales, out, sorted_ids, block_experts, weights, pairs, hidden, inter,
                        act.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0),
                        w2_scales.stride(1), out.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                       BLOCK_K=whole_steps(inter, tiles.block_k), UPCAST=upcast, num_stages=tiles.num_stages,
+                       BLOCK_K=whole_steps(inter, tiles.block_k), ACT_FORMAT=act_format, num_stages=tiles.num_stages,
                        **({} if w2_bias is None else {"bias_ptr": w2_bias.contiguous(), "BIAS": True}))
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
