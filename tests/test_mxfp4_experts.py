@@ -270,6 +270,30 @@ def test_config_checks_against_the_model(tmp_path: Path) -> None:
     assert any(w.path == "precision.moe_weight_format" and "qwen3_moe" in w.message for w in warnings)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_dot_scaled_path_in_graphs(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """bf16 activations take tl.dot_scaled: decode in CUDA graphs gives the eager run's tokens, and the first
+    greedy token's logprob is the dequantized experts' within bf16 rounding (the paths differ only in the order
+    of their sums, so the token itself may differ where two logits nearly tie)."""
+    from test_models_vs_transformers import greedy_params
+
+    from appliance import LLM
+
+    path = to_mxfp4_checkpoint(build_family("gpt_oss", tmp_path / "float", tiny_tokenizer_dir), tmp_path / "mxfp4")
+    runs = {}
+    for name, fmt, eager in (("eager", "mxfp4", True), ("graphs", "mxfp4", False), ("dequantized", "dequantized", True)):
+        llm = LLM(model=str(path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, block_size=16,
+                  enforce_eager=eager, moe_weight_format=fmt)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())
+        runs[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob)
+                      for o in outs]
+        llm.shutdown()
+    assert [t for t, _ in runs["graphs"]] == [t for t, _ in runs["eager"]]
+    for (_, kept), (_, dequantized) in zip(runs["eager"], runs["dequantized"], strict=True):
+        assert abs(kept - dequantized) < 0.05
+
 def _signature(kernel: Any, act: str) -> tuple[dict[str, str], dict[tuple[int, ...], list[list[Any]]]]:
     """Argument types of a fused_moe_mxfp4 kernel for an ahead-of-time compile, with the divisibility by 16 a
     launch on real shapes reports for its pointers and strides."""
