@@ -309,8 +309,8 @@ def _signature(kernel: Any, act: str) -> tuple[dict[str, str], dict[tuple[int, .
 
 @pytest.mark.parametrize("act", ["bf16", "fp16", "fp32"])
 def test_kernels_compile_for_hopper(act: str) -> None:
-    """The GPU path without a GPU: both kernels, at the decode and prefill tiles gpt-oss gets, compile through
-    Triton's NVIDIA backend to an sm_90 cubin (the interpreter accepts code that this rejects)."""
+    """The GPU path without a GPU: both kernels, at the decode and prefill tiles gpt-oss gets (K steps of 64 and
+    32), compile through Triton's NVIDIA backend to an sm_90 cubin (the interpreter accepts code this rejects)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter replaces the compiler")
@@ -321,9 +321,9 @@ def test_kernels_compile_for_hopper(act: str) -> None:
     from appliance.kernels.moe import triton_mxfp4
     from appliance.kernels.moe.triton_moe import DECODE, PREFILL
 
-    for tiles in (DECODE, PREFILL):
+    for tiles, k in ((DECODE, 2880), (PREFILL, 2880), (DECODE, 1440)):  # 1440: the intermediate at tp 2
         consts = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "ACT_FORMAT": act,
-                  "BLOCK_K": triton_mxfp4.whole_steps(2880, tiles.block_k)}
+                  "BLOCK_K": triton_mxfp4.whole_steps(k, tiles.block_k)}
         for kernel, extra in ((triton_mxfp4._gate_up_kernel, {"TOP_K": 4, "BIAS": True, "CLAMPED": True}),
                               (triton_mxfp4._down_kernel, {"BIAS": True})):
             sig, attrs = _signature(kernel, f"*{act}")
