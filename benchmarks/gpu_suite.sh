@@ -16,8 +16,9 @@
 #             `appliance bench serve` at max concurrency 1 / 16 / 64 / 256 (8 / 64 / 192 / 512 prompts, 1024 in /
 #             256 out, ignore_eos, greedy); the start-up to /health 200 is the cold start
 #   peer-small  the peer's b1 and qwen;  peer-8b  the peer's 8B throughput;  peer-serve  `vllm serve`, same levels
-#   gputests  every test file with a `gpu` test, one pytest per file (-m gpu) under GPU_TEST_TIMEOUT_S (default 150),
-#             each file's outcome appended to gpu_tests.txt as it ends (a part cut short keeps what finished)
+#   gputests  every test file with a `gpu` test (or those GPU_TEST_FILES names), one pytest per file (-m gpu) under
+#             GPU_TEST_TIMEOUT_S (default 150), each file's outcome appended to gpu_tests.txt as it ends (a part cut
+#             short keeps what finished), its log in gpu_test_logs/
 #   spec      `python -m benchmarks.spec_decode`: EAGLE-3 at forced acceptance 2.6 / 1, batch 1 and 32, n-gram,
 #             against plain decoding of the same build
 #   fp8       `python -m benchmarks.fp8 --sections gemv,batch1,capacity,qwen3`;  fp8tput  its 1000 x 1024/1024 section
@@ -124,11 +125,13 @@ part() {
       serve_levels peer_serve bash .peer/run_vllm.sh serve "$serve_model" 8100 --served-model-name bench ;;
     gputests)
       : > "$out/gpu_tests.txt"
-      for f in $(grep -l "mark.gpu\|pytest.mark.gpu\|pytestmark = .*gpu" tests/test_*.py); do
+      mkdir -p "$out/gpu_test_logs"
+      for f in ${GPU_TEST_FILES:-$(grep -l "mark.gpu\|pytest.mark.gpu\|pytestmark = .*gpu" tests/test_*.py)}; do
+        log="$out/gpu_test_logs/$(basename "$f" .py).txt"
         timeout --kill-after=5 "${GPU_TEST_TIMEOUT_S:-150}" "$py" -m pytest -m gpu -q -rfE -p no:cacheprovider "$f" \
-          > "$out/gpu_test_last.txt" 2>&1
-        echo "$f rc=$? $(tail -1 "$out/gpu_test_last.txt")" >> "$out/gpu_tests.txt"
-        grep -E "^(FAILED|ERROR) " "$out/gpu_test_last.txt" >> "$out/gpu_tests.txt"
+          > "$log" 2>&1
+        echo "$f rc=$? $(tail -1 "$log")" >> "$out/gpu_tests.txt"
+        grep -E "^(FAILED|ERROR) " "$log" >> "$out/gpu_tests.txt"
       done
       cat "$out/gpu_tests.txt" ;;
     spec) timeout --kill-after=10 "$limit" "$py" -m benchmarks.spec_decode --output-json "$out/spec.json" ;;

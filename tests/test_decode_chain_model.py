@@ -130,3 +130,20 @@ def test_gpu_runner_turns_the_chain_on_and_it_matches_the_layers(make_tiny_model
     off = [o.outputs[0] for o in llm.generate(prompts, params)]
     inner.chain = chain
     assert not divergence_at_near_ties(on, off, 0.1)  # bf16 logprobs near -3: an ulp is 0.016
+
+
+def test_calibration_window_bypasses_the_chain(make_tiny_model):
+    """Online fp8 KV calibration observes each layer's stores; the chain stores K/V itself, so while the window is
+    open the rows it would serve (16-token prefill chunks included) take the layers, and it serves again after."""
+    from test_fp8_kv_cache import SEQS, _prompt_logprobs
+
+    path = make_tiny_model("llama3", head_dim=64)
+    llm = LLM(model=str(path), dtype="float32", block_size=16, chunked_prefill_size=16, skip_tokenizer_init=True,
+              kv_cache_dtype="fp8", kv_cache_calibration_tokens=40)
+    calls: list[int] = []
+    bind_chain(llm, calls)
+    cal = llm.executor.runner.kv_calibration
+    assert cal is not None and not cal.done
+    _prompt_logprobs(llm)
+    assert cal.done, [s.remaining for s in cal.state.values()]
+    assert sum(map(len, SEQS)) > 40 and calls  # the chain served the decodes and chunks after the window

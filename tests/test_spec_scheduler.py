@@ -118,8 +118,12 @@ def test_thinking_budget_requests_never_verify_drafts() -> None:
     assert core.stats().spec_num_drafts == 0
 
 
-def test_prefix_hit_gives_back_its_last_block() -> None:
-    core, ex = _spec_engine(2, block_size=4)
+@pytest.mark.parametrize("reads_next, hit", [(True, 8), (False, 12)], ids=["mtp_or_eagle", "draft_model_or_ngram"])
+def test_prefix_hit_gives_back_its_last_block_where_the_drafter_read_the_next_token(reads_next: bool,
+                                                                                    hit: int) -> None:
+    """A drafter whose cache at a position read the token after it (MTP, EAGLE) cannot reuse the hit's last
+    position; a draft model's cache and n-gram lookup keep the whole hit."""
+    core, ex = _spec_engine(2, block_size=4, spec_drafter_reads_next=reads_next)
     prompt = list(range(1, 14))  # 3 full blocks + 1
     core.add_request("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
     while core.has_work():
@@ -127,7 +131,7 @@ def test_prefix_hit_gives_back_its_last_block() -> None:
     core.add_request("b", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
     core.step()
     new = ex.plans[-1].new_requests[0]
-    assert new.num_computed_tokens == 8  # 3 blocks match; the last one is recomputed for the drafter
+    assert new.num_computed_tokens == hit  # 3 blocks match; the last one is recomputed for an MTP/EAGLE drafter
 
 
 def test_preemption_and_abort_mid_speculation_keep_the_pool_whole() -> None:

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from appliance.config.sections_engine import CacheSection, SchedulerSection
 
 from appliance.engine.kv_groups import KVGroup
-from appliance.engine.speculation import lookahead_tokens
+from appliance.engine.speculation import drafter_reads_next_token, lookahead_tokens
 from appliance.engine.swap import PREEMPTION_MODES, SwapCosts
 
 POLICIES = ("fcfs", "lpm", "slo")
@@ -59,6 +59,8 @@ class EngineConfig:
     spec_disable_batch_size: int | None = None
     # positions past a sampling chunk the drafter's cache takes (speculation.lookahead_tokens); None: k - 1 (MTP)
     spec_lookahead: int | None = None
+    # the drafter's cache at a hit's last position saw the next token (speculation.drafter_reads_next_token)
+    spec_drafter_reads_next: bool = False
     schedule_conservativeness: float = 0.0
     num_host_blocks: int = 0  # the host tier's slots (host_tier.py); 0: no host tier
     num_disk_blocks: int = 0  # the disk tier's slots behind it (disk_tier.py); 0: none
@@ -200,6 +202,7 @@ class EngineConfig:
                         "recurrent state at its end, and cache.ssm_checkpoint_interval is unset (no state "
                         "snapshots; the prefix is recomputed)")
             prefix_caching = False
+        algorithm = getattr(getattr(config, "speculative", None), "algorithm", None)
         mode = str(getattr(sched, "preemption_mode", "recompute"))
         if mode == "auto" and swap_costs is not None:
             even = swap_costs.break_even_tokens(cache.block_size)
@@ -222,8 +225,8 @@ class EngineConfig:
             slo_tbt_ms=float(getattr(sched, "slo_tbt_ms", 100.0)),
             num_speculative_tokens=num_speculative_tokens(config),
             spec_disable_batch_size=getattr(getattr(config, "speculative", None), "disable_by_batch_size", None),
-            spec_lookahead=lookahead_tokens(getattr(getattr(config, "speculative", None), "algorithm", None),
-                                            num_speculative_tokens(config)),
+            spec_lookahead=lookahead_tokens(algorithm, num_speculative_tokens(config)),
+            spec_drafter_reads_next=drafter_reads_next_token(algorithm) and num_speculative_tokens(config) > 0,
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
             num_host_blocks=host_blocks(cache, num_blocks) if num_host_blocks is None else num_host_blocks,

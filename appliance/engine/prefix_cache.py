@@ -128,15 +128,15 @@ class PrefixCache:
             return None
         return b
 
-    def lookup(self, req: Request, speculative: bool, snapshots: StateSnapshots | None
+    def lookup(self, req: Request, drafter_reads_next: bool, snapshots: StateSnapshots | None
                ) -> tuple[list[int], list[HostBlock | DiskBlock], int, int]:
         """Admission's prefix hit over every tier: (device hit blocks, host / disk hit blocks, the state snapshot to
         restore or -1, tokens hit)."""
         # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
         hit = self.match(req) if req.sampling_params.prompt_logprobs is None else []
         host_hit = self.match_host(req, len(hit)) if req.sampling_params.prompt_logprobs is None else []
-        if speculative:
-            # the drafter's cache at the hit's last position saw another next token (scheduler.py)
+        if drafter_reads_next:
+            # the drafter's cache at the hit's last position saw another next token (speculation.py)
             if host_hit:
                 host_hit = host_hit[:-1]
             elif hit:

@@ -269,7 +269,7 @@ class Scheduler(Preemption):
     def _admit(self, req: Request, st: StepBudget) -> bool:
         # a swapped request's own blocks come back from the host tier (preemption.py), else a prefix lookup
         hit, host_hit, restore, num_hit = (self._swapped_hit(req) if req.swap_slots else
-                                           self.cache.lookup(req, bool(self._num_spec), self.snapshots))
+                                           self.cache.lookup(req, self.config.spec_drafter_reads_next, self.snapshots))
         win = self.windows
         if win is not None and hit:  # the sliding groups must hold the window the queries after the hit read
             hit = hit[:win.hit(req, len(hit))]

@@ -60,6 +60,13 @@ def table_tokens(req: Request, start: int, n: int, lookahead: int) -> int:
     return end
 
 
+def drafter_reads_next_token(algorithm: str | None) -> bool:
+    """Whether the drafter's cache at a position depends on the token after it (MTP and EAGLE heads: row i reads
+    the token at i + 1), so a prefix hit cannot reuse the drafter's cache at the hit's last position; a draft
+    model's cache (row i reads the token at i) and n-gram lookup (no cache) have no such position."""
+    return algorithm in ("MTP", "EAGLE", "EAGLE3")
+
+
 def lookahead_tokens(algorithm: str | None, k: int) -> int:
     """Positions past a sampling chunk that a chain of k drafts writes into the drafter's cache: k - 1 for MTP
     and EAGLE (row i reads the token at i + 1), k for a draft model (row i reads the token at i: the sampled

@@ -162,9 +162,14 @@ class LlamaModel(nn.Module):
         self.chain = DecodeChain.build(self, backend)
         return self.chain is not None
 
+    def calibrating(self) -> bool:
+        """Whether online fp8 KV calibration still observes a layer's stores (executor/kv_calibration.py): the
+        chain stores K/V itself, unobserved, so rows it would serve (short prefill chunks too) take the layers."""
+        return any(layer.self_attn.attn.calibration is not None for layer in self.layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.chain is not None and self.aux is None and self.chain.serves(x):
+        if self.chain is not None and self.aux is None and self.chain.serves(x) and not self.calibrating():
             return self.chain.forward(x, positions, meta)
         residual = None
         for i, layer in enumerate(self.layers):
