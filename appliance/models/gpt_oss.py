@@ -46,11 +46,11 @@ _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_pr
 
 class GptOssExperts(nn.Module):
     """All experts of a layer: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], their biases; or, with
-    weight_format "mxfp4", the same matrices as MXFP4 blocks [E, N, K/2] and scales [E, N, K/32] (kernels/mxfp4.py)
+    moe_weight_format "mxfp4", the same matrices as MXFP4 blocks [E, N, K/2] and scales [E, N, K/32] (kernels/mxfp4.py)
     for the fused_moe_mxfp4 op. Tensor parallelism splits I (a multiple of 32 per rank in MXFP4: down's scale
     groups run along it); the down bias is added on rank 0 only (the ranks' partial sums are all-reduced)."""
 
-    def __init__(self, cfg: PretrainedConfig, moe_backend: str, weight_format: str = "dequantized") -> None:
+    def __init__(self, cfg: PretrainedConfig, moe_backend: str, moe_weight_format: str = "dequantized") -> None:
         super().__init__()
         if get_ep_size() > 1:
             raise ValueError("gpt-oss experts do not support expert parallelism yet (tensor parallelism does)")
@@ -61,7 +61,7 @@ class GptOssExperts(nn.Module):
         self.intermediate = divide(cfg.intermediate_size, self.tp_size)
         self.limit = float(cfg.swiglu_limit)
         self.alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
-        self.mxfp4 = weight_format == "mxfp4"
+        self.mxfp4 = moe_weight_format == "mxfp4"
         i = self.intermediate
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
         self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
@@ -83,8 +83,7 @@ class GptOssExperts(nn.Module):
             scales = torch.empty(e, n, k // mxfp4.BLOCK, dtype=torch.uint8)
             self.register_parameter(f"{name}_blocks", nn.Parameter(blocks, requires_grad=False))
             self.register_parameter(f"{name}_scales", nn.Parameter(scales, requires_grad=False))
-        where = self.w13_blocks.device.type
-        if where == "cpu":  # the kernel is Triton's: a GPU, or its interpreter (tests); meta is memory_check's
+        if self.w13_blocks.device.type == "cpu":  # a Triton kernel: a GPU, or the interpreter (tests); meta: estimates
             from appliance.kernels.triton.common import INTERPRET
 
             if not INTERPRET:
@@ -144,12 +143,12 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, moe_backend: str, weight_format: str = "dequantized") -> None:
+    def __init__(self, cfg: PretrainedConfig, moe_backend: str, moe_weight_format: str = "dequantized") -> None:
         super().__init__()
         self.top_k = int(cfg.num_experts_per_tok)
         self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=True)
         self.router.requires_grad_(False)
-        self.experts = GptOssExperts(cfg, moe_backend, weight_format)
+        self.experts = GptOssExperts(cfg, moe_backend, moe_weight_format)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)
