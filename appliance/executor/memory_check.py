@@ -161,12 +161,11 @@ def check_weight_memory(config: ApplianceConfig, hf_config: PretrainedConfig, dt
                         device: torch.device, backend: str, model_dir: Path | None = None) -> WeightEstimate:
     """Raise WeightMemoryError naming the shortfall when this rank's weights exceed its memory budget.
     Called by ModelRunner right before it builds the model (the parallel state is initialised by then)."""
+    from appliance.executor.runner_setup import model_kwargs
     from appliance.layers.parallel_state import get_ep_size, get_tp_size
     from appliance.models.registry import model_class
 
     cls = model_class(hf_config)
-    from appliance.executor.runner_setup import model_kwargs
-
     kwargs: dict[str, Any] = {"backend": backend, **model_kwargs(cls, config, backend)}
     quantization = config.precision.quantization
     estimate = estimate_weights(cls, hf_config, dtype, kwargs, quantization, model_dir)
