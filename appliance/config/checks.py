@@ -200,19 +200,13 @@ def check_model(cfg: ApplianceConfig) -> list[Problem]:
 
 
 def _mxfp4_experts(cfg: ApplianceConfig, mc: dict[str, Any]) -> list[Problem]:
-    """precision.moe_weight_format = mxfp4: experts that ship in MXFP4 (gpt-oss), each tensor-parallel rank's
-    share of their intermediate whole 32-value scale groups (models/gpt_oss.py refuses the rest at start-up)."""
-    if cfg.precision.moe_weight_format != "mxfp4":
+    """precision.moe_weight_format = mxfp4 keeps experts that ship in MXFP4: gpt-oss's (models/gpt_oss.py refuses
+    the others at start-up)."""
+    if cfg.precision.moe_weight_format != "mxfp4" or mc.get("model_type") == "gpt_oss":
         return []
-    if mc.get("model_type") != "gpt_oss":
-        return [Problem("precision.moe_weight_format", "mxfp4 keeps the experts of models that ship them in MXFP4 "
-                        f"(gpt-oss); this model ({mc.get('model_type')}) has none: the workers refuse to start",
-                        "warning")]
-    inter, tp = mc.get("intermediate_size"), cfg.parallelism.tp
-    if isinstance(inter, int) and (inter % tp or (inter // tp) % 32):
-        return [Problem("precision.moe_weight_format", f"mxfp4 needs each tensor-parallel rank's share of the "
-                        f"experts' intermediate ({inter} / tp {tp}) to be a multiple of 32 (a scale group)")]
-    return []
+    return [Problem("precision.moe_weight_format", "mxfp4 keeps the experts of models that ship them in MXFP4 "
+                    f"(gpt-oss); this model ({mc.get('model_type')}) has none: the workers refuse to start",
+                    "warning")]
 
 
 def _speculative_model(cfg: ApplianceConfig, mc: dict[str, Any]) -> list[Problem]:

@@ -47,8 +47,10 @@ _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_pr
 class GptOssExperts(nn.Module):
     """All experts of a layer: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], their biases; or, with
     moe_weight_format "mxfp4", the same matrices as MXFP4 blocks [E, N, K/2] and scales [E, N, K/32] (kernels/mxfp4.py)
-    for the fused_moe_mxfp4 op. Tensor parallelism splits I (a multiple of 32 per rank in MXFP4: down's scale
-    groups run along it); the down bias is added on rank 0 only (the ranks' partial sums are all-reduced)."""
+    for the fused_moe_mxfp4 op. Tensor parallelism splits I; the down bias is added on rank 0 only (the ranks'
+    partial sums are all-reduced). In MXFP4 each rank holds whole 32-value scale groups of down's input: I is
+    padded to a multiple of 32 x tp with zero units (zero gate / up rows and biases give an activation of 0, and
+    zero down columns), so any tp splits it exactly (gpt-oss's 2880 at tp 4: 736 a rank, the last 64 padding)."""
 
     def __init__(self, cfg: PretrainedConfig, moe_backend: str, moe_weight_format: str = "dequantized") -> None:
         super().__init__()
@@ -58,10 +60,12 @@ class GptOssExperts(nn.Module):
         e, h = cfg.num_local_experts, cfg.hidden_size
         self.num_experts, self.hidden_size = e, h
         self.full_intermediate = cfg.intermediate_size
-        self.intermediate = divide(cfg.intermediate_size, self.tp_size)
+        self.mxfp4 = moe_weight_format == "mxfp4"
+        group_tp = mxfp4.BLOCK * self.tp_size
+        self.intermediate = (-(-cfg.intermediate_size // group_tp) * mxfp4.BLOCK if self.mxfp4
+                             else divide(cfg.intermediate_size, self.tp_size))
         self.limit = float(cfg.swiglu_limit)
         self.alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
-        self.mxfp4 = moe_weight_format == "mxfp4"
         i = self.intermediate
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
         self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
@@ -74,10 +78,9 @@ class GptOssExperts(nn.Module):
             self._op = kernel("fused_moe", moe_backend)
 
     def _mxfp4_parameters(self, e: int, h: int, i: int) -> None:
-        if h % mxfp4.BLOCK or i % mxfp4.BLOCK:
-            raise ValueError(f"MXFP4 experts need hidden ({h}) and intermediate per tensor-parallel rank "
-                             f"({self.full_intermediate} / tp {self.tp_size} = {i}) to be multiples of "
-                             f"{mxfp4.BLOCK}; use a smaller tp or precision.moe_weight_format = dequantized")
+        if h % mxfp4.BLOCK or self.full_intermediate % mxfp4.BLOCK:
+            raise ValueError(f"MXFP4 experts need hidden ({h}) and intermediate ({self.full_intermediate}) sizes "
+                             f"that are multiples of {mxfp4.BLOCK}; use precision.moe_weight_format = dequantized")
         for name, n, k in (("w13", 2 * i, h), ("w2", h, i)):
             blocks = torch.empty(e, n, k // 2, dtype=torch.uint8)
             scales = torch.empty(e, n, k // mxfp4.BLOCK, dtype=torch.uint8)
@@ -93,15 +96,16 @@ class GptOssExperts(nn.Module):
     def _shard(self, proj: str, tensor: torch.Tensor, k_per_column: int = 1) -> torch.Tensor:
         """This rank's part of an expert tensor in the checkpoint's orientation (outputs on dim 1): gate_up's
         interleaved gate / up rows regrouped as this rank's gate rows, then its up rows; down's input columns
-        (dim 2, each column holding k_per_column values: 32 for a scale group, 32 too for a block row of 16 bytes)."""
+        (dim 2, each column holding k_per_column values: 32 for a scale group or a block row of 16 bytes). Units
+        past the real intermediate (MXFP4's padding) are zeros."""
         i, r = self.intermediate, self.tp_rank
+        lo, hi = r * i, min((r + 1) * i, self.full_intermediate)
         if proj == "gate_up_proj":
             gate, up = tensor[:, 0::2], tensor[:, 1::2]  # interleaved gate / up outputs
-            return torch.cat((gate[:, r * i:(r + 1) * i], up[:, r * i:(r + 1) * i]), dim=1)
+            return torch.cat((_zero_padded(gate[:, lo:hi], 1, i), _zero_padded(up[:, lo:hi], 1, i)), dim=1)
         if tensor.dim() == 2:  # the down bias: whole on every rank
             return tensor
-        w = i // k_per_column
-        return tensor[:, :, r * w:(r + 1) * w]
+        return _zero_padded(tensor[:, :, lo // k_per_column:hi // k_per_column], 2, i // k_per_column)
 
     def _fill(self, param: nn.Parameter, proj: str, kind: str, shard: torch.Tensor, full: torch.Tensor) -> str:
         if shard.shape != param.shape:
@@ -140,6 +144,16 @@ class GptOssExperts(nn.Module):
             return self._op(x, self.w13_blocks, self.w13_scales, self.w2_blocks, self.w2_scales, weights, ids,
                             **extra)
         return self._op(x, self.w13_weight, self.w2_weight, weights, ids, **extra)
+
+
+def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """t with zeros appended along dim up to size."""
+    missing = size - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat((t, t.new_zeros(shape)), dim=dim)
 
 
 class GptOssMoE(nn.Module):
