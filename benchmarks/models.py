@@ -139,14 +139,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def without_only(argv: list[str]) -> list[str]:
+    """argv less its `--only NAME` / `--only=NAME` choices (each child process is given one of its own)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip or arg.startswith("--only="):
+            skip = False
+            continue
+        skip = arg == "--only"
+        if not skip:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     names = args.only or list(QUICK_MODELS if args.quick else DEFAULT_MODELS)
     if len(names) > 1 and not args.quick:
         # one process per model: a GPU engine's memory is only certainly back when its process ends
-        argv = sys.argv[1:] if argv is None else argv
+        rest = without_only(sys.argv[1:] if argv is None else argv)
         for name in names:
-            subprocess.run([sys.executable, "-m", "benchmarks.models", *argv, "--only", name], check=True)
+            subprocess.run([sys.executable, "-m", "benchmarks.models", *rest, "--only", name], check=True)
         return []
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
