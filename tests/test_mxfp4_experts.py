@@ -1,9 +1,11 @@
-"""gpt-oss's experts kept in MXFP4 (precision.moe_weight_format = mxfp4, the fused_moe_mxfp4 op): greedy tokens
-through the Triton kernel path (interpreted on the CPU) equal the dequantized path's and transformers'; the
-loader's tensor-parallel shards of blocks and scales dequantize to the dequantized path's shards; the memory
-estimate counts 4.25 bits a weight; dummy weights use every code at small scales; settings the build cannot
-honour fail at start-up with the reason. The kernel itself against its reference: tests/test_moe_kernels.py
-(kernels/moe/selfcheck.py's mxfp4 cases)."""
+"""gpt-oss's experts kept in MXFP4 (precision.moe_weight_format = mxfp4, the fused_moe_mxfp4 op): float32 greedy
+tokens through the Triton kernels (interpreted on the CPU: their hand-decoded float32 product) equal the
+dequantized path's and transformers'; tensor-parallel shards of blocks and scales, padded to whole scale groups,
+add up to the unsplit experts; the memory estimate counts 4.25 bits a weight (gpt-oss-120b fits one 80 GB GPU);
+dummy weights use every code at small scales; settings the build cannot honour fail at start-up with the reason;
+both kernels compile to sm_90 cubins. The kernels against their reference, bf16 / fp16 (tl.dot_scaled) included:
+tests/test_moe_kernels.py (kernels/moe/selfcheck.py's mxfp4 cases). On a GPU: float32 parity with transformers in
+decode graphs and eager, and the bf16 dot_scaled path in graphs."""
 from __future__ import annotations
 
 import json
@@ -55,7 +57,7 @@ def _gpt_oss_config(**overrides: Any) -> Any:
 def test_kernel_path_greedy_equals_dequantized_and_transformers(checkpoint: str, tmp_path: Path,
                                                                 tiny_tokenizer_dir: Path, hf_greedy: Any) -> None:
     """The shipped MXFP4 checkpoint keeps its blocks and scales; the float one (values on the MXFP4 grid) is
-    rounded to the same blocks at load. Either way the interpreted kernel gives the dequantized path's tokens."""
+    rounded to the same blocks at load. Either way the interpreted kernels give the dequantized path's tokens."""
     pytest.importorskip("triton")
     path = build_family("gpt_oss", tmp_path / "float", tiny_tokenizer_dir)
     prompts = PROMPTS[:4]
