@@ -4,6 +4,7 @@
     def test_y(make_tiny_model):
         path = make_tiny_model("qwen3", tie_word_embeddings=True)   # any arch in TINY_ARCHS, config overrides
     def test_z(tiny_tokenizer_dir):              # tokenizer files only (tokenizer.json + tokenizer_config.json)
+    def test_w(tokenizer):                       # that tokenizer loaded as the server loads it (per module)
 
 Models are cached per session by (arch, overrides), weights are float32 and deterministic (torch.manual_seed),
 the vocabulary (TINY_VOCAB) covers the tokenizer's, and every model dir also holds the tokenizer files and a
@@ -124,6 +125,20 @@ def build_tiny_model(arch: str, out_dir: Path, tokenizer_dir: Path | None = None
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer_dir: Path) -> Any:
+    """The tiny tokenizer as the server loads it (appliance.tokenization.load_tokenizer)."""
+    from appliance.tokenization import load_tokenizer
+
+    return load_tokenizer(str(tiny_tokenizer_dir))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (pytest.mark.anyio) run on asyncio."""
+    return "asyncio"
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,12 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
 import uvicorn
 from pipeline_server import free_port
-from test_server_app import make_config
+from server_client import make_config
 from test_server_fakes import FakeEngine
 
 from appliance.config import ApplianceConfig
@@ -23,15 +22,9 @@ from appliance.server.context import make_context
 from appliance.server.messages import MessagesRequest, to_chat_body
 from appliance.server.protocol import CompletionRequest, warn_unknown_fields
 from appliance.server.responses import input_messages
-from appliance.tokenization import load_tokenizer
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_tokenizer_dir: Path) -> Any:
-    return load_tokenizer(str(tiny_tokenizer_dir))
 
 
 @contextmanager

@@ -52,7 +52,7 @@ def test_step_inputs_carry_the_order_of_their_decode_rows(monkeypatch: pytest.Mo
 KERNEL_CHECK = """
 import torch
 from appliance.kernels.registry import get
-from appliance.kernels.triton.selfcheck import decode_inputs, prefill_inputs
+from appliance.kernels.triton.selfcheck_attention import decode_inputs, prefill_inputs
 import appliance.kernels.triton  # registers the ops
 
 q, k, v, table, seq, scale = decode_inputs(5, 8, 2, 64, 16, [37, 1, 100, 0, 64], torch.float32, "cpu").args
@@ -79,6 +79,18 @@ for splits in (None, 3):
     plain = op(q, k, v, table, seq, scale, num_splits=splits)
     for order in (torch.argsort(seq, descending=True), torch.tensor([4, 3, 2, 1, 0])):
         assert torch.equal(op(q, k, v, table, seq, scale, num_splits=splits, order=order), plain), (splits, order)
+for splits in (None, 3):  # fresh_rows only moves cache reads past the launch's wait: results are the same
+    plain = op(q, k, v, table, seq, scale, num_splits=splits)
+    for fresh in (2, 4):
+        assert torch.equal(op(q, k, v, table, seq, scale, num_splits=splits, fresh_rows=fresh), plain), fresh
+        ref = get("decode_attention", "torch")
+        assert torch.equal(ref(q, k, v, table, seq, scale, fresh_rows=fresh), ref(q, k, v, table, seq, scale))
+try:
+    op(q, k, v, table, seq, scale, fresh_rows=0)
+except ValueError as exc:
+    assert "fresh_rows" in str(exc)
+else:
+    raise AssertionError("fresh_rows 0 was accepted")
 try:
     op(q, k, v, table, seq, scale, order=torch.zeros(4, dtype=torch.int64))
 except ValueError as exc:

@@ -219,7 +219,7 @@ def test_a_listed_start_compiles_ahead_exactly_what_the_warm_up_loads(tmp_path: 
     def start(workers: int) -> None:
         run = subprocess.run([sys.executable, "-c", START, str(tmp_path), str(tiny_model), str(workers)],
                              capture_output=True, text=True, check=False, timeout=600,
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))})
         assert run.returncode == 0, run.stderr[-3000:]
 
     cache = tmp_path / "triton"

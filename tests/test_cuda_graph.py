@@ -275,7 +275,7 @@ def test_unsplit_batches_share_a_width_and_match_eager_on_gpu(tiny_model) -> Non
     from appliance.kernels.triton.decode import unsplit_from
 
     llm = LLM(model=str(tiny_model), dtype="bfloat16", block_size=16, max_total_tokens=65536,
-              skip_tokenizer_init=True, max_num_seqs=192, cuda_graph_sizes=[8, 192])
+              skip_tokenizer_init=True, max_num_seqs=192, cuda_graph_bs=[8, 192])
     runner = llm.executor.runner
     graphs = runner.graphs
     assert graphs is not None and graphs.unsplit_from == unsplit_from(2, runner.device) < 192  # 2 KV heads

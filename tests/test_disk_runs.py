@@ -11,13 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from tier_fixtures import Caches, assert_same_bits, random_host
 
 from appliance.engine.disk_tier import FETCH, SPILL
 from appliance.executor.disk_file import DiskFile, DiskRun, disk_runs
 from appliance.executor.host_copy import HostCopier, Inline
-from appliance.executor.kv_cache import KVCacheSpec, allocate_host
-
-Caches = list[tuple[torch.Tensor, torch.Tensor | None]]
+from appliance.executor.kv_cache import KVCacheSpec
 
 
 def test_runs_follow_consecutive_slots_on_both_sides_in_plan_order() -> None:
@@ -30,16 +29,6 @@ def test_runs_follow_consecutive_slots_on_both_sides_in_plan_order() -> None:
                               DiskRun(SPILL, 3, 5, 1), DiskRun(FETCH, 4, 3, 2), DiskRun(SPILL, 1, 1, 1)]
     with pytest.raises(ValueError, match="spills and fetches"):
         disk_runs([(0, 1, 1)])
-
-
-def randomized(spec: KVCacheSpec, num_slots: int, seed: int) -> Caches:
-    host = allocate_host(spec, num_slots, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(seed)
-    for pair in host:
-        for t in pair:
-            assert t is not None
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-    return host
 
 
 def copier(host: Caches, disk: DiskFile) -> HostCopier:
@@ -61,7 +50,7 @@ def counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
 
 def test_a_run_is_one_write_or_read_per_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
-    host = randomized(spec, 8, seed=5)
+    host = random_host(spec, 8, torch.Generator().manual_seed(5))
     want = [t[1:5].clone() for pair in host for t in pair if t is not None]
     disk = DiskFile(str(tmp_path), host, num_slots=6)
     writes, reads = counting(monkeypatch, "pwrite"), counting(monkeypatch, "preadv")
@@ -103,7 +92,7 @@ def test_random_plans_in_runs_give_the_bytes_of_per_block_io(tmp_path: Path, dty
     for trial in range(4):
         ops = random_plan(rng, disk_slots=10, host_slots=9)
         assert len(disk_runs(ops)) < len(ops)  # the plan has multi-block runs
-        grouped, blockwise, reference = (randomized(spec, 9, seed=trial) for _ in range(3))
+        grouped, blockwise, reference = (random_host(spec, 9, torch.Generator().manual_seed(trial)) for _ in range(3))
         in_runs, one_by_one = DiskFile(str(tmp_path), grouped, 10), DiskFile(str(tmp_path), blockwise, 10)
         copier(grouped, in_runs).submit(ops)
         for direction, d, h in ops:
@@ -113,8 +102,5 @@ def test_random_plans_in_runs_give_the_bytes_of_per_block_io(tmp_path: Path, dty
         in_runs.close()
         one_by_one.close()
         per_block_reference(reference, 10, ops)
-        for a, b, c in zip(grouped, blockwise, reference, strict=True):
-            for x, y, z in zip(a, b, c, strict=True):
-                assert x is not None and y is not None and z is not None
-                assert torch.equal(x.view(torch.uint8), z.view(torch.uint8)), (trial, dtype)
-                assert torch.equal(y.view(torch.uint8), z.view(torch.uint8)), (trial, dtype)
+        assert_same_bits(grouped, reference, (trial, dtype))
+        assert_same_bits(blockwise, reference, (trial, dtype))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tier_fixtures import Recording, assert_same_bits, llm_args, random_host, turns
 
 from appliance import LLM
 from appliance.config import build_config
@@ -18,21 +19,16 @@ from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.disk_file import DiskFile
 from appliance.executor.host_copy import HostCopier, segments
 from appliance.executor.kv_cache import KVCacheSpec, allocate_host
-from tests.test_host_copy import Recording
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_spills_and_fetches_round_trip_every_layer(tmp_path: Path, dtype: torch.dtype) -> None:
     spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
-    host = allocate_host(spec, 6, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(3)
-    for k, v in host:
-        k.copy_(torch.randn(k.shape, generator=gen).to(dtype))
-        v.copy_(torch.randn(v.shape, generator=gen).to(dtype))
+    host = random_host(spec, 6, torch.Generator().manual_seed(3))
     disk = DiskFile(str(tmp_path / "tier"), host, num_slots=5)
     assert os.fstat(disk.fd).st_size == 5 * disk.slot_bytes == 5 * spec.bytes_per_block
     assert not os.listdir(tmp_path / "tier")  # unlinked at once: nothing outlives the process
-    want = [(k[1].clone(), v[1].clone(), k[2].clone(), v[2].clone()) for k, v in host]
+    want1, want2 = ([(k[i].clone(), v[i].clone()) for k, v in host] for i in (1, 2))
     disk.spill(4, 1)
     disk.spill(0, 2)
     for k, v in host:  # the host slots are reused meanwhile
@@ -40,11 +36,8 @@ def test_spills_and_fetches_round_trip_every_layer(tmp_path: Path, dtype: torch.
         v[1:3].zero_()
     disk.fetch(0, 5)  # into another slot
     disk.fetch(4, 1)
-    for (k, v), (k1, v1, k2, v2) in zip(host, want, strict=True):
-        assert torch.equal(k[1].view(torch.uint8), k1.view(torch.uint8)) and torch.equal(v[1].view(torch.uint8),
-                                                                                         v1.view(torch.uint8))
-        assert torch.equal(k[5].view(torch.uint8), k2.view(torch.uint8)) and torch.equal(v[5].view(torch.uint8),
-                                                                                         v2.view(torch.uint8))
+    assert_same_bits([(k[1], v[1]) for k, v in host], want1)
+    assert_same_bits([(k[5], v[5]) for k, v in host], want2)
     disk.close()
     assert disk.fd == -1
 
@@ -79,16 +72,9 @@ def test_the_disk_tier_needs_the_host_tier_a_directory_and_a_size(tmp_path: Path
         assert any("storage backend is `file`" in m for m in check_supported(bad)), other
 
 
-def turns() -> list[list[list[int]]]:
-    s = [list(range(10, 58)), list(range(60, 100))]
-    flood = [[list(range(200 + 80 * i + 40 * t, 200 + 80 * i + 40 * t + 60)) for i in range(2)] for t in range(2)]
-    return [s, flood[0], [p + list(range(120, 132)) for p in s], flood[1],
-            [p + list(range(120, 132)) + list(range(140, 148)) for p in s]]
-
-
 def test_blocks_the_host_drops_come_back_from_disk_token_exact(tiny_model: Path, tmp_path: Path) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    common = {"model": str(tiny_model), "dtype": "float32", "block_size": 4, "max_total_tokens": 128, "max_model_len": 96}
+    common = llm_args(tiny_model)
     tiered = LLM(**common, host_cache=True, host_cache_ratio=0.5, disk_cache=True, disk_cache_dir=str(tmp_path),
                  disk_cache_size_gb=0.01)
     host_only = LLM(**common, host_cache=True, host_cache_ratio=0.5)

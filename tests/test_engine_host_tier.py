@@ -14,9 +14,10 @@ from appliance.executor.block_copies import HostRun, host_runs
 BS = 4
 
 
-def engine(num_blocks: int, host_blocks: int, events: list | None = None, caching: bool = True) -> EngineCore:
+def engine(num_blocks: int, host_blocks: int, events: list | None = None, caching: bool = True,
+           disk_blocks: int = 0) -> EngineCore:
     cfg = EngineConfig(num_blocks=num_blocks, block_size=BS, max_model_len=64, chunked_prefill_size=32,
-                       num_host_blocks=host_blocks, enable_prefix_caching=caching)
+                       num_host_blocks=host_blocks, enable_prefix_caching=caching, num_disk_blocks=disk_blocks)
     sink = None if events is None else (lambda *a, **kw: events.append((a[0], a[1], kw.get("medium"))))
     return EngineCore(cfg, FakeExecutor(num_blocks, BS, vocab_size=500), on_kv_event=sink)
 
@@ -32,6 +33,30 @@ def run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int = 6) ->
     return out
 
 
+def more_hits_than(tiered: EngineCore, fewer: EngineCore) -> None:
+    """Over four turns of sessions on a 24-block pool, tiered answers as an engine without any cache does and hits
+    more than `fewer` (the same pool with fewer tiers) on the same turns."""
+    cold = engine(24, 0, caching=False)
+    for turn in sessions(4):
+        assert run(tiered, turn) == run(cold, turn)
+        run(fewer, turn)
+    assert tiered.scheduler.cache.hit_tokens > fewer.scheduler.cache.hit_tokens
+
+
+def run_with_aborts(core: EngineCore, turns: list[dict[str, list[int]]]) -> None:
+    """Each turn's requests decode 20 tokens; after 3 steps the turn's first one is aborted, the rest run to the
+    end with the accounting checked after every step."""
+    for turn in turns:
+        for rid, p in turn.items():
+            core.add_request(rid, p, SamplingParams(max_tokens=20, ignore_eos=True))
+        for _ in range(3):
+            core.step()
+        core.abort(next(iter(turn)))
+        while core.has_work():
+            core.step()
+            assert core.check_accounting().ok, core.check_accounting().problems
+
+
 def sessions(turns: int) -> list[dict[str, list[int]]]:
     """Per turn three sessions whose prompts grow (each starts with the last), then a flood of distinct tokens
     that needs most of the device pool, so the sessions' blocks are evicted between turns."""
@@ -45,19 +70,13 @@ def sessions(turns: int) -> list[dict[str, list[int]]]:
 
 def test_evicted_blocks_come_back_from_the_host_with_the_same_outputs() -> None:
     events: list = []
-    tiered, cold = engine(24, 64, events), engine(24, 0, caching=False)
-    for turn in sessions(4):
-        assert run(tiered, turn) == run(cold, turn)
+    tiered = engine(24, 64, events)
+    more_hits_than(tiered, engine(24, 0))  # the loads made hits the device alone could not
     host = tiered.scheduler.cache.host
     assert host is not None and host.num_stored > 0 and host.num_loaded > 0
     copies = [c for p in tiered.executor.plans for c in p.host_copies]
     assert {c[0] for c in copies} == {STORE, LOAD}
     assert any(m == "CPU" and k == "BlockStored" for k, _, m in events)
-    # the loads made hits the device alone could not: compare with a tier-less engine of the same pool
-    device_only = engine(24, 0)
-    for turn in sessions(4):
-        run(device_only, turn)
-    assert tiered.scheduler.cache.hit_tokens > device_only.scheduler.cache.hit_tokens
 
 
 def test_host_slots_are_reused_lru_and_report_removals() -> None:
@@ -76,15 +95,7 @@ def test_host_slots_are_reused_lru_and_report_removals() -> None:
 
 def test_accounting_over_both_tiers_after_aborts_and_preemption() -> None:
     core = engine(20, 32)
-    for turn in sessions(3):
-        for rid, p in turn.items():
-            core.add_request(rid, p, SamplingParams(max_tokens=20, ignore_eos=True))
-        for _ in range(3):
-            core.step()
-        core.abort(next(iter(turn)))
-        while core.has_work():
-            core.step()
-            assert core.check_accounting().ok, core.check_accounting().problems
+    run_with_aborts(core, sessions(3))
     assert core.scheduler.num_preemptions > 0 and core.scheduler.cache.host.num_loaded > 0
     rep = core.check_accounting()
     assert rep.ok and rep.owned == 0
@@ -115,43 +126,23 @@ def test_host_tier_size_in_gb_needs_the_block_bytes() -> None:
     assert host_blocks(ratio, 100) == 300 and host_blocks(build_config().cache, 100) == 0
 
 
-def disk_engine(num_blocks: int, host_blocks: int, disk_blocks: int, events: list | None = None) -> EngineCore:
-    cfg = EngineConfig(num_blocks=num_blocks, block_size=BS, max_model_len=64, chunked_prefill_size=32,
-                       num_host_blocks=host_blocks, num_disk_blocks=disk_blocks)
-    sink = None if events is None else (lambda *a, **kw: events.append((a[0], a[1], kw.get("medium"))))
-    return EngineCore(cfg, FakeExecutor(num_blocks, BS, vocab_size=500), on_kv_event=sink)
-
-
 def test_blocks_the_host_drops_spill_to_disk_and_come_back_with_the_same_outputs() -> None:
     from appliance.engine.disk_tier import FETCH, SPILL
 
     events: list = []
     # a host tier smaller than the device pool: without the disk most evicted history is lost
-    tiered, cold = disk_engine(24, 8, 96, events), engine(24, 0, caching=False)
-    for turn in sessions(4):
-        assert run(tiered, turn) == run(cold, turn)
+    tiered = engine(24, 8, events, disk_blocks=96)
+    more_hits_than(tiered, engine(24, 8))
     disk = tiered.scheduler.cache.host.disk
     assert disk is not None and disk.num_spilled > 0 and disk.num_fetched > 0
     kinds = {c[0] for p in tiered.executor.plans for c in p.host_copies}
     assert {STORE, LOAD, SPILL, FETCH} <= kinds
     assert any(m == "DISK" and k == "BlockStored" for k, _, m in events)
-    host_only = disk_engine(24, 8, 0)
-    for turn in sessions(4):
-        run(host_only, turn)
-    assert tiered.scheduler.cache.hit_tokens > host_only.scheduler.cache.hit_tokens
 
 
 def test_disk_tier_accounting_after_aborts_preemption_and_a_reset() -> None:
-    core = disk_engine(20, 6, 64)
-    for turn in sessions(3):
-        for rid, p in turn.items():
-            core.add_request(rid, p, SamplingParams(max_tokens=20, ignore_eos=True))
-        for _ in range(3):
-            core.step()
-        core.abort(next(iter(turn)))
-        while core.has_work():
-            core.step()
-            assert core.check_accounting().ok, core.check_accounting().problems
+    core = engine(20, 6, disk_blocks=64)
+    run_with_aborts(core, sessions(3))
     assert core.scheduler.num_preemptions > 0 and core.scheduler.cache.host.disk.num_fetched > 0
     core.scheduler.cache.reset()
     assert len(core.scheduler.cache.host.disk) == 0 and core.check_accounting().ok

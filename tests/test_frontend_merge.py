@@ -19,11 +19,6 @@ FAIL = object()
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def addresses() -> Iterator[Addresses]:
     with tempfile.TemporaryDirectory(prefix="fmerge-", dir="/tmp") as d:
         yield Addresses(*(f"ipc://{d}/{n}" for n in ("control", "frontend", "requests", "outputs", "results")),

@@ -4,13 +4,12 @@ before layer i uses its cache, layer after layer) with the outputs unchanged; on
 are checked against the bytes, with a kernel rewriting a block right after its store."""
 from __future__ import annotations
 
-import contextlib
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from tier_fixtures import Recording, assert_stored_then_loaded, cuda_caches
 
 from appliance import LLM
 from appliance.engine.sampling_params import SamplingParams
@@ -18,31 +17,6 @@ from appliance.executor.host_copy import HostCopier
 from appliance.executor.kv_cache import KVCacheSpec, allocate_host
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-class Recording:
-    """The CPU's synchronous copies, with every call logged."""
-
-    def __init__(self, log: list[tuple[str, int]]) -> None:
-        self.log, self.n = log, 0
-
-    def begin(self) -> None:
-        self.log.append(("begin", -1))
-
-    def scope(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def mark(self) -> object:
-        self.n += 1
-        self.log.append(("mark", self.n))
-        return self.n
-
-    def wait(self, mark: object) -> None:
-        assert isinstance(mark, int)
-        self.log.append(("wait", mark))
-
-    def drain(self) -> None:
-        self.log.append(("drain", -1))
 
 
 def test_the_forward_waits_for_each_layers_copies_just_before_that_layer(tiny_model: Path) -> None:
@@ -98,9 +72,7 @@ def test_a_graph_replayed_or_unhooked_forward_waits_for_the_last_marker() -> Non
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
     cuda = torch.device("cuda")
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
-    dev = [(torch.randn(64, 16, 2, 64, device=cuda, dtype=torch.bfloat16),
-            torch.randn(64, 16, 2, 64, device=cuda, dtype=torch.bfloat16)) for _ in range(2)]
+    spec, dev = cuda_caches()
     copier = HostCopier.for_device(dev, allocate_host(spec, 32, cuda), cuda)
     for k, v in dev:  # queued on the compute stream before the stores: the stores must see it
         k[0:8].mul_(2)
@@ -113,9 +85,7 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
         v[0:8].zero_()
     copier.wait_all()
     torch.cuda.synchronize()
-    for (k, v), (bk, bv), (hk, hv) in zip(dev, before, copier.host_caches, strict=True):
-        assert torch.equal(hk[0:8], bk) and torch.equal(hv[0:8], bv)
-        assert torch.equal(k[40:48].cpu(), bk) and torch.equal(v[40:48].cpu(), bv)
+    assert_stored_then_loaded(dev, before, copier.host_caches)
 
 
 @pytest.mark.gpu

@@ -6,23 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tier_fixtures import llm_args, turns
+
 from appliance import LLM
 from appliance.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-def turns() -> list[list[list[int]]]:
-    """Turn 1 of two sessions, a flood of distinct prompts that needs the whole pool, turn 2 of both sessions
-    (their turn-1 prompts extended), another flood, turn 3."""
-    s = [list(range(10, 58)), list(range(60, 100))]
-    flood = [[list(range(200 + 80 * i + 40 * t, 200 + 80 * i + 40 * t + 60)) for i in range(2)] for t in range(2)]
-    return [s, flood[0], [p + list(range(120, 132)) for p in s], flood[1],
-            [p + list(range(120, 132)) + list(range(140, 148)) for p in s]]
-
-
 def test_host_tier_reload_matches_a_cold_prefill(tiny_model: Path) -> None:
-    common = dict(model=str(tiny_model), dtype="float32", block_size=4, max_total_tokens=128, max_model_len=96)
+    common = llm_args(tiny_model)
     tiered = LLM(**common, host_cache=True, host_cache_ratio=4)
     cold = LLM(**common, enable_prefix_caching=False)  # every prompt prefilled whole
     cached: list[list[int]] = []

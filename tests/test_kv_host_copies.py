@@ -5,6 +5,12 @@ import random
 
 import pytest
 import torch
+from tier_fixtures import (
+    assert_same_bits,
+    assert_stored_then_loaded,
+    cuda_caches,
+    random_host,
+)
 
 from appliance.executor.block_copies import (
     CopyPlan,
@@ -62,27 +68,32 @@ def random_plan(rng: random.Random, num_blocks: int, num_slots: int) -> list[tup
     return ops
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_random_plans_match_one_copy_per_block_in_order(dtype: torch.dtype) -> None:
-    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=dtype)
+def check_random_plans(spec: KVCacheSpec, trials: int, seed: int, device: torch.device) -> None:
+    """copy_host_blocks on random plans over 24 device blocks and 20 host slots of random values, against
+    reference(); the device caches drawn on the host, then moved to device."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
 
     def rand(n: int) -> torch.Tensor:
-        return torch.randn(n, 4, 2, 4, generator=gen).to(dtype)
+        return torch.randn(n, spec.block_size, spec.num_kv_heads, spec.head_dim, generator=gen).to(spec.dtype)
 
-    for _ in range(20):
-        dev = [(rand(24), rand(24)) for _ in range(2)]
-        host = allocate_host(spec, 20, torch.device("cpu"))
-        for k, v in host:
-            k.copy_(rand(20))
-            v.copy_(rand(20))
+    for _ in range(trials):
+        dev_host = [(rand(24), rand(24)) for _ in range(spec.num_layers)]
+        host = random_host(spec, 20, gen, device)
         ops = random_plan(rng, 24, 20)
-        ref_dev, ref_host = reference(dev, host, ops)
-        assert CopyPlan.of(ops, torch.device("cpu")).calls_per_tensor < len(ops)
+        ref_dev, ref_host = reference(dev_host, host, ops)
+        if device.type == "cpu":
+            assert CopyPlan.of(ops, device).calls_per_tensor < len(ops)
+        dev = [(k.to(device), v.to(device)) for k, v in dev_host]
         copy_host_blocks(dev, host, ops)
-        for got, want in zip(dev + host, ref_dev + ref_host, strict=True):  # compared as bits: fp8 has no ==
-            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-            assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        assert_same_bits([(k.cpu(), v.cpu()) for k, v in dev] + host, ref_dev + ref_host)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_random_plans_match_one_copy_per_block_in_order(dtype: torch.dtype) -> None:
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=dtype)
+    check_random_plans(spec, trials=20, seed=0, device=torch.device("cpu"))
 
 
 def test_copies_match_one_copy_per_block_in_order() -> None:
@@ -95,8 +106,7 @@ def test_copies_match_one_copy_per_block_in_order() -> None:
     ops = [(0, 2, 0), (0, 3, 1), (0, 4, 2), (0, 7, 5), (1, 9, 1), (1, 10, 2), (0, 0, 1)]
     ref_dev, ref_host = reference(dev, host, ops)
     copy_host_blocks(dev, host, ops)
-    for got, want in zip(dev + host, ref_dev + ref_host, strict=True):
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert_same_bits(dev + host, ref_dev + ref_host)
     assert torch.equal(dev[1][0][9], dev[1][0][3]) and not torch.equal(host[1][0][1], dev[1][0][3])
 
 
@@ -105,11 +115,8 @@ def test_copies_match_one_copy_per_block_in_order() -> None:
 def test_copies_on_cuda_from_pinned_memory_in_stream_order() -> None:
     # stores then loads of the same slots in one plan, and a kernel writing a block right after its store: the
     # host must see the block before the write, the device the host's bytes after the load (no host waits)
-    dev_type = torch.device("cuda")
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
-    dev = [(torch.randn(64, 16, 2, 64, device=dev_type, dtype=torch.bfloat16),
-            torch.randn(64, 16, 2, 64, device=dev_type, dtype=torch.bfloat16)) for _ in range(2)]
-    host = allocate_host(spec, 32, dev_type)
+    spec, dev = cuda_caches()
+    host = allocate_host(spec, 32, torch.device("cuda"))
     assert host[0][0].is_pinned()
     before = [(k[0:8].cpu(), v[0:8].cpu()) for k, v in dev]
     copy_host_blocks(dev, host, [(0, b, b) for b in range(8)])
@@ -118,9 +125,7 @@ def test_copies_on_cuda_from_pinned_memory_in_stream_order() -> None:
         v[0:8].zero_()
     copy_host_blocks(dev, host, [(1, 40 + b, b) for b in range(8)])
     torch.cuda.synchronize()
-    for (k, v), (bk, bv), (hk, hv) in zip(dev, before, host, strict=True):
-        assert torch.equal(hk[0:8], bk) and torch.equal(hv[0:8], bv)
-        assert torch.equal(k[40:48].cpu(), bk) and torch.equal(v[40:48].cpu(), bv)
+    assert_stored_then_loaded(dev, before, host)
 
 
 @pytest.mark.gpu
@@ -128,23 +133,5 @@ def test_copies_on_cuda_from_pinned_memory_in_stream_order() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_random_plans_on_cuda_match_one_copy_per_block(dtype: torch.dtype) -> None:
     # scattered runs go through a device gather / scatter beside one pinned-memory copy, on the current stream
-    rng, gen = random.Random(1), torch.Generator().manual_seed(1)
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
-
-    def rand(n: int) -> torch.Tensor:
-        return torch.randn(n, 16, 2, 64, generator=gen).to(dtype)
-
-    for _ in range(5):
-        dev_cpu = [(rand(24), rand(24)) for _ in range(2)]
-        host = allocate_host(spec, 20, torch.device("cuda"))
-        for k, v in host:
-            k.copy_(rand(20))
-            v.copy_(rand(20))
-        ops = random_plan(rng, 24, 20)
-        ref_dev, ref_host = reference(dev_cpu, host, ops)
-        dev = [(k.cuda(), v.cuda()) for k, v in dev_cpu]
-        copy_host_blocks(dev, host, ops)
-        torch.cuda.synchronize()
-        for got, want in zip([(k.cpu(), v.cpu()) for k, v in dev] + host, ref_dev + ref_host, strict=True):
-            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-            assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+    check_random_plans(spec, trials=5, seed=1, device=torch.device("cuda"))

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_app import make_config, script_for, sse_events
+from server_client import make_config, script_for, sse_events
 from test_spec_stop_strings import chunked_outputs, one_by_one_count
 
 from appliance.engine.sampling_params import SamplingParams
@@ -35,20 +34,9 @@ from appliance.runtime.messages import (
 from appliance.server.app import build_app
 from appliance.server.context import make_context
 from appliance.server.engine_client import RequestOutput
-from appliance.tokenization import load_tokenizer
 
 TEXT = "Hello world! How are you? Fine, thanks."
 STOP = "are"
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_tokenizer_dir: Path) -> Any:
-    return load_tokenizer(str(tiny_tokenizer_dir))
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def samples(obs: FrontendObservability) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -216,11 +204,11 @@ def assert_counts(obs: FrontendObservability, completion_tokens: int, reason: st
 @pytest.mark.anyio
 @pytest.mark.parametrize(("chunk", "dp"), [(3, 1), (4, 1), (64, 1), (4, 2)])
 async def test_server_metrics_equal_usage_when_the_stop_falls_inside_an_output(
-        tok: Any, addresses: list[Addresses], chunk: int, dp: int) -> None:
-    ids = script_for(tok, TEXT)
-    want, want_text = one_by_one_count(tok, ids, STOP)
+        tokenizer: Any, addresses: list[Addresses], chunk: int, dp: int) -> None:
+    ids = script_for(tokenizer, TEXT)
+    want, want_text = one_by_one_count(tokenizer, ids, STOP)
     assert -(-want // chunk) * chunk > want  # the output that completes the stop carries tokens past it
-    async with server(tok, addresses, ids, chunk, dp) as (c, obs, scheds):
+    async with server(tokenizer, addresses, ids, chunk, dp) as (c, obs, scheds):
         r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 40, "stop": [STOP], "logprobs": 1})
         assert r.status_code == 200, r.text
         await settled(obs)
@@ -236,10 +224,10 @@ async def test_server_metrics_equal_usage_when_the_stop_falls_inside_an_output(
 
 
 @pytest.mark.anyio
-async def test_server_chat_stream_metrics_equal_usage(tok: Any, addresses: list[Addresses]) -> None:
-    ids = script_for(tok, TEXT)
-    want, want_text = one_by_one_count(tok, ids, STOP)
-    async with server(tok, addresses, ids, 4) as (c, obs, _):
+async def test_server_chat_stream_metrics_equal_usage(tokenizer: Any, addresses: list[Addresses]) -> None:
+    ids = script_for(tokenizer, TEXT)
+    want, want_text = one_by_one_count(tokenizer, ids, STOP)
+    async with server(tokenizer, addresses, ids, 4) as (c, obs, _):
         r = await c.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stop": STOP, "stream": True,
             "stream_options": {"include_usage": True}})
@@ -254,9 +242,9 @@ async def test_server_chat_stream_metrics_equal_usage(tok: Any, addresses: list[
 
 @pytest.mark.anyio
 async def test_server_metrics_without_a_stop_string_count_every_token_once_per_output(
-        tok: Any, addresses: list[Addresses]) -> None:
-    ids = script_for(tok, TEXT)
-    async with server(tok, addresses, ids, 4) as (c, obs, scheds):
+        tokenizer: Any, addresses: list[Addresses]) -> None:
+    ids = script_for(tokenizer, TEXT)
+    async with server(tokenizer, addresses, ids, 4) as (c, obs, scheds):
         r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 10, "ignore_eos": True})
         assert r.status_code == 200, r.text
         await settled(obs)

@@ -1,46 +1,8 @@
 """Continuous batching: turns the request queues into one StepPlan per step (pure Python, no torch).
 
-Each step, in this order:
-1. running requests that decode (one token each), then running requests in the middle of a chunked prefill;
-   when the step decodes, its prefill chunks (here and in 2.) share at most max_mixed_prefill_tokens;
-2. waiting requests (preempted ones first, then by policy: fcfs, lpm, or slo: slo.py), while the step has budget, a seat
-   (max_num_seqs) and blocks (with schedule_conservativeness > 0 also room for the running requests' outputs:
-   admission.py); a waiting request never preempts a running one, and none is admitted in a step that preempted.
-When a running request needs a block and none is free or evictable, the newest running request not yet
-scheduled in this step is preempted (recompute: blocks freed, state reset, re-queued at the front); in the
-worst case that is the request itself (preemption.py).
-
-The step's token budget, and how a request's chunk is sized and recorded in the plan: step_budget.py. How a
-step's sampled tokens become request state and RequestDeltas: outputs.py (update() applies a result with it).
-
-The plan is a delta for workers that keep per-request state (see step.py). Convention for new requests:
-NewRequestData.block_ids is the whole block table for the step and its ScheduledRequest.new_block_ids is
-empty; for known requests new_block_ids are appended. Requests preempted, finished or aborted since the last
-plan are listed in finished_ids (only if workers have seen them).
-
-num_computed_tokens advances when a step is planned, not when it returns, so that the overlap mode can plan
-step N+1 while step N runs; in the synchronous loop the two are the same. In overlap mode a request whose
-sample is still in flight counts it as a pending token (Request.num_pending): it decodes that token next,
-which the workers append themselves. A request the pending tokens finish by length is not scheduled again;
-one that stops on EOS or a stop token, is aborted or preempted meanwhile has its in-flight result dropped
-(recognised by request object and preemption count, so a re-added id never gets a stale token).
-
-Speculative decoding (config.num_speculative_tokens = k > 0; see speculation.py): a
-decoding request verifies d = min(k, what its limits leave) drafts the workers hold, as one chunk of 1 + d
-tokens; its table grows to cover the chunk plus the positions the next draft chain writes (config.lookahead: k - 1
-for MTP and EAGLE, k for a draft model, none for n-gram lookup; capped at
-max_model_len). The result carries 1..d+1 tokens for it (outputs.py). A prefix hit gives back its last
-block: the drafter's cache entry at a block's last position depends on the next block's first token, which the
-hit does not cover (vLLM does the same). In overlap mode a verification in flight counts 1 + d pending tokens (as
-if every draft were accepted): the next chunk starts there, its blocks cover that optimistic end, and update()
-rewinds num_computed by the plan's d once the count is known (speculation.num_drafts, outputs.append_verified).
-
-Sliding-window KV cache groups (config.window_sizes; window_blocks.py): every sliding group's table grows with
-the full table (`_take_blocks` preempts while any pool is short), a prefix hit is shortened until each sliding
-group caches the window its next queries read, and after each step a request's sliding tables release the blocks
-no later query reads (again before it takes blocks: in overlap mode the step in flight moved its window since, and
-the blocks it frees are rewritten only by later steps, which run after it). NewRequestData.window_block_ids and
-ScheduledRequest.new_block_ids (after the full table's new ids) carry the tables.
+The order of a step, the plan's delta convention, overlap, speculative decoding and sliding-window groups as the
+scheduler sees them: docs/architecture.md, "Scheduler". The step's budget and chunk sizes: step_budget.py; a step's
+sampled tokens into request state: outputs.py; admission room for outputs: admission.py; preemption: preemption.py.
 """
 from __future__ import annotations
 

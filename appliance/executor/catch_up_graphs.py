@@ -47,7 +47,7 @@ class CatchUpGraphs(VerifyGraphs):
         assert spec.chains is not None
         self._greedy = spec.chains.greedy  # argmax drafts as target ids
         self.source, self.shift, self.chains_state = source, shift, hidden_size is not None
-        self.pool = verify.pool
+        self.pool, self.fresh_rows = verify.pool, verify.fresh_rows
         self.tokens = torch.zeros(verify.sizes[-1], dtype=torch.int64, device=verify.device)
         self._take: list[int] = []  # the step's source rows, set by run_step for _rows_upload
 

@@ -16,24 +16,35 @@ each rank scales its own kv heads (an MLA latent is replicated: every rank reach
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 from appliance.kernels.reference.kv_quant import FP8_MAX, is_fp8
 from appliance.layers.attention import Attention, AttentionMetadata
-from appliance.layers.mla import MLAAttention
+
+if TYPE_CHECKING:
+    from appliance.layers.mla import MLAAttention
+
+    Calibrated: TypeAlias = Attention | MLAAttention
 
 log = logging.getLogger(__name__)
 
 _RESCALE_BYTES = 64 << 20  # float32 working set of one rescale chunk
 
-Calibrated = Attention | MLAAttention
+
+def _is_mla(layer: Calibrated) -> bool:
+    """Whether layer is an MLA layer, without importing the MLA layers and their kernels into a worker whose model
+    has none (an MLA layer exists only once its module is imported)."""
+    mla = sys.modules.get("appliance.layers.mla")
+    return mla is not None and isinstance(layer, mla.MLAAttention)
 
 
 def calibrated_caches(layer: Calibrated) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
     """A layer's fp8 caches and their scale tensors, by the name its state keeps them under."""
-    if isinstance(layer, MLAAttention):
+    if _is_mla(layer):
         return {"latent": (layer.k_cache, layer.kv_scale)}
     return {"k": (layer.k_cache, layer.k_scale), "v": (layer.v_cache, layer.v_scale)}
 

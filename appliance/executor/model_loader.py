@@ -19,6 +19,7 @@ from appliance.config.hf_cache import ModelNotFound, resolve_model_dir  # noqa: 
 from appliance.executor.kv_scales import CheckpointKVScales
 from appliance.executor.runner_setup import bind_decode_kernels, model_kwargs
 from appliance.executor.startup import STARTUP
+from appliance.models.config_json import read_config_json
 from appliance.models.registry import model_class
 
 if TYPE_CHECKING:
@@ -30,9 +31,31 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# transformers config properties whose setters do more than set the attribute (rope_scaling re-derives
+# rope_parameters): an override of one is applied by transformers itself
+SETTER_KEYS = frozenset(("rope_scaling", "torch_dtype", "num_labels", "output_attentions", "name_or_path",
+                         "use_return_dict"))
+
+
 def load_hf_config(model_dir: Path, hf_overrides: dict[str, Any] | None = None,
                    trust_remote_code: bool = False) -> Any:
-    """The transformers config of a local model with `hf_overrides` applied (unknown keys are added)."""
+    """The transformers config of a local model with `hf_overrides` applied (unknown keys are added). The dense
+    model types' config.json is read without importing transformers (models/config_json.py: the same attributes,
+    seconds less at start-up)."""
+    cfg: Any = None
+    if not SETTER_KEYS & set(hf_overrides or {}):
+        cfg = read_config_json(model_dir)  # None for remote code (auto_map) and whatever it does not cover
+    if cfg is None:
+        cfg = _auto_config(model_dir, trust_remote_code)
+    for key, value in (hf_overrides or {}).items():
+        current = getattr(cfg, key, None)
+        if isinstance(current, dict) and isinstance(value, dict):
+            value = {**current, **value}  # nested override (e.g. rope_parameters) merges
+        setattr(cfg, key, value)
+    return cfg
+
+
+def _auto_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
     from transformers import AutoConfig
 
     try:
@@ -41,13 +64,7 @@ def load_hf_config(model_dir: Path, hf_overrides: dict[str, Any] | None = None,
         cfg = _config_by_architecture(model_dir)
         if cfg is None:
             raise
-    cfg = _text_config(cfg)
-    for key, value in (hf_overrides or {}).items():
-        current = getattr(cfg, key, None)
-        if isinstance(current, dict) and isinstance(value, dict):
-            value = {**current, **value}  # nested override (e.g. rope_parameters) merges
-        setattr(cfg, key, value)
-    return cfg
+    return _text_config(cfg)
 
 
 # multimodal checkpoints served as text models: their text_config is the model's config

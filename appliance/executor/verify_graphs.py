@@ -78,6 +78,7 @@ def make_verify_graphs(runner: ModelRunner, num_steps: int) -> VerifyGraphs | No
     unsplit = runner.graphs.unsplit_from if runner.graphs is not None else None
     graphs = VerifyGraphs(runner.model, int(runner.hf_config.hidden_size), runner.dtype, runner.device, rows,
                           runner.max_blocks, runner.block_size, runner.block_table, unsplit)
+    graphs.fresh_rows = num_steps + 2  # a request's rows (a catch-up's too: one more) stored before attending
     if runner.graphs is not None:
         graphs.pool = runner.graphs.pool  # every graph's intermediates die at its end: one pool serves all
     if graphs.cuda:
@@ -118,6 +119,7 @@ class VerifyGraphs(DecodeGraphs):
     """Verification steps as decode rows (module docstring); `sizes` are row buckets."""
 
     SEGMENTS = 5  # [ids | table rows | positions | slots | seq_lens]
+    fresh_rows = 1  # the most rows of one request a step stores (AttentionMetadata.decode_fresh_rows)
 
     def fits(self, chunks: list[Chunk], max_tokens: int) -> bool:
         """Whether a step of these chunks runs here: every chunk samples after at most max_tokens tokens, none
@@ -158,7 +160,8 @@ class VerifyGraphs(DecodeGraphs):
         meta = AttentionMetadata(
             slot_mapping=slots, num_decode_tokens=b, decode_block_tables=self.table.gather(rows, w),
             decode_seq_lens=seq_lens, prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
-            prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(seq_lens))
+            prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(seq_lens),
+            decode_fresh_rows=self.fresh_rows)
         return ids, positions, meta
 
     def _body(self, key: GraphKey) -> None:

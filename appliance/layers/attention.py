@@ -66,6 +66,9 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None  # [Bd] the decode rows longest first (longest_first), or row order
     states: SequenceStates | None = None  # state slots of the linear-attention layers (hybrid models only)
     windows: tuple[WindowTables, ...] = ()  # each sliding-window KV cache group's (Attention.kv_group - 1)
+    # newest cache rows of each decode row stored by this step's kernels: 1, or a verification's rows per request
+    # (executor/verify_graphs.py), which the decode kernel must not read before they are written
+    decode_fresh_rows: int = 1
 
     @property
     def num_prefills(self) -> int:
@@ -229,10 +232,12 @@ class Attention(nn.Module):
         out = None if out is None else out.view(t, self.num_heads, self.head_dim)
         nd = meta.num_decode_tokens
         extra = {**self._extra(), **self.kv_scales}  # window / sinks and an fp8 cache's scales
+        fresh = {} if meta.decode_fresh_rows == 1 else {"fresh_rows": meta.decode_fresh_rows}
         # one kind of row (every decode step, most prefill steps): the kernel's output is the answer, no copy
         if nd == t:
             return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                                order=meta.decode_order, out=out, **extra).view(t, self.num_heads * self.head_dim)
+                                order=meta.decode_order, out=out, **extra,
+                                **fresh).view(t, self.num_heads * self.head_dim)
         if nd == 0:
             return self._prefill(q, k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
                                  meta.prefill_block_tables, self.scale, out=out,
@@ -240,7 +245,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q) if out is None else out  # both kernels write their rows of it
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                         order=meta.decode_order, out=out[:nd], **extra)
+                         order=meta.decode_order, out=out[:nd], **extra, **fresh)
         if nd < t:
             self._prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_seq_lens,
                           meta.prefill_block_tables, self.scale, out=out[nd:], **extra)

@@ -7,8 +7,9 @@ one were 3-7% slower than the runs without). `gc.freeze()` moves every
 object alive at that moment into a permanent generation that collections skip, so later passes walk only what
 serving created. vLLM does the same after its start-up (`freeze_gc_heap`); this is our own version of it.
 
-- A pipeline process (worker, scheduler, tokenizer) freezes once, when it is ready: `freeze_startup_heap`.
-  It collects first, so start-up garbage is freed rather than frozen for good.
+- A pipeline process (worker, scheduler, tokenizer) freezes when it is ready: `freeze_startup_heap`.
+  It collects first, so start-up garbage is freed rather than frozen for good. The tokenizer also freezes
+  before it waits for its turn, so the pass on its path to ready walks only what came after.
 - The offline `LLM` runs each generate() call under `frozen_heap()`: what existed when the call began (the
   engine, the caller's objects) is frozen for the call and thawed after, so a process that builds and drops
   many engines (tests, notebooks) still gets their cycles collected.

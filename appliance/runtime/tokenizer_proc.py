@@ -85,6 +85,9 @@ async def _serve(boot: Bootstrap, config, tokenizer, sock: socket.socket, stdin:
             raise RuntimeError(f"HTTP server did not start on {config.api.host}:{config.api.port}")
         await asyncio.sleep(0.02)
     port = sock.getsockname()[1]
+    # the heap is mostly built now (imports, tokenizer): collect and freeze it while the workers get ready, so the
+    # freeze once ready walks only what came after (it is on the path to /health 200)
+    freeze_startup_heap("tokenizer (before its turn)")
     # the port answers 503 while the workers and the scheduler get ready
     await asyncio.to_thread(boot.wait_peers, stdin)
     if watch is not None:

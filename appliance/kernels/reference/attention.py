@@ -79,8 +79,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """`order`: the order a kernel may take the rows in (a scheduling hint; results never depend on it). `out`:
+                     sinks: torch.Tensor | None = None, fresh_rows: int = 1) -> torch.Tensor:
+    """`order`: the order a kernel may take the rows in, `fresh_rows`: how many newest cache rows of each row
+    this step's kernels wrote (when a kernel may read the others; scheduling hints, results never depend on
+    them). `out`:
     where to write (attention_out). `sliding_window`, `sinks`: see the module docstring."""
     out = attention_out("decode_attention", q, out)
     k_scale, v_scale = kv_scale(k_cache, k_scale, "decode_attention"), kv_scale(v_cache, v_scale, "decode_attention")

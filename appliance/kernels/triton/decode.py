@@ -139,15 +139,16 @@ def _store_partial(mid_o_ptr, mid_lse_ptr, acc, l_i, m_i, b, head, split, num_sp
 @triton.jit
 def _decode_tile_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
                         k_scale_ptr, v_scale_ptr,
-                        stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, num_splits,
+                        stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, num_splits, fresh_rows,
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ORDERED: tl.constexpr, UPCAST: tl.constexpr,
                         GDC: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, window=0,
                         WINDOW: tl.constexpr = False):
-    """Splits of one BLOCK_N-token tile each (small batches). Only q and each sequence's newest cache row come
-    from the kernels before (a decode row adds one token); the lengths, the block table and every older row were
+    """Splits of one BLOCK_N-token tile each (small batches). Only q and each sequence's newest `fresh_rows`
+    cache rows come from the kernels before (a decode row adds one token; a verification step stores all of a
+    request's rows, one per query, before attending); the lengths, the block table and every older row were
     written before this step's first kernel. So those are read before the wait: under programmatic dependent
-    launch the programs run while the qkv projection streams, and after the wait only q and one row are read."""
+    launch the programs run while the qkv projection streams, and after the wait only q and the fresh rows."""
     kvh = tl.program_id(0)
     b = tl.program_id(1)
     if ORDERED:
@@ -163,11 +164,11 @@ def _decode_tile_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, mid_o_
         n_mask = n_mask & (pos >= seq_len - window)
     blk = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     rows = (blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch)[:, None] + offs_d[None, :]
-    older = (pos < seq_len - 1)[:, None] & d_mask[None, :]
+    older = (pos < seq_len - fresh_rows)[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + rows, mask=older, other=0.0)
     v = tl.load(v_ptr + rows, mask=older, other=0.0)
     pdl_enter(GDC)
-    newest = (pos == seq_len - 1)[:, None] & d_mask[None, :]
+    newest = ((pos >= seq_len - fresh_rows) & n_mask)[:, None] & d_mask[None, :]
     k = tl.where(newest, tl.load(k_ptr + rows, mask=newest, other=0.0), k)
     v = tl.where(newest, tl.load(v_ptr + rows, mask=newest, other=0.0), v)
     offs_h = tl.arange(0, BLOCK_H)
@@ -244,8 +245,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                      order: torch.Tensor | None = None, out: torch.Tensor | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """`num_splits` overrides the heuristic (tests and tuning). A row with seq_len 0 (padding) gets zeros.
+                     sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                     fresh_rows: int = 1) -> torch.Tensor:
+    """`num_splits` overrides the heuristic (tests and tuning). `fresh_rows`: how many of each row's newest
+    cache rows the kernels of this step wrote (1 for a decode; a verification's rows see its drafts stored this
+    step), which a launch under programmatic dependent launch reads only after waiting for them. A row with seq_len 0 (padding) gets zeros.
     `order` ([B] integers, a permutation of the rows) is the order the programs take the rows in; the result does
     not depend on it. `out`: where to write (reference.attention.attention_out). `k_scale` / `v_scale`: the
     per-kv-head scales of an fp8 cache (kv_fp8.py). `sliding_window`, `sinks`: as the reference's; splits wholly
@@ -260,6 +264,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("decode_attention: the head_dim axis must be contiguous")
     if order is not None and (order.shape != (bsz,) or order.dtype.is_floating_point):
         raise ValueError(f"decode_attention: order must be [{bsz}] integers, got {tuple(order.shape)} {order.dtype}")
+    if fresh_rows < 1:
+        raise ValueError(f"decode_attention: fresh_rows must be at least 1, got {fresh_rows}")
     out = attention_out("decode_attention", q, out)
     if bsz == 0:
         return out
@@ -289,8 +295,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _decode_tile_kernel[(hkv, bsz, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, order_arg, mid_o, mid_lse, scale * LOG2E, ks, vs,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), splits, BLOCK_N=BLOCK_N, **heads, **window, num_warps=NUM_WARPS, num_stages=1,
-            **pdl)
+            block_tables.stride(0), splits, fresh_rows, BLOCK_N=BLOCK_N, **heads, **window, num_warps=NUM_WARPS,
+            num_stages=1, **pdl)
     else:
         _decode_kernel[(hkv, bsz, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, order_arg, out, mid_o, mid_lse, scale * LOG2E, ks, vs,

@@ -2,13 +2,14 @@
 
 Every op that writes or reads the paged cache (store_kv, rope_store_kv, gemv_normed_rope_store, decode_attention,
 prefill_attention) runs with an e4m3 or e5m2 cache and random per-kv-head scales; the attention ops also with a
-sliding window and sinks (gpt-oss's layers). The 16-bit inputs come from
-selfcheck.py's builders; their caches are quantized with the same scales, and a few inputs are outliers far above
-the format's range (the stores must saturate, never write NaN). store_kv must agree with the reference bit for bit
-(on the GPU a float32 division may differ in the last place: STORE_TOL allows one entry in 1000 to be a step off).
+sliding window and sinks (gpt-oss's layers). The 16-bit inputs come from the selfcheck builders
+(selfcheck_attention.py, selfcheck.py); their caches are quantized with the same scales, and a few inputs are
+outliers far above the format's range (the stores must saturate, never write NaN). store_kv must agree with the
+reference bit for bit (on the GPU a float32 division may differ in the last place: STORE_TOL allows one entry in
+1000 to be a step off).
 The fused stores round k to bf16 first, which the CPU interpreter does by truncation (kernels/triton/rope_store.py),
 so in bf16 their caches may differ by one fp8 step here and there: bounded by half a step of relative error over the
-whole cache (HALF_STEP); in fp16 they are exact too. Attention outputs are within selfcheck.TOL.
+whole cache (HALF_STEP); in fp16 they are exact too. Attention outputs are within selfcheck_case.TOL.
 
 `python -m appliance.kernels.triton.selfcheck_fp8 cpu|gpu`: one JSON line per case (the CPU tests run it under
 TRITON_INTERPRET=1; `gpu` runs realistic_cases, Llama-3.1-8B shapes).
@@ -24,15 +25,13 @@ import torch
 
 from appliance.kernels.reference.kv_quant import FP8_MAX, quantize
 from appliance.kernels.registry import get
-from appliance.kernels.triton.selfcheck import (
-    TOL,
-    Inputs,
+from appliance.kernels.triton.selfcheck import rope_store_inputs
+from appliance.kernels.triton.selfcheck_attention import (
     decode_inputs,
     prefill_inputs,
-    rel_err,
-    rope_store_inputs,
     store_kv_inputs,
 )
+from appliance.kernels.triton.selfcheck_case import TOL, Inputs, rel_err
 from appliance.kernels.triton.selfcheck_chain import chain_args, op_args
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
