@@ -22,7 +22,8 @@
 #   spec      `python -m benchmarks.spec_decode`: EAGLE-3 at forced acceptance 2.6 / 1, batch 1 and 32, n-gram,
 #             against plain decoding of the same build
 #   fp8       `python -m benchmarks.fp8 --sections gemv,batch1,capacity,qwen3`;  fp8tput  its 1000 x 1024/1024 section
-#   models    `python -m benchmarks.models` (gpt-oss-20b and Gemma-3-12B: batch 1, throughput, KV per sequence)
+#   models    `python -m benchmarks.models` (gpt-oss-20b, Gemma-3-12B, then gpt-oss-20b with its experts kept in MXFP4:
+#             batch 1, throughput, KV per sequence)
 #   hybrid    `python -m benchmarks.hybrid` (the Qwen3-Next shape; fla-core from .whl, tools/device_wheels.sh WITH_FLA=1)
 #   coldstart `python -m benchmarks.cold_start`: `appliance serve` cold, warm and with the kernel list kept
 #   summary   the table of whatever $OUT holds (every run ends with it)

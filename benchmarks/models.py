@@ -1,7 +1,10 @@
 """The sliding-window families on dummy weights: gpt-oss-20b and Gemma-3-12B (appliance/bench/presets.py shapes).
 
-    python -m benchmarks.models                          # one H100: both models, JSON lines to stdout
+    python -m benchmarks.models                          # one H100: DEFAULT_MODELS, JSON lines to stdout
     python -m benchmarks.models --only gpt-oss-20b       # one model
+    python -m benchmarks.models --only gpt-oss-20b --only gpt-oss-20b-mxfp4 --num-prompts 32 --output-len 128
+                                                         # gpt-oss's experts dequantized, then kept in MXFP4
+    python -m benchmarks.models --only gpt-oss-120b-mxfp4 --num-prompts 32 --output-len 128   # 120b, one GPU
     python -m benchmarks.models --only gemma-3-12b --enforce-eager   # the same without CUDA graphs
     python -m benchmarks.models --quick                  # tiny shapes of the same families on the CPU (a test)
 
@@ -14,6 +17,9 @@ Per model, through the offline runners of appliance/bench (EOS ignored: every re
   steps, decode graphs and piecewise graphs alike; speculative decoding, the host tier and recurrent state still
   keep one table for every layer, the whole context), the bytes, and their ratio to every layer keeping the whole
   context (`ratio`: the groups'; `allocated_ratio`: this run's).
+`gpt-oss-20b-mxfp4` is gpt-oss-20b with precision.moe_weight_format = mxfp4: dummy experts drawn as MXFP4 codes
+and scales, run by the fused_moe_mxfp4 kernel (kernels/moe/triton_mxfp4.py); --quick leaves it out (on the CPU that
+kernel needs Triton's interpreter). `gpt-oss-120b-mxfp4` (only when named) is gpt-oss-120b on one GPU that way.
 Each model runs in its own process (a GPU engine's memory is only certainly back when its process ends).
 """
 from __future__ import annotations
@@ -32,7 +38,15 @@ from appliance.bench.presets import write_model_dir
 from appliance.bench.workloads import random_workload
 from appliance.engine.kv_groups import kv_groups
 
-MODELS = ("gpt-oss-20b", "gemma-3-12b")
+MODELS = ("gpt-oss-20b", "gemma-3-12b", "gpt-oss-20b-mxfp4", "gpt-oss-120b-mxfp4")
+# a measured name -> (its preset in appliance/bench/presets.py, the LLM settings that differ)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt-oss-20b-mxfp4": ("gpt-oss-20b", {"moe_weight_format": "mxfp4"}),
+    "gpt-oss-120b-mxfp4": ("gpt-oss-120b", {"moe_weight_format": "mxfp4"}),  # one GPU only this way
+}
+# the MXFP4 row last, so a run cut short by a time limit still has the earlier rows; the 120b runs when named
+DEFAULT_MODELS = ("gpt-oss-20b", "gemma-3-12b", "gpt-oss-20b-mxfp4")
+QUICK_MODELS = ("gpt-oss-20b", "gemma-3-12b")
 # --quick: the same families at a size the CPU runs in seconds (two layers, one of each kind)
 QUICK = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "query_pre_attn_scalar": 16,
@@ -42,7 +56,7 @@ QUICK = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "nu
 
 
 def model_dir(name: str, out: Path, quick: bool) -> Path:
-    path = write_model_dir(name, out)
+    path = write_model_dir(VARIANTS.get(name, (name, {}))[0], out)
     if quick:
         config = json.loads((path / "config.json").read_text())
         config.update({k: v for k, v in QUICK.items() if k in config})
@@ -78,11 +92,13 @@ def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
 
     path = model_dir(name, workdir / name, args.quick)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    settings = VARIANTS.get(name, (name, {}))[1]
     llm = LLM(model=str(path), load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, **settings,
               **({"device": "cpu", "dtype": "float32"} if args.quick else {}))
     runner = llm.executor.runner
-    out: dict[str, Any] = {"model": name, "backend": runner.backend, "device": str(runner.device),
+    out: dict[str, Any] = {"model": name, "settings": settings, "backend": runner.backend,
+                           "device": str(runner.device),
                            "cuda_graphs": runner.graphs is not None,
                            "kv_per_sequence": kv_per_sequence(runner, args.kv_context)}
     offline.capture_graphs(llm, args.b1_input + args.b1_output)
@@ -103,7 +119,8 @@ def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=MODELS, action="append", help="a model (repeatable); default: both")
+    p.add_argument("--only", choices=MODELS, action="append",
+                   help=f"a model (repeatable); default: {', '.join(DEFAULT_MODELS)}")
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=1024)
@@ -122,14 +139,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def without_only(argv: list[str]) -> list[str]:
+    """argv less its `--only NAME` / `--only=NAME` choices (each child process is given one of its own)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip or arg.startswith("--only="):
+            skip = False
+            continue
+        skip = arg == "--only"
+        if not skip:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    names = args.only or list(MODELS)
+    names = args.only or list(QUICK_MODELS if args.quick else DEFAULT_MODELS)
     if len(names) > 1 and not args.quick:
         # one process per model: a GPU engine's memory is only certainly back when its process ends
-        argv = sys.argv[1:] if argv is None else argv
+        rest = without_only(sys.argv[1:] if argv is None else argv)
         for name in names:
-            subprocess.run([sys.executable, "-m", "benchmarks.models", *argv, "--only", name], check=True)
+            subprocess.run([sys.executable, "-m", "benchmarks.models", *rest, "--only", name], check=True)
         return []
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:

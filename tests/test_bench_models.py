@@ -8,7 +8,7 @@ def test_quick_run_measures_every_model() -> None:
     from benchmarks import models
 
     results = models.main(["--quick"])
-    assert [r["model"] for r in results] == list(models.MODELS)
+    assert [r["model"] for r in results] == list(models.QUICK_MODELS)
     for r in results:
         kv = r["kv_per_sequence"]
         # two tiny layers, one of each kind: 64 tokens are 4 blocks of 16; the window of 8 keys spans at most 2
@@ -21,3 +21,11 @@ def test_quick_run_measures_every_model() -> None:
         assert r["batch1_decode_ms_per_token"] > 0
         tp = r["throughput"]
         assert tp["output_tok_s"] == pytest.approx(tp["num_prompts"] * tp["output_len"] / tp["seconds"])
+
+
+def test_each_child_process_measures_one_model() -> None:
+    """Several --only choices run one process each, given that model alone (not the parent's list again)."""
+    from benchmarks import models
+
+    argv = ["--only", "gpt-oss-20b", "--num-prompts", "32", "--only=gpt-oss-20b-mxfp4", "--output-len", "128"]
+    assert models.without_only(argv) == ["--num-prompts", "32", "--output-len", "128"]

@@ -147,7 +147,8 @@ def test_mem_available_reads_the_machine() -> None:
 
 def test_check_weight_memory_raises_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _hf_config("qwen3_moe")
-    config = SimpleNamespace(precision=SimpleNamespace(quantization=None), backends=SimpleNamespace(moe="auto"),
+    config = SimpleNamespace(precision=SimpleNamespace(quantization=None, moe_weight_format="dequantized"),
+                             backends=SimpleNamespace(moe="auto"),
                              cache=SimpleNamespace(gpu_memory_utilization=0.9),
                              parallelism=SimpleNamespace(nprocs_per_node=None, effective_world_size=1, nnodes=1))
     need = _estimate(cfg, torch.float32).bytes_per_rank

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from appliance.kernels.reference.attention import decode_attention, prefill_attention
-from appliance.layers import mxfp4
+from appliance.kernels import mxfp4
 from appliance.models import registry
 from test_models_vs_transformers import NEW, PROMPTS, each_setup_matching, greedy_params
 

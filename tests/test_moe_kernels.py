@@ -1,5 +1,6 @@
 """Expert routing against transformers' routers, the torch fused_moe against a dense per-token loop, the Triton
-fused MoE (and the fp8 block GEMM) against the torch reference under TRITON_INTERPRET=1, GPU shapes on a GPU."""
+fused MoE (16-bit, fp8 and MXFP4 experts; and the fp8 block GEMM) against the torch reference under
+TRITON_INTERPRET=1, GPU shapes on a GPU."""
 from __future__ import annotations
 
 
@@ -138,8 +139,8 @@ def interpreted() -> dict[tuple[str, str], dict]:
 def _cases() -> list[tuple[str, str]]:
     from appliance.kernels.moe import selfcheck as sc
 
-    return [("fused_moe", c.name) for c in sc.small_cases()] + [("fp8_block_matmul", c.name)
-                                                                for c in sc.small_gemm_cases()]
+    return [("fused_moe_mxfp4" if c.mxfp4 else "fused_moe", c.name) for c in sc.small_cases()] + [
+        ("fp8_block_matmul", c.name) for c in sc.small_gemm_cases()]
 
 
 @pytest.mark.parametrize(("op", "case"), _cases(), ids=[f"{o}-{c}" for o, c in _cases()])

@@ -201,7 +201,18 @@ def check_model(cfg: ApplianceConfig) -> list[Problem]:
     if cfg.parallelism.enable_expert_parallel and mc and experts is None:
         out.append(Problem("parallelism.enable_expert_parallel", "the model has no MoE experts", "warning"))
     out += _speculative_model(cfg, mc)
+    out += _mxfp4_experts(cfg, mc)
     return out
+
+
+def _mxfp4_experts(cfg: ApplianceConfig, mc: dict[str, Any]) -> list[Problem]:
+    """precision.moe_weight_format = mxfp4 keeps experts that ship in MXFP4: gpt-oss's (models/gpt_oss.py refuses
+    the others at start-up)."""
+    if cfg.precision.moe_weight_format != "mxfp4" or mc.get("model_type") == "gpt_oss":
+        return []
+    return [Problem("precision.moe_weight_format", "mxfp4 keeps the experts of models that ship them in MXFP4 "
+                    f"(gpt-oss); this model ({mc.get('model_type')}) has none: the workers refuse to start",
+                    "warning")]
 
 
 def _speculative_model(cfg: ApplianceConfig, mc: dict[str, Any]) -> list[Problem]:

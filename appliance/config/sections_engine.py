@@ -112,6 +112,12 @@ class PrecisionSection(Section):
         "activation dtype (the layers whose keys and values quantize worst in many models).",
         flags=("--kv-cache-high-precision-layers", "--kv-high-precision-layers"), ge=0)
     quantization: Quantization | None = param(None, "Weight quantization of the checkpoint. Unset: none.")
+    moe_weight_format: Literal["dequantized", "mxfp4"] = param(
+        "dequantized", "How the experts of a model that ships them in MXFP4 (gpt-oss) are kept: `dequantized` to the "
+        "model dtype at load (any device, any MoE backend); `mxfp4` as shipped, 4.25 bits a weight (about a quarter "
+        "of the bf16 bytes, so gpt-oss-120b fits one 80 GB GPU and a decode step reads a quarter of the expert "
+        "bytes), run by the Triton fused MoE that dequantizes weight tiles in registers: a GPU with backends.moe "
+        "triton (auto picks it there). With `mxfp4` a 16-bit checkpoint's experts are rounded to MXFP4 at load.")
     quantization_param_path: str | None = param(
         None, "JSON file with KV cache scaling factors, commonly needed with an fp8 KV cache.")
 

@@ -108,6 +108,11 @@ UNSUPPORTED: list[Unsupported] = [
                 lambda c: c.precision.quantization not in (None, "fp8", "w8a8_fp8", "modelopt", "compressed-tensors"),
                 "only fp8 quantization (fp8: block fp8 or online; w8a8_fp8; modelopt and compressed-tensors fp8 "
                 "checkpoints) is supported in this build"),
+    Unsupported("precision.moe_weight_format",
+                lambda c: c.precision.moe_weight_format == "mxfp4"
+                and (c.backends.moe not in ("auto", "triton") or not _importable("triton")),
+                "MXFP4 experts run on the Triton fused MoE only: backends.moe auto or triton, with the triton "
+                "package installed (or precision.moe_weight_format = dequantized)"),
     Unsupported("precision.kv_cache_dtype", lambda c: c.precision.kv_cache_dtype == "nvfp4",
                 "nvfp4 KV caches are not supported in this build (fp8, fp8_e4m3 and fp8_e5m2 are)"),
     Unsupported("precision.kv_cache_dtype",

@@ -137,7 +137,7 @@ def describe(hf_config: PretrainedConfig, estimate: WeightEstimate, quantization
 
 
 def shortfall_message(need: int, budget: MemoryBudget, what: str, device: torch.device,
-                      estimate: WeightEstimate) -> str:
+                      estimate: WeightEstimate, mxfp4_experts: bool = False) -> str:
     unit = "GPU" if device.type == "cuda" else "worker"
     text = f"model weights need {need / GIB:.1f} GiB per {unit} ({what})"
     if estimate.final_bytes_per_rank != need:
@@ -148,7 +148,10 @@ def shortfall_message(need: int, budget: MemoryBudget, what: str, device: torch.
              if device.type == "cuda" else "use a machine with more memory or more nodes (parallelism.nnodes)"]
     if device.type == "cuda":
         hints.append("raise cache.gpu_memory_utilization")
-    if estimate.dtypes and estimate.dtypes[0] in ("float32", "bfloat16", "float16"):
+    if mxfp4_experts:  # experts that ship in MXFP4, dequantized here
+        hints.append('keep the experts in MXFP4 (precision.moe_weight_format = "mxfp4", about a quarter of their '
+                     'bytes)')
+    elif estimate.dtypes and estimate.dtypes[0] in ("float32", "bfloat16", "float16"):
         hints.append('quantize the weights (precision.quantization = "fp8")')
     hints.append("or pick a smaller model")
     return text + ", ".join(hints)
@@ -158,19 +161,19 @@ def check_weight_memory(config: ApplianceConfig, hf_config: PretrainedConfig, dt
                         device: torch.device, backend: str, model_dir: Path | None = None) -> WeightEstimate:
     """Raise WeightMemoryError naming the shortfall when this rank's weights exceed its memory budget.
     Called by ModelRunner right before it builds the model (the parallel state is initialised by then)."""
+    from appliance.executor.runner_setup import model_kwargs
     from appliance.layers.parallel_state import get_ep_size, get_tp_size
     from appliance.models.registry import model_class
 
     cls = model_class(hf_config)
-    kwargs: dict[str, Any] = {"backend": backend}
-    if getattr(cls, "is_moe", False):
-        from appliance.layers.moe import resolve_moe_backend
-
-        kwargs["moe_backend"] = resolve_moe_backend(config.backends.moe, backend)
+    kwargs: dict[str, Any] = {"backend": backend, **model_kwargs(cls, config, backend)}
     quantization = config.precision.quantization
     estimate = estimate_weights(cls, hf_config, dtype, kwargs, quantization, model_dir)
     budget = memory_budget(device, float(config.cache.gpu_memory_utilization), local_workers(config.parallelism))
     if estimate.bytes_per_rank > budget.bytes:
         what = describe(hf_config, estimate, quantization, get_tp_size(), get_ep_size())
-        raise WeightMemoryError(shortfall_message(estimate.bytes_per_rank, budget, what, device, estimate))
+        dequantized_mxfp4 = (getattr(cls, "mxfp4_experts", False)
+                             and config.precision.moe_weight_format == "dequantized")
+        raise WeightMemoryError(shortfall_message(estimate.bytes_per_rank, budget, what, device, estimate,
+                                                  dequantized_mxfp4))
     return estimate

@@ -17,7 +17,7 @@ from torch import nn
 
 from appliance.config.hf_cache import ModelNotFound, resolve_model_dir  # noqa: F401  (re-exported)
 from appliance.executor.kv_scales import CheckpointKVScales
-from appliance.executor.runner_setup import bind_decode_kernels
+from appliance.executor.runner_setup import bind_decode_kernels, model_kwargs
 from appliance.executor.startup import STARTUP
 from appliance.models.config_json import read_config_json
 from appliance.models.registry import model_class
@@ -180,7 +180,11 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         gen = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-        if param.element_size() == 1:  # fp8 (layers/fp8.py): torch draws no random numbers in it; draw, then cast
+        if param.dtype == torch.uint8:  # MXFP4 experts (kernels/mxfp4.py): every code, and scales that make them
+            # as small as the other dummy weights (a mean magnitude of ~2.3 times 2^-12 .. 2^-10)
+            low, high = (115, 118) if name.endswith("_scales") else (0, 256)
+            param.data.random_(low, high, generator=gen)
+        elif param.element_size() == 1:  # fp8 (layers/fp8.py): torch draws no random numbers in it; draw, then cast
             # Use the whole e4m3 range, as real quantised weights do (each tile's amax maps to 448): values drawn
             # near zero would round to zeros, which run faster than real data. The scales below bring the
             # effective weights back to the same small magnitude as the other dummy weights.
@@ -235,11 +239,7 @@ def build_model(runner: ModelRunner, load_format: str,
     torch.set_default_dtype(runner.dtype)
     try:
         with STARTUP.phase("building the model"), torch.device(runner.device):
-            extra = {}
-            if getattr(cls, "is_moe", False):  # backends.moe picks the fused_moe kernels (models/mixtral.py)
-                from appliance.layers.moe import resolve_moe_backend
-
-                extra["moe_backend"] = resolve_moe_backend(runner.config.backends.moe, runner.backend)
+            extra = model_kwargs(cls, runner.config, runner.backend)
             if getattr(cls, "builds_mtp_on_request", False):  # its MTP layer only when it drafts (qwen3_next.py)
                 extra["with_mtp"] = runner.config.speculative.algorithm == "MTP"
             model = cls(runner.hf_config, backend=runner.backend, **extra)

@@ -51,6 +51,29 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return "torch"
 
 
+def model_kwargs(model_cls: type, config: ApplianceConfig, attention_backend: str) -> dict[str, Any]:
+    """The MoE keywords of a model's constructor (model_loader and memory_check build it alike): moe_backend
+    (backends.moe: the fused_moe kernels, models/mixtral.py), and moe_weight_format where it is not the default.
+    `mxfp4` needs a model whose experts ship in MXFP4 (`mxfp4_experts`) and the Triton MoE: ValueError at
+    start-up otherwise."""
+    kwargs: dict[str, Any] = {}
+    if getattr(model_cls, "is_moe", False):
+        from appliance.layers.moe import resolve_moe_backend
+
+        kwargs["moe_backend"] = resolve_moe_backend(config.backends.moe, attention_backend)
+    fmt = config.precision.moe_weight_format
+    if fmt == "dequantized":
+        return kwargs
+    if not getattr(model_cls, "mxfp4_experts", False):
+        raise ValueError(f"precision.moe_weight_format = {fmt!r} applies to models whose experts ship in MXFP4 "
+                         f"(gpt-oss); {model_cls.__name__} has none")
+    if kwargs.get("moe_backend") != "triton":
+        raise ValueError(f"precision.moe_weight_format = {fmt!r} runs on the Triton fused MoE, but backends.moe "
+                         f"resolved to {kwargs.get('moe_backend')!r} (auto follows the attention backend, here "
+                         f"{attention_backend!r}: triton on a GPU)")
+    return {**kwargs, "moe_weight_format": fmt}
+
+
 def bind_decode_kernels(model: torch.nn.Module, backend: str, decode_chain: bool) -> None:
     """Decode-sized batches stream weights through `backend`'s GEMV (layers/linear.py use_gemv_kernel) and, where
     backends.decode_chain is on and every layer is served, through the fused decode chain (layers/decode_chain.py);

@@ -1,4 +1,5 @@
-"""The Triton fused MoE against the torch reference on random shapes; one JSON line per case.
+"""The Triton fused MoE (16-bit, fp8 and MXFP4 experts) against the torch reference on random shapes; one JSON
+line per case.
 
     TRITON_INTERPRET=1 python -m appliance.kernels.moe.selfcheck cpu     # small shapes, CPU interpreter
     python -m appliance.kernels.moe.selfcheck cuda                       # realistic shapes on a GPU
@@ -6,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import zlib
 from collections.abc import Iterator
@@ -27,6 +29,7 @@ class Case:
     tol: float = 2e-3
     gpt_oss: bool = False  # expert biases and the clamped SwiGLU
     fp8_rows: bool = False  # fp8 weights with one scale per output row (per-tensor / per-channel checkpoints)
+    mxfp4: bool = False  # MXFP4 experts (op fused_moe_mxfp4): random codes and random scales
 
 
 def small_cases() -> list[Case]:
@@ -41,6 +44,15 @@ def small_cases() -> list[Case]:
         Case("fp8_rows_bf16_prefill_tiles", 70, 96, 80, 4, 2, torch.bfloat16, fp8_rows=True, tol=3e-2),
         Case("gpt_oss_bias_clamp", 13, 64, 48, 8, 4, torch.float32, gpt_oss=True),
         Case("gpt_oss_prefill_bf16", 70, 64, 32, 4, 4, torch.bfloat16, gpt_oss=True, tol=3e-2),
+        # MXFP4: every code and a spread of scales; steps of two groups, and of one where hidden is 3 groups
+        Case("mxfp4_one_token", 1, 64, 32, 4, 2, torch.float32, gpt_oss=True, mxfp4=True, tol=1e-5),
+        Case("mxfp4_ragged", 13, 96, 64, 8, 4, torch.float32, gpt_oss=True, mxfp4=True, tol=1e-5),
+        Case("mxfp4_prefill_tiles", 70, 64, 96, 2, 2, torch.float32, mxfp4=True, tol=1e-5),
+        # 16-bit activations take tl.dot_scaled: prefill and decode tiles, bf16 and fp16 (tolerances under the
+        # error of one scale group off by a factor of 2)
+        Case("mxfp4_bf16", 70, 64, 32, 4, 4, torch.bfloat16, gpt_oss=True, mxfp4=True, tol=1e-2),
+        Case("mxfp4_bf16_decode", 5, 96, 64, 8, 4, torch.bfloat16, gpt_oss=True, mxfp4=True, tol=1e-2),
+        Case("mxfp4_fp16", 9, 64, 96, 4, 2, torch.float16, mxfp4=True, tol=3e-3),
     ]
 
 
@@ -54,6 +66,12 @@ def gpu_cases() -> list[Case]:
         Case("deepseek_v3_fp8", 256, 7168, 2048, 32, 8, torch.bfloat16, fp8_block=(128, 128), tol=3e-2),
         Case("gpt_oss_20b_decode", 1, 2880, 2880, 32, 4, torch.bfloat16, gpt_oss=True, tol=3e-2),
         Case("gpt_oss_20b_batch256", 256, 2880, 2880, 32, 4, torch.bfloat16, gpt_oss=True, tol=3e-2),
+        Case("gpt_oss_20b_mxfp4_decode", 1, 2880, 2880, 32, 4, torch.bfloat16, gpt_oss=True, mxfp4=True, tol=2e-2),
+        Case("gpt_oss_20b_mxfp4_batch32", 32, 2880, 2880, 32, 4, torch.bfloat16, gpt_oss=True, mxfp4=True,
+             tol=2e-2),
+        Case("gpt_oss_120b_mxfp4_prefill", 2048, 2880, 2880, 128, 4, torch.bfloat16, gpt_oss=True, mxfp4=True,
+             tol=2e-2),
+        Case("gpt_oss_20b_mxfp4_float32", 16, 2880, 2880, 32, 4, torch.float32, gpt_oss=True, mxfp4=True, tol=1e-4),
     ]
 
 
@@ -85,10 +103,28 @@ def run_case(case: Case, device: str) -> dict[str, object]:
         extra = {"w13_bias": torch.randn(case.experts, 2 * case.inter, generator=gen).to(case.dtype).to(device),
                  "w2_bias": torch.randn(case.experts, case.hidden, generator=gen).to(case.dtype).to(device),
                  "swiglu_limit": 1.0, "swiglu_alpha": 1.702}
-    ref = registry.get("fused_moe", "torch")(*args, *scales, case.fp8_block, **extra).float()
-    got = registry.get("fused_moe", "triton")(*args, *scales, case.fp8_block, **extra).float()
+    if case.mxfp4:
+        experts = random_mxfp4(case, gen)
+        args = (args[0], *(t.to(device) for t in experts), *args[3:])
+        ref = registry.get("fused_moe_mxfp4", "torch")(*args, **extra).float()
+        got = registry.get("fused_moe_mxfp4", "triton")(*args, **extra).float()
+    else:
+        ref = registry.get("fused_moe", "torch")(*args, *scales, case.fp8_block, **extra).float()
+        got = registry.get("fused_moe", "triton")(*args, *scales, case.fp8_block, **extra).float()
     err = ((got - ref).norm() / ref.norm().clamp(min=1e-6)).item()
-    return {"op": "fused_moe", "case": case.name, "err": err, "tol": case.tol}
+    return {"op": "fused_moe_mxfp4" if case.mxfp4 else "fused_moe", "case": case.name, "err": err, "tol": case.tol}
+
+
+def random_mxfp4(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(w13_blocks, w13_scales, w2_blocks, w2_scales): uniformly random bytes (every e2m1 code, both signs) and
+    scales spread over 2^-3 .. 2^2 around 1 / (6 sqrt(K)), so each output sums K terms of unit-scale size."""
+    out: list[torch.Tensor] = []
+    for n, k in ((2 * case.inter, case.hidden), (case.hidden, case.inter)):
+        blocks = torch.randint(0, 256, (case.experts, n, k // 2), generator=gen, dtype=torch.uint8)
+        centre = 127 - round(math.log2(6 * k**0.5))
+        scales = torch.randint(centre - 3, centre + 3, (case.experts, n, k // 32), generator=gen).to(torch.uint8)
+        out += [blocks, scales]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -132,7 +168,7 @@ def run_gemm_case(case: GemmCase, device: str) -> dict[str, object]:
 
 def run(cases: list[Case | GemmCase], device: str) -> Iterator[dict[str, object]]:
     for case in cases:
-        op = "fused_moe" if isinstance(case, Case) else "fp8_block_matmul"
+        op = ("fused_moe_mxfp4" if case.mxfp4 else "fused_moe") if isinstance(case, Case) else "fp8_block_matmul"
         try:
             yield run_case(case, device) if isinstance(case, Case) else run_gemm_case(case, device)
         except Exception as exc:  # noqa: BLE001 - report every case, the test names the failure

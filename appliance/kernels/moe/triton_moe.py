@@ -24,7 +24,6 @@ from appliance.kernels.registry import register
 from appliance.kernels.triton.common import INTERPRET, mma
 
 
-
 @dataclass(frozen=True)
 class MoeTiles:
     block_m: int
@@ -71,6 +70,16 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
 
 
 @triton.jit
+def gated_activation(acc_g, acc_u, limit, alpha, CLAMPED: tl.constexpr):
+    """silu(gate) * up, or gpt-oss's clamped SwiGLU (reference.gated_activation), on float32 tiles."""
+    if CLAMPED:
+        gate = tl.minimum(acc_g, limit)
+        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        return (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pairs, inter, hidden,
                     stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -103,12 +112,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
     if BIAS:  # [E, 2I]: gate biases, then up biases
         acc_g += tl.load(bias_ptr + e * 2 * inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bias_ptr + e * 2 * inter + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if CLAMPED:
-        gate = tl.minimum(acc_g, limit)
-        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        act = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
-    else:
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    act = gated_activation(acc_g, acc_u, limit, alpha, CLAMPED)
     tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 

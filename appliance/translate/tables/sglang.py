@@ -173,7 +173,11 @@ FLAGS = (
             "deprecated in SGLang (use --ep-size); turns expert parallelism on", EP, arity="flag"),
     similar("--enable-deepep-moe", "backends.all2all", "deprecated in SGLang (use --moe-a2a-backend deepep)",
             EP, arity="flag", const="deepep"),
-    *nones(EP, "expert placement and load balancing are not configurable", "--flashinfer-mxfp4-moe-precision",
+    similar("--flashinfer-mxfp4-moe-precision", "precision.moe_weight_format",
+            "SGLang's activation precision of its FlashInfer MXFP4 MoE (default mxfp8, or bf16); either keeps the "
+            "experts in MXFP4, as mxfp4 does here, where the activations keep the model dtype", EP,
+            values=(("bf16", "mxfp4"), ("default", "mxfp4")), closed=True),
+    *nones(EP, "expert placement and load balancing are not configurable",
            "--deepep-config", "--ep-num-redundant-experts", "--ep-dispatch-algorithm", "--init-expert-location",
            "--eplb-algorithm", "--eplb-rebalance-layers-per-chunk",
            "--eplb-min-rebalancing-utilization-threshold", "--expert-distribution-recorder-mode",

@@ -1,10 +1,13 @@
-"""MXFP4 (OCP microscaling FP4), the format gpt-oss ships its expert weights in, dequantized at load.
+"""MXFP4 (OCP microscaling FP4), the format gpt-oss ships its expert weights in: dequantized at load, or kept as
+it is for the fused MoE kernel that dequantizes tiles in registers (kernels/moe/triton_mxfp4.py).
 
 A checkpoint stores each expert matrix [..., N, K] as `<name>_blocks` uint8 [..., N, K / 32, 16] (two e2m1 values
 per byte, the low nibble first) and `<name>_scales` uint8 [..., N, K / 32] (a power-of-two exponent per 32 values,
 biased by 127). `dequantize` gives back the [..., N, K] matrix the checkpoint's values encode, exactly (every
 e2m1 value times a power of two is representable in bf16 and float32). `quantize` is its inverse for tests and
 tools: round to the nearest e2m1 value with the block's scale chosen so the block's largest magnitude fits 6.0.
+The kernels take the blocks with their last two dimensions flattened, [..., N, K / 2] (`packed`), which is the
+same bytes in the same order.
 """
 from __future__ import annotations
 
@@ -44,3 +47,13 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = codes | ((scaled < 0) & (codes > 0)).long() << 3
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
     return packed, (exponent + SCALE_BIAS).to(torch.uint8)
+
+
+def packed(blocks: torch.Tensor) -> torch.Tensor:
+    """blocks [..., N, G, 16] -> [..., N, G * 16]: one row of bytes per output row, two k values per byte."""
+    return blocks.flatten(-2)
+
+
+def unpacked(blocks: torch.Tensor) -> torch.Tensor:
+    """[..., N, K / 2] -> blocks [..., N, K / 32, 16], the layout `dequantize` reads."""
+    return blocks.unflatten(-1, (-1, BLOCK // 2))
