@@ -269,7 +269,8 @@ def gpu_llm(path: Path, **overrides: Any) -> LLM:
 def test_gpu_tree_greedy_parity(tiny_model: Path, drafters: dict[str, Path], algorithm: str, key: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    # a 40-token prompt: two full blocks of 16, one left to hit once an EAGLE drafter gives back the last one
+    prompts = [{"prompt_token_ids": p} for p in [*PROMPTS, list(range(40, 60)) * 2]]
     want = [o.outputs[0].token_ids for o in gpu_llm(tiny_model).generate(prompts, params)]
     drafter = tiny_model if key == "target" else drafters[key]
     llm = gpu_llm(tiny_model, **tree_kwargs(algorithm, drafter, 3, 3, 8))
