@@ -23,7 +23,7 @@ import torch
 
 from appliance.engine.config import StepTokens
 from appliance.engine.sampling_params import SamplingParams
-from appliance.engine.step import NewRequestData, SampledToken, StepPlan, StepResult
+from appliance.engine.step import NewRequestData, StepPlan, StepResult
 from appliance.executor import (
     compile_ahead,
     inflight,
@@ -33,8 +33,10 @@ from appliance.executor import (
     memory_profile,
     speculative,
     state_cache,
+    step_sampling,
     swap_cost,
     warmup,
+    window_groups,
 )
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
 from appliance.executor.cuda_graph import (
@@ -71,9 +73,8 @@ from appliance.executor.runner_setup import (
     resolve_device,
     resolve_max_model_len,
 )
-from appliance.executor.sampler import Sampler, prompt_logprobs
+from appliance.executor.sampler import Sampler
 from appliance.executor.startup import STARTUP
-from appliance.executor import window_groups
 from appliance.executor.state_cache import make_state_cache
 from appliance.executor.window_table import WindowDeviceTables
 from appliance.kernels.reference.kv_quant import is_fp8
@@ -82,17 +83,33 @@ from appliance.models.registry import model_class
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
+    from appliance.executor.kv_scales import CheckpointKVScales
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
     def __init__(self, config: ApplianceConfig) -> None:
+        self.config = config
+        STARTUP.enter("reading the model config")  # ends where the next phase begins
+        self._settle(config)
+        self.model, kv_scales = build_model(self, config.model.load_format,
+                                            config.model.seed)  # start-up phases: executor/startup.py
+        self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
+        # a drafter's caches share the block table and the KV budget (none without speculation, or for n-gram)
+        self.draft_model = speculative.load_drafter(config, self)
+        layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model,
+                                                                                    self.draft_model)
+        self._build_caches(config, layers, kv_scales)
+        self._build_step_state(config)
+        self._prepare_serving(config, layers)
+
+    def _settle(self, config: ApplianceConfig) -> None:
+        """Device, model directory and config, dtype, backend and lengths (runner_setup.py); the weights' memory
+        is checked here, before anything is allocated."""
         from appliance.config import resolve_model_path
 
         m = config.model
-        self.config = config
-        STARTUP.enter("reading the model config")  # ends where the next phase begins
         self.device = resolve_device(m.device)
         _check_supported(config, self.device)
         self.model_dir = resolve_model_dir(resolve_model_path(m.path), m.revision, m.download_dir)
@@ -109,12 +126,12 @@ class ModelRunner:
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend,
                             self.model_dir)  # fail before allocating
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
-        self.model, kv_scales = build_model(self, m.load_format, m.seed)  # start-up phases: executor/startup.py
-        self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
-        # a drafter's caches share the block table and the KV budget (none without speculation, or for n-gram)
-        self.draft_model = speculative.load_drafter(config, self)
-        layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model,
-                                                                                    self.draft_model)
+
+    def _build_caches(self, config: ApplianceConfig, layers: list[torch.nn.Module],
+                      kv_scales: CheckpointKVScales) -> None:
+        """The KV cache (its size from the memory profile), the device block tables, the state cache of hybrid
+        models and the host and disk tiers, bound to their layers. The profile measures the step with the tables
+        and state cache already allocated, so the KV budget leaves room for them."""
         kv_dtype = kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype, self.dtype)
         high = kv_cache.high_precision_layers(config.precision.kv_cache_high_precision_layers,
                                               len(self.model.attention_layers()))
@@ -125,12 +142,11 @@ class ModelRunner:
             log.info("the checkpoint ships fp8 KV cache scales; a %s cache does not use them (they apply with "
                      "precision.kv_cache_dtype = fp8)", kv_dtype)
         self.max_blocks = -(-self.max_model_len // self.block_size)
-        # before the profile, so its peak (and so the KV budget) counts it; one row per request the scheduler
-        # may run at once (prefilling ones included; speculative decoding adds rows to no request)
+        # one row per request the scheduler may run at once (prefilling ones included; speculative decoding adds
+        # rows to no request)
         self.block_table = DeviceBlockTable(config.scheduler.max_num_seqs, self.max_blocks, self.device,
                                             "torch" if self.backend == "torch" else None)
-        # hybrid models: per-request recurrent states beside the KV cache, one slot per table row (state_cache.py);
-        # allocated before the profile, so gpu_memory_utilization covers both
+        # hybrid models: per-request recurrent states beside the KV cache, one slot per table row (state_cache.py)
         self.state_cache = make_state_cache(self, config.scheduler.max_num_seqs)
         # sliding layers in pools of their own where the run allows (window_groups.py), tables on the device too
         sliding = window_groups.sliding_groups(self)
@@ -151,13 +167,16 @@ class ModelRunner:
         self.host_copier.bind_layers(layers)
         self.host_kv, self.num_host_blocks = self.host_copier.host_caches, self.host_copier.num_host_slots
         self.num_disk_blocks = self.host_copier.num_disk_slots
-        self.sampler = Sampler(self.eos_token_ids, m.seed)
+
+    def _build_step_state(self, config: ApplianceConfig) -> None:
+        """Samplers, the live requests, the upload stagers, the steps in flight and the graphs."""
+        self.sampler = Sampler(self.eos_token_ids, config.model.seed)
         self.batch_sampler = BatchSampler(self.sampler, self.device,
                                           gpu_sample_op(self.device, config.backends.sampling))
         self.requests = LiveRequests(self.block_table)  # adding a request gives it a table row, dropping frees it
         # per-request grammar / thinking-budget processors, made on the first request that needs them
         self.logits_processors: logits_processors.LogitsProcessors | None = None
-        self._noise_seeds = random.Random(m.seed)  # per-request streams of the GPU sampler
+        self._noise_seeds = random.Random(config.model.seed)  # per-request streams of the GPU sampler
         self._stager = Stager(self.device)
         self._pending_stager, self._rows_stager = Stager(self.device), Stager(self.device)
         self._inflight: deque[StepHandle] = deque()  # launched, not finished (overlap mode), in launch order
@@ -166,6 +185,9 @@ class ModelRunner:
         self.pieces = self._make_pieces()  # mixed / prefill steps' forward in graph pieces (piecewise.py)
         # Llama-family kernels on a GPU: prefill batches padded so the Triton variants recur (input_batch.py)
         self._pad_prefills = self.device.type == "cuda" and bool(getattr(self.model, "supports_cuda_graphs", False))
+
+    def _prepare_serving(self, config: ApplianceConfig, layers: list[torch.nn.Module]) -> None:
+        """The warm-up, the start-up measurements, fp8 KV calibration and the speculator, in that order."""
         self.spec: speculative.Speculator | None = None  # the warm-up's steps run without it
         self.kv_calibration: kv_calibration.KVCalibration | None = None  # and without calibration (armed below)
         self.warmup_s = self.warmup() if self.graphs is not None else 0.0
@@ -246,7 +268,7 @@ class ModelRunner:
         chunks = [self._chunk(s.request_id, s.num_tokens, s.new_block_ids, s.sample) for s in plan.scheduled]
         if not chunks:
             return StepHandle(plan.step_id, StepResult(plan.step_id))
-        deferred = self._deferrable(chunks)
+        deferred = step_sampling.deferrable(self, chunks)
         if not deferred:
             self.flush()
         with torch.inference_mode():
@@ -255,9 +277,9 @@ class ModelRunner:
             # rows run decodes first; when that moved chunks, results go back to the plan's order
             order = None if ordered is chunks else {s.request_id: i for i, s in enumerate(plan.scheduled)}
             if deferred:
-                handle = self._sample_deferred(plan.step_id, ordered, row_starts, hidden, order)
+                handle = step_sampling.sample_deferred(self, plan.step_id, ordered, row_starts, hidden, order)
             else:
-                sampled, prompt_lps = self._logits_and_sample(ordered, row_starts, hidden)
+                sampled, prompt_lps = step_sampling.sample_now(self, ordered, row_starts, hidden)
                 if order is not None:
                     sampled.sort(key=lambda t: order[t.request_id])
                 handle = StepHandle(plan.step_id, StepResult(plan.step_id, sampled, prompt_lps))
@@ -278,26 +300,6 @@ class ModelRunner:
         """Finish every step in flight: afterwards every request's token_ids is complete."""
         while self._inflight:
             inflight.complete(self._inflight.popleft())
-
-    def _deferrable(self, chunks: list[Chunk]) -> bool:
-        """Every sampled row samples on the device, nothing needs the host's token history this step, and no
-        multi-token chunk reads a token still in flight."""
-        sampling = [c.state for c in chunks if c.sample]
-        return (all(not c.wants_prompt_logprobs and (c.num_tokens == 1 or c.start + c.num_tokens <= len(
-                    c.state.token_ids)) for c in chunks)
-                and not any(logits_processors.wants_processors(s.params.extra) for s in sampling)
-                and self.batch_sampler.on_device(sampling))
-
-    def _sample_deferred(self, step_id: int, ordered: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
-                         order: dict[str, int] | None) -> StepHandle:
-        rows = [first + c.num_tokens - 1 for c, first in zip(ordered, row_starts) if c.sample]
-        sampling = [c for c in ordered if c.sample]
-        if not rows:
-            return StepHandle(step_id, StepResult(step_id))
-        logits = self.logits(hidden, rows)
-        logits_processors.forget_idle(self)
-        ids = self.batch_sampler.sample_on_device(logits, [c.state for c in sampling])
-        return inflight.defer(step_id, sampling, ids, order)
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The LM head over these rows of hidden. Its GEMM runs on a padded row count, a decode-graph capture
@@ -380,39 +382,3 @@ class ModelRunner:
         if sample and end != state.num_tokens:
             raise ValueError(f"request {rid!r}: asked to sample after token {end} of {state.num_tokens}")
         return Chunk(state, state.num_computed, num_tokens, sample)
-
-    def _logits_and_sample(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor
-                           ) -> tuple[list[SampledToken], dict[str, list[list[tuple[int, float]] | None]]]:
-        rows: list[int] = []
-        sample_at: list[tuple[Chunk, int]] = []  # chunk, index into rows
-        prompt_at: list[tuple[Chunk, int, int]] = []  # chunk, first index into rows, count
-        if len(row_starts) == hidden.shape[0] and all(c.sample and c.state.params.prompt_logprobs is None
-                                                       for c in chunks):
-            # a decode step: one row per chunk, each samples, nothing else is scored
-            rows, sample_at = list(range(len(chunks))), [(c, i) for i, c in enumerate(chunks)]
-            chunks = []
-        for c, first in zip(chunks, row_starts):
-            if c.wants_prompt_logprobs:
-                # row of position p scores prompt token p + 1
-                count = min(c.start + c.num_tokens, c.state.num_prompt_tokens - 1) - c.start
-                prompt_at.append((c, len(rows), max(count, 0)))
-                rows.extend(range(first, first + max(count, 0)))
-            if c.sample:
-                sample_at.append((c, len(rows)))
-                rows.append(first + c.num_tokens - 1)
-        if not rows:
-            return [], {}
-        logits = self.logits(hidden, rows)
-        prompt_lps = {c.state.request_id: prompt_logprobs(c, logits[i : i + n].float())
-                      for c, i, n in prompt_at}
-        sampled: list[SampledToken] = []
-        if sample_at:
-            at = [i for _, i in sample_at]
-            sub = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at, device=logits.device)]
-            # grammar / thinking-budget rows are masked first (executor/logits_processors.py)
-            results = logits_processors.sample(self, sub, [c.state for c, _ in sample_at])
-            for (c, _), r in zip(sample_at, results):
-                c.state.token_ids.append(r.token_id)
-                sampled.append(SampledToken(c.state.request_id, r.token_id, r.logprob, r.top_logprobs, r.rank,
-                                            r.error))
-        return sampled, prompt_lps
