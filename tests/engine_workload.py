@@ -1,11 +1,13 @@
 """Random engine workloads for the property tests (a plain module the tests import, not a conftest): hypothesis
 strategies for an EngineConfig and an op list (arrivals with shared prefixes, aborts, steps), a driver that runs
 the ops through an EngineCore checking block accounting after each, and the check that every request that was not
-aborted generated exactly what it generates alone."""
+aborted generated exactly what it generates alone; and the engine of the speculative-decoding tests on a fake MTP
+worker."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import strategies as st
 
@@ -154,3 +156,17 @@ class LazyFakeExecutor(FakeExecutor):
             plan = self.queue.pop(0)
             self.done[plan.step_id] = self.execute(plan)
         return self.done.pop(handle)
+
+
+def spec_engine(k: int, quality: Callable[[str, int], int] | None = None,
+                count: Callable[[str, int], int] | None = None, overlap: bool = False,
+                **cfg: Any) -> tuple[EngineCore, FakeExecutor]:
+    """An EngineCore verifying k drafts a step on a FakeExecutor playing an MTP worker (`quality`: how many of a
+    request's drafts are right; `count`: how many it proposes); overlap: one step in flight, the worker a
+    LazyFakeExecutor. `cfg` overrides the EngineConfig (64 blocks of 4, MAX_MODEL_LEN, EOS)."""
+    config = EngineConfig(**{"num_blocks": 64, "block_size": 4, "max_model_len": MAX_MODEL_LEN,
+                             "eos_token_ids": {EOS}, "num_speculative_tokens": k, **cfg})
+    worker = LazyFakeExecutor if overlap else FakeExecutor
+    ex = worker(config.num_blocks, config.block_size, vocab_size=48, num_speculative_tokens=k,
+                max_model_len=config.max_model_len, draft_quality=quality, overlap=overlap, draft_count=count)
+    return EngineCore(config, ex, overlap=overlap), ex

@@ -1,6 +1,7 @@
 """Small random draft checkpoints for the speculative-decoding tests: an EAGLE-3 head and an EAGLE head in the
 layouts people publish (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, the speculators format's `layers.0.*`), for the tiny
-Llama of conftest (hidden 64, 4 heads, 2 KV heads, vocabulary TINY_VOCAB)."""
+Llama of conftest (hidden 64, 4 heads, 2 KV heads, vocabulary TINY_VOCAB); and the MTP layer DeepSeek-V3 and GLM-4
+MoE checkpoints ship, appended to a target's tensors."""
 from __future__ import annotations
 
 import json
@@ -71,3 +72,18 @@ def build_eagle_head(out: Path, vocab: int, seed: int = 0) -> Path:
     save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(_config("LlamaForCausalLMEagle", vocab)))
     return out
+
+
+def append_mtp_layer(tensors: dict[str, torch.Tensor], num_layers: int, hidden: int, gen: torch.Generator) -> None:
+    """One MTP layer stored as layer `num_layers`, as DeepSeek ships it (transformers' save drops MTP weights): the
+    last decoder layer perturbed, its enorm / hnorm / eh_proj, and a shared head with the target's LM head and
+    embedding."""
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    for name, t in list(tensors.items()):
+        if name.startswith(last):
+            tensors[name.replace(last, mtp)] = t + 0.05 * torch.randn(t.shape, generator=gen)
+    head = {"enorm.weight": torch.ones(hidden), "hnorm.weight": torch.ones(hidden),
+            "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=gen),
+            "shared_head.norm.weight": torch.ones(hidden), "shared_head.head.weight": tensors["lm_head.weight"],
+            "embed_tokens.weight": tensors["model.embed_tokens.weight"]}
+    tensors.update({mtp + k: v.clone() for k, v in head.items()})

@@ -6,7 +6,7 @@ import gc
 import weakref
 
 import pytest
-from test_spec_mtp import tiny_v3  # noqa: F401  (fixture)
+from spec_fixtures import tiny_v3  # noqa: F401  (fixture)
 
 from appliance.runtime.gc_heap import freeze_startup_heap, frozen_heap
 

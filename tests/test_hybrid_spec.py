@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from spec_fixtures import greedy, make_llm, oracle
 
-from appliance import LLM, SamplingParams
+from appliance import SamplingParams
 from tests.test_models_vs_transformers import PROMPTS
-from tests.test_spec_mtp import oracle
 
 NEW = 10
 LONG = list(range(3, 3 + 45))  # three 16-token chunks
@@ -53,27 +53,18 @@ def hybrid_dirs(make_tiny_model, tmp_path_factory: pytest.TempPathFactory) -> tu
     return plain, with_mtp_layer(plain, tmp_path_factory.mktemp("qwen3_next_mtp"))
 
 
-def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-
-
-def _llm(path: Path, **kw: Any) -> LLM:
-    return LLM(model=str(path), dtype="float32", block_size=4, skip_tokenizer_init=True, **kw)
-
-
 @pytest.mark.parametrize("steps", [1, 3])
 def test_mtp_drafts_keep_the_targets_tokens(hybrid_dirs: tuple[Path, Path], hf_greedy: Any,
                                             monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
     plain, mtp_dir = hybrid_dirs
     prompts = PROMPTS[:3] + [LONG]
     refs = [t for t, _ in hf_greedy(plain, prompts, NEW + 8)]  # the MTP layer changes nothing the target computes
-    llm = _llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=steps, chunked_prefill_size=16)
+    llm = make_llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=steps, chunked_prefill_size=16)
     assert llm.executor.runner.model.mtp is not None
-    assert _generate(llm, prompts) == [r[:NEW] for r in refs]  # its own drafts
+    assert greedy(llm, prompts, NEW) == [r[:NEW] for r in refs]  # its own drafts
     oracle(monkeypatch, {tuple(p): r for p, r in zip(prompts, refs)}, wrong=3)
-    llm = _llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=steps, chunked_prefill_size=16)
-    assert _generate(llm, prompts) == [r[:NEW] for r in refs]
+    llm = make_llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=steps, chunked_prefill_size=16)
+    assert greedy(llm, prompts, NEW) == [r[:NEW] for r in refs]
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
     assert llm.executor.runner.spec.recomputed > 0  # rejections rolled the state back
@@ -87,8 +78,8 @@ def test_mtp_with_state_snapshots(hybrid_dirs: tuple[Path, Path], hf_greedy: Any
     second = LONG[:43] + [200, 201, 202]
     refs = [t for t, _ in hf_greedy(plain, [LONG, second], NEW + 8)]
     oracle(monkeypatch, {tuple(LONG): refs[0], tuple(second): refs[1]}, wrong=3)
-    llm = _llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=2, chunked_prefill_size=16,
-               enable_prefix_caching=True, ssm_checkpoint_interval=8)
+    llm = make_llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=2, chunked_prefill_size=16,
+                   enable_prefix_caching=True, ssm_checkpoint_interval=8)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     outs = [llm.generate([{"prompt_token_ids": p}], params)[0] for p in (LONG, second)]
     assert [o.outputs[0].token_ids for o in outs] == [r[:NEW] for r in refs]
@@ -100,26 +91,26 @@ def test_ngram_drafts_on_a_hybrid_model(hybrid_dirs: tuple[Path, Path], hf_greed
     plain, _ = hybrid_dirs
     prompts = [[7, 8, 9] * 6, [5, 6] * 9 + [5]]  # repeats: prompt lookup proposes, the target rejects some
     refs = [t for t, _ in hf_greedy(plain, prompts, NEW)]
-    llm = _llm(plain, speculative_algorithm="NGRAM", speculative_num_steps=3)
-    assert _generate(llm, prompts) == refs
+    llm = make_llm(plain, speculative_algorithm="NGRAM", speculative_num_steps=3)
+    assert greedy(llm, prompts, NEW) == refs
     assert llm.engine.stats().spec_num_draft_tokens > 0
 
 
 def test_mtp_needs_the_layer(hybrid_dirs: tuple[Path, Path]) -> None:
     plain, mtp_dir = hybrid_dirs
-    assert _llm(mtp_dir).executor.runner.model.mtp is None  # built only to draft with
+    assert make_llm(mtp_dir).executor.runner.model.mtp is None  # built only to draft with
     with pytest.raises(ValueError, match="multi-token-prediction"):
-        _llm(plain, speculative_algorithm="MTP", speculative_num_steps=1)
+        make_llm(plain, speculative_algorithm="MTP", speculative_num_steps=1)
 
 
 def test_overlap_with_drafts_is_refused_for_recurrent_state(hybrid_dirs: tuple[Path, Path]) -> None:
     plain, _ = hybrid_dirs  # state rollback and snapshots follow the plan's chunk, which a clamp would change
     with pytest.raises(ValueError, match="recurrent-state layers; turn scheduler.enable_overlap off"):
-        _llm(plain, speculative_algorithm="NGRAM", speculative_num_steps=3, enable_overlap_schedule=True)
+        make_llm(plain, speculative_algorithm="NGRAM", speculative_num_steps=3, enable_overlap_schedule=True)
 
 
 def test_draft_trees_are_refused_for_recurrent_state(hybrid_dirs: tuple[Path, Path]) -> None:
     _, mtp_dir = hybrid_dirs  # a linear-attention layer's state advances along one sequence, not a tree
     with pytest.raises(ValueError, match="eagle_topk=2: draft trees cannot run .*recurrent-state"):
-        _llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=2, speculative_eagle_topk=2,
-             speculative_num_draft_tokens=4)
+        make_llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=2, speculative_eagle_topk=2,
+                 speculative_num_draft_tokens=4)

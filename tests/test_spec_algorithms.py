@@ -11,63 +11,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import spec_fixtures
 import torch
-from conftest import TINY_VOCAB
-from spec_heads import build_eagle3_head, build_eagle_head
+from spec_fixtures import NEW, PROMPTS, SETUPS, generate, logprobs_of, make_llm, seeded_and_penalised, spec_kwargs
 
-from appliance import LLM, SamplingParams
+from appliance import SamplingParams
 from appliance.executor.speculative_ngram import ngram_propose
 
-PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
-           list(range(40, 60)) + list(range(40, 50)), [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 50, 51]]
-NEW = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def drafters(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("drafters")
-    return {"draft": make_tiny_model("llama", seed=1, num_hidden_layers=1),
-            "eagle3": build_eagle3_head(out / "eagle3", TINY_VOCAB, 128),
-            "eagle3_speculators": build_eagle3_head(out / "eagle3_s", TINY_VOCAB, TINY_VOCAB, seed=2,
-                                                    layout="layers", with_embedding=True),
-            "eagle": build_eagle_head(out / "eagle", TINY_VOCAB)}
-
-
-# (algorithm, drafter key or None): every drafter this build has, besides MTP (tests/test_spec_mtp.py)
-SETUPS = [("NGRAM", None), ("STANDALONE", "draft"), ("EAGLE3", "eagle3"), ("EAGLE3", "eagle3_speculators"),
-          ("EAGLE", "eagle")]
-
-
-def make_llm(model: Path, **overrides: Any) -> LLM:
-    return LLM(model=str(model), dtype="float32", block_size=4, skip_tokenizer_init=True, **overrides)
-
-
-def spec_kwargs(algorithm: str, drafter: Path | None, steps: int = 3) -> dict[str, Any]:
-    kw: dict[str, Any] = {"speculative_algorithm": algorithm, "speculative_num_steps": steps}
-    if drafter is not None:
-        kw["speculative_draft_model_path"] = str(drafter)
-    return kw
-
-
-def generate(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list[list[int]] = PROMPTS) -> list[Any]:
-    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-
-
-def logprobs_of(o: Any) -> list[float]:
-    return [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model: Path) -> list[Any]:
-    return generate(make_llm(tiny_model), SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1))
+one_thread, drafters, reference = spec_fixtures.one_thread, spec_fixtures.drafters, spec_fixtures.reference
 
 
 def test_ngram_proposes_what_followed_the_longest_recurring_suffix() -> None:
@@ -110,11 +61,7 @@ def test_the_target_as_its_own_draft_model_has_every_draft_accepted(tiny_model: 
 @pytest.mark.parametrize("algorithm,key", [("NGRAM", None), ("STANDALONE", "draft"), ("EAGLE3", "eagle3")])
 def test_seeded_and_penalised_sampling_is_unchanged(tiny_model: Path, drafters: dict[str, Path], algorithm: str,
                                                     key: str | None) -> None:
-    params = [SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=NEW, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=NEW, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, seed=11, min_tokens=3, max_tokens=NEW),
-              SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=NEW,
-                             ignore_eos=True)]
+    params = seeded_and_penalised(NEW)
     base = generate(make_llm(tiny_model), params)
     # the target as its own draft model: drafts are accepted often, so verification paths really run
     drafter = tiny_model if algorithm == "STANDALONE" else drafters.get(key or "")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from spec_fixtures import make_llm, spec_kwargs
 
 from appliance import LLM, SamplingParams
 from appliance.config import build_config
@@ -108,9 +109,8 @@ def draft(make_tiny_model: Callable[..., Path]) -> Path:
 
 
 def forced_llm(tiny_model: Path, draft: Path, **forced: Any) -> LLM:
-    return LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
-               speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft), speculative_num_steps=3,
-               speculative_enable_synthetic_acceptance=True, **forced)
+    return make_llm(tiny_model, **spec_kwargs("STANDALONE", draft), speculative_enable_synthetic_acceptance=True,
+                    **forced)
 
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(4)]
@@ -192,7 +192,7 @@ def test_a_standalone_drafter_runs_on_its_own_attention_backend(tiny_model: Path
     unset = SimpleNamespace(backends=SimpleNamespace(drafter_attention=None))
     assert _drafter_backend(unset, target) == "triton"
     assert _drafter_backend(SimpleNamespace(backends=SimpleNamespace(drafter_attention="torch")), target) == "torch"
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True, **kw)
+    llm = make_llm(tiny_model, **kw)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert llm.engine.stats().spec_num_drafts > 0
 
@@ -221,8 +221,7 @@ def test_a_draft_model_holds_every_draft_at_block_boundaries(tiny_model: Path, d
         return result
 
     monkeypatch.setattr(Speculator, "execute", record)
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
-              speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft), speculative_num_steps=3)
+    llm = make_llm(tiny_model, **spec_kwargs("STANDALONE", draft))
     llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 4, 5, 6)],
                  SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert len(held) > 40 and set(held) == {3}

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import spec_fixtures
 import torch
 from conftest import TINY_VOCAB
-from spec_heads import build_eagle3_head
+from spec_fixtures import gpu_llm
 
 from appliance import LLM, SamplingParams
 
@@ -19,26 +20,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], list(range(40, 60)) * 2, [7, 11, 13, 17, 19, 23, 29, 31]]  # 40: a hit of 1-2 blocks
 NEW = 24
 
-
-def gpu_llm(path: Path, **overrides: Any) -> LLM:
-    return LLM(model=str(path), device="cuda", dtype="float32", gpu_memory_utilization=0.3, block_size=16,
-               attention_backend="triton", skip_tokenizer_init=True, **overrides)
-
-
-@pytest.fixture(scope="module")
-def head(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head", TINY_VOCAB, 128)
+eagle3_head = spec_fixtures.eagle3_head
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE3"])
-def test_gpu_greedy_parity(tiny_model: Path, head: Path, algorithm: str, overlap: bool) -> None:
+def test_gpu_greedy_parity(tiny_model: Path, eagle3_head: Path, algorithm: str, overlap: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     want = [o.outputs[0].token_ids for o in gpu_llm(tiny_model).generate(prompts, params)]
     draft = {"STANDALONE": {"speculative_draft_model_path": str(tiny_model)},
-             "EAGLE3": {"speculative_draft_model_path": str(head)}}.get(algorithm, {})
+             "EAGLE3": {"speculative_draft_model_path": str(eagle3_head)}}.get(algorithm, {})
     llm = gpu_llm(tiny_model, speculative_algorithm=algorithm, speculative_num_steps=3,
                   enable_overlap_schedule=overlap, **draft)
     assert llm.engine.overlap == overlap
@@ -48,10 +41,10 @@ def test_gpu_greedy_parity(tiny_model: Path, head: Path, algorithm: str, overlap
     assert stats.spec_num_drafts > 0 and llm.engine.check_accounting().ok and stats.prefix_hit_tokens > 0
 
 
-def test_gpu_bf16_eagle3_with_forced_acceptance_completes(make_tiny_model: Any, head: Path) -> None:
+def test_gpu_bf16_eagle3_with_forced_acceptance_completes(make_tiny_model: Any, eagle3_head: Path) -> None:
     target = make_tiny_model("llama", seed=5, num_hidden_layers=4)
     llm = LLM(model=str(target), device="cuda", dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.3,
-              skip_tokenizer_init=True, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
+              skip_tokenizer_init=True, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(eagle3_head),
               speculative_num_steps=3, speculative_enable_synthetic_acceptance=True,
               speculative_synthetic_acceptance_length=2.6, max_num_seqs=8)
     prompts = [{"prompt_token_ids": list(range(10 + i, 40 + 3 * i))} for i in range(6)]

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_spec_mtp
-import test_spec_pipeline
+import spec_fixtures
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,8 +34,7 @@ from appliance.runtime.messages import (
 from appliance.runtime.scheduler_proc import SchedulerLoop
 
 # fixtures: a random DeepSeek-V3 checkpoint with one MTP layer; a config-only one with the tiny tokenizer
-tiny_v3 = test_spec_mtp.tiny_v3
-tiny_v3_served = test_spec_pipeline.tiny_v3_served
+tiny_v3, tiny_v3_served = spec_fixtures.tiny_v3, spec_fixtures.tiny_v3_served
 K = 2
 SPEC_KEYS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
@@ -200,7 +198,7 @@ def spec_metrics_server(tiny_v3_served: Path, tmp_path_factory: pytest.TempPathF
     from pipeline_server import free_port, launch, stop
 
     port = free_port()
-    config = test_spec_pipeline.spec_serve_config(tiny_v3_served, port, f"num_steps = {K}", "enable_metrics = true")
+    config = spec_fixtures.spec_serve_config(tiny_v3_served, port, f"num_steps = {K}", "enable_metrics = true")
     srv = launch(config, port, cfg_path=tmp_path_factory.mktemp("spec_metrics") / "serve.toml")
     yield srv
     stop(srv)

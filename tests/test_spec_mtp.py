@@ -9,142 +9,47 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import spec_fixtures
 import torch
+from spec_fixtures import MTP_NEW, MTP_PROMPTS, MTP_TINY, generate, logprobs_of, make_llm, oracle
 
-from appliance import LLM, SamplingParams
+from appliance import SamplingParams
 from appliance.executor.speculative_mtp import MtpSpeculator
 
-VOCAB = 384
-TINY: dict[str, Any] = {
-    "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "max_position_embeddings": 512, "tie_word_embeddings": False,
-    "initializer_range": 0.1, "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
-    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-    "moe_intermediate_size": 32, "q_lora_rank": 48, "n_routed_experts": 8, "num_experts_per_tok": 2,
-    "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
-    "num_nextn_predict_layers": 1,
-}
-PROMPTS = [[5, 6, 7, 8, 9], [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 50, 51], [90] * 3 + list(range(100, 120)),
-           [7, 11, 13, 17, 19, 23, 29, 31, 60]]
-NEW = 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random transformers DeepSeek-V3 checkpoint plus one MTP layer (stored as layer num_hidden_layers, as
-    DeepSeek ships it; save_pretrained drops MTP weights, so they are appended). Real-scale random weights:
-    load_format dummy's tiny uniform weights make every logit nearly equal and every cache row nearly zero."""
-    import transformers
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("tiny_v3_mtp")
-    cfg = transformers.DeepseekV3Config(**{**TINY, "num_nextn_predict_layers": 0})
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
-    torch.manual_seed(0)
-    transformers.DeepseekV3ForCausalLM(cfg).to(torch.float32).save_pretrained(str(out))
-    tensors = load_file(str(out / "model.safetensors"))
-    gen = torch.Generator().manual_seed(1)
-    n, hidden = TINY["num_hidden_layers"], TINY["hidden_size"]
-    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
-    for name, t in list(tensors.items()):
-        if name.startswith(last):
-            tensors[name.replace(last, mtp)] = t + 0.05 * torch.randn(t.shape, generator=gen)
-    extra = {"enorm.weight": torch.ones(hidden), "hnorm.weight": torch.ones(hidden),
-             "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=gen),
-             "shared_head.norm.weight": torch.ones(hidden), "shared_head.head.weight": tensors["lm_head.weight"],
-             "embed_tokens.weight": tensors["model.embed_tokens.weight"]}
-    tensors.update({mtp + k: v.clone() for k, v in extra.items()})
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg.num_nextn_predict_layers = 1
-    cfg.save_pretrained(str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
-def dummy_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Config only, for load_format dummy (which builds the MTP layer too)."""
-    import transformers
-
-    out = tmp_path_factory.mktemp("dummy_v3_mtp")
-    cfg = transformers.DeepseekV3Config(**TINY)
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
-    cfg.save_pretrained(str(out))
-    return out
-
-
-def make_llm(path: Path, **overrides: Any) -> LLM:
-    return LLM(model=str(path), dtype="float32", block_size=4, skip_tokenizer_init=True, **overrides)
-
-
-def generate(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list[list[int]] = PROMPTS
-             ) -> list[Any]:
-    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_v3: Path) -> dict[str, Any]:
-    """Without speculation: greedy outputs (long, for the oracle) and their logprobs."""
-    llm = make_llm(tiny_v3)
-    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW + 8, ignore_eos=True, logprobs=1))
-    return {"tokens": {tuple(p): o.token_ids for p, o in zip(PROMPTS, outs)},
-            "logprobs": [[o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids[:NEW])] for o in outs]}
-
-
-def oracle(monkeypatch: pytest.MonkeyPatch, refs: dict[tuple, list[int]], wrong: int) -> None:
-    """After the MTP layer drafts, replace each request's drafts by its true continuation with about one in
-    `wrong` corrupted (beyond the reference the MTP's own drafts stay)."""
-    real = MtpSpeculator._propose
-
-    def propose(self: MtpSpeculator, *args: Any) -> None:
-        real(self, *args)
-        for rid, drafts in self.drafts.items():
-            st = self.runner.requests[rid]
-            done = len(st.token_ids) - st.num_prompt_tokens
-            want = refs.get(tuple(st.token_ids[: st.num_prompt_tokens]), [])[done : done + len(drafts)]
-            fixed = [(t + 1) % VOCAB if (done * 7 + j * 5) % wrong == 0 else t for j, t in enumerate(want)]
-            self.drafts[rid] = fixed + drafts[len(fixed):]
-
-    monkeypatch.setattr(MtpSpeculator, "_propose", propose)
+one_thread, tiny_v3, dummy_v3 = spec_fixtures.one_thread, spec_fixtures.tiny_v3, spec_fixtures.dummy_v3
+mtp_reference = spec_fixtures.mtp_reference
 
 
 @pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("setup", [{"enable_prefix_caching": True},
                                    {"enable_prefix_caching": False, "chunked_prefill_size": 8}])
-def test_greedy_tokens_equal_without_speculation(tiny_v3: Path, reference: dict[str, Any], steps: int,
+def test_greedy_tokens_equal_without_speculation(tiny_v3: Path, mtp_reference: dict[str, Any], steps: int,
                                                  setup: dict[str, Any]) -> None:
     llm = make_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=steps, **setup)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=MTP_NEW, ignore_eos=True, logprobs=1)
     for _ in range(2 if setup["enable_prefix_caching"] else 1):  # the second pass hits the prefix cache
-        outs = generate(llm, params)
-        for p, o, lps in zip(PROMPTS, outs, reference["logprobs"]):
-            assert o.token_ids == reference["tokens"][tuple(p)][:NEW]
-            assert [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)] == pytest.approx(lps, abs=1e-4)
+        outs = generate(llm, params, MTP_PROMPTS)
+        for p, o, lps in zip(MTP_PROMPTS, outs, mtp_reference["logprobs"]):
+            assert o.token_ids == mtp_reference["tokens"][tuple(p)][:MTP_NEW]
+            assert logprobs_of(o) == pytest.approx(lps, abs=1e-4)
     stats = llm.engine.stats()
     assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens >= stats.spec_num_drafts
     assert llm.engine.check_accounting().ok
 
 
 @pytest.mark.parametrize("steps,wrong", [(1, 3), (2, 4), (3, 5)])
-def test_accepted_and_rejected_drafts_emit_the_targets_tokens(tiny_v3: Path, reference: dict[str, Any],
+def test_accepted_and_rejected_drafts_emit_the_targets_tokens(tiny_v3: Path, mtp_reference: dict[str, Any],
                                                               monkeypatch: pytest.MonkeyPatch, steps: int,
                                                               wrong: int) -> None:
-    oracle(monkeypatch, reference["tokens"], wrong)
+    oracle(monkeypatch, mtp_reference["tokens"], wrong)
     llm = make_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=steps, enable_prefix_caching=True)
-    refs = [reference["tokens"][tuple(p)] for p in PROMPTS]
+    refs = [mtp_reference["tokens"][tuple(p)] for p in MTP_PROMPTS]
     # per request: a max_tokens, or a stop token that first appears mid-output (what follows it is dropped)
-    params = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True),
+    params = [SamplingParams(temperature=0.0, max_tokens=MTP_NEW, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, stop_token_ids=[refs[2][4]]),
+              SamplingParams(temperature=0.0, max_tokens=MTP_NEW, ignore_eos=True, stop_token_ids=[refs[2][4]]),
               SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)]
-    outs = generate(llm, params)
+    outs = generate(llm, params, MTP_PROMPTS)
     for o, ref, sp in zip(outs, refs, params):
         want = ref[: sp.max_tokens]
         for stop in sp.stop_token_ids:
@@ -159,19 +64,18 @@ def test_accepted_and_rejected_drafts_emit_the_targets_tokens(tiny_v3: Path, ref
 
 def test_seeded_and_penalised_sampling_is_unchanged_by_speculation(tiny_v3: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    params = [SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=NEW, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=NEW, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, seed=11, min_tokens=3, max_tokens=NEW),
-              SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)]
-    base = generate(make_llm(tiny_v3), params)
-    refs = {tuple(p): o.token_ids + [3] * 8 for p, o in zip(PROMPTS, base)}
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=MTP_NEW, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=MTP_NEW, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=11, min_tokens=3, max_tokens=MTP_NEW),
+              SamplingParams(temperature=0.0, max_tokens=MTP_NEW, ignore_eos=True)]
+    base = generate(make_llm(tiny_v3), params, MTP_PROMPTS)
+    refs = {tuple(p): o.token_ids + [3] * 8 for p, o in zip(MTP_PROMPTS, base)}
     oracle(monkeypatch, refs, wrong=4)
     llm = make_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=2)
-    outs = generate(llm, params)
+    outs = generate(llm, params, MTP_PROMPTS)
     for b, o in zip(base, outs):
         assert o.token_ids == b.token_ids
-    assert [outs[0].logprobs[i][t].logprob for i, t in enumerate(outs[0].token_ids)] == pytest.approx(
-        [base[0].logprobs[i][t].logprob for i, t in enumerate(base[0].token_ids)], abs=1e-4)
+    assert logprobs_of(outs[0]) == pytest.approx(logprobs_of(base[0]), abs=1e-4)
     assert llm.engine.stats().spec_num_accepted_tokens > 0
 
 
@@ -187,17 +91,17 @@ def test_unsupported_settings_are_refused_at_start(tiny_v3: Path, overrides: dic
 
 
 def test_dummy_weights_greedy_parity(dummy_v3: Path) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    base = generate(make_llm(dummy_v3, load_format="dummy"), params)
+    params = SamplingParams(temperature=0.0, max_tokens=MTP_NEW, ignore_eos=True)
+    base = generate(make_llm(dummy_v3, load_format="dummy"), params, MTP_PROMPTS)
     llm = make_llm(dummy_v3, load_format="dummy", speculative_algorithm="MTP", speculative_num_steps=2)
-    assert [o.token_ids for o in generate(llm, params)] == [o.token_ids for o in base]
+    assert [o.token_ids for o in generate(llm, params, MTP_PROMPTS)] == [o.token_ids for o in base]
     assert llm.engine.stats().spec_num_drafts > 0
 
 
 def test_a_model_without_mtp_layers_is_refused(tmp_path: Path) -> None:
     import transformers
 
-    cfg = transformers.DeepseekV3Config(**{**TINY, "num_nextn_predict_layers": 0})
+    cfg = transformers.DeepseekV3Config(**{**MTP_TINY, "num_nextn_predict_layers": 0})
     cfg.architectures = ["DeepseekV3ForCausalLM"]
     cfg.save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="multi-token-prediction layers"):
@@ -213,7 +117,7 @@ def test_the_drafter_cache_is_in_the_kv_budget(tiny_v3: Path) -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_drafter_cache_and_drafts_equal_a_from_scratch_pass(tiny_v3: Path, reference: dict[str, Any],
+def test_drafter_cache_and_drafts_equal_a_from_scratch_pass(tiny_v3: Path, mtp_reference: dict[str, Any],
                                                            monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
     """The drafter's KV cache stays right through verifications (accepted and rejected), chained steps and prefix
     hits, with steps planned one ahead too (overlap: clamped verifications, blocks stored before the next step
@@ -232,11 +136,11 @@ def test_drafter_cache_and_drafts_equal_a_from_scratch_pass(tiny_v3: Path, refer
 
     monkeypatch.setattr(MtpSpeculator, "_propose", record)
     # accepted drafts: catch-up over several rows; rejected ones too (overlap verifies at other token counts)
-    oracle(monkeypatch, reference["tokens"], wrong=2 if overlap else 3)
+    oracle(monkeypatch, mtp_reference["tokens"], wrong=2 if overlap else 3)
     llm = make_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=2, enable_overlap_schedule=overlap)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    generate(llm, params, [PROMPTS[1]])
-    generate(llm, params, [PROMPTS[3], PROMPTS[0]])  # PROMPTS[3] hits PROMPTS[1]'s first blocks
+    params = SamplingParams(temperature=0.0, max_tokens=MTP_NEW, ignore_eos=True)
+    generate(llm, params, [MTP_PROMPTS[1]])
+    generate(llm, params, [MTP_PROMPTS[3], MTP_PROMPTS[0]])  # MTP_PROMPTS[3] hits MTP_PROMPTS[1]'s first blocks
     stats = llm.engine.stats()
     assert stats.prefix_hit_tokens > 0 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     incremental = dict(seen)
@@ -268,23 +172,23 @@ def test_thinking_budget_requests_decode_one_token_at_a_time(tiny_v3: Path) -> N
     """A request with logits processors never verifies drafts, and its forced tokens are honoured."""
     budget = {"budget": 2, "end_token_ids": [5, 6], "in_reasoning": True}
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, extra={"thinking_budget": budget})
-    base = generate(make_llm(tiny_v3), params, PROMPTS[:2])
+    base = generate(make_llm(tiny_v3), params, MTP_PROMPTS[:2])
     llm = make_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=2)
-    outs = generate(llm, params, PROMPTS[:2])
+    outs = generate(llm, params, MTP_PROMPTS[:2])
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     assert all(o.token_ids[2:4] == [5, 6] for o in outs)
     assert llm.engine.stats().spec_num_drafts == 0
 
 
-def test_preemption_with_drafts_in_flight(tiny_v3: Path, reference: dict[str, Any],
+def test_preemption_with_drafts_in_flight(tiny_v3: Path, mtp_reference: dict[str, Any],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A pool too small for all four requests: preempted requests come back, recompute, draft again, and every
     output still equals the target's greedy tokens; the pool is whole afterwards."""
-    oracle(monkeypatch, reference["tokens"], wrong=4)
+    oracle(monkeypatch, mtp_reference["tokens"], wrong=4)
     llm = make_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=3, max_total_tokens=64,
                    max_model_len=48, enable_prefix_caching=False, schedule_conservativeness=0.0)  # admit greedily
-    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [reference["tokens"][tuple(p)][:NEW] for p in PROMPTS]
+    outs = generate(llm, SamplingParams(temperature=0.0, max_tokens=MTP_NEW, ignore_eos=True), MTP_PROMPTS)
+    assert [o.token_ids for o in outs] == [mtp_reference["tokens"][tuple(p)][:MTP_NEW] for p in MTP_PROMPTS]
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0 and stats.blocks_owned == 0
     assert llm.engine.check_accounting().ok

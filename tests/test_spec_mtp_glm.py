@@ -10,13 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from spec_fixtures import MTP_NEW, MTP_PROMPTS, greedy, make_llm, oracle
+from spec_heads import append_mtp_layer
 from test_moe_models import FAMILIES, TINY
-from test_spec_mtp import oracle
 
-from appliance import LLM, SamplingParams
-
-PROMPTS = [[5, 6, 7, 8, 9], [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 50, 51], [90] * 3 + list(range(100, 120))]
-NEW = 10
+PROMPTS, NEW = MTP_PROMPTS[:3], MTP_NEW
 
 
 @pytest.fixture(scope="module")
@@ -34,30 +32,11 @@ def glm_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     transformers.Glm4MoeForCausalLM(cfg).to(torch.float32).save_pretrained(str(plain))
     mtp_dir = tmp_path_factory.mktemp("glm_mtp")
     tensors = load_file(str(plain / "model.safetensors"))
-    gen = torch.Generator().manual_seed(1)
-    n, hidden = TINY["num_hidden_layers"], TINY["hidden_size"]
-    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
-    for name, t in list(tensors.items()):
-        if name.startswith(last):
-            tensors[name.replace(last, mtp)] = t + 0.05 * torch.randn(t.shape, generator=gen)
-    head = {"enorm.weight": torch.ones(hidden), "hnorm.weight": torch.ones(hidden),
-            "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=gen),
-            "shared_head.norm.weight": torch.ones(hidden), "shared_head.head.weight": tensors["lm_head.weight"],
-            "embed_tokens.weight": tensors["model.embed_tokens.weight"]}
-    tensors.update({mtp + k: v.clone() for k, v in head.items()})
+    append_mtp_layer(tensors, TINY["num_hidden_layers"], TINY["hidden_size"], torch.Generator().manual_seed(1))
     save_file(tensors, str(mtp_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg.num_nextn_predict_layers = 1
     cfg.save_pretrained(str(mtp_dir))
     return plain, mtp_dir
-
-
-def _generate(llm: LLM, new: int = NEW) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-
-
-def _llm(path: Path, **kw: Any) -> LLM:
-    return LLM(model=str(path), dtype="float32", block_size=4, skip_tokenizer_init=True, **kw)
 
 
 @pytest.mark.parametrize("steps", [1, 2])
@@ -65,12 +44,12 @@ def test_glm_mtp_drafts_keep_the_targets_tokens(glm_dirs: tuple[Path, Path], hf_
                                                 monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
     plain, mtp_dir = glm_dirs
     refs = [t for t, _ in hf_greedy(plain, PROMPTS, NEW + 8)]  # the MTP layer changes nothing the target computes
-    llm = _llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=steps)
+    llm = make_llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=steps)
     assert len(llm.executor.runner.model.mtp) == 1
-    assert _generate(llm) == [r[:NEW] for r in refs]  # its own drafts (random weights: mostly rejected)
+    assert greedy(llm, PROMPTS, NEW) == [r[:NEW] for r in refs]  # its own drafts (random weights: mostly rejected)
     oracle(monkeypatch, {tuple(p): r for p, r in zip(PROMPTS, refs)}, wrong=3)
-    llm = _llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=steps)
-    assert _generate(llm) == [r[:NEW] for r in refs]
+    llm = make_llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=steps)
+    assert greedy(llm, PROMPTS, NEW) == [r[:NEW] for r in refs]
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
     assert llm.engine.check_accounting().ok
@@ -109,10 +88,10 @@ def test_glm_mtp_trees_keep_the_targets_tokens(glm_dirs: tuple[Path, Path], hf_g
     refs = [t for t, _ in hf_greedy(plain, PROMPTS, NEW + 8)]
     if oracle_drafts:
         tree_oracle(monkeypatch, {tuple(p): r for p, r in zip(PROMPTS, refs)}, wrong=4)
-    llm = _llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=2, speculative_eagle_topk=2,
-               speculative_num_draft_tokens=5)
+    llm = make_llm(mtp_dir, speculative_algorithm="MTP", speculative_num_steps=2, speculative_eagle_topk=2,
+                   speculative_num_draft_tokens=5)
     assert llm.executor.runner.spec.tree is not None
-    assert _generate(llm) == [r[:NEW] for r in refs]
+    assert greedy(llm, PROMPTS, NEW) == [r[:NEW] for r in refs]
     stats = llm.engine.stats()
     assert stats.spec_num_draft_tokens > stats.spec_num_drafts and llm.engine.check_accounting().ok
     if oracle_drafts:  # most roots' true child accepted, often the one after it too
@@ -121,6 +100,6 @@ def test_glm_mtp_trees_keep_the_targets_tokens(glm_dirs: tuple[Path, Path], hf_g
 
 def test_glm_without_mtp_layer_has_no_drafter(glm_dirs: tuple[Path, Path]) -> None:
     plain, _ = glm_dirs
-    assert len(_llm(plain).executor.runner.model.mtp) == 0
+    assert len(make_llm(plain).executor.runner.model.mtp) == 0
     with pytest.raises(ValueError, match="multi-token-prediction"):
-        _llm(plain, speculative_algorithm="MTP", speculative_num_steps=1)
+        make_llm(plain, speculative_algorithm="MTP", speculative_num_steps=1)

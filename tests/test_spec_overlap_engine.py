@@ -17,21 +17,13 @@ from engine_workload import (
     drive,
     engine_config,
     ops_st,
+    spec_engine,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from appliance.engine import EngineConfig, EngineCore, SamplingParams
 from appliance.engine.fake_executor import reference_generation
-
-
-def _engine(k: int, quality=None, count=None, **cfg) -> tuple[EngineCore, LazyFakeExecutor]:
-    config = EngineConfig(**{"num_blocks": 64, "block_size": 4, "max_model_len": MAX_MODEL_LEN,
-                             "eos_token_ids": {EOS}, "num_speculative_tokens": k, **cfg})
-    ex = LazyFakeExecutor(config.num_blocks, config.block_size, vocab_size=48, num_speculative_tokens=k,
-                          max_model_len=config.max_model_len, draft_quality=quality, overlap=True,
-                          draft_count=count)
-    return EngineCore(config, ex, overlap=True), ex
 
 
 def _run(core: EngineCore) -> dict[str, list[int]]:
@@ -94,7 +86,7 @@ def test_a_plan_asking_for_more_drafts_than_held_verifies_those_held() -> None:
     # the worker holds 1 or 0 drafts (a short n-gram match, none); the plans, made while the step that drafts
     # runs, ask for k, and the worker verifies what it holds: outputs, rewinds and counters follow that
     k = 3
-    core, ex = _engine(k, quality=lambda rid, n: k, count=lambda rid, n: 1 if n % 3 else 0)
+    core, ex = spec_engine(k, quality=lambda rid, n: k, count=lambda rid, n: 1 if n % 3 else 0, overlap=True)
     results = []
     run = ex.execute
     ex.execute = lambda plan: results.append(run(plan)) or results[-1]
@@ -112,7 +104,7 @@ def test_a_plan_asking_for_more_drafts_than_held_verifies_those_held() -> None:
 
 def test_a_stop_mid_chunk_drops_the_step_in_flight() -> None:
     k = 2
-    core, ex = _engine(k, quality=lambda rid, n: k, enable_prefix_caching=False)
+    core, ex = spec_engine(k, quality=lambda rid, n: k, enable_prefix_caching=False, overlap=True)
     ref, _ = reference_generation(ex.next_token, [3, 4, 5], 12, MAX_MODEL_LEN, frozenset({EOS}), ignore_eos=True)
     stop = ref[4]
     core.add_request("a", [3, 4, 5], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[stop]))

@@ -4,60 +4,21 @@ KV pool is whole afterwards. Tensor parallelism (2 CPU worker processes, gloo): 
 model's layers, and the greedy tokens equal the single-process engine's without speculation."""
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import spec_fixtures
+from spec_fixtures import MTP_PROMPTS, spec_serve_config
 
 from appliance import LLM, SamplingParams
 from tests.pipeline_server import Server, free_port, launch, stop
 from tests.test_pipeline_e2e import client
-from tests.test_spec_mtp import PROMPTS as MTP_PROMPTS
-from tests.test_spec_mtp import TINY, tiny_v3  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7, 8, 9], list(range(200, 217))]
-
-
-@pytest.fixture(scope="module")
-def tiny_v3_served(tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import transformers
-    from conftest import TINY_VOCAB
-
-    out = tmp_path_factory.mktemp("spec_served")
-    cfg = transformers.DeepseekV3Config(**{**TINY, "vocab_size": TINY_VOCAB})
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
-    cfg.save_pretrained(str(out))
-    for f in tiny_tokenizer_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
-
-
-def spec_serve_config(model: Path, port: int, speculative: str, observability: str = "") -> str:
-    """The serve TOML of the tiny DeepSeek-V3 + MTP pipelines of the spec tests; `speculative` and
-    `observability` are extra lines of those sections."""
-    return f'''
-[model]
-path = "{model}"
-device = "cpu"
-load_format = "dummy"
-[precision]
-dtype = "float32"
-[speculative]
-algorithm = "MTP"
-{speculative}
-[cache]
-max_total_tokens = 2048
-block_size = 4
-[api]
-port = {port}
-served_model_name = "tiny"
-[observability]
-log_level = "warning"
-{observability}
-'''
+tiny_v3, tiny_v3_served = spec_fixtures.tiny_v3, spec_fixtures.tiny_v3_served
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +44,7 @@ def test_speculative_pipeline_answers_like_the_engine_without_it(spec_server: Se
     assert stats["accounting_ok"] and stats["kv_blocks_owned"] == 0
 
 
-def test_tensor_parallel_mtp_equals_one_process_without_it(tiny_v3: Path) -> None:  # noqa: F811
+def test_tensor_parallel_mtp_equals_one_process_without_it(tiny_v3: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in MTP_PROMPTS]
     kw: dict[str, Any] = {"dtype": "float32", "block_size": 4, "skip_tokenizer_init": True}
@@ -120,7 +81,7 @@ def test_overlapped_speculative_pipeline_answers_like_the_engine_without_it(
         stop(srv)
 
 
-def test_tensor_parallel_mtp_with_overlap_equals_one_process_without_it(tiny_v3: Path) -> None:  # noqa: F811
+def test_tensor_parallel_mtp_with_overlap_equals_one_process_without_it(tiny_v3: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in MTP_PROMPTS]
     kw: dict[str, Any] = {"dtype": "float32", "block_size": 4, "skip_tokenizer_init": True}

@@ -11,10 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import spec_fixtures
 import torch
+from conftest import TINY_VOCAB
 from scipy.stats import chi2, norm
+from spec_fixtures import make_llm, spec_kwargs
 
-from appliance import LLM, SamplingParams
+from appliance import SamplingParams
 from appliance.executor.batch_sampler import BatchSampler
 from appliance.executor.request_table import RequestState
 from appliance.executor.sampler import Sampler, filtered_probs
@@ -23,14 +26,7 @@ from appliance.executor.speculative_verification import verify
 
 N = 20000
 V = 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_thread, eagle3_head = spec_fixtures.one_thread, spec_fixtures.eagle3_head
 
 
 def _chi_square_ok(samples: torch.Tensor, p: torch.Tensor) -> None:
@@ -133,9 +129,7 @@ def test_the_picker_draws_random_unseeded_rows_and_keeps_their_q() -> None:
 def test_a_drafter_equal_to_the_target_keeps_its_drawn_drafts(tiny_model: Path) -> None:
     """The target as its own draft model: drawn drafts have q = p, so (nearly) every one is accepted, while
     seeded requests (greedy drafts, one-hot verification) keep only those their own draw agrees with."""
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
-              speculative_algorithm="STANDALONE", speculative_draft_model_path=str(tiny_model),
-              speculative_num_steps=3)
+    llm = make_llm(tiny_model, **spec_kwargs("STANDALONE", tiny_model))
     prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8, 9]} for i in range(4)]
 
     def rate(params: list[SamplingParams]) -> float:
@@ -169,15 +163,10 @@ def test_drawn_verification_reports_the_targets_logprobs() -> None:
     assert max(len(e) for e in out) > 1  # drafts were kept, so later rows were reported too
 
 
-def test_eagle3_heads_draw_in_their_own_vocabulary(tiny_model: Path, tmp_path: Path) -> None:
+def test_eagle3_heads_draw_in_their_own_vocabulary(tiny_model: Path, eagle3_head: Path) -> None:
     """A head with a smaller draft vocabulary (d2t): drawn drafts map to target ids, q is spread over the
     target's vocabulary, and random rows run to completion with the pool whole."""
-    from conftest import TINY_VOCAB
-    from spec_heads import build_eagle3_head
-
-    head = build_eagle3_head(tmp_path / "eagle3", TINY_VOCAB, 128)
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
-              speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head), speculative_num_steps=3)
+    llm = make_llm(tiny_model, **spec_kwargs("EAGLE3", eagle3_head))
     spec = llm.executor.runner.spec
     seen: list[torch.Tensor] = []
     original = spec.chain
@@ -203,16 +192,13 @@ def head_ids(spec: object) -> list[int]:
 def test_a_seeded_request_reproduces_alone_and_in_any_batch(tiny_model: Path) -> None:
     """Seeded rows draft greedily and verify one-hot: their tokens depend on (seed, position) only, so the same
     request gives the same tokens alone, in a batch of drawn-draft neighbours, and without speculation."""
-    kw = {"dtype": "float32", "block_size": 4, "skip_tokenizer_init": True}
-    spec = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(tiny_model),
-            "speculative_num_steps": 3}
     seeded = SamplingParams(temperature=1.0, top_k=30, seed=123, max_tokens=20, ignore_eos=True)
     prompt = {"prompt_token_ids": [9, 8, 7, 6, 5]}
-    llm = LLM(model=str(tiny_model), **spec, **kw)
+    llm = make_llm(tiny_model, **spec_kwargs("STANDALONE", tiny_model))
     alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
     others = [{"prompt_token_ids": [20 + i, 21, 22]} for i in range(3)]
     random = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     batch = llm.generate(others[:2] + [prompt] + others[2:], [random, random, seeded, random])
-    plain = LLM(model=str(tiny_model), **kw).generate([prompt], seeded)[0].outputs[0].token_ids
+    plain = make_llm(tiny_model).generate([prompt], seeded)[0].outputs[0].token_ids
     assert batch[2].outputs[0].token_ids == alone == plain
     assert llm.engine.stats().spec_num_accepted_tokens > 0

@@ -14,20 +14,13 @@ from engine_workload import (
     drive,
     engine_config,
     ops_st,
+    spec_engine,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance.engine import EngineConfig, EngineCore, SamplingParams
+from appliance.engine import EngineCore, SamplingParams
 from appliance.engine.fake_executor import FakeExecutor, reference_generation
-
-
-def _spec_engine(k: int, quality=None, **cfg) -> tuple[EngineCore, FakeExecutor]:
-    config = EngineConfig(**{"num_blocks": 64, "block_size": 4, "max_model_len": MAX_MODEL_LEN,
-                             "eos_token_ids": {EOS}, "num_speculative_tokens": k, **cfg})
-    ex = FakeExecutor(config.num_blocks, config.block_size, vocab_size=48, num_speculative_tokens=k,
-                      max_model_len=config.max_model_len, draft_quality=quality)
-    return EngineCore(config, ex), ex
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -48,7 +41,7 @@ def test_random_workloads_with_drafts_generate_what_they_generate_alone(cfg: dic
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("prefix", [True, False])
 def test_all_drafts_right_emits_k_plus_one_per_step_and_stops_exactly(k: int, prefix: bool) -> None:
-    core, ex = _spec_engine(k, quality=lambda rid, n: k, enable_prefix_caching=prefix, chunked_prefill_size=8)
+    core, ex = spec_engine(k, quality=lambda rid, n: k, enable_prefix_caching=prefix, chunked_prefill_size=8)
     prompts = {f"r{i}": [20 + i, 21, 22, 23, 24, 25][: 2 + i] for i in range(4)}
     ref = {rid: reference_generation(ex.next_token, p, 11, MAX_MODEL_LEN, frozenset({EOS}), ignore_eos=True)[0]
            for rid, p in prompts.items()}
@@ -81,7 +74,7 @@ def test_all_drafts_right_emits_k_plus_one_per_step_and_stops_exactly(k: int, pr
 
 
 def test_all_drafts_wrong_is_one_token_per_step() -> None:
-    core, ex = _spec_engine(3, quality=lambda rid, n: 0)
+    core, ex = spec_engine(3, quality=lambda rid, n: 0)
     core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=9, ignore_eos=True))
     got: list[int] = []
     while core.has_work():
@@ -94,7 +87,7 @@ def test_all_drafts_wrong_is_one_token_per_step() -> None:
 
 
 def test_max_model_len_is_exact_and_lookahead_never_passes_it() -> None:
-    core, ex = _spec_engine(4, quality=lambda rid, n: 4, max_model_len=20, num_blocks=5, block_size=4)
+    core, ex = spec_engine(4, quality=lambda rid, n: 4, max_model_len=20, num_blocks=5, block_size=4)
     core.add_request("a", list(range(1, 14)), SamplingParams(max_tokens=None, ignore_eos=True))
     got: list[int] = []
     while core.has_work():
@@ -108,7 +101,7 @@ def test_max_model_len_is_exact_and_lookahead_never_passes_it() -> None:
 def test_thinking_budget_requests_never_verify_drafts() -> None:
     """Its processor cannot roll back rejected drafts, so the worker holds none for it (structured outputs do verify
     drafts: tests/test_spec_structured.py)."""
-    core, ex = _spec_engine(2, quality=lambda rid, n: 2)
+    core, ex = spec_engine(2, quality=lambda rid, n: 2)
     sp = SamplingParams(max_tokens=6, ignore_eos=True, extra={"thinking_budget": {"budget": 2, "end_token_ids": [5]}})
     core.add_request("g", [3, 4, 5], sp)
     while core.has_work():
@@ -123,7 +116,7 @@ def test_prefix_hit_gives_back_its_last_block_where_the_drafter_read_the_next_to
                                                                                     hit: int) -> None:
     """A drafter whose cache at a position read the token after it (MTP, EAGLE) cannot reuse the hit's last
     position; a draft model's cache and n-gram lookup keep the whole hit."""
-    core, ex = _spec_engine(2, block_size=4, spec_drafter_reads_next=reads_next)
+    core, ex = spec_engine(2, block_size=4, spec_drafter_reads_next=reads_next)
     prompt = list(range(1, 14))  # 3 full blocks + 1
     core.add_request("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
     while core.has_work():
@@ -136,7 +129,7 @@ def test_prefix_hit_gives_back_its_last_block_where_the_drafter_read_the_next_to
 
 def test_preemption_and_abort_mid_speculation_keep_the_pool_whole() -> None:
     # 10 blocks of 2 tokens for three requests that each want up to 20: preemption is certain
-    core, ex = _spec_engine(3, quality=lambda rid, n: n % 4, num_blocks=10, block_size=2, max_model_len=20,
+    core, ex = spec_engine(3, quality=lambda rid, n: n % 4, num_blocks=10, block_size=2, max_model_len=20,
                             chunked_prefill_size=4)
     prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9]}
     for rid, p in prompts.items():

@@ -5,14 +5,14 @@ count, the offline LLM's _apply with fake deltas, the HTTP server with a fake en
 end to end through LLM on the tiny DeepSeek-V3 + MTP with drafts forced right (so deltas really are long)."""
 from __future__ import annotations
 
-import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import test_spec_mtp
-from test_server_app import client_for, script_for, sse_events
+import spec_fixtures
+from server_client import client_for, script_for, sse_events
+from spec_fixtures import delta_lengths, one_by_one_count, oracle, stop_case
 from test_server_fakes import FakeEngine
 
 from appliance import LLM, SamplingParams
@@ -21,7 +21,7 @@ from appliance.entrypoints.llm import _Sequence
 from appliance.server.engine_client import RequestOutput
 from appliance.tokenization import Detokenizer, load_tokenizer
 
-tiny_v3 = test_spec_mtp.tiny_v3  # the fixture: a random DeepSeek-V3 checkpoint with one MTP layer
+tiny_v3, tiny_v3_tok = spec_fixtures.tiny_v3, spec_fixtures.tiny_v3_tok  # DeepSeek-V3 with one MTP layer
 
 TEXT = "Hello world! How are you? Fine, thanks."
 STOP = "are"
@@ -30,18 +30,6 @@ STOP = "are"
 @pytest.fixture(scope="module")
 def tok(tiny_tokenizer_dir: Path) -> Any:
     return load_tokenizer(str(tiny_tokenizer_dir))
-
-
-def one_by_one_count(tok: Any, ids: list[int], stop: str, **kw: Any) -> tuple[int, str]:
-    """The reference: tokens fed one at a time; how many were consumed when the stop string matched, and the text."""
-    d = Detokenizer(tok, stop=[stop], **kw)
-    text = ""
-    for t in ids:
-        text += d.update([t])
-        if d.finished:
-            break
-    assert d.finished, "the stop string must occur in the test text"
-    return d.num_output_tokens, text
 
 
 # ---- Detokenizer ----------------------------------------------------------------------------------------------
@@ -159,11 +147,6 @@ class ChunkedEngine(FakeEngine):
             yield out
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("chunk", [3, 4])
 async def test_server_completion_usage_and_logprobs_stop_at_the_stop(tok: Any, chunk: int) -> None:
@@ -208,59 +191,20 @@ async def test_server_chat_stream_counts_only_tokens_up_to_the_stop(tok: Any) ->
 
 # ---- end to end: LLM on the tiny DeepSeek-V3 with MTP drafts forced right ------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_v3_tok(tiny_v3: Path, tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("spec_stop_v3")
-    for src in (tiny_v3, tiny_tokenizer_dir):
-        for f in src.iterdir():
-            shutil.copy(f, out / f.name)
-    return out
-
-
-def _pick_stop(tok: Any, ids: list[int]) -> tuple[str, int]:
-    """A stop string whose first match is completed by token k (k >= 4, so speculative steps precede it)."""
-    for k in range(4, len(ids) - 2):
-        text = tok.decode(ids[: k + 1])
-        for m in range(1, 6):
-            s = text[-m:]
-            if s.strip() and "\ufffd" not in s:
-                try:
-                    count, _ = one_by_one_count(tok, ids, s)
-                except AssertionError:
-                    continue
-                if count == k + 1:
-                    return s, k + 1
-    raise AssertionError("no usable stop string in the reference output")
-
-
 def test_mtp_llm_stop_string_inside_an_accepted_draft_run(tiny_v3_tok: Path, monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
-    base = LLM(model=str(tiny_v3_tok), dtype="float32", block_size=4)
-    prompt = [7, 11, 13, 17, 19, 23, 29, 31]
-    ref = base.generate({"prompt_token_ids": prompt},
-                        SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))[0].outputs[0].token_ids
-    stop, keep = _pick_stop(base.tokenizer, ref)
-    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, stop=[stop], logprobs=1)
-    want = base.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
-    assert want.token_ids == ref[:keep] and want.finish_reason == "stop"
+    case = stop_case(tiny_v3_tok)
+    assert case.want.token_ids == case.ref[: case.keep] and case.want.finish_reason == "stop"
 
-    test_spec_mtp.oracle(monkeypatch, {tuple(prompt): ref}, wrong=10**9)  # every draft right (but the very first)
+    oracle(monkeypatch, {tuple(case.prompt): case.ref}, wrong=10**9)  # every draft right (but the very first)
     llm = LLM(model=str(tiny_v3_tok), dtype="float32", block_size=4, speculative_algorithm="MTP",
               speculative_num_steps=3)
-    seen: list[int] = []
-    real_step = llm.engine.step
-
-    def step() -> list[RequestDelta]:
-        deltas = real_step()
-        seen.extend(len(d.new_token_ids) for d in deltas)
-        return deltas
-
-    monkeypatch.setattr(llm.engine, "step", step)
-    got = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
-    assert got.token_ids == want.token_ids and got.text == want.text
-    assert (got.finish_reason, got.stop_reason) == ("stop", stop)
+    seen = delta_lengths(monkeypatch, llm)
+    got = llm.generate({"prompt_token_ids": case.prompt}, case.params)[0].outputs[0]
+    assert got.token_ids == case.want.token_ids and got.text == case.want.text
+    assert (got.finish_reason, got.stop_reason) == ("stop", case.stop)
     assert [next(iter(e)) for e in got.logprobs] == got.token_ids
-    assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
-    assert max(seen) > 1 and sum(seen) > keep  # multi-token deltas, and the last one ran past the stop
+    assert got.cumulative_logprob == pytest.approx(case.want.cumulative_logprob, abs=1e-3)
+    assert max(seen) > 1 and sum(seen) > case.keep  # multi-token deltas, and the last one ran past the stop
     assert llm.engine.stats().spec_num_accepted_tokens > 0
     assert not llm.engine.has_work() and llm.engine.check_accounting().ok

@@ -9,27 +9,29 @@ from typing import Any
 
 import numpy as np
 import pytest
+import spec_fixtures
 import torch
-from conftest import TINY_VOCAB
-from spec_heads import build_eagle3_head
-from test_spec_trees import PROMPTS, generate, make_llm, tree_kwargs
+from spec_fixtures import PROMPTS, generate, make_llm, tree_kwargs
 
 from appliance import SamplingParams
 from appliance.executor.draft_tree import DraftTree, select_tree
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_thread, drafters = spec_fixtures.one_thread, spec_fixtures.drafters
 
 
-@pytest.fixture(scope="module")
-def drafters(make_tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {"draft": make_tiny_model("llama", seed=1, num_hidden_layers=1),
-            "eagle3": build_eagle3_head(tmp_path_factory.mktemp("tree_heads") / "eagle3", TINY_VOCAB, 128)}
+def _recorded_trees(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], DraftTree]]:
+    """A list that fills with (token history, drafted tree) for every tree the drafter builds."""
+    from appliance.executor.speculative_drafts import Drafting
+
+    seen: list[tuple[list[int], DraftTree]] = []
+    real = Drafting._draft_trees
+
+    def record(self: Drafting, states: list[Any], *args: Any) -> None:
+        real(self, states, *args)
+        seen.extend((list(s.token_ids), self.trees[s.request_id]) for s in states if s.request_id in self.trees)
+
+    monkeypatch.setattr(Drafting, "_draft_trees", record)
+    return seen
 
 
 def _search(model: Any, history: list[int], topk: int, steps: int, nodes: int) -> DraftTree:
@@ -63,16 +65,7 @@ def test_a_draft_models_trees_equal_a_from_scratch_search(tiny_model: Path, draf
     mask over fed nodes) compute what full causal passes over each path do."""
     from transformers import AutoModelForCausalLM
 
-    from appliance.executor.speculative_drafts import Drafting
-
-    seen: list[tuple[list[int], DraftTree]] = []
-    real = Drafting._draft_trees
-
-    def record(self: Drafting, states: list[Any], *args: Any) -> None:
-        real(self, states, *args)
-        seen.extend((list(s.token_ids), self.trees[s.request_id]) for s in states if s.request_id in self.trees)
-
-    monkeypatch.setattr(Drafting, "_draft_trees", record)
+    seen = _recorded_trees(monkeypatch)
     llm = make_llm(tiny_model, **tree_kwargs("STANDALONE", drafters["draft"], 2, 3, 6))
     generate(llm, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), PROMPTS[:2])
     assert len(seen) >= 8
@@ -119,16 +112,7 @@ def test_eagle3_trees_equal_a_from_scratch_search(tiny_model: Path, drafters: di
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The EAGLE-3 head's trees: each frontier node is fed its parent's pre-norm output (the rows gathered through
     the search), at its depth, under the mask over the fed nodes; equal to the head written out."""
-    from appliance.executor.speculative_drafts import Drafting
-
-    seen: list[tuple[list[int], DraftTree]] = []
-    real = Drafting._draft_trees
-
-    def record(self: Drafting, states: list[Any], *args: Any) -> None:
-        real(self, states, *args)
-        seen.extend((list(s.token_ids), self.trees[s.request_id]) for s in states if s.request_id in self.trees)
-
-    monkeypatch.setattr(Drafting, "_draft_trees", record)
+    seen = _recorded_trees(monkeypatch)
     llm = make_llm(tiny_model, **tree_kwargs("EAGLE3", drafters["eagle3"], 3, 3, 9))
     generate(llm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), PROMPTS[:3])
     assert len(seen) >= 6 and len({t for _, tree in seen for t in tree.tokens}) > 5

@@ -8,58 +8,17 @@ refused with their key names. The tree itself: tests/test_draft_tree.py; what tr
 tests/test_spec_tree_drafts.py."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import spec_fixtures
 import torch
-from conftest import TINY_VOCAB
-from spec_heads import build_eagle3_head, build_eagle_head
+from spec_fixtures import NEW, PROMPTS, generate, gpu_llm, logprobs_of, make_llm, seeded_and_penalised, tree_kwargs
 
 from appliance import LLM, SamplingParams
 
-PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
-           list(range(40, 60)) + list(range(40, 50)), [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 50, 51]]
-NEW = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def drafters(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("tree_drafters")
-    return {"draft": make_tiny_model("llama", seed=1, num_hidden_layers=1),
-            "eagle3": build_eagle3_head(out / "eagle3", TINY_VOCAB, 128),
-            "eagle": build_eagle_head(out / "eagle", TINY_VOCAB)}
-
-
-def make_llm(model: Path, **overrides: Any) -> LLM:
-    return LLM(model=str(model), dtype="float32", block_size=4, skip_tokenizer_init=True, **overrides)
-
-
-def tree_kwargs(algorithm: str, drafter: Path, topk: int, steps: int, tokens: int) -> dict[str, Any]:
-    return {"speculative_algorithm": algorithm, "speculative_num_steps": steps, "speculative_eagle_topk": topk,
-            "speculative_num_draft_tokens": tokens, "speculative_draft_model_path": str(drafter)}
-
-
-def generate(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list[list[int]] = PROMPTS) -> list[Any]:
-    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-
-
-def logprobs_of(o: Any) -> list[float]:
-    return [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model: Path) -> list[Any]:
-    return generate(make_llm(tiny_model), SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1))
+one_thread, drafters, reference = spec_fixtures.one_thread, spec_fixtures.drafters, spec_fixtures.reference
 
 
 # ---- through the offline LLM ---------------------------------------------------------------------------------
@@ -133,11 +92,7 @@ def test_the_target_as_its_own_draft_model_accepts_its_best_paths(tiny_model: Pa
 
 @pytest.mark.parametrize("drafter", ["target", "eagle3"])
 def test_seeded_and_penalised_sampling_is_unchanged(tiny_model: Path, drafters: dict[str, Path], drafter: str) -> None:
-    params = [SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=NEW, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=NEW, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, seed=11, min_tokens=3, max_tokens=NEW),
-              SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=NEW,
-                             ignore_eos=True)]
+    params = seeded_and_penalised(NEW)
     base = generate(make_llm(tiny_model), params)
     kw = (tree_kwargs("STANDALONE", tiny_model, 3, 3, 8) if drafter == "target"
           else tree_kwargs("EAGLE3", drafters["eagle3"], 2, 3, 6))
@@ -256,11 +211,6 @@ def test_trees_that_cannot_run_are_refused_by_key(tiny_model: Path, drafters: di
 
 # ---- GPU (Triton kernels, padded prefill batches, CUDA graphs for the plain steps) --------------------------
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def gpu_llm(path: Path, **overrides: Any) -> LLM:
-    return LLM(model=str(path), device="cuda", dtype="float32", gpu_memory_utilization=0.3, block_size=16,
-               attention_backend="triton", skip_tokenizer_init=True, **overrides)
 
 
 @pytest.mark.parametrize("algorithm,key", [("STANDALONE", "target"), ("EAGLE3", "eagle3")])

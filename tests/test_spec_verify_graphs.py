@@ -11,30 +11,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+import spec_fixtures
 import torch
-from conftest import TINY_VOCAB
-from spec_heads import build_eagle3_head
+from spec_fixtures import NEW, gpu_llm, greedy, make_llm, spec_kwargs
 
-from appliance import LLM, SamplingParams
 from appliance.engine.sampling_params import SamplingParams as Params
 from appliance.executor.draft_graphs import ChainGraphs
 from appliance.executor.input_batch import Chunk, graph_stride
 from appliance.executor.request_table import RequestState
 from appliance.executor.verify_graphs import VerifyGraphs, verify_rows
 
-PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
-           list(range(40, 60)) + list(range(40, 50))]
-NEW = 16
-
-
-@pytest.fixture(scope="module")
-def head(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head", TINY_VOCAB, 128)
-
-
-def greedy(llm: LLM, n: int = NEW) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+PROMPTS = spec_fixtures.PROMPTS[:3]
+eagle3_head = spec_fixtures.eagle3_head
 
 
 def test_verify_rows_layout() -> None:
@@ -72,12 +60,11 @@ def test_verify_batches_follow_what_the_config_needs() -> None:
 
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
-def test_decode_rows_match_the_multi_token_path(tiny_model: Path, head: Path, algorithm: str) -> None:
+def test_decode_rows_match_the_multi_token_path(tiny_model: Path, eagle3_head: Path, algorithm: str) -> None:
     """Every verification step runs both ways (the second re-stores the same K/V); hidden states agree."""
-    reference = greedy(LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True))
-    draft = {"speculative_draft_model_path": str(head)} if algorithm == "EAGLE3" else {}
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
-              speculative_algorithm=algorithm, speculative_num_steps=3, **draft)
+    reference = greedy(make_llm(tiny_model), PROMPTS, NEW)
+    draft = {"speculative_draft_model_path": str(eagle3_head)} if algorithm == "EAGLE3" else {}
+    llm = make_llm(tiny_model, speculative_algorithm=algorithm, speculative_num_steps=3, **draft)
     spec = llm.executor.runner.spec
     assert isinstance(spec.verify_graphs, VerifyGraphs)
     compared: list[int] = []
@@ -94,14 +81,13 @@ def test_decode_rows_match_the_multi_token_path(tiny_model: Path, head: Path, al
         return got
 
     spec.verify_graphs.run_step = both  # type: ignore[method-assign]
-    assert greedy(llm) == reference
+    assert greedy(llm, PROMPTS, NEW) == reference
     assert compared and max(compared) > len(PROMPTS)  # verifications of several rows per request ran
     assert llm.engine.stats().spec_num_drafts > 0 and llm.engine.check_accounting().ok
 
 
 def test_verification_above_the_buckets_takes_the_multi_token_path(tiny_model: Path) -> None:
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
-              speculative_algorithm="NGRAM", speculative_num_steps=3, cuda_graph_bs=[1])
+    llm = make_llm(tiny_model, speculative_algorithm="NGRAM", speculative_num_steps=3, cuda_graph_bs=[1])
     spec = llm.executor.runner.spec
     assert spec.verify_graphs.sizes == [4]  # one request of 1 + 3 tokens
     ran: list[bool] = []
@@ -113,21 +99,20 @@ def test_verification_above_the_buckets_takes_the_multi_token_path(tiny_model: P
         return got
 
     spec.verify_graphs.run_step = record  # type: ignore[method-assign]
-    reference = greedy(LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True))
-    assert greedy(llm) == reference
+    reference = greedy(make_llm(tiny_model), PROMPTS, NEW)
+    assert greedy(llm, PROMPTS, NEW) == reference
     assert not all(ran)  # three requests verifying drafts: more rows than the one bucket
     if any(ran):
         assert spec.verify_graphs.last_key is not None and spec.verify_graphs.last_key.batch == 4
 
 
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3"])
-def test_catch_up_rows_draft_what_the_eager_catch_up_drafts(tiny_model: Path, head: Path,
+def test_catch_up_rows_draft_what_the_eager_catch_up_drafts(tiny_model: Path, eagle3_head: Path,
                                                            make_tiny_model: Any, algorithm: str) -> None:
     """After every verify-graph step the drafter catches up both ways (the second re-stores the same K/V): the
     same drafts."""
-    drafter = str(head) if algorithm == "EAGLE3" else str(make_tiny_model("llama", seed=1, num_hidden_layers=1))
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
-              speculative_algorithm=algorithm, speculative_num_steps=3, speculative_draft_model_path=drafter)
+    drafter = eagle3_head if algorithm == "EAGLE3" else make_tiny_model("llama", seed=1, num_hidden_layers=1)
+    llm = make_llm(tiny_model, **spec_kwargs(algorithm, drafter))
     spec = llm.executor.runner.spec
     assert spec.catch_up_graphs is not None
     propose, compared = spec._propose, []
@@ -147,15 +132,14 @@ def test_catch_up_rows_draft_what_the_eager_catch_up_drafts(tiny_model: Path, he
         compared.append(sum(1 for d in via_graphs.values() if d))
 
     spec._propose = both  # type: ignore[method-assign]
-    reference = greedy(LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True))
-    assert greedy(llm) == reference
+    reference = greedy(make_llm(tiny_model), PROMPTS, NEW)
+    assert greedy(llm, PROMPTS, NEW) == reference
     assert compared and max(compared) == len(PROMPTS)  # every request drafted from the catch-up rows
 
 
-def test_chain_drafts_stop_at_the_limit(tiny_model: Path, head: Path) -> None:
+def test_chain_drafts_stop_at_the_limit(tiny_model: Path, eagle3_head: Path) -> None:
     """A chain's rows past their block table store nothing and lose those drafts; the others run on."""
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=4, skip_tokenizer_init=True,
-              speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head), speculative_num_steps=4)
+    llm = make_llm(tiny_model, **spec_kwargs("EAGLE3", eagle3_head, steps=4))
     spec = llm.executor.runner.spec
     chains = spec.chains
     assert isinstance(chains, ChainGraphs) and chains.captured == 0  # CPU: uncaptured
@@ -180,22 +164,20 @@ def test_chain_drafts_stop_at_the_limit(tiny_model: Path, head: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_verify_graphs_match_eager(tiny_model: Path, head: Path) -> None:
+def test_gpu_verify_graphs_match_eager(tiny_model: Path, eagle3_head: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    kw: dict[str, Any] = {"device": "cuda", "dtype": "float32", "gpu_memory_utilization": 0.3, "block_size": 16,
-                          "attention_backend": "triton", "skip_tokenizer_init": True, "max_num_seqs": 8}
-    reference = greedy(LLM(model=str(tiny_model), **kw), 32)
-    llm = LLM(model=str(tiny_model), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
-              speculative_num_steps=3, **kw)
+    reference = greedy(gpu_llm(tiny_model, max_num_seqs=8), PROMPTS, 32)
+    llm = gpu_llm(tiny_model, max_num_seqs=8, speculative_algorithm="EAGLE3",
+                  speculative_draft_model_path=str(eagle3_head), speculative_num_steps=3)
     spec = llm.executor.runner.spec
     graphs, chains = spec.verify_graphs, spec.chains
     assert graphs is not None and graphs.cuda and graphs.graphs  # captured at start-up
     assert chains is not None and chains.captured >= len(PROMPTS) and chains.graphs
-    assert greedy(llm, 32) == reference
+    assert greedy(llm, PROMPTS, 32) == reference
     assert graphs.last_key is not None and chains.last_key is not None  # both replayed a graph
     assert spec.catch_up_graphs is not None and spec.catch_up_graphs.last_key is not None
     spec.verify_graphs = None  # the multi-token eager path
     chains.captured = 0
     chains.graphs.clear()  # the chains' body uncaptured
-    assert greedy(llm, 32) == reference
+    assert greedy(llm, PROMPTS, 32) == reference
     assert llm.engine.stats().spec_num_drafts > 0 and llm.engine.check_accounting().ok

@@ -93,8 +93,8 @@ class ModelRunner:
         self.config = config
         STARTUP.enter("reading the model config")  # ends where the next phase begins
         self._settle(config)
-        self.model, kv_scales = build_model(self, config.model.load_format,
-                                            config.model.seed)  # start-up phases: executor/startup.py
+        # its start-up phases: executor/startup.py
+        self.model, kv_scales = build_model(self, config.model.load_format, config.model.seed)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
         # a drafter's caches share the block table and the KV budget (none without speculation, or for n-gram)
         self.draft_model = speculative.load_drafter(config, self)
