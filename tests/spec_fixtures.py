@@ -45,7 +45,7 @@ def eagle3_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def drafters(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A one-layer draft model and every head layout (the EAGLE-3 one is eagle3_head's)."""
+    """A one-layer draft model and a head of each layout (its EAGLE-3 head equals eagle3_head)."""
     out = tmp_path_factory.mktemp("drafters")
     return {"draft": make_tiny_model("llama", seed=1, num_hidden_layers=1),
             "eagle3": build_eagle3_head(out / "eagle3", TINY_VOCAB, 128),
@@ -84,8 +84,8 @@ def generate(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: l
 
 def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Each prompt's greedy tokens, EOS ignored."""
-    return [o.token_ids for o in generate(llm, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                              ignore_eos=True), prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.token_ids for o in generate(llm, params, prompts)]
 
 
 def seeded_and_penalised(max_tokens: int) -> list[SamplingParams]:
