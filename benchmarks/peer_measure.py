@@ -97,13 +97,16 @@ def measure_models(model_dir: Path, spec: dict[str, Any]) -> list[dict[str, Any]
     config = json.loads((model_dir / "config.json").read_text())
     engine = spec["engine"]
     llm = make_llm(model_dir, engine)
-    facts = llm.collective_rpc(kv_facts)[0]
+    try:  # the speed figures stand without it: a worker that cannot answer leaves the KV cell with its reason
+        facts = llm.collective_rpc(kv_facts)[0]
+        backend, kv = ",".join(facts["attention_backends"]) or None, kv_per_sequence(facts)
+    except Exception as e:  # noqa: BLE001 - reported in the record
+        backend, kv = None, {"error": f"{type(e).__name__}: {e}"}
     quant = (config.get("quantization_config") or {}).get("quant_method")
     record: dict[str, Any] = {"model": spec["model"], "engine": engine_name(),
                               "settings": {**engine, "dtype": BASE_ENGINE["dtype"], "quantization": quant},
-                              "backend": ",".join(facts["attention_backends"]) or None, "device": device_name(),
-                              "cuda_graphs": not engine.get("enforce_eager", False),
-                              "kv_per_sequence": kv_per_sequence(facts)}
+                              "backend": backend, "device": device_name(),
+                              "cuda_graphs": not engine.get("enforce_eager", False), "kv_per_sequence": kv}
     record["batch1_decode_ms_per_token"], record["batch1_method"] = batch1(llm, spec["batch1"])
     record["throughput"] = throughput(llm, spec["throughput"], warm_up=True)
     return [record]

@@ -1,7 +1,7 @@
 """The model families' rows of benchmarks/summary.py: ours (benchmarks/models.py's JSON lines in models.jsonl,
 benchmarks/hybrid.py's list in hybrid.json) beside the peer's (benchmarks/peer_models.py: peer_models.json,
-peer_mxfp4.json, peer_hybrid.json) for every model either side measured. A record with "error" (a model the peer could not load or
-run, or one its time limit left out) fills its cells with "not run: " and the cause.
+peer_mxfp4.json, peer_hybrid.json) for every model either side measured. A record with "error" (a model the peer
+could not load or run, or one its time limit left out) fills its cells with "not run: " and the cause.
 """
 from __future__ import annotations
 
@@ -38,11 +38,19 @@ def records(path: Path) -> list[Record]:
     return [r for r in items if isinstance(r, dict)]
 
 
+def _clip(text: object) -> str:
+    """A cause in a table cell: no column bars, at most CAUSE_CHARS characters."""
+    cause = str(text).replace("|", "/")
+    return cause if len(cause) <= CAUSE_CHARS else cause[:CAUSE_CHARS] + "..."
+
+
 def _tput(tp: Record, rate: float) -> str:
     return f"{rate:,.1f} ({tp['num_prompts']} x {tp['input_len']} / {tp['output_len']})"
 
 
 def _kv(kv: Record) -> str:
+    if "error" in kv:
+        return "not measured: " + _clip(kv["error"])
     return f"{kv['allocated_gib']:.2f} GiB at {kv['context']:,} ({kv['allocated_ratio']:.3f})"
 
 
@@ -66,8 +74,7 @@ def cell(record: Record | None, show: Callable[[Record], str]) -> str:
     if record is None:
         return "-"
     if "error" in record:
-        cause = str(record.get("cause") or record["error"]).replace("|", "/")
-        return "not run: " + (cause if len(cause) <= CAUSE_CHARS else cause[:CAUSE_CHARS] + "...")
+        return "not run: " + _clip(record.get("cause") or record["error"])
     try:
         return show(record)
     except (KeyError, TypeError, ValueError):
