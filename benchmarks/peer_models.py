@@ -96,14 +96,19 @@ def run_child(model_dir: Path, phase: str, timeout_s: float, log_dir: Path) -> l
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = Path(f.name)
     cmd = [sys.executable, "-m", "benchmarks.peer_models", str(model_dir), "--child", phase, "--result", str(result)]
+    rc = None
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return error_record(model_dir, phase, f"not finished in {timeout_s:.0f} s", log)
+            pass
+        finally:  # a timeout, or this process stopped (SIGTERM: main): no engine process outlives the run
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if rc is None:
+        return error_record(model_dir, phase, f"not finished in {timeout_s:.0f} s", log)
     try:
         records = json.loads(result.read_text()) if rc == 0 else []
     except ValueError:
@@ -111,6 +116,11 @@ def run_child(model_dir: Path, phase: str, timeout_s: float, log_dir: Path) -> l
     finally:
         result.unlink(missing_ok=True)
     return records or error_record(model_dir, phase, f"exit status {rc}", log)
+
+
+def _stop(signum: int, frame: object) -> None:
+    """SIGTERM (the suite's timeout) as SystemExit, so run_child's cleanup ends the model's processes."""
+    raise SystemExit(128 + signum)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -156,4 +166,5 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stop)
     main()
