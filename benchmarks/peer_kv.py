@@ -3,9 +3,11 @@
 `kv_facts` runs inside vLLM's worker (LLM.collective_rpc) and returns plain numbers: the groups of its KV cache
 (kind, layers, block size, bytes of one layer's block, and the bytes its spec reserves for one request of
 max_model_len), the pool's bytes and blocks, and the concurrency vLLM's own start-up log reports. `kv_per_sequence`
-turns them into benchmarks/models.py's keys: `allocated_gib` is the pool's bytes over that concurrency (what one
-request of max_model_len holds by vLLM's admission: its sliding-window groups reserve the window plus a step's
-tokens), `window_share_gib` the groups' blocks, both against every attention layer keeping the whole context.
+turns them into benchmarks/models.py's keys at a context: `allocated_gib` (= `window_share_gib`: what vLLM
+allocates is what its groups reserve) sums each group's reservation, the context's blocks on a full-attention
+group and on a sliding-window group the window plus a step's tokens (vLLM's admission), against every attention
+layer keeping the whole context; `max_len_request_gib` is the pool over that concurrency, the same measure at
+max_model_len from vLLM's own accounting (its pool pads groups to one size).
 """
 from __future__ import annotations
 
@@ -42,23 +44,26 @@ def group_name(group: dict[str, Any]) -> str:
     return "mamba" if "Mamba" in group["spec"] else "full"
 
 
-def kv_per_sequence(facts: dict[str, Any]) -> dict[str, Any]:
-    """benchmarks/models.py's kv_per_sequence keys for one request of max_model_len tokens."""
-    context = facts["max_model_len"]
+def kv_per_sequence(facts: dict[str, Any], context: int) -> dict[str, Any]:
+    """benchmarks/models.py's kv_per_sequence keys for one sequence of `context` tokens: per group, the blocks its
+    spec reserves for a request (at most the context's), against every attention layer keeping the whole context."""
     attention = [g for g in facts["groups"] if group_name(g) != "mamba"]
     held: dict[str, dict[str, int]] = {}
     for g in attention:  # vLLM splits layers of one kind into groups of equal size: ours count them as one
-        entry = held.setdefault(group_name(g), {"layers": 0, "blocks": -(-g["request_bytes"] // g["page_bytes"])})
-        entry["layers"] += g["layers"]
+        blocks = min(-(-g["request_bytes"] // g["page_bytes"]), -(-context // g["block_size"]))
+        held.setdefault(group_name(g), {"layers": 0, "blocks": blocks})["layers"] += g["layers"]
     every_layer = sum(g["layers"] * -(-context // g["block_size"]) * g["page_bytes"] for g in attention)
-    windowed = sum(g["layers"] * g["request_bytes"] for g in attention)
-    allocated = facts["kv_bytes"] / facts["max_concurrency"] if facts["max_concurrency"] else float("nan")
+    reserved = sum(g["layers"] * min(-(-g["request_bytes"] // g["page_bytes"]), -(-context // g["block_size"]))
+                   * g["page_bytes"] for g in attention)
+    ratio = reserved / every_layer if every_layer else None
+    max_len_request = facts["kv_bytes"] / facts["max_concurrency"] if facts["max_concurrency"] else None
     return {"context": context, "block_size": attention[0]["block_size"] if attention else None,
             "kv_groups": len(facts["groups"]) > 1,
             "blocks_per_sequence": {name: h["blocks"] for name, h in held.items()}, "group_blocks": held,
-            "allocated_gib": allocated / GIB, "window_share_gib": windowed / GIB,
-            "ratio": windowed / every_layer if every_layer else None,
-            "allocated_ratio": allocated / every_layer if every_layer else None,
+            "allocated_gib": reserved / GIB, "window_share_gib": reserved / GIB, "ratio": ratio,
+            "allocated_ratio": ratio,
             "sliding_layers": sum(g["layers"] for g in attention if g["sliding_window"] is not None),
             "layers": sum(g["layers"] for g in attention),
-            "max_concurrency": facts["max_concurrency"], "num_blocks": facts["num_blocks"]}
+            "max_model_len": facts["max_model_len"], "max_concurrency": facts["max_concurrency"],
+            "pool_gib": facts["kv_bytes"] / GIB,
+            "max_len_request_gib": None if max_len_request is None else max_len_request / GIB}

@@ -99,7 +99,7 @@ def measure_models(model_dir: Path, spec: dict[str, Any]) -> list[dict[str, Any]
     llm = make_llm(model_dir, engine)
     try:  # the speed figures stand without it: a worker that cannot answer leaves the KV cell with its reason
         facts = llm.collective_rpc(kv_facts)[0]
-        backend, kv = ",".join(facts["attention_backends"]) or None, kv_per_sequence(facts)
+        backend, kv = ",".join(facts["attention_backends"]) or None, kv_per_sequence(facts, spec["kv_context"])
     except Exception as e:  # noqa: BLE001 - reported in the record
         backend, kv = None, {"error": f"{type(e).__name__}: {e}"}
     quant = (config.get("quantization_config") or {}).get("quant_method")

@@ -159,15 +159,17 @@ def test_kv_per_sequence_from_vllms_groups() -> None:
     state = {**full, "spec": "MambaSpec", "layers": 3, "request_bytes": 2 * page}
     facts = {"num_blocks": 10_000, "kv_bytes": 10_000 * 8 * page, "max_model_len": ctx,
              "groups": [window] * 5 + [full, state], "max_concurrency": 4.0, "attention_backends": ["FLASH_ATTN"]}
-    kv = peer_kv.kv_per_sequence(facts)
+    kv = peer_kv.kv_per_sequence(facts, ctx)
     assert kv["group_blocks"] == {"window_1024": {"layers": 40, "blocks": 577}, "full": {"layers": 8, "blocks": 2048}}
     assert kv["blocks_per_sequence"] == {"window_1024": 577, "full": 2048}
-    every = 48 * 2048 * page
-    assert kv["ratio"] == pytest.approx((40 * 577 + 8 * 2048) / (48 * 2048))
-    assert kv["allocated_gib"] == pytest.approx(10_000 * 8 * page / 4.0 / 2**30)
-    assert kv["allocated_ratio"] == pytest.approx(10_000 * 8 * page / 4.0 / every)
+    assert kv["ratio"] == kv["allocated_ratio"] == pytest.approx((40 * 577 + 8 * 2048) / (48 * 2048))
+    assert kv["allocated_gib"] == pytest.approx((40 * 577 + 8 * 2048) * page / 2**30)
+    assert kv["max_len_request_gib"] == pytest.approx(10_000 * 8 * page / 4.0 / 2**30)
     assert (kv["context"], kv["block_size"], kv["kv_groups"], kv["layers"], kv["sliding_layers"]) == \
         (ctx, 16, True, 48, 40)
+    short = peer_kv.kv_per_sequence(facts, 4096)  # below the window's reservation: the context's blocks
+    assert short["group_blocks"] == {"window_1024": {"layers": 40, "blocks": 256}, "full": {"layers": 8, "blocks": 256}}
+    assert short["ratio"] == 1.0 and short["context"] == 4096
 
 
 class FakeLLM:
@@ -248,7 +250,9 @@ def test_the_peer_runs_our_prompts_and_reports_our_keys(tmp_path: Path, fake_vll
     assert tp["output_tok_s"] == pytest.approx(4 * 8 / tp["seconds"])
     assert record["batch1_method"] == "token arrival times" and record["batch1_decode_ms_per_token"] > 0
     assert record["engine"] == "vllm 0.26.0" and record["backend"] == "FLASH_ATTN"
-    assert record["kv_per_sequence"]["allocated_gib"] == pytest.approx(80 * 2 * 64 / 10.0 / 2**30)
+    kv = record["kv_per_sequence"]  # the stand-in's two full layers reserve 8 blocks; the context (64) needs 4
+    assert kv["allocated_gib"] == pytest.approx(2 * 4 * 64 / 2**30) and kv["context"] == 64
+    assert kv["max_len_request_gib"] == pytest.approx(80 * 2 * 64 / 10.0 / 2**30)
     broken = FakeLLM(stream_fails=True)
     broken.collective_rpc = lambda method: {}[0]  # a worker that cannot answer: the KV cell says why
     monkeypatch.setattr(peer_measure, "make_llm", lambda *a, **k: broken)
