@@ -180,7 +180,7 @@ part() {
 trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a server of a part cut short does not outlive the suite
 status=0
 parts=("$@")
-[[ ${#parts[@]} -eq 0 ]] && { sed -n '2,30p' "$0"; exit 2; }
+[[ ${#parts[@]} -eq 0 ]] && { sed -n '2,/^#   summary/p' "$0"; exit 2; }  # the header through the parts
 [[ "${parts[0]}" == all ]] && parts=("${ALL_PARTS[@]}")
 for p in "${parts[@]}"; do part "$p" || { echo "gpu_suite: part $p failed (exit $?)" >&2; status=1; }; done
 "$py" -m benchmarks.summary "$out" || status=1
