@@ -103,18 +103,20 @@ def run_child(model_dir: Path, phase: str, timeout_s: float, log_dir: Path) -> l
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             pass
-        finally:  # a timeout, or this process stopped (SIGTERM: main): no engine process outlives the run
-            if proc.poll() is None:
+        finally:  # ended, timed out or this process stopped (SIGTERM: main): none of vLLM's processes outlives it
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    if rc is None:
-        return error_record(model_dir, phase, f"not finished in {timeout_s:.0f} s", log)
+            except ProcessLookupError:
+                pass
+            proc.wait()
     try:
         records = json.loads(result.read_text()) if rc == 0 else []
     except ValueError:
         records = []
     finally:
         result.unlink(missing_ok=True)
+    if rc is None:
+        return error_record(model_dir, phase, f"not finished in {timeout_s:.0f} s", log)
     return records or error_record(model_dir, phase, f"exit status {rc}", log)
 
 
