@@ -38,7 +38,8 @@ PHASES = {"models": ("measure",), "hybrid": ("plain", "snapshots")}
 BASE_ENGINE: dict[str, Any] = {"load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16",
                                "gpu_memory_utilization": 0.9, "seed": 0}
 LOG_TAIL_LINES = 6
-EXCEPTION = re.compile(r"(?:^|\) )((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)(?::.*)?)$")
+# an exception's line, alone or behind a process's prefix: "(EngineCore pid=7) ValueError: ...", "[rank0]: ..."
+EXCEPTION = re.compile(r"(?:^|[)\]]:? )((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)(?::.*)?)$")
 
 
 def write_workload(model_dir: Path, spec: dict[str, Any]) -> Path:

@@ -328,3 +328,15 @@ def test_the_suite_writes_the_peers_input_before_it_needs_the_kit(tmp_path: Path
                             "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)})
     assert r.returncode == 1 and ".peer/run_vllm.sh is missing" in r.stderr
     assert spec_of(tmp_path / "peer_mxfp4_dirs" / "gpt-oss-20b-mxfp4")["model"] == "gpt-oss-20b-mxfp4"
+
+
+@pytest.mark.parametrize("line, cause", [
+    ("(EngineCore_DP0 pid=12) ValueError: bad shape", "ValueError: bad shape"),
+    ("[rank0]: torch.OutOfMemoryError: CUDA out of memory", "torch.OutOfMemoryError: CUDA out of memory"),
+    ("NotImplementedError: No MXFP4 MoE backend", "NotImplementedError: No MXFP4 MoE backend"),
+    ("ERROR 11-28 [core.py:1] EngineCore failed to start.", None),
+    ("INFO a line that mentions an Error: in passing", None),
+])
+def test_the_cause_is_an_exceptions_line(line: str, cause: str | None) -> None:
+    match = peer_models.EXCEPTION.search(line)
+    assert (match.group(1) if match else None) == cause
