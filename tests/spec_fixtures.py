@@ -1,8 +1,8 @@
 """What the speculative-decoding tests share (a plain module they import, fixtures included): the tiny Llama's
 prompts, LLM builders and greedy reference with its drafters (tests/spec_heads.py); the tiny DeepSeek-V3 with one
-MTP layer, its reference and the oracle that forces its drafts; and the stop-string reference of the MTP end-to-end
-runs. A fixture applies in a test module that imports it, with the fixtures it takes (tiny_v3 for mtp_reference
-and tiny_v3_tok); one_thread applies to every test there."""
+MTP layer, its reference and the oracle that forces its drafts; and for stop strings, the count of tokens fed one
+by one, outputs of several tokens each and a case on tiny_v3. A fixture applies in a test module that imports it,
+with the fixtures it takes (tiny_v3 for mtp_reference and tiny_v3_tok); one_thread applies to every test there."""
 from __future__ import annotations
 
 import shutil
@@ -19,6 +19,7 @@ from spec_heads import append_mtp_layer, build_eagle3_head, build_eagle_head
 from appliance import LLM, SamplingParams
 from appliance.engine.delta import RequestDelta
 from appliance.executor.speculative_mtp import MtpSpeculator
+from appliance.server.engine_client import RequestOutput
 from appliance.tokenization import Detokenizer
 
 # ---- the tiny Llama (conftest's tiny_model) and its drafters ---------------------------------------------------
@@ -223,7 +224,7 @@ log_level = "warning"
 '''
 
 
-# ---- stop strings on tiny_v3 with a tokenizer --------------------------------------------------------------------
+# ---- stop strings: the one-by-one count, multi-token outputs, tiny_v3 with a tokenizer -------------------------
 @pytest.fixture(scope="module")
 def tiny_v3_tok(tiny_v3: Path, tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("spec_stop_v3")
@@ -259,6 +260,21 @@ def pick_stop(tok: Any, ids: list[int]) -> tuple[str, int]:
                 if count == k + 1:
                     return s, k + 1
     raise AssertionError("no usable stop string in the reference output")
+
+
+def chunked_outputs(request_id: str, num_prompt_tokens: int, script: list[int], chunk: int,
+                    sampling: SamplingParams) -> Iterator[RequestOutput]:
+    """`script` (cut at max_tokens) as outputs of `chunk` tokens (a speculative step's shape), logprob -0.01 *
+    position; the last one finishes with "length"."""
+    limit = min(sampling.max_tokens or 16, len(script))
+    for start in range(0, limit, chunk):
+        toks = script[start : min(start + chunk, limit)]
+        lps = top = None
+        if sampling.logprobs is not None:
+            lps = [-0.01 * (start + j + 1) for j in range(len(toks))]
+            top = [[(t, lp)] for t, lp in zip(toks, lps)]
+        yield RequestOutput(request_id, toks, lps, top, None, "length" if start + chunk >= limit else None,
+                            num_prompt_tokens, 0)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Small random draft checkpoints for the speculative-decoding tests: an EAGLE-3 head and an EAGLE head in the
 layouts people publish (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, the speculators format's `layers.0.*`), for the tiny
-Llama of conftest (hidden 64, 4 heads, 2 KV heads, vocabulary TINY_VOCAB); and the MTP layer DeepSeek-V3 and GLM-4
-MoE checkpoints ship, appended to a target's tensors."""
+Llama of conftest (hidden 64, 4 heads, 2 KV heads, vocabulary TINY_VOCAB), with the EAGLE-3 head written out as the
+reference its drafts are checked against; and the MTP layer DeepSeek-V3 and GLM-4 MoE checkpoints ship, appended to
+a target's tensors."""
 from __future__ import annotations
 
 import json
@@ -87,3 +88,72 @@ def append_mtp_layer(tensors: dict[str, torch.Tensor], num_layers: int, hidden: 
             "shared_head.norm.weight": torch.ones(hidden), "shared_head.head.weight": tensors["lm_head.weight"],
             "embed_tokens.weight": tensors["model.embed_tokens.weight"]}
     tensors.update({mtp + k: v.clone() for k, v in head.items()})
+
+
+# ---- the EAGLE-3 head written out (the reference of its drafts) ------------------------------------------------
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = positions[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * cos + half * sin
+
+
+class Eagle3Reference:
+    """The EAGLE-3 head written from its published description, over a whole sequence at once: row i takes
+    embed(token i + 1) and fc(captured states at i) (or the previous row's pre-norm output in the chain); one
+    decoder layer whose attention reads [input_norm(embeds), hidden_norm(hidden)]; logits over the draft
+    vocabulary, mapped to target ids by d2t."""
+
+    def __init__(self, head_dir: Path, target_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.w = load_file(str(head_dir / "model.safetensors"))
+        self.embed = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+        self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # (embeds, hidden) per row so far
+
+    def step(self, tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append rows (one token and hidden state each, at the next positions); returns (draft ids, pre-norm)
+        of the new rows."""
+        w, p = self.w, "midlayer."
+        e = self.embed[torch.tensor(tokens)]
+        self.rows += list(zip(e, hidden))
+        embeds, hid = torch.stack([r[0] for r in self.rows]), torch.stack([r[1] for r in self.rows])
+        x = torch.cat([_rms(embeds, w[p + "input_layernorm.weight"]), _rms(hid, w[p + "hidden_norm.weight"])], -1)
+        n, d = x.shape[0], 16
+        pos = torch.arange(n)
+        q = _rope((x @ w[p + "self_attn.q_proj.weight"].T).view(n, 4, d), pos)
+        k = _rope((x @ w[p + "self_attn.k_proj.weight"].T).view(n, 2, d), pos).repeat_interleave(2, 1)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(n, 2, d).repeat_interleave(2, 1)
+        att = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                               v.transpose(0, 1), is_causal=True)
+        r1 = att.transpose(0, 1).reshape(n, -1) @ w[p + "self_attn.o_proj.weight"].T + hid
+        y = _rms(r1, w[p + "post_attention_layernorm.weight"])
+        m = (torch.nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)
+             ) @ w[p + "mlp.down_proj.weight"].T
+        pre = (m + r1)[-len(tokens):]
+        self.logits = _rms(pre, w["norm.weight"]) @ w["lm_head.weight"].T  # the new rows' (draft vocabulary)
+        draft = self.logits.argmax(-1)
+        return draft + w["d2t"][draft], pre
+
+
+def captured_states(target_dir: Path, tokens: list[int], layers: list[int]) -> torch.Tensor:
+    """The target's decoder-layer outputs (residual stream) at `layers`, side by side, from transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    outs: dict[int, torch.Tensor] = {}
+    hooks = [model.model.layers[i].register_forward_hook(
+        lambda mod, args, out, i=i: outs.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in set(layers)]
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    for h in hooks:
+        h.remove()
+    return torch.cat([outs[i].reshape(len(tokens), -1) for i in layers], -1)

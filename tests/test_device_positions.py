@@ -241,9 +241,9 @@ def test_speculative_rollbacks_are_corrected(tmp_path: Path) -> None:
     """MTP on a dummy-weight DeepSeek-V3 (its own drafts, mostly rejected): verification chunks set lens to
     their end, the rollback to the accepted length is corrected, tokens equal the run without drafts."""
     import transformers
-    from test_spec_mtp import TINY
+    from spec_fixtures import MTP_TINY
 
-    cfg = transformers.DeepseekV3Config(**TINY)
+    cfg = transformers.DeepseekV3Config(**MTP_TINY)
     cfg.architectures = ["DeepseekV3ForCausalLM"]
     cfg.save_pretrained(str(tmp_path))
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]

@@ -290,13 +290,13 @@ def test_mtp_speculation_on_an_fp8_latent_cache(tmp_path_factory: pytest.TempPat
     emits the tokens of plain decoding on the same fp8 cache (verification samples each row as plain decoding
     would), with drafts accepted (the test's oracle corrects most of them, as tests/test_spec_mtp.py does) and
     rejected (rolled back)."""
-    import test_spec_mtp as spec
+    import spec_fixtures as spec
 
     path = spec.tiny_v3.__wrapped__(tmp_path_factory)  # the fixture's builder, outside its module
-    params = SamplingParams(temperature=0.0, max_tokens=spec.NEW, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in spec.PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=spec.MTP_NEW, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in spec.MTP_PROMPTS]
     plain = [o.outputs[0].token_ids for o in spec.make_llm(path, kv_cache_dtype="fp8").generate(prompts, params)]
-    spec.oracle(monkeypatch, {tuple(p): t for p, t in zip(spec.PROMPTS, plain)}, wrong=4)
+    spec.oracle(monkeypatch, {tuple(p): t for p, t in zip(spec.MTP_PROMPTS, plain)}, wrong=4)
     llm = spec.make_llm(path, kv_cache_dtype="fp8", speculative_algorithm="MTP", speculative_num_steps=2)
     runner = llm.executor.runner
     assert all(k.dtype is E4M3 for k, _ in runner.kv_caches) and len(runner.kv_caches) == 3  # 2 layers + MTP

@@ -290,11 +290,11 @@ def test_mla_latent_scales_equal_the_16_bit_models_amax(tmp_path: Path, arch: st
 def test_mtp_drafter_latent_cache_is_calibrated(tmp_path_factory: pytest.TempPathFactory) -> None:
     """DeepSeek-V3 with its MTP drafter: the drafter's own latent cache is calibrated too (its window closes with
     the target's), and greedy speculative decoding emits the tokens of plain decoding on a calibrated cache."""
-    import test_spec_mtp as spec
+    import spec_fixtures as spec
 
     path = spec.tiny_v3.__wrapped__(tmp_path_factory)  # the fixture's builder, outside its module
-    params = SamplingParams(temperature=0.0, max_tokens=spec.NEW, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in spec.PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=spec.MTP_NEW, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in spec.MTP_PROMPTS]
     plain = spec.make_llm(path, kv_cache_dtype="fp8", kv_cache_calibration_tokens=16)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     llm = spec.make_llm(path, kv_cache_dtype="fp8", kv_cache_calibration_tokens=16, speculative_algorithm="MTP",

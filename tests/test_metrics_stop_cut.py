@@ -17,8 +17,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from server_client import make_config, script_for, sse_events
-from spec_fixtures import one_by_one_count
-from test_spec_stop_strings import chunked_outputs
+from spec_fixtures import chunked_outputs, one_by_one_count
 
 from appliance.engine.sampling_params import SamplingParams
 from appliance.observability.hooks import FrontendObservability

@@ -5,14 +5,14 @@ count, the offline LLM's _apply with fake deltas, the HTTP server with a fake en
 end to end through LLM on the tiny DeepSeek-V3 + MTP with drafts forced right (so deltas really are long)."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import spec_fixtures
 from server_client import client_for, script_for, sse_events
-from spec_fixtures import delta_lengths, one_by_one_count, oracle, stop_case
+from spec_fixtures import chunked_outputs, delta_lengths, one_by_one_count, oracle, stop_case
 from test_server_fakes import FakeEngine
 
 from appliance import LLM, SamplingParams
@@ -120,21 +120,6 @@ def test_llm_stop_string_wins_over_a_later_stop_token_in_the_same_delta(tok: Any
 
 
 # ---- the HTTP server: an engine that answers several tokens per output ---------------------------------------
-
-def chunked_outputs(request_id: str, num_prompt_tokens: int, script: list[int], chunk: int,
-                    sampling: SamplingParams) -> Iterator[RequestOutput]:
-    """`script` (cut at max_tokens) as outputs of `chunk` tokens (a speculative step's shape), logprob -0.01 *
-    position; the last one finishes with "length"."""
-    limit = min(sampling.max_tokens or 16, len(script))
-    for start in range(0, limit, chunk):
-        toks = script[start : min(start + chunk, limit)]
-        lps = top = None
-        if sampling.logprobs is not None:
-            lps = [-0.01 * (start + j + 1) for j in range(len(toks))]
-            top = [[(t, lp)] for t, lp in zip(toks, lps)]
-        yield RequestOutput(request_id, toks, lps, top, None, "length" if start + chunk >= limit else None,
-                            num_prompt_tokens, 0)
-
 
 class ChunkedEngine(FakeEngine):
     """FakeEngine's script, `chunk` tokens per output."""

@@ -12,6 +12,7 @@ import pytest
 import spec_fixtures
 import torch
 from spec_fixtures import PROMPTS, generate, make_llm, tree_kwargs
+from spec_heads import Eagle3Reference, captured_states
 
 from appliance import SamplingParams
 from appliance.executor.draft_tree import DraftTree, select_tree
@@ -76,12 +77,10 @@ def test_a_draft_models_trees_equal_a_from_scratch_search(tiny_model: Path, draf
 
 def _eagle3_search(head: Path, target: Path, layers: list[int], history: list[int], topk: int, steps: int,
                    nodes: int) -> DraftTree:
-    """The tree search with the EAGLE-3 head written out (test_spec_algorithms.Eagle3Reference) over whole
+    """The tree search with the EAGLE-3 head written out (spec_heads.Eagle3Reference) over whole
     sequences: each node's logits from the head's pass over the history's rows (token i + 1, fc of the target's
     captured states at i) and then the node's path (token, the previous row's pre-norm output)."""
-    from test_spec_algorithms import Eagle3Reference, _captured
-
-    aux = _captured(target, history, layers)
+    aux = captured_states(target, history, layers)
     d2t = Eagle3Reference(head, target).w["d2t"]
 
     def top(path: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
