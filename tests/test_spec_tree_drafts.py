@@ -4,6 +4,7 @@ and a forced (synthetic) acceptance of multi-node paths leaves the target's cach
 same tokens, as a chain's would."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,10 @@ def _recorded_trees(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], Dr
     return seen
 
 
-def _search(model: Any, history: list[int], topk: int, steps: int, nodes: int) -> DraftTree:
-    """The tree search written out over whole sequences with the transformers draft model: each node's
-    children from a full causal pass over the history and its path."""
-    def top(path: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            logits = model(torch.tensor([history + path])).logits[0, -1]
-        return torch.log_softmax(logits.float(), -1).topk(topk)
-
+def _best_first(top: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]], topk: int, steps: int,
+                nodes: int) -> DraftTree:
+    """The search itself: the topk children (log-probabilities, ids) of each node from `top(path)`, the topk best
+    of a depth expanded at the next, `nodes` of them selected."""
     v, t = top([])
     cands = [(float(v[j]), 1, [int(t[j])], -1) for j in range(topk)]  # (score, depth, path, parent id)
     frontier = list(range(topk))
@@ -57,6 +54,17 @@ def _search(model: Any, history: list[int], topk: int, steps: int, nodes: int) -
         frontier = [first + i for i in order]
     return select_tree(np.array([c[0] for c in cands]), np.array([c[2][-1] for c in cands]),
                        np.array([c[3] for c in cands]), np.array([c[1] for c in cands]), nodes)
+
+
+def _search(model: Any, history: list[int], topk: int, steps: int, nodes: int) -> DraftTree:
+    """The tree search written out over whole sequences with the transformers draft model: each node's
+    children from a full causal pass over the history and its path."""
+    def top(path: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            logits = model(torch.tensor([history + path])).logits[0, -1]
+        return torch.log_softmax(logits.float(), -1).topk(topk)
+
+    return _best_first(top, topk, steps, nodes)
 
 
 def test_a_draft_models_trees_equal_a_from_scratch_search(tiny_model: Path, drafters: dict[str, Path],
@@ -92,19 +100,7 @@ def _eagle3_search(head: Path, target: Path, layers: list[int], history: list[in
         v, d = torch.log_softmax(ref.logits[-1].float(), -1).topk(topk)
         return v, d + d2t[d]
 
-    v, t = top([])
-    cands = [(float(v[j]), 1, [int(t[j])], -1) for j in range(topk)]
-    frontier = list(range(topk))
-    for depth in range(2, steps + 1):
-        children = []
-        for f in frontier:
-            v, t = top(cands[f][2])
-            children += [(cands[f][0] + float(v[j]), depth, cands[f][2] + [int(t[j])], f) for j in range(topk)]
-        first = len(cands)
-        cands += children
-        frontier = [first + i for i in sorted(range(len(children)), key=lambda i: -children[i][0])[:topk]]
-    return select_tree(np.array([c[0] for c in cands]), np.array([c[2][-1] for c in cands]),
-                       np.array([c[3] for c in cands]), np.array([c[1] for c in cands]), nodes)
+    return _best_first(top, topk, steps, nodes)
 
 
 def test_eagle3_trees_equal_a_from_scratch_search(tiny_model: Path, drafters: dict[str, Path],
