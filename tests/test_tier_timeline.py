@@ -5,7 +5,20 @@ admitted with it; under write-through (cache.host_cache_write_policy) the blocks
 that load nothing, so the admission step that evicts them carries loads only."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+from engine_workload import (
+    PREFIXES,
+    LazyFakeExecutor,
+    assert_each_generates_what_it_generates_alone,
+    config_st,
+    drive,
+    engine_config,
+    ops_st,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from appliance.config import build_config
 from appliance.config.support import check_supported
@@ -150,3 +163,22 @@ def test_write_policy_is_checked_from_config_to_engine() -> None:
     assert EngineConfig.from_appliance(build_config(dotlist=on), 64, [0], 32).host_cache_write_policy == "write_back"
     refused = build_config(dotlist=[*on, "cache.host_cache_write_policy=write_through_selective"])
     assert any("write_through_selective" in m for m in check_supported(refused))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=config_st, ops=ops_st(PREFIXES), host=st.integers(1, 24), policy=st.sampled_from(["write_back",
+                                                                                            "write_through"]),
+       overlap=st.booleans())
+def test_random_workloads_over_a_host_tier_under_either_write_policy(cfg: dict, ops: list, host: int, policy: str,
+                                                                     overlap: bool) -> None:
+    """Random arrivals, aborts and tiny pools over a host tier of a few slots (recycled, pinned by admissions):
+    accounting over both tiers holds after every op, the simulated KV read through every load is the request's own,
+    and each request generates what it generates alone, overlapped (steps run when collected) or not."""
+    cfg["enable_prefix_caching"] = True
+    config = replace(engine_config(cfg), num_host_blocks=host, host_cache_write_policy=policy)
+    ex = (LazyFakeExecutor if overlap else FakeExecutor)(config.num_blocks, config.block_size, vocab_size=48,
+                                                         overlap=overlap)
+    core = EngineCore(config, ex, overlap=overlap)
+    run = drive(core, ops, PREFIXES)
+    assert_each_generates_what_it_generates_alone(ex, run)
+    assert core.scheduler.cache.host.check([]) == []
