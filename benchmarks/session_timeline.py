@@ -40,12 +40,15 @@ class GpuModel:
     kv_read_ms_per_token: float = 4.4e-5  # a decode row reads its context: 128 KiB a token at 3 TB/s
     copy_ms_per_block: float = 0.084  # 2 MiB over PCIe at ~25 GB/s
     num_layers: int = 32
+    layerwise: bool = True  # the forward waits for each layer's copies (else for all of them before it starts)
 
     def step_ms(self, plan: StepPlan, context: dict[str, int]) -> float:
         prefill = sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1)
         decode_ctx = sum(context.get(s.request_id, 0) for s in plan.scheduled if s.num_tokens == 1)
         compute = self.base_ms + prefill * self.prefill_ms_per_token + decode_ctx * self.kv_read_ms_per_token
         copies = sum(1 for c in plan.host_copies if c[0] in (STORE, LOAD)) * self.copy_ms_per_block
+        if not self.layerwise:
+            return copies + compute
         # layer i waits for its own copies: they hide behind all but the last layer's compute
         return max(compute, copies + compute / self.num_layers)
 
@@ -192,11 +195,13 @@ def main() -> None:
     ap.add_argument("--stagger-ms", type=float, default=0.0)
     ap.add_argument("--copy-ms-per-block", type=float, default=GpuModel.copy_ms_per_block)
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--copies-first", action="store_true", help="the forward waits for all its copies first")
     a = ap.parse_args()
     cfg = engine_config(a.pool_tokens, a.host_ratio, a.write_policy, None if a.mixed == -1 else a.mixed,
                         a.conservativeness, a.policy)
     w = Workload(sessions=a.sessions, turns=a.turns, stagger_ms=a.stagger_ms)
-    print_turns(Timeline(cfg, GpuModel(copy_ms_per_block=a.copy_ms_per_block), w, not a.no_overlap).run())
+    gpu = GpuModel(copy_ms_per_block=a.copy_ms_per_block, layerwise=not a.copies_first)
+    print_turns(Timeline(cfg, gpu, w, not a.no_overlap).run())
 
 
 if __name__ == "__main__":

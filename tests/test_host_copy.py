@@ -1,7 +1,8 @@
 """executor/host_copy.py: the host tier's copies beside the forward. On the CPU a recording copy stream shows the
 order the GPU path relies on (each layer's copies closed by a marker, the forward waiting for layer i just
 before layer i uses its cache, layer after layer) with the outputs unchanged; on a GPU the side stream's copies
-are checked against the bytes, with a kernel rewriting a block right after its store."""
+are checked against the bytes, with a kernel rewriting a block right after its store. A forward run as CUDA-graph
+pieces waits for layer i's copies just before the piece that stores into layer i's cache."""
 from __future__ import annotations
 
 import random
@@ -15,6 +16,7 @@ from appliance import LLM
 from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.host_copy import HostCopier
 from appliance.executor.kv_cache import KVCacheSpec, allocate_host
+from appliance.executor.piecewise import Pieces, replay
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -113,3 +115,34 @@ def test_side_stream_reloads_are_token_exact_on_cuda(tiny_model: Path, eager: bo
         ours = tiered.generate(batch, greedy)
         assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in cold.generate(batch, greedy)]
     assert tiered.engine.scheduler.cache.host.num_loaded > 0
+
+
+def test_forward_pieces_wait_for_each_layers_copies_just_before_the_piece_that_stores_into_it() -> None:
+    # piecewise.replay: piece i stores layer i's K/V (captured), then its attention runs eagerly
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    dev = [(torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen)) for _ in range(3)]
+    log: list[tuple[str, int]] = []
+    copier = HostCopier(dev, allocate_host(spec, 4, torch.device("cpu")), Recording(log))
+
+    class Layer:
+        kv_ready = None
+
+    class Graph:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def replay(self) -> None:
+            log.append(("piece", self.i))
+
+    layers = [Layer(), Layer(), Layer()]
+    copier.bind_layers(layers)
+    assert copier.layerwise
+    copier.submit([(0, 1, 0), (1, 5, 0)])
+    replay(Pieces([Graph(i) for i in range(4)], layers), lambda layer: log.append(("attend", layers.index(layer))))
+    assert log == [("begin", -1), ("mark", 1), ("mark", 2), ("mark", 3),
+                   ("wait", 1), ("piece", 0), ("attend", 0), ("wait", 2), ("piece", 1), ("attend", 1),
+                   ("wait", 3), ("piece", 2), ("attend", 2), ("piece", 3)]
+    log.clear()
+    replay(Pieces([Graph(i) for i in range(4)], layers), lambda layer: None)  # no copies: no waits
+    assert log == [("piece", i) for i in range(4)]
