@@ -4,8 +4,9 @@ On a GPU a plan's copies run on a side stream, layer by layer, each layer's copi
 stream first waits for everything the compute stream was given before (a store then reads a block after the
 steps in flight wrote it; a load's block is no longer read by them). The step's forward waits for layer i's
 event just before layer i first touches its cache (`kv_ready` of the attention layers), so layer i's copies run
-while the layers before it compute; a forward that is replayed from a graph (decode graphs, piecewise pieces,
-whose cache accesses are captured) or runs layers without the hook waits for the last event before it starts.
+while the layers before it compute; a forward run as piecewise graph pieces waits the same way before the piece
+that stores into layer i (executor/piecewise.py `replay`); one replayed from a decode graph (whose cache accesses
+are all captured) or running layers without the hook waits for the last event before it starts.
 Either way the wait is one stream waiting on an event: the host never waits, and no device-wide sync happens.
 On the CPU the copies run synchronously in the same order (`Inline`), so the same interface is exercised.
 
