@@ -16,7 +16,7 @@ from appliance import LLM
 from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.host_copy import HostCopier
 from appliance.executor.kv_cache import KVCacheSpec, allocate_host
-from appliance.executor.piecewise import Pieces, replay
+from appliance.executor.piecewise import Pieces, PiecewiseGraphs, bucket_for, replay
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -146,3 +146,12 @@ def test_forward_pieces_wait_for_each_layers_copies_just_before_the_piece_that_s
     log.clear()
     replay(Pieces([Graph(i) for i in range(4)], layers), lambda layer: None)  # no copies: no waits
     assert log == [("piece", i) for i in range(4)]
+
+
+def test_a_step_whose_pieces_are_not_captured_yet_is_known_before_the_waits() -> None:
+    pieces = PiecewiseGraphs(torch.nn.Identity(), torch.device("cpu"), torch.float32, max_tokens=64)
+    assert not pieces.captured(10)  # the runner then waits for every copy before the capture's forward
+    pieces.pieces[bucket_for(10, 64)] = Pieces()
+    assert pieces.captured(10) and not pieces.captured(40) and not pieces.captured(65)
+    pieces.failed = True
+    assert not pieces.captured(10)

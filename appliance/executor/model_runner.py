@@ -334,7 +334,8 @@ class ModelRunner:
         hidden = None
         calibrating = self.kv_calibration is not None and not self.kv_calibration.done  # observed eagerly
         if self.pieces is not None and self.use_graphs and not calibrating and inputs.meta.tree is None:
-            if not self.host_copier.layerwise:  # else each piece waits for its layer's copies (piecewise.replay)
+            # layer by layer: each piece waits for its layer's copies (piecewise.replay), unless it is captured now
+            if not self.host_copier.layerwise or not self.pieces.captured(int(inputs.input_ids.shape[0])):
                 self.host_copier.wait_all()
             hidden = self.pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         if hidden is None:

@@ -204,6 +204,12 @@ class PiecewiseGraphs:
                 on_captured()
         return len(self.pieces)
 
+    def captured(self, tokens: int) -> bool:
+        """Whether a step of this many tokens replays pieces already captured (a capture is a forward of its own,
+        whose cache hooks must find the host tier's copies waited for)."""
+        b = bucket_for(tokens, self.max_tokens)
+        return b is not None and b in self.pieces and not self.failed
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Hidden states [T, hidden] of an eager step, or None when its token count has no bucket."""
         t = int(input_ids.shape[0])
