@@ -155,3 +155,24 @@ def test_a_step_whose_pieces_are_not_captured_yet_is_known_before_the_waits() ->
     assert pieces.captured(10) and not pieces.captured(40) and not pieces.captured(65)
     pieces.failed = True
     assert not pieces.captured(10)
+
+
+def test_write_through_stores_are_waited_for_by_the_next_steps_forward_not_their_own() -> None:
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    dev = [(torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen)) for _ in range(3)]
+    log: list[tuple[str, int]] = []
+    copier = HostCopier(dev, allocate_host(spec, 4, torch.device("cpu")), Recording(log))
+    copier.submit([(0, 1, 0), (1, 5, 0), (0, 2, 1)], writes=1)  # the last: a write-through store
+    for i in range(3):
+        copier.wait_layer(i)
+    copier.wait_all()
+    assert log == [("begin", -1), *(("mark", m) for m in range(1, 7)), ("wait", 1), ("wait", 2), ("wait", 3)]
+    assert torch.equal(copier.host_caches[1][0][1], dev[1][0][2]) and torch.equal(dev[0][1][5], dev[0][1][1])
+    log.clear()
+    copier.submit([])  # the next step: its forward waits for the stores, layer by layer, before using the cache
+    copier.wait_layer(0)
+    copier.wait_all()
+    copier.submit([])
+    copier.wait_all()
+    assert log == [("wait", 4), ("wait", 6)]

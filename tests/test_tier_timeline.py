@@ -95,7 +95,7 @@ def test_write_through_takes_the_stores_out_of_the_admission_step(policy: str) -
     _, want_steps, _ = turns(engine(200, 0), flood=False)
     assert out == turns(engine(POOL, 0), flood=True)[0] and steps == want_steps
     admission = plans[0].host_copies
-    assert any(c[0] == LOAD for c in admission)
+    assert any(c[0] == LOAD for c in admission) and plans[0].host_writes == 0
     stores = sum(1 for c in admission if c[0] == STORE)
     if policy == "write_back":
         assert stores > 0  # the blocks its loads land in are evicted here, and copied out first
@@ -117,6 +117,8 @@ def test_write_through_rides_on_steps_that_load_nothing_a_capped_number_a_step()
         core.step()
     stores = [sum(1 for c in p.host_copies if c[0] == STORE) for p in core.executor.plans]
     assert stores[:3] == [0, WRITE_THROUGH_BLOCKS, n - WRITE_THROUGH_BLOCKS]
+    # all of them the write-through's, which the step's forward does not wait for
+    assert [p.host_writes for p in core.executor.plans] == stores
     # the block its answer filled was cached by the last step: it waits for a plan (or its eviction copies it)
     assert sum(stores) == n and cache.num_unwritten == 1 and cache.host.num_stored == n
     # a step that loads holds them back: its first tokens wait for its copies
@@ -125,9 +127,10 @@ def test_write_through_rides_on_steps_that_load_nothing_a_capped_number_a_step()
     held = cache.num_unwritten
     assert held == 8
     cache.host.copies.append((LOAD, 0, 0))  # as an admission's host hit queues it
-    assert cache.host.loading() and core.scheduler._host_copies() == [(LOAD, 0, 0)]
+    assert cache.host.loading() and core.scheduler._host_copies() == ([(LOAD, 0, 0)], 0)
     assert cache.num_unwritten == held
-    assert sum(1 for c in core.scheduler._host_copies() if c[0] == STORE) == held and cache.num_unwritten == 0
+    copies, writes = core.scheduler._host_copies()
+    assert writes == held == sum(1 for c in copies if c[0] == STORE) and cache.num_unwritten == 0
 
 
 def test_a_write_through_queue_skips_blocks_evicted_or_reset_before_their_turn() -> None:

@@ -35,8 +35,8 @@ from appliance.engine.disk_tier import FETCH, SPILL, DiskBlock, DiskTier
 
 STORE, LOAD = 0, 1  # a copy's direction: device block -> host slot, host slot -> device block
 WRITE_POLICIES = ("write_back", "write_through")  # cache.host_cache_write_policy: when a block is copied here
-# Write-through copies a step carries at most (only a step that loads nothing). A decode step replayed from a CUDA
-# graph waits for all of its step's copies before it starts: on an 8B model's 2 MiB blocks 32 MiB, ~1 ms of PCIe
+# Write-through copies a step carries at most (only a step that loads nothing). They run beside its forward and the
+# next step's forward waits for them: kept well under a decode step (on an 8B model's 2 MiB blocks 32 MiB, ~1 ms)
 WRITE_THROUGH_BLOCKS = 16
 HOST_MEDIUM = "CPU"  # vLLM's KV event medium name of host memory
 

@@ -132,8 +132,8 @@ class Scheduler(Preemption):
             self._reserve.step_done(self.running, st.preempted)
         if not st.plan_sched:
             return None
-        copies = self._host_copies()
-        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget, copies)
+        copies, writes = self._host_copies()
+        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget, copies, writes)
         self._next_step_id += 1
         self._forget = []
         self._in_flight[plan.step_id] = st.issued
@@ -142,16 +142,18 @@ class Scheduler(Preemption):
             self._planned_at[plan.step_id] = (self._clock(), prefill)
         return plan
 
-    def _host_copies(self) -> list[tuple[int, int, int]]:
-        """The host tier's copies for the plan: what admissions, evictions and swaps queued, and under write-through
-        some blocks cached since, in a step that loads nothing (a load's step is an admission's: its first token
-        waits for the copies)."""
+    def _host_copies(self) -> tuple[list[tuple[int, int, int]], int]:
+        """The host tier's copies for the plan: what admissions, evictions and swaps queued, then under
+        write-through some blocks cached since, in a step that loads nothing (a load's step is an admission's: its
+        first token waits for the copies); and how many of the last ones are the write-through's."""
         host = self.cache.host
         if host is None:
-            return []
+            return [], 0
+        queued = len(host.copies)
         if not host.loading():
             self.cache.write_through(WRITE_THROUGH_BLOCKS)
-        return host.take_copies()
+        writes = len(host.copies) - queued  # its stores, and the disk spills of the slots they took
+        return host.take_copies(), writes
 
     def _cap_prefills(self, st: StepBudget) -> None:
         """Policy slo: the prefill chunks still to plan get only what keeps this step within the decodes' slack."""

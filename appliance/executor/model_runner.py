@@ -234,7 +234,7 @@ class ModelRunner:
         finish(), so the caller can plan and launch the next step meanwhile; any other step first finishes the
         steps in flight (its sampling reads the complete token history) and runs to completion here."""
         # issued before anything of this step reads or writes those blocks; the forward waits for them
-        self.host_copier.submit(plan.host_copies)
+        self.host_copier.submit(plan.host_copies, plan.host_writes)
         if self.spec is not None:  # never overlapped (refused at start-up): the step completes here
             self.host_copier.wait_all()
             return StepHandle(plan.step_id, self.spec.execute(plan))
