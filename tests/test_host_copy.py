@@ -93,13 +93,15 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("eager", [True, False])
-def test_side_stream_reloads_are_token_exact_on_cuda(tiny_model: Path, eager: bool) -> None:
-    # eager: layer-by-layer waits; graphs: the per-step wait before decode graphs and piecewise pieces
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+def test_side_stream_reloads_are_token_exact_on_cuda(tiny_model: Path, eager: bool, write_policy: str) -> None:
+    # eager: layer-by-layer waits; graphs: the per-step wait before decode graphs, per layer before piecewise
+    # pieces; write-through stores waited for by the next step
     from appliance.executor.host_copy import SideStream
 
     common = {"model": str(tiny_model), "dtype": "bfloat16", "block_size": 16, "max_total_tokens": 512, "max_model_len": 256,
                   "device": "cuda", "enforce_eager": eager}
-    tiered = LLM(**common, host_cache=True, host_cache_ratio=4)
+    tiered = LLM(**common, host_cache=True, host_cache_ratio=4, host_cache_write_policy=write_policy)
     cold = LLM(**common, enable_prefix_caching=False)
     assert isinstance(tiered.executor.runner.host_copier.stream, SideStream)
     def ids(seed: int, n: int) -> list[int]:  # distinct prompts within the tiny vocabulary
