@@ -65,10 +65,9 @@ class Generation:
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     stream_interval: int = 1
 
-    async def stream(self) -> AsyncIterator[ChoiceDelta]:
+    def stream(self) -> AsyncIterator[ChoiceDelta]:
         self.usage.prompt_tokens = len(self.prompt_token_ids)
-        async for delta in merge([self._choice(i) for i in range(self.n)]):
-            yield delta
+        return merge([self._choice(i) for i in range(self.n)])
 
     async def _choice(self, i: int) -> AsyncIterator[ChoiceDelta]:
         params = child_sampling(self.params, i)
@@ -160,13 +159,13 @@ def _combine(a: ChoiceDelta, b: ChoiceDelta) -> ChoiceDelta:
     return ChoiceDelta(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason, b.stop_reason)
 
 
-async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
-    """Interleave several streams as items arrive; an error in one ends all (each is closed, so aborted)."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as it:
-            async for item in it:
-                yield item
-        return
+def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """Interleave several streams as items arrive; an error in one ends all (each is closed, so aborted). One
+    stream is returned as it is: a layer of async generator costs every chunk of every stream a resumption."""
+    return streams[0] if len(streams) == 1 else _interleave(streams)
+
+
+async def _interleave(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(stream: AsyncIterator[Any]) -> None:
