@@ -5,7 +5,7 @@ not hide shows as lost output tok/s against the ideal, streams x 1000 / step_ms.
 
 Per level it prints the client's figures and each process' CPU milliseconds per engine step (from
 /proc/PID/stat; the client's from its rusage); with --profile DIR the scheduler and the tokenizer stages run
-under cProfile and DIR gets their pstats files when the server stops.
+under cProfile (their main thread's CPU time) and DIR gets their pstats files when the server stops.
 
     python -m benchmarks.host_path --step-ms 16 --levels 64:128,128:256,256:512 [--set api.stream_interval=4]
 
@@ -38,6 +38,7 @@ TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 class Options:
     step_ms: float
     profile_dir: Path | None
+    ledger: Path  # the timed worker's steps and idle seconds (host_path_stage.TimedRunner)
 
 
 class TimedSupervisor(Supervisor):
@@ -49,7 +50,9 @@ class TimedSupervisor(Supervisor):
 
     def stage_argv(self, kind: str, name: str) -> list[str]:
         argv = [sys.executable, "-m", "benchmarks.host_path_stage", name, "--step-ms", str(self.options.step_ms)]
-        if self.options.profile_dir is not None and kind != "worker":
+        if kind == "worker":
+            argv += ["--ledger", str(self.options.ledger)]
+        elif self.options.profile_dir is not None:
             argv += ["--profile", str(self.options.profile_dir / f"{name}.pstats")]
         return argv
 
@@ -75,6 +78,11 @@ def num_steps(base: str) -> int:
     return int(httpx.get(f"{base}/v1/internal/stats", timeout=10).json()["num_steps"])
 
 
+def device_idle_s(ledger: Path) -> float:
+    time.sleep(0.3)  # the worker writes its ledger every 0.2 s while it steps
+    return float(json.loads(ledger.read_text())["idle_s"]) if ledger.exists() else 0.0
+
+
 def run(config: Any, options: Options, levels: list[tuple[int, int]], in_len: int, out_len: int,
         tokenizer_dir: Path, work: Path) -> list[dict[str, Any]]:
     sup = TimedSupervisor(config, options)
@@ -86,14 +94,17 @@ def run(config: Any, options: Options, levels: list[tuple[int, int]], in_len: in
         run_level(base, tokenizer_dir, 4, 4, in_len, 8, work / "warm.json", 600)  # first-use costs
         for concurrency, prompts in levels:
             cpu0, client0, steps0 = {n: cpu_seconds(p) for n, p in pids.items()}, client_cpu_seconds(), num_steps(base)
+            idle0 = device_idle_s(options.ledger)
             level = run_level(base, tokenizer_dir, prompts, concurrency, in_len, out_len,
                               work / f"c{concurrency}.json", 3600)
             steps = max(1, num_steps(base) - steps0)
+            idle_ms = 1000 * (device_idle_s(options.ledger) - idle0) / steps
             cpu = {n: cpu_seconds(p) - cpu0[n] for n, p in pids.items()}
             cpu["client"] = client_cpu_seconds() - client0
             ideal = concurrency * 1000 / options.step_ms
             ms_per_step = 1000 * level.get("duration", 0) / steps  # the step time the host path let through
             level.update(ideal_output_throughput=round(ideal, 1), engine_steps=steps, ms_per_step=round(ms_per_step, 2),
+                         device_idle_ms_per_step=round(idle_ms, 3),
                          ratio_to_ideal=round(level.get("output_throughput", 0) / ideal, 3),
                          cpu_ms_per_step={n: round(1000 * s / steps, 3) for n, s in cpu.items()})
             rows.append(level)
@@ -110,7 +121,8 @@ def show(rows: list[dict[str, Any]], step_ms: float) -> None:
         cpu = ", ".join(f"{n} {v:.2f}" for n, v in r["cpu_ms_per_step"].items())
         print(f"c{r['concurrency']:<4} {r.get('output_throughput', 0):>9,.1f} ({r['ideal_output_throughput']:,.0f}, "
               f"{r['ratio_to_ideal']:.3f}) / {r.get('median_ttft_ms', 0):.1f} / {r.get('median_tpot_ms', 0):.2f} / "
-              f"{r.get('p99_itl_ms', 0):.1f}; {r['engine_steps']} steps of {r['ms_per_step']:.2f} ms; {cpu}")
+              f"{r.get('p99_itl_ms', 0):.1f}; {r['engine_steps']} steps of {r['ms_per_step']:.2f} ms, the device idle "
+              f"{r['device_idle_ms_per_step']:.2f} ms per step waiting for a plan; {cpu}")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -136,7 +148,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             args.profile.mkdir(parents=True, exist_ok=True)
         config = build_config(dotlist=[f"model.path={model}", f"api.port={free_port()}", "api.host=127.0.0.1",
                                        "api.served_model_name=bench", *args.dotlist])
-        rows = run(config, Options(args.step_ms, args.profile), levels, args.input_len, args.output_len, model, work)
+        options = Options(args.step_ms, args.profile, work / "ledger.json")
+        rows = run(config, options, levels, args.input_len, args.output_len, model, work)
     show(rows, args.step_ms)
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=1))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import signal
 import sys
 import time
@@ -88,10 +89,10 @@ class TimedRunner:
     swap_costs = None
     kv_layout = KvLayout()
 
-    def __init__(self, config: Any, step_s: float) -> None:
+    def __init__(self, config: Any, step_s: float, ledger: Path | None = None) -> None:
         from appliance.config import resolve_model_path
 
-        self.config, self.step_s = config, step_s
+        self.config, self.step_s, self.ledger = config, step_s, ledger
         shape = ModelShape.read(Path(resolve_model_path(config.model.path)), config.model.max_model_len)
         self.vocab_size, self.max_model_len = shape.vocab_size, shape.max_model_len
         self.eos_token_ids = list(shape.eos_token_ids)
@@ -101,14 +102,26 @@ class TimedRunner:
         self.num_blocks = (config.cache.max_total_tokens or DEFAULT_KV_TOKENS) // self.block_size
         self.lengths: dict[str, int] = {}  # request id -> tokens known to the worker
         self.busy_until = 0.0
+        # the device's idle time between two steps that ran back to back in the engine's view (a plan that came
+        # later than the step before it ended): the host path's time not hidden behind the steps
+        self.num_steps, self.idle_s, self.written_at = 0, 0.0, 0.0
 
     def launch(self, plan: StepPlan) -> TimedHandle:
         for rid in plan.finished_ids:
             self.lengths.pop(rid, None)
         for nr in plan.new_requests:
             self.lengths[nr.request_id] = len(nr.token_ids)
-        start = max(time.monotonic(), self.busy_until)
+        now = time.monotonic()
+        if self.busy_until and now - self.busy_until < 1.0:  # longer: the engine had no work meanwhile
+            self.idle_s += max(0.0, now - self.busy_until)
+        start = max(now, self.busy_until)
         self.busy_until = start + self.step_s
+        self.num_steps += 1
+        if self.ledger is not None and now - self.written_at > 0.2:
+            self.written_at = now
+            part = self.ledger.with_suffix(".part")  # replaced whole: the driver may read it at any time
+            part.write_text(json.dumps({"steps": self.num_steps, "idle_s": self.idle_s}))
+            os.replace(part, self.ledger)
         handle = TimedHandle(plan.step_id, Deadline(self.busy_until))
         for s in plan.scheduled:
             if s.sample:
@@ -127,15 +140,17 @@ def main() -> int:
     ap.add_argument("name")
     ap.add_argument("--step-ms", type=float, required=True)
     ap.add_argument("--profile", type=Path, default=None, help="cProfile this stage into FILE (pstats)")
+    ap.add_argument("--ledger", type=Path, default=None, help="the worker's steps and idle seconds, kept in FILE")
     args = ap.parse_args()
     from appliance.runtime.stage import run_stage
 
     boot = Bootstrap.read(sys.stdin)
-    build = (lambda b: TimedRunner(b.load_config(), args.step_ms / 1000)) if boot.stage == "worker" else None
+    build = (lambda b: TimedRunner(b.load_config(), args.step_ms / 1000, args.ledger)) if boot.stage == "worker" \
+        else None
     if args.profile is None:
         return run_stage(boot, build)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the stop's SIGTERM ends the profile, written below
-    profile = cProfile.Profile()
+    profile = cProfile.Profile(time.thread_time)  # CPU time of the stage's thread: waits and preemption do not count
     try:
         return profile.runcall(run_stage, boot, build)
     finally:
