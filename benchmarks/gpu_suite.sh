@@ -25,6 +25,12 @@
 #   models    `python -m benchmarks.models` (gpt-oss-20b, Gemma-3-12B, then gpt-oss-20b with its experts kept in MXFP4:
 #             batch 1, throughput, KV per sequence)
 #   hybrid    `python -m benchmarks.hybrid` (the Qwen3-Next shape; fla-core from .whl, tools/device_wheels.sh WITH_FLA=1)
+#   peer-models  the peer on part models' workloads of gpt-oss-20b and Gemma-3-12B: `python -m benchmarks.models
+#             --write-configs` writes the model directories with their exact prompts, `python -m
+#             benchmarks.peer_models` runs them through vLLM under the kit's Python path (one process per model; a
+#             model it cannot run, or one the part's time leaves out, is a row with the cause)
+#   peer-mxfp4   the same for gpt-oss-20b with its experts in MXFP4 (vLLM's MXFP4 experts, by config.json)
+#   peer-hybrid  the same for part hybrid's Qwen3-Next shape (without, then with prefix caching)
 #   coldstart `python -m benchmarks.cold_start`: `appliance serve` cold, warm and with the kernel list kept
 #   summary   the table of whatever $OUT holds (every run ends with it)
 #
@@ -45,7 +51,8 @@
 #   e.g. SERVE_MODEL=DIR SERVE_ARGS="--dtype float32" SERVE_LEVELS="1:2 2:4" SERVE_LENS=16:4 bash benchmarks/gpu_suite.sh serve
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ALL_PARTS=(b1 qwen tput8b serve peer-small peer-8b peer-serve gputests spec fp8 fp8tput models hybrid coldstart)
+ALL_PARTS=(b1 qwen tput8b serve peer-small peer-8b peer-serve gputests spec fp8 fp8tput models hybrid peer-models
+           peer-mxfp4 peer-hybrid coldstart)
 for p in "$@"; do  # every part named is checked before anything is installed or run
   [[ " ${ALL_PARTS[*]} summary all " == *" $p "* ]] \
     || { echo "gpu_suite: unknown part $p (${ALL_PARTS[*]} summary all)" >&2; exit 2; }
@@ -76,6 +83,26 @@ bench() { timeout --kill-after=10 "$limit" "$py" -m appliance.cli.main bench "$@
 peer() {
   [[ -f .peer/run_vllm.sh ]] || { echo "gpu_suite: .peer/run_vllm.sh is missing (see the set-up above)" >&2; return 1; }
   timeout --kill-after=10 "$limit" bash .peer/run_vllm.sh "$@"
+}
+# peer_python ARGS...: python3 with the kit's vLLM tree and environment (run_vllm.sh installs the tree before it
+# reads its arguments, so a call without any installs it) and this checkout for our benchmarks/ modules
+peer_python() {
+  [[ -f .peer/run_vllm.sh ]] || { echo "gpu_suite: .peer/run_vllm.sh is missing (see the set-up above)" >&2; return 1; }
+  [[ -f /tmp/vllm-site/.ok ]] || bash .peer/run_vllm.sh >/dev/null 2>&1
+  [[ -f /tmp/vllm-site/.ok ]] || { echo "gpu_suite: installing the peer kit into /tmp/vllm-site failed" >&2; return 1; }
+  env PYTHONPATH="/tmp/vllm-site:$PWD" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+    VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
+    timeout --kill-after=10 "$limit" python3 "$@"
+}
+
+# peer_family NAME OURS_MODULE [--only MODEL...]: write OURS_MODULE's model directories (those models), then run
+# them through the peer; its records go to $out/NAME.json
+peer_family() {
+  local name="$1" module="$2"; shift 2
+  rm -rf "$out/${name}_dirs"
+  timeout --kill-after=10 "$limit" "$py" -m "$module" --write-configs "$out/${name}_dirs" "$@" >/dev/null || return 1
+  peer_python -m benchmarks.peer_models "$out/${name}_dirs" --deadline-s "$((limit - 20))" \
+    --output-json "$out/$name.json"
 }
 
 # serve_levels NAME START_CMD...: start a server on :8100, time /health, run the levels, stop it
@@ -142,6 +169,9 @@ part() {
                --num-prompts "${NUM_PROMPTS:-1000}" --output-json "$out/fp8_tput.json" ;;
     models) timeout --kill-after=10 "$limit" "$py" -m benchmarks.models > "$out/models.jsonl" ;;
     hybrid) timeout --kill-after=10 "$limit" "$py" -m benchmarks.hybrid --output-json "$out/hybrid.json" ;;
+    peer-models) peer_family peer_models benchmarks.models --only gpt-oss-20b --only gemma-3-12b ;;
+    peer-mxfp4) peer_family peer_mxfp4 benchmarks.models --only gpt-oss-20b-mxfp4 ;;
+    peer-hybrid) peer_family peer_hybrid benchmarks.hybrid ;;
     coldstart) timeout --kill-after=10 "$limit" "$py" -m benchmarks.cold_start --out "$out/cold_start" ;;
     summary) ;;
   esac
@@ -150,7 +180,7 @@ part() {
 trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a server of a part cut short does not outlive the suite
 status=0
 parts=("$@")
-[[ ${#parts[@]} -eq 0 ]] && { sed -n '2,30p' "$0"; exit 2; }
+[[ ${#parts[@]} -eq 0 ]] && { sed -n '2,/^#   summary/p' "$0"; exit 2; }  # the header through the parts
 [[ "${parts[0]}" == all ]] && parts=("${ALL_PARTS[@]}")
 for p in "${parts[@]}"; do part "$p" || { echo "gpu_suite: part $p failed (exit $?)" >&2; status=1; }; done
 "$py" -m benchmarks.summary "$out" || status=1

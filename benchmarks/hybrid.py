@@ -7,13 +7,16 @@ answer plus 10% new tokens. Prints one JSON record per measurement.
     python -m benchmarks.hybrid                 # one GPU: 8 layers (6 Gated DeltaNet + 2 full attention)
     python -m benchmarks.hybrid --layers 4
     python -m benchmarks.hybrid --quick         # CPU: tiny dims, short lengths (tests/test_bench_hybrid.py)
+    python -m benchmarks.hybrid --write-configs DIR   # DIR/qwen3-next/: config.json and workload.json, not run
+                                                      # (the peer's input: benchmarks/peer_models.py)
 
 Shape: transformers' Qwen3NextConfig defaults (hidden 2048, 512 experts of 512, 10 active + a shared expert, 16 q
 / 2 kv heads of 256 for full attention, 16 key / 32 value heads of 128 for the linear attention, every 4th layer
 full attention), num_hidden_layers from --layers. On a GPU the gated delta rule runs flash-linear-attention's
 Triton kernels where fla-core is installed (`pip install fla-core einops`, the `hybrid` extra), else the torch
 reference (kernels/reference/gated_delta.py); decode replays CUDA graphs. Each record names both
-(`gated_delta`, `decode_graphs`).
+(`gated_delta`, `decode_graphs`). --write-configs writes the model directory with the exact prompts of the same
+arguments (benchmarks/peer_models.py write_workload), so vLLM measures the same tokens.
 """
 from __future__ import annotations
 
@@ -23,10 +26,15 @@ import json
 import random
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance.bench.presets import write_word_tokenizer
+from appliance.bench.workloads import Workload, random_workload
+from benchmarks.peer_models import write_workload
+
+MODEL = "qwen3-next"
 
 QUICK_DIMS: dict[str, Any] = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16,
                               "num_attention_heads": 4, "num_key_value_heads": 2, "linear_key_head_dim": 16,
@@ -71,16 +79,43 @@ def timed(llm: Any, batch: list[list[int]], new: int) -> float:
     return time.perf_counter() - t0
 
 
-def decode_and_throughput(llm: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
-    from appliance.bench import offline
-    from appliance.bench.workloads import random_workload
+@dataclass(frozen=True)
+class Turns:
+    """The multi-turn workload: per session the first turn's prompt and the new tokens its second turn adds."""
 
-    rng = random.Random(0)
+    firsts: list[list[int]]
+    tails: list[list[int]]
+    answer: int  # the first turn's output tokens
+    shared: int  # the second prompt's tokens that repeat the first turn (its prompt and answer)
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """Every prompt of a run: batch 1 (one warm-up, one timed), the throughput batch, the multi-turn sessions."""
+
+    one: Workload
+    batch: list[list[int]]
+    turns: Turns
+
+
+def make_prompts(args: argparse.Namespace, vocab: int) -> Prompts:
     one = random_workload(vocab, 2, (args.input_len,) * 2, (args.output_len,) * 2, seed=1)
+    batch = prompts(random.Random(0), args.num_prompts, args.input_len, vocab)
+    rng = random.Random(1)
+    shared = int(args.turn_len * 0.9)
+    answer = min(16, shared // 4)
+    firsts = prompts(rng, args.sessions, shared - answer, vocab)
+    tails = [prompts(rng, 1, args.turn_len - shared, vocab)[0] for _ in firsts]
+    return Prompts(one, batch, Turns(firsts, tails, answer, shared))
+
+
+def decode_and_throughput(llm: Any, args: argparse.Namespace, work: Prompts) -> list[dict[str, Any]]:
+    from appliance.bench import offline
+
     # TPOT from each request's own token times (one warm-up request, then one timed): never a difference of runs
-    tpot_ms = offline.latency(llm, one, batch_size=1, num_iters=1, num_iters_warmup=1, temperature=0.0)["mean_tpot_ms"]
-    batch = prompts(rng, args.num_prompts, args.input_len, vocab)
-    wall = timed(llm, batch, args.output_len)
+    tpot_ms = offline.latency(llm, work.one, batch_size=1, num_iters=1, num_iters_warmup=1,
+                              temperature=0.0)["mean_tpot_ms"]
+    wall = timed(llm, work.batch, args.output_len)
     return [{"metric": "batch1_decode", "tpot_ms": round(tpot_ms, 3), "input_len": args.input_len,
              "output_len": args.output_len},
             {"metric": "throughput", "output_tok_s": round(args.num_prompts * args.output_len / wall, 1),
@@ -88,23 +123,20 @@ def decode_and_throughput(llm: Any, args: argparse.Namespace, vocab: int) -> lis
              "wall_s": round(wall, 2)}]
 
 
-def shared_prefix_ttft(llm: Any, args: argparse.Namespace, vocab: int, snapshots: bool) -> dict[str, Any]:
+def shared_prefix_ttft(llm: Any, args: argparse.Namespace, turns: Turns, snapshots: bool) -> dict[str, Any]:
     """Per session: a first turn, then a second whose prompt is the first turn's prompt and answer (90% of its
     turn_len tokens) plus new tokens; the second turn's time to first token (a generate of one token) is measured."""
     from appliance import SamplingParams
 
-    rng = random.Random(1)
-    shared = int(args.turn_len * 0.9)
-    answer = min(16, shared // 4)
-    params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=turns.answer, ignore_eos=True)
     ttfts = []
     hits_before = llm.engine.stats().prefix_hit_tokens
-    for first in prompts(rng, args.sessions, shared - answer, vocab):
+    for first, tail in zip(turns.firsts, turns.tails):
         out = llm.generate([{"prompt_token_ids": first}], params)[0].outputs[0].token_ids
-        second = first + list(out) + prompts(rng, 1, args.turn_len - shared, vocab)[0]
-        ttfts.append(timed(llm, [second], 1))
+        ttfts.append(timed(llm, [first + list(out) + tail], 1))
     return {"metric": "multi_turn_ttft", "snapshots": snapshots,
-            "mean_ttft_ms": round(sum(ttfts) / len(ttfts) * 1e3, 3), "turn_len": args.turn_len, "shared": shared,
+            "mean_ttft_ms": round(sum(ttfts) / len(ttfts) * 1e3, 3), "turn_len": args.turn_len,
+            "shared": turns.shared,
             "sessions": args.sessions, "prefix_hit_tokens": llm.engine.stats().prefix_hit_tokens - hits_before,
             "checkpoint_interval": args.interval if snapshots else None}
 
@@ -129,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sessions", type=int)
     p.add_argument("--interval", type=int, help="cache.ssm_checkpoint_interval of the snapshot run")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--write-configs", type=Path, metavar="DIR",
+                   help="write DIR/qwen3-next/ (config.json, workload.json: the peer's input) and stop")
     args = p.parse_args(argv)
     quick = {"input_len": 24, "output_len": 4, "num_prompts": 4, "turn_len": 64, "sessions": 2, "interval": 16}
     full = {"input_len": 1024, "output_len": 1024, "num_prompts": 256, "turn_len": 8192, "sessions": 8,
@@ -143,23 +177,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_configs(args: argparse.Namespace, out: Path) -> Path:
+    """out/qwen3-next/: the config.json ours loads and workload.json, this run's prompts and limits (for the peer)."""
+    model_dir = write_model_dir(out / MODEL, args.layers, args.quick)
+    work = make_prompts(args, json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    turns = work.turns
+    write_workload(model_dir, {
+        "kind": "hybrid", "model": MODEL, "layers": args.layers,
+        "engine": {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs},
+        "batch1": {"prompts": work.one.prompts, "output_len": args.output_len},
+        "throughput": {"prompts": work.batch, "output_lens": [args.output_len] * len(work.batch),
+                       "input_len": args.input_len, "output_len": args.output_len},
+        "multi_turn": {"firsts": turns.firsts, "tails": turns.tails, "answer": turns.answer, "shared": turns.shared,
+                       "turn_len": args.turn_len}})
+    return model_dir
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    if args.write_configs is not None:
+        print(write_configs(args, args.write_configs))
+        return []
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hybrid-bench-") as tmp:
         model_dir = write_model_dir(Path(tmp) / "model", args.layers, args.quick)
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        work = make_prompts(args, json.loads((model_dir / "config.json").read_text())["vocab_size"])
         shape = {"layers": args.layers, "device": "cpu" if args.quick else "cuda"}
         llm = make_llm(model_dir, args, snapshots=False)
         shape.update(served(llm))
-        records += [{**shape, **r} for r in decode_and_throughput(llm, args, vocab)]
-        records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=False)})
+        records += [{**shape, **r} for r in decode_and_throughput(llm, args, work)]
+        records.append({**shape, **shared_prefix_ttft(llm, args, work.turns, snapshots=False)})
         for r in records:
             print(json.dumps(r), flush=True)
         del llm
         gc.collect()  # the runner's caches go with it (weakref finalizers) before the second engine sizes its own
         llm = make_llm(model_dir, args, snapshots=True)
-        records.append({**shape, **shared_prefix_ttft(llm, args, vocab, snapshots=True)})
+        records.append({**shape, **shared_prefix_ttft(llm, args, work.turns, snapshots=True)})
         print(json.dumps(records[-1]), flush=True)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(records, indent=1))

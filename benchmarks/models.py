@@ -7,6 +7,8 @@
     python -m benchmarks.models --only gpt-oss-120b-mxfp4 --num-prompts 32 --output-len 128   # 120b, one GPU
     python -m benchmarks.models --only gemma-3-12b --enforce-eager   # the same without CUDA graphs
     python -m benchmarks.models --quick                  # tiny shapes of the same families on the CPU (a test)
+    python -m benchmarks.models --write-configs DIR      # DIR/<model>/: config.json and workload.json, not run
+                                                         # (the peer's input: benchmarks/peer_models.py)
 
 Per model, through the offline runners of appliance/bench (EOS ignored: every request makes its output length):
 - batch-1 decode: `bench latency` of one request, --b1-input prompt tokens and --b1-output tokens (mean TPOT);
@@ -21,6 +23,9 @@ Per model, through the offline runners of appliance/bench (EOS ignored: every re
 and scales, run by the fused_moe_mxfp4 kernel (kernels/moe/triton_mxfp4.py); --quick leaves it out (on the CPU that
 kernel needs Triton's interpreter). `gpt-oss-120b-mxfp4` (only when named) is gpt-oss-120b on one GPU that way.
 Each model runs in its own process (a GPU engine's memory is only certainly back when its process ends).
+--write-configs writes, for the same arguments, each model's directory with the exact prompts and limits of its
+run (benchmarks/peer_models.py write_workload), so vLLM measures the same tokens; an MXFP4 row's config.json carries
+the quantization_config gpt-oss checkpoints ship, vLLM's switch to its MXFP4 experts.
 """
 from __future__ import annotations
 
@@ -35,8 +40,9 @@ from typing import Any
 
 from appliance.bench import offline
 from appliance.bench.presets import write_model_dir
-from appliance.bench.workloads import random_workload
+from appliance.bench.workloads import Workload, random_workload
 from appliance.engine.kv_groups import kv_groups
+from benchmarks.peer_models import write_workload
 
 MODELS = ("gpt-oss-20b", "gemma-3-12b", "gpt-oss-20b-mxfp4", "gpt-oss-120b-mxfp4")
 # a measured name -> (its preset in appliance/bench/presets.py, the LLM settings that differ)
@@ -53,6 +59,11 @@ QUICK = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "nu
          "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
          "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 4096,
          "torch_dtype": "float32", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+
+
+# config.json's quantization_config of the gpt-oss checkpoints as shipped: the peer keeps experts in MXFP4 by it
+MXFP4_CHECKPOINT = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 
 
 def model_dir(name: str, out: Path, quick: bool) -> Path:
@@ -87,6 +98,34 @@ def kv_per_sequence(runner: Any, context: int) -> dict[str, Any]:
             "sliding_layers": sum(a.sliding_window is not None for a in layers), "layers": len(layers)}
 
 
+def workloads(args: argparse.Namespace, vocab: int) -> tuple[Workload, Workload]:
+    """The batch-1 prompts (one warm-up, one timed) and the throughput workload of a model's run."""
+    one = random_workload(vocab, 2, (args.b1_input,) * 2, (args.b1_output,) * 2, seed=1)
+    work = random_workload(vocab, args.num_prompts, (args.input_len,) * 2, (args.output_len,) * 2, seed=2)
+    return one, work
+
+
+def write_configs(names: list[str], args: argparse.Namespace, out: Path) -> list[Path]:
+    """out/<name>/: the config.json ours loads and workload.json, the run's prompts and limits (for the peer)."""
+    dirs = []
+    for order, name in enumerate(names):
+        path = model_dir(name, out / name, args.quick)
+        config = json.loads((path / "config.json").read_text())
+        if VARIANTS.get(name, (name, {}))[1].get("moe_weight_format") == "mxfp4":
+            config["quantization_config"] = MXFP4_CHECKPOINT
+            (path / "config.json").write_text(json.dumps(config, indent=1))
+        one, work = workloads(args, config["vocab_size"])
+        write_workload(path, {
+            "kind": "models", "model": name, "order": order, "kv_context": args.kv_context,
+            "engine": {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+                       "enforce_eager": args.enforce_eager},
+            "batch1": {"prompts": one.prompts, "output_len": args.b1_output},
+            "throughput": {"prompts": work.prompts, "output_lens": work.output_lens, "input_len": args.input_len,
+                           "output_len": args.output_len}})
+        dirs.append(path)
+    return dirs
+
+
 def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from appliance import LLM
 
@@ -102,10 +141,9 @@ def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
                            "cuda_graphs": runner.graphs is not None,
                            "kv_per_sequence": kv_per_sequence(runner, args.kv_context)}
     offline.capture_graphs(llm, args.b1_input + args.b1_output)
-    one = random_workload(vocab, 2, (args.b1_input,) * 2, (args.b1_output,) * 2, seed=1)
+    one, work = workloads(args, vocab)
     b1 = offline.latency(llm, one, batch_size=1, num_iters=1, num_iters_warmup=1, temperature=0.0)
     out["batch1_decode_ms_per_token"] = b1["mean_tpot_ms"]
-    work = random_workload(vocab, args.num_prompts, (args.input_len,) * 2, (args.output_len,) * 2, seed=2)
     offline.warm_up(llm, work, 0.0)
     tput = offline.throughput(llm, work, temperature=0.0)
     out["throughput"] = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
@@ -132,6 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (the sliding-window layers keep only their window either way)")
+    p.add_argument("--write-configs", type=Path, metavar="DIR",
+                   help="write each model's config.json and workload.json under DIR (the peer's input) and stop")
     args = p.parse_args(argv)
     if args.quick:  # sizes the CPU runs in seconds
         args.num_prompts, args.input_len, args.output_len = 4, 24, 8
@@ -156,6 +196,10 @@ def without_only(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     names = args.only or list(QUICK_MODELS if args.quick else DEFAULT_MODELS)
+    if args.write_configs is not None:
+        for path in write_configs(names, args, args.write_configs):
+            print(path)
+        return []
     if len(names) > 1 and not args.quick:
         # one process per model: a GPU engine's memory is only certainly back when its process ends
         rest = without_only(sys.argv[1:] if argv is None else argv)

@@ -3,7 +3,9 @@
     python -m benchmarks.summary OUT_DIR
 
 Ours come from `appliance bench` JSON (--output-json / --result-filename), the peer's from the vLLM kit's
-bench_vllm.py JSON and `appliance bench serve` against `vllm serve`. A missing file is a "-" cell.
+bench_vllm.py JSON and `appliance bench serve` against `vllm serve`. A missing file is a "-" cell. The model
+families' rows (benchmarks/summary_families.py) follow for whatever models.jsonl / hybrid.json (ours) and
+peer_models.json / peer_hybrid.json (benchmarks/peer_models.py) hold.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benchmarks.summary_families import family_rows
 
 Cell = Callable[[Path], str]
 
@@ -68,6 +72,7 @@ ROWS: list[tuple[str, Cell, Cell]] = [
 def table(out: Path) -> str:
     lines = ["| workload | appliance | vLLM 0.26 |", "| --- | --- | --- |"]
     lines += [f"| {name} | {ours(out)} | {peer(out)} |" for name, ours, peer in ROWS]
+    lines += [f"| {name} | {ours} | {peer} |" for name, ours, peer in family_rows(out)]
     return "\n".join(lines)
 
 

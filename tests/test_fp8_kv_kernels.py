@@ -68,7 +68,8 @@ def test_fp8_kernels_compile_for_hopper(fp8: str, fp8_max: float) -> None:
              "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
              "bt_ptr": "*i32", "lens_ptr": "*i32", "order_ptr": "*i64", "cu_q_ptr": "*i32", "cu_tiles_ptr": "*i32",
              "slot_ptr": "*i64", "pos_ptr": "*i64", "cache_ptr": "*fp32", "qk_scale": "fp32", "eps": "fp32",
-             "kv_scale_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32"}
+             "kv_scale_ptr": "*fp32", "slots_ptr": "*i64", "scale": "fp32", "tree_mask_ptr": "*i64",
+             "tree_width_ptr": "*i32"}
     fp = {"KV_FP8": True, "FP8_MAX": fp8_max}
     mla = {"R": 512, "DR": 64, "BLOCK_R": 512, "BLOCK_DR": 64, "BLOCK_SIZE": 64, "BLOCK_N": 32, "UPCAST": False, **fp}
     heads = {"GROUP": 4, "BLOCK_H": 16, "D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "ORDERED": True, "UPCAST": False,
@@ -78,8 +79,9 @@ def test_fp8_kernels_compile_for_hopper(fp8: str, fp8_max: float) -> None:
         (decode._decode_kernel, {**heads, "BLOCK_N": 64, "DIRECT": False}),
         (decode._decode_kernel, {**heads, "BLOCK_N": 128, "DIRECT": True}),
         (decode._decode_tile_kernel, {**heads, "BLOCK_N": 64}),
-        (prefill._prefill_kernel, {"GROUP": 4, "D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64,
-                                   "LOG_SEQS": 3, "UPCAST": False, **fp}),
+        *((prefill._prefill_kernel, {"GROUP": 4, "D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64,
+                                     "BLOCK_N": 64, "LOG_SEQS": 3, "UPCAST": False, "TREE": tree, **fp})
+          for tree in (False, True)),  # a draft tree's verification reads an fp8 cache too
         (rope_store._rope_store_kernel, {"NQ": 32, "NKV": 8, "HALF": 64, "D": 128, "BLOCK_SIZE": 16, "BLOCK_H": 16,
                                          "BLOCK_HALF": 64, "BLOCK_TAIL": 1, "BLOCK_D": 128, "IS_NEOX": True,
                                          "HAS_NORM": True, "GDC": False, **fp}),
