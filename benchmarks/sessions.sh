@@ -13,7 +13,12 @@
 #             final history is ~32 x 6.3k = 203k tokens, ~3x the pool. Reports TTFT p50 of turns 2-10 and the
 #             reported cache hit against the ideal.
 #   tier      the same with the host tier (cache.host_cache, host_cache_ratio = 4: 256k tokens, 32 GiB of pinned
-#             host memory on this shape).
+#             host memory on this shape), written through (host_cache_write_policy = write_through: blocks are
+#             copied to the host in steps that load nothing, so an admission that evicts them copies no store).
+#   writeback the tier part with the default write policy: blocks are copied to the host when evicted, in the
+#             admission step that evicts them.
+#   tiersync  the tier part with overlap scheduling off (scheduler.enable_overlap = false): a turn arriving during
+#             a step joins the next one instead of the one after (benchmarks/session_timeline.py models both).
 #   swap, recompute  the tier part with no room reserved for outputs (scheduler.schedule_conservativeness = 0),
 #             so running requests are preempted: swap with scheduler.preemption_mode = auto (the workers' measured
 #             copy and prefill rates are in the server log: "preemption costs measured"), recompute without.
@@ -100,7 +105,10 @@ part() {
   "$py" -m appliance.bench.presets "$models" --tokenizer --only llama-3.1-8b >/dev/null
   case "$1" in
     notier) ours notier run_sessions --max-model-len 16384 --set cache.max_total_tokens="$pool" ;;
-    tier) ours tier run_sessions --max-model-len 16384 --set cache.max_total_tokens="$pool" \
+    tier|tiersync) ours "$1" run_sessions --max-model-len 16384 --set cache.max_total_tokens="$pool" \
+            --set cache.host_cache=true --set cache.host_cache_ratio=4 --set cache.host_cache_write_policy=write_through \
+            --set scheduler.enable_overlap="$([[ $1 == tiersync ]] && echo false || echo true)" ;;
+    writeback) ours writeback run_sessions --max-model-len 16384 --set cache.max_total_tokens="$pool" \
             --set cache.host_cache=true --set cache.host_cache_ratio=4 ;;
     swap|recompute) ours "$1" run_sessions --max-model-len 16384 --set cache.max_total_tokens="$pool" \
             --set cache.host_cache=true --set cache.host_cache_ratio=4 --set scheduler.schedule_conservativeness=0 \
@@ -114,12 +122,13 @@ part() {
         --num-gpu-blocks-override $((pool / 16)) --enable-prompt-tokens-details -- run_sessions ;;
     slo) ours slo run_mixed --max-model-len 40960 --set scheduler.policy=slo --set scheduler.slo_tbt_ms="$tbt" ;;
     fcfs) ours fcfs run_mixed --max-model-len 40960 ;;
-    *) echo "sessions: unknown part $1 (notier tier swap recompute disk peer slo fcfs)" >&2; return 2 ;;
+    *) echo "sessions: unknown part $1 (notier tier writeback tiersync swap recompute disk peer slo fcfs)" >&2
+       return 2 ;;
   esac
 }
 
 trap 'kill $(jobs -p) 2>/dev/null' EXIT
-[[ $# -eq 0 ]] && { sed -n '2,28p' "$0"; exit 2; }
+[[ $# -eq 0 ]] && { sed -n '2,33p' "$0"; exit 2; }
 status=0
 for p in "$@"; do
   timeout --kill-after=10 "$limit" bash -c "$(declare -p py out limit models pool sessions think tbt model base); \

@@ -1,7 +1,8 @@
 """executor/host_copy.py: the host tier's copies beside the forward. On the CPU a recording copy stream shows the
 order the GPU path relies on (each layer's copies closed by a marker, the forward waiting for layer i just
 before layer i uses its cache, layer after layer) with the outputs unchanged; on a GPU the side stream's copies
-are checked against the bytes, with a kernel rewriting a block right after its store."""
+are checked against the bytes, with a kernel rewriting a block right after its store. A forward run as CUDA-graph
+pieces waits for layer i's copies just before the piece that stores into layer i's cache."""
 from __future__ import annotations
 
 import random
@@ -15,6 +16,7 @@ from appliance import LLM
 from appliance.engine.sampling_params import SamplingParams
 from appliance.executor.host_copy import HostCopier
 from appliance.executor.kv_cache import KVCacheSpec, allocate_host
+from appliance.executor.piecewise import Pieces, PiecewiseGraphs, bucket_for, replay
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -91,13 +93,15 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("eager", [True, False])
-def test_side_stream_reloads_are_token_exact_on_cuda(tiny_model: Path, eager: bool) -> None:
-    # eager: layer-by-layer waits; graphs: the per-step wait before decode graphs and piecewise pieces
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+def test_side_stream_reloads_are_token_exact_on_cuda(tiny_model: Path, eager: bool, write_policy: str) -> None:
+    # eager: layer-by-layer waits; graphs: the per-step wait before decode graphs, per layer before piecewise
+    # pieces; write-through stores waited for by the next step
     from appliance.executor.host_copy import SideStream
 
     common = {"model": str(tiny_model), "dtype": "bfloat16", "block_size": 16, "max_total_tokens": 512, "max_model_len": 256,
                   "device": "cuda", "enforce_eager": eager}
-    tiered = LLM(**common, host_cache=True, host_cache_ratio=4)
+    tiered = LLM(**common, host_cache=True, host_cache_ratio=4, host_cache_write_policy=write_policy)
     cold = LLM(**common, enable_prefix_caching=False)
     assert isinstance(tiered.executor.runner.host_copier.stream, SideStream)
     def ids(seed: int, n: int) -> list[int]:  # distinct prompts within the tiny vocabulary
@@ -113,3 +117,64 @@ def test_side_stream_reloads_are_token_exact_on_cuda(tiny_model: Path, eager: bo
         ours = tiered.generate(batch, greedy)
         assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in cold.generate(batch, greedy)]
     assert tiered.engine.scheduler.cache.host.num_loaded > 0
+
+
+def test_forward_pieces_wait_for_each_layers_copies_just_before_the_piece_that_stores_into_it() -> None:
+    # piecewise.replay: piece i stores layer i's K/V (captured), then its attention runs eagerly
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    dev = [(torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen)) for _ in range(3)]
+    log: list[tuple[str, int]] = []
+    copier = HostCopier(dev, allocate_host(spec, 4, torch.device("cpu")), Recording(log))
+
+    class Layer:
+        kv_ready = None
+
+    class Graph:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def replay(self) -> None:
+            log.append(("piece", self.i))
+
+    layers = [Layer(), Layer(), Layer()]
+    copier.bind_layers(layers)
+    assert copier.layerwise
+    copier.submit([(0, 1, 0), (1, 5, 0)])
+    replay(Pieces([Graph(i) for i in range(4)], layers), lambda layer: log.append(("attend", layers.index(layer))))
+    assert log == [("begin", -1), ("mark", 1), ("mark", 2), ("mark", 3),
+                   ("wait", 1), ("piece", 0), ("attend", 0), ("wait", 2), ("piece", 1), ("attend", 1),
+                   ("wait", 3), ("piece", 2), ("attend", 2), ("piece", 3)]
+    log.clear()
+    replay(Pieces([Graph(i) for i in range(4)], layers), lambda layer: None)  # no copies: no waits
+    assert log == [("piece", i) for i in range(4)]
+
+
+def test_a_step_whose_pieces_are_not_captured_yet_is_known_before_the_waits() -> None:
+    pieces = PiecewiseGraphs(torch.nn.Identity(), torch.device("cpu"), torch.float32, max_tokens=64)
+    assert not pieces.captured(10)  # the runner then waits for every copy before the capture's forward
+    pieces.pieces[bucket_for(10, 64)] = Pieces()
+    assert pieces.captured(10) and not pieces.captured(40) and not pieces.captured(65)
+    pieces.failed = True
+    assert not pieces.captured(10)
+
+
+def test_write_through_stores_are_waited_for_by_the_next_steps_forward_not_their_own() -> None:
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    dev = [(torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen)) for _ in range(3)]
+    log: list[tuple[str, int]] = []
+    copier = HostCopier(dev, allocate_host(spec, 4, torch.device("cpu")), Recording(log))
+    copier.submit([(0, 1, 0), (1, 5, 0), (0, 2, 1)], writes=1)  # the last: a write-through store
+    for i in range(3):
+        copier.wait_layer(i)
+    copier.wait_all()
+    assert log == [("begin", -1), *(("mark", m) for m in range(1, 7)), ("wait", 1), ("wait", 2), ("wait", 3)]
+    assert torch.equal(copier.host_caches[1][0][1], dev[1][0][2]) and torch.equal(dev[0][1][5], dev[0][1][1])
+    log.clear()
+    copier.submit([])  # the next step: its forward waits for the stores, layer by layer, before using the cache
+    copier.wait_layer(0)
+    copier.wait_all()
+    copier.submit([])
+    copier.wait_all()
+    assert log == [("wait", 4), ("wait", 6)]

@@ -1,11 +1,12 @@
 """The host KV tier through the offline API on a small random model (CPU): the device pool holds 32 blocks of 4
 tokens, so other prompts evict a session's history between its turns; the history comes back from the host and
 the answers are token-exact with a cold prefill (prefix caching off), while the reported cached tokens count
-the host hits."""
+the host hits; blocks copied to the host when evicted or written through once cached."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from tier_fixtures import llm_args, turns
 
 from appliance import LLM
@@ -14,9 +15,11 @@ from appliance.engine.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-def test_host_tier_reload_matches_a_cold_prefill(tiny_model: Path) -> None:
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+def test_host_tier_reload_matches_a_cold_prefill(tiny_model: Path, write_policy: str) -> None:
     common = llm_args(tiny_model)
-    tiered = LLM(**common, host_cache=True, host_cache_ratio=4)
+    tiered = LLM(**common, host_cache=True, host_cache_ratio=4, host_cache_write_policy=write_policy)
+    assert tiered.engine.config.host_cache_write_policy == write_policy
     cold = LLM(**common, enable_prefix_caching=False)  # every prompt prefilled whole
     cached: list[list[int]] = []
     for batch in turns():

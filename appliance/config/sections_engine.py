@@ -284,7 +284,10 @@ class CacheSection(Section):
         None, "Layout of the host pool.", flags=("--host-cache-mem-layout", "--hicache-mem-layout",
                                                  "--kvstore-mem-layout"))
     host_cache_write_policy: Literal["write_through", "write_through_selective", "write_back"] | None = param(
-        None, "When GPU blocks are copied to the host tier.", flags=("--host-cache-write-policy",
+        None, "When GPU blocks are copied to the host tier: `write_back` when the GPU cache evicts them, "
+        "`write_through` once they are cached, in steps that load nothing from the host, so a later eviction costs "
+        "no copy in the admission step that evicts (its first token waits for that step's copies). Unset: "
+        "write_back. write_through_selective is refused.", flags=("--host-cache-write-policy",
                                                                       "--hicache-write-policy"))
     host_cache_storage_backend: str | None = param(
         None, "A storage tier under the host tier (mooncake, hf3fs, file, nixl, ...). Unset: none. This build has "

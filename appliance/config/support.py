@@ -39,12 +39,12 @@ def _calibrating(c: ApplianceConfig) -> bool:
 
 
 # What the host tier of this build is (engine/host_tier.py): blocks copied to host memory when the device evicts
-# them (SGLang's write_back), per-layer tensors shaped like the device cache (layer_first) moved by plain async
+# them (SGLang's write_back, the default) or once they are cached (write_through), per-layer tensors shaped like the device cache (layer_first) moved by plain async
 # copies (direct), sized by host_cache_size_gb or host_cache_ratio. Behind it, optionally, the disk tier
 # (engine/disk_tier.py: disk_cache, or SGLang's / TokenSpeed's storage backend `file`, in disk_cache_dir, of
 # disk_cache_size_gb), whose fetches complete before the step that needs them (prefetch policy wait_complete). Any
 # other choice of these keys is refused (other storage backends, their extra config, other prefetch policies).
-_HOST_TIER_HONOURED = {"host_cache_write_policy": (None, "write_back"), "host_cache_io_backend": (None, "direct"),
+_HOST_TIER_HONOURED = {"host_cache_write_policy": (None, "write_back", "write_through"), "host_cache_io_backend": (None, "direct"),
                        "host_cache_mem_layout": (None, "layer_first"),
                        "host_cache_storage_backend": (None, "file"),
                        "host_cache_storage_prefetch_policy": (None, "wait_complete")}
@@ -156,7 +156,8 @@ UNSUPPORTED: list[Unsupported] = [
     Unsupported("parallelism.dcp", lambda c: c.parallelism.dcp > 1,
                 "decode context parallelism is not supported in this build"),
     Unsupported("cache.host_cache", _host_tier_set,
-                "this build's host tier copies blocks on eviction (write_policy write_back, io_backend direct, "
+                "this build's host tier copies blocks on eviction or once cached (write_policy write_back or "
+                "write_through; write_through_selective is not available; io_backend direct, "
                 "mem_layout layer_first), is sized by host_cache_size_gb or host_cache_ratio and sits under the prefix "
                 "cache (enable_prefix_caching); its one storage backend is `file` (the disk tier: disk_cache_dir, "
                 "disk_cache_size_gb, prefetch policy wait_complete, no extra storage config)"),

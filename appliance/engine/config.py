@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
     from appliance.config.sections_engine import CacheSection, SchedulerSection
 
+from appliance.engine.host_tier import WRITE_POLICIES
 from appliance.engine.kv_groups import KVGroup
 from appliance.engine.speculation import drafter_reads_next_token, lookahead_tokens, tree_scratch_tokens
 from appliance.engine.swap import PREEMPTION_MODES, SwapCosts
@@ -64,6 +65,9 @@ class EngineConfig:
     schedule_conservativeness: float = 0.0
     num_host_blocks: int = 0  # the host tier's slots (host_tier.py); 0: no host tier
     num_disk_blocks: int = 0  # the disk tier's slots behind it (disk_tier.py); 0: none
+    # when device blocks are copied to the host tier: write_back when evicted, write_through once cached (the
+    # copy leaves the step that evicts, an admission's: host_tier.py)
+    host_cache_write_policy: str = "write_back"
     # what a preempted request keeps (swap.py): recompute | swap | auto; auto prices it with the workers' rates
     preemption_mode: str = "recompute"
     swap_costs: SwapCosts | None = None
@@ -98,6 +102,9 @@ class EngineConfig:
         if self.num_host_blocks < 0 or self.num_disk_blocks < 0:
             raise ValueError(f"EngineConfig.num_host_blocks / num_disk_blocks must be >= 0, got "
                              f"{self.num_host_blocks} / {self.num_disk_blocks}")
+        if self.host_cache_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"EngineConfig.host_cache_write_policy {self.host_cache_write_policy!r} is not one of "
+                             f"{WRITE_POLICIES}")
         if self.num_disk_blocks and not self.num_host_blocks:
             raise ValueError("the disk tier sits behind the host tier: it needs num_host_blocks > 0")
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -230,6 +237,7 @@ class EngineConfig:
             # read like num_speculative_tokens: stand-ins of the config (tests) may lack the key; absent = 0
             schedule_conservativeness=float(getattr(sched, "schedule_conservativeness", 0.0)),
             num_host_blocks=host_blocks(cache, num_blocks) if num_host_blocks is None else num_host_blocks,
+            host_cache_write_policy=getattr(cache, "host_cache_write_policy", None) or "write_back",
             num_state_slots=num_state_slots,
             preemption_mode=mode,
             swap_costs=swap_costs,

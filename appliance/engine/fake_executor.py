@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from appliance.engine.disk_tier import FETCH, SPILL
+from appliance.engine.host_tier import STORE
 from appliance.engine.kv_groups import first_live_block
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.speculation import drafts_allowed
@@ -110,15 +111,27 @@ class FakeExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
-        for direction, block, slot in plan.host_copies:
+        split = len(plan.host_copies) - plan.host_writes
+        writes = plan.host_copies[split:]
+        if split < 0 or any(c[0] not in (STORE, SPILL) for c in writes):
+            self._fail(f"step {plan.step_id}: {plan.host_writes} write-through copies of {plan.host_copies}")
+        self._copy(plan.step_id, plan.host_copies[:split])
+        result = self._step(plan)
+        self._copy(plan.step_id, writes)  # after the step's KV writes: a store of a block it rewrote is caught
+        return result
+
+    def _copy(self, step: int, copies: list[tuple[int, int, int]]) -> None:
+        for direction, block, slot in copies:
             if direction == SPILL:  # (SPILL, disk slot, host slot), (FETCH, disk slot, host slot): the disk tier
-                self.disk[block] = self._held(self.host, slot, plan.step_id, "spills host slot")
+                self.disk[block] = self._held(self.host, slot, step, "spills host slot")
             elif direction == FETCH:
-                self.host[slot] = self._held(self.disk, block, plan.step_id, "fetches disk slot")
-            elif direction == 0:
+                self.host[slot] = self._held(self.disk, block, step, "fetches disk slot")
+            elif direction == STORE:
                 self.host[slot] = list(self.kv[block])
             else:
-                self.kv[block] = self._held(self.host, slot, plan.step_id, "loads host slot")
+                self.kv[block] = self._held(self.host, slot, step, "loads host slot")
+
+    def _step(self, plan: StepPlan) -> StepResult:
         for rid in plan.finished_ids:
             if self.state.pop(rid, None) is None:
                 self._fail(f"step {plan.step_id}: told to forget unknown request {rid!r}")

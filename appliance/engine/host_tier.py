@@ -34,6 +34,10 @@ from dataclasses import dataclass
 from appliance.engine.disk_tier import FETCH, SPILL, DiskBlock, DiskTier
 
 STORE, LOAD = 0, 1  # a copy's direction: device block -> host slot, host slot -> device block
+WRITE_POLICIES = ("write_back", "write_through")  # cache.host_cache_write_policy: when a block is copied here
+# Write-through copies a step carries at most (only a step that loads nothing). They run beside its forward and the
+# next step's forward waits for them: kept well under a decode step (on an 8B model's 2 MiB blocks 32 MiB, ~1 ms)
+WRITE_THROUGH_BLOCKS = 16
 HOST_MEDIUM = "CPU"  # vLLM's KV event medium name of host memory
 
 
@@ -79,19 +83,25 @@ class HostTier:
         block is a cached one)."""
         return len(self._free) + len(self._lru) - len(self._pinned)
 
-    def offload(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> None:
-        """The device evicts block_id, holding this full block: keep a host copy (none if it has one)."""
+    def offload(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> bool:
+        """Keep a host copy of device block block_id, holding this full block (the device evicts it, or writes it
+        through); none if the tier has one. Returns whether a copy was queued."""
         if block_hash in self._lru:
             self._lru.move_to_end(block_hash)
-            return
+            return False
         slot = self._take_slot()
         if slot is None:
-            return  # every slot is pinned by this admission's loads: the block is dropped, as without a tier
+            return False  # every slot is pinned by this admission's loads: the block is dropped, as without a tier
         self._lru[block_hash] = HostBlock(slot, block_hash, parent_hash, token_ids)
         self.copies.append((STORE, block_id, slot))
         self.num_stored += 1
         if self._emit is not None:
             self._emit("BlockStored", block_hash, parent_hash, token_ids)
+        return True
+
+    def loading(self) -> bool:
+        """Whether the copies queued for the next plan load blocks onto the device (host hits, swap-ins)."""
+        return any(c[0] == LOAD for c in self.copies)
 
     def pin(self, blocks: list[HostBlock | DiskBlock]) -> list[HostBlock]:
         """Keep an admission's hits until they are loaded: host hits pinned first, then disk hits fetched into

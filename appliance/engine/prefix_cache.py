@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -63,7 +64,7 @@ class CachedBlock:
 class PrefixCache:
     def __init__(
         self, pool: BlockPool, block_size: int, enabled: bool = True, on_event: KVEventSink | None = None,
-        host_slots: int = 0, disk_slots: int = 0
+        host_slots: int = 0, disk_slots: int = 0, write_through: bool = False
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -80,6 +81,9 @@ class PrefixCache:
         # and the disk tier behind it (disk_tier.py): blocks the host tier drops are spilled there
         disk = DiskTier(disk_slots, self._emit_disk) if disk_slots and host_slots and enabled else None
         self.host = HostTier(host_slots, self._emit_host, disk) if host_slots and enabled else None
+        # write-through (cache.host_cache_write_policy): hashes of device blocks cached since, not yet copied to
+        # the host; None under write-back (a block is copied when evicted)
+        self._unwritten: deque[int] | None = deque() if write_through and self.host is not None else None
 
     # ---- hashing -----------------------------------------------------------------------------------------
     def block_hashes(self, req: Request) -> list[int]:
@@ -224,7 +228,33 @@ class PrefixCache:
             self._by_block[b] = cb
             self.pool.mark_cached(b)
             self._emit(BLOCK_STORED, h, parent, cb.token_ids)
+            if self._unwritten is not None:
+                self._unwritten.append(h)
         return n_full
+
+    def write_through(self, limit: int) -> int:
+        """Write-through: queue the host copies of up to `limit` device blocks cached since the last call, oldest
+        first, so that their eviction later costs no copy in the step that evicts them (an admission's, whose
+        first token waits for its copies); returns how many were queued. A block evicted meanwhile was copied by
+        its eviction, one dropped by a reset is not copied."""
+        pending, host = self._unwritten, self.host
+        if pending is None or host is None:
+            return 0
+        n = 0
+        while pending and n < limit:
+            h = pending.popleft()
+            b = self._by_hash.get(h)
+            if b is None:
+                continue
+            cb = self._by_block[b]
+            if host.offload(b, h, cb.parent_hash, cb.token_ids):
+                n += 1
+        return n
+
+    @property
+    def num_unwritten(self) -> int:
+        """Device blocks cached and not yet written through to the host (0 under write-back)."""
+        return len(self._unwritten) if self._unwritten is not None else 0
 
     def reset(self) -> int:
         """Forget every cached block (blocks held by requests stay theirs); returns how many were dropped."""
@@ -242,6 +272,8 @@ class PrefixCache:
         self._by_block.clear()
         if self.host is not None:  # the host copies go too (not swapped requests'); queued copies still run
             self.host.clear()
+        if self._unwritten is not None:
+            self._unwritten.clear()
         self._emit(ALL_BLOCKS_CLEARED, None, None, ())
         return n
 

@@ -16,6 +16,7 @@ from appliance.engine.admission import OutputReservation
 from appliance.engine.block_pool import BlockPool
 from appliance.engine.config import EngineConfig
 from appliance.engine.delta import RequestDelta
+from appliance.engine.host_tier import WRITE_THROUGH_BLOCKS
 from appliance.engine.kv_groups import KVGroup
 from appliance.engine.outputs import (
     append_token,
@@ -56,7 +57,8 @@ class Scheduler(Preemption):
         self._last_update_at = 0.0
         self.pool = BlockPool(config.num_blocks)
         self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event,
-                                 config.num_host_blocks, config.num_disk_blocks)
+                                 config.num_host_blocks, config.num_disk_blocks,
+                                 config.host_cache_write_policy == "write_through")
         # hybrid models with prefix caching: recurrent-state snapshots at checkpoints (state_snapshots.py)
         self.snapshots = (StateSnapshots(config.ssm_snapshot_slots, config.ssm_checkpoint_interval,
                                          config.block_size)
@@ -130,8 +132,8 @@ class Scheduler(Preemption):
             self._reserve.step_done(self.running, st.preempted)
         if not st.plan_sched:
             return None
-        copies = self.cache.host.take_copies() if self.cache.host is not None else []
-        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget, copies)
+        copies, writes = self._host_copies()
+        plan = StepPlan(self._next_step_id, st.plan_new, st.plan_sched, self._forget, copies, writes)
         self._next_step_id += 1
         self._forget = []
         self._in_flight[plan.step_id] = st.issued
@@ -139,6 +141,19 @@ class Scheduler(Preemption):
             prefill = sum(sc.num_tokens for sc, req, _, _ in st.issued if req.status is not DECODING)
             self._planned_at[plan.step_id] = (self._clock(), prefill)
         return plan
+
+    def _host_copies(self) -> tuple[list[tuple[int, int, int]], int]:
+        """The host tier's copies for the plan: what admissions, evictions and swaps queued, then under
+        write-through some blocks cached since, in a step that loads nothing (a load's step is an admission's: its
+        first token waits for the copies); and how many of the last ones are the write-through's."""
+        host = self.cache.host
+        if host is None:
+            return [], 0
+        queued = len(host.copies)
+        if not host.loading():
+            self.cache.write_through(WRITE_THROUGH_BLOCKS)
+        writes = len(host.copies) - queued  # its stores, and the disk spills of the slots they took
+        return host.take_copies(), writes
 
     def _cap_prefills(self, st: StepBudget) -> None:
         """Policy slo: the prefill chunks still to plan get only what keeps this step within the decodes' slack."""

@@ -51,6 +51,10 @@ class StepPlan:
     # device -> host, (1, block, slot) host -> device; the disk tier's (engine/disk_tier.py): (2, disk slot, host
     # slot) host -> disk, (3, disk slot, host slot) disk -> host
     host_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # the last host_writes of host_copies are write-through stores (engine/prefix_cache.py write_through): of
+    # blocks no forward rewrites before they are evicted, so this step's forward need not wait for them (the next
+    # step's does, before anything could reuse the blocks)
+    host_writes: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -4,8 +4,11 @@ On a GPU a plan's copies run on a side stream, layer by layer, each layer's copi
 stream first waits for everything the compute stream was given before (a store then reads a block after the
 steps in flight wrote it; a load's block is no longer read by them). The step's forward waits for layer i's
 event just before layer i first touches its cache (`kv_ready` of the attention layers), so layer i's copies run
-while the layers before it compute; a forward that is replayed from a graph (decode graphs, piecewise pieces,
-whose cache accesses are captured) or runs layers without the hook waits for the last event before it starts.
+while the layers before it compute; a forward run as piecewise graph pieces waits the same way before the piece
+that stores into layer i (executor/piecewise.py `replay`); one replayed from a decode graph (whose cache accesses
+are all captured) or running layers without the hook waits for the last event before it starts.
+Write-through stores (StepPlan.host_writes, the plan's last copies) are issued after the others and waited for by
+the next step's forward instead: no forward rewrites their blocks before a later step reuses them.
 Either way the wait is one stream waiting on an event: the host never waits, and no device-wide sync happens.
 On the CPU the copies run synchronously in the same order (`Inline`), so the same interface is exercised.
 
@@ -111,6 +114,7 @@ class HostCopier:
         # what the copies move (none without a tier)
         self._bits = list(zip(bits(device_caches), bits(host_caches), strict=True)) if host_caches else []
         self._marks: list[object | None] = [None] * len(device_caches)  # per cache layer, not yet waited for
+        self._carried: list[object | None] = [None] * len(device_caches)  # write-through's: the next step waits
         self.layerwise = False  # every cache layer's attention calls its kv_ready hook (bind_layers)
 
     @classmethod
@@ -150,14 +154,25 @@ class HostCopier:
                 layer.kv_ready = partial(self.wait_layer, i) if hooked else None
         self.layerwise = hooked
 
-    def submit(self, copies: list[tuple[int, int, int]]) -> None:
+    def submit(self, copies: list[tuple[int, int, int]], writes: int = 0) -> None:
         """Issue a plan's copies, layer by layer, in the plan's order within each layer: a few calls per run of
-        consecutive host slots (executor/block_copies.py), never one per block."""
+        consecutive host slots (executor/block_copies.py), never one per block. The last `writes` are write-through
+        stores (StepPlan.host_writes), issued after the others and waited for by the next step's forward, not this
+        one's; the previous plan's are waited for by this step's."""
+        for i, mark in enumerate(self._carried):
+            if mark is not None and self._marks[i] is None:
+                self._marks[i] = mark
+        self._carried = [None] * len(self._carried)
         if not copies:
             return
         if not self.host_caches:
             raise RuntimeError("the plan carries host-tier copies but this worker has no host tier")
         self.stream.begin()
+        split = len(copies) - writes
+        self._issue(copies[:split], self._marks)
+        self._issue(copies[split:], self._carried)
+
+    def _issue(self, copies: list[tuple[int, int, int]], marks: list[object | None]) -> None:
         for on_disk, ops in segments(copies):
             if on_disk:
                 self._disk_io(ops)
@@ -166,7 +181,7 @@ class HostCopier:
                 plan = CopyPlan.of(ops, self.device_caches[0][0].device)
                 for i, (dev_pair, host_pair) in enumerate(self._bits):
                     plan.issue(dev_pair, host_pair)
-                    self._marks[i] = self.stream.mark()
+                    marks[i] = self.stream.mark()
 
     def _disk_io(self, ops: list[tuple[int, int, int]]) -> None:
         if self.disk is None:

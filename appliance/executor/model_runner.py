@@ -234,7 +234,7 @@ class ModelRunner:
         finish(), so the caller can plan and launch the next step meanwhile; any other step first finishes the
         steps in flight (its sampling reads the complete token history) and runs to completion here."""
         # issued before anything of this step reads or writes those blocks; the forward waits for them
-        self.host_copier.submit(plan.host_copies)
+        self.host_copier.submit(plan.host_copies, plan.host_writes)
         if self.spec is not None:  # never overlapped (refused at start-up): the step completes here
             self.host_copier.wait_all()
             return StepHandle(plan.step_id, self.spec.execute(plan))
@@ -334,7 +334,9 @@ class ModelRunner:
         hidden = None
         calibrating = self.kv_calibration is not None and not self.kv_calibration.done  # observed eagerly
         if self.pieces is not None and self.use_graphs and not calibrating and inputs.meta.tree is None:
-            self.host_copier.wait_all()  # the pieces' cache stores are captured
+            # layer by layer: each piece waits for its layer's copies (piecewise.replay), unless it is captured now
+            if not self.host_copier.layerwise or not self.pieces.captured(int(inputs.input_ids.shape[0])):
+                self.host_copier.wait_all()
             hidden = self.pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
         if hidden is None:
             if not self.host_copier.layerwise:

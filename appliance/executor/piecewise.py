@@ -204,6 +204,12 @@ class PiecewiseGraphs:
                 on_captured()
         return len(self.pieces)
 
+    def captured(self, tokens: int) -> bool:
+        """Whether a step of this many tokens replays pieces already captured (a capture is a forward of its own,
+        whose cache hooks must find the host tier's copies waited for)."""
+        b = bucket_for(tokens, self.max_tokens)
+        return b is not None and b in self.pieces and not self.failed
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Hidden states [T, hidden] of an eager step, or None when its token count has no bucket."""
         t = int(input_ids.shape[0])
@@ -219,10 +225,7 @@ class PiecewiseGraphs:
             self.failed = True
             return None
         self._stage(input_ids, positions, meta, b)
-        for graph, layer in zip(pieces.graphs, pieces.layers):
-            graph.replay()
-            layer.attend(self._q[:t], meta, out=self._out[:t])  # type: ignore[index]
-        pieces.graphs[-1].replay()
+        replay(pieces, lambda layer: layer.attend(self._q[:t], meta, out=self._out[:t]))  # type: ignore[index]
         assert self._hidden is not None
         return self._hidden[:t]
 
@@ -256,6 +259,18 @@ class PiecewiseGraphs:
 
         with attention_breaks(attention):
             return self.model(self.ids[:b], self.positions[:b], self._meta(b))[:t]
+
+
+def replay(pieces: Pieces, attend: Callable[[Attention], object]) -> None:
+    """Replay a bucket's pieces with its eager attention between them. Piece i stores layer i's K/V into its cache
+    (the store is captured), so layer i's host-tier copies (executor/host_copy.py: its `kv_ready` hook) are waited
+    for just before piece i, not all before the first: they land while the layers before it compute."""
+    for graph, layer in zip(pieces.graphs, pieces.layers):
+        if layer.kv_ready is not None:
+            layer.kv_ready()
+        graph.replay()
+        attend(layer)
+    pieces.graphs[-1].replay()
 
 
 def piecewise_max_tokens(config: ApplianceConfig, model: torch.nn.Module, decode_graphs: bool, tp_size: int,
