@@ -43,6 +43,22 @@ def test_round_trips() -> None:
         assert REQUEST_CODEC.decode(REQUEST_CODEC.encode(msg)) == msg
 
 
+def test_fields_at_their_default_stay_off_the_wire_and_come_back() -> None:
+    plain = RequestOutput("a", [5], num_prompt_tokens=3)
+    frame = msgpack.unpackb(OUTPUT_CODEC.encode(OutputBatch([plain])), raw=False)
+    assert frame == ["OutputBatch", {"outputs": [{"request_id": "a", "new_token_ids": [5], "num_prompt_tokens": 3}]}]
+    # values equal to a default but of another type, and non-default values of every kind, are kept
+    odd = RequestOutput("b", [], logprobs=[], finish_reason="", num_cached_tokens=0, error_status=1,
+                        first_scheduled_time=0.0)
+    batch = OutputBatch([plain, odd, RequestOutput("c")], 0, 0, 0)
+    assert OUTPUT_CODEC.decode(OUTPUT_CODEC.encode(batch)) == batch
+    row = ScheduledRequest("a", 1, [], True)  # save_snapshot -1 (its default) is left out, an empty table is not
+    assert msgpack.unpackb(PLAN_CODEC.encode(StepPlan(1, scheduled=[row])), raw=False)[1]["scheduled"] == [
+        {"request_id": "a", "num_tokens": 1, "new_block_ids": [], "sample": True}]
+    assert PLAN_CODEC.decode(PLAN_CODEC.encode(StepPlan(1, scheduled=[row, ScheduledRequest("b", 2, [3], False, 0)])
+                                               )).scheduled[1].save_snapshot == 0
+
+
 def test_tuples_come_back_as_tuples() -> None:
     out = RESULT_CODEC.decode(RESULT_CODEC.encode(StepResult(1, [SampledToken("a", 1, None, [(1, -0.5)])])))
     assert out.sampled[0].top_logprobs == [(1, -0.5)] and isinstance(out.sampled[0].top_logprobs[0], tuple)

@@ -28,7 +28,7 @@ from appliance.engine.block_pool import AccountingReport
 from appliance.engine.config import EngineConfig
 from appliance.engine.delta import RequestDelta
 from appliance.engine.prefix_cache import KVEventSink
-from appliance.engine.request import Request
+from appliance.engine.request import Request, exact_ints
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import QueueFull, Scheduler
 from appliance.engine.step import Executor, StepPlan
@@ -109,10 +109,13 @@ class EngineCore:
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if sp.n != 1:
             raise ValueError("EngineCore runs one sequence per request; fan out n > 1 above the engine")
-        try:  # accepts numpy ints, refuses floats and strings instead of truncating them
-            prompt = [operator.index(t) for t in prompt_token_ids]
-        except TypeError as e:
-            raise ValueError(f"request {request_id!r}: prompt token ids must be integers ({e})") from None
+        if type(prompt_token_ids) is list and exact_ints(prompt_token_ids):
+            prompt = list(prompt_token_ids)  # what the server sends: one C-level type scan instead of a call per id
+        else:
+            try:  # accepts numpy ints, refuses floats and strings instead of truncating them
+                prompt = [operator.index(t) for t in prompt_token_ids]
+            except TypeError as e:
+                raise ValueError(f"request {request_id!r}: prompt token ids must be integers ({e})") from None
         req = Request(
             request_id=request_id,
             prompt_token_ids=prompt,

@@ -18,7 +18,9 @@ One request produces one sequence: parallel sampling (`SamplingParams.n > 1`) is
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from appliance.engine.sampling_params import SamplingParams
 
@@ -80,6 +82,15 @@ class IllegalTransition(RuntimeError):
         self.dst = dst
 
 
+def exact_ints(values: Iterable[Any]) -> bool:
+    """Whether every value's type is exactly int (no bool, no numpy int), checked by one C-level scan: prompts
+    of thousands of ids arrive in bursts, and a Python loop per id stalls the step being planned."""
+    return _INT.issuperset(map(type, values))
+
+
+_INT = frozenset({int})
+
+
 @dataclass(eq=False)  # a request is an identity, not a value: running.remove(req) compares by `is` only
 class Request:
     """One request's engine-side state. Mutated only by the scheduler (and EngineCore through it).
@@ -121,7 +132,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt is empty")
-        if any((not isinstance(t, int)) or t < 0 for t in self.prompt_token_ids):
+        ids = self.prompt_token_ids
+        if (min(ids) < 0) if exact_ints(ids) else any((not isinstance(t, int)) or t < 0 for t in ids):
             raise ValueError(f"request {self.request_id!r}: token ids must be non-negative ints")
         self.num_prompt_tokens = len(self.prompt_token_ids)
         room = self.max_model_len - self.num_prompt_tokens

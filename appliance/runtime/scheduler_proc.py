@@ -158,7 +158,8 @@ class SchedulerLoop:
             params = SamplingParams.from_dict(msg.sampling)
             if self.vocab_size > 0:
                 for what, ids in (("prompt", msg.prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
-                    if any(not 0 <= t < self.vocab_size for t in ids):
+                    # ints (the wire checked them): min / max scan a 1k-token prompt in C, not in a Python loop
+                    if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
                         raise ValueError(f"{what} token ids must be in [0, {self.vocab_size})")
             self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
             return None

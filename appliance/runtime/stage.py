@@ -7,12 +7,17 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
 from appliance.runtime.bootstrap import Bootstrap
 from appliance.runtime.messages import CONTROL_CODEC, StageFailed
 from appliance.runtime.process import die_with_parent, ignore_interrupts
+
+if TYPE_CHECKING:
+    from appliance.executor.runner_protocol import ModelRunnerProtocol
 
 
 def report_failure(boot: Bootstrap, message: str, dump_stacks: bool = False) -> None:
@@ -27,7 +32,12 @@ def report_failure(boot: Bootstrap, message: str, dump_stacks: bool = False) -> 
 
 
 def main() -> int:
-    boot = Bootstrap.read(sys.stdin)
+    return run_stage(Bootstrap.read(sys.stdin))
+
+
+def run_stage(boot: Bootstrap, build_runner: Callable[[Bootstrap], ModelRunnerProtocol] | None = None) -> int:
+    """Run the stage `boot` names until it stops; its exit code. build_runner: a worker's runner in place of
+    the ModelRunner (benchmarks/host_path.py's timed stand-in)."""
     die_with_parent(boot.parent_pid)
     ignore_interrupts()
     # SIGUSR1 writes every thread's Python stack to stderr: the supervisor asks for it when a stage hangs
@@ -44,7 +54,7 @@ def main() -> int:
             from appliance.runtime.worker_proc import run_worker
 
             boot.wait_peers(sys.stdin)
-            run_worker(boot)
+            run_worker(boot) if build_runner is None else run_worker(boot, build_runner)
         elif boot.stage == "scheduler":
             from appliance.runtime.scheduler_proc import run_scheduler
 

@@ -189,7 +189,7 @@ class Supervisor:
         boot = Bootstrap(kind, name, rank, world, os.getpid(), addresses or self.addresses, self.config.to_dict(),
                          spawned_at=time.time())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "appliance.runtime.stage", name],  # the name is for `ps` only
+            self.stage_argv(kind, name),
             stdin=subprocess.PIPE, text=True, process_group=0, close_fds=True,
             env={**os.environ, **env} if env else None,
         )
@@ -200,6 +200,11 @@ class Supervisor:
         self.stages.append(st)
         log.debug("started %s (pid %d)", name, proc.pid)
         return st
+
+    def stage_argv(self, kind: str, name: str) -> list[str]:
+        """The command line of a child stage (the name is for `ps` only). benchmarks/host_path.py runs its
+        stages through a stand-in entry point that times them and replaces the model worker."""
+        return [sys.executable, "-m", "appliance.runtime.stage", name]
 
     def _release(self, st: StageProc, peers: dict[str, dict[str, Any]]) -> None:
         assert st.proc.stdin is not None

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import IO
 
 import uvicorn
@@ -63,7 +64,18 @@ def prepare_tokenizer(boot: Bootstrap) -> tuple[object, object, socket.socket]:
 
 def run_tokenizer(boot: Bootstrap, prepared: tuple[object, object, socket.socket], stdin: IO[str]) -> None:
     config, tokenizer, sock = prepared
-    asyncio.run(_serve(boot, config, tokenizer, sock, stdin))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(_serve(boot, config, tokenizer, sock, stdin))
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (uvicorn's own choice, `loop="auto"`, which uvicorn applies only
+    when it makes the loop itself): every chunk of every stream is a few turns of this loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _serve(boot: Bootstrap, config, tokenizer, sock: socket.socket, stdin: IO[str]) -> None:

@@ -1,6 +1,6 @@
 """The typed wire between pipeline processes: frozen dataclasses <-> msgpack, decoded against a schema.
 
-A frame is `[tag, {field: value}]`. The decoder knows every message type by tag and checks each field against
+A frame is `[tag, {field: value}]`, a field at its (immutable or empty) default left out. The decoder knows every message type by tag and checks each field against
 the dataclass' type hints (recursively for nested records, lists, tuples, dicts and optionals), so a malformed or
 hostile frame is rejected as a whole with `WireError`; nothing is ever unpickled or executed.
 
@@ -73,15 +73,24 @@ class Codec:
         if cls in self._encoders:
             return self._encoders[cls]
         hints = typing.get_type_hints(cls)
-        names = tuple(f.name for f in dataclasses.fields(cls))
+        fields = dataclasses.fields(cls)
+        names = tuple(f.name for f in fields)
         self._encoders[cls] = lambda obj: encode(obj)  # recursive records resolve through the table
         nested = [(n, enc) for n in names if (enc := self._encoder(hints[n])) is not None]
         values = operator.attrgetter(*names) if len(names) > 1 else (lambda obj: (getattr(obj, names[0]),))
+        # a field at its default is left out (the decoder's dataclass fills it in): most of an output's or a
+        # plan row's optional fields are None or 0 on most steps, and every key costs on both sides
+        omittable = [(f.name, d) for f in fields if (d := _omittable(f)) is not _KEEP]
 
         def encode(obj: Any) -> dict[str, Any]:
             out = dict(zip(names, values(obj)))
+            for name, default in omittable:
+                value = out[name]
+                if value is default or (type(value) is type(default) and value == default):
+                    del out[name]
             for name, enc in nested:
-                out[name] = enc(out[name])
+                if name in out:
+                    out[name] = enc(out[name])
             return out
 
         self._encoders[cls] = encode
@@ -139,22 +148,23 @@ class Codec:
         plan = [(f.name, self._decoder(hints[f.name]),
                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
                 for f in dataclasses.fields(cls)]
-        names = frozenset(name for name, _, _ in plan)
+        decoders = {name: dec for name, dec, _ in plan}
+        required = frozenset(name for name, _, req in plan if req)
 
         def build(value: Any) -> Any:
             if type(value) is not dict:
                 raise _Bad("expected a record")
-            if not names.issuperset(value):
-                raise _Bad(f"unknown fields {sorted(map(str, set(value) - names))[:5]}")
             kwargs: dict[str, Any] = {}
-            for name, dec, required in plan:
-                if name in value:
-                    try:
-                        kwargs[name] = dec(value[name])
-                    except _Bad as bad:
-                        raise bad.at(f".{name}") from None
-                elif required:
-                    raise _Bad(f"missing field {name!r}")
+            for name, item in value.items():  # the fields present (the encoder leaves defaults out)
+                dec = decoders.get(name)
+                if dec is None:
+                    raise _Bad(f"unknown fields {sorted(map(str, set(value) - decoders.keys()))[:5]}")
+                try:
+                    kwargs[name] = dec(item)
+                except _Bad as bad:
+                    raise bad.at(f".{name}") from None
+            if not required.issubset(kwargs):
+                raise _Bad(f"missing field {min(required - kwargs.keys())!r}")
             try:
                 return cls(**kwargs)
             except (TypeError, ValueError) as exc:  # __post_init__ validation
@@ -255,6 +265,19 @@ class Codec:
                 raise bad.at("{}") from None
 
         return mapping
+
+
+_KEEP = object()  # a field the encoder always writes
+
+
+def _omittable(f: dataclasses.Field) -> Any:
+    """The default a field may be left out at: an immutable scalar default or an empty container's factory; else
+    _KEEP."""
+    if f.default is not dataclasses.MISSING:
+        return f.default if type(f.default) in (_NoneType, bool, int, float, str, bytes) else _KEEP
+    if f.default_factory in (list, dict, tuple):  # type: ignore[comparison-overlap]
+        return f.default_factory()  # type: ignore[misc]
+    return _KEEP
 
 
 def _identity(value: Any) -> Any:

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 import zmq
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("appliance.worker")
 
 
-def run_worker(boot: Bootstrap) -> None:
+def run_worker(boot: Bootstrap, build: Callable[[Bootstrap], ModelRunnerProtocol] | None = None) -> None:
+    """Serve the scheduler's plans; build: the runner (default: build_runner, the ModelRunner)."""
     # the distributed environment of this rank, for the runner's process groups
     os.environ.setdefault("RANK", str(boot.rank))
     os.environ.setdefault("LOCAL_RANK", str(boot.rank))
@@ -49,7 +51,7 @@ def run_worker(boot: Bootstrap) -> None:
     control = ctx.socket(zmq.PUSH)
     control.connect(boot.addresses.control)
     report_progress(boot, control)
-    runner = build_runner(boot)
+    runner = (build or build_runner)(boot)
     config = runner.config
     from appliance.executor.distributed import min_over_ranks
 

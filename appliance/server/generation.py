@@ -65,10 +65,9 @@ class Generation:
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     stream_interval: int = 1
 
-    async def stream(self) -> AsyncIterator[ChoiceDelta]:
+    def stream(self) -> AsyncIterator[ChoiceDelta]:
         self.usage.prompt_tokens = len(self.prompt_token_ids)
-        async for delta in merge([self._choice(i) for i in range(self.n)]):
-            yield delta
+        return merge([self._choice(i) for i in range(self.n)])
 
     async def _choice(self, i: int) -> AsyncIterator[ChoiceDelta]:
         params = child_sampling(self.params, i)
@@ -160,13 +159,13 @@ def _combine(a: ChoiceDelta, b: ChoiceDelta) -> ChoiceDelta:
     return ChoiceDelta(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason, b.stop_reason)
 
 
-async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
-    """Interleave several streams as items arrive; an error in one ends all (each is closed, so aborted)."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as it:
-            async for item in it:
-                yield item
-        return
+def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """Interleave several streams as items arrive; an error in one ends all (each is closed, so aborted). One
+    stream is returned as it is: a layer of async generator costs every chunk of every stream a resumption."""
+    return streams[0] if len(streams) == 1 else _interleave(streams)
+
+
+async def _interleave(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(stream: AsyncIterator[Any]) -> None:
@@ -202,25 +201,46 @@ async def with_deadline(stream: AsyncIterator[Any], timeout: float | None) -> As
     """Yield from `stream` until `timeout` seconds have passed since the start; then close it (aborting the
     engine requests behind it) and raise a 408.
 
-    Each item is awaited in this task under `asyncio.timeout_at`, never in a task of its own: a waiter task
-    could still be running `stream` when a disconnect cancels us, and closing a running generator fails
-    ("aclose(): asynchronous generator is already running")."""
+    Each item is awaited in this task, never in a task of its own: a waiter task could still be running `stream`
+    when a disconnect cancels us, and closing a running generator fails ("aclose(): asynchronous generator is
+    already running"). One timer covers the whole stream (a timeout context per item cost ~4 us of every chunk):
+    at the deadline it cancels this task if it is waiting for an item, else the next item is refused."""
     async with contextlib.aclosing(stream) as it:
         if timeout is None:
             async for item in it:
                 yield item
             return
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            try:
-                async with asyncio.timeout_at(deadline):
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        waiting = expired = cancelled = False
+
+        def expire() -> None:
+            nonlocal expired, cancelled
+            expired = True
+            if waiting:  # the task is parked in the `await` below: end that wait
+                cancelled = True
+                task.cancel()
+
+        timer = loop.call_at(loop.time() + timeout, expire)
+        try:
+            while not expired:
+                waiting = True
+                try:
                     item = await anext(it)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise ApiError(408, f"request timed out after {timeout:g} s (api.request_timeout)",
-                               code="timeout") from None
-            yield item
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    # ours alone becomes the 408; any other cancellation (a disconnect) goes on
+                    if not cancelled or task.uncancel() > 0:
+                        raise
+                    break
+                finally:
+                    waiting = False
+                yield item
+        finally:
+            timer.cancel()
+        raise ApiError(408, f"request timed out after {timeout:g} s (api.request_timeout)", code="timeout")
 
 
 def new_request_id(prefix: str) -> str:

@@ -7,7 +7,7 @@ be the start of a stop string it is held back (unless the stop string would be r
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _CONTEXT = 5  # prompt tokens kept as left context, so the first output token decodes with its leading space
@@ -26,6 +26,7 @@ class Detokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.min_tokens = min_tokens
+        self._backend = backend_decode(tokenizer, skip_special_tokens)
         self._ids: list[int] = list(prompt_token_ids)[-_CONTEXT:]
         self._prefix = 0  # window start
         self._read = len(self._ids)  # tokens before this are already in the text
@@ -47,6 +48,8 @@ class Detokenizer:
         return self._num_output
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend(ids)
         kwargs: dict[str, Any] = {"skip_special_tokens": self.skip_special_tokens}
         if not self.spaces_between_special_tokens:
             kwargs["spaces_between_special_tokens"] = False  # only slow tokenizers honour it
@@ -103,3 +106,26 @@ class Detokenizer:
         out = self.text[self._emitted : end]
         self._emitted = end
         return out
+
+
+def backend_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[Sequence[int]], str] | None:
+    """The tokenizers library's own decode where transformers' decode of a fast tokenizer returns exactly its
+    text (its generic class, and no clean-up pass: clean_up_tokenization_spaces off, or a BPE model, which
+    transformers leaves uncleaned); else None. Two decodes per token through transformers' argument handling
+    cost ~10x the decode itself, and the HTTP process runs them for every token of every stream."""
+    from_class = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    if backend is None or from_class.decode is not PreTrainedTokenizerFast.decode or \
+            from_class._decode is not PreTrainedTokenizerFast._decode:
+        return None
+    # transformers' decode skips its clean-up for BPE models only where it knows this flag (5.x)
+    bpe_kept = type(backend.model).__name__ == "BPE" and getattr(
+        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", True) is False
+    if tokenizer.clean_up_tokenization_spaces and not bpe_kept:
+        return None
+    decode = backend.decode
+    return lambda ids: decode(ids if type(ids) is list else list(ids), skip_special_tokens=skip_special_tokens)
