@@ -307,8 +307,8 @@ def test_a_nested_schema_does_not_stall_health_or_other_streams(server: Server) 
     took = result["done"] - started
     assert took > 0.5 and len(probes) > 5  # the compile took long enough to be seen
     # compiled on the event loop, one probe and one gap would each last about the whole compile; a shared CPU
-    # alone delays some by a fraction of a second
-    limit = max(0.5, took / 4)
+    # alone delays some by a fraction of a second (0.84 s of a 3 s compile on a loaded 2-core machine)
+    limit = max(0.5, took / 3)
     assert max(probes) < limit, (took, sorted(probes)[-5:])
     assert during and max(during) < limit, (took, sorted(during)[-5:])
     assert_idle_and_accounted(server)
