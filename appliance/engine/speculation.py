@@ -75,14 +75,14 @@ def lookahead_tokens(algorithm: str | None, k: int) -> int:
     token's own row comes first), none for n-gram lookup (no cache) or without speculation."""
     if algorithm is None or algorithm == "NGRAM" or k == 0:
         return 0
-    return k if algorithm == "STANDALONE" else k - 1
+    return k - 1 if drafter_reads_next_token(algorithm) else k
 
 
 def tree_scratch_tokens(algorithm: str, topk: int, num_steps: int) -> int:
     """Positions past a sampling chunk a draft tree's search writes into the drafter's cache (eagle_topk > 1;
     executor/tree_drafting.py): topk per step after the first, from the first draft's position (one further for
     a draft model, as for its chain)."""
-    return topk * (num_steps - 1) + (1 if algorithm == "STANDALONE" else 0)
+    return topk * (num_steps - 1) + (0 if drafter_reads_next_token(algorithm) else 1)
 
 
 @dataclass
