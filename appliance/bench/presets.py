@@ -67,17 +67,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "attention_bias": True, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "bos_token_id": 199998, "eos_token_id": 200002, "pad_token_id": 199999,
     },
-    "gpt-oss-120b": {  # gpt-oss-20b's layers, 36 deep with 128 experts, ~117B (5.1B active): one 80 GB GPU with
-        # its experts in MXFP4 (precision.moe_weight_format = mxfp4; ~62 GiB of weights), eight in bf16
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
-        "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
-        "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
-        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                            "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
-        "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "attention_bias": True, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "bos_token_id": 199998, "eos_token_id": 200002, "pad_token_id": 199999,
-    },
     "gemma-3-12b": {  # five 1024-token window layers to each global one, head_dim 256, ~12B
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208,
         "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
@@ -89,6 +78,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
     },
 }
+# gpt-oss-20b's layers, 36 deep with 128 experts, ~117B (5.1B active): one 80 GB GPU with its experts in MXFP4
+# (precision.moe_weight_format = mxfp4; ~62 GiB of weights), eight in bf16
+SHAPES["gpt-oss-120b"] = {**SHAPES["gpt-oss-20b"], "num_hidden_layers": 36, "num_local_experts": 128,
+                          "layer_types": ["sliding_attention", "full_attention"] * 18}
 
 
 @dataclass(frozen=True)
