@@ -6,9 +6,18 @@ answer plus 10% new tokens. Prints one JSON record per measurement.
 
     python -m benchmarks.hybrid                 # one GPU: 8 layers (6 Gated DeltaNet + 2 full attention)
     python -m benchmarks.hybrid --layers 4
+    python -m benchmarks.hybrid --multi-turn-only   # the two multi-turn records alone
     python -m benchmarks.hybrid --quick         # CPU: tiny dims, short lengths (tests/test_bench_hybrid.py)
     python -m benchmarks.hybrid --write-configs DIR   # DIR/qwen3-next/: config.json and workload.json, not run
                                                       # (the peer's input: benchmarks/peer_models.py)
+
+Multi-turn TTFT: the sessions run one after another, each alone on the engine, as the turns of separate users
+would; a second turn's TTFT is from its submission to its first token's arrival from an engine step
+(appliance/bench/offline.py run_batch: admission, the snapshot restore, the prefill and the sample). Both phases
+first run one untimed warm-up session of the same lengths (its own tokens), so every shape the timed turns meet
+(the first turn's chunks, the restored prefill, its decode-graph widths) is compiled, autotuned and captured
+before any turn is timed. Each record has the mean, the median and every session's TTFT, the engine steps
+and the tokens computed from submission to the first token (per session, mean).
 
 Shape: transformers' Qwen3NextConfig defaults (hidden 2048, 512 experts of 512, 10 active + a shared expert, 16 q
 / 2 kv heads of 256 for full attention, 16 key / 32 value heads of 128 for the linear attention, every 4th layer
@@ -24,6 +33,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -87,6 +97,7 @@ class Turns:
     tails: list[list[int]]
     answer: int  # the first turn's output tokens
     shared: int  # the second prompt's tokens that repeat the first turn (its prompt and answer)
+    warmup: tuple[list[int], list[int]]  # an untimed session of the same lengths (first prompt, tail), run first
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,8 @@ def make_prompts(args: argparse.Namespace, vocab: int) -> Prompts:
     answer = min(16, shared // 4)
     firsts = prompts(rng, args.sessions, shared - answer, vocab)
     tails = [prompts(rng, 1, args.turn_len - shared, vocab)[0] for _ in firsts]
-    return Prompts(one, batch, Turns(firsts, tails, answer, shared))
+    warmup = (prompts(rng, 1, shared - answer, vocab)[0], prompts(rng, 1, args.turn_len - shared, vocab)[0])
+    return Prompts(one, batch, Turns(firsts, tails, answer, shared, warmup))
 
 
 def decode_and_throughput(llm: Any, args: argparse.Namespace, work: Prompts) -> list[dict[str, Any]]:
@@ -123,21 +135,46 @@ def decode_and_throughput(llm: Any, args: argparse.Namespace, work: Prompts) -> 
              "wall_s": round(wall, 2)}]
 
 
-def shared_prefix_ttft(llm: Any, args: argparse.Namespace, turns: Turns, snapshots: bool) -> dict[str, Any]:
-    """Per session: a first turn, then a second whose prompt is the first turn's prompt and answer (90% of its
-    turn_len tokens) plus new tokens; the second turn's time to first token (a generate of one token) is measured."""
-    from appliance import SamplingParams
+@dataclass(frozen=True)
+class TurnTiming:
+    """A second turn, alone on the engine: submission to first token."""
 
-    params = SamplingParams(temperature=0.0, max_tokens=turns.answer, ignore_eos=True)
-    ttfts = []
+    ttft: float  # seconds
+    steps: int  # engine steps run meanwhile
+    computed: int  # prompt tokens computed (not reused from the prefix cache)
+
+
+def session(llm: Any, first: list[int], tail: list[int], answer: int) -> TurnTiming:
+    """One session: its first turn (answer tokens), then its second turn (that prompt and answer and the tail),
+    timed to its first token as it arrives from an engine step (offline.run_batch)."""
+    from appliance import SamplingParams
+    from appliance.bench import offline
+
+    params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": first}], params)[0].outputs[0].token_ids
+    second = first + list(out) + tail
+    before = llm.engine.stats()
+    (timing,) = offline.run_batch(llm, [second], 1, 0.0)
+    after = llm.engine.stats()
+    if not timing.success:
+        raise RuntimeError(f"the second turn made no token: {timing.error}")
+    return TurnTiming(timing.ttft, after.num_steps - before.num_steps,
+                      len(second) - (after.prefix_hit_tokens - before.prefix_hit_tokens))
+
+
+def shared_prefix_ttft(llm: Any, args: argparse.Namespace, turns: Turns, snapshots: bool) -> dict[str, Any]:
+    """The warm-up session untimed, then each session in turn: its second turn's time to first token."""
+    session(llm, *turns.warmup, turns.answer)
     hits_before = llm.engine.stats().prefix_hit_tokens
-    for first, tail in zip(turns.firsts, turns.tails):
-        out = llm.generate([{"prompt_token_ids": first}], params)[0].outputs[0].token_ids
-        ttfts.append(timed(llm, [first + list(out) + tail], 1))
+    timings = [session(llm, first, tail, turns.answer) for first, tail in zip(turns.firsts, turns.tails)]
+    ttft_ms = [t.ttft * 1e3 for t in timings]
     return {"metric": "multi_turn_ttft", "snapshots": snapshots,
-            "mean_ttft_ms": round(sum(ttfts) / len(ttfts) * 1e3, 3), "turn_len": args.turn_len,
-            "shared": turns.shared,
-            "sessions": args.sessions, "prefix_hit_tokens": llm.engine.stats().prefix_hit_tokens - hits_before,
+            "mean_ttft_ms": round(statistics.mean(ttft_ms), 3), "median_ttft_ms": round(statistics.median(ttft_ms), 3),
+            "ttft_ms": [round(t, 3) for t in ttft_ms], "turn_len": args.turn_len, "shared": turns.shared,
+            "sessions": args.sessions, "warmup_sessions": 1,
+            "prefix_hit_tokens": llm.engine.stats().prefix_hit_tokens - hits_before,
+            "computed_tokens": statistics.mean(t.computed for t in timings),
+            "steps_to_first_token": statistics.mean(t.steps for t in timings),
             "checkpoint_interval": args.interval if snapshots else None}
 
 
@@ -160,6 +197,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turn-len", type=int, help="tokens of each multi-turn prompt")
     p.add_argument("--sessions", type=int)
     p.add_argument("--interval", type=int, help="cache.ssm_checkpoint_interval of the snapshot run")
+    p.add_argument("--multi-turn-only", action="store_true",
+                   help="only the multi-turn TTFT, without then with state snapshots (no decode or throughput run)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--write-configs", type=Path, metavar="DIR",
                    help="write DIR/qwen3-next/ (config.json, workload.json: the peer's input) and stop")
@@ -189,7 +228,7 @@ def write_configs(args: argparse.Namespace, out: Path) -> Path:
         "throughput": {"prompts": work.batch, "output_lens": [args.output_len] * len(work.batch),
                        "input_len": args.input_len, "output_len": args.output_len},
         "multi_turn": {"firsts": turns.firsts, "tails": turns.tails, "answer": turns.answer, "shared": turns.shared,
-                       "turn_len": args.turn_len}})
+                       "turn_len": args.turn_len, "warmup": list(turns.warmup)}})
     return model_dir
 
 
@@ -205,7 +244,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         shape = {"layers": args.layers, "device": "cpu" if args.quick else "cuda"}
         llm = make_llm(model_dir, args, snapshots=False)
         shape.update(served(llm))
-        records += [{**shape, **r} for r in decode_and_throughput(llm, args, work)]
+        if not args.multi_turn_only:
+            records += [{**shape, **r} for r in decode_and_throughput(llm, args, work)]
         records.append({**shape, **shared_prefix_ttft(llm, args, work.turns, snapshots=False)})
         for r in records:
             print(json.dumps(r), flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -112,18 +113,36 @@ def measure_models(model_dir: Path, spec: dict[str, Any]) -> list[dict[str, Any]
     return [record]
 
 
-def multi_turn(llm: Any, spec: dict[str, Any]) -> tuple[float, int]:
-    """Per session the first turn, then the second (its prompt, its answer and the new tokens) for one token:
-    the mean second-turn time and the prefix-cache hits of every request (ours: hybrid.shared_prefix_ttft)."""
-    ttfts, hits = [], 0
-    for first, tail in zip(spec["firsts"], spec["tails"]):
+def first_token(llm: Any, prompt: list[int]) -> tuple[float, int]:
+    """A one-token request alone on the engine: seconds from its submission to the token's arrival from
+    LLMEngine.step, and the prompt tokens the prefix cache reused (ours: hybrid.session, offline.run_batch)."""
+    engine = llm.llm_engine
+    start = time.perf_counter()
+    engine.add_request(f"mt-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params(1, delta=True))
+    arrival, cached = None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if arrival is None and out.outputs[0].token_ids:
+                arrival = time.perf_counter()
+            cached = getattr(out, "num_cached_tokens", None) or cached
+    if arrival is None:
+        raise RuntimeError("the one-token request made no token")
+    return arrival - start, cached
+
+
+def multi_turn(llm: Any, spec: dict[str, Any]) -> tuple[list[float], int]:
+    """The warm-up session untimed, then per session the first turn and the second (its prompt, its answer and the
+    new tokens) for one token: each second turn's time to first token in ms and the prefix-cache hits of the timed
+    sessions' requests (ours: hybrid.shared_prefix_ttft)."""
+    def session(first: list[int], tail: list[int]) -> tuple[float, int]:
         out = llm.generate([{"prompt_token_ids": first}], params(spec["answer"]), use_tqdm=False)[0]
-        second = first + list(out.outputs[0].token_ids) + tail
-        t = time.perf_counter()
-        again = llm.generate([{"prompt_token_ids": second}], params(1), use_tqdm=False)[0]
-        ttfts.append(time.perf_counter() - t)
-        hits += (out.num_cached_tokens or 0) + (again.num_cached_tokens or 0)
-    return sum(ttfts) / len(ttfts) * 1e3, hits
+        ttft, cached = first_token(llm, first + list(out.outputs[0].token_ids) + tail)
+        return ttft * 1e3, (out.num_cached_tokens or 0) + cached
+
+    if "warmup" in spec:
+        session(*spec["warmup"])
+    timed = [session(first, tail) for first, tail in zip(spec["firsts"], spec["tails"])]
+    return [t for t, _ in timed], sum(h for _, h in timed)
 
 
 def measure_hybrid(model_dir: Path, spec: dict[str, Any], phase: str) -> list[dict[str, Any]]:
@@ -143,10 +162,12 @@ def measure_hybrid(model_dir: Path, spec: dict[str, Any], phase: str) -> list[di
                         "num_prompts": tput["num_prompts"], "input_len": tput["input_len"],
                         "output_len": tput["output_len"], "wall_s": round(tput["seconds"], 2)})
     turns = spec["multi_turn"]
-    ttft, hits = multi_turn(llm, turns)
-    records.append({**shape, "metric": "multi_turn_ttft", "snapshots": snapshots, "mean_ttft_ms": round(ttft, 3),
+    ttfts, hits = multi_turn(llm, turns)
+    records.append({**shape, "metric": "multi_turn_ttft", "snapshots": snapshots,
+                    "mean_ttft_ms": round(statistics.mean(ttfts), 3),
+                    "median_ttft_ms": round(statistics.median(ttfts), 3), "ttft_ms": [round(t, 3) for t in ttfts],
                     "turn_len": turns["turn_len"], "shared": turns["shared"], "sessions": len(turns["firsts"]),
-                    "prefix_hit_tokens": hits,
+                    "warmup_sessions": int("warmup" in turns), "prefix_hit_tokens": hits,
                     "checkpoint_interval": cache.mamba_block_size if snapshots else None,
                     "mamba_cache_mode": cache.mamba_cache_mode})
     return records

@@ -2,6 +2,8 @@
 reuses the shared prefixes of the multi-turn workload."""
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import hybrid
 
 
@@ -16,3 +18,23 @@ def test_quick_run_reports_every_measurement() -> None:
     assert by[("multi_turn_ttft", True)]["prefix_hit_tokens"] == 32 * by[("multi_turn_ttft", True)]["sessions"]
     assert all(r["layers"] == 4 for r in records)
     assert all(r["gated_delta"] == "torch" and r["decode_graphs"] is False for r in records)  # CPU: no fla, no graphs
+    for snapshots, computed in ((False, 64), (True, 64 - 32)):  # the whole prompt, or what follows the snapshot
+        turn = by[("multi_turn_ttft", snapshots)]
+        assert len(turn["ttft_ms"]) == turn["sessions"] == 2 and turn["warmup_sessions"] == 1
+        assert min(turn["ttft_ms"]) <= turn["median_ttft_ms"] <= max(turn["ttft_ms"]) and min(turn["ttft_ms"]) > 0
+        assert turn["mean_ttft_ms"] == pytest.approx(sum(turn["ttft_ms"]) / 2, abs=1e-2)
+        assert turn["computed_tokens"] == computed and turn["steps_to_first_token"] >= 1
+
+
+def test_multi_turn_only_runs_the_two_ttft_phases() -> None:
+    records = hybrid.main(["--quick", "--multi-turn-only", "--sessions", "1"])
+    assert [(r["metric"], r["snapshots"]) for r in records] == [("multi_turn_ttft", False), ("multi_turn_ttft", True)]
+    assert [r["prefix_hit_tokens"] for r in records] == [0, 32]
+
+
+def test_the_warm_up_session_is_its_own_tokens() -> None:
+    args = hybrid.parse_args(["--quick"])
+    turns = hybrid.make_prompts(args, 512).turns
+    first, tail = turns.warmup
+    assert len(first) == len(turns.firsts[0]) and len(tail) == len(turns.tails[0])
+    assert all(first[:16] != f[:16] for f in turns.firsts)  # no prefix of a timed session is cached by it

@@ -206,11 +206,11 @@ class FakeLLM:
 
 class FakeEngine:
     def __init__(self, llm: FakeLLM, fails: bool, vllm_config: Any) -> None:
-        self.llm, self.fails, self.vllm_config, self.left = llm, fails, vllm_config, 0
+        self.llm, self.fails, self.vllm_config, self.left, self.hit = llm, fails, vllm_config, 0, 0
 
     def add_request(self, request_id: str, prompt: dict, params: Any) -> None:
         assert params.output_kind.name == "DELTA"
-        self.llm.cached(prompt["prompt_token_ids"])
+        self.hit = self.llm.cached(prompt["prompt_token_ids"])
         self.left = params.max_tokens
 
     def has_unfinished_requests(self) -> bool:
@@ -220,7 +220,7 @@ class FakeEngine:
         if self.fails:
             raise RuntimeError("no stepping here")
         self.left -= 1
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5])])]
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5])], num_cached_tokens=self.hit)]
 
 
 @pytest.fixture
@@ -278,6 +278,9 @@ def test_the_peer_hybrid_phases(tmp_path: Path, fake_vllm: None, monkeypatch: py
     assert by[("multi_turn_ttft", False)]["prefix_hit_tokens"] == 0
     # each second turn repeats its first turn's 43 prompt tokens (the stand-in's answer differs from the next turn)
     assert by[("multi_turn_ttft", True)]["prefix_hit_tokens"] >= 2 * 43
+    for snapshots in (False, True):  # the warm-up session untimed, then each second turn's TTFT
+        turn = by[("multi_turn_ttft", snapshots)]
+        assert len(turn["ttft_ms"]) == turn["sessions"] == 2 and turn["warmup_sessions"] == 1
     assert by[("throughput", None)]["num_prompts"] == 4 and by[("batch1_decode", None)]["input_len"] == 24
 
 

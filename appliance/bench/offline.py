@@ -53,19 +53,23 @@ def throughput(llm: Any, workload: Workload, temperature: float = 1.0, progress:
 
 def run_batch(llm: Any, prompts: Sequence[list[int]], output_len: int, temperature: float) -> list[RequestTiming]:
     """One batch alone on the engine: every token's arrival time as step() hands it over (in overlap mode a step
-    returns the previous step's tokens, so step wall times would shift the prefill into the first gap)."""
+    returns the previous step's tokens, so step wall times would shift the prefill into the first gap). The heap
+    is frozen meanwhile, as LLM.generate freezes it: a full collection pass would land in some token's time."""
+    from appliance.runtime.gc_heap import frozen_heap
+
     engine = llm.engine
     ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     arrivals: dict[str, list[float]] = {rid: [] for rid in ids}
-    start = time.perf_counter()
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, list(prompt), sampling(output_len, temperature))
-    while engine.has_work():
-        deltas = engine.step()
-        now = time.perf_counter()
-        for d in deltas:
-            if d.request_id in arrivals:
-                arrivals[d.request_id] += [now] * len(d.new_token_ids)
+    with frozen_heap():
+        start = time.perf_counter()
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, list(prompt), sampling(output_len, temperature))
+        while engine.has_work():
+            deltas = engine.step()
+            now = time.perf_counter()
+            for d in deltas:
+                if d.request_id in arrivals:
+                    arrivals[d.request_id] += [now] * len(d.new_token_ids)
     timings = []
     for rid, prompt in zip(ids, prompts):
         t = arrivals[rid]
