@@ -125,3 +125,48 @@ def test_fla_kernels_match_the_reference_on_gpu():
     got = fla_gd.gated_delta_decode(*rows, fla_states, slots, fresh)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(fla_states, ref_states, atol=2e-2, rtol=2e-2)
+
+
+def test_fla_prefill_plumbing_uploads_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels/triton/gated_delta.py's prefill on the CPU with a stand-in for fla's chunked kernel (the reference,
+    per sequence of cu_seqlens): the slots, fresh flags and offsets it uploads give the reference's outputs and
+    states, and every layer of a step (the same host lists) gets the same device tensors, so fla's per-tensor
+    caches of its chunk indices are built once per step."""
+    from appliance.kernels.triton import gated_delta as fla_gd
+
+    seen: list[torch.Tensor] = []
+
+    def chunk_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+        assert output_final_state and use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5
+        seen.append(cu_seqlens)
+        cu = cu_seqlens.tolist()
+        qp, kp = gd._prepare(q[0], k[0], v.shape[-2])
+        outs, finals = [], []
+        for i in range(len(cu) - 1):
+            a, b = cu[i], cu[i + 1]
+            o, s = gd.chunked_sequence(qp[a:b], kp[a:b], v[0, a:b].float(), g[0, a:b], beta[0, a:b].float(),
+                                       initial_state[i], 8)
+            outs.append(o)
+            finals.append(s)
+        return torch.cat(outs)[None], torch.stack(finals)
+
+    monkeypatch.setattr(fla_gd, "_fla", lambda: (chunk_rule, None))
+    seqs = [_inputs(n, seed=s) for s, n in ((5, 13), (6, 20), (7, 9))]
+    cat = [torch.cat([x[j] for x in seqs]) for j in range(5)]
+    cu, slots, fresh = [0, 13, 33, 42], [3, 1, 2], [False, True, False]
+    init = torch.randn(4, 4, 8, 6, generator=torch.Generator().manual_seed(9))
+    ref_states, got_states = init.clone(), init.clone()
+    ref = gd.gated_delta_prefill(*cat, cu, ref_states, slots, fresh, chunk=8)
+    for _ in range(2):  # two layers of one step: the second call reads the first one's uploads
+        got = fla_gd.gated_delta_prefill(*cat, cu, got_states, slots, fresh)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_states, ref_states, atol=1e-4, rtol=1e-4)
+        got_states, ref_states = init.clone(), init.clone()
+        gd.gated_delta_prefill(*cat, cu, ref_states, slots, fresh, chunk=8)
+    assert seen[0] is seen[1] and seen[0].tolist() == cu
+    fla_gd.gated_delta_prefill(*cat, list(cu), got_states, slots, fresh)  # the next step: its own lists
+    assert seen[2] is not seen[1] and seen[2].tolist() == cu
+    args = fla_gd.prefill_args(cu, slots, fresh, torch.device("cpu"))
+    assert args.slots.tolist() == slots and args.fresh.tolist() == fresh
+    with pytest.raises(ValueError, match="3 prefill slots need 4 offsets"):
+        fla_gd.prefill_args([0, 13], slots, fresh, torch.device("cpu"))
