@@ -7,6 +7,7 @@ answer plus 10% new tokens. Prints one JSON record per measurement.
     python -m benchmarks.hybrid                 # one GPU: 8 layers (6 Gated DeltaNet + 2 full attention)
     python -m benchmarks.hybrid --layers 4
     python -m benchmarks.hybrid --multi-turn-only   # the two multi-turn records alone
+    python -m benchmarks.hybrid --multi-turn-only --profile DIR   # and one more second turn per phase profiled
     python -m benchmarks.hybrid --quick         # CPU: tiny dims, short lengths (tests/test_bench_hybrid.py)
     python -m benchmarks.hybrid --write-configs DIR   # DIR/qwen3-next/: config.json and workload.json, not run
                                                       # (the peer's input: benchmarks/peer_models.py)
@@ -17,7 +18,9 @@ would; a second turn's TTFT is from its submission to its first token's arrival 
 first run one untimed warm-up session of the same lengths (its own tokens), so every shape the timed turns meet
 (the first turn's chunks, the restored prefill, its decode-graph widths) is compiled, autotuned and captured
 before any turn is timed. Each record has the mean, the median and every session's TTFT, the engine steps
-and the tokens computed from submission to the first token (per session, mean).
+and the tokens computed from submission to the first token (per session, mean). --profile DIR runs one more
+session per phase after the timed ones (its own tokens, untimed) and records its second turn with torch.profiler:
+where a turn's time goes, host and device, op by op.
 
 Shape: transformers' Qwen3NextConfig defaults (hidden 2048, 512 experts of 512, 10 active + a shared expert, 16 q
 / 2 kv heads of 256 for full attention, 16 key / 32 value heads of 128 for the linear attention, every 4th layer
@@ -98,6 +101,7 @@ class Turns:
     answer: int  # the first turn's output tokens
     shared: int  # the second prompt's tokens that repeat the first turn (its prompt and answer)
     warmup: tuple[list[int], list[int]]  # an untimed session of the same lengths (first prompt, tail), run first
+    probe: tuple[list[int], list[int]]  # another, run last under the profiler with --profile
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,9 @@ def make_prompts(args: argparse.Namespace, vocab: int) -> Prompts:
     answer = min(16, shared // 4)
     firsts = prompts(rng, args.sessions, shared - answer, vocab)
     tails = [prompts(rng, 1, args.turn_len - shared, vocab)[0] for _ in firsts]
-    warmup = (prompts(rng, 1, shared - answer, vocab)[0], prompts(rng, 1, args.turn_len - shared, vocab)[0])
-    return Prompts(one, batch, Turns(firsts, tails, answer, shared, warmup))
+    warmup, probe = ((prompts(rng, 1, shared - answer, vocab)[0], prompts(rng, 1, args.turn_len - shared, vocab)[0])
+                     for _ in range(2))
+    return Prompts(one, batch, Turns(firsts, tails, answer, shared, warmup, probe))
 
 
 def decode_and_throughput(llm: Any, args: argparse.Namespace, work: Prompts) -> list[dict[str, Any]]:
@@ -144,35 +149,60 @@ class TurnTiming:
     computed: int  # prompt tokens computed (not reused from the prefix cache)
 
 
-def session(llm: Any, first: list[int], tail: list[int], answer: int) -> TurnTiming:
-    """One session: its first turn (answer tokens), then its second turn (that prompt and answer and the tail),
-    timed to its first token as it arrives from an engine step (offline.run_batch)."""
+def first_turn(llm: Any, first: list[int], tail: list[int], answer: int) -> list[int]:
+    """A session's first turn (answer tokens); returns its second turn's prompt: that prompt, the answer, the tail."""
     from appliance import SamplingParams
-    from appliance.bench import offline
 
     params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": first}], params)[0].outputs[0].token_ids
-    second = first + list(out) + tail
+    return first + list(out) + tail
+
+
+def second_turn(llm: Any, prompt: list[int]) -> TurnTiming:
+    """The second turn for one token, timed to its arrival from an engine step (offline.run_batch)."""
+    from appliance.bench import offline
+
     before = llm.engine.stats()
-    (timing,) = offline.run_batch(llm, [second], 1, 0.0)
+    (timing,) = offline.run_batch(llm, [prompt], 1, 0.0)
     after = llm.engine.stats()
     if not timing.success:
         raise RuntimeError(f"the second turn made no token: {timing.error}")
     return TurnTiming(timing.ttft, after.num_steps - before.num_steps,
-                      len(second) - (after.prefix_hit_tokens - before.prefix_hit_tokens))
+                      len(prompt) - (after.prefix_hit_tokens - before.prefix_hit_tokens))
+
+
+def profile_turn(llm: Any, turns: Turns, out: Path, snapshots: bool, device: str) -> Path:
+    """The probe session, untimed: its second turn under torch.profiler (host, and device on a GPU); writes a
+    Chrome trace and the ops by self time (device time on a GPU) to out/multi_turn_{plain,snapshots}.*"""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = first_turn(llm, *turns.probe, turns.answer)
+    gpu = device == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+        second_turn(llm, prompt)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"multi_turn_{'snapshots' if snapshots else 'plain'}"
+    prof.export_chrome_trace(str(stem.with_suffix(".trace.json")))
+    table = prof.key_averages().table(sort_by="self_device_time_total" if gpu else "self_cpu_time_total",
+                                      row_limit=40)
+    stem.with_suffix(".ops.txt").write_text(table)
+    return stem
 
 
 def shared_prefix_ttft(llm: Any, args: argparse.Namespace, turns: Turns, snapshots: bool) -> dict[str, Any]:
     """The warm-up session untimed, then each session in turn: its second turn's time to first token."""
-    session(llm, *turns.warmup, turns.answer)
+    second_turn(llm, first_turn(llm, *turns.warmup, turns.answer))
     hits_before = llm.engine.stats().prefix_hit_tokens
-    timings = [session(llm, first, tail, turns.answer) for first, tail in zip(turns.firsts, turns.tails)]
+    timings = [second_turn(llm, first_turn(llm, first, tail, turns.answer))
+               for first, tail in zip(turns.firsts, turns.tails)]
+    hits = llm.engine.stats().prefix_hit_tokens - hits_before
+    if args.profile is not None:
+        profile_turn(llm, turns, args.profile, snapshots, args.device)
     ttft_ms = [t.ttft * 1e3 for t in timings]
     return {"metric": "multi_turn_ttft", "snapshots": snapshots,
             "mean_ttft_ms": round(statistics.mean(ttft_ms), 3), "median_ttft_ms": round(statistics.median(ttft_ms), 3),
             "ttft_ms": [round(t, 3) for t in ttft_ms], "turn_len": args.turn_len, "shared": turns.shared,
-            "sessions": args.sessions, "warmup_sessions": 1,
-            "prefix_hit_tokens": llm.engine.stats().prefix_hit_tokens - hits_before,
+            "sessions": args.sessions, "warmup_sessions": 1, "prefix_hit_tokens": hits,
             "computed_tokens": statistics.mean(t.computed for t in timings),
             "steps_to_first_token": statistics.mean(t.steps for t in timings),
             "checkpoint_interval": args.interval if snapshots else None}
@@ -199,6 +229,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interval", type=int, help="cache.ssm_checkpoint_interval of the snapshot run")
     p.add_argument("--multi-turn-only", action="store_true",
                    help="only the multi-turn TTFT, without then with state snapshots (no decode or throughput run)")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="after the timed sessions, profile one more second turn per phase (torch.profiler; untimed): "
+                        "DIR/multi_turn_{plain,snapshots}.trace.json and .ops.txt")
     p.add_argument("--output-json", default=None)
     p.add_argument("--write-configs", type=Path, metavar="DIR",
                    help="write DIR/qwen3-next/ (config.json, workload.json: the peer's input) and stop")
@@ -212,6 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.layers = min(args.layers, 4)
     args.max_model_len = max(args.input_len + args.output_len, args.turn_len + 1)
+    args.device = "cpu" if args.quick else "cuda"
     args.max_num_seqs = max(args.num_prompts, 1)
     return args
 
@@ -241,7 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="hybrid-bench-") as tmp:
         model_dir = write_model_dir(Path(tmp) / "model", args.layers, args.quick)
         work = make_prompts(args, json.loads((model_dir / "config.json").read_text())["vocab_size"])
-        shape = {"layers": args.layers, "device": "cpu" if args.quick else "cuda"}
+        shape = {"layers": args.layers, "device": args.device}
         llm = make_llm(model_dir, args, snapshots=False)
         shape.update(served(llm))
         if not args.multi_turn_only:

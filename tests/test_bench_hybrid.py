@@ -2,6 +2,9 @@
 reuses the shared prefixes of the multi-turn workload."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from benchmarks import hybrid
@@ -26,15 +29,19 @@ def test_quick_run_reports_every_measurement() -> None:
         assert turn["computed_tokens"] == computed and turn["steps_to_first_token"] >= 1
 
 
-def test_multi_turn_only_runs_the_two_ttft_phases() -> None:
-    records = hybrid.main(["--quick", "--multi-turn-only", "--sessions", "1"])
+def test_multi_turn_only_runs_the_two_ttft_phases(tmp_path: Path) -> None:
+    records = hybrid.main(["--quick", "--multi-turn-only", "--sessions", "1", "--profile", str(tmp_path)])
     assert [(r["metric"], r["snapshots"]) for r in records] == [("multi_turn_ttft", False), ("multi_turn_ttft", True)]
-    assert [r["prefix_hit_tokens"] for r in records] == [0, 32]
+    assert [r["prefix_hit_tokens"] for r in records] == [0, 32]  # the profiled session's hits are not counted
+    for phase in ("plain", "snapshots"):  # the profiled second turn: its trace and its ops by self time
+        assert json.loads((tmp_path / f"multi_turn_{phase}.trace.json").read_text())["traceEvents"]
+        assert "Self CPU" in (tmp_path / f"multi_turn_{phase}.ops.txt").read_text()
 
 
-def test_the_warm_up_session_is_its_own_tokens() -> None:
+def test_the_untimed_sessions_have_their_own_tokens() -> None:
     args = hybrid.parse_args(["--quick"])
     turns = hybrid.make_prompts(args, 512).turns
-    first, tail = turns.warmup
-    assert len(first) == len(turns.firsts[0]) and len(tail) == len(turns.tails[0])
-    assert all(first[:16] != f[:16] for f in turns.firsts)  # no prefix of a timed session is cached by it
+    for first, tail in (turns.warmup, turns.probe):
+        assert len(first) == len(turns.firsts[0]) and len(tail) == len(turns.tails[0])
+        assert all(first[:16] != f[:16] for f in turns.firsts)  # no prefix of a timed session is cached by it
+    assert turns.warmup[0][:16] != turns.probe[0][:16]
