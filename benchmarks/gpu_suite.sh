@@ -25,6 +25,8 @@
 #   models    `python -m benchmarks.models` (gpt-oss-20b, Gemma-3-12B, then gpt-oss-20b with its experts kept in MXFP4:
 #             batch 1, throughput, KV per sequence)
 #   hybrid    `python -m benchmarks.hybrid` (the Qwen3-Next shape; fla-core from .whl, tools/device_wheels.sh WITH_FLA=1)
+#   hybrid-turns  its multi-turn rows alone (`--multi-turn-only`), each phase's extra second turn profiled into
+#             hybrid_profile/ (`--profile`: Chrome traces, ops by device time)
 #   peer-models  the peer on part models' workloads of gpt-oss-20b and Gemma-3-12B: `python -m benchmarks.models
 #             --write-configs` writes the model directories with their exact prompts, `python -m
 #             benchmarks.peer_models` runs them through vLLM under the kit's Python path (one process per model; a
@@ -51,8 +53,8 @@
 #   e.g. SERVE_MODEL=DIR SERVE_ARGS="--dtype float32" SERVE_LEVELS="1:2 2:4" SERVE_LENS=16:4 bash benchmarks/gpu_suite.sh serve
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ALL_PARTS=(b1 qwen tput8b serve peer-small peer-8b peer-serve gputests spec fp8 fp8tput models hybrid peer-models
-           peer-mxfp4 peer-hybrid coldstart)
+ALL_PARTS=(b1 qwen tput8b serve peer-small peer-8b peer-serve gputests spec fp8 fp8tput models hybrid hybrid-turns
+           peer-models peer-mxfp4 peer-hybrid coldstart)
 for p in "$@"; do  # every part named is checked before anything is installed or run
   [[ " ${ALL_PARTS[*]} summary all " == *" $p "* ]] \
     || { echo "gpu_suite: unknown part $p (${ALL_PARTS[*]} summary all)" >&2; exit 2; }
@@ -169,6 +171,8 @@ part() {
                --num-prompts "${NUM_PROMPTS:-1000}" --output-json "$out/fp8_tput.json" ;;
     models) timeout --kill-after=10 "$limit" "$py" -m benchmarks.models > "$out/models.jsonl" ;;
     hybrid) timeout --kill-after=10 "$limit" "$py" -m benchmarks.hybrid --output-json "$out/hybrid.json" ;;
+    hybrid-turns) timeout --kill-after=10 "$limit" "$py" -m benchmarks.hybrid --multi-turn-only \
+                    --profile "$out/hybrid_profile" --output-json "$out/hybrid_turns.json" ;;
     peer-models) peer_family peer_models benchmarks.models --only gpt-oss-20b --only gemma-3-12b ;;
     peer-mxfp4) peer_family peer_mxfp4 benchmarks.models --only gpt-oss-20b-mxfp4 ;;
     peer-hybrid) peer_family peer_hybrid benchmarks.hybrid ;;
