@@ -116,33 +116,50 @@ def measure_models(model_dir: Path, spec: dict[str, Any]) -> list[dict[str, Any]
 def first_token(llm: Any, prompt: list[int]) -> tuple[float, int]:
     """A one-token request alone on the engine: seconds from its submission to the token's arrival from
     LLMEngine.step, and the prompt tokens the prefix cache reused (ours: hybrid.session, offline.run_batch)."""
-    engine = llm.llm_engine
+    engine, rid = llm.llm_engine, f"mt-{time.monotonic_ns()}"
     start = time.perf_counter()
-    engine.add_request(f"mt-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params(1, delta=True))
+    engine.add_request(rid, {"prompt_token_ids": prompt}, params(1, delta=True))
     arrival, cached = None, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if arrival is None and out.outputs[0].token_ids:
-                arrival = time.perf_counter()
-            cached = getattr(out, "num_cached_tokens", None) or cached
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if arrival is None and out.outputs[0].token_ids:
+                    arrival = time.perf_counter()
+                cached = getattr(out, "num_cached_tokens", None) or cached
+    except Exception:
+        engine.abort_request([rid])  # a later generate must not run it too
+        raise
     if arrival is None:
         raise RuntimeError("the one-token request made no token")
     return arrival - start, cached
 
 
-def multi_turn(llm: Any, spec: dict[str, Any]) -> tuple[list[float], int]:
+def generate_ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
+    """first_token's figures from a one-token generate's wall time (where stepping the engine fails)."""
+    t = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], params(1), use_tqdm=False)[0]
+    return time.perf_counter() - t, out.num_cached_tokens or 0
+
+
+def multi_turn(llm: Any, spec: dict[str, Any]) -> tuple[list[float], int, str]:
     """The warm-up session untimed, then per session the first turn and the second (its prompt, its answer and the
-    new tokens) for one token: each second turn's time to first token in ms and the prefix-cache hits of the timed
-    sessions' requests (ours: hybrid.shared_prefix_ttft)."""
+    new tokens) for one token: each second turn's time to first token in ms, the prefix-cache hits of the timed
+    sessions' requests and the method (ours: hybrid.shared_prefix_ttft). Where stepping the engine fails in the
+    warm-up session, every second turn is a one-token generate's wall time, and the method says so."""
+    second, method = first_token, "token arrival times"
+
     def session(first: list[int], tail: list[int]) -> tuple[float, int]:
         out = llm.generate([{"prompt_token_ids": first}], params(spec["answer"]), use_tqdm=False)[0]
-        ttft, cached = first_token(llm, first + list(out.outputs[0].token_ids) + tail)
+        ttft, cached = second(llm, first + list(out.outputs[0].token_ids) + tail)
         return ttft * 1e3, (out.num_cached_tokens or 0) + cached
 
-    if "warmup" in spec:
+    try:
         session(*spec["warmup"])
+    except Exception as e:  # noqa: BLE001 - the record names what failed
+        second, method = generate_ttft, f"generate wall time (stepping failed: {type(e).__name__}: {e})"
+        session(*spec["warmup"])  # its first turn is cached now: a second warm-up of the fallback's path
     timed = [session(first, tail) for first, tail in zip(spec["firsts"], spec["tails"])]
-    return [t for t, _ in timed], sum(h for _, h in timed)
+    return [t for t, _ in timed], sum(h for _, h in timed), method
 
 
 def measure_hybrid(model_dir: Path, spec: dict[str, Any], phase: str) -> list[dict[str, Any]]:
@@ -162,12 +179,12 @@ def measure_hybrid(model_dir: Path, spec: dict[str, Any], phase: str) -> list[di
                         "num_prompts": tput["num_prompts"], "input_len": tput["input_len"],
                         "output_len": tput["output_len"], "wall_s": round(tput["seconds"], 2)})
     turns = spec["multi_turn"]
-    ttfts, hits = multi_turn(llm, turns)
+    ttfts, hits, method = multi_turn(llm, turns)
     records.append({**shape, "metric": "multi_turn_ttft", "snapshots": snapshots,
                     "mean_ttft_ms": round(statistics.mean(ttfts), 3),
                     "median_ttft_ms": round(statistics.median(ttfts), 3), "ttft_ms": [round(t, 3) for t in ttfts],
                     "turn_len": turns["turn_len"], "shared": turns["shared"], "sessions": len(turns["firsts"]),
-                    "warmup_sessions": int("warmup" in turns), "prefix_hit_tokens": hits,
+                    "warmup_sessions": 1, "ttft_method": method, "prefix_hit_tokens": hits,
                     "checkpoint_interval": cache.mamba_block_size if snapshots else None,
                     "mamba_cache_mode": cache.mamba_cache_mode})
     return records

@@ -16,7 +16,8 @@ log) instead of a failed run; one the time limit leaves out says so. Records, on
 - models: model, engine, settings, backend, device, cuda_graphs, kv_per_sequence, batch1_decode_ms_per_token,
   batch1_method, throughput (benchmarks/models.py's keys);
 - hybrid: metric batch1_decode / throughput / multi_turn_ttft (snapshots false, true) with layers, device,
-  gated_delta, decode_graphs (benchmarks/hybrid.py's keys).
+  gated_delta, decode_graphs (benchmarks/hybrid.py's keys); multi_turn_ttft adds ttft_method (token arrival
+  times, or a one-token generate's wall time where stepping the engine fails).
 """
 from __future__ import annotations
 

@@ -216,6 +216,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return self.left > 0
 
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.left = 0
+
     def step(self) -> list[Any]:
         if self.fails:
             raise RuntimeError("no stepping here")
@@ -281,6 +284,11 @@ def test_the_peer_hybrid_phases(tmp_path: Path, fake_vllm: None, monkeypatch: py
     for snapshots in (False, True):  # the warm-up session untimed, then each second turn's TTFT
         turn = by[("multi_turn_ttft", snapshots)]
         assert len(turn["ttft_ms"]) == turn["sessions"] == 2 and turn["warmup_sessions"] == 1
+        assert turn["ttft_method"] == "token arrival times"
+    monkeypatch.setattr(peer_measure, "make_llm", lambda d, e, **k: FakeLLM(prefix_caching=True, stream_fails=True))
+    (*_, fallback) = peer_measure.measure(tmp_path / "qwen3-next", "snapshots")
+    assert fallback["ttft_method"].startswith("generate wall time (stepping failed: RuntimeError")
+    assert len(fallback["ttft_ms"]) == 2 and fallback["prefix_hit_tokens"] >= 2 * 43
     assert by[("throughput", None)]["num_prompts"] == 4 and by[("batch1_decode", None)]["input_len"] == 24
 
 
