@@ -115,7 +115,7 @@ def measure_models(model_dir: Path, spec: dict[str, Any]) -> list[dict[str, Any]
 
 def first_token(llm: Any, prompt: list[int]) -> tuple[float, int]:
     """A one-token request alone on the engine: seconds from its submission to the token's arrival from
-    LLMEngine.step, and the prompt tokens the prefix cache reused (ours: hybrid.session, offline.run_batch)."""
+    LLMEngine.step, and the prompt tokens the prefix cache reused (ours: hybrid.second_turn, offline.run_batch)."""
     engine, rid = llm.llm_engine, f"mt-{time.monotonic_ns()}"
     start = time.perf_counter()
     engine.add_request(rid, {"prompt_token_ids": prompt}, params(1, delta=True))
@@ -157,7 +157,7 @@ def multi_turn(llm: Any, spec: dict[str, Any]) -> tuple[list[float], int, str]:
         session(*spec["warmup"])
     except Exception as e:  # noqa: BLE001 - the record names what failed
         second, method = generate_ttft, f"generate wall time (stepping failed: {type(e).__name__}: {e})"
-        session(*spec["warmup"])  # its first turn is cached now: a second warm-up of the fallback's path
+        session(*spec["warmup"])  # the warm-up again, through the fallback
     timed = [session(first, tail) for first, tail in zip(spec["firsts"], spec["tails"])]
     return [t for t, _ in timed], sum(h for _, h in timed), method
 
