@@ -9,6 +9,7 @@ Runs (dummy weights: drafts are never right, so the EAGLE-3 runs force the accep
 speculative.synthetic_acceptance_length; the drafter and the verify forward still run):
 - EAGLE-3 (a one-layer head of the published layout, 32k draft vocabulary), 3 draft tokens, batch 1,
   1024 in / 256 out, forced acceptance length 2.6 and 1 (every draft rejected), each against plain decoding;
+  the chain runs with scheduler.enable_overlap on (plain decoding has it on by default);
 - the same at batch 32 with 2.6;
 - an EAGLE-3 draft tree (eagle_topk 4, num_steps 3, num_draft_tokens 8: the best 7 of the search's candidates),
   forced acceptance length 2.6 along its longest path, batch 1 and 32 (trees run eagerly, without overlap);
@@ -176,9 +177,10 @@ def main(argv: list[str] | None = None) -> list[Run]:
     measure(plain, "plain code-edit b1", code_ids)
     free(plain)
 
+    # chains run with overlap on, as plain decoding does by default (trees refuse it)
     eagle = LLM(model=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
                 speculative_num_steps=3, speculative_enable_synthetic_acceptance=True,
-                speculative_synthetic_acceptance_length=2.6, **common)
+                speculative_synthetic_acceptance_length=2.6, enable_overlap_schedule=True, **common)
     measure(eagle, "eagle3 acc2.6 b1", one, "plain b1")
     measure(eagle, f"eagle3 acc2.6 b{big_batch}", many, f"plain b{big_batch}")
     spec = eagle.executor.runner.spec
