@@ -95,12 +95,13 @@ def test_decide_reads_flat_rows_and_sets_the_confirmed_lengths() -> None:
         decide(samples, VerifyBatch([0], [[1, 2, 3, 4]], [1], [0]), 3, Stager(torch.device("cpu")), None)
 
 
-def _count_device_decisions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
+def _count_device_decisions(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The temperature of every verification decided on the device, one entry each."""
+    calls: list[float] = []
     real = Speculator._verify_on_device
 
     def counted(self: Speculator, rows: Any, verify_at: Any, firsts: Any, out: Any) -> None:
-        calls.append(len(verify_at))
+        calls.extend(c.state.params.temperature for c, _, _ in verify_at)
         real(self, rows, verify_at, firsts, out)
 
     monkeypatch.setattr(Speculator, "_verify_on_device", counted)
@@ -194,6 +195,31 @@ def test_seeded_and_random_rows_reproduce(tiny_model: Path, drafters: dict[str, 
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
 
 
+@pytest.mark.parametrize("loop", [{}, OVERLAP])
+def test_device_sampler_rows_emit_what_they_emit_without_drafts(tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               loop: dict) -> None:
+    """Random unseeded rows with one-hot (n-gram) drafts, sampled by the counter-keyed `sample` op (its torch
+    reference stands in for the Triton one on the CPU) and decided on the device: every emitted token is the
+    target's own sample, keyed on the request's generated count, so the tokens equal plain decoding's."""
+    from appliance.kernels import registry
+
+    def with_device_sampler(llm: Any) -> Any:
+        llm.executor.runner.batch_sampler.gpu_op = registry.get("sample", "torch")
+        return llm
+
+    params = [SamplingParams(temperature=0.9, top_k=30, max_tokens=NEW, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_p=0.9, max_tokens=NEW, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True),
+              SamplingParams(temperature=1.0, min_p=0.05, max_tokens=NEW, ignore_eos=True)]
+    base = generate(with_device_sampler(make_llm(tiny_model)), params)
+    calls = _count_device_decisions(monkeypatch)
+    llm = with_device_sampler(make_llm(tiny_model, **spec_kwargs("NGRAM", None), **loop))
+    outs = generate(llm, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert max(calls) > 0 and llm.engine.stats().spec_num_drafts > 0  # random rows were decided on the device
+    assert len({tuple(o.token_ids) for o in base}) == len(base)
+
+
 @pytest.mark.parametrize("wrong", [4, 10**9])
 def test_mtp_decided_on_the_device(tiny_v3: Path, mtp_reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
                                    wrong: int) -> None:
@@ -212,8 +238,9 @@ def test_mtp_decided_on_the_device(tiny_v3: Path, mtp_reference: dict[str, Any],
 def test_gpu_device_verification_matches_the_host_verifier(tiny_model: Path, drafters: dict[str, Path],
                                                            monkeypatch: pytest.MonkeyPatch, loop: dict) -> None:
     """On a GPU, with the verify, catch-up and draft graphs: greedy rows decided on the device give the host
-    verifier's tokens, with real drafts and with a forced acceptance of 1 and of 3.6; unseeded random rows (the
-    GPU sampler, its noise keyed on each request's generated count) give what they give without speculation."""
+    verifier's tokens, with real drafts and with a forced acceptance of 1 and of 3.6; unseeded random rows with
+    n-gram drafts (the Triton sampler, its noise keyed on each request's generated count) give what they give
+    without speculation."""
     torch.backends.cuda.matmul.allow_tf32 = False
     kw = {**_setup("EAGLE3", tiny_model, drafters), **loop}
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -226,11 +253,12 @@ def test_gpu_device_verification_matches_the_host_verifier(tiny_model: Path, dra
             calls = _count_device_decisions(m)
             outs = generate(gpu_llm(tiny_model, **kw, **extra), greedy)
         assert calls and [o.token_ids for o in outs] == [h.token_ids for h in host]
+    # one-hot drafts (n-gram) of random unseeded rows: the Triton sampler's rows, decided on the device
     sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=NEW, ignore_eos=True)
     base = generate(gpu_llm(tiny_model), sampled)
     calls = _count_device_decisions(monkeypatch)
-    outs = generate(gpu_llm(tiny_model, **kw), sampled)
-    assert calls and [o.token_ids for o in outs] == [b.token_ids for b in base]
+    outs = generate(gpu_llm(tiny_model, **spec_kwargs("NGRAM", None), **loop), sampled)
+    assert calls and max(calls) > 0 and [o.token_ids for o in outs] == [b.token_ids for b in base]
 
 
 def test_device_verification_layout_is_fixed() -> None:
