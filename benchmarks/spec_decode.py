@@ -106,15 +106,16 @@ def timed(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, 
     return seconds, sum(len(o.outputs[0].token_ids) for o in outs), (1 + accepted / n) if n else None
 
 
-def free(llm: LLM) -> None:
-    llm.shutdown()
-    del llm
+def release() -> None:
+    """After the caller shut its engine down and dropped every name for it: collect it and return its memory.
+    (A name still bound to the engine, or to anything of its runner's, keeps the weights and the KV cache.)"""
     gc.collect()
     try:
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            print(f"released: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated", flush=True)
     except ImportError:
         pass
 
@@ -175,7 +176,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
     measure(plain, "plain b1", one)
     measure(plain, f"plain b{big_batch}", many)
     measure(plain, "plain code-edit b1", code_ids)
-    free(plain)
+    plain.shutdown()
+    del plain
+    release()
 
     # chains run with overlap on, as plain decoding does by default (trees refuse it)
     eagle = LLM(model=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
@@ -187,7 +190,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
     assert spec is not None and spec.forced is not None
     spec.forced.length = 1.0  # the same engine, every draft rejected (the decision is all that changes)
     measure(eagle, "eagle3 acc1 b1", one, "plain b1")
-    free(eagle)
+    eagle.shutdown()
+    del eagle, spec
+    release()
 
     # a draft tree beside the chains: top 4 per step over 3 steps, the best 7 nodes verified with the root (eager)
     tree = LLM(model=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
@@ -195,14 +200,18 @@ def main(argv: list[str] | None = None) -> list[Run]:
                speculative_enable_synthetic_acceptance=True, speculative_synthetic_acceptance_length=2.6, **common)
     measure(tree, "eagle3 tree k4 n8 acc2.6 b1", one, "plain b1")
     measure(tree, f"eagle3 tree k4 n8 acc2.6 b{big_batch}", many, f"plain b{big_batch}")
-    free(tree)
+    tree.shutdown()
+    del tree
+    release()
 
     for proposer, name in (("host", "ngram code-edit b1 (dummy weights)"),
                            ("device", "ngram on the device code-edit b1 (dummy weights)"))[: 0 if a.eagle_only else 2]:
         ngram = LLM(model=str(target), speculative_algorithm="NGRAM", speculative_num_steps=3,
                     speculative_ngram_proposer=proposer, **common)
         measure(ngram, name, code_ids, "plain code-edit b1")
-        free(ngram)
+        ngram.shutdown()
+        del ngram
+        release()
     if not a.eagle_only:
         code_runs(runs, quick, output_len)
     print_table(runs)
@@ -230,7 +239,9 @@ def code_runs(runs: list[Run], quick: bool, output_len: int) -> None:
             run.speedup = run.tok_s / runs[-1].tok_s
         runs.append(run)
         print(report_line(run), flush=True)
-        free(llm)
+        llm.shutdown()
+        del llm
+        release()
 
 
 def report_line(r: Run) -> str:
