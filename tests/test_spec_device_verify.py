@@ -266,6 +266,10 @@ def test_device_verification_layout_is_fixed() -> None:
     stager = Stager(torch.device("cpu"))
     a = VerifyBatch([0, 2], [[1], []], [1, 2], [0, 0]).upload(3, stager)
     b = VerifyBatch([0, 4], [[1, 2, 3], [4]], [1, 2], [0, 0]).upload(3, stager)
-    assert [tuple(t.shape) for t in a[:5]] == [tuple(t.shape) for t in b[:5]] == [(2, 4), (2, 3), (2,), (2,), (2,)]
-    assert a[0].tolist() == [[0, 1, 1, 1], [2, 2, 2, 2]]  # columns past the bonus row repeat it
-    assert np.array_equal(b[1].numpy(), [[1, 2, 3], [4, 0, 0]])
+
+    def shapes(u: Any) -> list[tuple[int, ...]]:
+        return [tuple(t.shape) for t in (u.index, u.drafts, u.held, u.table_rows, u.starts)]
+
+    assert shapes(a) == shapes(b) == [(2, 4), (2, 3), (2,), (2,), (2,)] and a.forced is None
+    assert a.index.tolist() == [[0, 1, 1, 1], [2, 2, 2, 2]]  # columns past the bonus row repeat it
+    assert np.array_equal(b.drafts.numpy(), [[1, 2, 3], [4, 0, 0]]) and b.held.tolist() == [3, 1]

@@ -50,6 +50,18 @@ def accept(samples: torch.Tensor, drafts: torch.Tensor, held: torch.Tensor,
 
 
 @dataclass(frozen=True)
+class Uploaded:
+    """A VerifyBatch on the device (one staged upload)."""
+
+    index: torch.Tensor  # [B, K + 1]: each column's row in the step's flat samples (past the bonus row: it again)
+    drafts: torch.Tensor  # [B, K]: 0 past the held count
+    held: torch.Tensor  # [B]
+    table_rows: torch.Tensor  # [B]
+    starts: torch.Tensor  # [B]
+    forced: torch.Tensor | None  # [B], or None
+
+
+@dataclass(frozen=True)
 class VerifyBatch:
     """Verifications to decide on the device, as the host knows them: each request's first row in the step's
     flat samples, its drafts (d of them), the table row and start of its chunk."""
@@ -60,11 +72,7 @@ class VerifyBatch:
     starts: list[int]
     forced: list[int] | None = None  # drafts kept per request (benchmarks), else None
 
-    def upload(self, num_steps: int, stager: Stager) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                              torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One staged upload: the gather index [B, K + 1] into the flat samples (columns past a request's
-        bonus row repeat it), drafts [B, K] (0 past the held count), held [B], table rows [B], starts [B]
-        and forced [B] (or None)."""
+    def upload(self, num_steps: int, stager: Stager) -> Uploaded:
         b, k = len(self.drafts), num_steps
         index = np.zeros((b, k + 1), dtype=np.int64)
         drafts = np.zeros((b, k), dtype=np.int64)
@@ -79,8 +87,8 @@ class VerifyBatch:
         sent = stager.send(flat)
         at = b * (2 * k + 1)
         rest = sent[at:].view(-1, b)
-        return (sent[: b * (k + 1)].view(b, k + 1), sent[b * (k + 1) : at].view(b, k), rest[0], rest[1], rest[2],
-                rest[3] if self.forced is not None else None)
+        return Uploaded(sent[: b * (k + 1)].view(b, k + 1), sent[b * (k + 1) : at].view(b, k), rest[0], rest[1],
+                        rest[2], rest[3] if self.forced is not None else None)
 
 
 def decide(samples: torch.Tensor, batch: VerifyBatch, num_steps: int, stager: Stager,
@@ -90,10 +98,10 @@ def decide(samples: torch.Tensor, batch: VerifyBatch, num_steps: int, stager: St
     confirmed end. The host waits once, for counts and tokens together."""
     if not batch.drafts:
         return []
-    index, drafts, held, rows, starts, forced = batch.upload(num_steps, stager)
-    verdict = accept(samples[index.reshape(-1)].view(index.shape), drafts, held, forced)
+    up = batch.upload(num_steps, stager)
+    verdict = accept(samples[up.index.reshape(-1)].view(up.index.shape), up.drafts, up.held, up.forced)
     if lens is not None:
-        lens.index_copy_(0, rows, starts + verdict.counts)
+        lens.index_copy_(0, up.table_rows, up.starts + verdict.counts)
     host = torch.cat([verdict.counts, verdict.tokens.reshape(-1)]).tolist()
     b, width = len(batch.drafts), num_steps + 1
     return [host[b + i * width : b + i * width + host[i]] for i in range(b)]
