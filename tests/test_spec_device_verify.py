@@ -27,6 +27,7 @@ from spec_fixtures import (
 )
 
 from appliance import SamplingParams
+from appliance.executor import speculative
 from appliance.executor.device_verification import VerifyBatch, accept, decide
 from appliance.executor.input_batch import Stager
 from appliance.executor.speculative import Speculator
@@ -98,13 +99,13 @@ def test_decide_reads_flat_rows_and_sets_the_confirmed_lengths() -> None:
 def _count_device_decisions(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The temperature of every verification decided on the device, one entry each."""
     calls: list[float] = []
-    real = Speculator._verify_on_device
+    real = speculative.verify_on_device
 
-    def counted(self: Speculator, rows: Any, verify_at: Any, firsts: Any, out: Any) -> None:
-        calls.extend(c.state.params.temperature for c, _, _ in verify_at)
-        real(self, rows, verify_at, firsts, out)
+    def counted(sampler: Any, rows: Any, verifications: list[tuple[Any, int]], *rest: Any) -> list[list[int]]:
+        calls.extend(c.state.params.temperature for c, _ in verifications)
+        return real(sampler, rows, verifications, *rest)
 
-    monkeypatch.setattr(Speculator, "_verify_on_device", counted)
+    monkeypatch.setattr(speculative, "verify_on_device", counted)
     return calls
 
 

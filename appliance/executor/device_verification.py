@@ -14,11 +14,17 @@ confirmed end in the same launches (request_table.py's `lens`), and the host rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from appliance.executor.input_batch import Stager
+from appliance.executor.input_batch import Chunk, Stager
+from appliance.executor.speculative_verification import verification_rows
+
+if TYPE_CHECKING:
+    from appliance.executor.batch_sampler import BatchSampler
+    from appliance.executor.speculative_forced import ForcedAcceptance
 
 
 @dataclass(frozen=True)
@@ -105,3 +111,23 @@ def decide(samples: torch.Tensor, batch: VerifyBatch, num_steps: int, stager: St
     host = torch.cat([verdict.counts, verdict.tokens.reshape(-1)]).tolist()
     b, width = len(batch.drafts), num_steps + 1
     return [host[b + i * width : b + i * width + host[i]] for i in range(b)]
+
+
+def verify_on_device(sampler: BatchSampler, rows: torch.Tensor, verifications: list[tuple[Chunk, int]],
+                     num_steps: int, forced: ForcedAcceptance | None, stager: Stager, lens: torch.Tensor
+                     ) -> list[list[int]]:
+    """The tokens each (chunk, d) verification emits. `rows`: their logits, d + 1 rows each in order, every row
+    taking a device path of `sampler` (BatchSampler.on_device); each state's token_ids ends with its d drafts.
+    Afterwards it ends with the kept tokens, and the device length and its mirror are the confirmed end."""
+    samples = sampler.sample_on_device(rows, [row for c, d in verifications for row in verification_rows(c.state, d)])
+    firsts = np.cumsum([0] + [d + 1 for _, d in verifications]).tolist()[:-1]
+    drafts = [c.state.token_ids[len(c.state.token_ids) - d:] for c, d in verifications]
+    kept = [forced.accepted(d) for _, d in verifications] if forced is not None else None
+    batch = VerifyBatch(firsts, drafts, [c.state.table_row for c, _ in verifications],
+                        [c.start for c, _ in verifications], kept)
+    emitted = decide(samples, batch, num_steps, stager, lens)
+    for (c, d), tokens in zip(verifications, emitted):
+        del c.state.token_ids[len(c.state.token_ids) - d:]
+        c.state.token_ids.extend(tokens)
+        c.state.pos_on_device = c.start + len(tokens)
+    return emitted

@@ -38,7 +38,7 @@ import torch
 
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
 from appliance.executor import logits_processors, state_cache
-from appliance.executor.device_verification import VerifyBatch, decide
+from appliance.executor.device_verification import verify_on_device
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.sampler import SampleResult, prompt_logprobs
 from appliance.executor.speculative_drafts import Drafting
@@ -330,16 +330,23 @@ class Speculator(Drafting):
         rows = self._rows_of(logits, [i + j for _, i, d in verify_at for j in range(d + 1)])
         firsts = np.cumsum([0] + [d + 1 for _, _, d in verify_at]).tolist()
         on_device = [k for k, (c, _, d) in enumerate(verify_at) if self._decided_on_device(c.state, d)]
+        host = [k for k in range(len(verify_at)) if k not in set(on_device)]
+
+        def rows_of(group: list[int]) -> torch.Tensor:
+            if len(group) == len(verify_at):
+                return rows
+            index = [firsts[k] + j for k in group for j in range(verify_at[k][2] + 1)]
+            return rows[self._index_stager.send(np.asarray(index, dtype=np.int64))]
+
         if on_device:
-            self._verify_on_device(rows, [verify_at[k] for k in on_device], [firsts[k] for k in on_device], out)
-        if len(on_device) == len(verify_at):
-            return
-        kept = set(on_device)
-        host = [k for k in range(len(verify_at)) if k not in kept]
-        if on_device:
-            index = [firsts[k] + j for k in host for j in range(verify_at[k][2] + 1)]
-            rows = rows[self._index_stager.send(np.asarray(index, dtype=np.int64))]
-        self._verify_on_host(rows, [verify_at[k] for k in host], out)
+            chosen = [verify_at[k] for k in on_device]
+            emitted = verify_on_device(self.runner.batch_sampler, rows_of(on_device), [(c, d) for c, _, d in chosen],
+                                       self.num_steps, self.forced, self._verdict_stager, self.runner.block_table.lens)
+            for (c, _, _), tokens in zip(chosen, emitted):
+                out.sampled += [SampledToken(c.state.request_id, t) for t in tokens]
+                out.emitted[c.state.request_id] = len(tokens)
+        if host:
+            self._verify_on_host(rows_of(host), [verify_at[k] for k in host], out)
 
     def _decided_on_device(self, state: RequestState, d: int) -> bool:
         if logits_processors.wants_processors(state.params.extra):
@@ -347,27 +354,6 @@ class Speculator(Drafting):
         if self.forced is None and self.draft_probs.get(state.request_id) is not None:
             return False  # drafts drawn from q: rejection sampling against p (speculative_rejection.py)
         return self.runner.batch_sampler.on_device(verification_rows(state, d))
-
-    def _verify_on_device(self, rows: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], firsts: list[int],
-                          out: _Scored) -> None:
-        states = [c.state for c, _, _ in verify_at]
-        vrows = [row for st, (_, _, d) in zip(states, verify_at) for row in verification_rows(st, d)]
-        index = [f + j for f, (_, _, d) in zip(firsts, verify_at) for j in range(d + 1)]
-        sub = rows if index == list(range(rows.shape[0])) else rows[
-            self._index_stager.send(np.asarray(index, dtype=np.int64))]
-        samples = self.runner.batch_sampler.sample_on_device(sub, vrows)
-        local = np.cumsum([0] + [d + 1 for _, _, d in verify_at]).tolist()[:-1]
-        drafts = [st.token_ids[len(st.token_ids) - d:] for st, (_, _, d) in zip(states, verify_at)]
-        forced = [self.forced.accepted(d) for _, _, d in verify_at] if self.forced is not None else None
-        batch = VerifyBatch(local, drafts, [st.table_row for st in states], [c.start for c, _, _ in verify_at], forced)
-        emitted = decide(samples, batch, self.num_steps, self._verdict_stager, self.runner.block_table.lens)
-        for (c, _, d), tokens in zip(verify_at, emitted):
-            st = c.state
-            del st.token_ids[len(st.token_ids) - d:]
-            st.token_ids.extend(tokens)
-            st.pos_on_device = c.start + len(tokens)  # decide() set the device length to the confirmed end
-            out.sampled += [SampledToken(st.request_id, t) for t in tokens]
-            out.emitted[st.request_id] = len(tokens)
 
     def _verify_on_host(self, rows: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
         first = 0
