@@ -122,9 +122,26 @@ def release() -> None:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-            print(f"released: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated", flush=True)
+            held = torch.cuda.memory_allocated() / 2**30
+            print(f"released: {held:.2f} GiB still allocated", flush=True)
+            if held > 1.0:
+                print_holders()
     except ImportError:
         pass
+
+
+def print_holders() -> None:
+    """What keeps an engine's memory after its release: the live models (nn.Modules with no parent left) and the
+    types of what refers to each."""
+    from torch import nn
+
+    modules = [o for o in gc.get_objects() if isinstance(o, nn.Module)]
+    children = {id(c) for m in modules for c in m.children()}
+    for m in (m for m in modules if id(m) not in children):
+        size = sum(p.numel() * p.element_size() for p in m.parameters()) / 2**30
+        if size > 0.1:
+            holders = sorted({type(r).__qualname__ for r in gc.get_referrers(m)} - {"list"})
+            print(f"  held: {type(m).__qualname__} ({size:.2f} GiB of parameters), referred to by {holders}", flush=True)
 
 
 def guarded(what: str, build: Callable[[], LLM], body: Callable[[LLM], None]) -> None:
