@@ -1,7 +1,8 @@
 """Qwen3-Next (Gated DeltaNet + gated full attention + MoE with a shared expert) and Qwen3.5 (dense, MoE): greedy
 tokens and logprobs equal transformers' under batching, chunked prefill (prompts longer than one chunk carry the
 recurrent state across chunks) and preemption by recompute; the state cache's slots follow the requests (aborts, preemption) and are
-counted in the memory plan. CPU, float32, a tiny random-weight model with both layer kinds."""
+counted in the memory plan. CPU, float32, a tiny random-weight model with both layer kinds; on a GPU, second turns that
+restore a state snapshot equal the same turns recomputed."""
 from __future__ import annotations
 
 import pytest
@@ -97,6 +98,34 @@ def test_prefix_hit_restores_a_state_snapshot(hybrid_model, hf_greedy):
         # prompt, 48 of the second; the third adds none
         assert len(snaps) == (1 if slots == 1 else 4)
         assert llm.engine.check_accounting().ok
+
+
+@pytest.mark.gpu
+def test_snapshot_turns_equal_recomputed_turns_on_gpu(hybrid_model):
+    """On a GPU (fla's kernels where installed: one upload of a step's offsets, slots and fresh flags for every
+    layer): second turns that restore a snapshot and prefill the rest in 64-token chunks make the greedy tokens of
+    the same turns recomputed from the start without prefix caching (the same chunk boundaries, so the same sums)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    firsts = [list(range(3, 3 + 150)) * 2, [7, 8, 9, 10] * 70]  # 300 and 280 tokens
+    tails = [[200 + i for i in range(30)], [250 + i for i in range(20)]]
+    runs = []
+    for snapshots in (False, True):
+        extra = {"enable_prefix_caching": True, "ssm_checkpoint_interval": 64} if snapshots else {}
+        llm = LLM(model=str(hybrid_model), dtype="bfloat16", block_size=16, chunked_prefill_size=64,
+                  max_total_tokens=8192, skip_tokenizer_init=True, **extra)
+        turns = []
+        for first, tail in zip(firsts, tails):  # one session at a time, as the benchmark runs them
+            out = llm.generate([{"prompt_token_ids": first}], greedy_params())[0]
+            again = llm.generate([{"prompt_token_ids": first + out.outputs[0].token_ids + tail}], greedy_params())[0]
+            turns.append((out.outputs[0].token_ids, again.outputs[0].token_ids, again.num_cached_tokens))
+        runs.append(turns)
+        del llm
+    plain, snap = runs
+    assert [t[:2] for t in snap] == [t[:2] for t in plain]
+    assert [t[2] for t in plain] == [0, 0] and [t[2] for t in snap] == [256, 256]  # the last checkpoint: 256
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
