@@ -1,8 +1,8 @@
 """Qwen3-Next (Gated DeltaNet + gated full attention + MoE with a shared expert) and Qwen3.5 (dense, MoE): greedy
 tokens and logprobs equal transformers' under batching, chunked prefill (prompts longer than one chunk carry the
-recurrent state across chunks) and preemption by recompute; the state cache's slots follow the requests (aborts, preemption) and are
-counted in the memory plan. CPU, float32, a tiny random-weight model with both layer kinds; on a GPU, second turns that
-restore a state snapshot equal the same turns recomputed."""
+recurrent state across chunks) and preemption by recompute; the state cache's slots follow the requests (aborts,
+preemption) and are counted in the memory plan. CPU, float32, a tiny random-weight model with both layer kinds; on a
+GPU, second turns that restore a state snapshot equal the same turns recomputed."""
 from __future__ import annotations
 
 import pytest
