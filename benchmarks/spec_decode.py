@@ -212,13 +212,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
         # first uses outside the timing, and every prompt into the prefix cache: the timed call is the decode
         llm.generate(prompts, warm, use_tqdm=False)
         seconds, tokens, mal = timed(llm, prompts, greedy)
-        run = Run(name, len(prompts), tokens, seconds, mal, baseline)
-        base = next((r for r in runs if r.name == baseline), None)
-        if base is not None:
-            run.speedup = run.tok_s / base.tok_s
-        runs.append(run)
-        print(report_line(run), flush=True)
-        return run
+        return record(runs, Run(name, len(prompts), tokens, seconds, mal, baseline))
 
     def plain_runs(llm: LLM) -> None:
         measure(llm, "plain b1", one)
@@ -297,18 +291,23 @@ def code_runs(runs: list[Run], quick: bool, output_len: int) -> None:
         def body(llm: LLM) -> None:
             llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
             seconds, tokens, mal = timed(llm, prompt, params)
-            run = Run(name, 1, tokens, seconds, mal, baseline)
-            base = next((r for r in runs if r.name == baseline), None)
-            if base is not None:
-                run.speedup = run.tok_s / base.tok_s
-            runs.append(run)
-            print(report_line(run), flush=True)
+            record(runs, Run(name, 1, tokens, seconds, mal, baseline))
         return body
 
     guarded("plain code-edit default model", lambda: LLM(**kw), one_run("plain code-edit default model", None))
     guarded("ngram code-edit default model",
             lambda: LLM(**kw, speculative_algorithm="NGRAM", speculative_num_steps=3),
             one_run("ngram code-edit default model", "plain code-edit default model"))
+
+
+def record(runs: list[Run], run: Run) -> Run:
+    """The run, its speed-up over its baseline where that ran, added to the runs and printed."""
+    base = next((r for r in runs if r.name == run.baseline), None)
+    if base is not None:
+        run.speedup = run.tok_s / base.tok_s
+    runs.append(run)
+    print(report_line(run), flush=True)
+    return run
 
 
 def report_line(r: Run) -> str:
