@@ -15,17 +15,17 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede triton's first import; this process is the tool's
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import tempfile  # noqa: E402
-from collections import Counter  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # a tiny size of each family's layer structure: six layers (Gemma: five sliding to one global)
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,

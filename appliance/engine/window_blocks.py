@@ -112,7 +112,8 @@ class WindowBlocks:
         tables = []
         for pool, (lo, group_hits) in zip(self.pools, hits):
             fresh = pool.allocate(self._blocks_for(end) - num_hit_blocks)
-            tables.append(WindowTable([NULL_BLOCK] * lo + group_hits + fresh, lo, num_hit_blocks))  # type: ignore[operator]
+            table = [NULL_BLOCK] * lo + group_hits + fresh  # type: ignore[operator]
+            tables.append(WindowTable(table, lo, num_hit_blocks))
         self.tables[req.request_id] = tables
         return [t.block_ids for t in tables]
 
