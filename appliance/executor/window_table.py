@@ -92,11 +92,12 @@ class WindowDeviceTables:
         """Each group's addresses for one-token rows, computed on the device (capturable: no host sync): the rows'
         tables narrowed to `width` and the slots of their positions; a row whose full-group slot is -1 (padding)
         stores nothing in any group."""
-        out = []
-        for g in range(self.groups):
-            tables = self.table[g, :, :width].index_select(0, rows)
-            out.append(WindowTables(_slots(tables, positions, slots, block_size), tables, self._no_prefill))
-        return tuple(out)
+        # every group at once: a model of many groups (Gemma 3's five of eight layers) launches what one does
+        tables = self.table[:, :, :width].index_select(1, rows)  # [groups, rows, width]
+        column = torch.div(positions, block_size, rounding_mode="floor").view(1, -1, 1).expand(self.groups, -1, 1)
+        group_slots = tables.gather(2, column).squeeze(2).to(torch.int64) * block_size + positions % block_size
+        group_slots = torch.where(slots >= 0, group_slots, slots)
+        return tuple(WindowTables(group_slots[g], tables[g], self._no_prefill) for g in range(self.groups))
 
     def step_windows(self, decodes: list[Chunk], prefills: list[Chunk], decode_rows: torch.Tensor,
                      prefill_rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, decode_width: int,
