@@ -175,3 +175,22 @@ def test_random_workloads_with_a_window_group(cfg: dict, ops: list, window: int,
     stats = core.stats()
     assert stats.blocks_owned == 0 and stats.blocks_free + stats.blocks_cached == stats.blocks_total
     assert_each_generates_what_it_generates_alone(ex, run)
+
+
+@pytest.mark.parametrize("num_blocks", [60, 80])
+def test_shared_pool_admission_leaves_room_for_the_sliding_tables_growth(num_blocks: int) -> None:
+    """With the output reservation on (schedule_conservativeness 1, ignore_eos outputs reserved whole), a shared
+    pool also keeps room for the sliding tables' growth up to their window (WindowBlocks.room): three groups of
+    a 6-token window beside the full one, prompts shorter and longer than the window, and no request is
+    preempted (without that room, these pools preempt 5 and 1 times)."""
+    core, ex = make_core((6, 6, 6), (0, 0, 0), chunked_prefill_size=8, num_blocks=num_blocks,
+                         schedule_conservativeness=1.0)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ps = prompts(1)
+    for rid, p in ps.items():
+        core.add_request(rid, p, params)
+    out = drain(core)
+    for rid, p in ps.items():
+        want, _ = reference_generation(ex.next_token, p, 40, MAX_LEN, frozenset({EOS}), ignore_eos=True)
+        assert out[rid] == want, rid
+    assert core.stats().num_preemptions == 0

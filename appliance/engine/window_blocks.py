@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from appliance.engine.block_pool import AccountingReport, BlockPool
-from appliance.engine.kv_groups import NULL_BLOCK, KVGroup, first_live_block, release_outside_window, sliding_hit
+from appliance.engine.kv_groups import (
+    NULL_BLOCK,
+    KVGroup,
+    first_live_block,
+    max_blocks_held,
+    release_outside_window,
+    sliding_hit,
+)
 from appliance.engine.prefix_cache import PrefixCache
 from appliance.engine.request import Request
 
@@ -124,6 +131,19 @@ class WindowBlocks:
         if self.shared is not None:
             return need * (len(self.groups) + 1) <= self.shared.num_available
         return all(need <= pool.num_available for pool in self.pools)
+
+    def room(self, running: Sequence[Request], req: Request, end: int) -> int:
+        """Blocks of a shared pool the sliding groups need for `req` admitted up to token `end` and then for every
+        request's growth: a group's table grows with its request until it holds the window's blocks or the
+        request's last token's (what the output reservation, admission.py, counts in the full group alone)."""
+        peak = [max_blocks_held(w, self.block_size) for w in self.windows]
+        total = 0
+        for r in running:
+            last = self._blocks_for(r.num_prompt_tokens + r.max_output_tokens)
+            for p, t in zip(peak, self.tables.get(r.request_id, ())):
+                total += max(0, min(last, p) - (len(t.block_ids) - t.released))
+        last = self._blocks_for(req.num_prompt_tokens + req.max_output_tokens)
+        return total + sum(max(min(last, p), self._blocks_for(end)) for p in peak)
 
     def take(self, req: Request, need: int) -> list[list[int]]:
         """Append `need` fresh blocks to each of the request's tables; returns each group's new ids."""
