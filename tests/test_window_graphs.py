@@ -289,9 +289,10 @@ def test_window_graphs_match_eager_on_gpu(family: str, tmp_path: Path, tiny_toke
               skip_tokenizer_init=True)
     runner = llm.executor.runner
     assert runner.graphs is not None and runner.graphs.windows is runner.window_table is not None
-    assert runner.kv_layout.window_sizes == (WINDOW,)
+    groups = {"gemma3": 2, "gpt_oss": 1}[family]  # sliding groups of the full group's size, sharing its pool
+    assert runner.kv_layout.window_sizes == (WINDOW,) * groups and runner.kv_layout.shared
     if family == "gemma3":  # gpt-oss declares no pieces
-        assert runner.pieces is not None and len(runner.pieces.window_slots) == 1 and runner.pieces.pieces
+        assert runner.pieces is not None and len(runner.pieces.window_slots) == groups and runner.pieces.pieces
     prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21, [3] * 300]  # four rows: a capture size
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     with_graphs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
