@@ -10,9 +10,10 @@ Sections:
 - throughput: Llama-3.1-8B, FP8 weights + FP8 KV, N x 1024 in / 1024 out, ignore_eos: output tokens/s.
 - batch1: the same engine, one request of 1024 in / 256 out alone: ms per output token.
 - capacity: KV blocks at the same gpu_memory_utilization, FP8 KV against the 16-bit KV (same FP8 weights).
-- gemv: Llama-3.1-8B's projections at one row: the Triton FP8 GEMV (the decode-batch path of scaled_linear)
-  against the activation quantization + cuBLASLt scaled GEMM it replaces, microseconds each (--quick: the torch
-  reference on tiny shapes).
+- gemv: Llama-3.1-8B's projections at one row: the Triton FP8 GEMV (the decode-batch path of scaled_linear;
+  `triton_gemv` its default, x quantized ahead; `triton_gemv_in_kernel` quantizing inside) against the activation
+  quantization + cuBLASLt scaled GEMM it replaces, and the 16-bit GEMV on the same weight in bf16 (twice the
+  bytes), microseconds each (--quick: the torch reference on tiny shapes).
 - qwen3: Qwen3-0.6B shape, 256 requests of input and output lengths uniform in [100, 1024], FP8 KV against 16-bit
   KV (16-bit weights): output tokens/s of each and the ratio.
 Prints one JSON object per section and, with --output-json, writes them all.
@@ -25,6 +26,7 @@ import json
 import random
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +136,15 @@ def _gemv_paths(x: Any, wq: Any, scale: Any, quick: bool) -> dict[str, Any]:
         xq, xs = quant_act(x, None)
         return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
 
-    return {"triton_gemv": lambda: triton_fp8_gemv(x, wq, scale, None), "cublaslt": cublas}
+    from appliance.kernels.triton.fp8_gemv import config_for
+    from appliance.kernels.triton.gemv import gemv
+
+    n, k = wq.shape
+    in_kernel = replace(config_for(n, k), quantize="in_kernel")
+    w16 = (wq.to(x.dtype) * scale[:, None].to(x.dtype)).contiguous()
+    return {"triton_gemv": lambda: triton_fp8_gemv(x, wq, scale, None),
+            "triton_gemv_in_kernel": lambda: triton_fp8_gemv(x, wq, scale, None, config=in_kernel),
+            "cublaslt": cublas, "bf16_weight_gemv": lambda: gemv(x, w16)}
 
 
 def gemv_times(quick: bool) -> dict[str, Any]:

@@ -9,6 +9,7 @@ Runs (dummy weights: drafts are never right, so the EAGLE-3 runs force the accep
 speculative.synthetic_acceptance_length; the drafter and the verify forward still run):
 - EAGLE-3 (a one-layer head of the published layout, 32k draft vocabulary), 3 draft tokens, batch 1,
   1024 in / 256 out, forced acceptance length 2.6 and 1 (every draft rejected), each against plain decoding;
+  the chain runs with scheduler.enable_overlap on (plain decoding has it on by default);
 - the same at batch 32 with 2.6;
 - an EAGLE-3 draft tree (eagle_topk 4, num_steps 3, num_draft_tokens 8: the best 7 of the search's candidates),
   forced acceptance length 2.6 along its longest path, batch 1 and 32 (trees run eagerly, without overlap);
@@ -29,6 +30,8 @@ import gc
 import json
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -105,17 +108,35 @@ def timed(llm: LLM, prompts: list[Any], params: SamplingParams) -> tuple[float, 
     return seconds, sum(len(o.outputs[0].token_ids) for o in outs), (1 + accepted / n) if n else None
 
 
-def free(llm: LLM) -> None:
-    llm.shutdown()
-    del llm
+def release() -> None:
+    """After the caller shut its engine down and dropped every name for it: collect it and return its memory.
+    (A name still bound to the engine, or to anything of its runner's, keeps the weights and the KV cache.)"""
     gc.collect()
     try:
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            print(f"released: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated", flush=True)
     except ImportError:
         pass
+
+
+def guarded(what: str, build: Callable[[], LLM], body: Callable[[LLM], None]) -> None:
+    """Build an engine, run its measurements, shut it down and release it. A failure is printed and the next
+    engine runs: one engine's error (or its memory) does not cost the rows after it."""
+    llm = None
+    try:
+        llm = build()
+        body(llm)
+    except Exception:  # noqa: BLE001 - reported, and the remaining runs go on
+        traceback.print_exc()
+        print(f"{what}: failed (traceback above); the remaining runs go on", flush=True)
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        llm = None
+        release()
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
@@ -163,46 +184,45 @@ def main(argv: list[str] | None = None) -> list[Run]:
         llm.generate(prompts, warm, use_tqdm=False)
         seconds, tokens, mal = timed(llm, prompts, greedy)
         run = Run(name, len(prompts), tokens, seconds, mal, baseline)
-        if baseline is not None:
-            base = next(r for r in runs if r.name == baseline)
+        base = next((r for r in runs if r.name == baseline), None)
+        if base is not None:
             run.speedup = run.tok_s / base.tok_s
         runs.append(run)
         print(report_line(run), flush=True)
         return run
 
-    plain = LLM(model=str(target), **common)
-    measure(plain, "plain b1", one)
-    measure(plain, f"plain b{big_batch}", many)
-    measure(plain, "plain code-edit b1", code_ids)
-    free(plain)
+    def plain_runs(llm: LLM) -> None:
+        measure(llm, "plain b1", one)
+        measure(llm, f"plain b{big_batch}", many)
+        measure(llm, "plain code-edit b1", code_ids)
 
-    eagle = LLM(model=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
-                speculative_num_steps=3, speculative_enable_synthetic_acceptance=True,
-                speculative_synthetic_acceptance_length=2.6, **common)
-    measure(eagle, "eagle3 acc2.6 b1", one, "plain b1")
-    measure(eagle, f"eagle3 acc2.6 b{big_batch}", many, f"plain b{big_batch}")
-    spec = eagle.executor.runner.spec
-    assert spec is not None and spec.forced is not None
-    spec.forced.length = 1.0  # the same engine, every draft rejected (the decision is all that changes)
-    measure(eagle, "eagle3 acc1 b1", one, "plain b1")
-    free(eagle)
+    def eagle_runs(llm: LLM) -> None:
+        measure(llm, "eagle3 acc2.6 b1", one, "plain b1")
+        measure(llm, f"eagle3 acc2.6 b{big_batch}", many, f"plain b{big_batch}")
+        spec = llm.executor.runner.spec
+        assert spec is not None and spec.forced is not None
+        spec.forced.length = 1.0  # the same engine, every draft rejected (the decision is all that changes)
+        measure(llm, "eagle3 acc1 b1", one, "plain b1")
 
+    def tree_runs(llm: LLM) -> None:
+        measure(llm, "eagle3 tree k4 n8 acc2.6 b1", one, "plain b1")
+        measure(llm, f"eagle3 tree k4 n8 acc2.6 b{big_batch}", many, f"plain b{big_batch}")
+
+    eagle3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(head), "speculative_num_steps": 3,
+              "speculative_enable_synthetic_acceptance": True, "speculative_synthetic_acceptance_length": 2.6}
+    guarded("plain", lambda: LLM(model=str(target), **common), plain_runs)
+    # chains run with overlap on, as plain decoding does by default (trees refuse it)
+    guarded("eagle3", lambda: LLM(model=str(target), **eagle3, enable_overlap_schedule=True, **common), eagle_runs)
+    if not a.eagle_only:  # the real-acceptance n-gram rows before the extras, should a time limit cut the run
+        code_runs(runs, quick, output_len)
     # a draft tree beside the chains: top 4 per step over 3 steps, the best 7 nodes verified with the root (eager)
-    tree = LLM(model=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
-               speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
-               speculative_enable_synthetic_acceptance=True, speculative_synthetic_acceptance_length=2.6, **common)
-    measure(tree, "eagle3 tree k4 n8 acc2.6 b1", one, "plain b1")
-    measure(tree, f"eagle3 tree k4 n8 acc2.6 b{big_batch}", many, f"plain b{big_batch}")
-    free(tree)
-
+    guarded("eagle3 tree", lambda: LLM(model=str(target), **eagle3, speculative_eagle_topk=4,
+                                       speculative_num_draft_tokens=8, **common), tree_runs)
     for proposer, name in (("host", "ngram code-edit b1 (dummy weights)"),
                            ("device", "ngram on the device code-edit b1 (dummy weights)"))[: 0 if a.eagle_only else 2]:
-        ngram = LLM(model=str(target), speculative_algorithm="NGRAM", speculative_num_steps=3,
-                    speculative_ngram_proposer=proposer, **common)
-        measure(ngram, name, code_ids, "plain code-edit b1")
-        free(ngram)
-    if not a.eagle_only:
-        code_runs(runs, quick, output_len)
+        guarded(name, lambda p=proposer: LLM(model=str(target), speculative_algorithm="NGRAM", speculative_num_steps=3,
+                                             speculative_ngram_proposer=p, **common),
+                lambda llm, n=name: measure(llm, n, code_ids, "plain code-edit b1"))
     print_table(runs)
     if a.output_json:
         Path(a.output_json).write_text(json.dumps([{**asdict(r), "tok_s": r.tok_s, "ms_per_token": r.ms_per_token}
@@ -217,18 +237,23 @@ def code_runs(runs: list[Run], quick: bool, output_len: int) -> None:
               {"gpu_memory_utilization": 0.3})
     prompt = [code_edit_text()]
     params = SamplingParams(temperature=0.0, max_tokens=min(output_len, 200), ignore_eos=True)
-    for name, extra in (("plain code-edit default model", {}),
-                        ("ngram code-edit default model", {"speculative_algorithm": "NGRAM",
-                                                           "speculative_num_steps": 3})):
-        llm = LLM(**kw, **extra)
-        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        seconds, tokens, mal = timed(llm, prompt, params)
-        run = Run(name, 1, tokens, seconds, mal, "plain code-edit default model" if extra else None)
-        if extra:
-            run.speedup = run.tok_s / runs[-1].tok_s
-        runs.append(run)
-        print(report_line(run), flush=True)
-        free(llm)
+
+    def one_run(name: str, baseline: str | None) -> Callable[[LLM], None]:
+        def body(llm: LLM) -> None:
+            llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+            seconds, tokens, mal = timed(llm, prompt, params)
+            run = Run(name, 1, tokens, seconds, mal, baseline)
+            base = next((r for r in runs if r.name == baseline), None)
+            if base is not None:
+                run.speedup = run.tok_s / base.tok_s
+            runs.append(run)
+            print(report_line(run), flush=True)
+        return body
+
+    guarded("plain code-edit default model", lambda: LLM(**kw), one_run("plain code-edit default model", None))
+    guarded("ngram code-edit default model",
+            lambda: LLM(**kw, speculative_algorithm="NGRAM", speculative_num_steps=3),
+            one_run("ngram code-edit default model", "plain code-edit default model"))
 
 
 def report_line(r: Run) -> str:

@@ -237,12 +237,20 @@ def test_every_forward_reads_the_host_positions(tiny_model: Path, references: li
     assert 0 < spy.corrections < spy.decode_rows and spy.rollbacks == 0
 
 
-def test_speculative_rollbacks_are_corrected(tmp_path: Path) -> None:
+@pytest.mark.parametrize("on_device", [True, False])
+def test_speculative_rollbacks_are_corrected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             on_device: bool) -> None:
     """MTP on a dummy-weight DeepSeek-V3 (its own drafts, mostly rejected): verification chunks set lens to
-    their end, the rollback to the accepted length is corrected, tokens equal the run without drafts."""
+    their end; a verification decided on the device (device_verification.py) sets it back to the accepted
+    length there, so the next step sends no correction, while one the host verifier decides is corrected by
+    the next step; tokens equal the run without drafts either way."""
     import transformers
     from spec_fixtures import MTP_TINY
 
+    from appliance.executor.speculative import Speculator
+
+    if not on_device:
+        monkeypatch.setattr(Speculator, "_decided_on_device", lambda self, state, d: False)
     cfg = transformers.DeepseekV3Config(**MTP_TINY)
     cfg.architectures = ["DeepseekV3ForCausalLM"]
     cfg.save_pretrained(str(tmp_path))
@@ -260,7 +268,9 @@ def test_speculative_rollbacks_are_corrected(tmp_path: Path) -> None:
     assert tokens == plain
     stats = llm.engine.stats()
     assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens  # some drafts were rejected
-    assert spy.forwards > 0 and spy.rollbacks > 0
+    assert spy.forwards > 0 and (spy.rollbacks == 0) == on_device
+    runner = llm.executor.runner
+    assert runner.block_table.lens.tolist()[0] == 0
 
 
 GPU_PROMPTS = [[3 + i] * n for i, n in enumerate((1, 14, 15, 16, 31, 33, 47, 200, 1, 14, 15))]

@@ -41,7 +41,8 @@ def test_reference_is_the_quantized_product() -> None:
 
 
 def test_fp8_gemv_compiles_for_hopper() -> None:
-    """The fp8 x fp8 tl.dot and the in-kernel activation quantization build for sm_90, static and dynamic."""
+    """Both GEMV kernels build for sm_90 with fp8 x fp8 tl.dot: quantizing inside (static and dynamic) and the
+    weight stream over x quantized ahead."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -50,16 +51,17 @@ def test_fp8_gemv_compiles_for_hopper() -> None:
 
     if not isinstance(mod._fp8_gemv_kernel, triton.runtime.JITFunction):
         pytest.skip("this process imported the kernels under TRITON_INTERPRET")
-    fn = mod._fp8_gemv_kernel
-    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "static_ptr": "*fp32", "bias_ptr": "*bf16",
-             "y_ptr": "*bf16"}
-    for static in (False, True):
-        const = {"MIN_AMAX": 448e-12, "FP8_MAX": 448.0, "STATIC": static, "BIAS": True, "BLOCK_M": 16,
-                 "BLOCK_N": 64, "BLOCK_K": 256, "UPCAST": False, "GDC": False}
+    types = {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+             "static_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"}
+    tiles = {"BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "UPCAST": False, "GDC": False}
+    builds = [(mod._fp8_gemv_kernel, {"MIN_AMAX": 448e-12, "FP8_MAX": 448.0, "STATIC": static, **tiles})
+              for static in (False, True)] + [(mod._fp8_stream_kernel, tiles)]
+    for fn, const in builds:
         sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
         assert kernel.asm["cubin"]
+        assert "e4m3.e4m3" in kernel.asm["ptx"]  # the MMA takes the fp8 tiles as they are
 
 
 @pytest.mark.gpu

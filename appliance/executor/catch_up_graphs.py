@@ -26,6 +26,7 @@ import torch
 from appliance.executor.cuda_graph import GRAPH_CONTEXT, GraphKey
 from appliance.executor.input_batch import Chunk, graph_stride, table_width
 from appliance.executor.verify_graphs import VerifyGraphs, verify_rows
+from appliance.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from appliance.executor.speculative import Speculator
@@ -62,6 +63,9 @@ class CatchUpGraphs(VerifyGraphs):
 
     def _lens_corrections(self, chunks: list[Chunk]) -> np.ndarray:
         return np.zeros((2, 0), dtype=np.int64)  # the drafter reads no device lengths
+
+    def _rows(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        return self._host_rows(key)  # host-built positions: the device lengths are the target's
 
     def _body(self, key: GraphKey) -> None:
         step = self._step()

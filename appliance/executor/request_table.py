@@ -110,15 +110,17 @@ class DeviceBlockTable:
     docstring)."""
 
     def __init__(self, capacity: int, max_blocks: int, device: torch.device, kernels: str | None = None) -> None:
-        """kernels: the `decode_positions` backend; None: triton on a CUDA device, else the torch reference."""
+        """kernels: the `decode_positions` / `verify_positions` backend; None: triton on a CUDA device, else the
+        torch reference."""
         if capacity < 1 or max_blocks < 1:
             raise ValueError(f"a block table needs capacity >= 1 and max_blocks >= 1, got {capacity}, {max_blocks}")
         self.capacity = capacity
         self.width = -(-max_blocks // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
         self.table = torch.zeros(capacity + 1, self.width, dtype=torch.int32, device=device)
         self.lens = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
-        self._positions_op = registry.get("decode_positions",
-                                          kernels or ("triton" if device.type == "cuda" else "torch"))
+        backend = kernels or ("triton" if device.type == "cuda" else "torch")
+        self._positions_op = registry.get("decode_positions", backend)
+        self._chunk_positions_op = registry.get("verify_positions", backend)
         self._free = list(range(capacity, ZERO_ROW, -1))  # pop() hands out the lowest row first
         self._dirty = [0] * (capacity + 1)  # per row: columns a previous owner may have left nonzero
 
@@ -213,6 +215,14 @@ class DeviceBlockTable:
         """Inputs of one-token rows (pad rows: ZERO_ROW) from the device state, in one launch: positions and
         slots [B] int64, seq_lens [B] int32 are written; each real row's length advances by one."""
         self._positions_op(rows, self.table, self.lens, block_size, positions, slots, seq_lens)
+
+    def place_chunks(self, rows: torch.Tensor, offsets: torch.Tensor, block_size: int, positions: torch.Tensor,
+                     slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Inputs of multi-token chunks run as decode rows (verify_graphs.py): row i at lens[rows[i]] +
+        offsets[i] (lens holds each chunk's start), then each real row's length moved to its chunk's end (the
+        largest position + 1: one deterministic scatter, whatever the rows' order; padding rows add 0 to row 0)."""
+        self._chunk_positions_op(rows, offsets, self.table, self.lens, block_size, positions, slots, seq_lens)
+        self.lens.scatter_reduce_(0, rows.long(), seq_lens.long(), reduce="amax")
 
 
 class LiveRequests(MutableMapping[str, RequestState]):

@@ -38,12 +38,13 @@ import torch
 
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
 from appliance.executor import logits_processors, state_cache
+from appliance.executor.device_verification import verify_on_device
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.sampler import SampleResult, prompt_logprobs
 from appliance.executor.speculative_drafts import Drafting
 from appliance.executor.speculative_forced import ForcedAcceptance
 from appliance.executor.speculative_states import StateRollback
-from appliance.executor.speculative_verification import verify
+from appliance.executor.speculative_verification import verification_rows, verify
 from appliance.executor.tree_drafting import make_tree_drafter
 from appliance.executor.tree_verification import compact, path_moves, verify_trees
 from appliance.executor.verify_graphs import make_verify_graphs
@@ -51,6 +52,7 @@ from appliance.executor.verify_graphs import make_verify_graphs
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
     from appliance.executor.model_runner import ModelRunner
+    from appliance.executor.request_table import RequestState
 
 SUPPORTED_ALGORITHMS = ("MTP", "NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 
@@ -132,7 +134,10 @@ def make_speculator(runner: ModelRunner) -> Speculator | None:
         from appliance.executor.speculative_ngram import NgramSpeculator
 
         return NgramSpeculator(runner)
-    from appliance.executor.speculative_draft import DraftModelSpeculator, EagleSpeculator
+    from appliance.executor.speculative_draft import (
+        DraftModelSpeculator,
+        EagleSpeculator,
+    )
 
     return DraftModelSpeculator(runner) if algorithm == "STANDALONE" else EagleSpeculator(runner)
 
@@ -163,6 +168,7 @@ class Speculator(Drafting):
         self.overlapped = runner.config.overlap_enabled()
         self._chain_stager = Stager(runner.device)  # the rows a chain starts from
         self._index_stager = Stager(runner.device)  # the drafter's row indices
+        self._verdict_stager = Stager(runner.device)  # device verification's layout (device_verification.py)
         self.tree = make_tree_drafter(runner)  # None: drafts are chains
         self.trees = {}
         # verification steps as decode rows, from CUDA graphs on a GPU (None: the multi-token path; trees)
@@ -319,7 +325,37 @@ class Speculator(Drafting):
         return logits[self._index_stager.send(np.asarray(index, dtype=np.int64))]
 
     def _verify(self, logits: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
+        """Requests whose rows all sample on the device are decided there (device_verification.py); the others
+        (logits processors, host-sampled rows, drafts drawn from the drafter's q) by the host verifier."""
         rows = self._rows_of(logits, [i + j for _, i, d in verify_at for j in range(d + 1)])
+        firsts = np.cumsum([0] + [d + 1 for _, _, d in verify_at]).tolist()
+        on_device = [k for k, (c, _, d) in enumerate(verify_at) if self._decided_on_device(c.state, d)]
+        host = [k for k in range(len(verify_at)) if k not in set(on_device)]
+
+        def rows_of(group: list[int]) -> torch.Tensor:
+            if len(group) == len(verify_at):
+                return rows
+            index = [firsts[k] + j for k in group for j in range(verify_at[k][2] + 1)]
+            return rows[self._index_stager.send(np.asarray(index, dtype=np.int64))]
+
+        if on_device:
+            chosen = [verify_at[k] for k in on_device]
+            emitted = verify_on_device(self.runner.batch_sampler, rows_of(on_device), [(c, d) for c, _, d in chosen],
+                                       self.num_steps, self.forced, self._verdict_stager, self.runner.block_table.lens)
+            for (c, _, _), tokens in zip(chosen, emitted):
+                out.sampled += [SampledToken(c.state.request_id, t) for t in tokens]
+                out.emitted[c.state.request_id] = len(tokens)
+        if host:
+            self._verify_on_host(rows_of(host), [verify_at[k] for k in host], out)
+
+    def _decided_on_device(self, state: RequestState, d: int) -> bool:
+        if logits_processors.wants_processors(state.params.extra):
+            return False
+        if self.forced is None and self.draft_probs.get(state.request_id) is not None:
+            return False  # drafts drawn from q: rejection sampling against p (speculative_rejection.py)
+        return self.runner.batch_sampler.on_device(verification_rows(state, d))
+
+    def _verify_on_host(self, rows: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
         first = 0
         for c, _, d in verify_at:  # structured outputs: each row masked as after the drafts before it
             if logits_processors.wants_processors(c.state.params.extra):

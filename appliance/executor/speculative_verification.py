@@ -38,6 +38,11 @@ class _VerifyRow:
         return self.end - self.num_prompt_tokens
 
 
+def verification_rows(state: RequestState, d: int) -> list[_VerifyRow]:
+    """The d + 1 rows of a verification as the sampler sees them; state.token_ids ends with its d drafts."""
+    return [_VerifyRow(state, len(state.token_ids) - d + j) for j in range(d + 1)]
+
+
 def accepted_length(samples: list[int], drafts: list[int]) -> int:
     """Tokens a verification emits: the samples up to and including the first that differs from its draft
     (all d + 1 when every draft matches)."""

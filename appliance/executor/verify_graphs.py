@@ -12,11 +12,13 @@ Such a step has a fixed shape once its row count is padded (pad rows: token 0, t
 seq_len 0, as in the decode graphs), so it replays a graph captured per (padded rows, table-width bucket).
 Row buckets are b * (num_steps + 1) for the decode graphs' capture sizes b up to the speculation's batch cap
 (speculative.disable_by_batch_size, and MAX_VERIFY_BATCH: above it a step is compute-bound and runs eagerly,
-and start-up captures no more graphs than it needs). Positions, slots and seq_lens are built on the host (a
-verification's start is the host's num_computed after the previous step's rollback) and travel in the graph's
-one upload with the token ids and table rows; each request's device length is set to its chunk's end
-(request_table.py's invariant after a multi-token chunk). A step with a row count above every bucket, prompt
-logprobs or a prefill chunk runs as before (ModelRunner._forward: prefill attention).
+and start-up captures no more graphs than it needs). The upload holds each row's token id, table row and
+offset j within its chunk; inside the graph the `verify_positions` kernel places row j at lens[row] + j (lens
+holds the chunk's start: a correction is sent only where the host's mirror differs) and writes its slot and
+seq_len, then each request's length moves to its chunk's end (request_table.py `place_chunks`), which a
+verification decided on the device (device_verification.py) sets back to the confirmed end, so a rollback
+needs no correction in the next step. A step with a row count above every bucket, prompt logprobs or a prefill
+chunk runs as before (ModelRunner._forward: prefill attention).
 On a CPU the same class runs the same padded body without capturing (the torch reference kernels), so the
 speculative parity tests exercise it. Hybrid models (a recurrent state per sequence, advanced once per decode
 row) and the flashinfer backend (graphs not wired) keep the multi-token path.
@@ -115,10 +117,27 @@ def verify_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndar
         i += n
 
 
+def chunk_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndarray) -> None:
+    """Fill out64's first three segments of graph_stride(batch): [ids | table rows | offsets], one row per query
+    token (row j of a chunk: the token at start + j, offset j), padding after the real rows (token 0, row 0)."""
+    s = graph_stride(batch)
+    v = out64[: 3 * s].reshape(3, s)
+    v[:] = 0
+    i = 0
+    for c in chunks:
+        st, n = c.state, c.num_tokens
+        if (c.start + n - 1) // block_size >= len(st.block_ids):
+            raise RuntimeError(f"request {st.request_id!r}: {c.start + n} tokens exceed its {len(st.block_ids)} blocks")
+        v[0, i : i + n] = st.token_ids[c.start : c.start + n]
+        v[1, i : i + n] = st.table_row
+        v[2, i : i + n] = np.arange(n)
+        i += n
+
+
 class VerifyGraphs(DecodeGraphs):
     """Verification steps as decode rows (module docstring); `sizes` are row buckets."""
 
-    SEGMENTS = 5  # [ids | table rows | positions | slots | seq_lens]
+    SEGMENTS = 3  # [ids | table rows | offsets]
     fresh_rows = 1  # the most rows of one request a step stores (AttentionMetadata.decode_fresh_rows)
 
     def fits(self, chunks: list[Chunk], max_tokens: int) -> bool:
@@ -137,32 +156,46 @@ class VerifyGraphs(DecodeGraphs):
         if sum(c.num_tokens for c in chunks) > key.batch or table_width(chunks) > key.width:
             raise ValueError(f"a verification step of {len(chunks)} chunks does not fit a graph of {key.batch} rows x "
                              f"{key.width} blocks")
-        verify_rows(chunks, self.block_size, key.batch, host)
+        chunk_rows(chunks, self.block_size, key.batch, host)
 
     def _lens_corrections(self, chunks: list[Chunk]) -> np.ndarray:
-        """Every request's device length becomes its chunk's end (host-built positions read none of it)."""
+        """Every request's device length must be its chunk's start (the rows are placed from it); the mirror
+        is set to the chunk's end, where the graph leaves it."""
         flat: list[int] = []
         for c in chunks:
-            s, end = c.state, c.start + c.num_tokens
-            if s.pos_on_device != end:
-                flat += (s.table_row, end)
-            s.pos_on_device = end
+            s = c.state
+            if s.pos_on_device != c.start:
+                flat += (s.table_row, c.start)
+            s.pos_on_device = c.start + c.num_tokens
         return np.array(flat, dtype=np.int64).reshape(-1, 2).T
 
     def _rows(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """A graph's query rows as decode rows: ids, positions and the metadata, read from the static upload
-        [ids | rows | positions | slots | seq_lens | ...] (each segment graph_stride long)."""
+        """A graph's query rows as decode rows, placed from the device lengths (`place_chunks`, which moves
+        them to the chunks' ends): ids, positions and the metadata."""
         assert self.table is not None
-        b, w, s = key.batch, key.width, graph_stride(key.batch)
+        b, s, top = key.batch, graph_stride(key.batch), self.seq_lens.shape[0]
+        ids, rows, offsets = (self.buf[i * s : i * s + b] for i in range(3))
+        positions, slots = self.computed[:b], self.computed[top : top + b]
+        self.table.place_chunks(rows, offsets, self.block_size, positions, slots, self.seq_lens[:b])
+        return ids, positions, self._meta(key, rows, slots)
+
+    def _host_rows(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Query rows whose positions, slots and seq_lens the host built (`verify_rows`: the upload
+        [ids | rows | positions | slots | seq_lens | ...], each segment graph_stride long)."""
+        b, s = key.batch, graph_stride(key.batch)
         ids, rows, positions, slots = (self.buf[i * s : i * s + b] for i in range(4))
+        self.seq_lens[:b].copy_(self.buf[4 * s : 4 * s + b])
+        return ids, positions, self._meta(key, rows, slots)
+
+    def _meta(self, key: GraphKey, rows: torch.Tensor, slots: torch.Tensor) -> AttentionMetadata:
+        assert self.table is not None
+        b, w = key.batch, key.width
         seq_lens = self.seq_lens[:b]
-        seq_lens.copy_(self.buf[4 * s : 4 * s + b])
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=slots, num_decode_tokens=b, decode_block_tables=self.table.gather(rows, w),
             decode_seq_lens=seq_lens, prefill_cu_seqlens=self._no_prefill, prefill_seq_lens=self._no_prefill[:0],
             prefill_block_tables=self._no_prefill[:0].view(0, 1), decode_order=longest_first(seq_lens),
             decode_fresh_rows=self.fresh_rows)
-        return ids, positions, meta
 
     def _body(self, key: GraphKey) -> None:
         ids, positions, meta = self._rows(key)

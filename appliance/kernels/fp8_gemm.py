@@ -5,7 +5,7 @@ Activations are quantized to e4m3 per token (dynamic: each row's amax maps to 44
 the checkpoint; weights carry one scale per output row (a per-tensor scale is that value repeated). On a GPU with
 fp8 tensor cores (sm_89 and later) the product runs in cuBLASLt through torch._scaled_mm with row-wise scales
 (float32 accumulation, the output in the activation dtype), except decode batches of up to 16 rows, which take
-the Triton FP8 GEMV (kernels/triton/fp8_gemv.py: the same product, activation quantization inside); elsewhere `scaled_mm_reference` computes the same
+the Triton FP8 GEMV (kernels/triton/fp8_gemv.py: the same product, over activations act_quant.py quantized); elsewhere `scaled_mm_reference` computes the same
 quantized product in float32 (the oracle, and the CPU path).
 """
 from __future__ import annotations

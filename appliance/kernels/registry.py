@@ -21,7 +21,7 @@ _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {}
 _LOADED: set[str] = set()
 
 OPS = ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "rope", "silu_and_mul", "gemv", "sample",
-       "rope_store_kv", "decode_positions", "skinny_gemm",
+       "rope_store_kv", "decode_positions", "verify_positions", "skinny_gemm",
        "norm_prep", "gemv_residual", "gemv_normed_silu", "gemv_normed_rope_store", "fp8_quant_act",
        "fp8_gemv", "gelu_tanh_and_mul", "norm_add_norm")
 

@@ -1,6 +1,6 @@
 """Decode rows' positions, sequence lengths and cache slots from the device-resident per-row lengths.
 
-The oracle of the Triton `decode_positions` and its CPU path. Sync-free (no boolean indexing, no `.item()`), so
+The oracles of the Triton `decode_positions` and `verify_positions` and their CPU path. Sync-free (no boolean indexing, no `.item()`), so
 it also runs on a CUDA device without reading anything back.
 """
 from __future__ import annotations
@@ -52,3 +52,26 @@ def decode_positions(rows: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
     slots.copy_(torch.where(real, block * block_size + pos % block_size, -1))
     # padding rows write row 0's own value (0) back: the scatter needs no mask and row 0 stays 0
     lens.index_copy_(0, r, torch.where(real, pos + 1, lens[:1].expand_as(pos)))
+
+
+@register("verify_positions", "torch")
+def verify_positions(rows: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+                     block_size: int, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Rows of multi-token chunks run as decode rows (a verification's): row i at lens[rows[i]] + offsets[i].
+
+    rows[B], table, lens and the outputs as in `decode_positions`; offsets[B] int64: each row's index within its
+    chunk. Writes positions, seq_lens = positions + 1 and slots for real rows (0, 0, -1 for padding rows);
+    lens is only read (several rows share a table row: the caller moves it once the step's rows are placed).
+    """
+    check_positions_args(rows, table, lens, block_size, positions, slots, seq_lens)
+    if offsets.shape != rows.shape or offsets.dtype != torch.int64:
+        raise ValueError(f"verify_positions: offsets {tuple(offsets.shape)} {offsets.dtype} are not [B] int64")
+    r = rows.long()
+    real = r != 0
+    pos = torch.where(real, lens.index_select(0, r) + offsets, 0)
+    col = pos // block_size
+    inside = col < table.shape[1]
+    block = torch.where(inside, table[r, col.clamp_max(table.shape[1] - 1)].long(), 0)
+    positions.copy_(pos)
+    seq_lens.copy_(torch.where(real, pos + 1, 0))
+    slots.copy_(torch.where(real, block * block_size + pos % block_size, -1))

@@ -4,10 +4,11 @@ one static scale).
 
 At batch 1 torch._scaled_mm pays for a GEMM tiled for large M and a separate activation-quantization launch; a
 decode step's linear layers only stream weight bytes, so this kernel does what gemv.py does for 16-bit weights
-(one program per BLOCK_N output rows, y^T = W x^T so the weight tile feeds the MMA as stored) on half the bytes,
-and quantizes x itself: each program first reads its rows of x for their amax (x is a few KB, in L2 after the
-first program), then quantizes each x tile as it goes with the same saturating cast as kernels/triton/
-act_quant.py. fp8 operands go to tl.dot on the GPU (float32 accumulation); the interpreter upcasts.
+(one program per BLOCK_N output rows, y^T = W x^T so the weight tile feeds the MMA as stored) on half the bytes.
+x is quantized per token (or with one static scale) either ahead, by act_quant.py, or by the GEMV's programs as
+they go (Fp8GemvConfig.quantize: each program reads its rows of x for their amax, then quantizes each x tile
+with the same saturating cast as act_quant.py). fp8 operands go to tl.dot on the GPU (float32 accumulation); the
+interpreter upcasts.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import triton.language as tl
 from appliance.kernels.fp8_gemm import FP8, FP8_MAX, MIN_SCALE
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
+from appliance.kernels.triton.act_quant import quant_act
 from appliance.kernels.triton.common import INTERPRET, pdl_kwargs
+from appliance.kernels.triton.gemv import weight_stream
 from appliance.kernels.triton.kv_fp8 import saturate
 
 
@@ -30,6 +33,12 @@ class Fp8GemvConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
+    # where x is quantized: "ahead" by kernels/triton/act_quant.py's one launch, so the GEMV's loop is gemv.py's
+    # weight stream (both operands through the async-copy pipeline) on fp8 tiles; "in_kernel" by every program
+    # as it walks K (one launch, but the quantized x tile goes through registers into shared memory each step;
+    # this way streamed Llama-3.1-8B's weights at ~0.26 TB/s on an H100: `python -m benchmarks.fp8 --sections
+    # gemv`, 98 us for the 25 MB qkv weight against cuBLASLt's 28 us)
+    quantize: str = "ahead"
 
 
 def config_for(n: int, k: int) -> Fp8GemvConfig:
@@ -82,6 +91,28 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, y_ptr, M, N, K,
              mask=m_mask[None, :] & n_mask[:, None])
 
 
+@triton.jit
+def _fp8_stream_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       UPCAST: tl.constexpr, GDC: tl.constexpr):
+    """x quantized ahead (xq e4m3 [M, K], xs float32 [M] per row): gemv.py's weight stream on fp8 tiles."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if GDC:  # launched early: xq is the kernel before's output
+        tl.extra.cuda.gdc_wait()
+    acc = weight_stream(xq_ptr, stride_xm, w_ptr, stride_wn, offs_n, n_mask, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                        UPCAST)
+    acc = (acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+           * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :])
+    if BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[None, :] & n_mask[:, None])
+
+
 @register("fp8_gemv", "triton")
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
              bias: torch.Tensor | None = None, config: Fp8GemvConfig | None = None) -> torch.Tensor:
@@ -94,13 +125,24 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     x = x if x.stride(-1) == 1 else x.contiguous()
     n = weight.shape[0]
     cfg = config or config_for(n, k)
+    if cfg.quantize not in ("ahead", "in_kernel"):
+        raise ValueError(f"fp8_gemv: quantize {cfg.quantize!r} is not one of 'ahead', 'in_kernel'")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     scale = weight_scale.float().contiguous()
-    if m and n:
-        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x, weight, scale, input_scale if input_scale is not None else scale,
-            bias if bias is not None else scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-            MIN_AMAX=MIN_SCALE * FP8_MAX, FP8_MAX=FP8_MAX, STATIC=input_scale is not None, BIAS=bias is not None,
-            BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl_kwargs(x))
+    if not (m and n):
+        return y
+    grid = (triton.cdiv(n, cfg.block_n),)
+    tiles = {"BLOCK_M": 16, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "UPCAST": INTERPRET,
+             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.quantize == "ahead":
+        xq, xs = quant_act(x, input_scale)
+        _fp8_stream_kernel[grid](xq, xs, weight, scale, bias if bias is not None else scale, y, m, n, k,
+                                 xq.stride(0), weight.stride(0), y.stride(0), BIAS=bias is not None, **tiles,
+                                 **pdl_kwargs(x))
+        return y
+    _fp8_gemv_kernel[grid](
+        x, weight, scale, input_scale if input_scale is not None else scale,
+        bias if bias is not None else scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        MIN_AMAX=MIN_SCALE * FP8_MAX, FP8_MAX=FP8_MAX, STATIC=input_scale is not None, BIAS=bias is not None,
+        **tiles, **pdl_kwargs(x))
     return y

@@ -25,6 +25,7 @@ class Case:
     static: bool = False
     bias: bool = False
     tol: float = 1e-5  # relative error norm; 16-bit outputs round to their own step
+    quantize: str = "ahead"  # Fp8GemvConfig.quantize: act_quant.py's launch first, or inside the GEMV
 
 
 def small_cases() -> list[Case]:
@@ -34,6 +35,9 @@ def small_cases() -> list[Case]:
         Case("m16_static_bias_f32", 16, 40, 64, torch.float32, static=True, bias=True),
         Case("m1_bf16_tall", 1, 32, 160, torch.bfloat16, tol=1e-2),  # K > 2N: the tall tiles
         Case("m5_static_f16", 5, 64, 128, torch.float16, static=True, tol=2e-3),
+        Case("m3_ragged_f32_in_kernel", 3, 72, 200, torch.float32, quantize="in_kernel"),
+        Case("m16_static_bias_f32_in_kernel", 16, 40, 64, torch.float32, static=True, bias=True,
+             quantize="in_kernel"),
     ]
 
 
@@ -41,12 +45,17 @@ def gpu_cases() -> list[Case]:  # Llama-3.1-8B's projections at batch 1 and 16
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
     return [Case(f"llama8b_{name}_m{m}", m, n, k, torch.bfloat16, tol=1e-2)
             for name, (n, k) in shapes.items() for m in (1, 16)] + [
-        Case("llama8b_qkv_m1_static", 1, 6144, 4096, torch.bfloat16, static=True, tol=1e-2)]
+        Case("llama8b_qkv_m1_static", 1, 6144, 4096, torch.bfloat16, static=True, tol=1e-2)] + [
+        Case(f"llama8b_{name}_m{m}_in_kernel", m, n, k, torch.bfloat16, tol=1e-2, quantize="in_kernel")
+        for name, (n, k) in shapes.items() for m in (1, 16)]
 
 
 def run_case(case: Case, device: str) -> dict[str, object]:
+    from dataclasses import replace
+
     from appliance.kernels import registry
     from appliance.kernels.fp8_gemm import FP8_MAX
+    from appliance.kernels.triton.fp8_gemv import config_for
 
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     x = torch.randn(case.m, case.k, generator=gen)
@@ -61,7 +70,8 @@ def run_case(case: Case, device: str) -> dict[str, object]:
     args = (x.to(case.dtype).to(**to), wq.to(**to), scale.to(**to), None if input_scale is None
             else input_scale.to(**to), None if bias is None else bias.to(case.dtype).to(**to))
     ref = registry.get("fp8_gemv", "torch")(*args).float()
-    got = registry.get("fp8_gemv", "triton")(*args).float()
+    config = replace(config_for(case.n, case.k), quantize=case.quantize)
+    got = registry.get("fp8_gemv", "triton")(*args, config=config).float()
     err = ((got - ref).norm() / ref.norm().clamp(min=1e-6)).item()
     return {"op": "fp8_gemv", "case": case.name, "err": err, "tol": case.tol}
 
