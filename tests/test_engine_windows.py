@@ -153,14 +153,14 @@ def test_config_refuses_what_the_groups_cannot_do_yet() -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=config_st, ops=ops_st(PREFIXES), window=st.integers(1, 10), extra=st.sampled_from([0, 0, 1, 3, 8]),
-       overlap=st.booleans(), shared=st.booleans())
+       overlap=st.booleans(), shared=st.booleans(), conservativeness=st.sampled_from([0.0, 1.0]))
 def test_random_workloads_with_a_window_group(cfg: dict, ops: list, window: int, extra: int, overlap: bool,
-                                              shared: bool) -> None:
+                                              shared: bool, conservativeness: float) -> None:
     """The engine's property workloads (arrivals with shared prefixes, aborts, eos, tiny pools that preempt) with
     a sliding group of a random window whose pool holds from one sequence's peak upwards, its own or the full
-    group's (shared): accounting after every op, every key a window reads checked by the FakeExecutor, outputs as
+    group's (shared), with and without the output reservation: accounting after every op, every key a window reads checked by the FakeExecutor, outputs as
     each request alone."""
-    config = engine_config(cfg)
+    config = dataclasses.replace(engine_config(cfg), schedule_conservativeness=conservativeness)
     need = KVGroup(window, ()).blocks_held(config.max_model_len, config.block_size, config.step_tokens.largest_chunk)
     if shared:  # one pool that holds one sequence's peak in both groups, and the null block
         full = -(-config.max_model_len // config.block_size)

@@ -263,8 +263,8 @@ class Scheduler(Preemption):
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         spare = self.pool.num_available - need - revived  # blocks left after this chunk's
         rsv = self._reserve  # it also wants room for the rest of the prompt and the outputs (admission.py)
-        if rsv is not None and win is not None and win.shared is not None:  # and for the sliding tables' growth
-            spare -= win.room(self.running, req, end)
+        if rsv is not None and win is not None and win.shared is not None and self.running:  # and the sliding
+            spare -= win.room(self.running, req, len(hit), end)  # tables' (one alone is always admitted)
         if spare < 0 or (rsv is not None and not rsv.fits(req, spare, req.num_tokens - num_hit - n, hit)):
             return False
         if win is not None and not win.fits(req, len(hit), end, need + revived):

@@ -132,18 +132,21 @@ class WindowBlocks:
             return need * (len(self.groups) + 1) <= self.shared.num_available
         return all(need <= pool.num_available for pool in self.pools)
 
-    def room(self, running: Sequence[Request], req: Request, end: int) -> int:
-        """Blocks of a shared pool the sliding groups need for `req` admitted up to token `end` and then for every
-        request's growth: a group's table grows with its request until it holds the window's blocks or the
-        request's last token's (what the output reservation, admission.py, counts in the full group alone)."""
-        peak = [max_blocks_held(w, self.block_size) for w in self.windows]
+    def room(self, running: Sequence[Request], req: Request, num_hit_blocks: int, end: int) -> int:
+        """Blocks of a shared pool the sliding groups need for `req` admitted with this hit up to token `end`, and
+        then for every request's growth: a group's table grows with its request until it holds the window's blocks
+        or the request's last token's (what the output reservation, admission.py, counts in the full group)."""
+        bs = self.block_size
         total = 0
         for r in running:
             last = self._blocks_for(r.num_prompt_tokens + r.max_output_tokens)
-            for p, t in zip(peak, self.tables.get(r.request_id, ())):
-                total += max(0, min(last, p) - (len(t.block_ids) - t.released))
+            for w, t in zip(self.windows, self.tables.get(r.request_id, ())):
+                total += max(0, min(last, max_blocks_held(w, bs)) - (len(t.block_ids) - t.released))
         last = self._blocks_for(req.num_prompt_tokens + req.max_output_tokens)
-        return total + sum(max(min(last, p), self._blocks_for(end)) for p in peak)
+        for w in self.windows:  # its table now (null entries before the hit's window hold nothing), or its peak
+            now = self._blocks_for(end) - first_live_block(num_hit_blocks * bs, w, bs)
+            total += max(now, min(last, max_blocks_held(w, bs)))
+        return total
 
     def take(self, req: Request, need: int) -> list[list[int]]:
         """Append `need` fresh blocks to each of the request's tables; returns each group's new ids."""
