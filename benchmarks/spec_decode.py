@@ -28,11 +28,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,8 @@ from appliance import LLM, SamplingParams
 from appliance.bench.presets import SHAPES
 from appliance.config import resolve_model_path
 
+GROUPS = ("plain", "eagle", "code", "tree", "ngram")  # engines of plain decoding, EAGLE-3 chains, the default model
+# (plain and n-gram, trained weights), EAGLE-3 trees, n-gram on dummy weights (host and device lookup)
 EAGLE3_LLAMA_8B = {  # the published Llama-3.1-8B EAGLE-3 heads' shape
     "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -117,9 +122,26 @@ def release() -> None:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-            print(f"released: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated", flush=True)
+            held = torch.cuda.memory_allocated() / 2**30
+            print(f"released: {held:.2f} GiB still allocated", flush=True)
+            if held > 1.0:
+                print_holders()
     except ImportError:
         pass
+
+
+def print_holders() -> None:
+    """What keeps an engine's memory after its release: the live models (nn.Modules with no parent left) and the
+    types of what refers to each."""
+    from torch import nn
+
+    modules = [o for o in gc.get_objects() if isinstance(o, nn.Module)]
+    children = {id(c) for m in modules for c in m.children()}
+    for m in (m for m in modules if id(m) not in children):
+        size = sum(p.numel() * p.element_size() for p in m.parameters()) / 2**30
+        if size > 0.1:
+            holders = sorted({type(r).__qualname__ for r in gc.get_referrers(m)} - {"list"})
+            print(f"  held: {type(m).__qualname__} ({size:.2f} GiB of parameters), referred to by {holders}", flush=True)
 
 
 def guarded(what: str, build: Callable[[], LLM], body: Callable[[LLM], None]) -> None:
@@ -157,7 +179,14 @@ def main(argv: list[str] | None = None) -> list[Run]:
     p.add_argument("--output-json", help="write the runs here")
     p.add_argument("--eagle-only", action="store_true",
                    help="plain and EAGLE-3 runs only (the n-gram runs load three more models)")
+    p.add_argument("--only", action="append", choices=GROUPS,
+                   help="run these groups of engines in this process (default on a GPU: each group in a process of "
+                        "its own, since an engine's GPU memory is only certainly back when its process ends)")
     a = p.parse_args(argv)
+    groups = [g for g in GROUPS if not a.eagle_only or g in ("plain", "eagle")]
+    if a.only is None and not a.quick:
+        return in_processes(groups, a.output_json)
+    groups = a.only or groups
     quick = a.quick
     input_len, output_len, big_batch = (32, 8, 4) if quick else (1024, 256, 32)
     work = Path(tempfile.mkdtemp(prefix="spec-bench-"))
@@ -183,13 +212,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
         # first uses outside the timing, and every prompt into the prefix cache: the timed call is the decode
         llm.generate(prompts, warm, use_tqdm=False)
         seconds, tokens, mal = timed(llm, prompts, greedy)
-        run = Run(name, len(prompts), tokens, seconds, mal, baseline)
-        base = next((r for r in runs if r.name == baseline), None)
-        if base is not None:
-            run.speedup = run.tok_s / base.tok_s
-        runs.append(run)
-        print(report_line(run), flush=True)
-        return run
+        return record(runs, Run(name, len(prompts), tokens, seconds, mal, baseline))
 
     def plain_runs(llm: LLM) -> None:
         measure(llm, "plain b1", one)
@@ -210,24 +233,50 @@ def main(argv: list[str] | None = None) -> list[Run]:
 
     eagle3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(head), "speculative_num_steps": 3,
               "speculative_enable_synthetic_acceptance": True, "speculative_synthetic_acceptance_length": 2.6}
-    guarded("plain", lambda: LLM(model=str(target), **common), plain_runs)
-    # chains run with overlap on, as plain decoding does by default (trees refuse it)
-    guarded("eagle3", lambda: LLM(model=str(target), **eagle3, enable_overlap_schedule=True, **common), eagle_runs)
-    if not a.eagle_only:  # the real-acceptance n-gram rows before the extras, should a time limit cut the run
+    if "plain" in groups:
+        guarded("plain", lambda: LLM(model=str(target), **common), plain_runs)
+    if "eagle" in groups:  # chains run with overlap on, as plain decoding does by default (trees refuse it)
+        guarded("eagle3", lambda: LLM(model=str(target), **eagle3, enable_overlap_schedule=True, **common),
+                eagle_runs)
+    if "code" in groups:  # the real-acceptance n-gram rows before the extras, should a time limit cut the run
         code_runs(runs, quick, output_len)
-    # a draft tree beside the chains: top 4 per step over 3 steps, the best 7 nodes verified with the root (eager)
-    guarded("eagle3 tree", lambda: LLM(model=str(target), **eagle3, speculative_eagle_topk=4,
-                                       speculative_num_draft_tokens=8, **common), tree_runs)
+    if "tree" in groups:  # top 4 per step over 3 steps, the best 7 nodes verified with the root (eager)
+        guarded("eagle3 tree", lambda: LLM(model=str(target), **eagle3, speculative_eagle_topk=4,
+                                           speculative_num_draft_tokens=8, **common), tree_runs)
     for proposer, name in (("host", "ngram code-edit b1 (dummy weights)"),
-                           ("device", "ngram on the device code-edit b1 (dummy weights)"))[: 0 if a.eagle_only else 2]:
+                           ("device", "ngram on the device code-edit b1 (dummy weights)"))[: 2 * ("ngram" in groups)]:
         guarded(name, lambda p=proposer: LLM(model=str(target), speculative_algorithm="NGRAM", speculative_num_steps=3,
                                              speculative_ngram_proposer=p, **common),
                 lambda llm, n=name: measure(llm, n, code_ids, "plain code-edit b1"))
+    return finish(runs, a.output_json)
+
+
+def finish(runs: list[Run], output_json: str | None) -> list[Run]:
+    """Speed-ups against each run's baseline (where it ran), the table, and the JSON."""
+    for r in runs:
+        base = next((b for b in runs if b.name == r.baseline), None)
+        r.speedup = r.tok_s / base.tok_s if base is not None else None
     print_table(runs)
-    if a.output_json:
-        Path(a.output_json).write_text(json.dumps([{**asdict(r), "tok_s": r.tok_s, "ms_per_token": r.ms_per_token}
-                                                   for r in runs], indent=1))
+    if output_json:
+        Path(output_json).write_text(json.dumps([{**asdict(r), "tok_s": r.tok_s, "ms_per_token": r.ms_per_token}
+                                                 for r in runs], indent=1))
     return runs
+
+
+def in_processes(groups: list[str], output_json: str | None) -> list[Run]:
+    """Each group of engines in a process of its own (this module with --only); their runs in one table."""
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
+        for g in groups:
+            out = Path(tmp) / f"{g}.json"
+            rc = subprocess.run([sys.executable, "-m", "benchmarks.spec_decode", "--only", g, "--output-json",
+                                 str(out)], check=False).returncode
+            if rc != 0 or not out.exists():
+                print(f"group {g}: exit status {rc}; the remaining groups go on", flush=True)
+                continue
+            fields = {f.name for f in dataclass_fields(Run)}
+            runs += [Run(**{k: v for k, v in row.items() if k in fields}) for row in json.loads(out.read_text())]
+    return finish(runs, output_json)
 
 
 def code_runs(runs: list[Run], quick: bool, output_len: int) -> None:
@@ -242,18 +291,23 @@ def code_runs(runs: list[Run], quick: bool, output_len: int) -> None:
         def body(llm: LLM) -> None:
             llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
             seconds, tokens, mal = timed(llm, prompt, params)
-            run = Run(name, 1, tokens, seconds, mal, baseline)
-            base = next((r for r in runs if r.name == baseline), None)
-            if base is not None:
-                run.speedup = run.tok_s / base.tok_s
-            runs.append(run)
-            print(report_line(run), flush=True)
+            record(runs, Run(name, 1, tokens, seconds, mal, baseline))
         return body
 
     guarded("plain code-edit default model", lambda: LLM(**kw), one_run("plain code-edit default model", None))
     guarded("ngram code-edit default model",
             lambda: LLM(**kw, speculative_algorithm="NGRAM", speculative_num_steps=3),
             one_run("ngram code-edit default model", "plain code-edit default model"))
+
+
+def record(runs: list[Run], run: Run) -> Run:
+    """The run, its speed-up over its baseline where that ran, added to the runs and printed."""
+    base = next((r for r in runs if r.name == run.baseline), None)
+    if base is not None:
+        run.speedup = run.tok_s / base.tok_s
+    runs.append(run)
+    print(report_line(run), flush=True)
+    return run
 
 
 def report_line(r: Run) -> str:

@@ -29,6 +29,18 @@ def check_positions_args(rows: torch.Tensor, table: torch.Tensor, lens: torch.Te
         raise ValueError(f"decode_positions: block_size must be >= 1, got {block_size}")
 
 
+def write_rows(r: torch.Tensor, real: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, block_size: int,
+               positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """positions = pos, seq_lens = pos + 1 and the slot of pos in table row r, for real rows (0, 0, -1 for padding
+    rows); a block column past the table's width reads block 0."""
+    col = pos // block_size
+    inside = col < table.shape[1]
+    block = torch.where(inside, table[r, col.clamp_max(table.shape[1] - 1)].long(), 0)
+    positions.copy_(pos)
+    seq_lens.copy_(torch.where(real, pos + 1, 0))
+    slots.copy_(torch.where(real, block * block_size + pos % block_size, -1))
+
+
 @register("decode_positions", "torch")
 def decode_positions(rows: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, block_size: int,
                      positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -44,12 +56,7 @@ def decode_positions(rows: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
     r = rows.long()
     real = r != 0
     pos = torch.where(real, lens.index_select(0, r), 0)
-    col = pos // block_size
-    inside = col < table.shape[1]
-    block = torch.where(inside, table[r, col.clamp_max(table.shape[1] - 1)].long(), 0)
-    positions.copy_(pos)
-    seq_lens.copy_(torch.where(real, pos + 1, 0))
-    slots.copy_(torch.where(real, block * block_size + pos % block_size, -1))
+    write_rows(r, real, pos, table, block_size, positions, slots, seq_lens)
     # padding rows write row 0's own value (0) back: the scatter needs no mask and row 0 stays 0
     lens.index_copy_(0, r, torch.where(real, pos + 1, lens[:1].expand_as(pos)))
 
@@ -69,9 +76,4 @@ def verify_positions(rows: torch.Tensor, offsets: torch.Tensor, table: torch.Ten
     r = rows.long()
     real = r != 0
     pos = torch.where(real, lens.index_select(0, r) + offsets, 0)
-    col = pos // block_size
-    inside = col < table.shape[1]
-    block = torch.where(inside, table[r, col.clamp_max(table.shape[1] - 1)].long(), 0)
-    positions.copy_(pos)
-    seq_lens.copy_(torch.where(real, pos + 1, 0))
-    slots.copy_(torch.where(real, block * block_size + pos % block_size, -1))
+    write_rows(r, real, pos, table, block_size, positions, slots, seq_lens)

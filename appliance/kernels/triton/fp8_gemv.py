@@ -50,6 +50,17 @@ def config_for(n: int, k: int) -> Fp8GemvConfig:
 
 
 @triton.jit
+def store_scaled(acc, ws_ptr, x_scale, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
+                 BIAS: tl.constexpr):
+    """y[m, n] = acc^T scaled by the weight row's and the x row's scales (+ bias), in y's dtype."""
+    acc = acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None] * x_scale[None, :]
+    if BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[None, :] & n_mask[:, None])
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr, STATIC: tl.constexpr, BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
@@ -84,11 +95,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, y_ptr, M, N, K,
             acc += tl.dot(w.to(tl.float32), xq.to(tl.float32))
         else:
             acc += tl.dot(w, xq)
-    acc = acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None] * x_scale[None, :]
-    if BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[None, :] & n_mask[:, None])
+    store_scaled(acc, ws_ptr, x_scale, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym, BIAS)
 
 
 @triton.jit
@@ -105,12 +112,8 @@ def _fp8_stream_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, 
         tl.extra.cuda.gdc_wait()
     acc = weight_stream(xq_ptr, stride_xm, w_ptr, stride_wn, offs_n, n_mask, M, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                         UPCAST)
-    acc = (acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-           * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :])
-    if BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[None, :] & n_mask[:, None])
+    x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+    store_scaled(acc, ws_ptr, x_scale, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym, BIAS)
 
 
 @register("fp8_gemv", "triton")
