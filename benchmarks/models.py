@@ -19,6 +19,9 @@ Per model, through the offline runners of appliance/bench (EOS ignored: every re
   steps, decode graphs and piecewise graphs alike; speculative decoding, the host tier and recurrent state still
   keep one table for every layer, the whole context), the bytes, and their ratio to every layer keeping the whole
   context (`ratio`: the groups'; `allocated_ratio`: this run's).
+- KV pools (`kv_pools`): each pool's blocks (the full group's, each sliding group's; or the one pool every group
+  shares) and how many sequences of the throughput workload's length (in + out) it holds at once; the smallest
+  bounds the batch the run can keep.
 `gpt-oss-20b-mxfp4` is gpt-oss-20b with precision.moe_weight_format = mxfp4: dummy experts drawn as MXFP4 codes
 and scales, run by the fused_moe_mxfp4 kernel (kernels/moe/triton_mxfp4.py); --quick leaves it out (on the CPU that
 kernel needs Triton's interpreter). `gpt-oss-120b-mxfp4` (only when named) is gpt-oss-120b on one GPU that way.
@@ -98,6 +101,22 @@ def kv_per_sequence(runner: Any, context: int) -> dict[str, Any]:
             "sliding_layers": sum(a.sliding_window is not None for a in layers), "layers": len(layers)}
 
 
+def pool_capacity(runner: Any, tokens: int) -> dict[str, Any]:
+    """Each KV pool's blocks and how many sequences of `tokens` tokens it holds at once (a sliding pool: each at
+    most its window's blocks, engine/kv_groups.py; its null block left out): the smallest bounds the batch."""
+    bs, layout = runner.block_size, runner.kv_layout
+    need = -(-tokens // bs)
+    if layout.shared:  # one pool: a sequence holds its blocks in every group (executor/window_groups.py)
+        per_seq = need + sum(g.blocks_held(tokens, bs) for g in layout.groups)
+        pools = {"shared": {"blocks": layout.num_blocks, "groups": 1 + len(layout.groups),
+                            "sequences": (layout.num_blocks - 1) // per_seq}}
+        return {"tokens": tokens, "pools": pools, "sequences": pools["shared"]["sequences"]}
+    pools = {"full": {"blocks": layout.num_blocks, "sequences": layout.num_blocks // need}}
+    for g, n in zip(layout.groups, layout.window_blocks):
+        pools[f"window_{g.window}"] = {"blocks": n, "sequences": (n - 1) // g.blocks_held(tokens, bs)}
+    return {"tokens": tokens, "pools": pools, "sequences": min(p["sequences"] for p in pools.values())}
+
+
 def workloads(args: argparse.Namespace, vocab: int) -> tuple[Workload, Workload]:
     """The batch-1 prompts (one warm-up, one timed) and the throughput workload of a model's run."""
     one = random_workload(vocab, 2, (args.b1_input,) * 2, (args.b1_output,) * 2, seed=1)
@@ -139,7 +158,8 @@ def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any
     out: dict[str, Any] = {"model": name, "settings": settings, "backend": runner.backend,
                            "device": str(runner.device),
                            "cuda_graphs": runner.graphs is not None,
-                           "kv_per_sequence": kv_per_sequence(runner, args.kv_context)}
+                           "kv_per_sequence": kv_per_sequence(runner, args.kv_context),
+                           "kv_pools": pool_capacity(runner, args.input_len + args.output_len)}
     offline.capture_graphs(llm, args.b1_input + args.b1_output)
     one, work = workloads(args, vocab)
     b1 = offline.latency(llm, one, batch_size=1, num_iters=1, num_iters_warmup=1, temperature=0.0)

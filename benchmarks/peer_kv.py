@@ -2,7 +2,10 @@
 
 `kv_facts` runs inside vLLM's worker (LLM.collective_rpc) and returns plain numbers: the groups of its KV cache
 (kind, layers, block size, bytes of one layer's block, and the bytes its spec reserves for one request of
-max_model_len), the pool's bytes and blocks, and the concurrency vLLM's own start-up log reports. `kv_per_sequence`
+max_model_len), the pool's bytes and blocks, and the concurrency vLLM's own start-up log reports. `kv_pools` is
+benchmarks/models.py's key of the same name: the one pool every group draws from and how many sequences of the
+workload's length it holds (each group holding what ours holds: the context's blocks, a sliding group at most its
+window's). `kv_per_sequence`
 turns them into benchmarks/models.py's keys at a context: `allocated_gib` (= `window_share_gib`: what vLLM
 allocates is what its groups reserve) sums each group's reservation, the context's blocks on a full-attention
 group and on a sliding-window group the window plus a step's tokens (vLLM's admission), against every attention
@@ -67,3 +70,19 @@ def kv_per_sequence(facts: dict[str, Any], context: int) -> dict[str, Any]:
             "max_model_len": facts["max_model_len"], "max_concurrency": facts["max_concurrency"],
             "pool_gib": facts["kv_bytes"] / GIB,
             "max_len_request_gib": None if max_len_request is None else max_len_request / GIB}
+
+
+def kv_pools(facts: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """benchmarks/models.py's kv_pools keys: vLLM's one pool (its groups draw from it) and how many sequences of
+    `tokens` tokens it holds, each group holding the blocks ours' groups hold at that length."""
+    attention = [g for g in facts["groups"] if group_name(g) != "mamba"]
+
+    def held(g: dict[str, Any]) -> int:
+        blocks = -(-tokens // g["block_size"])
+        w = g["sliding_window"]
+        return blocks if w is None else min(blocks, -(-(w + g["block_size"] - 1) // g["block_size"]))
+
+    per_seq = sum(held(g) for g in attention)
+    sequences = facts["num_blocks"] // per_seq if per_seq else 0
+    return {"tokens": tokens, "sequences": sequences,
+            "pools": {"shared": {"blocks": facts["num_blocks"], "groups": len(attention), "sequences": sequences}}}

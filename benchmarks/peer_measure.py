@@ -93,21 +93,25 @@ def device_name() -> str:
 
 
 def measure_models(model_dir: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
-    from benchmarks.peer_kv import kv_facts, kv_per_sequence
+    from benchmarks.peer_kv import kv_facts, kv_per_sequence, kv_pools
 
     config = json.loads((model_dir / "config.json").read_text())
     engine = spec["engine"]
     llm = make_llm(model_dir, engine)
+    tokens = spec["throughput"]["input_len"] + spec["throughput"]["output_len"]
     try:  # the speed figures stand without it: a worker that cannot answer leaves the KV cell with its reason
         facts = llm.collective_rpc(kv_facts)[0]
         backend, kv = ",".join(facts["attention_backends"]) or None, kv_per_sequence(facts, spec["kv_context"])
+        pools = kv_pools(facts, tokens)
     except Exception as e:  # noqa: BLE001 - reported in the record
         backend, kv = None, {"error": f"{type(e).__name__}: {e}"}
+        pools = dict(kv)
     quant = (config.get("quantization_config") or {}).get("quant_method")
     record: dict[str, Any] = {"model": spec["model"], "engine": engine_name(),
                               "settings": {**engine, "dtype": BASE_ENGINE["dtype"], "quantization": quant},
                               "backend": backend, "device": device_name(),
-                              "cuda_graphs": not engine.get("enforce_eager", False), "kv_per_sequence": kv}
+                              "cuda_graphs": not engine.get("enforce_eager", False), "kv_per_sequence": kv,
+                              "kv_pools": pools}
     record["batch1_decode_ms_per_token"], record["batch1_method"] = batch1(llm, spec["batch1"])
     record["throughput"] = throughput(llm, spec["throughput"], warm_up=True)
     return [record]

@@ -13,7 +13,7 @@ run the same tokens, greedy, EOS ignored.
 Each model (each hybrid phase: without, then with prefix caching) runs in a process of its own: GPU memory is only
 certainly back when vLLM's processes end. A model vLLM cannot load or run is a record with "error" (the end of its
 log) instead of a failed run; one the time limit leaves out says so. Records, one JSON line each and a list in OUT:
-- models: model, engine, settings, backend, device, cuda_graphs, kv_per_sequence, batch1_decode_ms_per_token,
+- models: model, engine, settings, backend, device, cuda_graphs, kv_per_sequence, kv_pools, batch1_decode_ms_per_token,
   batch1_method, throughput (benchmarks/models.py's keys);
 - hybrid: metric batch1_decode / throughput / multi_turn_ttft (snapshots false, true) with layers, device,
   gated_delta, decode_graphs (benchmarks/hybrid.py's keys); multi_turn_ttft adds ttft_method (token arrival

@@ -18,6 +18,13 @@ def test_quick_run_measures_every_model() -> None:
         assert kv["group_blocks"] == {"full": {"layers": 1, "blocks": 4}, "window_8": {"layers": 1, "blocks": 2}}
         assert kv["allocated_gib"] == kv["window_share_gib"]
         assert kv["ratio"] == kv["allocated_ratio"] == pytest.approx((4 + 2) / (2 * 4))
+        # 24 + 8 tokens: 2 blocks in either group (the window's 8 keys span at most 2), from the one pool both
+        # groups share (one layer each), less its null block
+        pools = r["kv_pools"]
+        assert pools["tokens"] == 32 and set(pools["pools"]) == {"shared"}
+        shared = pools["pools"]["shared"]
+        assert shared["groups"] == 2 and pools["sequences"] == shared["sequences"] == (shared["blocks"] - 1) // 4
+        assert pools["sequences"] >= 8  # the CPU pool fits the batch
         assert r["batch1_decode_ms_per_token"] > 0
         tp = r["throughput"]
         assert tp["output_tok_s"] == pytest.approx(tp["num_prompts"] * tp["output_len"] / tp["seconds"])

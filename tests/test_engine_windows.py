@@ -74,6 +74,12 @@ CASES = {
     "small-window-pool-preempts": dict(chunked_prefill_size=8, window_pool=16),
     "small-full-pool-preempts": dict(chunked_prefill_size=8, num_blocks=30),
     "overlap": dict(chunked_prefill_size=8, overlap=True),
+    # window_pool 0: the sliding groups draw from the full group's pool (one memory: a block in two tables at once
+    # shows in the FakeExecutor as lost KV)
+    "shared-pool": dict(chunked_prefill_size=8, window_pool=0, num_blocks=160),
+    "shared-pool-two-windows": dict(chunked_prefill_size=16, windows=(5, 12), window_pool=0, num_blocks=200),
+    "shared-pool-overlap": dict(chunked_prefill_size=8, window_pool=0, num_blocks=160, overlap=True),
+    "shared-pool-preempts": dict(chunked_prefill_size=8, window_pool=0, num_blocks=48),
 }
 
 
@@ -97,7 +103,10 @@ def test_outputs_equal_each_request_run_alone(name: str) -> None:
         assert out[rid] == want and out[rid + "-again"] == want, rid
     stats = core.stats()
     assert stats.blocks_owned == 0 and stats.blocks_free + stats.blocks_cached == stats.blocks_total
-    assert stats.blocks_total == core.config.num_blocks + sum(n - 1 for n in core.config.window_blocks)
+    if core.config.window_shared:  # one pool, its block 0 the groups' null block
+        assert stats.blocks_total == core.config.num_blocks - 1
+    else:
+        assert stats.blocks_total == core.config.num_blocks + sum(n - 1 for n in core.config.window_blocks)
     if "preempts" in name:
         assert stats.num_preemptions > 0
     if name != "no-prefix-cache":
@@ -133,18 +142,32 @@ def test_config_refuses_what_the_groups_cannot_do_yet() -> None:
         EngineConfig(**{**base, "window_blocks": (3,)})
     with pytest.raises(ValueError, match="at least 1"):
         EngineConfig(**{**base, "window_sizes": (0,)})
+    with pytest.raises(ValueError, match="either every sliding group shares"):
+        EngineConfig(**{**base, "window_sizes": (8, 4), "window_blocks": (0, 64)})
+    # shared: one sequence of 96 tokens holds 24 full blocks and, prefilled whole, 24 of the window's, beside the
+    # null block
+    EngineConfig(**{**base, "window_blocks": (0,), "num_blocks": 49})
+    with pytest.raises(ValueError, match="share has 47 blocks"):
+        EngineConfig(**{**base, "window_blocks": (0,), "num_blocks": 48})
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=config_st, ops=ops_st(PREFIXES), window=st.integers(1, 10), extra=st.sampled_from([0, 0, 1, 3, 8]),
-       overlap=st.booleans())
-def test_random_workloads_with_a_window_group(cfg: dict, ops: list, window: int, extra: int, overlap: bool) -> None:
+       overlap=st.booleans(), shared=st.booleans(), conservativeness=st.sampled_from([0.0, 1.0]))
+def test_random_workloads_with_a_window_group(cfg: dict, ops: list, window: int, extra: int, overlap: bool,
+                                              shared: bool, conservativeness: float) -> None:
     """The engine's property workloads (arrivals with shared prefixes, aborts, eos, tiny pools that preempt) with
-    a sliding group of a random window whose pool holds from one sequence's peak upwards: accounting after every
-    op, every key a window reads checked by the FakeExecutor, outputs as each request alone."""
-    config = engine_config(cfg)
+    a sliding group of a random window whose pool holds from one sequence's peak upwards, its own or the full
+    group's (shared), with and without the output reservation: accounting after every op, every key a window reads checked by the FakeExecutor, outputs as
+    each request alone."""
+    config = dataclasses.replace(engine_config(cfg), schedule_conservativeness=conservativeness)
     need = KVGroup(window, ()).blocks_held(config.max_model_len, config.block_size, config.step_tokens.largest_chunk)
-    config = dataclasses.replace(config, window_sizes=(window,), window_blocks=(need + 1 + extra,))
+    if shared:  # one pool that holds one sequence's peak in both groups, and the null block
+        full = -(-config.max_model_len // config.block_size)
+        config = dataclasses.replace(config, window_sizes=(window,), window_blocks=(0,),
+                                     num_blocks=max(config.num_blocks, full + need + 1 + extra))
+    else:
+        config = dataclasses.replace(config, window_sizes=(window,), window_blocks=(need + 1 + extra,))
     ex = FakeExecutor(config.num_blocks, config.block_size, vocab_size=48, window_sizes=config.window_sizes,
                       window_blocks=config.window_blocks)
     core = EngineCore(config, ex, overlap=overlap)
@@ -152,3 +175,22 @@ def test_random_workloads_with_a_window_group(cfg: dict, ops: list, window: int,
     stats = core.stats()
     assert stats.blocks_owned == 0 and stats.blocks_free + stats.blocks_cached == stats.blocks_total
     assert_each_generates_what_it_generates_alone(ex, run)
+
+
+@pytest.mark.parametrize("num_blocks", [60, 80])
+def test_shared_pool_admission_leaves_room_for_the_sliding_tables_growth(num_blocks: int) -> None:
+    """With the output reservation on (schedule_conservativeness 1, ignore_eos outputs reserved whole), a shared
+    pool also keeps room for the sliding tables' growth up to their window (WindowBlocks.room): three groups of
+    a 6-token window beside the full one, prompts shorter and longer than the window, and no request is
+    preempted (without that room, these pools preempt 5 and 1 times)."""
+    core, ex = make_core((6, 6, 6), (0, 0, 0), chunked_prefill_size=8, num_blocks=num_blocks,
+                         schedule_conservativeness=1.0)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ps = prompts(1)
+    for rid, p in ps.items():
+        core.add_request(rid, p, params)
+    out = drain(core)
+    for rid, p in ps.items():
+        want, _ = reference_generation(ex.next_token, p, 40, MAX_LEN, frozenset({EOS}), ignore_eos=True)
+        assert out[rid] == want, rid
+    assert core.stats().num_preemptions == 0

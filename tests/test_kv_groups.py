@@ -160,6 +160,12 @@ def test_blocks_held_and_the_memory_plan() -> None:
     per_seq = (2048 * 1 + 65 * 5) * layer_block
     budget = 10 * per_seq + 5 * layer_block  # ten sequences and the sliding pool's null block
     assert plan_blocks(budget, groups, layer_block, ctx, bs) == (2048 * 10, 65 * 10 + 1)
+    # ten and a half sequences: the half is split too, in the same proportion, and no more than the budget
+    more = budget + per_seq // 2
+    full_blocks, local_blocks = plan_blocks(more, groups, layer_block, ctx, bs)
+    assert (full_blocks, local_blocks) == (2048 * 21 // 2, 65 * 21 // 2 + 1)
+    spent = (full_blocks * 1 + local_blocks * 5) * layer_block
+    assert more - 6 * layer_block < spent <= more  # less than one block of each layer is left over
     share = (2048 + 65 * 5) / (2048 * 6)  # the KV a sequence costs against every layer keeping the context
     assert share < 1 / 5
     with pytest.raises(ValueError, match="holds no sequence"):

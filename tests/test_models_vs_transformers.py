@@ -36,12 +36,12 @@ def greedy_references(archs: list[str], make_tiny_model, hf_greedy) -> dict[str,
 
 
 def each_setup_matching(path, refs: list, prepare: Callable[[LLM], None] | None = None,
-                        **llm_kwargs) -> Iterator[tuple[str, dict, LLM]]:
-    """For each of SETUPS: an LLM on path (handed to `prepare` first, when given) whose greedy tokens and logprobs
-    on PROMPTS were checked against refs (and the cumulative logprob against their sum); the caller checks the
-    rest before the next one."""
+                        setups: list[tuple[str, dict]] = SETUPS, **llm_kwargs) -> Iterator[tuple[str, dict, LLM]]:
+    """For each of `setups`: an LLM on path (handed to `prepare` first, when given) whose greedy tokens and
+    logprobs on PROMPTS were checked against refs (and the cumulative logprob against their sum); the caller
+    checks the rest before the next one."""
     params = greedy_params()
-    for name, overrides in SETUPS:
+    for name, overrides in setups:
         llm = LLM(model=str(path), dtype="float32", block_size=4, **llm_kwargs, **overrides)
         if prepare is not None:
             prepare(llm)

@@ -17,7 +17,7 @@ import torch
 from appliance.kernels.reference.attention import decode_attention, prefill_attention
 from appliance.kernels import mxfp4
 from appliance.models import registry
-from test_models_vs_transformers import NEW, PROMPTS, each_setup_matching, greedy_params
+from test_models_vs_transformers import NEW, PROMPTS, SETUPS, each_setup_matching, greedy_params
 
 WINDOW = 6
 TINY: dict[str, Any] = {"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -40,6 +40,22 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+# layer counts the shared pool does not take (three sliding layers to two full ones): separate pools
+OTHER_SHAPES = {"gemma3_uneven": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+    **FAMILIES["gemma3"][2], "num_hidden_layers": 5, "layer_types": ["sliding_attention", "full_attention"] * 2
+    + ["sliding_attention"]})}
+
+# the preemption setup's cache as the memory of fewer tokens at every layer than SETUPS' 64: the sliding layers
+# keep only their window and share the full layers' pool (executor/window_groups.py), so 64 tokens' worth holds
+# the whole batch; each is the least that holds one max_model_len sequence in every group
+PREEMPT_TOKENS = {"gemma3": 40, "gpt_oss": 48}
+
+
+def windowed_setups(family: str) -> list[tuple[str, dict]]:
+    return [(name, {**o, "max_total_tokens": PREEMPT_TOKENS[family]} if "max_total_tokens" in o else o)
+            for name, o in SETUPS]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     before = torch.get_num_threads()
@@ -53,7 +69,7 @@ def build_family(family: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0)
     gpt-oss's expert weights rounded to MXFP4 values so the float and MXFP4 checkpoints hold the same model."""
     import transformers
 
-    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg_cls, model_cls, extra = {**FAMILIES, **OTHER_SHAPES}[family]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**{**TINY, **extra})).eval()
     with torch.no_grad():
@@ -108,7 +124,7 @@ def test_greedy_matches_transformers(family: str, family_dir, hf_greedy) -> None
     path = family_dir(family)
     refs = hf_greedy(path, PROMPTS, NEW)
     assert max(len(p) for p in PROMPTS) > 4 * WINDOW  # the window hides most of the longest prompt
-    for name, overrides, llm in each_setup_matching(path, refs):
+    for name, overrides, llm in each_setup_matching(path, refs, setups=windowed_setups(family)):
         stats = llm.engine.stats()
         if name.startswith("preempt"):
             assert stats.num_preemptions > 0, "the tiny cache should have forced preemption"
@@ -119,10 +135,34 @@ def test_greedy_matches_transformers(family: str, family_dir, hf_greedy) -> None
         assert llm.engine.check_accounting().ok
         layers = llm.executor.runner.model.attention_layers()
         assert {a.sliding_window for a in layers} == {WINDOW, None}, "both layer kinds"
-        # the sliding layers keep their window in a pool of their own (executor/window_groups.py)
-        assert llm.engine.config.window_sizes == llm.executor.runner.kv_layout.window_sizes == (WINDOW,)
-        assert {a.kv_group for a in layers if a.sliding_window} == {1}
+        # the sliding layers keep their window, in groups as large as the full group's that share its pool
+        # (executor/window_groups.py): the layers at one position of their groups share their K/V tensors
+        layout = llm.executor.runner.kv_layout
+        groups = sum(a.sliding_window is not None for a in layers) // sum(a.sliding_window is None for a in layers)
+        assert layout.shared and llm.engine.config.window_shared
+        assert llm.engine.config.window_sizes == layout.window_sizes == (WINDOW,) * groups
+        assert {a.kv_group for a in layers if a.sliding_window} == set(range(1, groups + 1))
         assert {a.kv_group for a in layers if a.sliding_window is None} == {0}
+        at = layout.positions(len(layers))
+        ptrs = {(at[i], a.kv_cache()[0].data_ptr()) for i, a in enumerate(layers)}
+        assert len(ptrs) == len(set(at)) == len(layers) // (groups + 1)
+
+
+def test_separate_pools_where_the_groups_cannot_share_one(family_dir, hf_greedy) -> None:
+    """Three sliding layers and two full ones do not make groups of one size: the sliding layers keep their
+    window in a pool of their own, split from the budget at start-up, and the tokens are the same."""
+    from appliance import LLM
+
+    path = family_dir("gemma3_uneven")
+    refs = hf_greedy(path, PROMPTS, NEW)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, chunked_prefill_size=16)
+    layout = llm.executor.runner.kv_layout
+    assert not layout.shared and layout.window_sizes == llm.engine.config.window_sizes == (WINDOW,)
+    assert 1 < layout.window_blocks[0] < layout.num_blocks and not llm.engine.config.window_shared
+    for _ in range(2):  # the second pass hits the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())
+        assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in refs]
+    assert llm.engine.check_accounting().ok
 
 
 def test_one_pool_where_the_groups_do_not_apply_yet(family_dir, hf_greedy) -> None:

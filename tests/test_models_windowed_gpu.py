@@ -28,8 +28,10 @@ def test_gpu_triton_matches_transformers(family: str, eager: bool, tmp_path: Pat
     runner = llm.executor.runner
     assert runner.backend == "triton" and runner.model.supports_cuda_graphs
     assert (runner.graphs is None) == eager
-    # the sliding layers keep their windows in pools of their own, eager or in graphs (executor/window_table.py)
-    assert runner.kv_layout.window_sizes == (WINDOW,)
+    # the sliding layers keep their windows, in groups of the full group's size sharing its pool (Gemma: two
+    # groups of one layer; gpt-oss: one), eager or in graphs (executor/window_table.py)
+    assert runner.kv_layout.window_sizes == (WINDOW,) * {"gemma3": 2, "gpt_oss": 1}[family]
+    assert runner.kv_layout.shared and llm.engine.config.window_shared
     assert eager or runner.graphs.windows is runner.window_table is not None
     for _ in range(2):  # the second pass hits the prefix cache
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params())

@@ -91,12 +91,13 @@ def _with_decode_graphs(llm: LLM, sizes: list[int]) -> list[GraphKey]:
 
 def _groups_active(llm: LLM) -> None:
     runner = llm.executor.runner
-    assert runner.kv_layout.window_sizes == llm.engine.config.window_sizes == (WINDOW,)
     layers = runner.model.attention_layers()
-    assert {a.kv_group for a in layers if a.sliding_window} == {1}
+    # the sliding layers in groups as large as the full group's, sharing its pool (executor/window_groups.py)
+    groups = sum(a.sliding_window is not None for a in layers) // sum(a.sliding_window is None for a in layers)
+    assert runner.kv_layout.window_sizes == llm.engine.config.window_sizes == (WINDOW,) * groups
+    assert runner.kv_layout.shared and llm.engine.config.window_shared
+    assert {a.kv_group for a in layers if a.sliding_window} == set(range(1, groups + 1))
     assert {a.kv_group for a in layers if a.sliding_window is None} == {0}
-    # the sliding pool holds fewer blocks than the full one: it keeps windows, not contexts
-    assert runner.kv_layout.window_blocks[0] < runner.kv_layout.num_blocks
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -183,10 +184,11 @@ def test_piecewise_and_decode_graphs_match_transformers(family_dir, hf_greedy) -
     stage = runner.pieces._stage
 
     def counting(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, b: int) -> int:
-        assert len(meta.windows) == 1
+        assert len(meta.windows) == len(runner.kv_layout.groups) == 2  # two sliding groups of one layer
         t = stage(input_ids, positions, meta, b)
-        assert torch.equal(runner.pieces.window_slots[0][:t], meta.windows[0].slot_mapping)
-        assert bool((runner.pieces.window_slots[0][t:b] == -1).all())  # pad rows store nothing
+        for g, window in enumerate(meta.windows):
+            assert torch.equal(runner.pieces.window_slots[g][:t], window.slot_mapping)
+            assert bool((runner.pieces.window_slots[g][t:b] == -1).all())  # pad rows store nothing
         staged.append(b)
         return t
 
@@ -287,9 +289,10 @@ def test_window_graphs_match_eager_on_gpu(family: str, tmp_path: Path, tiny_toke
               skip_tokenizer_init=True)
     runner = llm.executor.runner
     assert runner.graphs is not None and runner.graphs.windows is runner.window_table is not None
-    assert runner.kv_layout.window_sizes == (WINDOW,)
+    groups = {"gemma3": 2, "gpt_oss": 1}[family]  # sliding groups of the full group's size, sharing its pool
+    assert runner.kv_layout.window_sizes == (WINDOW,) * groups and runner.kv_layout.shared
     if family == "gemma3":  # gpt-oss declares no pieces
-        assert runner.pieces is not None and len(runner.pieces.window_slots) == 1 and runner.pieces.pieces
+        assert runner.pieces is not None and len(runner.pieces.window_slots) == groups and runner.pieces.pieces
     prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21, [3] * 300]  # four rows: a capture size
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     with_graphs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]

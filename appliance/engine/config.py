@@ -79,7 +79,8 @@ class EngineConfig:
     ssm_checkpoint_interval: int = 0
     ssm_snapshot_slots: int = 0
     # sliding-window KV cache groups (kv_groups.py, window_blocks.py): each sliding group's window and the blocks
-    # of its pool (its null block included); empty: every layer keeps the whole context in the num_blocks pool
+    # of its pool (its null block included), or 0 for every group: they share the num_blocks pool (block 0 their
+    # null block); empty: every layer keeps the whole context in the num_blocks pool
     window_sizes: tuple[int, ...] = ()
     window_blocks: tuple[int, ...] = ()
 
@@ -155,13 +156,27 @@ class EngineConfig:
                                        ("recurrent state", self.num_state_slots > 0)) if on]
         if other:
             raise ValueError(f"sliding-window KV cache groups do not work with {', '.join(other)} yet")
+        if 0 in self.window_blocks and any(self.window_blocks):
+            raise ValueError(f"EngineConfig.window_blocks {self.window_blocks}: either every sliding group shares "
+                             "the full pool (0) or none does")
+        shared_need = -(-self.max_model_len // self.block_size)  # the full group's, in a shared pool
         for w, n in zip(self.window_sizes, self.window_blocks):
             if w < 1:
                 raise ValueError(f"EngineConfig.window_sizes: a window must be at least 1 token, got {w}")
             need = KVGroup(w, ()).blocks_held(self.max_model_len, self.block_size, self.step_tokens.largest_chunk)
-            if n - 1 < need:  # one sequence must fit alone, as in the full pool
+            shared_need += need
+            if n and n - 1 < need:  # one sequence must fit alone, as in the full pool
                 raise ValueError(f"the sliding-window group of window {w} has {n - 1} blocks (and its null "
                                  f"block); one sequence of max_model_len={self.max_model_len} holds up to {need}")
+        if self.window_shared and self.num_blocks - 1 < shared_need:
+            raise ValueError(f"the KV pool the sliding-window groups share has {self.num_blocks - 1} blocks (and the "
+                             f"null block); one sequence of max_model_len={self.max_model_len} holds up to "
+                             f"{shared_need} in its groups")
+
+    @property
+    def window_shared(self) -> bool:
+        """The sliding groups draw their blocks from the num_blocks pool (window_blocks all 0)."""
+        return bool(self.window_blocks) and not any(self.window_blocks)
 
     @property
     def lookahead(self) -> int:

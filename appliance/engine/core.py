@@ -164,12 +164,15 @@ class EngineCore:
         return self.scheduler.requests.get(request_id)
 
     def reset_prefix_cache(self) -> int:
-        return self.scheduler.cache.reset()
+        n = self.scheduler.cache.reset()
+        if self.scheduler.windows is not None:  # the sliding groups' caches too (after: a shared pool's reset)
+            self.scheduler.windows.reset_caches()
+        return n
 
     def stats(self) -> EngineStats:
         s = self.scheduler
         # every pool's blocks: the full group's and the sliding groups' (their null blocks are no KV)
-        pools = [s.pool] + (s.windows.pools if s.windows is not None else [])
+        pools = [s.pool] + (s.windows.pools if s.windows is not None and s.windows.shared is None else [])
         total, owned = sum(p.num_usable for p in pools), sum(p.num_owned for p in pools)
         return EngineStats(
             num_running=len(s.running),
@@ -197,12 +200,17 @@ class EngineCore:
 
     def check_accounting(self) -> AccountingReport:
         """free + cached + owned == total, and every refcount equals the number of live tables holding it."""
-        rep = self.scheduler.pool.check_accounting(self.scheduler.live_block_refs())
+        refs = self.scheduler.live_block_refs()
+        windows = self.scheduler.windows
+        if windows is not None and windows.shared is not None:  # one pool: every group's tables hold its blocks
+            for g in range(len(windows.groups)):
+                for b, n in windows.refs(g).items():
+                    refs[b] = refs.get(b, 0) + n
+        rep = self.scheduler.pool.check_accounting(refs)
         host = self.scheduler.cache.host
         owned = [s for r in self.scheduler.requests.values() for s in r.swap_slots]
         if host is not None and (problems := host.check(owned)):
             rep = replace(rep, problems=rep.problems + tuple(problems))
-        windows = self.scheduler.windows
         for w, win in zip(self.config.window_sizes, windows.check_accounting() if windows is not None else []):
             problems = rep.problems + tuple(f"window {w}: {p}" for p in win.problems)
             rep = AccountingReport(rep.total + win.total, rep.free + win.free, rep.cached + win.cached,

@@ -92,9 +92,12 @@ class FakeExecutor(Executor):
         self.draft_quality = draft_quality or (lambda rid, n: (n * 7 + len(rid)) % (num_speculative_tokens + 1))
         self.state: dict[str, _WorkerRequest] = {}
         self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
-        # sliding-window groups (engine/kv_groups.py): each its window, and its own blocks' slots
+        # sliding-window groups (engine/kv_groups.py): each its window, and its own blocks' slots; window_blocks
+        # all 0: the groups share the full group's blocks, so one table's block in another's shows as lost KV
         self.windows = tuple(window_sizes)
-        self.window_kv = [[[None] * block_size for _ in range(n)] for n in window_blocks]
+        shared = bool(window_blocks) and not any(window_blocks)
+        self.window_kv = ([self.kv] * len(self.windows) if shared
+                          else [[[None] * block_size for _ in range(n)] for n in window_blocks])
         self.host: dict[int, list[tuple[int, int] | None]] = {}  # host slot -> a block's slots (host tier)
         self.disk: dict[int, list[tuple[int, int] | None]] = {}  # disk slot -> a block's slots (disk tier)
         self.plans: list[StepPlan] = []

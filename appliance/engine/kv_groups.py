@@ -15,7 +15,7 @@ Design as vLLM's hybrid KV cache manager (kv cache groups, its SlidingWindowMana
 - `sliding_hit`: a prefix-cache hit must find the sliding group's last window of blocks present; otherwise the
   hit is shortened to the longest prefix whose window is.
 - `plan_blocks`: the memory plan's split of a byte budget over the groups' pools, in proportion to what a
-  sequence of max_model_len tokens holds in each.
+  sequence of max_model_len tokens holds in each (the whole budget, fractions of a sequence included).
 """
 from __future__ import annotations
 
@@ -104,14 +104,16 @@ def sliding_hit(num_blocks: int, is_cached: Callable[[int], bool], window: int, 
 
 def plan_blocks(budget_bytes: int, groups: Sequence[KVGroup], layer_block_bytes: int, max_model_len: int,
                 block_size: int, chunk: int = 1) -> tuple[int, ...]:
-    """Blocks of each group's pool for a byte budget: as many sequences of max_model_len tokens as fit, each
-    holding what it holds in every group (a sliding group's window and largest `chunk`), plus the null block of
-    each sliding pool (paid from the budget too). `layer_block_bytes`: one layer's K and V for one block."""
+    """Blocks of each group's pool for a byte budget, in proportion to what a sequence of max_model_len tokens
+    holds in each group (a sliding group's window and largest `chunk`), plus the null block of each sliding pool
+    (paid from the budget too). The whole budget is split, not only the whole sequences it holds: a remainder
+    of a fraction of a sequence (up to a ninth of the budget where nine sequences fit) would be memory no pool
+    uses. `layer_block_bytes`: one layer's K and V for one block."""
     held = [g.blocks_held(max_model_len, block_size, chunk) for g in groups]
     per_seq = sum(h * len(g.layers) for h, g in zip(held, groups)) * layer_block_bytes
     nulls = sum(len(g.layers) for g in groups if g.sliding) * layer_block_bytes
-    seqs = (budget_bytes - nulls) // per_seq if per_seq else 0
-    if seqs < 1:
+    if per_seq == 0 or budget_bytes - nulls < per_seq:
         raise ValueError(f"the KV budget of {budget_bytes} bytes holds no sequence of {max_model_len} tokens "
                          f"({per_seq} bytes each)")
-    return tuple(seqs * h + (1 if g.sliding else 0) for h, g in zip(held, groups))
+    # floor((budget - nulls) / per_seq * h) for each group: sum(count * layers * bytes) stays within the budget
+    return tuple((budget_bytes - nulls) * h // per_seq + (1 if g.sliding else 0) for h, g in zip(held, groups))

@@ -263,11 +263,11 @@ class PrefixCache:
             if self.pool.refcount(b) > 0:
                 self.pool.uncache_owned(b)
                 del self._by_hash[self._by_block.pop(b).block_hash]
-        self.pool.on_evict = None  # a clear is one event, not one removal per block
+        listener, self.pool.on_evict = self.pool.on_evict, None  # a clear is one event, not one per block
         try:
             self.pool.evict_all_cached()
         finally:
-            self.pool.on_evict = self._on_evict
+            self.pool.on_evict = listener
         self._by_hash.clear()
         self._by_block.clear()
         if self.host is not None:  # the host copies go too (not swapped requests'); queued copies still run
@@ -276,6 +276,14 @@ class PrefixCache:
             self._unwritten.clear()
         self._emit(ALL_BLOCKS_CLEARED, None, None, ())
         return n
+
+    def holds(self, block_id: int) -> bool:
+        """Whether this cache registered the block (a pool several caches share: window_blocks.py)."""
+        return block_id in self._by_block
+
+    def evicted(self, block_id: int) -> None:
+        """The pool reclaimed a block this cache registered (its `on_evict`, or a shared pool's dispatch)."""
+        self._on_evict(block_id)
 
     def _on_evict(self, block_id: int) -> None:
         cb = self._by_block.pop(block_id)

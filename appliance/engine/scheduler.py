@@ -55,7 +55,8 @@ class Scheduler(Preemption):
         self.slo = SloPolicy(config.slo_tbt_ms / 1000.0) if config.policy == "slo" else None
         self._planned_at: dict[int, tuple[float, int]] = {}  # step id -> (clock, prefill tokens): policy slo
         self._last_update_at = 0.0
-        self.pool = BlockPool(config.num_blocks)
+        # with shared window groups the sliding tables draw from this pool too, whose block 0 is then their null block
+        self.pool = BlockPool(config.num_blocks, null_block=config.window_shared)
         self.cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching, on_kv_event,
                                  config.num_host_blocks, config.num_disk_blocks,
                                  config.host_cache_write_policy == "write_through")
@@ -64,9 +65,10 @@ class Scheduler(Preemption):
                                          config.block_size)
                           if config.num_state_slots and config.enable_prefix_caching else None)
         self.swap = SwapPolicy(config.preemption_mode, config.swap_costs)  # what preemption keeps (swap.py)
-        # sliding-window groups: their own pools and tables beside the full group's (window_blocks.py)
+        # sliding-window groups: their tables beside the full group's, from pools of their own or this one
         self.windows = (WindowBlocks([KVGroup(w, ()) for w in config.window_sizes], config.window_blocks,
-                                     config.block_size, config.enable_prefix_caching)
+                                     config.block_size, config.enable_prefix_caching,
+                                     (self.pool, self.cache) if config.window_shared else None)
                         if config.window_sizes else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
@@ -261,20 +263,23 @@ class Scheduler(Preemption):
         revived = sum(1 for b in hit if self.pool.is_evictable(b))
         spare = self.pool.num_available - need - revived  # blocks left after this chunk's
         rsv = self._reserve  # it also wants room for the rest of the prompt and the outputs (admission.py)
+        if rsv is not None and win is not None and win.shared is not None and self.running:  # and the sliding
+            spare -= win.room(self.running, req, len(hit), end)  # tables' (one alone is always admitted)
         if spare < 0 or (rsv is not None and not rsv.fits(req, spare, req.num_tokens - num_hit - n, hit)):
             return False
-        if win is not None and not win.fits(req, len(hit), end):
+        if win is not None and not win.fits(req, len(hit), end, need + revived):
             return False
         for b in hit:  # take the hits before allocating, so allocation cannot evict them
             self.pool.incref(b)
         if host_hit:  # nor reuse the host slots about to be loaded (disk hits are fetched into host slots now)
             host_hit = self.cache.host.pin(host_hit)
+        # the sliding groups take their window's hits before this pool allocates (it may be theirs too)
+        window_tables = win.admit(req, len(hit), end) if win is not None else None
         new_blocks = self.pool.allocate(need)
         if host_hit:
             self.cache.load_host(host_hit, new_blocks[:len(host_hit)])
         if req.swap_slots:
             self._swap_in(req, len(hit), num_hit, new_blocks)
-        window_tables = win.admit(req, len(hit), end) if win is not None else None
         req.block_ids = hit + new_blocks
         req.num_computed_tokens = num_hit
         req.num_stored_blocks = len(hit) + len(host_hit)

@@ -104,15 +104,25 @@ def blocks_for_gpu(spec: KVCacheSpec, device: torch.device, utilization: float, 
     return int(n)
 
 
-def allocate(spec: KVCacheSpec, num_blocks: int, device: torch.device,
-             layer_blocks: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def allocate(spec: KVCacheSpec, num_blocks: int, device: torch.device, layer_blocks: list[int] | None = None,
+             positions: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(K, V) per layer; V is None for a one-tensor (MLA latent) cache. layer_blocks: each layer's block count
-    where it differs (its KV cache group's pool: executor/window_groups.py); num_blocks for all by default."""
+    where it differs (its KV cache group's pool: executor/window_groups.py); num_blocks for all by default.
+    positions: KV cache groups sharing one pool, each layer's index in its group; the layers at one index share
+    their tensors (the engine gives a block to one group at a time)."""
     counts = layer_blocks if layer_blocks is not None else [num_blocks] * spec.num_layers
     shapes = [(n, spec.block_size, spec.num_kv_heads, spec.head_dim) for n in counts]
-    own = [(torch.zeros(shapes[i], dtype=spec.layer_dtype(i), device=device),
-            torch.zeros(shapes[i], dtype=spec.layer_dtype(i), device=device) if spec.num_tensors == 2 else None)
-           for i in range(spec.num_layers)]
+    own: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    first: dict[int, int] = {}  # position -> the first layer at it, whose tensors the others take
+    for i in range(spec.num_layers):
+        if positions is not None and positions[i] in first:
+            own.append(own[first[positions[i]]])
+            continue
+        if positions is not None:
+            first[positions[i]] = i
+        own.append((torch.zeros(shapes[i], dtype=spec.layer_dtype(i), device=device),
+                    torch.zeros(shapes[i], dtype=spec.layer_dtype(i), device=device) if spec.num_tensors == 2
+                    else None))
     return own + (allocate(spec.drafter, num_blocks, device) if spec.drafter is not None else [])
 
 

@@ -157,7 +157,8 @@ class ModelRunner:
             self.num_blocks = self.kv_layout.num_blocks
         with STARTUP.phase("allocating the KV cache"):
             self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device,
-                                               self.kv_layout.layer_blocks(self.kv_spec.num_layers))
+                                               self.kv_layout.layer_blocks(self.kv_spec.num_layers),
+                                               self.kv_layout.positions(self.kv_spec.num_layers))
         weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
         for layer, (k, v) in zip(layers, self.kv_caches):
             layer.bind_kv_cache(k, v)

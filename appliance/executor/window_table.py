@@ -92,11 +92,10 @@ class WindowDeviceTables:
         """Each group's addresses for one-token rows, computed on the device (capturable: no host sync): the rows'
         tables narrowed to `width` and the slots of their positions; a row whose full-group slot is -1 (padding)
         stores nothing in any group."""
-        out = []
-        for g in range(self.groups):
-            tables = self.table[g, :, :width].index_select(0, rows)
-            out.append(WindowTables(_slots(tables, positions, slots, block_size), tables, self._no_prefill))
-        return tuple(out)
+        # every group at once: a model of many groups (Gemma 3's five of eight layers) launches what one does
+        tables = self.table[:, :, :width].index_select(1, rows)  # [groups, rows, width]
+        group_slots = _slots(tables, positions, slots, block_size)
+        return tuple(WindowTables(group_slots[g], tables[g], self._no_prefill) for g in range(self.groups))
 
     def step_windows(self, decodes: list[Chunk], prefills: list[Chunk], decode_rows: torch.Tensor,
                      prefill_rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, decode_width: int,
@@ -111,19 +110,18 @@ class WindowDeviceTables:
         sent = self._stager.send(np.concatenate([index, values, *pre]))
         self.apply(sent[:k], sent[k : 2 * k])
         at, n = 2 * k, pre[0].shape[0]
-        out = []
-        for g in range(self.groups):
-            dec = self.table[g, :, :decode_width].index_select(0, decode_rows)
-            group_slots = torch.cat([_slots(dec, positions, slots, block_size), sent[at + g * n : at + (g + 1) * n]])
-            out.append(WindowTables(group_slots, dec, self.table[g, :, :prefill_width].index_select(0, prefill_rows)))
-        return tuple(out)
+        dec = self.table[:, :, :decode_width].index_select(1, decode_rows)  # every group at once
+        group_slots = torch.cat([_slots(dec, positions, slots, block_size),
+                                 sent[at : at + self.groups * n].view(self.groups, n)], dim=1)
+        pre_tables = self.table[:, :, :prefill_width].index_select(1, prefill_rows)
+        return tuple(WindowTables(group_slots[g], dec[g], pre_tables[g]) for g in range(self.groups))
 
 
 def _slots(tables: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """One-token rows' cache slots in a group from their gathered tables and positions; -1 where the full group's
-    slot is -1 (padding)."""
-    column = torch.div(positions, block_size, rounding_mode="floor").unsqueeze(1)
-    group_slots = tables.gather(1, column).squeeze(1).to(torch.int64) * block_size + positions % block_size
+    """One-token rows' cache slots [groups, rows] from their gathered tables [groups, rows, width] and positions;
+    -1 where the full group's slot is -1 (padding)."""
+    column = torch.div(positions, block_size, rounding_mode="floor").view(1, -1, 1).expand(tables.shape[0], -1, 1)
+    group_slots = tables.gather(2, column).squeeze(2).to(torch.int64) * block_size + positions % block_size
     return torch.where(slots >= 0, group_slots, slots)
 
 

@@ -23,7 +23,7 @@ _LOADED: set[str] = set()
 OPS = ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "rope", "silu_and_mul", "gemv", "sample",
        "rope_store_kv", "decode_positions", "verify_positions", "skinny_gemm",
        "norm_prep", "gemv_residual", "gemv_normed_silu", "gemv_normed_rope_store", "fp8_quant_act",
-       "fp8_gemv")
+       "fp8_gemv", "gelu_tanh_and_mul", "norm_add_norm")
 
 # the modules whose import registers a backend's ops (kernels/moe and kernels/mla register theirs for torch and
 # triton when imported: layers/moe.py and layers/mla.py import them); kernels/fp8_gemm.py holds the torch

@@ -5,7 +5,9 @@ What sets it apart from the Llama decoder it is built from:
   whole context (5 local to 1 global in the released models), each kind with its own rotary parameters
   (`rope_parameters[layer_type]`: theta 10k local, 1M global, linear scaling on 27B's global layers);
 - q/k RMSNorm per head, softmax scale query_pre_attn_scalar^-0.5;
-- four norms per layer (after attention and around the MLP), all of them Gemma's (1 + weight) RMSNorm;
+- four norms per layer (after attention and around the MLP), all of them Gemma's (1 + weight) RMSNorm; the
+  output norm of attention and of the MLP, the residual add after it and the norm after that run as one
+  `norm_add_norm` op (two launches a layer where four norms and two adds would be six ops);
 - embeddings scaled by sqrt(hidden_size) (in the model's dtype, as transformers does), tied to the LM head;
 - a GeGLU MLP (gelu, tanh approximation); an optional final logit soft-cap.
 
@@ -23,6 +25,7 @@ from torch import nn
 from appliance.layers.activation import GatedActivation
 from appliance.layers.attention import Attention, AttentionMetadata
 from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from appliance.layers.kernels import kernel
 from appliance.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from appliance.layers.norm import GemmaRMSNorm
 from appliance.models.layer_types import SLIDING, layer_types
@@ -70,18 +73,18 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, backend)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, backend)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, backend)
+        self.eps = eps
+        self._norm_add_norm = kernel("norm_add_norm", backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (the MLP's normed output, the residual stream before it): the next norm adds them."""
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(positions, h, meta))
-        h, residual = self.pre_feedforward_layernorm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor, meta: AttentionMetadata,
+                next_norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: this layer's input already through input_layernorm (the layer before applied it in its last
+        norm_add_norm). Returns (next_norm's output, the residual stream): each sandwich norm's output norm, its
+        residual add and the norm after it are one norm_add_norm."""
+        h, residual = self._norm_add_norm(self.self_attn(positions, h, meta), self.post_attention_layernorm.weight,
+                                          residual, self.pre_feedforward_layernorm.weight, self.eps)
+        return self._norm_add_norm(self.mlp(h), self.post_feedforward_layernorm.weight, residual,
+                                   next_norm.weight, self.eps)
 
 
 class Gemma3Model(nn.Module):
@@ -94,12 +97,13 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the dtype first, like transformers
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        out, _ = self.norm(x, residual)
-        return out
+        residual = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the dtype first, like transformers
+        h = self.layers[0].input_layernorm(residual)
+        # each layer ends in the next layer's input norm (the last one's: the final norm)
+        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, nexts):
+            h, residual = layer(positions, h, residual, meta, next_norm)
+        return h
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

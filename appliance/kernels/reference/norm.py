@@ -16,3 +16,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * h.to(x.dtype)
     return (out, summed) if residual is not None else out
+
+
+@register("norm_add_norm", "torch")
+def norm_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, next_weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sandwich-norm block's tail (Gemma 3): s = residual + rms_norm(x, weight), returns (rms_norm(s,
+    next_weight), s): the two rms_norm calls it stands for, rounded as they round."""
+    out, summed = rms_norm(rms_norm(x, weight, eps), next_weight, eps, residual)
+    return out, summed

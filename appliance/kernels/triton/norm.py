@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it; and norm_add_norm, a sandwich-norm
+block's output norm, its residual add and the next norm (Gemma 3) in one launch."""
 from __future__ import annotations
 
 import torch
@@ -57,3 +58,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                   s2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK_N=block,
                                   num_warps=min(16, max(1, block // 256)), **pdl_kwargs(x2))
     return (out, summed) if residual is not None else out
+
+
+@triton.jit
+def _norm_add_norm_kernel(x_ptr, res_ptr, w1_ptr, w2_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o,
+                          stride_s, n, eps, BLOCK_N: tl.constexpr, GDC: tl.constexpr):
+    pdl_enter(GDC)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < n
+    dt = x_ptr.dtype.element_ty
+    # every intermediate rounded where the two rms_norm calls it replaces round it
+    h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(h * h, 0) / n + eps)
+    w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = (w1 * (h * inv).to(dt).to(tl.float32)).to(dt)
+    r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (normed.to(tl.float32) + r).to(dt)
+    tl.store(sum_ptr + row * stride_s + offs, s, mask=mask)
+    s32 = s.to(tl.float32)
+    inv2 = tl.rsqrt(tl.sum(s32 * s32, 0) / n + eps)
+    w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w2 * (s32 * inv2).to(dt).to(tl.float32)).to(dt), mask=mask)
+
+
+@register("norm_add_norm", "triton")
+def norm_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, next_weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x) added to the residual stream, then the next rms_norm of the sum, in one pass over the row."""
+    n = x.shape[-1]
+    if weight.shape != (n,) or next_weight.shape != (n,):
+        raise ValueError(f"norm_add_norm: weights {tuple(weight.shape)}, {tuple(next_weight.shape)} do not match "
+                         f"hidden size {n}")
+    if residual.shape != x.shape:
+        raise ValueError(f"norm_add_norm: residual {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    if weight.dtype != x.dtype or next_weight.dtype != x.dtype or residual.dtype != x.dtype:
+        raise ValueError(f"norm_add_norm: x, residual and weights must share a dtype, got {x.dtype}, "
+                         f"{residual.dtype}, {weight.dtype}, {next_weight.dtype}")
+    x2, r2 = _rows(x, n), _rows(residual, n)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out2, s2 = out.view(-1, n), summed.view(-1, n)
+    block = triton.next_power_of_2(n)
+    if x2.shape[0]:
+        _norm_add_norm_kernel[(x2.shape[0],)](x2, r2, weight, next_weight, out2, s2, x2.stride(0), r2.stride(0),
+                                              out2.stride(0), s2.stride(0), n, eps, BLOCK_N=block,
+                                              num_warps=min(16, max(1, block // 256)), **pdl_kwargs(x2))
+    return out, summed

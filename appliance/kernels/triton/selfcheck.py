@@ -49,6 +49,16 @@ def rms_norm_inputs(rows: int, hidden: int, dtype: torch.dtype, device: str, res
     return Inputs((x, w, 1e-6, r), passes * x.numel() * x.element_size())
 
 
+def norm_add_norm_inputs(rows: int, hidden: int, dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
+    """Args of `norm_add_norm`: a block's output, its norm's weight, the residual stream, the next norm's weight
+    (weights around 1, like Gemma's folded 1 + w)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (4 * torch.randn(rows, hidden, generator=gen)).to(dtype).to(device)
+    w1, w2 = ((1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype).to(device) for _ in range(2))
+    r = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+    return Inputs((x, w1, r, w2, 1e-6), 4 * x.numel() * x.element_size())
+
+
 def rope_inputs(tokens: int, heads: int, kv_heads: int, head_dim: int, rot_dim: int, is_neox: bool,
                 dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
@@ -222,6 +232,10 @@ def small_cases(device: str = "cpu") -> list[Case]:
                                                                             4)),
         ("silu_and_mul", "bf16", lambda: silu_inputs(3, 1500, bf, d)),
         ("silu_and_mul", "f16", lambda: silu_inputs(2, 64, f16, d)),
+        ("gelu_tanh_and_mul", "bf16", lambda: silu_inputs(3, 1500, bf, d, seed=1)),
+        ("gelu_tanh_and_mul", "f32-ragged", lambda: silu_inputs(2, 70, f32, d, seed=2)),
+        ("norm_add_norm", "bf16", lambda: norm_add_norm_inputs(5, 96, bf, d)),
+        ("norm_add_norm", "f32-ragged", lambda: norm_add_norm_inputs(3, 130, f32, d, seed=1)),
         ("gemv", "bf16-m1-ragged", lambda: gemv_inputs(1, 50, 70, bf, d)),
         ("gemv", "f16-m5-bias", lambda: gemv_inputs(5, 40, 96, f16, d, bias=True)),
         ("gemv", "f32-m16-splitk3", lambda: gemv_inputs(16, 33, 200, f32, d, split_k=3)),
@@ -267,6 +281,8 @@ def realistic_cases(device: str = "cuda") -> list[Case]:
             ("rope_store_kv", f"{name}-gptj-partial-d80", lambda dt=dt: rope_store_inputs(
                 50, 12, 4, 80, 32, False, True, dt, d, 16)),
             ("silu_and_mul", name, lambda dt=dt: silu_inputs(300, 14336, dt, d)),
+            ("gelu_tanh_and_mul", f"{name}-gemma3-12b", lambda dt=dt: silu_inputs(256, 15360, dt, d)),
+            ("norm_add_norm", f"{name}-gemma3-12b", lambda dt=dt: norm_add_norm_inputs(256, 3840, dt, d)),
             ("gemv", f"{name}-m1-qkv", lambda dt=dt: gemv_inputs(1, 6144, 4096, dt, d)),
             ("gemv", f"{name}-m16-down-bias", lambda dt=dt: gemv_inputs(16, 4096, 14336, dt, d, bias=True)),
             ("gemv", f"{name}-m3-splitk4", lambda dt=dt: gemv_inputs(3, 1000, 14336, dt, d, split_k=4)),
