@@ -246,17 +246,29 @@ def test_kv_blocks_stop_at_start_up_when_the_gpu_share_is_not_free(monkeypatch: 
         kv_cache.blocks_for_gpu(spec, torch.device("cuda", 0), 0.3, 2 * gib)
 
 
-def test_a_dropped_engine_gives_its_kv_memory_back(tiny_model: Path) -> None:
-    """The runner's finalizer empties the cache storage: a stray reference to a cache tensor (as seen on the GPU
-    with the Triton backend) no longer keeps the pool's memory."""
+def test_a_dropped_engine_gives_its_kv_and_weight_memory_back(tiny_model: Path) -> None:
+    """The runner's finalizers empty the cache's and the weights' storage: a stray reference to a cache tensor or a
+    weight (as seen on the GPU) no longer keeps their memory, and the next engine in the process runs the same."""
     import gc
 
     from appliance import LLM, SamplingParams
 
-    llm = LLM(model=str(tiny_model), dtype="float32", skip_tokenizer_init=True, max_total_tokens=512)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3))
+    def engine() -> LLM:
+        return LLM(model=str(tiny_model), dtype="float32", skip_tokenizer_init=True, max_total_tokens=512)
+
+    def tokens(llm: LLM) -> list[int]:
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3))
+        return list(out[0].outputs[0].token_ids)
+
+    llm = engine()
+    first = tokens(llm)
     stray = llm.executor.runner.kv_caches[0][0]
+    weight = next(llm.executor.runner.model.parameters())
     assert stray.untyped_storage().nbytes() == stray.numel() * stray.element_size() > 0
+    assert weight.untyped_storage().nbytes() == weight.numel() * weight.element_size() > 0
+    llm.shutdown()
     del llm
     gc.collect()
     assert stray.untyped_storage().nbytes() == 0
+    assert weight.untyped_storage().nbytes() == 0
+    assert tokens(engine()) == first

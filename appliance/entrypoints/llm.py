@@ -107,7 +107,8 @@ class LLM:
         return self.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine and drop the executor's request state (the model stays loaded until garbage)."""
+        """Stop the engine and drop the executor's request state. The model stays loaded until the LLM is dropped;
+        then its runner empties the weights' and the KV cache's storage, whoever still holds one of their tensors."""
         self.engine.shutdown()
 
     # ---- generate ----------------------------------------------------------------------------------------

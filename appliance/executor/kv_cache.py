@@ -1,6 +1,7 @@
 """Sizing and allocating the paged KV cache: one K and one V tensor per layer, [blocks, block_size, Hkv, D]."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,8 +146,12 @@ def release(caches: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
     object of the cache outlived its dropped engine, held by a reference gc cannot see (found by
     tests/conftest.py's report of what GPU tests leave allocated; the holder is not identified), and kept ~24 GB
     of a test process's GPU; emptying the storage frees the memory whoever holds the object."""
-    for pair in caches:
-        for t in pair:
-            if t is not None:
-                t.untyped_storage().resize_(0)
+    free_storage(t for pair in caches for t in pair if t is not None)
+
+
+def free_storage(tensors: Iterable[torch.Tensor]) -> None:
+    """Empty each tensor's storage: its memory is back whoever still holds the tensor object (the runner's
+    finalizers: the KV cache above, the model's weights)."""
+    for t in tensors:
+        t.untyped_storage().resize_(0)
 

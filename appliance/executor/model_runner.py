@@ -50,7 +50,13 @@ from appliance.executor.cuda_graph import (
 )
 from appliance.executor.host_copy import HostCopier
 from appliance.executor.inflight import StepHandle
-from appliance.executor.input_batch import Chunk, Stager, StepInputs, build_inputs, table_width
+from appliance.executor.input_batch import (
+    Chunk,
+    Stager,
+    StepInputs,
+    build_inputs,
+    table_width,
+)
 from appliance.executor.kv_scales import setup as kv_scale_setup
 from appliance.executor.memory_check import check_weight_memory
 from appliance.executor.memory_profile import count_blocks
@@ -98,6 +104,9 @@ class ModelRunner:
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
         # a drafter's caches share the block table and the KV budget (none without speculation, or for n-gram)
         self.draft_model = speculative.load_drafter(config, self)
+        for module in (self.model, self.draft_model):  # the weights go with the runner: on a GPU a dropped 8B
+            if isinstance(module, torch.nn.Module):  # engine kept 17 GiB of them, held as the KV cache was
+                weakref.finalize(self, kv_cache.free_storage, [*module.parameters(), *module.buffers()])
         layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model,
                                                                                     self.draft_model)
         self._build_caches(config, layers, kv_scales)
