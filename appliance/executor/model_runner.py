@@ -106,7 +106,7 @@ class ModelRunner:
         self.draft_model = speculative.load_drafter(config, self)
         for module in (self.model, self.draft_model):  # the weights go with the runner: on a GPU a dropped 8B
             if isinstance(module, torch.nn.Module):  # engine kept 17 GiB of them, held as the KV cache was
-                weakref.finalize(self, kv_cache.free_storage, [*module.parameters(), *module.buffers()])
+                weakref.finalize(self, kv_cache.free_storage, list(module.parameters()))  # (buffers: shared tables)
         layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model,
                                                                                     self.draft_model)
         self._build_caches(config, layers, kv_scales)
