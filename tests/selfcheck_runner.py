@@ -16,9 +16,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def interpreted_rows(module: str, *, timeout: float, threads: int = 2) -> list[dict]:
     """The JSON rows the selfcheck printed; fails the test (with its stderr) when the selfcheck fails."""
+    return _interpreted(["-m", module, "cpu"], timeout=timeout, threads=threads)
+
+
+def interpreted_script_rows(code: str, *, timeout: float, threads: int = 2) -> list[dict]:
+    """The same for a script (`python -c code`) that may import the test modules (tests/ is on its path)."""
+    return _interpreted(["-c", code], timeout=timeout, threads=threads, extra_path=str(ROOT / "tests"))
+
+
+def _interpreted(args: list[str], *, timeout: float, threads: int, extra_path: str | None = None) -> list[dict]:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", module, "cpu"], env=env, cwd=ROOT, capture_output=True, text=True,
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), extra_path, env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

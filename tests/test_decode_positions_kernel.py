@@ -3,15 +3,12 @@ of decode rows from the device-resident lengths, against a per-row oracle, under
 the GPU inside a captured graph. The state around it is tested in tests/test_device_positions.py."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from selfcheck_runner import interpreted_script_rows
 
 from appliance.executor.request_table import ZERO_ROW
 from appliance.kernels.reference.positions import decode_positions as reference
@@ -102,12 +99,7 @@ for seed, batch, cap, width, bs, dtype in [(0, 1, 4, 2, 16, torch.int64), (1, 9,
 
 def test_triton_kernel_matches_the_reference_interpreted() -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=240, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = interpreted_script_rows(_INTERPRETED, timeout=240)
     assert [r["case"] for r in rows] == [0, 1, 2, 3]  # 300 rows: several programs
     assert all(r["same"] for r in rows), rows
     assert all(r["dtypes"] == ["torch.int64", "torch.int64", "torch.int32"] for r in rows)

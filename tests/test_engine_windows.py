@@ -37,6 +37,14 @@ def make_core(windows: tuple[int, ...], window_blocks: tuple[int, ...], overlap:
     return EngineCore(config, ex, overlap=overlap), ex
 
 
+def run_all(core: EngineCore, ps: dict[str, list[int]], params: SamplingParams,
+            suffix: str = "") -> dict[str, list[int]]:
+    """Every prompt added (its id + suffix), then the engine drained."""
+    for rid, p in ps.items():
+        core.add_request(rid + suffix, p, params)
+    return drain(core)
+
+
 def drain(core: EngineCore) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     windows = core.scheduler.windows
@@ -91,13 +99,9 @@ def test_outputs_equal_each_request_run_alone(name: str) -> None:
     core, ex = make_core(windows, (pool,) * len(windows), **cfg)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ps = prompts(1)
-    for rid, p in ps.items():
-        core.add_request(rid, p, params)
-    out = drain(core)
+    out = run_all(core, ps, params)
     # a second wave of the same prompts: prefix hits against what the first left cached
-    for rid, p in ps.items():
-        core.add_request(rid + "-again", p, params)
-    out.update(drain(core))
+    out.update(run_all(core, ps, params, suffix="-again"))
     for rid, p in ps.items():
         want, _ = reference_generation(ex.next_token, p, 40, MAX_LEN, frozenset({EOS}), ignore_eos=True)
         assert out[rid] == want and out[rid + "-again"] == want, rid
@@ -187,9 +191,7 @@ def test_shared_pool_admission_leaves_room_for_the_sliding_tables_growth(num_blo
                          schedule_conservativeness=1.0)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ps = prompts(1)
-    for rid, p in ps.items():
-        core.add_request(rid, p, params)
-    out = drain(core)
+    out = run_all(core, ps, params)
     for rid, p in ps.items():
         want, _ = reference_generation(ex.next_token, p, 40, MAX_LEN, frozenset({EOS}), ignore_eos=True)
         assert out[rid] == want, rid

@@ -5,16 +5,13 @@ the lengths move to each chunk's end. GPU part: python -m pytest -q -m gpu tests
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from selfcheck_runner import interpreted_script_rows
 
 from appliance.engine.sampling_params import SamplingParams as Params
 from appliance.executor.input_batch import Chunk, graph_stride
@@ -134,12 +131,7 @@ for seed, chunks, cap, width, bs in [(0, 1, 4, 2, 16), (1, 9, 30, 5, 4), (2, 90,
 
 def test_triton_kernel_matches_the_reference_interpreted() -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=240, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = interpreted_script_rows(_INTERPRETED, timeout=240)
     assert [r["case"] for r in rows] == [0, 1, 2, 3]
     assert max(r["rows"] for r in rows) > 128  # several programs
     assert all(r["same"] for r in rows), rows
