@@ -80,22 +80,51 @@ def gated_activation(acc_g, acc_u, limit, alpha, CLAMPED: tl.constexpr):
 
 
 @triton.jit
+def expert_tile(ids_ptr, pid_m, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's tile of its expert block: the (token, expert) pairs of block pid_m and their mask, and the
+    BLOCK_N output columns of program_id(1) and their mask."""
+    pair = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, pair < num_pairs, offs_n, offs_n < n_cols
+
+
+@triton.jit
+def store_gated(acc_g, acc_u, e, pair, m_mask, offs_n, n_mask, inter, out_ptr, stride_om, bias_ptr, limit, alpha,
+                BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+    """The gate-up GEMM's end: biases (gate then up, [E, 2I]), the gated activation, the store per pair."""
+    if BIAS:
+        acc_g += tl.load(bias_ptr + e * 2 * inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_ptr + e * 2 * inter + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    act = gated_activation(acc_g, acc_u, limit, alpha, CLAMPED)
+    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def store_routed(acc, e, pair, m_mask, offs_n, n_mask, hidden, out_ptr, stride_om, weights_ptr, bias_ptr,
+                 BIAS: tl.constexpr):
+    """The down GEMM's end: the bias ([E, H]), the pair's routing weight, the store per pair."""
+    if BIAS:
+        acc += tl.load(bias_ptr + e * hidden + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    route = tl.load(weights_ptr + pair, mask=m_mask, other=0.0)
+    acc = acc * route[:, None]
+    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pairs, inter, hidden,
                     stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
                     bias_ptr=None, limit=0.0, alpha=1.702, BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
     e = e.to(tl.int64)
-    pair = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    m_mask = pair < num_pairs
+    pair, m_mask, offs_n, n_mask = expert_tile(ids_ptr, pid_m, num_pairs, inter, BLOCK_M, BLOCK_N)
     row = pair // TOP_K
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < inter
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -109,12 +138,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
                              stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
         acc_g += mma(a, g.to(a.dtype), UPCAST)
         acc_u += mma(a, u.to(a.dtype), UPCAST)
-    if BIAS:  # [E, 2I]: gate biases, then up biases
-        acc_g += tl.load(bias_ptr + e * 2 * inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(bias_ptr + e * 2 * inter + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    act = gated_activation(acc_g, acc_u, limit, alpha, CLAMPED)
-    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    store_gated(acc_g, acc_u, e, pair, m_mask, offs_n, n_mask, inter, out_ptr, stride_om, bias_ptr, limit, alpha, BIAS,
+                CLAMPED)
 
 
 @triton.jit
@@ -124,15 +149,11 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
                  BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
                  bias_ptr=None, BIAS: tl.constexpr = False):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
     e = e.to(tl.int64)
-    pair = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    m_mask = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < hidden
+    pair, m_mask, offs_n, n_mask = expert_tile(ids_ptr, pid_m, num_pairs, hidden, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -142,12 +163,7 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
         w = load_weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, n_mask, k_mask, stride_we, stride_wn, stride_wk,
                              stride_se, stride_sn, stride_sk, k0, BN_Q, BK_Q, FP8)
         acc += mma(a, w.to(a.dtype), UPCAST)
-    if BIAS:  # [E, H]
-        acc += tl.load(bias_ptr + e * hidden + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    route = tl.load(weights_ptr + pair, mask=m_mask, other=0.0)
-    acc = acc * route[:, None]
-    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    store_routed(acc, e, pair, m_mask, offs_n, n_mask, hidden, out_ptr, stride_om, weights_ptr, bias_ptr, BIAS)
 
 
 def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:

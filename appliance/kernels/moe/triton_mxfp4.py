@@ -23,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from appliance.kernels.moe.triton_moe import align_blocks, gated_activation, tiles_for
+from appliance.kernels.moe.triton_moe import (
+    align_blocks,
+    expert_tile,
+    store_gated,
+    store_routed,
+    tiles_for,
+)
 from appliance.kernels.mxfp4 import BLOCK
 from appliance.kernels.registry import register
 
@@ -74,16 +80,12 @@ def _gate_up_kernel(x_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
                     ACT_FORMAT: tl.constexpr, bias_ptr=None, limit=0.0, alpha=1.702, BIAS: tl.constexpr = False,
                     CLAMPED: tl.constexpr = False):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
     e = e.to(tl.int64)
-    pair = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    m_mask = pair < num_pairs
+    pair, m_mask, offs_n, n_mask = expert_tile(ids_ptr, pid_m, num_pairs, inter, BLOCK_M, BLOCK_N)
     row = pair // TOP_K
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < inter
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):  # BLOCK_K divides hidden
@@ -93,12 +95,8 @@ def _gate_up_kernel(x_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
                           BLOCK_K, BLOCK_N, ACT_FORMAT)
         acc_u = mxfp4_dot(acc_u, a, b_ptr, s_ptr, e, offs_n + inter, n_mask, k0, stride_be, stride_bn, stride_se,
                           stride_sn, BLOCK_K, BLOCK_N, ACT_FORMAT)
-    if BIAS:  # [E, 2I]: gate biases, then up biases
-        acc_g += tl.load(bias_ptr + e * 2 * inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(bias_ptr + e * 2 * inter + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    act = gated_activation(acc_g, acc_u, limit, alpha, CLAMPED)
-    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    store_gated(acc_g, acc_u, e, pair, m_mask, offs_n, n_mask, inter, out_ptr, stride_om, bias_ptr, limit, alpha, BIAS,
+                CLAMPED)
 
 
 @triton.jit
@@ -107,27 +105,18 @@ def _down_kernel(a_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_FORMAT: tl.constexpr,
                  bias_ptr=None, BIAS: tl.constexpr = False):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
     e = e.to(tl.int64)
-    pair = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    m_mask = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < hidden
+    pair, m_mask, offs_n, n_mask = expert_tile(ids_ptr, pid_m, num_pairs, hidden, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):  # BLOCK_K divides inter
         a = tl.load(a_ptr + pair[:, None] * stride_am + k0 + tl.arange(0, BLOCK_K)[None, :], mask=m_mask[:, None],
                     other=0.0)
         acc = mxfp4_dot(acc, a, b_ptr, s_ptr, e, offs_n, n_mask, k0, stride_be, stride_bn, stride_se, stride_sn,
                         BLOCK_K, BLOCK_N, ACT_FORMAT)
-    if BIAS:  # [E, H]
-        acc += tl.load(bias_ptr + e * hidden + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    route = tl.load(weights_ptr + pair, mask=m_mask, other=0.0)
-    acc = acc * route[:, None]
-    tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    store_routed(acc, e, pair, m_mask, offs_n, n_mask, hidden, out_ptr, stride_om, weights_ptr, bias_ptr, BIAS)
 
 
 def check_shapes(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
