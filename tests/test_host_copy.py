@@ -51,12 +51,18 @@ def test_the_forward_waits_for_each_layers_copies_just_before_that_layer(tiny_mo
         order = [e for j, e in enumerate(after) if j == 0 or e != after[j - 1]][:2 * n]
         assert order == [x for i in range(n) for x in (("wait", marks[i][1]), ("use", i))]
 
-def test_a_graph_replayed_or_unhooked_forward_waits_for_the_last_marker() -> None:
+def recording_copier(seed: int) -> tuple[HostCopier, list[tuple[str, int]]]:
+    """A copier over three random layers' caches (6 blocks) and a 4-slot host pool, whose waits and uses are logged."""
     spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     dev = [(torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen)) for _ in range(3)]
     log: list[tuple[str, int]] = []
-    copier = HostCopier(dev, allocate_host(spec, 4, torch.device("cpu")), Recording(log))
+    return HostCopier(dev, allocate_host(spec, 4, torch.device("cpu")), Recording(log)), log
+
+
+def test_a_graph_replayed_or_unhooked_forward_waits_for_the_last_marker() -> None:
+    copier, log = recording_copier(seed=1)
+    dev = copier.device_caches
 
     class Plain:  # a layer without the hook: the forward must wait for everything up front
         pass
@@ -121,11 +127,7 @@ def test_side_stream_reloads_are_token_exact_on_cuda(tiny_model: Path, eager: bo
 
 def test_forward_pieces_wait_for_each_layers_copies_just_before_the_piece_that_stores_into_it() -> None:
     # piecewise.replay: piece i stores layer i's K/V (captured), then its attention runs eagerly
-    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(2)
-    dev = [(torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen)) for _ in range(3)]
-    log: list[tuple[str, int]] = []
-    copier = HostCopier(dev, allocate_host(spec, 4, torch.device("cpu")), Recording(log))
+    copier, log = recording_copier(seed=2)
 
     class Layer:
         kv_ready = None
@@ -160,11 +162,8 @@ def test_a_step_whose_pieces_are_not_captured_yet_is_known_before_the_waits() ->
 
 
 def test_write_through_stores_are_waited_for_by_the_next_steps_forward_not_their_own() -> None:
-    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(3)
-    dev = [(torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen)) for _ in range(3)]
-    log: list[tuple[str, int]] = []
-    copier = HostCopier(dev, allocate_host(spec, 4, torch.device("cpu")), Recording(log))
+    copier, log = recording_copier(seed=3)
+    dev = copier.device_caches
     copier.submit([(0, 1, 0), (1, 5, 0), (0, 2, 1)], writes=1)  # the last: a write-through store
     for i in range(3):
         copier.wait_layer(i)
