@@ -21,7 +21,7 @@ FILES = sorted(tuned.TUNED_DIR.glob("*.json"))
 
 def test_every_file_names_its_generator_and_machine() -> None:
     assert {p.name for p in FILES} >= {"sm90_cublaslt_algos.json", "sm90_cublaslt_padded.json",
-                                       "sm90_skinny_gemm.json"}
+                                       "sm90_skinny_gemm.json", "sm90_fp8_gemv.json"}
     for path in FILES:
         doc = json.loads(path.read_text())
         assert list(doc) == list(tuned.HEADER), path.name
@@ -39,6 +39,11 @@ def test_the_tables_parse_into_their_readers() -> None:
     lt = cublaslt.tables("sm90")
     assert lt.algos and all(isinstance(a, cublaslt.LtAlgo) for rows in lt.algos.values() for a in rows.values())
     assert lt.padded and all(to > rows for by in lt.padded.values() for rows, to in by.items())
+    from appliance.kernels.triton.fp8_gemv import Fp8GemvConfig, tuned_config
+
+    for shape in tuned.load("fp8_gemv", "sm90"):
+        assert isinstance(tuned_config(*tuned.parse_shape(shape), "sm90"), Fp8GemvConfig), shape
+    assert tuned_config(4096, 4096, "sm75") is None
     skinny = tuned_table("sm90")
     assert skinny and all(cfg is None or isinstance(cfg, SkinnyGemmConfig)
                           for buckets in skinny.values() for _, cfg in buckets)

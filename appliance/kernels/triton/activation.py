@@ -10,7 +10,7 @@ from appliance.kernels.triton.common import pdl_enter, pdl_kwargs
 
 BLOCK_N = 1024
 SILU, GELU_TANH = 0, 1
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from appliance.kernels import tuned
+from appliance.kernels.capability import capability
 from appliance.kernels.fp8_gemm import FP8, FP8_MAX, MIN_SCALE
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
@@ -41,9 +43,16 @@ class Fp8GemvConfig:
     quantize: str = "ahead"
 
 
+def tuned_config(n: int, k: int, arch: str) -> Fp8GemvConfig | None:
+    """The tiles that won for an [N, K] weight on a GPU of `arch` (kernels/tuned/<arch>_fp8_gemv.json, written by
+    `python -m tools.lab_fp8_gemv --emit`), or None where that shape was not measured."""
+    entry = tuned.load("fp8_gemv", arch).get(tuned.shape_key(n, k))
+    return None if entry is None else Fp8GemvConfig(**entry)
+
+
 def config_for(n: int, k: int) -> Fp8GemvConfig:
-    """Tiles by analogy with gemv.py's H100 sweep at twice the K per tile (a byte per weight: the same bytes per
-    load); not yet swept for fp8 (benchmarks/fp8.py measures the batch-1 step)."""
+    """The guess for an unmeasured shape: gemv.py's H100 tiles at twice the K per tile (a byte per weight: the
+    same bytes per load)."""
     if INTERPRET:
         return Fp8GemvConfig(block_n=16, block_k=32, num_stages=2)
     return Fp8GemvConfig(block_n=32, block_k=512) if k > 2 * n else Fp8GemvConfig()
@@ -127,7 +136,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
                          f"{weight.dtype} (at most {MAX_M} rows, K contiguous)")
     x = x if x.stride(-1) == 1 else x.contiguous()
     n = weight.shape[0]
-    cfg = config or config_for(n, k)
+    measured = tuned_config(n, k, tuned.arch_name(capability(x))) if x.is_cuda else None
+    cfg = config or measured or config_for(n, k)
     if cfg.quantize not in ("ahead", "in_kernel"):
         raise ValueError(f"fp8_gemv: quantize {cfg.quantize!r} is not one of 'ahead', 'in_kernel'")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
