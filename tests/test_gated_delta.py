@@ -131,15 +131,20 @@ def test_fla_prefill_plumbing_uploads_once_per_step(monkeypatch: pytest.MonkeyPa
     """kernels/triton/gated_delta.py's prefill on the CPU with a stand-in for fla's chunked kernel (the reference,
     per sequence of cu_seqlens): the slots, fresh flags and offsets it uploads give the reference's outputs and
     states, and every layer of a step (the same host lists) gets the same device tensors, so fla's per-tensor
-    caches of its chunk indices are built once per step."""
+    caches are built once per step; its chunk indices come from the host lists (no read-back), q and k keep
+    their key heads."""
     from appliance.kernels.triton import gated_delta as fla_gd
 
     seen: list[torch.Tensor] = []
 
-    def chunk_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    def chunk_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                   chunk_indices):
         assert output_final_state and use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5
+        assert q.shape[2] == k.shape[2] == 2 and v.shape[2] == 4  # key heads stay shared: fla groups them itself
+        assert g.dtype == torch.float32 and initial_state.dtype == torch.float32
+        # what fla's prepare_chunk_indices makes of these offsets: (sequence, chunk) of each 64-token chunk
+        assert chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0]]
         seen.append(cu_seqlens)
-        cu = cu_seqlens.tolist()
         qp, kp = gd._prepare(q[0], k[0], v.shape[-2])
         outs, finals = [], []
         for i in range(len(cu) - 1):
@@ -151,9 +156,9 @@ def test_fla_prefill_plumbing_uploads_once_per_step(monkeypatch: pytest.MonkeyPa
         return torch.cat(outs)[None], torch.stack(finals)
 
     monkeypatch.setattr(fla_gd, "_fla", lambda: (chunk_rule, None))
-    seqs = [_inputs(n, seed=s) for s, n in ((5, 13), (6, 20), (7, 9))]
+    seqs = [_inputs(n, seed=s) for s, n in ((5, 13), (6, 70), (7, 9))]
     cat = [torch.cat([x[j] for x in seqs]) for j in range(5)]
-    cu, slots, fresh = [0, 13, 33, 42], [3, 1, 2], [False, True, False]
+    cu, slots, fresh = [0, 13, 83, 92], [3, 1, 2], [False, True, False]
     init = torch.randn(4, 4, 8, 6, generator=torch.Generator().manual_seed(9))
     ref_states, got_states = init.clone(), init.clone()
     ref = gd.gated_delta_prefill(*cat, cu, ref_states, slots, fresh, chunk=8)
@@ -167,6 +172,6 @@ def test_fla_prefill_plumbing_uploads_once_per_step(monkeypatch: pytest.MonkeyPa
     fla_gd.gated_delta_prefill(*cat, list(cu), got_states, slots, fresh)  # the next step: its own lists
     assert seen[2] is not seen[1] and seen[2].tolist() == cu
     args = fla_gd.prefill_args(cu, slots, fresh, torch.device("cpu"))
-    assert args.slots.tolist() == slots and args.fresh.tolist() == fresh
+    assert args.slots.tolist() == slots and args.keep.flatten().tolist() == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="3 prefill slots need 4 offsets"):
         fla_gd.prefill_args([0, 13], slots, fresh, torch.device("cpu"))

@@ -27,7 +27,7 @@ class StateRollback:
     def __init__(self, cache: StateCache, chunks: list[Chunk], verifying: dict[str, int]) -> None:
         self.cache = cache
         self.rows = [c.state.table_row for c in chunks if c.state.request_id in verifying]
-        self.saved = cache.save(self.rows) if self.rows else []
+        self.saved = cache.save(self.rows) if self.rows else None
 
     @classmethod
     def of(cls, cache: StateCache | None, chunks: list[Chunk], verifying: dict[str, int]) -> StateRollback | None:
@@ -40,7 +40,7 @@ class StateRollback:
         verified: start and 1 + d tokens; emitted: the tokens kept). Returns how many requests were recomputed."""
         kept = [Chunk(c.state, c.start, emitted[c.state.request_id], False) for c in chunks
                 if c.state.request_id in verifying and emitted[c.state.request_id] < c.num_tokens]
-        if not kept:
+        if not kept or self.saved is None:
             return 0
         rows = [c.state.table_row for c in kept]
         self.cache.restore(rows, self.saved, [self.rows.index(r) for r in rows])

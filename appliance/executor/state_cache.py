@@ -35,12 +35,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StateCache:
-    """The allocated states: per layer (conv [slots, conv_dim, conv_width], ssm [slots, H, Dk, Dv])."""
+    """The allocated states: conv [layers, slots, conv_dim, conv_width] and ssm [layers, slots, H, Dk, Dv], one
+    tensor each, so a snapshot saved or restored is one copy per kind for every layer at once (a step's host
+    time, not its device time, bounds a prefix hit's turn); `tensors` holds each layer's views of them."""
 
     spec: StateCacheSpec
     num_slots: int  # request slots, the scratch slot 0 not counted
     num_snapshots: int  # snapshot slots, rows after the request slots (engine/state_snapshots.py)
-    tensors: list[tuple[torch.Tensor, torch.Tensor]]
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @property
+    def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (conv [slots, conv_dim, conv_width], ssm [slots, H, Dk, Dv]): views of the stacked tensors."""
+        return list(zip(self.conv.unbind(0), self.ssm.unbind(0)))
 
     @property
     def nbytes(self) -> int:
@@ -53,23 +61,22 @@ class StateCache:
 
     def copy(self, src: int, dst: int) -> None:
         """Copy every layer's states from row src to row dst (a snapshot saved or restored)."""
-        for conv, ssm in self.tensors:
-            conv[dst].copy_(conv[src])
-            ssm[dst].copy_(ssm[src])
+        self.conv[:, dst].copy_(self.conv[:, src])
+        self.ssm[:, dst].copy_(self.ssm[:, src])
 
-    def save(self, rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def save(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of every layer's states in these rows (a speculative step's, before its verification)."""
-        index = torch.tensor(rows, dtype=torch.int64, device=self.tensors[0][0].device)
-        return [(conv.index_select(0, index), ssm.index_select(0, index)) for conv, ssm in self.tensors]
+        index = torch.tensor(rows, dtype=torch.int64, device=self.conv.device)
+        return self.conv.index_select(1, index), self.ssm.index_select(1, index)
 
-    def restore(self, rows: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]], picks: list[int]) -> None:
+    def restore(self, rows: list[int], saved: tuple[torch.Tensor, torch.Tensor], picks: list[int]) -> None:
         """Write saved[picks[i]] (rows of a `save`) back into row rows[i] of every layer."""
-        device = self.tensors[0][0].device
+        device = self.conv.device
         index = torch.tensor(rows, dtype=torch.int64, device=device)
         pick = torch.tensor(picks, dtype=torch.int64, device=device)
-        for (conv, ssm), (conv_s, ssm_s) in zip(self.tensors, saved):
-            conv.index_copy_(0, index, conv_s.index_select(0, pick))
-            ssm.index_copy_(0, index, ssm_s.index_select(0, pick))
+        conv_s, ssm_s = saved
+        self.conv.index_copy_(1, index, conv_s.index_select(1, pick))
+        self.ssm.index_copy_(1, index, ssm_s.index_select(1, pick))
 
     def describe(self) -> str:
         return (f"state cache: {self.spec.num_layers} linear-attention layers x {self.num_slots} slots "
@@ -101,18 +108,16 @@ def save_snapshots(cache: StateCache | None, plan: StepPlan, requests: Mapping[s
 
 def allocate(spec: StateCacheSpec, num_slots: int, device: torch.device, num_snapshots: int = 0) -> StateCache:
     rows = num_slots + 1 + num_snapshots
-    tensors = [(torch.zeros(rows, spec.conv_dim, spec.conv_width, dtype=spec.conv_dtype, device=device),
-                torch.zeros(rows, spec.num_heads, spec.key_dim, spec.value_dim, dtype=spec.state_dtype,
-                            device=device))
-               for _ in range(spec.num_layers)]
-    return StateCache(spec, num_slots, num_snapshots, tensors)
+    conv = torch.zeros(spec.num_layers, rows, spec.conv_dim, spec.conv_width, dtype=spec.conv_dtype, device=device)
+    ssm = torch.zeros(spec.num_layers, rows, spec.num_heads, spec.key_dim, spec.value_dim, dtype=spec.state_dtype,
+                      device=device)
+    return StateCache(spec, num_slots, num_snapshots, conv, ssm)
 
 
 def release(cache: StateCache) -> None:
     """Give the memory back now (the runner's finalizer; see kv_cache.release for why storage is emptied)."""
-    for pair in cache.tensors:
-        for t in pair:
-            t.untyped_storage().resize_(0)
+    for t in (cache.conv, cache.ssm):
+        t.untyped_storage().resize_(0)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -9,11 +9,11 @@ prefill chunks the chunked form; both read and write the request's state slot (l
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from appliance.layers.attention import AttentionMetadata
@@ -47,17 +47,17 @@ def _size(dtype: torch.dtype) -> int:
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over the last dim (weight, not 1 + weight) times SiLU(gate), in float32 like transformers."""
+    """RMSNorm over the last dim (weight, not 1 + weight) times SiLU(gate), in float32 like transformers (op
+    "gated_rms_norm": one launch on the Triton backend)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, backend: str = "torch") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self._op = kernel("gated_rms_norm", backend)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * h.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+        return self._op(x, gate, self.weight, self.eps)
 
 
 def _rank_rows(loaded: torch.Tensor, parts: list[int]) -> torch.Tensor:
@@ -122,12 +122,13 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = ConvWeight(qkv, self.conv_kernel_size)
         self.dt_bias = _sharded(nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False), [hv])
         self.A_log = _sharded(nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False), [hv])
-        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, backend)
         self.out_proj = RowParallelLinear(tp * self.value_dim, hidden)
         self._prefill = kernel("gated_delta_prefill", backend)
         self._decode = kernel("gated_delta_decode", backend)
         self._conv = kernel("causal_conv1d", backend)
         self._conv_decode = kernel("causal_conv1d_decode", backend)
+        self._gates = kernel("gdn_gating", backend)
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
 
@@ -158,25 +159,32 @@ class GatedDeltaNet(nn.Module):
         t, nd = x.shape[0], meta.num_decode_tokens
         mixed, z, b, a = self._project(x)
         weight = self.conv1d.weight[:, 0, :]
-        fresh_d = positions[:nd] == 0
-        conv_out = torch.empty_like(mixed)
-        if nd:
-            conv_out[:nd] = self._conv_decode(mixed[:nd], weight, self.conv_state, states.decode_slots, fresh_d)
-        if t > nd:
-            cu = states.prefill_cu_seqlens
-            conv_out[nd:] = self._conv(mixed[nd:], weight, cu, self.conv_state, states.prefill_slots,
-                                       states.prefill_fresh)
+        fresh_d = positions[:nd] == 0 if nd else None
+        conv_out = _by_rows(nd, t, mixed, lambda: self._conv_decode(
+            mixed[:nd], weight, self.conv_state, states.decode_slots, fresh_d), lambda: self._conv(
+            mixed[nd:], weight, states.prefill_cu_seqlens, self.conv_state, states.prefill_slots,
+            states.prefill_fresh))
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.view(t, self.num_k_heads, self.head_k_dim), k.view(t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = torch.empty_like(v)
-        if nd:
-            out[:nd] = self._decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], self.ssm_state, states.decode_slots,
-                                    fresh_d)
-        if t > nd:
-            out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], states.prefill_cu_seqlens,
-                                     self.ssm_state, states.prefill_slots, states.prefill_fresh)
+        g, beta = self._gates(a, b, self.A_log, self.dt_bias)
+        out = _by_rows(nd, t, v, lambda: self._decode(
+            q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], self.ssm_state, states.decode_slots, fresh_d),
+            lambda: self._prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], states.prefill_cu_seqlens,
+                                  self.ssm_state, states.prefill_slots, states.prefill_fresh))
         out = self.norm(out, z).reshape(t, self.value_dim)
         return self.out_proj(out)
+
+
+def _by_rows(nd: int, t: int, like: torch.Tensor, decode: Callable[[], torch.Tensor],
+             prefill: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Rows [0, nd) from decode(), rows [nd, t) from prefill(): a step of one kind takes its op's output as it is
+    (no buffer, no copy into it), a mixed step fills a buffer shaped like `like`."""
+    if nd == 0:
+        return prefill()
+    if nd == t:
+        return decode()
+    out = torch.empty_like(like)
+    out[:nd] = decode()
+    out[nd:] = prefill()
+    return out

@@ -79,23 +79,23 @@ def _group_mask(choice: torch.Tensor, cfg: RouterConfig, group_score: str) -> to
 def select_experts(logits: torch.Tensor, cfg: RouterConfig,
                    correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int64)."""
-    logits = logits.float()
     if cfg.scoring == "softmax":
         if correction_bias is not None:
             raise ValueError("e_score_correction_bias is only defined for sigmoid scoring")
-        scores = logits.softmax(dim=-1)
+        scores = logits.softmax(dim=-1, dtype=torch.float32)  # casts first: one op, the same values
         choice = scores
         if cfg.num_groups > 1:
             choice = scores.masked_fill(~_group_mask(scores, cfg, "max"), 0.0)
     else:
-        scores = logits.sigmoid()
+        scores = logits.float().sigmoid()
         choice = scores if correction_bias is None else scores + correction_bias.float()
         if cfg.num_groups > 1:
             choice = choice.masked_fill(~_group_mask(choice, cfg, "top2"), float("-inf"))
     ids = choice.topk(cfg.top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if cfg.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20 if cfg.scoring == "sigmoid" else total)
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
     return weights, ids

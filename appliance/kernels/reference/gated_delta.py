@@ -139,3 +139,12 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     seq = torch.cat([prev, x[:, :, None].to(conv_states.dtype)], dim=-1)  # [B, C, K]
     conv_states.index_copy_(0, slots, seq[:, :, 1:])
     return F.silu((seq.to(weight.dtype) * weight).sum(-1)).to(x.dtype)
+
+
+@register("gdn_gating", "torch")
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's gates from its projections a, b [T, Hv]: (g = -exp(A_log) softplus(a + dt_bias)
+    [T, Hv] float32, the log decay; beta = sigmoid(b) [T, Hv] in b's dtype), as transformers computes them."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from appliance.kernels.registry import register
 
@@ -25,3 +26,12 @@ def norm_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     next_weight), s): the two rms_norm calls it stands for, rounded as they round."""
     out, summed = rms_norm(rms_norm(x, weight, eps), next_weight, eps, residual)
     return out, summed
+
+
+@register("gated_rms_norm", "torch")
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (weight, not 1 + weight) times SiLU(gate), in float32 like transformers'
+    Qwen3NextRMSNormGated: the Gated DeltaNet layer's output norm, x and gate [..., D] -> x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return ((weight * h.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)

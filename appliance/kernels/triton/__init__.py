@@ -10,6 +10,7 @@ from appliance.kernels.triton import (  # noqa: F401
     activation,
     cache,
     decode,
+    delta_gates,
     fp8_gemv,
     gemv,
     gated_delta,
