@@ -1,8 +1,9 @@
 """Fused MoE in Triton: tokens sorted by expert and padded to whole BLOCK_M tiles, then two grouped GEMMs.
 
-1. `align_blocks` (torch ops that never sync with the host): the T*K (token, slot) pairs are sorted by expert;
-   each expert's run is padded to a multiple of BLOCK_M with a sentinel id, and every BLOCK_M tile gets the
-   expert it belongs to (-1 past the end). Buffers are sized for the worst case so the launch shape depends only on T, K and E.
+1. `align_blocks` (kernels/moe/align.py: four Triton launches that never sync with the host): the T*K (token,
+   slot) pairs are sorted by expert; each expert's run is padded to a multiple of BLOCK_M with a sentinel id, and
+   every BLOCK_M tile gets the expert it belongs to (-1 past the end). Buffers are sized for the worst case so the
+   launch shape depends only on T, K and E.
 2. `_gate_up_kernel`: per tile, x rows @ w13[e]^T computing the gate and up halves side by side and writing
    silu(gate) * up (the activation is fused: the [T*K, 2I] intermediate never exists).
 3. `_down_kernel`: that [T*K, I] activation @ w2[e]^T, times the routing weight, into [T*K, H]; the K slots of
@@ -19,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from appliance.kernels.moe.align import align_blocks
 from appliance.kernels.moe.triton_fp8 import load_weight_tile, scale_aligned_tiles
 from appliance.kernels.registry import register
 from appliance.kernels.triton.common import INTERPRET, mma
@@ -43,30 +45,6 @@ def tiles_for(pairs: int, num_experts: int) -> MoeTiles:
     """Decode tiles when the routed rows average at most 16 per expert, else the prefill tiles. A function of
     shapes only, so a captured decode graph and an eager step of the same batch use the same tiles."""
     return DECODE if pairs <= 16 * num_experts else PREFILL
-
-
-def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_ids [cap] int32: flat (token*K + slot) indices grouped by expert, sentinel T*K as padding;
-    block_experts [cap / block_m] int32: each tile's expert, -1 for tiles past the used length)."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    m = flat.numel()
-    cap = m + num_experts * (block_m - 1)
-    cap = (cap + block_m - 1) // block_m * block_m
-    # scatter_add, not bincount: bincount reads the largest id on the host (a sync a CUDA graph cannot hold)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)
-    experts_sorted = flat[order]
-    first_of_expert = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(m, device=flat.device) - first_of_expert[experts_sorted]
-    dest = (ends - padded)[experts_sorted] + rank
-    sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=flat.device)
-    sorted_ids[dest] = order.to(torch.int32)
-    tile_start = torch.arange(0, cap, block_m, device=flat.device)
-    block_experts = torch.searchsorted(ends, tile_start, right=True).to(torch.int32)
-    block_experts = torch.where(tile_start < ends[-1], block_experts, torch.full_like(block_experts, -1))
-    return sorted_ids, block_experts
 
 
 @triton.jit

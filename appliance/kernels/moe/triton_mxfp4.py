@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from appliance.kernels.moe.align import align_blocks
 from appliance.kernels.moe.triton_moe import (
-    align_blocks,
     expert_tile,
     store_gated,
     store_routed,
