@@ -175,3 +175,42 @@ def test_fla_prefill_plumbing_uploads_once_per_step(monkeypatch: pytest.MonkeyPa
     assert args.slots.tolist() == slots and args.keep.flatten().tolist() == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="3 prefill slots need 4 offsets"):
         fla_gd.prefill_args([0, 13], slots, fresh, torch.device("cpu"))
+
+
+CONV_SCRIPT = """
+import json, torch
+import appliance.kernels.triton  # noqa: F401
+from appliance.kernels.reference import gated_delta as gd
+from appliance.kernels.triton.causal_conv import causal_conv1d
+g = torch.Generator().manual_seed(0)
+cases = {"f32-fresh-and-short": (torch.float32, torch.float32, [0, 5, 6, 8, 48], [3, 1, 2, 4],
+                                 [False, True, False, True], 40),
+         "bf16-two-tiles": (torch.bfloat16, torch.bfloat16, [0, 70, 72], [2, 1], [False, False], 200),
+         "f32-bf16-states": (torch.float32, torch.bfloat16, [0, 1, 3], [1, 2], [False, False], 16)}
+for name, (dt, sdt, cu, slots, fresh, c) in cases.items():
+    x = torch.randn(cu[-1], c + 7, generator=g).to(dt)[:, 3:3 + c]  # strided rows, as the layer's slice
+    w = torch.randn(c, 1, 4, generator=g).to(dt)[:, 0, :]
+    states = torch.randn(6, c, 3, generator=g).to(sdt)
+    ref_states, got_states = states.clone(), states.clone()
+    ref = gd.causal_conv1d(x, w, cu, ref_states, slots, fresh)
+    got = causal_conv1d(x, w, cu, got_states, slots, fresh)
+    err = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())
+    untouched = [r for r in range(6) if r not in slots]
+    print(json.dumps({"case": name, "out": err(got, ref), "states": err(got_states, ref_states),
+                      "untouched": bool(torch.equal(got_states[untouched], states[untouched]))}))
+"""
+
+
+def test_triton_causal_conv_matches_the_reference_interpreted() -> None:
+    """triton/causal_conv.py under the interpreter against the torch reference: several sequences (fresh ones,
+    ones shorter than the kernel, one across token tiles), strided input rows, states in another dtype; only the
+    sequences' slots change. (The interpreter casts to bfloat16 by truncation, hence bfloat16's tolerance.)"""
+    pytest.importorskip("triton")
+    from selfcheck_runner import interpreted_script_rows
+
+    rows = {r["case"]: r for r in interpreted_script_rows(CONV_SCRIPT, timeout=120)}
+    assert set(rows) == {"f32-fresh-and-short", "bf16-two-tiles", "f32-bf16-states"}
+    assert rows["f32-fresh-and-short"]["out"] < 1e-5 and rows["f32-fresh-and-short"]["states"] == 0.0
+    for name in ("bf16-two-tiles", "f32-bf16-states"):
+        assert rows[name]["out"] < 2e-2 and rows[name]["states"] < 1e-2, rows[name]
+    assert all(r["untouched"] for r in rows.values())

@@ -186,7 +186,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                           **({} if w13_bias is None else {"bias_ptr": w13_bias.contiguous(), "BIAS": True}),
                           **({} if swiglu_limit is None else {"limit": float(swiglu_limit),
                                                               "alpha": float(swiglu_alpha), "CLAMPED": True}))
-    out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # every pair's row is written
     s2, s2e, s2n, s2k = _scale_args(w2_scale, w2)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     grid = (block_experts.numel(), triton.cdiv(hidden, tile_n))

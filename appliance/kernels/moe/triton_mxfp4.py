@@ -172,7 +172,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch
                           **({} if w13_bias is None else {"bias_ptr": w13_bias.contiguous(), "BIAS": True}),
                           **({} if swiglu_limit is None else {"limit": float(swiglu_limit),
                                                               "alpha": float(swiglu_alpha), "CLAMPED": True}))
-    out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # every pair's row is written
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     grid = (block_experts.numel(), triton.cdiv(hidden, tiles.block_n))
     _down_kernel[grid](act, w2_blocks, w2_scales, out, sorted_ids, block_experts, weights, pairs, hidden, inter,

@@ -9,6 +9,7 @@ from appliance.kernels.triton import (  # noqa: F401
     act_quant,
     activation,
     cache,
+    causal_conv,
     decode,
     delta_gates,
     fp8_gemv,
