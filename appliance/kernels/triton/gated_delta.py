@@ -2,8 +2,8 @@
 Gated DeltaNet: its chunked kernel for prefill (varlen over cu_seqlens, initial states gathered from the
 requests' slots) and its fused recurrent kernel for decode, registered under "triton" when fla imports (the
 optional `hybrid` extra). Without it the layers fall back to the torch reference (kernels/reference/gated_delta.py),
-which is also the oracle: tests/test_gated_delta.py checks fla against it on a GPU. The short convolution keeps the
-torch version (one small depthwise conv per layer; fla's causal-conv kernels would add a second state layout).
+which is also the oracle: tests/test_gated_delta.py checks fla against it on a GPU. The short convolution has its
+own Triton kernels (triton/causal_conv.py, over the same per-step uploads; fla's would add a second state layout).
 Needs fla-core 0.6 or later (the `hybrid` extra's): q and k with fewer heads than v, and chunk indices passed in.
 """
 from __future__ import annotations
