@@ -140,6 +140,24 @@ def test_fused_producers_give_the_same_tokens(tiny_model: Path, unfused: Callabl
     assert runs[True] == runs[False]
 
 
+def test_moe_layers_quantize_the_attention_input_only(tmp_path: Path, unfused: Callable[[bool], None]) -> None:
+    """A Qwen3-MoE layer in w8a8_fp8: its input norm feeds the FP8 qkv alone and quantizes; the post-attention
+    norm's output goes to the router too and stays 16-bit. The same tokens and logprobs as without."""
+    from test_moe_models import build_family
+
+    src = build_family("qwen3_moe", tmp_path / "qwen3_moe")
+    runs = {}
+    for off in (True, False):
+        unfused(off)
+        llm = LLM(model=str(src), quantization="w8a8_fp8", **COMMON)
+        layer = llm.executor.runner.model.model.layers[0]
+        x = torch.randn(2, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16)
+        assert isinstance(layer.input_layernorm(x), QuantizedAct) is not off
+        assert isinstance(layer.post_attention_layernorm(x, x)[0], torch.Tensor)
+        runs[off] = _greedy(llm)
+    assert runs[True] == runs[False]
+
+
 _TRITON_SCRIPT = """
 import json
 from appliance import LLM

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from appliance.kernels.fp8_gemm import FP8, FP8_MAX, scaled_linear
+from appliance.kernels.fp8_gemm import FP8, FP8_MAX, QuantizedAct, scaled_linear
 from appliance.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -127,12 +127,12 @@ def scaled_config(quantization: str | None, hf_config: PretrainedConfig,
 
 # ---- the layers ------------------------------------------------------------------------------------------------
 
-def _forward_column(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _forward_column(self: nn.Module, x: torch.Tensor | QuantizedAct) -> torch.Tensor:
     y = scaled_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
     return tp_all_gather(y, dim=-1) if getattr(self, "gather_output", False) else y
 
 
-def _forward_row(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _forward_row(self: nn.Module, x: torch.Tensor | QuantizedAct) -> torch.Tensor:
     y = scaled_linear(x, self.weight, self.weight_scale, self.input_scale)
     if self.reduce_results:
         y = tp_all_reduce(y)

@@ -8,7 +8,11 @@ import triton.language as tl
 
 from appliance.kernels.fp8_gemm import FP8, FP8_MAX, QuantizedAct
 from appliance.kernels.registry import register
-from appliance.kernels.triton.act_quant import MIN_AMAX, dynamic_scale, store_quantized_row
+from appliance.kernels.triton.act_quant import (
+    MIN_AMAX,
+    dynamic_scale,
+    store_quantized_row,
+)
 from appliance.kernels.triton.common import pdl_enter, pdl_kwargs
 from appliance.kernels.triton.kv_fp8 import saturate
 
