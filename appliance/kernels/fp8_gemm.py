@@ -74,10 +74,11 @@ def cublas_ok(dtype: torch.dtype, device: torch.device, weight: torch.Tensor) ->
 
 
 @register("fp8_gemv", "torch")
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The decode-batch op's reference (kernels/triton/fp8_gemv.py): x [M, K] -> [M, N], the quantized product."""
-    xq, xs = quantize_activation(x, input_scale)
+def fp8_gemv(x: torch.Tensor | QuantizedAct, weight: torch.Tensor, weight_scale: torch.Tensor,
+             input_scale: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode-batch op's reference (kernels/triton/fp8_gemv.py): x [M, K] (or a QuantizedAct, used as it is)
+    -> [M, N], the quantized product."""
+    xq, xs = (x.xq, x.scale) if isinstance(x, QuantizedAct) else quantize_activation(x, input_scale)
     y = scaled_mm_reference(xq, xs, weight, weight_scale, x.dtype)
     return y + bias if bias is not None else y
 
