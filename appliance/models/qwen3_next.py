@@ -27,7 +27,7 @@ from appliance.layers.embedding import VocabParallelEmbedding
 from appliance.layers.gated_delta_net import GatedDeltaNet, StateCacheSpec
 from appliance.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from appliance.layers.moe import GatedMLP, RouterConfig, SparseMoeBlock
-from appliance.layers.norm import GemmaRMSNorm
+from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import RotaryEmbedding, rope_parameters
 from appliance.models.llama import LlamaModel
 from appliance.models.mixtral import MoECausalLM
@@ -36,9 +36,12 @@ from appliance.models.qwen_moe import is_sparse_layer
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
-class OffsetRMSNorm(GemmaRMSNorm):
-    """RMSNorm scaling by 1 + weight (weights stored zero-centred): loaded as 1 + weight, as Gemma's (layers/norm.py),
-    so no step adds the 1 again in every norm of every layer."""
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm scaling by 1 + weight (weights stored zero-centred)."""
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._op(x, 1.0 + self.weight, self.eps, residual)
 
 
 def partial_rotary_factor(cfg: Any) -> float:
