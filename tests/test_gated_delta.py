@@ -141,7 +141,10 @@ def test_fla_prefill_plumbing_uploads_once_per_step(monkeypatch: pytest.MonkeyPa
                    chunk_indices):
         assert output_final_state and use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5
         assert q.shape[2] == k.shape[2] == 2 and v.shape[2] == 4  # key heads stay shared: fla groups them itself
-        assert g.dtype == torch.float32 and initial_state.dtype == torch.float32
+        assert g.dtype == torch.float32
+        if initial_state is None:  # every sequence fresh
+            initial_state = torch.zeros(len(cu) - 1, v.shape[2], q.shape[-1], v.shape[-1])
+        assert initial_state.dtype == torch.float32
         # what fla's prepare_chunk_indices makes of these offsets: (sequence, chunk) of each 64-token chunk
         assert chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0]]
         seen.append(cu_seqlens)
@@ -171,6 +174,12 @@ def test_fla_prefill_plumbing_uploads_once_per_step(monkeypatch: pytest.MonkeyPa
     assert seen[0] is seen[1] and seen[0].tolist() == cu
     fla_gd.gated_delta_prefill(*cat, list(cu), got_states, slots, fresh)  # the next step: its own lists
     assert seen[2] is not seen[1] and seen[2].tolist() == cu
+    for flags in ([True] * 3, [False] * 3):  # all fresh (no gather: fla starts from zeros), none fresh
+        got_states, ref_states = init.clone(), init.clone()
+        ref = gd.gated_delta_prefill(*cat, cu, ref_states, slots, flags, chunk=8)
+        got = fla_gd.gated_delta_prefill(*cat, cu, got_states, slots, list(flags))
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_states, ref_states, atol=1e-4, rtol=1e-4)
     args = fla_gd.prefill_args(cu, slots, fresh, torch.device("cpu"))
     assert args.slots.tolist() == slots and args.keep.flatten().tolist() == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="3 prefill slots need 4 offsets"):

@@ -91,7 +91,10 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     if chunk != CHUNK:
         raise ValueError(f"fla's chunked gated delta rule runs {CHUNK}-token chunks, not {chunk}")
     args = prefill_args(cu_seqlens, slots, fresh, v.device)
-    init = states.index_select(0, args.slots).float() * args.keep  # fresh sequences start from zero
+    init = None  # every sequence fresh: fla starts them from zero state
+    if not all(fresh):
+        init = states.index_select(0, args.slots).float()
+        init = init * args.keep if any(fresh) else init  # fresh sequences start from zero
     chunk_gated_delta_rule, _ = _fla()
     o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None], scale=q.shape[-1] ** -0.5,
                                       initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
