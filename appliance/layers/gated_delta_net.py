@@ -136,19 +136,22 @@ class GatedDeltaNet(nn.Module):
         self.conv_state, self.ssm_state = conv_state, ssm_state
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Mixed qkv [T, conv_dim] (q, k, v heads in order), z [T, Hv, Dv], b and a [T, Hv]."""
+        """Mixed qkv [T, conv_dim] (q, k, v heads in order); z [T, Hv, Dv], b and a [T, Hv], or for Qwen3-Next's
+        grouped projections z [T, Hk, G * Dv], b and a [T, Hk, G] (views: the gate and norm ops read them in
+        place, value head h = kh * G + j)."""
         if self.split_projections:
             z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
             return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
         qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
-        # undo Qwen3-Next's grouping of every projection per key head
+        # undo Qwen3-Next's grouping of q, k and v per key head: the convolution's channels are q, k, v in order
         t, hk, group = qkvz.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
-        qkvz = qkvz.view(t, hk, -1)
-        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, group * self.head_v_dim,
-                                 group * self.head_v_dim], dim=-1)
+        q, k, v, z = qkvz.view(t, hk, -1).split([self.head_k_dim, self.head_k_dim, group * self.head_v_dim,
+                                                 group * self.head_v_dim], dim=-1)
         b, a = ba.view(t, hk, 2 * group).split([group, group], dim=-1)
-        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        return mixed, z.reshape(t, self.num_v_heads, self.head_v_dim), b.reshape(t, -1), a.reshape(t, -1)
+        mixed = qkvz.new_empty(t, self.conv_dim)
+        for part, dst in zip((q, k, v), mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)):
+            dst.view(part.shape).copy_(part)
+        return mixed, z, b, a
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.conv_state is None or self.ssm_state is None:

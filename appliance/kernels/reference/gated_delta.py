@@ -144,7 +144,9 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
 @register("gdn_gating", "torch")
 def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Gated DeltaNet layer's gates from its projections a, b [T, Hv]: (g = -exp(A_log) softplus(a + dt_bias)
-    [T, Hv] float32, the log decay; beta = sigmoid(b) [T, Hv] in b's dtype), as transformers computes them."""
+    """A Gated DeltaNet layer's gates from its projections a, b [T, Hv] (or [T, Hk, G]: grouped per key head, value
+    head h = kh * G + j): (g = -exp(A_log) softplus(a + dt_bias) [T, Hv] float32, the log decay; beta = sigmoid(b)
+    [T, Hv] in b's dtype), as transformers computes them."""
+    a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
     return g, b.sigmoid()

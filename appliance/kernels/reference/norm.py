@@ -31,7 +31,9 @@ def norm_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
 @register("gated_rms_norm", "torch")
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (weight, not 1 + weight) times SiLU(gate), in float32 like transformers'
-    Qwen3NextRMSNormGated: the Gated DeltaNet layer's output norm, x and gate [..., D] -> x's dtype."""
+    Qwen3NextRMSNormGated: the Gated DeltaNet layer's output norm, x [T, H, D] and gate [T, H, D] or [T, Hk, G * D]
+    (grouped per key head, head h = kh * G + j) -> x's dtype."""
+    gate = gate.reshape(x.shape)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return ((weight * h.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)

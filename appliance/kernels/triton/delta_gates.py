@@ -25,13 +25,17 @@ def _log1p(y):
 
 
 @triton.jit
-def _gdn_gating_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, rows, heads, stride_a, stride_b,
-                       ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gdn_gating_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, rows, heads, group, stride_at,
+                       stride_ak, stride_ag, stride_bt, stride_bk, stride_bg, ROWS: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     h = tl.arange(0, BLOCK_H)
+    kh, j = h // group, h % group  # value head h is entry j of key head kh's group
     mask = (r < rows)[:, None] & (h < heads)[None, :]
-    a = tl.load(a_ptr + r[:, None] * stride_a + h[None, :], mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + r[:, None] * stride_b + h[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + r[:, None] * stride_at + (kh * stride_ak + j * stride_ag)[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + r[:, None] * stride_bt + (kh * stride_bk + j * stride_bg)[None, :], mask=mask,
+                other=0.0).to(tl.float32)
     x = a + tl.load(dt_bias_ptr + h, mask=h < heads, other=0.0).to(tl.float32)[None, :]
     # softplus as torch's (threshold 20): log1p(exp(x)), written so that neither branch overflows
     softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))
@@ -41,62 +45,69 @@ def _gdn_gating_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, ro
     tl.store(beta_ptr + out, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=mask)
 
 
+def _grouped(t: torch.Tensor) -> torch.Tensor:
+    """[T, Hv] as [T, 1, Hv]; [T, Hk, G] as it is (any strides)."""
+    return t[:, None, :] if t.dim() == 2 else t
+
+
 @register("gdn_gating", "triton")
 def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels/reference/gated_delta.py's gdn_gating: a, b [T, Hv] (rows may be strided), one launch."""
-    rows, heads = a.shape
-    if b.shape != a.shape or a_log.shape != (heads,) or dt_bias.shape != (heads,):
+    """kernels/reference/gated_delta.py's gdn_gating: a, b [T, Hv] or [T, Hk, G] (Qwen3-Next's projection, grouped
+    per key head), any strides: read in place, one launch."""
+    a3, b3 = _grouped(a), _grouped(b)
+    rows, heads = a3.shape[0], a3.shape[1] * a3.shape[2]
+    if b3.shape != a3.shape or a_log.shape != (heads,) or dt_bias.shape != (heads,):
         raise ValueError(f"gdn_gating: a {tuple(a.shape)}, b {tuple(b.shape)}, A_log {tuple(a_log.shape)} and "
                          f"dt_bias {tuple(dt_bias.shape)} disagree")
-    if a.stride(-1) != 1:
-        a = a.contiguous()
-    if b.stride(-1) != 1:
-        b = b.contiguous()
     g = torch.empty(rows, heads, dtype=torch.float32, device=a.device)
     beta = torch.empty(rows, heads, dtype=b.dtype, device=b.device)
     if rows:
-        _gdn_gating_kernel[(triton.cdiv(rows, _ROWS),)](a, b, a_log, dt_bias, g, beta, rows, heads, a.stride(0),
-                                                      b.stride(0), ROWS=_ROWS, BLOCK_H=triton.next_power_of_2(heads))
+        _gdn_gating_kernel[(triton.cdiv(rows, _ROWS),)](a3, b3, a_log, dt_bias, g, beta, rows, heads, a3.shape[2],
+                                                      *a3.stride(), *b3.stride(), ROWS=_ROWS,
+                                                      BLOCK_H=triton.next_power_of_2(heads))
     return g, beta
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, stride_x, stride_z, n, eps, ROUND_PRODUCT: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, heads, group, stride_x, stride_zt, stride_zk, n, eps,
+                           ROUND_PRODUCT: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (token, value head)
+    t, h = row // heads, row % heads
     offs = tl.arange(0, BLOCK_N)
     mask = offs < n
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    h = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(h * h, 0) / n + eps)
-    normed = (h * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+    h32 = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(h32 * h32, 0) / n + eps)
+    normed = (h32 * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
     y = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * normed
     if ROUND_PRODUCT:  # weight * h is a product of two 16-bit tensors in the reference: rounded to their dtype
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-    z = tl.load(z_ptr + row * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
+    z_row = z_ptr + t * stride_zt + (h // group) * stride_zk + (h % group) * n
+    z = tl.load(z_row + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n + offs, (y * z * tl.sigmoid(z)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @register("gated_rms_norm", "triton")
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """kernels/reference/norm.py's gated_rms_norm: one program per row of the last dim."""
-    n = x.shape[-1]
-    if gate.shape != x.shape or weight.shape != (n,):
-        raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)} and weight "
-                         f"{tuple(weight.shape)} disagree")
-    x2, z2 = _rows(x, n), _rows(gate, n)
+    """kernels/reference/norm.py's gated_rms_norm for x [T, H, D]: one program per (token, head). gate is [T, H, D]
+    or [T, Hk, G * D] (Qwen3-Next's z, grouped per key head), its rows read in place."""
+    if x.dim() != 3 or gate.dim() != 3 or gate.shape[0] != x.shape[0] or gate.numel() != x.numel():
+        raise ValueError(f"gated_rms_norm: x {tuple(x.shape)} and gate {tuple(gate.shape)} disagree")
+    tokens, heads, n = x.shape
+    if weight.shape != (n,) or gate.shape[2] % n:
+        raise ValueError(f"gated_rms_norm: weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = x2.shape[0]
     round_product = x.dtype != torch.float32 and torch.promote_types(weight.dtype, x.dtype) == x.dtype
     block = triton.next_power_of_2(n)
-    if rows:
-        _gated_rms_norm_kernel[(rows,)](x2, z2, weight, out, x2.stride(0), z2.stride(0), n, eps,
-                                        ROUND_PRODUCT=round_product, BLOCK_N=block,
-                                        num_warps=min(8, max(1, block // 256)))
+    if tokens * heads:
+        _gated_rms_norm_kernel[(tokens * heads,)](x2, gate, weight, out, heads, gate.shape[2] // n, x2.stride(0),
+                                                  gate.stride(0), gate.stride(1), n, eps,
+                                                  ROUND_PRODUCT=round_product, BLOCK_N=block,
+                                                  num_warps=min(8, max(1, block // 256)))
     return out
-
-
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    t2 = t.reshape(-1, n)  # a view where the rows are evenly strided (a projection's slice), else a copy
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()

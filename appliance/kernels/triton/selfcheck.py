@@ -59,20 +59,31 @@ def norm_add_norm_inputs(rows: int, hidden: int, dtype: torch.dtype, device: str
     return Inputs((x, w1, r, w2, 1e-6), 4 * x.numel() * x.element_size())
 
 
-def gdn_gating_inputs(rows: int, heads: int, dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
+def gdn_gating_inputs(rows: int, heads: int, dtype: torch.dtype, device: str, seed: int = 0,
+                      group: int = 0) -> Inputs:
     """Args of `gdn_gating`: a and b as slices of one projection's rows (strided, as a layer passes them), with
-    values past softplus's threshold (20) and far below zero, where log1p must stay accurate."""
+    values past softplus's threshold (20) and far below zero, where log1p must stay accurate; group > 0: Qwen3-Next's
+    [T, Hk, G] views of a projection grouped per key head (b's G values, then a's, per key head)."""
     gen = torch.Generator().manual_seed(seed)
     ba = (4 * torch.randn(rows, 2 * heads, generator=gen)).to(dtype).to(device)
     ba[0, heads:heads + 2] = torch.tensor([25.0, -30.0], dtype=dtype)
     a_log, dt_bias = (torch.randn(heads, generator=gen).to(dtype).to(device) for _ in range(2))
+    if group:
+        b, a = ba.view(rows, heads // group, 2 * group).split([group, group], dim=-1)
+        return Inputs((a, b, a_log, dt_bias), 2 * ba.numel() * ba.element_size())
     return Inputs((ba[:, heads:], ba[:, :heads], a_log, dt_bias), 2 * ba.numel() * ba.element_size())
 
 
-def gated_norm_inputs(rows: int, heads: int, dim: int, dtype: torch.dtype, device: str, seed: int = 0) -> Inputs:
-    """Args of `gated_rms_norm`: x and gate [rows, heads, dim], a weight around 1."""
+def gated_norm_inputs(rows: int, heads: int, dim: int, dtype: torch.dtype, device: str, seed: int = 0,
+                      group: int = 0) -> Inputs:
+    """Args of `gated_rms_norm`: x and gate [rows, heads, dim], a weight around 1; group > 0: the gate is
+    Qwen3-Next's z, a [rows, heads / group, group * dim] slice of a wider projection."""
     gen = torch.Generator().manual_seed(seed)
-    x, z = ((2 * torch.randn(rows, heads, dim, generator=gen)).to(dtype).to(device) for _ in range(2))
+    x = (2 * torch.randn(rows, heads, dim, generator=gen)).to(dtype).to(device)
+    z = (2 * torch.randn(rows, heads, dim, generator=gen)).to(dtype).to(device)
+    if group:
+        wide = (2 * torch.randn(rows, heads // group, 3 * group * dim, generator=gen)).to(dtype).to(device)
+        z = wide[:, :, group * dim: 2 * group * dim]
     w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype).to(device)
     return Inputs((x, z, w, 1e-6), 3 * x.numel() * x.element_size())
 
@@ -258,6 +269,8 @@ def small_cases(device: str = "cpu") -> list[Case]:
         ("gdn_gating", "f32-ragged-heads", lambda: gdn_gating_inputs(5, 6, f32, d, seed=1)),
         ("gated_rms_norm", "bf16", lambda: gated_norm_inputs(5, 4, 64, bf, d)),
         ("gated_rms_norm", "f32-ragged", lambda: gated_norm_inputs(3, 2, 48, f32, d, seed=1)),
+        ("gdn_gating", "f32-grouped", lambda: gdn_gating_inputs(9, 8, f32, d, seed=2, group=2)),
+        ("gated_rms_norm", "bf16-grouped-gate", lambda: gated_norm_inputs(4, 8, 32, bf, d, seed=2, group=2)),
         ("gemv", "bf16-m1-ragged", lambda: gemv_inputs(1, 50, 70, bf, d)),
         ("gemv", "f16-m5-bias", lambda: gemv_inputs(5, 40, 96, f16, d, bias=True)),
         ("gemv", "f32-m16-splitk3", lambda: gemv_inputs(16, 33, 200, f32, d, split_k=3)),
@@ -305,8 +318,9 @@ def realistic_cases(device: str = "cuda") -> list[Case]:
             ("silu_and_mul", name, lambda dt=dt: silu_inputs(300, 14336, dt, d)),
             ("gelu_tanh_and_mul", f"{name}-gemma3-12b", lambda dt=dt: silu_inputs(256, 15360, dt, d)),
             ("norm_add_norm", f"{name}-gemma3-12b", lambda dt=dt: norm_add_norm_inputs(256, 3840, dt, d)),
-            ("gdn_gating", f"{name}-qwen3-next-t1024", lambda dt=dt: gdn_gating_inputs(1024, 32, dt, d)),
-            ("gated_rms_norm", f"{name}-qwen3-next-t1024", lambda dt=dt: gated_norm_inputs(1024, 32, 128, dt, d)),
+            ("gdn_gating", f"{name}-qwen3-next-t1024", lambda dt=dt: gdn_gating_inputs(1024, 32, dt, d, group=2)),
+            ("gated_rms_norm", f"{name}-qwen3-next-t1024", lambda dt=dt: gated_norm_inputs(1024, 32, 128, dt, d,
+                                                                                          group=2)),
             ("gemv", f"{name}-m1-qkv", lambda dt=dt: gemv_inputs(1, 6144, 4096, dt, d)),
             ("gemv", f"{name}-m16-down-bias", lambda dt=dt: gemv_inputs(16, 4096, 14336, dt, d, bias=True)),
             ("gemv", f"{name}-m3-splitk4", lambda dt=dt: gemv_inputs(3, 1000, 14336, dt, d, split_k=4)),
