@@ -1,7 +1,7 @@
 """Count what a hybrid model's prefix-hit turn launches, on the CPU: the second turn of a multi-turn session (its
 state snapshot restored, the tokens after the checkpoint prefilled, one token sampled), as
 `python -m benchmarks.hybrid --multi-turn-only` times it on a GPU. Torch ops (aten calls that compute) and Triton
-launches under the interpreter, per part: the whole engine step, the forward, one linear-attention decoder layer
+launches under the interpreter (and reshapes that copy), per part: the whole engine step, the forward, one linear-attention decoder layer
 (its Gated DeltaNet mixer and its MoE apart) and one full-attention layer. The gated delta rule itself counts as
 one call ("fla.chunk_gated_delta_rule"): on a GPU fla-core runs it, here the torch reference stands in.
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools.step_ops import Counts, counting
 
@@ -46,6 +47,22 @@ def model_dir(out: Path, layers: int = 8) -> Path:
     cfg.save_pretrained(str(out))
     write_word_tokenizer(out, cfg.vocab_size, 0, 1)
     return out
+
+
+class _ReshapeCopies(TorchDispatchMode):
+    """A reshape that cannot view its input copies it (one launch), which step_ops' counter, taking every reshape
+    for a view, leaves out: counted here as "aten.reshape(copy)"."""
+
+    def __init__(self, counts: Counts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (func.overloadpacket.__name__ == "reshape" and self.counts.on and not self.counts.in_triton
+                and out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()):
+            self.counts.ops["aten.reshape(copy)"] += 1
+        return out
 
 
 def _watch(module: torch.nn.Module, counts: Counts, step: Counts) -> None:
@@ -92,7 +109,7 @@ def measure(turn_len: int, interval: int, workdir: Path) -> dict[str, Any]:
                                                                        ignore_eos=True))[0].outputs[0].token_ids
     second = first + list(answer) + [3 + (11 * j) % 500 for j in range(turn_len - len(first) - len(answer))]
     hits = llm.engine.stats().prefix_hit_tokens
-    entered = [counting(c) for c in parts.values()]
+    entered = [m for c in parts.values() for m in (counting(c), _ReshapeCopies(c))]
     for c in entered:
         c.__enter__()
     parts["step"].on = True
