@@ -9,6 +9,8 @@ sum is rounded to the weight's dtype before the SiLU.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -90,7 +92,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int], 
     if not t or not seqs:
         return out
     args = prefill_args(cu_seqlens, slots, fresh, x.device)
-    longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+    longest = max(b - a for a, b in itertools.pairwise(cu_seqlens))
     ss, sc = conv_states.stride(0), conv_states.stride(1)
     if conv_states.stride(2) != 1:
         raise ValueError("causal_conv1d: conv states must be contiguous in their last dim")
