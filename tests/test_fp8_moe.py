@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_moe_models
 import torch
 from safetensors.torch import load_file, save_file
 from test_fp8_kv_cache import COMMON, SEQS, _prompt_logprobs, _stats
-from test_moe_models import build_family
 
 from appliance import LLM
 from appliance.kernels.fp8_gemm import FP8, FP8_MAX
@@ -29,17 +29,7 @@ DENSE = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 MOE_BLOCK = ("mlp", "block_sparse_moe")
 
-
-@pytest.fixture(scope="module")
-def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache: dict[str, Path] = {}
-
-    def make(family: str) -> Path:
-        if family not in cache:
-            cache[family] = build_family(family, tmp_path_factory.mktemp(family))
-        return cache[family]
-
-    return make
+family_dir = test_moe_models.family_dir  # a fixture: the tiny MoE checkpoints, built once a module
 
 
 def _input_amax(model_dir: Path) -> dict[str, float]:
