@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import TINY_VOCAB
 from spec_heads import append_mtp_layer, build_eagle3_head, build_eagle_head
+from test_moe_models import one_thread  # noqa: F401  (autouse where a test module takes it)
 
 from appliance import LLM, SamplingParams
 from appliance.engine.delta import RequestDelta
@@ -29,14 +30,6 @@ NEW = 16
 # (algorithm, drafters key or None): every drafter this build has, besides MTP (tests/test_spec_mtp.py)
 SETUPS = [("NGRAM", None), ("STANDALONE", "draft"), ("EAGLE3", "eagle3"), ("EAGLE3", "eagle3_speculators"),
           ("EAGLE", "eagle")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -8,19 +8,13 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from selfcheck_runner import interpreted_rows
+from test_moe_models import (
+    one_thread,  # noqa: F401  (autouse: one torch thread in this module)
+)
 
 from appliance.kernels import registry
 from appliance.layers.moe import FusedMoE, RouterConfig, select_experts
-from selfcheck_runner import interpreted_rows
-
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: OpenMP spin-waiting on a busy CI machine costs more than it gains
-    yield
-    torch.set_num_threads(before)
 
 
 def _sorted(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,9 @@ import torch
 from decode_graphs import use_graphs
 from test_models_vs_transformers import PROMPTS
 from test_models_windowed import FAMILIES, WINDOW, build_family
+from test_moe_models import (
+    one_thread,  # noqa: F401  (autouse: one torch thread in this module)
+)
 
 from appliance import LLM, SamplingParams
 from appliance.engine.sampling_params import SamplingParams as EngineSampling
@@ -26,14 +29,6 @@ from appliance.executor.window_table import WindowDeviceTables
 
 NEW = 12  # decodes cross three 4-token blocks of every group past the window
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
