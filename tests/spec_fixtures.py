@@ -96,6 +96,21 @@ def logprobs_of(o: Any) -> list[float]:
     return [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]
 
 
+def seeded_and_penalised_unchanged(target: Path, drafters: dict[str, Path], algorithm: str, key: str | None,
+                                   **overrides: Any) -> LLM:
+    """seeded_and_penalised's requests drafted by `algorithm` give the target's own tokens, and the first request
+    its logprobs; returns the drafting LLM (make_llm's `overrides`) for the caller's checks. STANDALONE drafts with
+    the target itself (drafts are accepted often, so verification paths really run), others with drafters[key]."""
+    params = seeded_and_penalised(NEW)
+    base = generate(make_llm(target), params)
+    drafter = target if algorithm == "STANDALONE" else drafters.get(key or "")
+    llm = make_llm(target, **spec_kwargs(algorithm, drafter), **overrides)
+    outs = generate(llm, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert logprobs_of(outs[0]) == pytest.approx(logprobs_of(base[0]), abs=1e-4)
+    return llm
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> list[Any]:
     """The tiny Llama without speculation: greedy outputs with their logprobs."""
