@@ -227,6 +227,22 @@ def test_kernels_compile_for_hopper(fp8: bool) -> None:
             assert compiled.asm["cubin"], (kernel.__name__, tiles)
 
 
+def test_expert_sort_compiles_for_hopper() -> None:
+    """kernels/moe/align.py's four kernels compile to sm_90 cubins without a GPU (Qwen3-Next's 512 experts)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter replaces the compiler")
+    from test_gated_delta import _compiles_for_hopper
+
+    from appliance.kernels.moe import align
+
+    for kernel, const in ((align._count_kernel, {"PAIRS": 128, "EXPERTS": 64}),
+                          (align._scan_kernel, {"EXPERTS": 64, "BLOCKS": 32}),
+                          (align._tiles_kernel, {"BLOCK_E": 512, "BLOCK_M": 64, "TILES": 64}),
+                          (align._place_kernel, {"PAIRS": 128})):
+        assert _compiles_for_hopper(kernel, {}, const), kernel.__name__
+
+
 def _gpu_cases() -> list:
     from appliance.kernels.moe import selfcheck as sc
 
