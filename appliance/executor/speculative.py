@@ -38,6 +38,7 @@ import torch
 
 from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
 from appliance.executor import logits_processors, state_cache
+from appliance.executor.device_proposal import proposes_on_device, score_and_propose
 from appliance.executor.device_verification import verify_on_device
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.sampler import SampleResult, prompt_logprobs
@@ -145,8 +146,8 @@ def make_speculator(runner: ModelRunner) -> Speculator | None:
 @dataclass
 class _Scored:
     sampled: list[SampledToken]
-    prompt_logprobs: dict[str, list[list[tuple[int, float]] | None]]
     emitted: dict[str, int]  # tokens emitted per sampling chunk
+    prompt_logprobs: dict[str, list[list[tuple[int, float]] | None]] = field(default_factory=dict)
     paths: dict[str, list[int]] = field(default_factory=dict)  # a tree verification's accepted rows
 
 
@@ -197,17 +198,12 @@ class Speculator(Drafting):
         with torch.inference_mode():
             rollback = StateRollback.of(r.state_cache, chunks, verifying)  # hybrid targets (speculative_states.py)
             ordered, row_starts, hidden = self._forward(chunks)
-            scored = self._score(ordered, row_starts, hidden, verifying)
-            if scored.paths:
-                self._compact(ordered, row_starts, hidden, scored.paths)
-            verified = list(ordered)  # as the forward ran them (before num_computed moves)
-            for c in ordered:  # a verification keeps the KV of its confirmed positions only
-                rid = c.state.request_id
-                c.state.num_computed += scored.emitted[rid] if rid in verifying else c.num_tokens
-                self._forget(rid)
-            self._propose(ordered, row_starts, hidden, scored.emitted, verifying)
-            if rollback is not None:
-                self.recomputed += rollback.roll_back(verified, scored.emitted, verifying, r._forward)
+            if rollback is None and proposes_on_device(self, ordered, verifying):  # one host wait (device_proposal.py)
+                scored = _Scored(*score_and_propose(self, ordered, row_starts, hidden, verifying))
+                for c in ordered:
+                    c.state.num_computed += scored.emitted[c.state.request_id]
+            else:
+                scored = self._score_and_propose(ordered, row_starts, hidden, verifying, rollback)
         state_cache.save_snapshots(r.state_cache, plan, r.requests)
         order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         scored.sampled.sort(key=lambda t: order[t.request_id])  # stable: a request's tokens stay in order
@@ -217,6 +213,22 @@ class Speculator(Drafting):
             if n:
                 held[c.state.request_id] = n
         return StepResult(plan.step_id, scored.sampled, scored.prompt_logprobs, held, clamped)
+
+    def _score_and_propose(self, ordered: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
+                           verifying: dict[str, int], rollback: StateRollback | None) -> _Scored:
+        """Scoring read on the host, then the drafter's proposal from the emitted counts."""
+        scored = self._score(ordered, row_starts, hidden, verifying)
+        if scored.paths:
+            self._compact(ordered, row_starts, hidden, scored.paths)
+        verified = list(ordered)  # as the forward ran them (before num_computed moves)
+        for c in ordered:  # a verification keeps the KV of its confirmed positions only
+            rid = c.state.request_id
+            c.state.num_computed += scored.emitted[rid] if rid in verifying else c.num_tokens
+            self._forget(rid)
+        self._propose(ordered, row_starts, hidden, scored.emitted, verifying)
+        if rollback is not None:
+            self.recomputed += rollback.roll_back(verified, scored.emitted, verifying, self.runner._forward)
+        return scored
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
         v = self.verify_graphs
@@ -297,7 +309,7 @@ class Speculator(Drafting):
             else:
                 plain_at.append((c, len(rows)))
             rows.extend(range(last - d, last + 1))
-        out = _Scored([], {}, {})
+        out = _Scored([], {})
         if not rows:
             return out
         logits = r.logits(hidden, rows)
