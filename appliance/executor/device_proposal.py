@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from appliance.engine.step import SampledToken
-from appliance.executor.device_verification import Verdict, keep_emitted, read_verdict, verdict_on_device
+from appliance.executor.device_verification import (
+    Verdict,
+    keep_emitted,
+    read_verdict,
+    verdict_on_device,
+)
 from appliance.executor.input_batch import Chunk
 from appliance.executor.speculative_rejection import draws_drafts
 

@@ -25,7 +25,8 @@ With speculative.synthetic_acceptance_* (benchmarks only) step 2's accept decisi
 With eagle_topk > 1 the drafts of a request are a tree (draft_tree.py): drafted by tree_drafting.py, verified by
 tree_verification.py (the walk down the tree, then the accepted path moved to consecutive slots and rows), eagerly.
 On a GPU steps 1 and 3 replay CUDA graphs: verification steps as decode rows (verify_graphs.py), the drafter's
-catch-up after them (catch_up_graphs.py) and the draft chain (draft_graphs.py).
+catch-up after them (catch_up_graphs.py) and the draft chain (draft_graphs.py); a step whose verifications are all
+decided on the device queues steps 2 and 3 before the host reads anything (device_proposal.py: one wait per step).
 """
 from __future__ import annotations
 
