@@ -172,7 +172,7 @@ def mtp_reference(tiny_v3: Path) -> dict[str, Any]:
 def oracle(monkeypatch: pytest.MonkeyPatch, refs: dict[tuple, list[int]], wrong: int) -> None:
     """After each step's drafting, replace each request's drafts by its true continuation with about one in
     `wrong` corrupted (beyond the reference the MTP's own drafts stay)."""
-    real = MtpSpeculator.execute
+    real = MtpSpeculator.complete_step
 
     def propose(self: MtpSpeculator, *args: Any) -> StepResult:
         result = real(self, *args)
@@ -184,7 +184,7 @@ def oracle(monkeypatch: pytest.MonkeyPatch, refs: dict[tuple, list[int]], wrong:
             self.drafts[rid] = fixed + drafts[len(fixed):]
         return result
 
-    monkeypatch.setattr(MtpSpeculator, "execute", propose)
+    monkeypatch.setattr(MtpSpeculator, "complete_step", propose)
 
 
 @pytest.fixture(scope="module")

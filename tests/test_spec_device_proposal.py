@@ -25,10 +25,11 @@ from spec_fixtures import (
 )
 
 from appliance import SamplingParams
-from appliance.engine.step import StepPlan, StepResult
+from appliance.engine.step import StepResult
 from appliance.executor import device_proposal, device_verification, speculative
 from appliance.executor.draft_graphs import ChainGraphs, PendingChain
-from appliance.executor.speculative import Speculator
+from appliance.executor.model_runner import ModelRunner
+from appliance.executor.speculative import LaunchedStep, Speculator
 from appliance.executor.verify_graphs import VerifyGraphs
 
 one_thread, drafters, reference = spec_fixtures.one_thread, spec_fixtures.drafters, spec_fixtures.reference
@@ -49,30 +50,34 @@ def record_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], dict[
     """Every speculative step's paths taken (`proposes_on_device`'s answers) and the drafts held after it."""
     steps: list[tuple[list[str], dict[str, list[int]]]] = []
     paths: list[str] = []
-    decide, execute = speculative.proposes_on_device, Speculator.execute
+    decide, complete_step = speculative.proposes_on_device, Speculator.complete_step
 
     def recorded_decide(*args: Any) -> bool:
         on = decide(*args)
         paths.append("device" if on else "host")
         return on
 
-    def recorded_execute(self: Speculator, plan: StepPlan) -> StepResult:
-        result = execute(self, plan)
+    def recorded_complete(self: Speculator, step: LaunchedStep) -> StepResult:
+        result = complete_step(self, step)
         steps.append((paths[:], {rid: list(d) for rid, d in self.drafts.items()}))
         paths.clear()
         return result
 
     monkeypatch.setattr(speculative, "proposes_on_device", recorded_decide)
-    monkeypatch.setattr(Speculator, "execute", recorded_execute)
+    monkeypatch.setattr(Speculator, "complete_step", recorded_complete)
     return steps
 
 
 def record_syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The order of the worker's device launches of a step (verify, catch-up, chain) and its host reads of the
-    device (the verdict, a chain's drafts)."""
+    """The order of the plans the runner is handed, the worker's device launches of a step (verify, catch-up,
+    chain) and its host reads of the device (the verdict, a chain's drafts)."""
     log: list[str] = []
     run_step, launch, drafts = VerifyGraphs.run_step, ChainGraphs.launch, PendingChain.drafts
-    read = device_verification.read_verdict
+    read, plan = device_verification.read_verdict, ModelRunner.launch
+
+    def recorded_plan(self: ModelRunner, *args: Any) -> Any:
+        log.append("plan")
+        return plan(self, *args)
 
     def recorded_run_step(self: VerifyGraphs, *args: Any) -> Any:
         log.append("launch " + ("verify" if type(self) is VerifyGraphs else "catch-up"))
@@ -90,6 +95,7 @@ def record_syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         log.append("read drafts")
         return drafts(self, *args)
 
+    monkeypatch.setattr(ModelRunner, "launch", recorded_plan)
     monkeypatch.setattr(VerifyGraphs, "run_step", recorded_run_step)
     monkeypatch.setattr(ChainGraphs, "launch", recorded_launch)
     monkeypatch.setattr(PendingChain, "drafts", recorded_drafts)
@@ -108,7 +114,7 @@ def waits_per_step(log: list[str]) -> list[int]:
             out.append(0)
         if event.startswith("launch"):
             launched = True
-        elif launched and out:
+        elif event.startswith("read") and launched and out:
             out[-1] += 1
             launched = False
     return out
@@ -145,8 +151,9 @@ def test_tokens_and_drafts_equal_the_host_path(tiny_model: Path, drafters: dict[
 def test_a_device_step_waits_once(tiny_model: Path, drafters: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                   loop: dict) -> None:
     """The device path queues verify, catch-up and chain, then reads the verdict and the drafts together: one
-    wait per step. The host path reads the verdict between the verify and the catch-up, and the drafts at the
-    next step's start: two."""
+    wait per step, and with overlap after the engine handed over the next plan (it planned while the step ran).
+    The host path reads the verdict between the verify and the catch-up, and the drafts at the next step's
+    start: two."""
     kw = {**_drafter("EAGLE3", drafters), **loop}
     with host_path(monkeypatch) as m:
         log = record_syncs(m)
@@ -156,8 +163,10 @@ def test_a_device_step_waits_once(tiny_model: Path, drafters: dict[str, Path], m
     generate(make_llm(tiny_model, **kw), GREEDY)
     device = waits_per_step(log)
     assert len(device) >= 10 and set(device[:-1]) == {1}  # the last: a one-request step, or the final one
-    assert log[log.index("launch verify") :][:5] == ["launch verify", "launch catch-up", "launch chain",
-                                                     "read verdict", "read drafts"]
+    step = ["launch verify", "launch catch-up", "launch chain"] + (["plan"] if loop else []) + ["read verdict",
+                                                                                                   "read drafts"]
+    first = log.index("launch verify")
+    assert log[first : first + len(step)] == step
     assert len(host) >= 10 and set(host[:-1]) == {2}
 
 

@@ -15,9 +15,11 @@ take the host path (speculative.py), whose tokens and drafts are the same.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from appliance.engine.step import SampledToken
 from appliance.executor.device_verification import (
@@ -30,8 +32,6 @@ from appliance.executor.input_batch import Chunk
 from appliance.executor.speculative_rejection import draws_drafts
 
 if TYPE_CHECKING:
-    import torch
-
     from appliance.executor.speculative import Speculator
 
 
@@ -49,25 +49,44 @@ def proposes_on_device(spec: Speculator, chunks: list[Chunk], verifying: dict[st
     return True
 
 
-def score_and_propose(spec: Speculator, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
-                      verifying: dict[str, int]) -> tuple[list[SampledToken], dict[str, int]]:
-    """The step's verdict, catch-up and chain queued on the device, then read once (module docstring). Returns
-    the sampled tokens and the count each request emitted; each state's token_ids end with its kept tokens and
-    the speculator holds the new drafts."""
+@dataclass(frozen=True)
+class Proposal:
+    """A step's verdict, catch-up and chain, queued on the device and not read yet."""
+
+    verifications: list[tuple[Chunk, int]]  # (chunk, drafts it verifies), in the verdict's order
+    verdict: Verdict
+    drafting: list[int]  # the chunks whose requests draft (indices into verifications)
+    event: torch.cuda.Event | None  # recorded behind the last of it (None on a CPU)
+
+
+def launch_proposal(spec: Speculator, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
+                    verifying: dict[str, int]) -> Proposal:
+    """Queue the step's verdict, catch-up and chain on the device (module docstring); nothing is read. The
+    drafts the chunks verified are dropped (they are in token_ids until the read)."""
     r = spec.runner
     pairs = [(c, verifying[c.state.request_id]) for c in chunks]
     logits = r.logits(hidden, [first + j for (_, d), first in zip(pairs, row_starts) for j in range(d + 1)])
     verdict = verdict_on_device(r.batch_sampler, logits, pairs, spec.num_steps, spec.forced, spec._verdict_stager,
                                 r.block_table.lens)
-    for c in chunks:  # the verified drafts are in token_ids now; the chain below brings the next ones
+    for c in chunks:  # the chain below brings the next drafts
         spec._forget(c.state.request_id)
     drafting = _catch_up_and_chain(spec, chunks, row_starts, verdict)
-    emitted = read_verdict(verdict)  # the step's one wait: the catch-up and the chain were queued before it
-    keep_emitted(pairs, emitted)
-    if drafting:  # arrived behind the verdict; each chain started at its request's confirmed end
-        spec._read_pending([chunks[b].start + len(emitted[b]) for b in drafting])
-    sampled = [SampledToken(c.state.request_id, t) for (c, _), tokens in zip(pairs, emitted) for t in tokens]
-    return sampled, {c.state.request_id: len(tokens) for (c, _), tokens in zip(pairs, emitted)}
+    event = torch.cuda.Event() if hidden.device.type == "cuda" else None
+    if event is not None:
+        event.record()
+    return Proposal(pairs, verdict, drafting, event)
+
+
+def read_proposal(spec: Speculator, p: Proposal) -> tuple[list[SampledToken], dict[str, int]]:
+    """The step's one wait: the verdict read, with the chain's drafts behind it. Returns the sampled tokens and
+    the count each request emitted; each state's token_ids end with its kept tokens and the speculator holds
+    the new drafts."""
+    emitted = read_verdict(p.verdict)
+    keep_emitted(p.verifications, emitted)
+    if p.drafting:  # each chain started at its request's confirmed end
+        spec._read_pending([p.verifications[b][0].start + len(emitted[b]) for b in p.drafting])
+    sampled = [SampledToken(c.state.request_id, t) for (c, _), tokens in zip(p.verifications, emitted) for t in tokens]
+    return sampled, {c.state.request_id: len(tokens) for (c, _), tokens in zip(p.verifications, emitted)}
 
 
 def _catch_up_and_chain(spec: Speculator, chunks: list[Chunk], row_starts: list[int], verdict: Verdict
