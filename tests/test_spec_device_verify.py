@@ -27,7 +27,7 @@ from spec_fixtures import (
 )
 
 from appliance import SamplingParams
-from appliance.executor import device_proposal, speculative
+from appliance.executor import device_proposal, speculative_scoring
 from appliance.executor.device_verification import VerifyBatch, accept, decide
 from appliance.executor.input_batch import Stager
 from appliance.executor.speculative import Speculator
@@ -106,7 +106,7 @@ def _count_device_decisions(monkeypatch: pytest.MonkeyPatch) -> list[float]:
             return real(sampler, rows, verifications, *rest)
         return call
 
-    monkeypatch.setattr(speculative, "verify_on_device", counted(speculative.verify_on_device))
+    monkeypatch.setattr(speculative_scoring, "verify_on_device", counted(speculative_scoring.verify_on_device))
     # steps whose catch-up and chain also run on the device (device_proposal.py)
     monkeypatch.setattr(device_proposal, "verdict_on_device", counted(device_proposal.verdict_on_device))
     return calls
