@@ -44,7 +44,7 @@ from appliance.executor.device_proposal import (
     proposes_on_device,
     read_proposal,
 )
-from appliance.executor.inflight import StepHandle, complete
+from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import Chunk, Stager
 from appliance.executor.speculative_drafts import Drafting
 from appliance.executor.speculative_forced import ForcedAcceptance
@@ -185,10 +185,6 @@ class Speculator(Scoring, Drafting):
         self.recomputed = 0  # hybrid targets: verifications recomputed after a rejection (speculative_states.py)
 
     # ---- the step ----------------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> StepResult:
-        """A step run to its end."""
-        return complete(self.launch(plan))
-
     def launch(self, plan: StepPlan) -> StepHandle:
         """A step up to its first read: one decided and drafted on the device (device_proposal.py) comes back in
         flight, read by `complete_step` when the runner finishes it (before the next launch at the latest); any
@@ -212,10 +208,9 @@ class Speculator(Scoring, Drafting):
             rollback = StateRollback.of(r.state_cache, chunks, verifying)  # hybrid targets (speculative_states.py)
             ordered, row_starts, hidden = self._forward(chunks)
             if rollback is None and proposes_on_device(self, ordered, verifying):
-                step = LaunchedStep(plan, ordered, clamped, None,
-                                    launch_proposal(self, ordered, row_starts, hidden, verifying))
-                return StepHandle(plan.step_id, event=step.proposal.event,  # type: ignore[union-attr]
-                                  completion=lambda: self.complete_step(step))
+                proposal = launch_proposal(self, ordered, row_starts, hidden, verifying)
+                step = LaunchedStep(plan, ordered, clamped, None, proposal)
+                return StepHandle(plan.step_id, event=proposal.event, completion=lambda: self.complete_step(step))
             scored = self._score_and_propose(ordered, row_starts, hidden, verifying, rollback)
         return StepHandle(plan.step_id, self.complete_step(LaunchedStep(plan, ordered, clamped, scored)))
 
