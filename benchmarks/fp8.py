@@ -14,6 +14,8 @@ Sections:
   `triton_gemv` its default, x quantized ahead; `triton_gemv_in_kernel` quantizing inside) against the activation
   quantization + cuBLASLt scaled GEMM it replaces, and the 16-bit GEMV on the same weight in bf16 (twice the
   bytes), microseconds each (--quick: the torch reference on tiny shapes).
+- producers: the residual add + RMSNorm and SiLU-and-mul at one row writing e4m3 in their own launch (what an FP8
+  linear with per-token scales reads at decode) against the 16-bit op and act_quant.py's launch, microseconds.
 - qwen3: Qwen3-0.6B shape, 256 requests of input and output lengths uniform in [100, 1024], FP8 KV against 16-bit
   KV (16-bit weights): output tokens/s of each and the ratio.
 Prints one JSON object per section and, with --output-json, writes them all.
@@ -33,7 +35,7 @@ from typing import Any
 from appliance.bench.floor import weight_read_floor
 from appliance.bench.presets import SHAPES
 
-SECTIONS = ("throughput", "batch1", "capacity", "gemv", "qwen3")
+SECTIONS = ("throughput", "batch1", "capacity", "gemv", "producers", "qwen3")
 TINY = {  # --quick: a tiny Llama shape, CPU
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
@@ -165,17 +167,44 @@ def gemv_times(quick: bool) -> dict[str, Any]:
         scale = w.abs().amax(dim=1) / FP8_MAX
         wq, x = (w / scale[:, None]).to(FP8), torch.randn(1, k, device=device, dtype=torch.bfloat16)
         for path, fn in _gemv_paths(x, wq, scale, quick).items():
-            if quick:
-                t = time.perf_counter()
-                for _ in range(10):
-                    fn()
-                row[f"{name}_{path}_us"] = (time.perf_counter() - t) / 10 * 1e6
-            else:  # replayed from a CUDA graph, as decode steps run: the launches' host cost is not timed
-                from triton.testing import do_bench_cudagraph
-
-                fn()  # compiled before the capture
-                row[f"{name}_{path}_us"] = do_bench_cudagraph(fn, rep=200) * 1e3
+            row[f"{name}_{path}_us"] = _micros(fn, quick)
     return row
+
+
+def _micros(fn: Any, quick: bool) -> float:
+    """Microseconds per call: on a GPU replayed from a CUDA graph, as decode steps run (the launches' host cost is
+    not timed); --quick: ten calls on the CPU."""
+    if quick:
+        t = time.perf_counter()
+        for _ in range(10):
+            fn()
+        return (time.perf_counter() - t) / 10 * 1e6
+    from triton.testing import do_bench_cudagraph
+
+    fn()  # compiled before the capture
+    return do_bench_cudagraph(fn, rep=200) * 1e3
+
+
+def producer_times(quick: bool) -> dict[str, Any]:
+    """Llama-3.1-8B's producers of an FP8 linear's input at one row: the residual add + RMSNorm and SiLU-and-mul
+    writing e4m3 in their own launch (rms_norm_quant, silu_and_mul_quant) against the 16-bit op followed by
+    act_quant.py's launch, microseconds each (--quick: the torch references on tiny shapes)."""
+    import torch
+
+    from appliance.kernels import registry
+
+    backend, device = ("torch", "cpu") if quick else ("triton", "cuda")
+    hidden, inter = (64, 224) if quick else (4096, 14336)
+    bf = {"device": device, "dtype": torch.bfloat16}
+    x, res, w = torch.randn(1, hidden, **bf), torch.randn(1, hidden, **bf), torch.rand(hidden, **bf) + 0.5
+    gate_up = torch.randn(1, 2 * inter, **bf)
+    op = {name: registry.get(name, backend) for name in ("rms_norm", "rms_norm_quant", "silu_and_mul",
+                                                          "silu_and_mul_quant", "fp8_quant_act")}
+    paths = {"norm_then_quant_act": lambda: op["fp8_quant_act"](op["rms_norm"](x, w, 1e-6, res)[0], None),
+             "rms_norm_quant": lambda: op["rms_norm_quant"](x, w, 1e-6, res),
+             "silu_then_quant_act": lambda: op["fp8_quant_act"](op["silu_and_mul"](gate_up), None),
+             "silu_and_mul_quant": lambda: op["silu_and_mul_quant"](gate_up)}
+    return {"hidden": hidden, "intermediate": inter, **{f"{k}_us": _micros(fn, quick) for k, fn in paths.items()}}
 
 
 def run(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -216,6 +245,8 @@ def run(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                                     "bytes_per_block_16bit": bytes_16})
         if "gemv" in sections:
             report("gemv", {"rows": 1, **gemv_times(b.quick)})
+        if "producers" in sections:
+            report("producers", {"rows": 1, **producer_times(b.quick)})
         if "qwen3" in sections:
             rng = random.Random(0)
             lo, hi = b.length(100), b.length(1024)

@@ -4,7 +4,9 @@
   and a tiny random llama using it;
 - a chat template that renders `tools`, assistant `tool_calls`, `tool` results and opens a thinking block
   unless enable_thinking is false;
-- a served pipeline (supervisor -> tokenizer, scheduler, worker processes) on the CPU for one test module.
+- a served pipeline (supervisor -> tokenizer, scheduler, worker processes) on the CPU for one test module, and
+  the agentic server on it: that model and template, the deepseek_r1 reasoning parser, the hermes tool parser
+  and a server-wide thinking budget.
 """
 from __future__ import annotations
 
@@ -12,9 +14,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline_server import start_run, terminate, wait_healthy
+from pipeline_server import free_port, start_run, terminate, wait_healthy
 
 THINK_TAGS = ["<think>", "</think>"]
+SERVER_BUDGET = 6  # the agentic server's thinking budget
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                             "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
 
 TEMPLATE = (
     "{% if tools %}<s>system: tools {{ tools | map(attribute='function') | map(attribute='name') | join(',') }}"
@@ -51,3 +57,30 @@ def served(config_toml: str, cfg_path: Path, port: int, timeout_s: float = 120.0
         yield base
     finally:
         terminate(proc)
+
+
+@contextmanager
+def agentic_server(root: Path, api_extra: str = "") -> Iterator[tuple[str, Path]]:
+    """The agentic server on a think model built under root, `api_extra` (TOML lines) added to its [api] table;
+    yields (base URL, model directory)."""
+    model = build_think_model(root)
+    port = free_port()
+    config = f'''
+[model]
+path = "{model}"
+device = "cpu"
+[cache]
+max_total_tokens = 4096
+[api]
+port = {port}
+served_model_name = "tiny"
+chat_template = {TEMPLATE!r}
+reasoning_parser = "deepseek_r1"
+tool_call_parser = "hermes"
+thinking_budget = {SERVER_BUDGET}
+{api_extra}
+[observability]
+log_level = "warning"
+'''
+    with served(config, root / "serve.toml", port) as url:
+        yield url, model

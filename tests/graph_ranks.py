@@ -1,28 +1,14 @@
 """Shared by the multi-rank graph tests (test_tp_graphs.py, test_ep_graphs.py): two rank processes of one test
-file, and a runner's decode steps routed through DecodeGraphs built by hand (whatever graph_settings says)."""
+file, each writing a JSON report (graph keys as [batch, width])."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-
-
-def use_graphs(llm: Any, sizes: list[int]) -> tuple[Any, list[list[int]]]:
-    """Give the runner of `llm` decode graphs for `sizes`; returns them and the (batch, width) key list that
-    fills as steps replay (on a CPU the same padded static buffers run without capture)."""
-    from appliance.executor.cuda_graph import DecodeGraphs
-
-    r = llm.executor.runner
-    graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, sizes, r.max_blocks,
-                          r.block_size)
-    r.graphs, r.use_graphs = graphs, True
-    keys: list[list[int]] = []
-    run = graphs.run
-    graphs.run = lambda decodes, key, *rest: (keys.append([key.batch, key.width]), run(decodes, key, *rest))[1]
-    return graphs, keys
 
 
 def finish_rank(report: dict[str, Any], out: str) -> None:
@@ -33,7 +19,7 @@ def finish_rank(report: dict[str, Any], out: str) -> None:
 
     from appliance.executor.distributed import shutdown_distributed
 
-    Path(out).write_text(json.dumps(report))
+    Path(out).write_text(json.dumps(report, default=dataclasses.astuple))
     dist.barrier()
     shutdown_distributed()
     sys.stdout.flush()

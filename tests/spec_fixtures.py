@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import TINY_VOCAB
 from spec_heads import append_mtp_layer, build_eagle3_head, build_eagle_head
+from test_moe_models import one_thread  # noqa: F401  (autouse where a test module takes it)
 
 from appliance import LLM, SamplingParams
 from appliance.engine.delta import RequestDelta
@@ -30,14 +31,6 @@ NEW = 16
 # (algorithm, drafters key or None): every drafter this build has, besides MTP (tests/test_spec_mtp.py)
 SETUPS = [("NGRAM", None), ("STANDALONE", "draft"), ("EAGLE3", "eagle3"), ("EAGLE3", "eagle3_speculators"),
           ("EAGLE", "eagle")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +95,21 @@ def seeded_and_penalised(max_tokens: int) -> list[SamplingParams]:
 
 def logprobs_of(o: Any) -> list[float]:
     return [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]
+
+
+def seeded_and_penalised_unchanged(target: Path, drafters: dict[str, Path], algorithm: str, key: str | None,
+                                   **overrides: Any) -> LLM:
+    """seeded_and_penalised's requests drafted by `algorithm` give the target's own tokens, and the first request
+    its logprobs; returns the drafting LLM (make_llm's `overrides`) for the caller's checks. STANDALONE drafts with
+    the target itself (drafts are accepted often, so verification paths really run), others with drafters[key]."""
+    params = seeded_and_penalised(NEW)
+    base = generate(make_llm(target), params)
+    drafter = target if algorithm == "STANDALONE" else drafters.get(key or "")
+    llm = make_llm(target, **spec_kwargs(algorithm, drafter), **overrides)
+    outs = generate(llm, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert logprobs_of(outs[0]) == pytest.approx(logprobs_of(base[0]), abs=1e-4)
+    return llm
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from agentic_fixtures import TEMPLATE, build_think_model, served
-from pipeline_server import free_port
+from agentic_fixtures import SERVER_BUDGET, WEATHER, agentic_server
 
 from appliance.server.parsers.tool_calls.schema_check import validate
 
 pytest.importorskip("xgrammar")
 pytestmark = pytest.mark.slow
 
-SERVER_BUDGET = 6
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                             "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                          "b": {"type": "integer", "minimum": 0, "maximum": 99}},
        "required": ["a", "b"], "additionalProperties": False}
@@ -37,26 +32,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root = tmp_path_factory.mktemp("agentic")
-    model = build_think_model(root)
-    port = free_port()
-    config = f'''
-[model]
-path = "{model}"
-device = "cpu"
-[cache]
-max_total_tokens = 4096
-[api]
-port = {port}
-served_model_name = "tiny"
-chat_template = {TEMPLATE!r}
-reasoning_parser = "deepseek_r1"
-tool_call_parser = "hermes"
-thinking_budget = {SERVER_BUDGET}
-[observability]
-log_level = "warning"
-'''
-    with served(config, root / "serve.toml", port) as url:
+    with agentic_server(tmp_path_factory.mktemp("agentic")) as (url, _):
         yield url
 
 

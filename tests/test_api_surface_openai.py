@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from api_surface_fixtures import API_KEY, WEATHER, surface_server
+from agentic_fixtures import WEATHER
+from api_surface_fixtures import API_KEY, surface_server
 
 from appliance.server.parsers.tool_calls.schema_check import validate
 from appliance.tokenization import decode_token

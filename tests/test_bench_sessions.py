@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pipeline_server import Server, free_port, launch, stop
@@ -160,6 +161,18 @@ log_level = "warning"
         stop(srv)
 
 
+def _oversubscribed_sessions(srv: Server, model: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """4 sessions of 4 turns whose histories reach ~560 tokens each, run 4 at a time against `srv`: (their
+    session_metrics, the idle server's stats), every turn answered and every block accounted for."""
+    w = sessions.SessionWorkload(4, 4, system_len=16, user_len=300, tool_len=64, output_len=16, id_high=900)
+    results, duration = asyncio.run(sessions.run_sessions(ServeTarget(srv.base, "/v1/completions", model), w,
+                                                          concurrency=4))
+    assert all(r.timing.success for r in results), [r.timing.error for r in results]
+    stats = srv.wait_idle()
+    assert stats["accounting_ok"], stats
+    return sessions.session_metrics(results, duration), stats
+
+
 @pytest.mark.parametrize("host_cache", [True, False])
 def test_host_tier_keeps_oversubscribed_histories(tmp_path: Path, host_cache: bool) -> None:
     # 4 sessions whose histories reach ~560 tokens each, 2.2x the 1024-token device pool, interleaved by turn
@@ -180,13 +193,7 @@ served_model_name = "tier"
 log_level = "warning"
 ''', port, cfg_path=tmp_path / "tier.toml")
     try:
-        w = sessions.SessionWorkload(4, 4, system_len=16, user_len=300, tool_len=64, output_len=16, id_high=900)
-        results, duration = asyncio.run(sessions.run_sessions(ServeTarget(srv.base, "/v1/completions", "tier"),
-                                                              w, concurrency=4))
-        assert all(r.timing.success for r in results), [r.timing.error for r in results]
-        m = sessions.session_metrics(results, duration)
-        stats = srv.wait_idle()
-        assert stats["accounting_ok"]
+        m, _ = _oversubscribed_sessions(srv, "tier")
         if host_cache:
             assert m["hit_vs_ideal"] > 0.9, m
         else:
@@ -221,13 +228,8 @@ served_model_name = "disk"
 log_level = "info"
 ''', port, cfg_path=tmp_path / "disk.toml", stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
-        w = sessions.SessionWorkload(4, 4, system_len=16, user_len=300, tool_len=64, output_len=16, id_high=900)
-        results, duration = asyncio.run(sessions.run_sessions(ServeTarget(srv.base, "/v1/completions", "disk"),
-                                                              w, concurrency=4))
-        assert all(r.timing.success for r in results), [r.timing.error for r in results]
-        m = sessions.session_metrics(results, duration)
-        stats = srv.wait_idle()
-        assert stats["accounting_ok"] and stats["tier_disk_spilled"] > 0 and stats["tier_host_loaded"] > 0, stats
+        m, stats = _oversubscribed_sessions(srv, "disk")
+        assert stats["tier_disk_spilled"] > 0 and stats["tier_host_loaded"] > 0, stats
         assert m["hit_vs_ideal"] > 0.9, m
     finally:
         stop(srv)

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from decode_graphs import use_graphs
 
 from appliance import LLM, SamplingParams
 from appliance.executor.cuda_graph import (
@@ -93,7 +94,7 @@ def test_lm_head_rows_and_rows_view() -> None:
 def test_logits_pad_rows_to_capture_sizes(tiny_model) -> None:
     llm = LLM(model=str(tiny_model), dtype="float32", skip_tokenizer_init=True, max_total_tokens=2048)
     runner = llm.executor.runner
-    _with_graphs(llm)  # sizes 1, 2, 4, 8
+    use_graphs(llm, [1, 2, 4, 8])
     seen: list[int] = []
     head = runner.model.compute_logits
     runner.model.compute_logits = lambda h: (seen.append(h.shape[0]), head(h))[1]  # type: ignore[method-assign]
@@ -115,14 +116,6 @@ def _record_launches(runner: Any) -> list[int]:
     launch = runner.launch
     runner.launch = lambda plan: (launched.append(len(plan.scheduled)), launch(plan))[1]
     return launched
-
-
-def _with_graphs(llm: LLM, unsplit_from: int | None = None) -> DecodeGraphs:
-    r = llm.executor.runner
-    graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, [1, 2, 4, 8], r.max_blocks,
-                          r.block_size, unsplit_from=unsplit_from)
-    r.graphs, r.use_graphs = graphs, True
-    return graphs
 
 
 def _key_graphs(unsplit_from: int | None, max_model_len: int = 131072, block_size: int = 16) -> DecodeGraphs:
@@ -179,7 +172,7 @@ def test_padded_decode_path_matches_eager_on_cpu(tiny_model) -> None:
               skip_tokenizer_init=True)
     prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21]  # 3 rows -> padded to 4; tables of 1..20 blocks
     eager = _greedy(llm, prompts, 12)
-    graphs = _with_graphs(llm)
+    graphs, _ = use_graphs(llm, [1, 2, 4, 8])
     runs: list[GraphKey] = []
     run = graphs.run
     graphs.run = lambda decodes, key, fix=None: (runs.append(key), run(decodes, key, fix))[1]  # type: ignore[method-assign]
@@ -197,7 +190,7 @@ def test_shared_width_graphs_match_eager_on_cpu(tiny_model) -> None:
               skip_tokenizer_init=True)
     prompts = [[5, 6, 7], list(range(10, 80)), [9] * 21]
     eager = _greedy(llm, prompts, 12)
-    graphs = _with_graphs(llm, unsplit_from=2)
+    graphs, _ = use_graphs(llm, [1, 2, 4, 8], unsplit_from=2)
     assert graphs.shared_width == min(GRAPH_CONTEXT // 4, llm.executor.runner.max_blocks) > 32
     runs: list[GraphKey] = []
     run = graphs.run
@@ -214,7 +207,7 @@ def test_warmup_leaves_results_unchanged(tiny_model) -> None:
     prompts = [[5, 6, 7], list(range(10, 40))]
     before = _greedy(llm, prompts, 6)
     runner = llm.executor.runner
-    graphs = _with_graphs(llm)
+    graphs, _ = use_graphs(llm, [1, 2, 4, 8])
     runner._pad_prefills = True
     llm.engine.reset_prefix_cache()  # warm-up writes block 0: only before serving, or with nothing cached
     seeds, free_rows, live = runner._noise_seeds.getstate(), runner.block_table.num_free, set(runner.requests)
@@ -234,7 +227,7 @@ def test_warmup_steps_fit_the_block_table(tiny_model, max_num_seqs: int, block_s
     llm = LLM(model=str(tiny_model), dtype="float32", block_size=block_size, max_total_tokens=512,
               skip_tokenizer_init=True, max_num_seqs=max_num_seqs)
     runner = llm.executor.runner
-    _with_graphs(llm)
+    use_graphs(llm, [1, 2, 4, 8])
     launched = _record_launches(runner)
     runner.warmup(graph_context=16)
     assert launched == steps and runner.block_table.num_free == max_num_seqs and not runner.requests
@@ -244,7 +237,7 @@ def test_warmup_steps_skip_a_context_too_short_for_them(tiny_model) -> None:
     llm = LLM(model=str(tiny_model), dtype="float32", block_size=1, max_total_tokens=512, skip_tokenizer_init=True,
               max_model_len=3, chunked_prefill_size=8, max_num_seqs=2)
     runner = llm.executor.runner
-    _with_graphs(llm)
+    use_graphs(llm, [1, 2, 4, 8])
     launched = _record_launches(runner)
     runner.warmup(graph_context=2)
     assert launched == [] and runner.block_table.num_free == 2

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from decode_graphs import use_graphs
 from decode_layout import build_decode_arrays
 
 from appliance import LLM, SamplingParams
@@ -179,13 +180,6 @@ class PositionSpy:
         self.padded += pad > 0
 
 
-def _with_cpu_graphs(llm: LLM) -> None:
-    r = llm.executor.runner
-    r.graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, [1, 2, 4, 8], r.max_blocks,
-                            r.block_size)
-    r.use_graphs = True
-
-
 PROMPTS = [[5, 6, 7, 8, 9], [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 50, 51], [77], list(range(200, 217)),
            [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 60], [90] * 3 + list(range(100, 110))]
 NEW = 8
@@ -221,7 +215,7 @@ def test_every_forward_reads_the_host_positions(tiny_model: Path, references: li
               enable_overlap_schedule=overlap, schedule_conservativeness=0.0)  # admit greedily: preemption
     assert llm.engine.overlap == overlap
     if graphs:
-        _with_cpu_graphs(llm)
+        use_graphs(llm, [1, 2, 4, 8])
     spy = PositionSpy(llm.executor.runner)
     got = _drive(llm, abort="r3")
     assert len(got["r3"]) < NEW

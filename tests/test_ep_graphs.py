@@ -31,7 +31,8 @@ def _greedy(llm: Any) -> list[list[int]]:
 
 
 def _rank_main(rank: int, port: int, model: str, device: str, out: str) -> None:
-    from graph_ranks import finish_rank, use_graphs
+    from decode_graphs import use_graphs
+    from graph_ranks import finish_rank
 
     from appliance import LLM
     from appliance.executor.distributed import DistributedEnv, init_distributed

@@ -161,7 +161,7 @@ def test_registered_ops(fake_importable: types.ModuleType) -> None:
     assert registry.get("prefill_attention", "flashinfer") is attention.prefill_attention
     assert registry.get("rms_norm", "flashinfer") is elementwise.rms_norm
     assert registry.get("silu_and_mul", "flashinfer") is elementwise.silu_and_mul
-    for op in ("rope", "gemv"):  # not flashinfer's own: the registry's fallback order gives triton's, else torch's
+    for op in ("rope", "gemv", "rms_norm_quant", "silu_and_mul_quant"):  # triton's by the fallback order, else torch's
         with pytest.raises(KeyError):
             registry.get(op, "flashinfer")
         want = "triton" if importlib.util.find_spec("triton") is not None else "torch"

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_fp8_kv_cache import COMMON, SEQS, _prompt_logprobs, _stats
+from test_fp8_kv_cache import COMMON, _prompt_logprobs, _stats, input_amax
 
 from appliance import LLM
 from appliance.config import build_config, check_supported
@@ -36,23 +36,9 @@ from appliance.layers.fp8_scaled import (
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _input_amax(model_dir: Path) -> dict[str, float]:
-    """The largest |input| of every projection over the test prompts (a static scale's calibration)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    amax: dict[str, float] = {}
-
-    def hook(name: str) -> Any:
-        return lambda mod, args: amax.__setitem__(name, max(amax.get(name, 0.0), float(args[0].abs().max())))
-
-    for name, mod in model.named_modules():
-        if name.endswith(PROJ):
-            mod.register_forward_pre_hook(hook(name))
-    with torch.no_grad():
-        for s in SEQS:
-            model(torch.tensor([s]))
-    return amax
+def _projection(module: str) -> str | None:
+    """input_amax's key for a projection: its own name."""
+    return module if module.endswith(PROJ) else None
 
 
 def _quantize(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +51,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, layout: str, per_channel: bool = 
                          static: bool = False) -> Path:
     """`src` (a float checkpoint) in `layout`: compressed-tensors or modelopt."""
     shutil.copytree(src, dst)
-    amax = _input_amax(src) if static else {}
+    amax = input_amax(src, _projection) if static else {}
     tensors = load_file(str(dst / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(tuple(f"{p}.weight" for p in PROJ))]:
         module = name.removesuffix(".weight")

@@ -126,6 +126,26 @@ def _stats(want: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, tor
     return float((got[0] - want[0]).abs().mean()), float((got[1] == want[1]).float().mean())
 
 
+def input_amax(model_dir: Path, key_of: Callable[[str], str | None]) -> dict[str, float]:
+    """The largest |input| over SEQS of each module of transformers' model that key_of names (its key in the
+    result, shared by modules with one key; None: not measured): what a static input scale is calibrated on."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    amax: dict[str, float] = {}
+
+    def hook(key: str) -> Callable[..., None]:
+        return lambda mod, args: amax.__setitem__(key, max(amax.get(key, 0.0), float(args[0].abs().max())))
+
+    for name, mod in model.named_modules():
+        if (key := key_of(name)) is not None:
+            mod.register_forward_pre_hook(hook(key))
+    with torch.no_grad():
+        for s in SEQS:
+            model(torch.tensor([s]))
+    return amax
+
+
 def _compare(model: Path, **fp8_kwargs: object) -> tuple[float, float]:
     """_stats of the fp8 cache against the 16-bit one."""
     return _stats(_prompt_logprobs(LLM(model=str(model), **COMMON)),

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_moe_models
 import torch
 from safetensors.torch import load_file, save_file
-from test_fp8_kv_cache import COMMON, SEQS, _prompt_logprobs, _stats
-from test_moe_models import build_family
+from test_fp8_kv_cache import COMMON, _prompt_logprobs, _stats, input_amax
 
 from appliance import LLM
 from appliance.kernels.fp8_gemm import FP8, FP8_MAX
@@ -29,38 +29,15 @@ DENSE = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 MOE_BLOCK = ("mlp", "block_sparse_moe")
 
-
-@pytest.fixture(scope="module")
-def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache: dict[str, Path] = {}
-
-    def make(family: str) -> Path:
-        if family not in cache:
-            cache[family] = build_family(family, tmp_path_factory.mktemp(family))
-        return cache[family]
-
-    return make
+family_dir = test_moe_models.family_dir  # a fixture: the tiny MoE checkpoints, built once a module
 
 
-def _input_amax(model_dir: Path) -> dict[str, float]:
-    """The largest |input| of every attention projection and MoE block over the test prompts (static scales)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    amax: dict[str, float] = {}
-
-    def hook(name: str) -> Any:
-        return lambda mod, args: amax.__setitem__(name, max(amax.get(name, 0.0), float(args[0].abs().max())))
-
-    for name, mod in model.named_modules():
-        if name.endswith(DENSE):
-            mod.register_forward_pre_hook(hook(name))
-        elif name.endswith(MOE_BLOCK):  # transformers' and the checkpoint's block names differ (Mixtral)
-            mod.register_forward_pre_hook(hook(f"{name.rsplit('.', 1)[0]}.moe"))
-    with torch.no_grad():
-        for s in SEQS:
-            model(torch.tensor([s]))
-    return amax
+def _calibrated(module: str) -> str | None:
+    """input_amax's key for transformers' modules: an attention projection's own name, an MoE block's ".moe" name
+    (transformers' and the checkpoint's block names differ: Mixtral), shared by every expert."""
+    if module.endswith(DENSE):
+        return module
+    return f"{module.rsplit('.', 1)[0]}.moe" if module.endswith(MOE_BLOCK) else None
 
 
 def _quantize(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +61,7 @@ def write_fp8_moe_checkpoint(src: Path, dst: Path, layout: str, per_channel: boo
     with `attention`, the attention projections in e4m3 with `weight_scale` (and `input_scale` when static); the
     router stays 16-bit, as the quantizers leave it."""
     shutil.copytree(src, dst)
-    amax = _input_amax(src) if static else {}
+    amax = input_amax(src, _calibrated) if static else {}
     tensors = load_file(str(dst / "model.safetensors"))
     projections = (DENSE if attention else ()) + EXPERT
     names = [n for n in tensors if n.endswith(tuple(f".{p}.weight" for p in projections))]

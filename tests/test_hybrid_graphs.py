@@ -3,13 +3,12 @@ rows' device table rows are their state slots, pad rows use the scratch slot 0. 
 path runs without capturing and its greedy tokens equal transformers'; on a GPU the captured graphs equal eager."""
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
+from decode_graphs import use_graphs
 
 from appliance import LLM, SamplingParams
-from appliance.executor.cuda_graph import DecodeGraphs, GraphKey
+from appliance.executor.cuda_graph import GraphKey
 from tests.test_models_vs_transformers import PROMPTS
 
 NEW = 8
@@ -21,30 +20,13 @@ def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
 
 
-def _with_graphs(llm: LLM, sizes: list[int]) -> list[GraphKey]:
-    """Swap in CPU decode graphs of these sizes; returns the keys they run, as they run."""
-    r = llm.executor.runner
-    graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, sizes, r.max_blocks,
-                          r.block_size, with_states=r.state_cache is not None)
-    r.graphs, r.use_graphs = graphs, True
-    keys: list[GraphKey] = []
-    run = graphs.run
-
-    def counting(decodes: list[Any], key: GraphKey, *rest: Any) -> Any:
-        keys.append(key)
-        return run(decodes, key, *rest)
-
-    graphs.run = counting  # type: ignore[method-assign]
-    return keys
-
-
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
 def test_padded_decode_graph_path_matches_transformers(arch: str, make_tiny_model, hf_greedy) -> None:
     path = make_tiny_model(arch)
     prompts = PROMPTS[:3] + [LONG]  # 3 or 4 decode rows -> padded to 4 (pad rows use the scratch state slot)
     refs = [tokens for tokens, _ in hf_greedy(path, prompts, NEW)]
     llm = LLM(model=str(path), dtype="float32", block_size=4, chunked_prefill_size=16, max_num_seqs=8)
-    keys = _with_graphs(llm, [1, 2, 4])
+    _, keys = use_graphs(llm, [1, 2, 4])
     assert llm.executor.runner.graphs.with_states
     assert _greedy(llm, prompts, NEW) == refs
     assert GraphKey(4, 16) in keys  # live rows and padding rows went through the static path
@@ -60,7 +42,7 @@ def test_graph_rows_are_the_state_slots(make_tiny_model) -> None:
     path = make_tiny_model("qwen3_next")
     llm = LLM(model=str(path), dtype="float32", block_size=4, max_num_seqs=4)
     alone = [_greedy(llm, [p], NEW)[0] for p in PROMPTS[:3]]
-    keys = _with_graphs(llm, [4])
+    _, keys = use_graphs(llm, [4])
     assert _greedy(llm, PROMPTS[:3], NEW) == alone
     assert _greedy(llm, PROMPTS[2:0:-1], NEW) == alone[2:0:-1]  # the same graph, other rows
     assert set(keys) == {GraphKey(4, 16)}

@@ -13,11 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-
-from appliance.kernels.reference.attention import decode_attention, prefill_attention
-from appliance.kernels import mxfp4
-from appliance.models import registry
 from test_models_vs_transformers import NEW, PROMPTS, SETUPS, each_setup_matching, greedy_params
+from test_moe_models import (
+    one_thread,  # noqa: F401  (autouse: one torch thread in this module)
+)
+
+from appliance.kernels import mxfp4
+from appliance.kernels.reference.attention import decode_attention, prefill_attention
+from appliance.models import registry
 
 WINDOW = 6
 TINY: dict[str, Any] = {"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -54,14 +57,6 @@ PREEMPT_TOKENS = {"gemma3": 40, "gpt_oss": 48}
 def windowed_setups(family: str) -> list[tuple[str, dict]]:
     return [(name, {**o, "max_total_tokens": PREEMPT_TOKENS[family]} if "max_total_tokens" in o else o)
             for name, o in SETUPS]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def build_family(family: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:

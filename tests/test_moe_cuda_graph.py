@@ -4,16 +4,16 @@ without capturing) gives the same greedy tokens as eager decoding for the MoE an
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
+from decode_graphs import use_graphs
 from test_moe_models import (
     build_family,
     one_thread,  # noqa: F401  (autouse: one torch thread in this module)
 )
 
 from appliance import LLM, SamplingParams
-from appliance.executor.cuda_graph import DecodeGraphs, GraphKey
+from appliance.executor.cuda_graph import GraphKey
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -27,17 +27,6 @@ def test_padded_decode_graph_path_matches_eager(family: str, tmp_path: Path) -> 
     llm = LLM(model=str(path), dtype="float32", block_size=4, max_total_tokens=1024, skip_tokenizer_init=True)
     prompts = [[5, 6, 7], list(range(10, 60)), [9] * 21]  # 3 rows -> padded to 4; tables of 1..15 blocks
     eager = _greedy(llm, prompts, 8)
-    r = llm.executor.runner
-    graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, [1, 2, 4], r.max_blocks,
-                          r.block_size)
-    r.graphs, r.use_graphs = graphs, True
-    keys: list[GraphKey] = []
-    run = graphs.run
-
-    def counting(decodes: list[Any], key: GraphKey, *rest: Any) -> Any:
-        keys.append(key)
-        return run(decodes, key, *rest)
-
-    graphs.run = counting  # type: ignore[method-assign]
+    _, keys = use_graphs(llm, [1, 2, 4])
     assert _greedy(llm, prompts, 8) == eager
     assert GraphKey(4, 16) in keys  # three live rows and one padding row went through the static path

@@ -3,23 +3,18 @@ fused MoE (16-bit, fp8 and MXFP4 experts; and the fp8 block GEMM) against the to
 TRITON_INTERPRET=1, GPU shapes on a GPU."""
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from selfcheck_runner import interpreted_rows
+from test_moe_models import (
+    one_thread,  # noqa: F401  (autouse: one torch thread in this module)
+)
 
 from appliance.kernels import registry
 from appliance.layers.moe import FusedMoE, RouterConfig, select_experts
-from selfcheck_runner import interpreted_rows
-
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: OpenMP spin-waiting on a busy CI machine costs more than it gains
-    yield
-    torch.set_num_threads(before)
 
 
 def _sorted(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +172,35 @@ def test_decode_batches_take_the_decode_tiles() -> None:
     assert tiles_for(pairs=256 * 8, num_experts=128) == DECODE  # 16 rows per expert on average
     assert tiles_for(pairs=256 * 8 + 1, num_experts=128) == PREFILL
     assert tiles_for(pairs=2048 * 6, num_experts=64) == PREFILL  # a prefill chunk
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kernels_compile_for_hopper(fp8: bool) -> None:
+    """fused_moe's two kernels, 16-bit and fp8 block-scaled weights, decode and prefill tiles, compile through
+    Triton's NVIDIA backend to an sm_90 cubin without a GPU (the interpreter accepts code the compiler rejects)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter replaces the compiler")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from appliance.kernels.moe import triton_moe as tm
+
+    types = {"w_ptr": "*fp8e4nv" if fp8 else "*bf16", "s_ptr": "*fp32", "ids_ptr": "*i32", "experts_ptr": "*i32",
+             "weights_ptr": "*fp32", "limit": "fp32", "alpha": "fp32"}
+    for tiles in (tm.DECODE, tm.PREFILL):
+        consts = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "BN_Q": 128,
+                  "BK_Q": 128, "FP8": fp8, "UPCAST": False}
+        for kernel, extra in ((tm._gate_up_kernel, {"TOP_K": 8, "BIAS": True, "CLAMPED": True}),
+                              (tm._down_kernel, {"BIAS": False, "bias_ptr": None})):
+            const = {**consts, **extra}
+            types["out_ptr"] = "*bf16" if kernel is tm._gate_up_kernel else "*fp32"  # the down GEMM sums in fp32
+            sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+                   for n in kernel.arg_names}
+            compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                                      options={"num_stages": tiles.num_stages, "num_warps": 4})
+            assert compiled.asm["cubin"], (kernel.__name__, tiles)
 
 
 def _gpu_cases() -> list:

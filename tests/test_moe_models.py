@@ -4,6 +4,7 @@ cache) and off with chunked prefill (decode + prefill chunks over a cached prefi
 group-limited routing is checked against transformers' router in test_moe_kernels."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,10 @@ SETUPS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def one_thread() -> Iterator[None]:
     """Tiny models run much faster on one thread (two spin-waiting OpenMP threads on a busy 2-core CI machine
-    cost up to 50x); restored afterwards so other modules keep their setting."""
+    cost up to 50x); restored afterwards so other modules keep their setting. Autouse in every test module that
+    imports it (the shared helper modules do too)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -12,7 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 import spec_fixtures
-from spec_fixtures import NEW, PROMPTS, SETUPS, generate, logprobs_of, make_llm, seeded_and_penalised, spec_kwargs
+from spec_fixtures import (
+    NEW,
+    PROMPTS,
+    SETUPS,
+    generate,
+    logprobs_of,
+    make_llm,
+    seeded_and_penalised_unchanged,
+    spec_kwargs,
+)
 from spec_heads import Eagle3Reference, captured_states
 
 from appliance import SamplingParams
@@ -61,15 +70,7 @@ def test_the_target_as_its_own_draft_model_has_every_draft_accepted(tiny_model: 
 @pytest.mark.parametrize("algorithm,key", [("NGRAM", None), ("STANDALONE", "draft"), ("EAGLE3", "eagle3")])
 def test_seeded_and_penalised_sampling_is_unchanged(tiny_model: Path, drafters: dict[str, Path], algorithm: str,
                                                     key: str | None) -> None:
-    params = seeded_and_penalised(NEW)
-    base = generate(make_llm(tiny_model), params)
-    # the target as its own draft model: drafts are accepted often, so verification paths really run
-    drafter = tiny_model if algorithm == "STANDALONE" else drafters.get(key or "")
-    llm = make_llm(tiny_model, **spec_kwargs(algorithm, drafter))
-    outs = generate(llm, params)
-    for b, o in zip(base, outs):
-        assert o.token_ids == b.token_ids
-    assert logprobs_of(outs[0]) == pytest.approx(logprobs_of(base[0]), abs=1e-4)
+    llm = seeded_and_penalised_unchanged(tiny_model, drafters, algorithm, key)
     assert llm.engine.stats().spec_num_drafts > 0
 
 

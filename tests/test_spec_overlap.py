@@ -20,7 +20,7 @@ from spec_fixtures import (
     logprobs_of,
     make_llm,
     oracle,
-    seeded_and_penalised,
+    seeded_and_penalised_unchanged,
     spec_kwargs,
     stop_case,
 )
@@ -62,15 +62,7 @@ def test_greedy_tokens_and_logprobs_equal_without_speculation(tiny_model: Path, 
 @pytest.mark.parametrize("algorithm,key", [("NGRAM", None), ("STANDALONE", "draft"), ("EAGLE3", "eagle3")])
 def test_seeded_and_penalised_sampling_is_unchanged(tiny_model: Path, drafters: dict[str, Path], algorithm: str,
                                                     key: str | None) -> None:
-    params = seeded_and_penalised(NEW)
-    base = generate(make_llm(tiny_model), params)
-    drafter = tiny_model if algorithm == "STANDALONE" else drafters.get(key or "")
-    llm = _overlapped(make_llm(tiny_model, **spec_kwargs(algorithm, drafter), **OVERLAP))
-    outs = generate(llm, params)
-    for b, o in zip(base, outs):
-        assert o.token_ids == b.token_ids
-    assert logprobs_of(outs[0]) == pytest.approx(logprobs_of(base[0]), abs=1e-4)
-    _check_pool(llm)
+    _check_pool(_overlapped(seeded_and_penalised_unchanged(tiny_model, drafters, algorithm, key, **OVERLAP)))
 
 
 def test_stop_tokens_and_max_tokens_inside_accepted_runs(tiny_model: Path, reference: list[Any]) -> None:

@@ -11,8 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from decode_graphs import use_graphs
 from test_models_vs_transformers import PROMPTS
 from test_models_windowed import FAMILIES, WINDOW, build_family
+from test_moe_models import (
+    one_thread,  # noqa: F401  (autouse: one torch thread in this module)
+)
 
 from appliance import LLM, SamplingParams
 from appliance.engine.sampling_params import SamplingParams as EngineSampling
@@ -25,14 +29,6 @@ from appliance.executor.window_table import WindowDeviceTables
 
 NEW = 12  # decodes cross three 4-token blocks of every group past the window
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +65,7 @@ def _with_decode_graphs(llm: LLM, sizes: list[int]) -> list[GraphKey]:
     """CPU decode graphs of these sizes swapped in; returns the keys they run. After each run the device tables of
     every sliding group must equal the requests' own (what the graph read)."""
     r = llm.executor.runner
-    graphs = DecodeGraphs(r.model, int(r.hf_config.hidden_size), r.dtype, r.device, sizes, r.max_blocks,
-                          r.block_size)
-    r.graphs, r.use_graphs = graphs, True
-    keys: list[GraphKey] = []
+    graphs, keys = use_graphs(llm, sizes)
     run = graphs.run
 
     def checked(decodes: list[Chunk], key: GraphKey, *rest: Any) -> Any:
@@ -82,7 +75,6 @@ def _with_decode_graphs(llm: LLM, sizes: list[int]) -> list[GraphKey]:
             for g, table in enumerate(c.state.window_tables):
                 device = graphs.windows.table[g, c.state.table_row, : len(table)].tolist()
                 assert device == table, f"group {g + 1} of {c.state.request_id}"
-        keys.append(key)
         return out
 
     graphs.run = checked  # type: ignore[method-assign]

@@ -23,13 +23,14 @@ _LOADED: set[str] = set()
 OPS = ("store_kv", "decode_attention", "prefill_attention", "rms_norm", "rope", "silu_and_mul", "gemv", "sample",
        "rope_store_kv", "decode_positions", "verify_positions", "skinny_gemm",
        "norm_prep", "gemv_residual", "gemv_normed_silu", "gemv_normed_rope_store", "fp8_quant_act",
-       "fp8_gemv", "gelu_tanh_and_mul", "norm_add_norm")
+       "fp8_gemv", "gelu_tanh_and_mul", "norm_add_norm", "rms_norm_quant", "silu_and_mul_quant")
 
 # the modules whose import registers a backend's ops (kernels/moe and kernels/mla register theirs for torch and
 # triton when imported: layers/moe.py and layers/mla.py import them); kernels/fp8_gemm.py holds the torch
-# fp8_quant_act and fp8_gemv (their triton ones: kernels/triton/act_quant.py, fp8_gemv.py)
+# fp8_quant_act and fp8_gemv (their triton ones: kernels/triton/act_quant.py, fp8_gemv.py), kernels/fp8_act.py the
+# torch rms_norm_quant and silu_and_mul_quant (triton/norm.py, activation.py)
 BACKEND_MODULES: dict[str, tuple[str, ...]] = {
-    "torch": ("appliance.kernels.reference", "appliance.kernels.fp8_gemm"),
+    "torch": ("appliance.kernels.reference", "appliance.kernels.fp8_gemm", "appliance.kernels.fp8_act"),
     "triton": ("appliance.kernels.triton",),
     "flashinfer": ("appliance.kernels.flashinfer",),
 }
@@ -43,12 +44,14 @@ class Fallback:
     ops: frozenset[str] | None = None
 
 
-# The fallback order per backend. flashinfer takes rope and the decode GEMV from triton (never rope_store_kv or the
-# chain ops, which write the KV cache that belongs to its own store_kv), anything else it lacks from torch.
+# The fallback order per backend. flashinfer takes rope, the decode GEMV and the quantizing norm and activation from
+# triton (never rope_store_kv or the chain ops, which write the KV cache that belongs to its own store_kv), anything
+# else it lacks from torch.
 FALLBACK: dict[str, tuple[Fallback, ...]] = {
     "torch": (),
     "triton": (Fallback("torch"),),
-    "flashinfer": (Fallback("triton", frozenset({"rope", "gemv"})), Fallback("torch")),
+    "flashinfer": (Fallback("triton", frozenset({"rope", "gemv", "rms_norm_quant", "silu_and_mul_quant"})),
+                   Fallback("torch")),
 }
 
 

@@ -11,8 +11,10 @@
 
 Inside, every layer holds `weight` e4m3 [N, K], `weight_scale` float32 [N] (one per output row: a fused qkv or
 gate_up layer whose parts have their own per-tensor scales keeps them row by row) and `input_scale` [1] or None.
-The GEMM is kernels/fp8_gemm.py. MoE experts in these formats (gate / up / down of each expert, per-tensor or
-per-channel) become e4m3 stacks with one scale per output row, run weight-only by the fused MoE kernels (the
+The GEMM is kernels/fp8_gemm.py. Where a layer's input is read by it alone, comes from an RMSNorm or
+SiLU-and-mul and is quantized with dynamic scales, the producer writes it quantized (`quantize_producers`),
+which saves the quantization's launch. MoE experts in these formats (gate / up / down of each expert, per-tensor
+or per-channel) become e4m3 stacks with one scale per output row, run weight-only by the fused MoE kernels (the
 tile dequantized in the GEMM; activations stay 16-bit, so a checkpoint's static expert input scales go unused).
 KV cache scales in the same checkpoints go to the attention layers
 (executor/kv_scales.py).
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from appliance.kernels.fp8_gemm import FP8, FP8_MAX, scaled_linear
+from appliance.kernels.fp8_gemm import FP8, FP8_MAX, QuantizedAct, scaled_linear
 from appliance.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -125,12 +127,12 @@ def scaled_config(quantization: str | None, hf_config: PretrainedConfig,
 
 # ---- the layers ------------------------------------------------------------------------------------------------
 
-def _forward_column(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _forward_column(self: nn.Module, x: torch.Tensor | QuantizedAct) -> torch.Tensor:
     y = scaled_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
     return tp_all_gather(y, dim=-1) if getattr(self, "gather_output", False) else y
 
 
-def _forward_row(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _forward_row(self: nn.Module, x: torch.Tensor | QuantizedAct) -> torch.Tensor:
     y = scaled_linear(x, self.weight, self.weight_scale, self.input_scale)
     if self.reduce_results:
         y = tp_all_reduce(y)
@@ -211,6 +213,23 @@ def _params(module: nn.Module, static_input: bool, device: torch.device) -> None
         module.input_scale = None
 
 
+def quantize_producers(model: nn.Module) -> int:
+    """Every norm or gated activation whose output only an FP8 linear with dynamic per-token scales reads
+    writes that output quantized in its own kernel (ops rms_norm_quant, silu_and_mul_quant: a QuantizedAct the
+    linear uses as it is), instead of a 16-bit tensor the linear quantizes in a launch of its own. The model's
+    modules name the pairs (`sole_readers`); a consumer with a static input scale keeps the 16-bit input.
+    Returns the producers changed."""
+    changed = 0
+    for module in model.modules():
+        pairs = module.sole_readers() if hasattr(module, "sole_readers") else []
+        for producer, consumer in pairs:
+            if (type(consumer) in _TWINS.values() and consumer.input_scale is None
+                    and hasattr(producer, "quantize_output")):
+                producer.quantize_output()
+                changed += 1
+    return changed
+
+
 def _expert_targets(model: nn.Module, cfg: Fp8ScaledConfig) -> list[nn.Module]:
     """The 16-bit FusedMoE layers the scheme covers (block-fp8 ones are another format)."""
     from appliance.layers.moe import FusedMoE  # moe.py imports the fp8 layers
@@ -258,6 +277,7 @@ def prepare_scaled_fp8(model: nn.Module, cfg: Fp8ScaledConfig) -> int:
     experts = _expert_targets(model, cfg)
     for moe in experts:
         _expert_params(moe)
+    quantize_producers(model)
     return len(targets) + len(experts)
 
 
@@ -274,6 +294,7 @@ def quantize_scaled_fp8(model: nn.Module, cfg: Fp8ScaledConfig) -> int:
     experts = _expert_targets(model, cfg)
     for moe in experts:
         _expert_params(moe, _row_quantize_experts(moe.w13_weight.data), _row_quantize_experts(moe.w2_weight.data))
+    quantize_producers(model)
     return len(targets) + len(experts)
 
 

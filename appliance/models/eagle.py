@@ -77,6 +77,10 @@ class _Eagle3Layer(LlamaDecoderLayer):
                                           attn.qkv_proj.total_num_kv_heads, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
+    def sole_readers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """forward_eagle concatenates the input norm's output with the hidden norm's: the MLP's norm only."""
+        return [(self.post_attention_layernorm, self.mlp.gate_up_proj)]
+
     def forward_eagle(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor,
                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)

@@ -27,6 +27,8 @@ from appliance.layers.rotary import RotaryEmbedding, rope_parameters
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from appliance.kernels.fp8_gemm import QuantizedAct
+
 # checkpoint name fragment -> (our fused parameter fragment, shard id)
 _STACKED = (
     ("q_proj", "qkv_proj", "q"),
@@ -84,7 +86,8 @@ class LlamaAttention(nn.Module):
         # owning the parameters (checkpoint names, loading) and serve the unfused path
         self._rope_store = fused_rope_store(backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | QuantizedAct,
+                meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         if self._rope_store is None or self.attn.calibration is not None:  # calibration observes post-rope keys
             return self.o_proj(self._unfused(positions, qkv, meta))
@@ -121,8 +124,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias)
         self.act = SiluAndMul(backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedAct) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def sole_readers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(producer, the one module that reads its output) in this forward (layers/fp8_scaled.py
+        quantize_producers)."""
+        return [(self.act, self.down_proj)]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -143,6 +151,17 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(positions, h, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def sole_readers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(producer, the one module that reads its output) in this forward: the input norm's output goes to a
+        Llama attention's qkv projection alone, the post-attention norm's to a dense MLP's gate_up alone (an MoE
+        block's router reads it too)."""
+        pairs: list[tuple[nn.Module, nn.Module]] = []
+        if isinstance(self.self_attn, LlamaAttention):
+            pairs.append((self.input_layernorm, self.self_attn.qkv_proj))
+        if isinstance(self.mlp, LlamaMLP):
+            pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        return pairs
 
 
 class LlamaModel(nn.Module):

@@ -80,12 +80,16 @@ def gated_activation(acc_g, acc_u, limit, alpha, CLAMPED: tl.constexpr):
 
 
 @triton.jit
-def expert_tile(ids_ptr, pid_m, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A program's tile of its expert block: the (token, expert) pairs of block pid_m and their mask, and the
-    BLOCK_N output columns of program_id(1) and their mask."""
-    pair = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+def expert_tile(experts_ptr, ids_ptr, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's tile: the expert of block program_id(0) (int64), the block's (token, expert) pairs and their
+    mask, the BLOCK_N output columns of program_id(1) and their mask. A block past the used length has expert -1
+    and reads no pairs; its caller returns on it (a jit helper cannot end the kernel)."""
+    pid_m = tl.program_id(0)
+    e = tl.load(experts_ptr + pid_m).to(tl.int64)
+    live = tl.zeros([BLOCK_M], tl.int64) + e >= 0  # a vector: the interpreter takes no scalar mask
+    pair = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M), mask=live).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return pair, pair < num_pairs, offs_n, offs_n < n_cols
+    return e, pair, pair < num_pairs, offs_n, offs_n < n_cols
 
 
 @triton.jit
@@ -118,12 +122,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
                     bias_ptr=None, limit=0.0, alpha=1.702, BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False):
-    pid_m = tl.program_id(0)
-    e = tl.load(experts_ptr + pid_m)
-    if e < 0:
+    e, pair, m_mask, offs_n, n_mask = expert_tile(experts_ptr, ids_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
+    if e < 0:  # a block past the used length
         return
-    e = e.to(tl.int64)
-    pair, m_mask, offs_n, n_mask = expert_tile(ids_ptr, pid_m, num_pairs, inter, BLOCK_M, BLOCK_N)
     row = pair // TOP_K
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -148,12 +149,9 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  BN_Q: tl.constexpr, BK_Q: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
                  bias_ptr=None, BIAS: tl.constexpr = False):
-    pid_m = tl.program_id(0)
-    e = tl.load(experts_ptr + pid_m)
-    if e < 0:
+    e, pair, m_mask, offs_n, n_mask = expert_tile(experts_ptr, ids_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
+    if e < 0:  # a block past the used length
         return
-    e = e.to(tl.int64)
-    pair, m_mask, offs_n, n_mask = expert_tile(ids_ptr, pid_m, num_pairs, hidden, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)

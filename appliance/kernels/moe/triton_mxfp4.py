@@ -79,12 +79,9 @@ def _gate_up_kernel(x_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, num_pair
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     ACT_FORMAT: tl.constexpr, bias_ptr=None, limit=0.0, alpha=1.702, BIAS: tl.constexpr = False,
                     CLAMPED: tl.constexpr = False):
-    pid_m = tl.program_id(0)
-    e = tl.load(experts_ptr + pid_m)
-    if e < 0:
+    e, pair, m_mask, offs_n, n_mask = expert_tile(experts_ptr, ids_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
+    if e < 0:  # a block past the used length
         return
-    e = e.to(tl.int64)
-    pair, m_mask, offs_n, n_mask = expert_tile(ids_ptr, pid_m, num_pairs, inter, BLOCK_M, BLOCK_N)
     row = pair // TOP_K
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -104,12 +101,9 @@ def _down_kernel(a_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, experts_ptr, weights_ptr
                  stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_FORMAT: tl.constexpr,
                  bias_ptr=None, BIAS: tl.constexpr = False):
-    pid_m = tl.program_id(0)
-    e = tl.load(experts_ptr + pid_m)
-    if e < 0:
+    e, pair, m_mask, offs_n, n_mask = expert_tile(experts_ptr, ids_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
+    if e < 0:  # a block past the used length
         return
-    e = e.to(tl.int64)
-    pair, m_mask, offs_n, n_mask = expert_tile(ids_ptr, pid_m, num_pairs, hidden, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):  # BLOCK_K divides inter
         a = tl.load(a_ptr + pair[:, None] * stride_am + k0 + tl.arange(0, BLOCK_K)[None, :], mask=m_mask[:, None],

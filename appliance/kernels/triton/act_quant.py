@@ -1,6 +1,10 @@
 """Activation quantization for the FP8 x FP8 GEMMs (kernels/fp8_gemm.py) in one launch: each row of x to e4m3
 with its own scale (amax / 448, dynamic per token) or one static scale, saturating. The torch ops it replaces
-(abs, amax, divide, clamp, cast) are five launches and three passes over x per linear layer."""
+(abs, amax, divide, clamp, cast) are five launches and three passes over x per linear layer.
+
+`dynamic_scale` and `store_quantized_row` are the per-token quantization every Triton producer of an FP8 GEMM's
+input shares: this launch, and the RMSNorm and SiLU-and-mul kernels that write their output quantized
+(norm.py, activation.py), so all of them give the same e4m3 bits for the same 16-bit row."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +16,22 @@ from appliance.kernels.registry import register
 from appliance.kernels.triton.kv_fp8 import saturate
 
 BLOCK = 1024
+MIN_AMAX = MIN_SCALE * FP8_MAX  # the launch argument of the kernels below: an all-zero row's scale is MIN_SCALE
+
+
+@triton.jit
+def dynamic_scale(amax, MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr):
+    """A row's per-token scale from its amax (float32): amax / 448, never below MIN_SCALE."""
+    return tl.maximum(amax, MIN_AMAX) / FP8_MAX
+
+
+@triton.jit
+def store_quantized_row(y, mask, q_ptrs, s_ptr, MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr):
+    """A whole row held by one program (y float32, the 16-bit values a producer would have written) -> e4m3 at
+    q_ptrs and its scale at s_ptr."""
+    scale = dynamic_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), 0), MIN_AMAX, FP8_MAX)
+    tl.store(q_ptrs, saturate(y, scale, FP8_MAX).to(q_ptrs.dtype.element_ty), mask=mask)
+    tl.store(s_ptr, scale)
 
 
 @triton.jit
@@ -26,7 +46,7 @@ def _quant_rows(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, MIN_AMAX
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX
+        scale = dynamic_scale(tl.max(amax, 0), MIN_AMAX, FP8_MAX)
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
         x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0)
@@ -45,6 +65,6 @@ def quant_act(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.
     scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         _quant_rows[(m,)](x, q, scales, input_scale if input_scale is not None else scales, k, x.stride(0),
-                          q.stride(0), MIN_AMAX=MIN_SCALE * FP8_MAX, FP8_MAX=FP8_MAX, STATIC=input_scale is not None,
+                          q.stride(0), MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX, STATIC=input_scale is not None,
                           BLOCK=BLOCK, num_warps=4)
     return q, scales

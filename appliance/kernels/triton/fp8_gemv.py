@@ -5,9 +5,10 @@ one static scale).
 At batch 1 torch._scaled_mm pays for a GEMM tiled for large M and a separate activation-quantization launch; a
 decode step's linear layers only stream weight bytes, so this kernel does what gemv.py does for 16-bit weights
 (one program per BLOCK_N output rows, y^T = W x^T so the weight tile feeds the MMA as stored) on half the bytes.
-x is quantized per token (or with one static scale) either ahead, by act_quant.py, or by the GEMV's programs as
-they go (Fp8GemvConfig.quantize: each program reads its rows of x for their amax, then quantizes each x tile
-with the same saturating cast as act_quant.py). fp8 operands go to tl.dot on the GPU (float32 accumulation); the
+x is quantized per token (or with one static scale) by its producer (an RMSNorm or SiLU-and-mul that writes a
+QuantizedAct: kernels/fp8_act.py), else either ahead, by act_quant.py, or by the GEMV's programs as they go
+(Fp8GemvConfig.quantize: each program reads its rows of x for their amax, then quantizes each x tile with the
+same saturating cast as act_quant.py). fp8 operands go to tl.dot on the GPU (float32 accumulation); the
 interpreter upcasts.
 """
 from __future__ import annotations
@@ -20,10 +21,10 @@ import triton.language as tl
 
 from appliance.kernels import tuned
 from appliance.kernels.capability import capability
-from appliance.kernels.fp8_gemm import FP8, FP8_MAX, MIN_SCALE
+from appliance.kernels.fp8_gemm import FP8, FP8_MAX, QuantizedAct
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
-from appliance.kernels.triton.act_quant import quant_act
+from appliance.kernels.triton.act_quant import MIN_AMAX, dynamic_scale, quant_act
 from appliance.kernels.triton.common import INTERPRET, pdl_kwargs
 from appliance.kernels.triton.gemv import weight_stream
 from appliance.kernels.triton.kv_fp8 import saturate
@@ -90,7 +91,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, y_ptr, M, N, K,
             x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                         mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
-        x_scale = tl.maximum(amax, MIN_AMAX) / FP8_MAX
+        x_scale = dynamic_scale(amax, MIN_AMAX, FP8_MAX)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -126,36 +127,44 @@ def _fp8_stream_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, 
 
 
 @register("fp8_gemv", "triton")
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-             bias: torch.Tensor | None = None, config: Fp8GemvConfig | None = None) -> torch.Tensor:
+def fp8_gemv(x: torch.Tensor | QuantizedAct, weight: torch.Tensor, weight_scale: torch.Tensor,
+             input_scale: torch.Tensor | None, bias: torch.Tensor | None = None,
+             config: Fp8GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (16-bit, M <= 16) through an e4m3 weight [N, K] with per-row scales [N] -> [M, N] in x's dtype;
-    the contract of kernels/fp8_gemm.scaled_linear. `config` overrides the tiles (tuning)."""
-    m, k = x.shape if x.dim() == 2 else (0, -1)
-    if x.dim() != 2 or m > MAX_M or weight.dtype != FP8 or weight.shape[1] != k or weight.stride(-1) != 1:
-        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} does not fit an e4m3 weight {tuple(weight.shape)} "
+    the contract of kernels/fp8_gemm.scaled_linear. x may be a QuantizedAct (its producer quantized it): then
+    the weight stream runs on it as it is, whatever the config's `quantize`. `config` overrides the tiles
+    (tuning)."""
+    values = x.xq if isinstance(x, QuantizedAct) else x
+    m, k = values.shape if values.dim() == 2 else (0, -1)
+    if values.dim() != 2 or m > MAX_M or weight.dtype != FP8 or weight.shape[1] != k or weight.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv: x {tuple(values.shape)} does not fit an e4m3 weight {tuple(weight.shape)} "
                          f"{weight.dtype} (at most {MAX_M} rows, K contiguous)")
-    x = x if x.stride(-1) == 1 else x.contiguous()
     n = weight.shape[0]
-    measured = tuned_config(n, k, tuned.arch_name(capability(x))) if x.is_cuda else None
+    measured = tuned_config(n, k, tuned.arch_name(capability(values))) if values.is_cuda else None
     cfg = config or measured or config_for(n, k)
     if cfg.quantize not in ("ahead", "in_kernel"):
         raise ValueError(f"fp8_gemv: quantize {cfg.quantize!r} is not one of 'ahead', 'in_kernel'")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=values.device)
     scale = weight_scale.float().contiguous()
     if not (m and n):
         return y
     grid = (triton.cdiv(n, cfg.block_n),)
     tiles = {"BLOCK_M": 16, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "UPCAST": INTERPRET,
              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if cfg.quantize == "ahead":
-        xq, xs = quant_act(x, input_scale)
+    if isinstance(x, QuantizedAct) or cfg.quantize == "ahead":
+        xq, xs = (x.xq, x.scale) if isinstance(x, QuantizedAct) else quant_act(_k_contiguous(x), input_scale)
         _fp8_stream_kernel[grid](xq, xs, weight, scale, bias if bias is not None else scale, y, m, n, k,
                                  xq.stride(0), weight.stride(0), y.stride(0), BIAS=bias is not None, **tiles,
-                                 **pdl_kwargs(x))
+                                 **pdl_kwargs(xq))
         return y
+    x = _k_contiguous(x)
     _fp8_gemv_kernel[grid](
         x, weight, scale, input_scale if input_scale is not None else scale,
         bias if bias is not None else scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        MIN_AMAX=MIN_SCALE * FP8_MAX, FP8_MAX=FP8_MAX, STATIC=input_scale is not None, BIAS=bias is not None,
+        MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX, STATIC=input_scale is not None, BIAS=bias is not None,
         **tiles, **pdl_kwargs(x))
     return y
+
+
+def _k_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -25,7 +25,9 @@ class Case:
     static: bool = False
     bias: bool = False
     tol: float = 1e-5  # relative error norm; 16-bit outputs round to their own step
-    quantize: str = "ahead"  # Fp8GemvConfig.quantize: act_quant.py's launch first, or inside the GEMV
+    # Fp8GemvConfig.quantize: act_quant.py's launch first, or inside the GEMV; "producer": x handed over as a
+    # QuantizedAct (quantized by the torch reference), which both ops use as it is
+    quantize: str = "ahead"
 
 
 def small_cases() -> list[Case]:
@@ -38,6 +40,7 @@ def small_cases() -> list[Case]:
         Case("m3_ragged_f32_in_kernel", 3, 72, 200, torch.float32, quantize="in_kernel"),
         Case("m16_static_bias_f32_in_kernel", 16, 40, 64, torch.float32, static=True, bias=True,
              quantize="in_kernel"),
+        Case("m3_ragged_bias_f32_producer", 3, 72, 200, torch.float32, bias=True, quantize="producer"),
     ]
 
 
@@ -46,8 +49,8 @@ def gpu_cases() -> list[Case]:  # Llama-3.1-8B's projections at batch 1 and 16
     return [Case(f"llama8b_{name}_m{m}", m, n, k, torch.bfloat16, tol=1e-2)
             for name, (n, k) in shapes.items() for m in (1, 16)] + [
         Case("llama8b_qkv_m1_static", 1, 6144, 4096, torch.bfloat16, static=True, tol=1e-2)] + [
-        Case(f"llama8b_{name}_m{m}_in_kernel", m, n, k, torch.bfloat16, tol=1e-2, quantize="in_kernel")
-        for name, (n, k) in shapes.items() for m in (1, 16)]
+        Case(f"llama8b_{name}_m{m}_{how}", m, n, k, torch.bfloat16, tol=1e-2, quantize=how)
+        for name, (n, k) in shapes.items() for m in (1, 16) for how in ("in_kernel", "producer")]
 
 
 def run_case(case: Case, device: str) -> dict[str, object]:
@@ -69,8 +72,12 @@ def run_case(case: Case, device: str) -> dict[str, object]:
     to = {"device": device}
     args = (x.to(case.dtype).to(**to), wq.to(**to), scale.to(**to), None if input_scale is None
             else input_scale.to(**to), None if bias is None else bias.to(case.dtype).to(**to))
+    if case.quantize == "producer":
+        from appliance.kernels.fp8_act import quantized
+
+        args = (quantized(args[0]), *args[1:])
     ref = registry.get("fp8_gemv", "torch")(*args).float()
-    config = replace(config_for(case.n, case.k), quantize=case.quantize)
+    config = replace(config_for(case.n, case.k), quantize="ahead" if case.quantize == "producer" else case.quantize)
     got = registry.get("fp8_gemv", "triton")(*args, config=config).float()
     err = ((got - ref).norm() / ref.norm().clamp(min=1e-6)).item()
     return {"op": "fp8_gemv", "case": case.name, "err": err, "tol": case.tol}
