@@ -162,7 +162,7 @@ def test_a_device_step_waits_once(tiny_model: Path, drafters: dict[str, Path], m
     log = record_syncs(monkeypatch)
     generate(make_llm(tiny_model, **kw), GREEDY)
     device = waits_per_step(log)
-    assert len(device) >= 10 and set(device[:-1]) == {1}  # the last: a one-request step, or the final one
+    assert len(device) >= 10 and set(device[:-1]) == {1}  # the last segment runs on to the end of the run
     step = ["launch verify", "launch catch-up", "launch chain"] + (["plan"] if loop else []) + ["read verdict",
                                                                                                    "read drafts"]
     first = log.index("launch verify")
@@ -171,6 +171,7 @@ def test_a_device_step_waits_once(tiny_model: Path, drafters: dict[str, Path], m
 
 
 def test_mtp_equals_the_host_path(tiny_v3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MTP layer (fed the target's final hidden states, an MLA cache) holds the host path's drafts too."""
     kw = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
     params = SamplingParams(temperature=0.0, max_tokens=MTP_NEW, ignore_eos=True)
     with host_path(monkeypatch) as m:
