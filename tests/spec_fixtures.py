@@ -19,6 +19,7 @@ from test_moe_models import one_thread  # noqa: F401  (autouse where a test modu
 
 from appliance import LLM, SamplingParams
 from appliance.engine.delta import RequestDelta
+from appliance.engine.step import StepResult
 from appliance.executor.speculative_mtp import MtpSpeculator
 from appliance.server.engine_client import RequestOutput
 from appliance.tokenization import Detokenizer
@@ -177,20 +178,21 @@ def mtp_reference(tiny_v3: Path) -> dict[str, Any]:
 
 
 def oracle(monkeypatch: pytest.MonkeyPatch, refs: dict[tuple, list[int]], wrong: int) -> None:
-    """After the MTP layer drafts, replace each request's drafts by its true continuation with about one in
+    """After each step's drafting, replace each request's drafts by its true continuation with about one in
     `wrong` corrupted (beyond the reference the MTP's own drafts stay)."""
-    real = MtpSpeculator._propose
+    real = MtpSpeculator.complete_step
 
-    def propose(self: MtpSpeculator, *args: Any) -> None:
-        real(self, *args)
+    def propose(self: MtpSpeculator, *args: Any) -> StepResult:
+        result = real(self, *args)
         for rid, drafts in self.drafts.items():
             st = self.runner.requests[rid]
             done = len(st.token_ids) - st.num_prompt_tokens
             want = refs.get(tuple(st.token_ids[: st.num_prompt_tokens]), [])[done : done + len(drafts)]
             fixed = [(t + 1) % MTP_VOCAB if (done * 7 + j * 5) % wrong == 0 else t for j, t in enumerate(want)]
             self.drafts[rid] = fixed + drafts[len(fixed):]
+        return result
 
-    monkeypatch.setattr(MtpSpeculator, "_propose", propose)
+    monkeypatch.setattr(MtpSpeculator, "complete_step", propose)
 
 
 @pytest.fixture(scope="module")

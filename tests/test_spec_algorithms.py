@@ -111,14 +111,15 @@ def test_eagle3_drafts_equal_a_from_scratch_pass_of_the_head(make_tiny_model: Ca
     from appliance.executor.speculative_draft import EagleSpeculator
 
     seen: dict[tuple[int, ...], list[int]] = {}
-    real = EagleSpeculator._propose
+    real = EagleSpeculator.complete_step
 
-    def record(self: EagleSpeculator, *args: Any) -> None:
-        real(self, *args)
+    def record(self: EagleSpeculator, *args: Any) -> Any:
+        result = real(self, *args)
         for rid, drafts in self.drafts.items():
             seen[tuple(self.runner.requests[rid].token_ids)] = list(drafts)
+        return result
 
-    monkeypatch.setattr(EagleSpeculator, "_propose", record)
+    monkeypatch.setattr(EagleSpeculator, "complete_step", record)
     # four layers: the default capture is layers 0, 2 and 3 (a layer may also be listed twice)
     tiny_model = make_tiny_model("llama", seed=4, num_hidden_layers=4)
     chosen = {"eagle3_layers_to_capture": layers} if layers else {}

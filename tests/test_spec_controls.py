@@ -213,14 +213,14 @@ def test_a_draft_model_holds_every_draft_at_block_boundaries(tiny_model: Path, d
     from appliance.executor.speculative import Speculator
 
     held: list[int] = []
-    real = Speculator.execute
+    real = Speculator.complete_step
 
-    def record(self: Speculator, plan: Any) -> Any:
-        result = real(self, plan)
+    def record(self: Speculator, step: Any) -> Any:
+        result = real(self, step)
         held.extend(result.drafts.values())
         return result
 
-    monkeypatch.setattr(Speculator, "execute", record)
+    monkeypatch.setattr(Speculator, "complete_step", record)
     llm = make_llm(tiny_model, **spec_kwargs("STANDALONE", draft))
     llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 4, 5, 6)],
                  SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))

@@ -27,7 +27,7 @@ from spec_fixtures import (
 )
 
 from appliance import SamplingParams
-from appliance.executor import speculative
+from appliance.executor import device_proposal, speculative_scoring
 from appliance.executor.device_verification import VerifyBatch, accept, decide
 from appliance.executor.input_batch import Stager
 from appliance.executor.speculative import Speculator
@@ -99,13 +99,16 @@ def test_decide_reads_flat_rows_and_sets_the_confirmed_lengths() -> None:
 def _count_device_decisions(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The temperature of every verification decided on the device, one entry each."""
     calls: list[float] = []
-    real = speculative.verify_on_device
 
-    def counted(sampler: Any, rows: Any, verifications: list[tuple[Any, int]], *rest: Any) -> list[list[int]]:
-        calls.extend(c.state.params.temperature for c, _ in verifications)
-        return real(sampler, rows, verifications, *rest)
+    def counted(real: Any) -> Any:
+        def call(sampler: Any, rows: Any, verifications: list[tuple[Any, int]], *rest: Any) -> Any:
+            calls.extend(c.state.params.temperature for c, _ in verifications)
+            return real(sampler, rows, verifications, *rest)
+        return call
 
-    monkeypatch.setattr(speculative, "verify_on_device", counted)
+    monkeypatch.setattr(speculative_scoring, "verify_on_device", counted(speculative_scoring.verify_on_device))
+    # steps whose catch-up and chain also run on the device (device_proposal.py)
+    monkeypatch.setattr(device_proposal, "verdict_on_device", counted(device_proposal.verdict_on_device))
     return calls
 
 

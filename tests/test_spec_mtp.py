@@ -124,17 +124,18 @@ def test_drafter_cache_and_drafts_equal_a_from_scratch_pass(tiny_v3: Path, mtp_r
     ran): after every step, each request's MTP cache rows over its computed positions and its drafts equal what a
     fresh engine computes after prefilling the same history in one go."""
     seen: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
-    real = MtpSpeculator._propose
+    real = MtpSpeculator.complete_step
 
-    def record(self: MtpSpeculator, *args: Any) -> None:
-        real(self, *args)
+    def record(self: MtpSpeculator, *args: Any) -> Any:
+        result = real(self, *args)
         cache = self.model.mtp[0].self_attn.attn.k_cache
         for rid, drafts in self.drafts.items():
             st = self.runner.requests[rid]
             rows = cache[torch.tensor(st.block_ids)].reshape(-1, cache.shape[-1])[: st.num_computed].clone()
             seen[tuple(st.token_ids)] = (list(drafts), rows)
+        return result
 
-    monkeypatch.setattr(MtpSpeculator, "_propose", record)
+    monkeypatch.setattr(MtpSpeculator, "complete_step", record)
     # accepted drafts: catch-up over several rows; rejected ones too (overlap verifies at other token counts)
     oracle(monkeypatch, mtp_reference["tokens"], wrong=2 if overlap else 3)
     llm = make_llm(tiny_v3, speculative_algorithm="MTP", speculative_num_steps=2, enable_overlap_schedule=overlap)

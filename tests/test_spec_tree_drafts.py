@@ -128,16 +128,16 @@ def _dense_kv(runner: Any, state: Any) -> torch.Tensor:
 
 def _record_kv(runner: Any, into: dict[str, tuple[list[int], torch.Tensor]]) -> None:
     """After every step, each live request's computed tokens and their KV (the last snapshot stays)."""
-    target = runner.spec if runner.spec is not None else runner
-    real = target.execute
+    target, name = (runner.spec, "complete_step") if runner.spec is not None else (runner, "execute")
+    real = getattr(target, name)
 
-    def execute(plan: Any) -> Any:
-        out = real(plan)
+    def record(step: Any) -> Any:
+        out = real(step)
         for rid, state in runner.requests.items():
             into[rid] = (list(state.token_ids[: state.num_computed]), _dense_kv(runner, state))
         return out
 
-    target.execute = execute
+    setattr(target, name, record)
 
 
 def test_forced_acceptance_leaves_the_cache_a_chain_leaves(tiny_model: Path, drafters: dict[str, Path]) -> None:

@@ -16,6 +16,7 @@ import torch
 from spec_fixtures import NEW, gpu_llm, greedy, make_llm, spec_kwargs
 
 from appliance.engine.sampling_params import SamplingParams as Params
+from appliance.executor import speculative
 from appliance.executor.draft_graphs import ChainGraphs
 from appliance.executor.input_batch import Chunk, graph_stride
 from appliance.executor.request_table import RequestState
@@ -108,9 +109,11 @@ def test_verification_above_the_buckets_takes_the_multi_token_path(tiny_model: P
 
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3"])
 def test_catch_up_rows_draft_what_the_eager_catch_up_drafts(tiny_model: Path, eagle3_head: Path,
-                                                           make_tiny_model: Any, algorithm: str) -> None:
+                                                           make_tiny_model: Any, algorithm: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """After every verify-graph step the drafter catches up both ways (the second re-stores the same K/V): the
-    same drafts."""
+    same drafts. The host path's catch-up (the device path equals it: tests/test_spec_device_proposal.py)."""
+    monkeypatch.setattr(speculative, "proposes_on_device", lambda *_: False)
     drafter = eagle3_head if algorithm == "EAGLE3" else make_tiny_model("llama", seed=1, num_hidden_layers=1)
     llm = make_llm(tiny_model, **spec_kwargs(algorithm, drafter))
     spec = llm.executor.runner.spec

@@ -12,7 +12,11 @@ catch-up row of one token), so every row's argmax draft and hidden state land in
 request draws its drafts from the drafter's q keeps the eager catch-up); the speculator gathers each drafting
 request's last row for the chain (draft_graphs.py) without a host round trip. Graphs are keyed by (padded rows,
 table width) like the verify graphs and captured at start-up on a GPU; on a CPU the same body runs uncaptured. The
-drafter keeps no `lens`: nothing is corrected.
+drafter keeps no `lens`: nothing is corrected. A row at or past its request's confirmed length (the target's device
+length, plus one for a draft model, whose rows include the token just sampled) stores nothing and reads nothing:
+after a step whose verifications were all decided on the device (device_proposal.py) the catch-up runs over the
+whole chunks before the host knows what they kept, its ids the verdict's tokens written on the device (`fed`), and
+the rows past the kept ones drop out here; rows the host built from the kept counts are all below that length.
 """
 from __future__ import annotations
 
@@ -51,12 +55,13 @@ class CatchUpGraphs(VerifyGraphs):
         self.pool, self.fresh_rows = verify.pool, verify.fresh_rows
         self.tokens = torch.zeros(verify.sizes[-1], dtype=torch.int64, device=verify.device)
         self._take: list[int] = []  # the step's source rows, set by run_step for _rows_upload
+        self._fed = False  # the step's ids are written on the device (run_catch_up's `fed`)
 
     def _rows_upload(self, chunks: list[Chunk], key: GraphKey, host: np.ndarray) -> None:
         rows = sum(c.num_tokens for c in chunks)
         if rows > key.batch or table_width(chunks) > key.width or len(self._take) not in (0, rows):
             raise ValueError(f"a catch-up of {rows} rows does not fit a graph of {key.batch} x {key.width}")
-        verify_rows(chunks, self.block_size, key.batch, host, self.shift)
+        verify_rows(chunks, self.block_size, key.batch, host, None if self._fed else self.shift)
         s = graph_stride(key.batch)
         host[5 * s : 6 * s] = 0
         host[5 * s : 5 * s + len(self._take)] = self._take
@@ -65,7 +70,16 @@ class CatchUpGraphs(VerifyGraphs):
         return np.zeros((2, 0), dtype=np.int64)  # the drafter reads no device lengths
 
     def _rows(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        return self._host_rows(key)  # host-built positions: the device lengths are the target's
+        """Host-built positions (the device lengths are the target's), rows past the confirmed length masked."""
+        assert self.table is not None
+        b, s = key.batch, graph_stride(key.batch)
+        ids, rows, positions, slots = (self.buf[i * s : i * s + b] for i in range(4))
+        seq_lens = self.seq_lens[:b]
+        seq_lens.copy_(self.buf[4 * s : 4 * s + b])
+        past = positions >= self.table.lens.index_select(0, rows) + (1 - self.shift)
+        slots.masked_fill_(past, -1)
+        seq_lens.masked_fill_(past, 0)
+        return ids, positions, self._meta(key, rows, slots)
 
     def _body(self, key: GraphKey) -> None:
         step = self._step()
@@ -78,12 +92,13 @@ class CatchUpGraphs(VerifyGraphs):
         if self.chains_state:
             self.hidden[:b].copy_(hidden)
 
-    def run_catch_up(self, chunks: list[Chunk], take: list[int]
+    def run_catch_up(self, chunks: list[Chunk], take: list[int], fed: torch.Tensor | None = None
                      ) -> tuple[list[int], torch.Tensor, torch.Tensor | None] | None:
-        """Each chunk's first row, every row's draft and chained state, or None when no graph fits."""
-        self._take = take
-        got = self.run_step(chunks)
-        self._take = []
+        """Each chunk's first row, every row's draft and chained state, or None when no graph fits. `fed`: the
+        rows' input ids on the device (else the host's token at start + j + shift)."""
+        self._take, self._fed = take, fed is not None
+        got = self.run_step(chunks, None if fed is None else lambda ids: ids.copy_(fed))
+        self._take, self._fed = [], False
         if got is None:
             return None
         starts, _ = got

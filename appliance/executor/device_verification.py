@@ -104,30 +104,58 @@ def decide(samples: torch.Tensor, batch: VerifyBatch, num_steps: int, stager: St
     confirmed end. The host waits once, for counts and tokens together."""
     if not batch.drafts:
         return []
+    return read_verdict(launch_verdict(samples, batch, num_steps, stager, lens))
+
+
+def launch_verdict(samples: torch.Tensor, batch: VerifyBatch, num_steps: int, stager: Stager,
+                   lens: torch.Tensor | None) -> Verdict:
+    """`decide` without the read: the verdict stays on the device (work launched after it, such as the drafter's
+    catch-up and chain placed from `lens`, runs before the host reads it)."""
     up = batch.upload(num_steps, stager)
     verdict = accept(samples[up.index.reshape(-1)].view(up.index.shape), up.drafts, up.held, up.forced)
     if lens is not None:
         lens.index_copy_(0, up.table_rows, up.starts + verdict.counts)
+    return verdict
+
+
+def read_verdict(verdict: Verdict) -> list[list[int]]:
+    """The emitted tokens of each request: counts and tokens in one copy (the host's wait for the verdict and
+    everything launched before this call)."""
+    b, width = verdict.tokens.shape
     host = torch.cat([verdict.counts, verdict.tokens.reshape(-1)]).tolist()
-    b, width = len(batch.drafts), num_steps + 1
     return [host[b + i * width : b + i * width + host[i]] for i in range(b)]
 
 
-def verify_on_device(sampler: BatchSampler, rows: torch.Tensor, verifications: list[tuple[Chunk, int]],
-                     num_steps: int, forced: ForcedAcceptance | None, stager: Stager, lens: torch.Tensor
-                     ) -> list[list[int]]:
-    """The tokens each (chunk, d) verification emits. `rows`: their logits, d + 1 rows each in order, every row
-    taking a device path of `sampler` (BatchSampler.on_device); each state's token_ids ends with its d drafts.
-    Afterwards it ends with the kept tokens, and the device length and its mirror are the confirmed end."""
+def verdict_on_device(sampler: BatchSampler, rows: torch.Tensor, verifications: list[tuple[Chunk, int]],
+                      num_steps: int, forced: ForcedAcceptance | None, stager: Stager, lens: torch.Tensor) -> Verdict:
+    """The verdict of these (chunk, d) verifications, on the device (nothing read). `rows`: their logits, d + 1
+    rows each in order, every row taking a device path of `sampler` (BatchSampler.on_device); each state's
+    token_ids ends with its d drafts. The device lengths become the confirmed ends."""
     samples = sampler.sample_on_device(rows, [row for c, d in verifications for row in verification_rows(c.state, d)])
     firsts = np.cumsum([0] + [d + 1 for _, d in verifications]).tolist()[:-1]
     drafts = [c.state.token_ids[len(c.state.token_ids) - d:] for c, d in verifications]
     kept = [forced.accepted(d) for _, d in verifications] if forced is not None else None
     batch = VerifyBatch(firsts, drafts, [c.state.table_row for c, _ in verifications],
                         [c.start for c, _ in verifications], kept)
-    emitted = decide(samples, batch, num_steps, stager, lens)
+    return launch_verdict(samples, batch, num_steps, stager, lens)
+
+
+def keep_emitted(verifications: list[tuple[Chunk, int]], emitted: list[list[int]]) -> None:
+    """Each state's d drafts replaced by the tokens it emitted; the mirror of its device length set to the
+    confirmed end."""
     for (c, d), tokens in zip(verifications, emitted):
         del c.state.token_ids[len(c.state.token_ids) - d:]
         c.state.token_ids.extend(tokens)
         c.state.pos_on_device = c.start + len(tokens)
+
+
+def verify_on_device(sampler: BatchSampler, rows: torch.Tensor, verifications: list[tuple[Chunk, int]],
+                     num_steps: int, forced: ForcedAcceptance | None, stager: Stager, lens: torch.Tensor
+                     ) -> list[list[int]]:
+    """The tokens each (chunk, d) verification emits (`verdict_on_device`, read at once). Afterwards each
+    state's token_ids ends with the kept tokens, and the device length and its mirror are the confirmed end."""
+    if not verifications:
+        return []
+    emitted = read_verdict(verdict_on_device(sampler, rows, verifications, num_steps, forced, stager, lens))
+    keep_emitted(verifications, emitted)
     return emitted

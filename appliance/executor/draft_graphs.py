@@ -2,17 +2,19 @@
 
 After the catch-up forward drafts each request's first token, num_steps - 1 more one-token steps of the drafter (the
 EAGLE / EAGLE-3 head, the MTP layer, the standalone draft model: the speculator's `draft_step`) feed each draft
-back. Every step's positions are known before the chain starts (draft i + 1 of a request sits at first_pos + i), so
-the whole chain is one fixed-shape body: its rows' positions, slots and seq_lens for every step travel in one
-upload, the tables are gathered once from the runner's persistent device table (the step's block deltas are already
-there), and the drafts stay on the device from step to step and come back in one copy at the end, which the
-speculator waits for only when it next reads its drafts (the next step's start): the chain runs on the GPU while the
-engine plans that step, so the verification's samples are a step's one wait. A graph is captured per (padded batch,
-table-width bucket), as the decode graphs are. A row whose next position is past its block table or max_model_len
-(`Speculator.draft_limit`) stores nothing from there on (slot -1, seq_len 0: attention reads nothing) and its later
-drafts are dropped on the host; pad rows are the same with table row 0. Batches above the captured sizes, a CPU
-(tests) and a drafter whose forward cannot be captured run the same body uncaptured over the same static buffers, so
-the speculative parity tests exercise it.
+back. Draft i + 1 of a request sits at first_pos + i, so the whole chain is one fixed-shape body: the upload holds
+each row's table row, first position and limit, every step's positions, slots and seq_lens are computed inside
+the body from them and the tables gathered once from the runner's persistent device table (the step's block deltas
+are already there), and the drafts stay on the device from step to step and come back in one copy at the end. The
+first positions come from the host, and the speculator waits for the drafts only when it next reads them (the next
+step's start: the chain runs on the GPU while the engine plans that step); or, after a step whose verifications
+were all decided on the device (device_proposal.py), from the device lengths that verdict set (`launch(...,
+first_pos=None)`): the chain is then queued before the host knows how many tokens each request kept, and its
+drafts arrive with the verdict. A graph is captured per (padded batch, table-width bucket), as the decode graphs
+are. A row whose next position is past its block table or max_model_len (`Speculator.draft_limit`) stores nothing
+from there on (slot -1, seq_len 0: attention reads nothing) and its later drafts are dropped on the host; pad rows
+are the same with table row 0. Batches above the captured sizes, a CPU (tests) and a drafter whose forward cannot
+be captured run the same body uncaptured over the same static buffers, so the speculative parity tests exercise it.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from appliance.executor.cuda_graph import GRAPH_CONTEXT, GraphKey, capture_sizes, padded_batch, width_bucket
@@ -55,7 +56,7 @@ class ChainGraphs:
         self.max_blocks, self.block_size, self.table = max_blocks, block_size, table
         self.cuda = self.device.type == "cuda"
         top, n = graph_stride(sizes[-1]), spec.num_steps - 1
-        self.buf = torch.zeros((1 + 3 * n) * top, dtype=torch.int64, device=self.device)  # rows, then per step
+        self.buf = torch.zeros(3 * top, dtype=torch.int64, device=self.device)  # [rows | first positions | limits]
         self.host = torch.zeros(self.buf.numel(), dtype=torch.int64, pin_memory=self.cuda)
         self.tokens = torch.zeros(sizes[-1], dtype=torch.int64, device=self.device)
         self.hidden = (torch.zeros(sizes[-1], hidden_size, dtype=dtype, device=self.device)
@@ -70,11 +71,20 @@ class ChainGraphs:
         self._copied: torch.cuda.Event | None = None
         self.last_key: GraphKey | None = None
 
-    def _segments(self, key: GraphKey) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+    def _segments(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The upload's [rows | first positions | limits] of this key's batch."""
         b, s = key.batch, graph_stride(key.batch)
-        steps = [tuple(self.buf[(1 + 3 * i + j) * s : (1 + 3 * i + j) * s + b] for j in range(3))
-                 for i in range(self.num_steps - 1)]
-        return self.buf[:b], steps
+        return self.buf[:b], self.buf[s : s + b], self.buf[2 * s : 2 * s + b]
+
+    def _place(self, tables: torch.Tensor, pos: torch.Tensor, limits: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions, slots and seq_lens of one chain step's rows at `pos`; a row at or past its limit (and
+        padding: limit 0) stores nothing and reads nothing."""
+        ok = pos < limits
+        col = torch.clamp(pos // self.block_size, max=tables.shape[1] - 1)
+        block = tables.gather(1, col.view(-1, 1)).view(-1).to(torch.int64)
+        slots = torch.where(ok, block * self.block_size + pos % self.block_size, -1)
+        return torch.where(ok, pos, 0), slots, torch.where(ok, pos + 1, 0)
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax drafts as target ids."""
@@ -86,11 +96,12 @@ class ChainGraphs:
         step = self._step()
         assert step is not None, "the speculator that owns these chains is gone"
         b = key.batch
-        rows, steps = self._segments(key)
+        rows, first, limits = self._segments(key)
         tables = self.table.gather(rows, key.width)
         tokens, hidden = self.tokens[:b], self.hidden[:b] if self.hidden is not None else None
         self.out[:b, 0].copy_(tokens)
-        for i, (positions, slots, lens) in enumerate(steps):
+        for i in range(self.num_steps - 1):
+            positions, slots, lens = self._place(tables, first + i, limits)
             seq_lens = self.seq_lens[i, :b]
             seq_lens.copy_(lens)
             meta = AttentionMetadata(
@@ -101,35 +112,25 @@ class ChainGraphs:
             tokens = (pick or self.greedy)(logits)
             self.out[:b, i + 1].copy_(tokens)
 
-    def _fill(self, states: list[RequestState], first_pos: list[int], limits: list[int], key: GraphKey) -> None:
+    def _fill(self, states: list[RequestState], first_pos: list[int] | None, limits: list[int], key: GraphKey
+              ) -> None:
+        """Upload [rows | first positions | limits] (padding: row 0, limit 0); first_pos None: the first
+        positions are the rows' device lengths, gathered on the device."""
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffer is about to be overwritten
-        s, bs = graph_stride(key.batch), self.block_size
-        host = self.host.numpy()
-        n = len(states)
-        host[:s] = 0
-        host[:n] = [st.table_row for st in states]
-        first = np.asarray(first_pos, dtype=np.int64)
-        limit = np.asarray(limits, dtype=np.int64)
-        width = max((len(st.block_ids) for st in states), default=1)
-        tables = np.zeros((n, width), dtype=np.int64)
-        for j, st in enumerate(states):
-            blocks = st.block_array()
-            tables[j, : blocks.shape[0]] = blocks
-        for i in range(self.num_steps - 1):
-            v = host[(1 + 3 * i) * s : (4 + 3 * i) * s].reshape(3, s)
-            v[0], v[1], v[2] = 0, -1, 0  # padding: position 0, stored nowhere, reads nothing
-            pos = first + i
-            ok = pos < limit
-            safe = np.where(ok, pos, 0)
-            v[0, :n] = safe
-            v[1, :n] = np.where(ok, tables[np.arange(n), np.minimum(safe // bs, width - 1)] * bs + safe % bs, -1)
-            v[2, :n] = np.where(ok, pos + 1, 0)
-        size = (1 + 3 * (self.num_steps - 1)) * s
-        self.buf[:size].copy_(self.host[:size], non_blocking=self.cuda)
+        s, n = graph_stride(key.batch), len(states)
+        v = self.host.numpy()[: 3 * s].reshape(3, s)
+        v[:] = 0
+        v[0, :n] = [st.table_row for st in states]
+        if first_pos is not None:
+            v[1, :n] = first_pos
+        v[2, :n] = limits
+        self.buf[: 3 * s].copy_(self.host[: 3 * s], non_blocking=self.cuda)
         if self.cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
+        if first_pos is None:
+            self.buf[s : s + n].copy_(self.table.lens.index_select(0, self.buf[:n]))
 
     def capture(self, key: GraphKey) -> None:
         if key in self.graphs:
@@ -155,13 +156,13 @@ class ChainGraphs:
             w = width_bucket(w + 1, self.max_blocks)
         return [GraphKey(b, w) for w in reversed(widths) for b in reversed(self.sizes) if b <= self.captured]
 
-    def launch(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int], hidden: Any,
+    def launch(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int] | None, hidden: Any,
                limits: list[int]) -> PendingChain:
         """Start the chains of these states: `first` ([n] on the device) is each one's first draft, then one
-        per chain step whose position (first_pos + i) is below the state's limit. The drafts come back to
-        pinned memory behind the kernels; PendingChain.drafts() waits for them (the chain's one sync)."""
+        per chain step whose position (first_pos + i) is below the state's limit; first_pos None: each row's
+        device length (`_fill`), which the caller tells PendingChain.drafts when it knows it. The drafts come
+        back to pinned memory behind the kernels; PendingChain.drafts() waits for them (the chain's one sync)."""
         n = len(states)
-        counts = [1 + max(0, min(self.num_steps - 1, lim - p)) for p, lim in zip(first_pos, limits)]
         if self._read is not None:
             self._read.synchronize()  # the previous chain's drafts left the pinned buffer
         if self.num_steps > 1:
@@ -184,7 +185,7 @@ class ChainGraphs:
         self._read = torch.cuda.Event() if self.cuda else None
         if self._read is not None:
             self._read.record()
-        return PendingChain(host, self._read, counts)
+        return PendingChain(host, self._read, self.num_steps, limits, first_pos)
 
     def run(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int], hidden: Any,
             limits: list[int]) -> list[list[int]]:
@@ -205,22 +206,36 @@ class ChainGraphs:
                 self.hidden[:n].copy_(hidden)
             self._body(key, pick)
             out = self.out[:n]
-        counts = [1 + max(0, min(self.num_steps - 1, lim - p)) for p, lim in zip(first_pos, limits)]
-        return [row[:k] for row, k in zip(out.tolist(), counts)]
+        return [row[:k] for row, k in zip(out.tolist(), chain_counts(self.num_steps, first_pos, limits))]
+
+
+def chain_counts(num_steps: int, first_pos: list[int], limits: list[int]) -> list[int]:
+    """Drafts each chain keeps: the first, then one per step whose position is below the row's limit."""
+    return [1 + max(0, min(num_steps - 1, lim - p)) for p, lim in zip(first_pos, limits)]
 
 
 @dataclass(frozen=True)
 class PendingChain:
-    """A launched chain's drafts, on their way to the host: counts are known at once, values after the copy."""
+    """A launched chain's drafts, on their way to the host: counts are known once the first positions are
+    (at launch from the host, else from the verdict read), values after the copy."""
 
     host: torch.Tensor  # [n, num_steps] int64, pinned on a GPU
     copied: torch.cuda.Event | None
-    counts: list[int]
+    num_steps: int
+    limits: list[int]
+    first_pos: list[int] | None  # None: placed from the device lengths, told to `drafts`
 
-    def drafts(self) -> list[list[int]]:
+    @property
+    def counts(self) -> list[int]:
+        assert self.first_pos is not None, "a chain placed on the device counts its drafts once it is read"
+        return chain_counts(self.num_steps, self.first_pos, self.limits)
+
+    def drafts(self, first_pos: list[int] | None = None) -> list[list[int]]:
         if self.copied is not None:
             self.copied.synchronize()
-        return [row[:k] for row, k in zip(self.host.tolist(), self.counts)]
+        first = first_pos if first_pos is not None else self.first_pos
+        assert first is not None, "a chain placed on the device is read with its first positions"
+        return [row[:k] for row, k in zip(self.host.tolist(), chain_counts(self.num_steps, first, self.limits))]
 
 
 def make_chain_graphs(spec: Speculator, hidden_size: int | None, drafter: torch.nn.Module,

@@ -4,10 +4,14 @@ A step whose sampled rows all take a device path (greedy argmax or the Triton sa
 seeds or constrained decoding) is launched without reading anything back: its ids are copied into pinned host
 memory behind the step's kernels and an event marks their arrival. The next step's decode rows take their input
 ids from that device tensor (`resolve_pending_ids`), so the runner can launch step N+1 while step N still runs,
-and the only wait per step is for step N's ids when its result is collected.
+and the only wait per step is for step N's ids when its result is collected. A speculative step decided and drafted
+on the device (device_proposal.py) is in flight too: its handle's `completion` reads its verdict and drafts, and
+the runner completes it before it launches the next step (which starts from where it ended), so the engine plans
+that step while this one runs.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +32,7 @@ class StepHandle:
     host_ids: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
     plan_order: dict[str, int] | None = None  # request id -> position in the plan, when rows were reordered
+    completion: Callable[[], StepResult] | None = None  # a speculative step in flight: reads and returns its result
 
     @property
     def done(self) -> bool:
@@ -53,6 +58,9 @@ def defer(step_id: int, chunks: list[Chunk], device_ids: torch.Tensor,
 def complete(handle: StepHandle) -> StepResult:
     """Wait for a deferred step's ids and append them to their requests (steps complete in launch order)."""
     if handle.result is not None:
+        return handle.result
+    if handle.completion is not None:
+        handle.result, handle.completion, handle.event = handle.completion(), None, None
         return handle.result
     if handle.event is not None:
         handle.event.synchronize()

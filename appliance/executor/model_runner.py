@@ -264,12 +264,18 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> StepHandle:
         """Start a step. When every sampled row samples on the device (inflight.py), its ids stay there until
         finish(), so the caller can plan and launch the next step meanwhile; any other step first finishes the
-        steps in flight (its sampling reads the complete token history) and runs to completion here."""
+        steps in flight (its sampling reads the complete token history) and runs to completion here; so does a
+        speculative step, unless decided and drafted on the device (speculative.py `Speculator.launch`)."""
+        if self.spec is not None:
+            self.flush()  # the speculative step in flight: this one starts from where it ended
         # issued before anything of this step reads or writes those blocks; the forward waits for them
         self.host_copier.submit(plan.host_copies, plan.host_writes)
-        if self.spec is not None:  # never overlapped (refused at start-up): the step completes here
+        if self.spec is not None:
             self.host_copier.wait_all()
-            return StepHandle(plan.step_id, self.spec.execute(plan))
+            spec_handle = self.spec.launch(plan)
+            if not spec_handle.done:
+                self._inflight.append(spec_handle)
+            return spec_handle
         for rid in plan.finished_ids:
             self.requests.pop(rid, None)
         for new in plan.new_requests:

@@ -25,34 +25,38 @@ With speculative.synthetic_acceptance_* (benchmarks only) step 2's accept decisi
 With eagle_topk > 1 the drafts of a request are a tree (draft_tree.py): drafted by tree_drafting.py, verified by
 tree_verification.py (the walk down the tree, then the accepted path moved to consecutive slots and rows), eagerly.
 On a GPU steps 1 and 3 replay CUDA graphs: verification steps as decode rows (verify_graphs.py), the drafter's
-catch-up after them (catch_up_graphs.py) and the draft chain (draft_graphs.py).
+catch-up after them (catch_up_graphs.py) and the draft chain (draft_graphs.py); a step whose verifications are all
+decided on the device queues steps 2 and 3 before the host reads anything (device_proposal.py: one wait per step).
 """
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from appliance.engine.step import SampledToken, ScheduledRequest, StepPlan, StepResult
-from appliance.executor import logits_processors, state_cache
-from appliance.executor.device_verification import verify_on_device
+from appliance.engine.step import ScheduledRequest, StepPlan, StepResult
+from appliance.executor import state_cache
+from appliance.executor.device_proposal import (
+    Proposal,
+    launch_proposal,
+    proposes_on_device,
+    read_proposal,
+)
+from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import Chunk, Stager
-from appliance.executor.sampler import SampleResult, prompt_logprobs
 from appliance.executor.speculative_drafts import Drafting
 from appliance.executor.speculative_forced import ForcedAcceptance
+from appliance.executor.speculative_scoring import Scored, Scoring
 from appliance.executor.speculative_states import StateRollback
-from appliance.executor.speculative_verification import verification_rows, verify
 from appliance.executor.tree_drafting import make_tree_drafter
-from appliance.executor.tree_verification import compact, path_moves, verify_trees
+from appliance.executor.tree_verification import compact, path_moves
 from appliance.executor.verify_graphs import make_verify_graphs
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
     from appliance.executor.model_runner import ModelRunner
-    from appliance.executor.request_table import RequestState
 
 SUPPORTED_ALGORITHMS = ("MTP", "NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 
@@ -142,15 +146,18 @@ def make_speculator(runner: ModelRunner) -> Speculator | None:
     return DraftModelSpeculator(runner) if algorithm == "STANDALONE" else EagleSpeculator(runner)
 
 
-@dataclass
-class _Scored:
-    sampled: list[SampledToken]
-    prompt_logprobs: dict[str, list[list[tuple[int, float]] | None]]
-    emitted: dict[str, int]  # tokens emitted per sampling chunk
-    paths: dict[str, list[int]] = field(default_factory=dict)  # a tree verification's accepted rows
+@dataclass(frozen=True)
+class LaunchedStep:
+    """What a launched step's completion needs: decided on the host (scored) or in flight (proposal)."""
+
+    plan: StepPlan
+    chunks: list[Chunk]  # as the forward ran them
+    clamped: dict[str, int]
+    scored: Scored | None
+    proposal: Proposal | None = None
 
 
-class Speculator(Drafting):
+class Speculator(Scoring, Drafting):
     """Runs StepPlans for a ModelRunner with speculative decoding (ModelRunner.launch hands them here);
     subclasses implement `_propose`, which fills `self.drafts` for the requests that sampled."""
 
@@ -178,7 +185,10 @@ class Speculator(Drafting):
         self.recomputed = 0  # hybrid targets: verifications recomputed after a rejection (speculative_states.py)
 
     # ---- the step ----------------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> StepResult:
+    def launch(self, plan: StepPlan) -> StepHandle:
+        """A step up to its first read: one decided and drafted on the device (device_proposal.py) comes back in
+        flight, read by `complete_step` when the runner finishes it (before the next launch at the latest); any
+        other step comes back complete."""
         r = self.runner
         for rid in plan.finished_ids:
             r.requests.pop(rid, None)
@@ -191,32 +201,52 @@ class Speculator(Drafting):
         clamped: dict[str, int] = {}  # the same, where fewer than the plan asked (StepResult.verified)
         chunks = [self._chunk(s, verifying, clamped) for s in plan.scheduled]
         if not chunks:
-            return StepResult(plan.step_id)
+            return StepHandle(plan.step_id, StepResult(plan.step_id))
         sampling = sum(1 for c in chunks if c.sample)
         self.drafting = self.disable_above is None or sampling <= self.disable_above
         with torch.inference_mode():
             rollback = StateRollback.of(r.state_cache, chunks, verifying)  # hybrid targets (speculative_states.py)
             ordered, row_starts, hidden = self._forward(chunks)
-            scored = self._score(ordered, row_starts, hidden, verifying)
-            if scored.paths:
-                self._compact(ordered, row_starts, hidden, scored.paths)
-            verified = list(ordered)  # as the forward ran them (before num_computed moves)
-            for c in ordered:  # a verification keeps the KV of its confirmed positions only
-                rid = c.state.request_id
-                c.state.num_computed += scored.emitted[rid] if rid in verifying else c.num_tokens
-                self._forget(rid)
-            self._propose(ordered, row_starts, hidden, scored.emitted, verifying)
-            if rollback is not None:
-                self.recomputed += rollback.roll_back(verified, scored.emitted, verifying, r._forward)
-        state_cache.save_snapshots(r.state_cache, plan, r.requests)
-        order = {s.request_id: i for i, s in enumerate(plan.scheduled)}
+            if rollback is None and proposes_on_device(self, ordered, verifying):
+                proposal = launch_proposal(self, ordered, row_starts, hidden, verifying)
+                step = LaunchedStep(plan, ordered, clamped, None, proposal)
+                return StepHandle(plan.step_id, event=proposal.event, completion=lambda: self.complete_step(step))
+            scored = self._score_and_propose(ordered, row_starts, hidden, verifying, rollback)
+        return StepHandle(plan.step_id, self.complete_step(LaunchedStep(plan, ordered, clamped, scored)))
+
+    def complete_step(self, step: LaunchedStep) -> StepResult:
+        """A launched step's result; a proposal on the device is read first (the step's one wait)."""
+        r, scored = self.runner, step.scored
+        if step.proposal is not None:
+            scored = Scored(*read_proposal(self, step.proposal))
+            for c in step.chunks:
+                c.state.num_computed += scored.emitted[c.state.request_id]
+        assert scored is not None
+        state_cache.save_snapshots(r.state_cache, step.plan, r.requests)
+        order = {s.request_id: i for i, s in enumerate(step.plan.scheduled)}
         scored.sampled.sort(key=lambda t: order[t.request_id])  # stable: a request's tokens stay in order
         held: dict[str, int] = {}
-        for c in ordered:
+        for c in step.chunks:
             n = self._held(c.state.request_id) if c.sample else 0
             if n:
                 held[c.state.request_id] = n
-        return StepResult(plan.step_id, scored.sampled, scored.prompt_logprobs, held, clamped)
+        return StepResult(step.plan.step_id, scored.sampled, scored.prompt_logprobs, held, step.clamped)
+
+    def _score_and_propose(self, ordered: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
+                           verifying: dict[str, int], rollback: StateRollback | None) -> Scored:
+        """Scoring read on the host, then the drafter's proposal from the emitted counts."""
+        scored = self._score(ordered, row_starts, hidden, verifying)
+        if scored.paths:
+            self._compact(ordered, row_starts, hidden, scored.paths)
+        verified = list(ordered)  # as the forward ran them (before num_computed moves)
+        for c in ordered:  # a verification keeps the KV of its confirmed positions only
+            rid = c.state.request_id
+            c.state.num_computed += scored.emitted[rid] if rid in verifying else c.num_tokens
+            self._forget(rid)
+        self._propose(ordered, row_starts, hidden, scored.emitted, verifying)
+        if rollback is not None:
+            self.recomputed += rollback.roll_back(verified, scored.emitted, verifying, self.runner._forward)
+        return scored
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[int], torch.Tensor]:
         v = self.verify_graphs
@@ -274,113 +304,3 @@ class Speculator(Drafting):
         if s.sample and end != len(state.token_ids):
             raise ValueError(f"request {s.request_id!r}: asked to sample after token {end} of {len(state.token_ids)}")
         return Chunk(state, state.num_computed, end - state.num_computed, s.sample, tree)
-
-    # ---- scoring: plain samples and verifications ------------------------------------------------------
-    def _score(self, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
-               verifying: dict[str, int]) -> _Scored:
-        r = self.runner
-        rows: list[int] = []
-        prompt_at: list[tuple[Chunk, int, int]] = []
-        plain_at: list[tuple[Chunk, int]] = []
-        verify_at: list[tuple[Chunk, int, int]] = []  # chunk, first index into rows, drafts
-        for c, first in zip(chunks, row_starts):
-            if c.wants_prompt_logprobs:  # row of position p scores prompt token p + 1
-                count = max(min(c.start + c.num_tokens, c.state.num_prompt_tokens - 1) - c.start, 0)
-                prompt_at.append((c, len(rows), count))
-                rows.extend(range(first, first + count))
-            if not c.sample:
-                continue
-            d = verifying.get(c.state.request_id, 0)
-            last = first + c.num_tokens - 1
-            if d:
-                verify_at.append((c, len(rows), d))
-            else:
-                plain_at.append((c, len(rows)))
-            rows.extend(range(last - d, last + 1))
-        out = _Scored([], {}, {})
-        if not rows:
-            return out
-        logits = r.logits(hidden, rows)
-        out.prompt_logprobs = {c.state.request_id: prompt_logprobs(c, logits[i : i + n].float())
-                               for c, i, n in prompt_at}
-        if plain_at:
-            results = logits_processors.sample(r, self._rows_of(logits, [i for _, i in plain_at]),
-                                               [c.state for c, _ in plain_at])
-            for (c, _), res in zip(plain_at, results):
-                c.state.token_ids.append(res.token_id)
-                out.sampled.append(SampledToken(c.state.request_id, res.token_id, res.logprob, res.top_logprobs,
-                                                res.rank, res.error))
-                out.emitted[c.state.request_id] = 1
-        if verify_at and self.tree is not None:
-            self._verify_trees(logits, verify_at, out)
-        elif verify_at:
-            self._verify(logits, verify_at, out)
-        return out
-
-    def _rows_of(self, logits: torch.Tensor, index: list[int]) -> torch.Tensor:
-        """These rows of logits: all of them in order without a gather (a step of verifications only), else a
-        gather through a staged upload (a plain torch.tensor(..., device) waits for the GPU to catch up)."""
-        if index == list(range(logits.shape[0])):
-            return logits
-        return logits[self._index_stager.send(np.asarray(index, dtype=np.int64))]
-
-    def _verify(self, logits: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
-        """Requests whose rows all sample on the device are decided there (device_verification.py); the others
-        (logits processors, host-sampled rows, drafts drawn from the drafter's q) by the host verifier."""
-        rows = self._rows_of(logits, [i + j for _, i, d in verify_at for j in range(d + 1)])
-        firsts = np.cumsum([0] + [d + 1 for _, _, d in verify_at]).tolist()
-        on_device = [k for k, (c, _, d) in enumerate(verify_at) if self._decided_on_device(c.state, d)]
-        host = [k for k in range(len(verify_at)) if k not in set(on_device)]
-
-        def rows_of(group: list[int]) -> torch.Tensor:
-            if len(group) == len(verify_at):
-                return rows
-            index = [firsts[k] + j for k in group for j in range(verify_at[k][2] + 1)]
-            return rows[self._index_stager.send(np.asarray(index, dtype=np.int64))]
-
-        if on_device:
-            chosen = [verify_at[k] for k in on_device]
-            emitted = verify_on_device(self.runner.batch_sampler, rows_of(on_device), [(c, d) for c, _, d in chosen],
-                                       self.num_steps, self.forced, self._verdict_stager, self.runner.block_table.lens)
-            for (c, _, _), tokens in zip(chosen, emitted):
-                out.sampled += [SampledToken(c.state.request_id, t) for t in tokens]
-                out.emitted[c.state.request_id] = len(tokens)
-        if host:
-            self._verify_on_host(rows_of(host), [verify_at[k] for k in host], out)
-
-    def _decided_on_device(self, state: RequestState, d: int) -> bool:
-        if logits_processors.wants_processors(state.params.extra):
-            return False
-        if self.forced is None and self.draft_probs.get(state.request_id) is not None:
-            return False  # drafts drawn from q: rejection sampling against p (speculative_rejection.py)
-        return self.runner.batch_sampler.on_device(verification_rows(state, d))
-
-    def _verify_on_host(self, rows: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
-        first = 0
-        for c, _, d in verify_at:  # structured outputs: each row masked as after the drafts before it
-            if logits_processors.wants_processors(c.state.params.extra):
-                logits_processors.processors_for(self.runner).mask_drafts(rows[first : first + d + 1], c.state, d)
-            first += d + 1
-        sampler = self.runner.batch_sampler
-
-        def sample(lg: torch.Tensor, states: list[Any]) -> list[SampleResult]:
-            masked = [i for i, s in enumerate(states) if logits_processors.wants_processors(s.params.extra)]
-            return logits_processors.draw(sampler, lg, states, masked)
-
-        probs = [self.draft_probs.get(c.state.request_id) for c, _, _ in verify_at]
-        emitted = verify(sample, rows, [(c.state, d) for c, _, d in verify_at], self.forced, probs, sampler.sampler)
-        for (c, _, _), results in zip(verify_at, emitted):
-            rid = c.state.request_id
-            out.sampled += [SampledToken(rid, x.token_id, x.logprob, x.top_logprobs, x.rank) for x in results]
-            out.emitted[rid] = len(results)
-
-    def _verify_trees(self, logits: torch.Tensor, verify_at: list[tuple[Chunk, int, int]], out: _Scored) -> None:
-        rows = self._rows_of(logits, [i + j for _, i, d in verify_at for j in range(d + 1)])
-        sampler = self.runner.batch_sampler
-        trees = [(c.state, c.tree) for c, _, _ in verify_at]
-        assert all(t is not None for _, t in trees), "a tree speculator verified a chunk without its tree"
-        for (c, _, _), (results, path) in zip(verify_at, verify_trees(sampler, rows, trees, self.forced)):
-            rid = c.state.request_id
-            out.sampled += [SampledToken(rid, x.token_id, x.logprob, x.top_logprobs, x.rank) for x in results]
-            out.emitted[rid] = len(results)
-            out.paths[rid] = path

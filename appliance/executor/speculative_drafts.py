@@ -3,7 +3,7 @@ request, the catch-up inputs of drafters fed the target's states, and the draft 
 executor/draft_graphs.py and, after a verify-graph step, the catch-up graphs of executor/catch_up_graphs.py (or,
 with eagle_topk > 1, the draft tree of executor/tree_drafting.py, eagerly). A
 greedy chain's drafts come back through pinned memory and are read when `drafts` is next read (the next step's
-start), so the host waits once per step, for the verification's samples.
+start); after a step decided on the device, with the verdict (executor/device_proposal.py).
 """
 from __future__ import annotations
 
@@ -53,11 +53,13 @@ class Drafting:
         self._read_pending()
         return self._drafts
 
-    def _read_pending(self) -> None:
+    def _read_pending(self, first_pos: list[int] | None = None) -> None:
+        """A chain on its way to the held drafts (first_pos: its rows' first positions, for a chain placed on
+        the device)."""
         if self._pending is not None:
             rows, pending = self._pending
             self._pending = None
-            self._drafts.update(zip(rows, pending.drafts()))
+            self._drafts.update(zip(rows, pending.drafts(first_pos)))
 
     def _held(self, request_id: str) -> int:
         """Drafts held for a request, without waiting for a chain on its way."""
@@ -191,9 +193,10 @@ class Drafting:
             self._drafts[state.request_id] = list(tree.tokens)
             self.trees[state.request_id] = tree
 
-    def launch_chain(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int], hidden: Any) -> None:
+    def launch_chain(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int] | None,
+                     hidden: Any) -> None:
         """The greedy chain after these first drafts (target ids), from its graph; its drafts are read when
-        `drafts` is next read."""
+        `drafts` is next read. first_pos None: from the device lengths (device_proposal.py, which reads it)."""
         assert self.chains is not None
         limits = [self.draft_limit(s) for s in states]
         self._read_pending()  # (the step's verification read them already)

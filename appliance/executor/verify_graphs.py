@@ -26,6 +26,7 @@ row) and the flashinfer backend (graphs not wired) keep the multi-token path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -94,10 +95,11 @@ def make_verify_graphs(runner: ModelRunner, num_steps: int) -> VerifyGraphs | No
     return graphs
 
 
-def verify_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndarray, shift: int = 0) -> None:
+def verify_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndarray, shift: int | None = 0) -> None:
     """Fill out64's first five segments of graph_stride(batch): [ids | table rows | positions | slots |
     seq_lens], one row per query token, padding after the real rows. shift: row j of a chunk reads the token
-    at start + j + shift (1: a drafter fed the next token, catch_up_graphs.py)."""
+    at start + j + shift (1: a drafter fed the next token, catch_up_graphs.py); None: ids left 0 (written on
+    the device)."""
     s = graph_stride(batch)
     v = out64[: 5 * s].reshape(5, s)
     v[:] = 0
@@ -109,7 +111,8 @@ def verify_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndar
         blocks = st.block_array()
         if (c.start + n - 1) // block_size >= blocks.shape[0]:
             raise RuntimeError(f"request {st.request_id!r}: {c.start + n} tokens exceed its {blocks.shape[0]} blocks")
-        v[0, i : i + n] = st.token_ids[c.start + shift : c.start + shift + n]
+        if shift is not None:
+            v[0, i : i + n] = st.token_ids[c.start + shift : c.start + shift + n]
         v[1, i : i + n] = st.table_row
         v[2, i : i + n] = pos
         v[3, i : i + n] = blocks[pos // block_size] * block_size + pos % block_size
@@ -179,14 +182,6 @@ class VerifyGraphs(DecodeGraphs):
         self.table.place_chunks(rows, offsets, self.block_size, positions, slots, self.seq_lens[:b])
         return ids, positions, self._meta(key, rows, slots)
 
-    def _host_rows(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Query rows whose positions, slots and seq_lens the host built (`verify_rows`: the upload
-        [ids | rows | positions | slots | seq_lens | ...], each segment graph_stride long)."""
-        b, s = key.batch, graph_stride(key.batch)
-        ids, rows, positions, slots = (self.buf[i * s : i * s + b] for i in range(4))
-        self.seq_lens[:b].copy_(self.buf[4 * s : 4 * s + b])
-        return ids, positions, self._meta(key, rows, slots)
-
     def _meta(self, key: GraphKey, rows: torch.Tensor, slots: torch.Tensor) -> AttentionMetadata:
         assert self.table is not None
         b, w = key.batch, key.width
@@ -201,14 +196,18 @@ class VerifyGraphs(DecodeGraphs):
         ids, positions, meta = self._rows(key)
         self.hidden[: key.batch].copy_(self.forward(ids, positions, meta))
 
-    def run_step(self, chunks: list[Chunk]) -> tuple[list[int], torch.Tensor] | None:
-        """Each chunk's first row and the hidden states of a verification step, or None when no graph fits it."""
+    def run_step(self, chunks: list[Chunk], fix_ids: Callable[[torch.Tensor], None] | None = None
+                 ) -> tuple[list[int], torch.Tensor] | None:
+        """Each chunk's first row and the hidden states of a verification step, or None when no graph fits it.
+        fix_ids(ids) may write the uploaded input ids on the device before the replay."""
         key = self.key_for(chunks)
         if key is None:
             return None
         if key not in self.graphs:
             self.capture(key)
         self._fill(chunks, key)
+        if fix_ids is not None:
+            fix_ids(self.buf[: sum(c.num_tokens for c in chunks)])
         self.graphs[key]()
         self.last_key = key
         starts = np.cumsum([0] + [c.num_tokens for c in chunks]).tolist()
