@@ -38,6 +38,9 @@ OVERLAP = {"enable_overlap_schedule": True}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
+Steps = list[tuple[list[str], dict[str, list[int]]]]  # per step: the paths taken, the drafts held after it
+
+
 @contextmanager
 def host_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     """Every step on the host path, while the context lasts (patch inside it with the context's own object)."""
@@ -46,9 +49,9 @@ def host_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
         yield m
 
 
-def record_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], dict[str, list[int]]]]:
+def record_steps(monkeypatch: pytest.MonkeyPatch) -> Steps:
     """Every speculative step's paths taken (`proposes_on_device`'s answers) and the drafts held after it."""
-    steps: list[tuple[list[str], dict[str, list[int]]]] = []
+    steps: Steps = []
     paths: list[str] = []
     decide, complete_step = speculative.proposes_on_device, Speculator.complete_step
 
@@ -66,6 +69,17 @@ def record_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], dict[
     monkeypatch.setattr(speculative, "proposes_on_device", recorded_decide)
     monkeypatch.setattr(Speculator, "complete_step", recorded_complete)
     return steps
+
+
+def both_paths(monkeypatch: pytest.MonkeyPatch, run: Any) -> tuple[list[Any], Steps, list[Any], Steps]:
+    """`run()` (a fresh engine's outputs) on the host path, then as the speculator picks: each run's outputs and
+    recorded steps."""
+    with host_path(monkeypatch) as m:
+        steps = record_steps(m)
+        host = run()
+        host_steps = list(steps)
+    steps = record_steps(monkeypatch)
+    return host, host_steps, run(), steps
 
 
 def record_syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -133,12 +147,7 @@ def test_tokens_and_drafts_equal_the_host_path(tiny_model: Path, drafters: dict[
     lengths compute what the host-built rows do), the same tokens; most steps took the device path."""
     kw = {**_drafter(name, drafters), **extra}
     params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 2
-    with host_path(monkeypatch) as m:
-        steps = record_steps(m)
-        host = generate(make_llm(tiny_model, **kw), params)
-        host_steps = list(steps)
-    steps = record_steps(monkeypatch)
-    outs = generate(make_llm(tiny_model, **kw), params)
+    host, host_steps, outs, steps = both_paths(monkeypatch, lambda: generate(make_llm(tiny_model, **kw), params))
     assert [o.token_ids for o in outs] == [h.token_ids for h in host]
     if "speculative_enable_synthetic_acceptance" not in extra:  # forced acceptance keeps wrong drafts
         assert outs[0].token_ids == reference[0].token_ids
@@ -174,12 +183,8 @@ def test_mtp_equals_the_host_path(tiny_v3: Path, monkeypatch: pytest.MonkeyPatch
     """The MTP layer (fed the target's final hidden states, an MLA cache) holds the host path's drafts too."""
     kw = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
     params = SamplingParams(temperature=0.0, max_tokens=MTP_NEW, ignore_eos=True)
-    with host_path(monkeypatch) as m:
-        steps = record_steps(m)
-        host = generate(make_llm(tiny_v3, **kw), params, MTP_PROMPTS)
-        host_steps = list(steps)
-    steps = record_steps(monkeypatch)
-    outs = generate(make_llm(tiny_v3, **kw), params, MTP_PROMPTS)
+    host, host_steps, outs, steps = both_paths(monkeypatch,
+                                               lambda: generate(make_llm(tiny_v3, **kw), params, MTP_PROMPTS))
     assert [o.token_ids for o in outs] == [h.token_ids for h in host]
     assert [d for _, d in steps] == [d for _, d in host_steps]
     assert any(p == ["device"] for p, _ in steps)
@@ -199,12 +204,7 @@ def test_gpu_device_path_equals_the_host_path(tiny_model: Path, drafters: dict[s
         kw |= {"speculative_enable_synthetic_acceptance": True, "speculative_synthetic_acceptance_length": length}
     params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 2
     want = [o.token_ids for o in generate(gpu_llm(tiny_model), params)]
-    with host_path(monkeypatch) as m:
-        steps = record_steps(m)
-        host = generate(gpu_llm(tiny_model, **kw), params)
-        host_steps = list(steps)
-    steps = record_steps(monkeypatch)
-    outs = generate(gpu_llm(tiny_model, **kw), params)
+    host, host_steps, outs, steps = both_paths(monkeypatch, lambda: generate(gpu_llm(tiny_model, **kw), params))
     assert [o.token_ids for o in outs] == [h.token_ids for h in host] == want
     assert sum(p == ["device"] for p, _ in steps) >= len(steps) // 2
     same = sum(d == h for (_, d), (_, h) in zip(steps, host_steps))
