@@ -50,7 +50,8 @@ def host_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 
 
 def record_steps(monkeypatch: pytest.MonkeyPatch) -> Steps:
-    """Every speculative step's paths taken (`proposes_on_device`'s answers) and the drafts held after it."""
+    """Every speculative step's paths taken (`proposes_on_device`'s answers, or "ahead" for a step launched before
+    the step in flight was read: verify_ahead.py) and the drafts held after it."""
     steps: Steps = []
     paths: list[str] = []
     decide, complete_step = speculative.proposes_on_device, Speculator.complete_step
@@ -62,7 +63,8 @@ def record_steps(monkeypatch: pytest.MonkeyPatch) -> Steps:
 
     def recorded_complete(self: Speculator, step: LaunchedStep) -> StepResult:
         result = complete_step(self, step)
-        steps.append((paths[:], {rid: list(d) for rid, d in self.drafts.items()}))
+        taken = ["ahead"] if step.after is not None else paths[:]
+        steps.append((taken, {rid: list(d) for rid, d in self.drafts.items()}))
         paths.clear()
         return result
 
@@ -93,9 +95,9 @@ def record_syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         log.append("plan")
         return plan(self, *args)
 
-    def recorded_run_step(self: VerifyGraphs, *args: Any) -> Any:
+    def recorded_run_step(self: VerifyGraphs, *args: Any, **kw: Any) -> Any:
         log.append("launch " + ("verify" if type(self) is VerifyGraphs else "catch-up"))
-        return run_step(self, *args)
+        return run_step(self, *args, **kw)
 
     def recorded_launch(self: ChainGraphs, *args: Any) -> Any:
         log.append("launch chain")
@@ -152,17 +154,18 @@ def test_tokens_and_drafts_equal_the_host_path(tiny_model: Path, drafters: dict[
     if "speculative_enable_synthetic_acceptance" not in extra:  # forced acceptance keeps wrong drafts
         assert outs[0].token_ids == reference[0].token_ids
     assert [d for _, d in steps] == [d for _, d in host_steps]
-    device = sum(p == ["device"] for p, _ in steps)
+    device = sum(p in (["device"], ["ahead"]) for p, _ in steps)
     assert device >= len(steps) // 2 and all(p in ([], ["host"]) for p, _ in host_steps)
+    assert any(p == ["ahead"] for p, _ in steps) == (extra == OVERLAP)
 
 
 @pytest.mark.parametrize("loop", [{}, OVERLAP])
 def test_a_device_step_waits_once(tiny_model: Path, drafters: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                   loop: dict) -> None:
     """The device path queues verify, catch-up and chain, then reads the verdict and the drafts together: one
-    wait per step, and with overlap after the engine handed over the next plan (it planned while the step ran).
-    The host path reads the verdict between the verify and the catch-up, and the drafts at the next step's
-    start: two."""
+    wait per step, and with overlap after the engine handed over the next plan (it planned while the step ran)
+    and after that plan's verify, catch-up and chain were queued behind it (verify_ahead.py). The host path reads
+    the verdict between the verify and the catch-up, and the drafts at the next step's start: two."""
     kw = {**_drafter("EAGLE3", drafters), **loop}
     with host_path(monkeypatch) as m:
         log = record_syncs(m)
@@ -171,9 +174,10 @@ def test_a_device_step_waits_once(tiny_model: Path, drafters: dict[str, Path], m
     log = record_syncs(monkeypatch)
     generate(make_llm(tiny_model, **kw), GREEDY)
     device = waits_per_step(log)
-    assert len(device) >= 10 and set(device[:-1]) == {1}  # the last segment runs on to the end of the run
-    step = ["launch verify", "launch catch-up", "launch chain"] + (["plan"] if loop else []) + ["read verdict",
-                                                                                                   "read drafts"]
+    # the last segment runs on to the end of the run; with overlap the first step is read in the second's segment
+    assert len(device) >= 10 and set(device[1 if loop else 0 : -1]) == {1} and device[0] == (0 if loop else 1)
+    queue = ["launch verify", "launch catch-up", "launch chain"]
+    step = queue + (["plan"] + queue if loop else []) + ["read verdict", "read drafts"]
     first = log.index("launch verify")
     assert log[first : first + len(step)] == step
     assert len(host) >= 10 and set(host[:-1]) == {2}
@@ -206,6 +210,6 @@ def test_gpu_device_path_equals_the_host_path(tiny_model: Path, drafters: dict[s
     want = [o.token_ids for o in generate(gpu_llm(tiny_model), params)]
     host, host_steps, outs, steps = both_paths(monkeypatch, lambda: generate(gpu_llm(tiny_model, **kw), params))
     assert [o.token_ids for o in outs] == [h.token_ids for h in host] == want
-    assert sum(p == ["device"] for p, _ in steps) >= len(steps) // 2
+    assert sum(p in (["device"], ["ahead"]) for p, _ in steps) >= len(steps) // 2
     same = sum(d == h for (_, d), (_, h) in zip(steps, host_steps))
     assert same >= 0.9 * min(len(steps), len(host_steps))

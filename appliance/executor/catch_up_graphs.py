@@ -92,17 +92,29 @@ class CatchUpGraphs(VerifyGraphs):
         if self.chains_state:
             self.hidden[:b].copy_(hidden)
 
-    def run_catch_up(self, chunks: list[Chunk], take: list[int], fed: torch.Tensor | None = None
+    def run_catch_up(self, chunks: list[Chunk], take: list[int], fed: torch.Tensor | None = None,
+                     placed: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[list[int], torch.Tensor, torch.Tensor | None] | None:
         """Each chunk's first row, every row's draft and chained state, or None when no graph fits. `fed`: the
-        rows' input ids on the device (else the host's token at start + j + shift)."""
+        rows' input ids on the device (else the host's token at start + j + shift). `placed`: the rows'
+        positions and slots on the device (else built on the host from the chunks' starts)."""
+        rows = sum(c.num_tokens for c in chunks)
+
+        def fix(key: GraphKey) -> None:
+            s = graph_stride(key.batch)
+            if fed is not None:
+                self.buf[:rows].copy_(fed)
+            if placed is not None:
+                self.buf[2 * s : 2 * s + rows].copy_(placed[0])
+                self.buf[3 * s : 3 * s + rows].copy_(placed[1])
+                torch.add(placed[0], 1, out=self.buf[4 * s : 4 * s + rows])
+
         self._take, self._fed = take, fed is not None
-        got = self.run_step(chunks, None if fed is None else lambda ids: ids.copy_(fed))
+        got = self.run_step(chunks, fix if fed is not None or placed is not None else None)
         self._take, self._fed = [], False
         if got is None:
             return None
         starts, _ = got
-        rows = sum(c.num_tokens for c in chunks)
         return starts, self.tokens[:rows], self.hidden[:rows] if self.chains_state else None
 
 

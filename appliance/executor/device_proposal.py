@@ -30,6 +30,7 @@ from appliance.executor.device_verification import (
     read_verdict,
     verdict_on_device,
 )
+from appliance.executor.draft_graphs import PendingChain
 from appliance.executor.input_batch import Chunk
 from appliance.executor.speculative_rejection import draws_drafts
 
@@ -59,6 +60,7 @@ class Proposal:
     verdict: Verdict
     drafting: list[int]  # the chunks whose requests draft (indices into verifications)
     event: torch.cuda.Event | None  # recorded behind the last of it (None on a CPU)
+    chain: tuple[dict[str, int], PendingChain] | None = None  # the drafting requests' rows, their chain
 
 
 def launch_proposal(spec: Speculator, chunks: list[Chunk], row_starts: list[int], hidden: torch.Tensor,
@@ -72,11 +74,19 @@ def launch_proposal(spec: Speculator, chunks: list[Chunk], row_starts: list[int]
                                 r.block_table.lens)
     for c in chunks:  # the chain below brings the next drafts
         spec._forget(c.state.request_id)
-    drafting = _catch_up_and_chain(spec, chunks, row_starts, verdict)
-    event = torch.cuda.Event() if hidden.device.type == "cuda" else None
+    drafting = catch_up_and_chain(spec, chunks, row_starts, verdict)
+    return queued(spec, pairs, verdict, drafting)
+
+
+def queued(spec: Speculator, pairs: list[tuple[Chunk, int]], verdict: Verdict, drafting: list[int]) -> Proposal:
+    """The proposal of a step whose launches are all queued: its verdict's copy to the host queued behind them
+    and its chain taken from the speculator (the step keeps it until it is read, whatever launches meanwhile)."""
+    chain, spec._pending = spec._pending, None
+    verdict = verdict.staged()
+    event = torch.cuda.Event() if verdict.tokens.device.type == "cuda" else None
     if event is not None:
         event.record()
-    return Proposal(pairs, verdict, drafting, event)
+    return Proposal(pairs, verdict, drafting, event, chain if drafting else None)
 
 
 def read_proposal(spec: Speculator, p: Proposal) -> tuple[list[SampledToken], dict[str, int]]:
@@ -85,16 +95,19 @@ def read_proposal(spec: Speculator, p: Proposal) -> tuple[list[SampledToken], di
     the new drafts."""
     emitted = read_verdict(p.verdict)
     keep_emitted(p.verifications, emitted)
-    if p.drafting:  # each chain started at its request's confirmed end
-        spec._read_pending([p.verifications[b][0].start + len(emitted[b]) for b in p.drafting])
+    if p.chain is not None:  # each chain started at its request's confirmed end
+        rows, chain = p.chain
+        first = [p.verifications[b][0].start + len(emitted[b]) for b in p.drafting]
+        spec._drafts.update(zip(rows, chain.drafts(first)))
     sampled = [SampledToken(c.state.request_id, t) for (c, _), tokens in zip(p.verifications, emitted) for t in tokens]
     return sampled, {c.state.request_id: len(tokens) for (c, _), tokens in zip(p.verifications, emitted)}
 
 
-def _catch_up_and_chain(spec: Speculator, chunks: list[Chunk], row_starts: list[int], verdict: Verdict
-                        ) -> list[int]:
+def catch_up_and_chain(spec: Speculator, chunks: list[Chunk], row_starts: list[int], verdict: Verdict,
+                       placed: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
     """Queue the catch-up over the whole chunks, fed the verdict's tokens, and the chain of the requests that
-    draft (returned, as indices into chunks), from their last kept row; nothing is read."""
+    draft (returned, as indices into chunks), from their last kept row; nothing is read. placed: the rows'
+    positions and slots on the device (a step launched ahead, whose chunks' starts the host does not know)."""
     cu = spec.catch_up_graphs
     assert cu is not None
     width = verdict.tokens.shape[1]
@@ -104,7 +117,8 @@ def _catch_up_and_chain(spec: Speculator, chunks: list[Chunk], row_starts: list[
     n, m = len(fed), len(drafting)
     firsts = np.cumsum([0] + [c.num_tokens for c in chunks])[drafting]  # the catch-up rows' layout is the chunks'
     sent = spec._chain_stager.send(np.concatenate([np.asarray(fed + drafting, dtype=np.int64), firsts]))
-    got = cu.run_catch_up(chunks, take if cu.source is not None else [], verdict.tokens.reshape(-1)[sent[:n]])
+    got = cu.run_catch_up(chunks, take if cu.source is not None else [], verdict.tokens.reshape(-1)[sent[:n]],
+                          placed)
     if got is None:
         raise RuntimeError("a catch-up of a verify-graph step's rows found no graph (it has the same rows)")
     _, tokens, states = got

@@ -13,7 +13,7 @@ confirmed end in the same launches (request_table.py's `lens`), and the host rea
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,6 +33,20 @@ class Verdict:
 
     counts: torch.Tensor  # [B] int64: tokens each request emits, 1..held + 1
     tokens: torch.Tensor  # [B, K + 1] int64: the emitted tokens first; columns from counts on are not emitted
+    host: torch.Tensor | None = None  # counts then tokens, copied to the host behind the launches (`staged`)
+    copied: torch.cuda.Event | None = None  # recorded behind that copy (None on a CPU)
+
+    def staged(self) -> Verdict:
+        """The verdict with its copy to the host queued now: read later, it waits for this step's launches only,
+        not for what was queued after them (a plain read would wait for the whole stream)."""
+        flat = torch.cat([self.counts, self.tokens.reshape(-1)])
+        if flat.device.type != "cuda":
+            return replace(self, host=flat)
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return replace(self, host=host, copied=copied)
 
 
 def accept(samples: torch.Tensor, drafts: torch.Tensor, held: torch.Tensor,
@@ -118,11 +132,30 @@ def launch_verdict(samples: torch.Tensor, batch: VerifyBatch, num_steps: int, st
     return verdict
 
 
+def launch_verdict_ahead(samples: torch.Tensor, first_rows: list[int], held: list[int], table_rows: list[int],
+                         drafts: torch.Tensor, forced: list[int] | None, num_steps: int, stager: Stager,
+                         lens: torch.Tensor) -> Verdict:
+    """`launch_verdict` for a step launched before the previous one was read (verify_ahead.py): its drafts
+    ([B, >= K] on the device, the previous chain's) and its chunks' starts (the device lengths, which the verify
+    graph moved to each chunk's end: start + 1 + held) are not on the host."""
+    batch = VerifyBatch(first_rows, [[0] * d for d in held], table_rows, [0] * len(held), forced)
+    up = batch.upload(num_steps, stager)
+    col = torch.arange(num_steps, device=drafts.device)
+    mine = torch.where(col < up.held[:, None], drafts[:, :num_steps], 0)
+    verdict = accept(samples[up.index.reshape(-1)].view(up.index.shape), mine, up.held, up.forced)
+    starts = lens.index_select(0, up.table_rows) - up.held - 1
+    lens.index_copy_(0, up.table_rows, starts + verdict.counts)
+    return verdict
+
+
 def read_verdict(verdict: Verdict) -> list[list[int]]:
     """The emitted tokens of each request: counts and tokens in one copy (the host's wait for the verdict and
     everything launched before this call)."""
     b, width = verdict.tokens.shape
-    host = torch.cat([verdict.counts, verdict.tokens.reshape(-1)]).tolist()
+    if verdict.copied is not None:
+        verdict.copied.synchronize()
+    flat = verdict.host if verdict.host is not None else torch.cat([verdict.counts, verdict.tokens.reshape(-1)])
+    host = flat.tolist()
     return [host[b + i * width : b + i * width + host[i]] for i in range(b)]
 
 

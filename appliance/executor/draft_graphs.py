@@ -63,8 +63,11 @@ class ChainGraphs:
                        if hidden_size is not None else None)
         self.seq_lens = torch.zeros(max(n, 1), sizes[-1], dtype=torch.int32, device=self.device)
         self.out = torch.zeros(sizes[-1], spec.num_steps, dtype=torch.int64, device=self.device)
-        self.read = torch.zeros(sizes[-1], spec.num_steps, dtype=torch.int64, pin_memory=self.cuda)
-        self._read: torch.cuda.Event | None = None
+        # two pinned copies taking turns: a chain's drafts may be read after the next chain launched (verify_ahead.py)
+        self.reads = [torch.zeros(sizes[-1], spec.num_steps, dtype=torch.int64, pin_memory=self.cuda)
+                      for _ in range(2)]
+        self._reads: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self._no_prefill = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.graphs: dict[GraphKey, Callable[[], None]] = {}
         self.pool = pool if pool is not None or not self.cuda else torch.cuda.graph_pool_handle()
@@ -163,8 +166,9 @@ class ChainGraphs:
         device length (`_fill`), which the caller tells PendingChain.drafts when it knows it. The drafts come
         back to pinned memory behind the kernels; PendingChain.drafts() waits for them (the chain's one sync)."""
         n = len(states)
-        if self._read is not None:
-            self._read.synchronize()  # the previous chain's drafts left the pinned buffer
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._reads[turn] is not None:
+            self._reads[turn].synchronize()  # the drafts of the chain before the previous one left this buffer
         if self.num_steps > 1:
             batch = padded_batch(self.sizes, n)
             assert batch is not None, f"a chain of {n} rows exceeds the {self.sizes[-1]} the buffers hold"
@@ -180,12 +184,12 @@ class ChainGraphs:
             out = self.out[:n]
         else:
             out = first.view(n, 1)
-        host = self.read.view(-1)[: out.numel()].view(out.shape)  # contiguous: one plain copy
+        host = self.reads[turn].view(-1)[: out.numel()].view(out.shape)  # contiguous: one plain copy
         host.copy_(out, non_blocking=self.cuda)
-        self._read = torch.cuda.Event() if self.cuda else None
-        if self._read is not None:
-            self._read.record()
-        return PendingChain(host, self._read, self.num_steps, limits, first_pos)
+        read = self._reads[turn] = torch.cuda.Event() if self.cuda else None
+        if read is not None:
+            read.record()
+        return PendingChain(host, read, self.num_steps, limits, first_pos, out)
 
     def run(self, states: list[RequestState], first: torch.Tensor, first_pos: list[int], hidden: Any,
             limits: list[int]) -> list[list[int]]:
@@ -224,6 +228,7 @@ class PendingChain:
     num_steps: int
     limits: list[int]
     first_pos: list[int] | None  # None: placed from the device lengths, told to `drafts`
+    out: torch.Tensor | None = None  # [n, num_steps] on the device, until the next chain launches
 
     @property
     def counts(self) -> list[int]:

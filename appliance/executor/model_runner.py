@@ -267,6 +267,9 @@ class ModelRunner:
         steps in flight (its sampling reads the complete token history) and runs to completion here; so does a
         speculative step, unless decided and drafted on the device (speculative.py `Speculator.launch`)."""
         if self.spec is not None:
+            if (ahead := self.spec.launch_ahead(plan)) is not None:  # behind the step in flight, read afterwards
+                self._inflight.append(ahead)
+                return ahead
             self.flush()  # the speculative step in flight: this one starts from where it ended
         # issued before anything of this step reads or writes those blocks; the forward waits for them
         self.host_copier.submit(plan.host_copies, plan.host_writes)

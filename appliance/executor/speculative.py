@@ -31,7 +31,7 @@ decided on the device queues steps 2 and 3 before the host reads anything (devic
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,6 +52,7 @@ from appliance.executor.speculative_scoring import Scored, Scoring
 from appliance.executor.speculative_states import StateRollback
 from appliance.executor.tree_drafting import make_tree_drafter
 from appliance.executor.tree_verification import compact, path_moves
+from appliance.executor.verify_ahead import launch_ahead, launches_ahead, settle
 from appliance.executor.verify_graphs import make_verify_graphs
 
 if TYPE_CHECKING:
@@ -155,6 +156,7 @@ class LaunchedStep:
     clamped: dict[str, int]
     scored: Scored | None
     proposal: Proposal | None = None
+    after: int | None = None  # launched ahead of this step's read (verify_ahead.py): its chunks are provisional
 
 
 class Speculator(Scoring, Drafting):
@@ -183,6 +185,9 @@ class Speculator(Scoring, Drafting):
         self.chains, self.catch_up_graphs = None, None  # set by drafters with a model
         self._verified_on_graphs = False
         self.recomputed = 0  # hybrid targets: verifications recomputed after a rejection (speculative_states.py)
+        self._launched: LaunchedStep | None = None  # the latest step launched, while its proposal is unread
+        self._last_read = -1  # the step id of the latest step read
+        self._settled_steps: dict[int, LaunchedStep] = {}  # steps launched ahead, settled, not read yet
 
     # ---- the step ----------------------------------------------------------------------------------------
     def launch(self, plan: StepPlan) -> StepHandle:
@@ -209,13 +214,51 @@ class Speculator(Scoring, Drafting):
             ordered, row_starts, hidden = self._forward(chunks)
             if rollback is None and proposes_on_device(self, ordered, verifying):
                 proposal = launch_proposal(self, ordered, row_starts, hidden, verifying)
-                step = LaunchedStep(plan, ordered, clamped, None, proposal)
-                return StepHandle(plan.step_id, event=proposal.event, completion=lambda: self.complete_step(step))
+                return self._in_flight(LaunchedStep(plan, ordered, clamped, None, proposal))
             scored = self._score_and_propose(ordered, row_starts, hidden, verifying, rollback)
         return StepHandle(plan.step_id, self.complete_step(LaunchedStep(plan, ordered, clamped, scored)))
 
+    def launch_ahead(self, plan: StepPlan) -> StepHandle | None:
+        """`plan` launched before the step in flight is read, where nothing of it needs that read
+        (verify_ahead.py); None: the caller finishes the step in flight and launches the plan as usual."""
+        previous = self._launched
+        if previous is not None and previous.after is not None and previous.after == self._last_read:
+            previous = self._launched = self._settled(previous)  # the step before it was read: real chunks
+        if not launches_ahead(self, plan, previous):
+            return None
+        assert previous is not None
+        self.drafting = True
+        with torch.inference_mode():
+            proposal = launch_ahead(self, plan, previous)
+        return self._in_flight(LaunchedStep(plan, [c for c, _ in proposal.verifications], {}, None, proposal,
+                                            after=previous.plan.step_id))
+
+    def _in_flight(self, step: LaunchedStep) -> StepHandle:
+        self._launched = step
+        return StepHandle(step.plan.step_id, event=step.proposal.event if step.proposal else None,
+                          completion=lambda: self.complete_step(step))
+
+    def _settled(self, step: LaunchedStep) -> LaunchedStep:
+        """A step launched ahead with its real chunks, once the step before it was read (settled once)."""
+        if step.after is None:
+            return step
+        done = self._settled_steps.get(step.plan.step_id)
+        if done is None:
+            if step.after != self._last_read:
+                raise RuntimeError(f"step {step.plan.step_id} was launched ahead of step {step.after}, unread")
+            assert step.proposal is not None
+            proposal = settle(self, step.proposal)
+            done = replace(step, chunks=[c for c, _ in proposal.verifications], proposal=proposal, after=None)
+            self._settled_steps[step.plan.step_id] = done
+        return done
+
     def complete_step(self, step: LaunchedStep) -> StepResult:
         """A launched step's result; a proposal on the device is read first (the step's one wait)."""
+        step = self._settled(step)
+        self._settled_steps.pop(step.plan.step_id, None)
+        if self._launched is not None and self._launched.plan.step_id == step.plan.step_id:
+            self._launched = None
+        self._last_read = step.plan.step_id
         r, scored = self.runner, step.scored
         if step.proposal is not None:
             scored = Scored(*read_proposal(self, step.proposal))

@@ -120,9 +120,10 @@ def verify_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndar
         i += n
 
 
-def chunk_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndarray) -> None:
+def chunk_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndarray, with_ids: bool = True) -> None:
     """Fill out64's first three segments of graph_stride(batch): [ids | table rows | offsets], one row per query
-    token (row j of a chunk: the token at start + j, offset j), padding after the real rows (token 0, row 0)."""
+    token (row j of a chunk: the token at start + j, offset j), padding after the real rows (token 0, row 0);
+    with_ids False: ids left 0 (written on the device)."""
     s = graph_stride(batch)
     v = out64[: 3 * s].reshape(3, s)
     v[:] = 0
@@ -131,7 +132,8 @@ def chunk_rows(chunks: list[Chunk], block_size: int, batch: int, out64: np.ndarr
         st, n = c.state, c.num_tokens
         if (c.start + n - 1) // block_size >= len(st.block_ids):
             raise RuntimeError(f"request {st.request_id!r}: {c.start + n} tokens exceed its {len(st.block_ids)} blocks")
-        v[0, i : i + n] = st.token_ids[c.start : c.start + n]
+        if with_ids:
+            v[0, i : i + n] = st.token_ids[c.start : c.start + n]
         v[1, i : i + n] = st.table_row
         v[2, i : i + n] = np.arange(n)
         i += n
@@ -142,6 +144,7 @@ class VerifyGraphs(DecodeGraphs):
 
     SEGMENTS = 3  # [ids | table rows | offsets]
     fresh_rows = 1  # the most rows of one request a step stores (AttentionMetadata.decode_fresh_rows)
+    _ahead = False  # the step being filled is launched ahead (run_step)
 
     def fits(self, chunks: list[Chunk], max_tokens: int) -> bool:
         """Whether a step of these chunks runs here: every chunk samples after at most max_tokens tokens, none
@@ -159,11 +162,14 @@ class VerifyGraphs(DecodeGraphs):
         if sum(c.num_tokens for c in chunks) > key.batch or table_width(chunks) > key.width:
             raise ValueError(f"a verification step of {len(chunks)} chunks does not fit a graph of {key.batch} rows x "
                              f"{key.width} blocks")
-        chunk_rows(chunks, self.block_size, key.batch, host)
+        chunk_rows(chunks, self.block_size, key.batch, host, with_ids=not self._ahead)
 
     def _lens_corrections(self, chunks: list[Chunk]) -> np.ndarray:
         """Every request's device length must be its chunk's start (the rows are placed from it); the mirror
-        is set to the chunk's end, where the graph leaves it."""
+        is set to the chunk's end, where the graph leaves it. A step launched ahead sends none: the previous
+        verdict set each length to the start, which the host learns when it reads that verdict."""
+        if self._ahead:
+            return np.zeros((2, 0), dtype=np.int64)
         flat: list[int] = []
         for c in chunks:
             s = c.state
@@ -196,18 +202,24 @@ class VerifyGraphs(DecodeGraphs):
         ids, positions, meta = self._rows(key)
         self.hidden[: key.batch].copy_(self.forward(ids, positions, meta))
 
-    def run_step(self, chunks: list[Chunk], fix_ids: Callable[[torch.Tensor], None] | None = None
+    def run_step(self, chunks: list[Chunk], fix: Callable[[GraphKey], None] | None = None, ahead: bool = False
                  ) -> tuple[list[int], torch.Tensor] | None:
         """Each chunk's first row and the hidden states of a verification step, or None when no graph fits it.
-        fix_ids(ids) may write the uploaded input ids on the device before the replay."""
+        fix(key) may write the uploaded inputs (`buf`, laid out for the key) on the device before the replay.
+        ahead: the chunks' starts are the device lengths already and their ids are written by `fix`
+        (verify_ahead.py: launched before the previous step was read; the chunks' starts are provisional)."""
         key = self.key_for(chunks)
         if key is None:
             return None
         if key not in self.graphs:
             self.capture(key)
-        self._fill(chunks, key)
-        if fix_ids is not None:
-            fix_ids(self.buf[: sum(c.num_tokens for c in chunks)])
+        self._ahead = ahead
+        try:
+            self._fill(chunks, key)
+        finally:
+            self._ahead = False
+        if fix is not None:
+            fix(key)
         self.graphs[key]()
         self.last_key = key
         starts = np.cumsum([0] + [c.num_tokens for c in chunks]).tolist()
