@@ -153,7 +153,10 @@ class DecodeGraphs:
         # for the step's block delta; positions, slots and seq_lens are written on the device (DeviceBlockTable.
         # advance) into their own static buffers, at 32-byte aligned offsets
         self.buf = torch.zeros((self.SEGMENTS + 2) * top + 2 * DELTA_ROOM * top, dtype=torch.int64, device=device)
-        self.host = torch.zeros(self.buf.numel(), dtype=torch.int64, pin_memory=self.cuda)
+        # two pinned uploads taking turns: a fill waits for the copy two fills back, not the latest one (which,
+        # with a step launched ahead of the step in flight's read, may sit behind that whole step)
+        self.hosts = [torch.zeros(self.buf.numel(), dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self._turn = 0
         self.computed = torch.zeros(2 * top, dtype=torch.int64, device=device)  # [positions | slots]
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(sizes[-1], hidden_size, dtype=dtype, device=device)
@@ -162,7 +165,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.stream = torch.cuda.Stream(device) if self.cuda else None  # captures run on it
         self.eager_sizes: set[int] = set()  # batch sizes whose capture had its eager run
-        self._copied: torch.cuda.Event | None = None
+        self._copies: list[torch.cuda.Event | None] = [None, None]
         self._overflow = Stager(device)  # a delta larger than the room (a step of many new one-token requests)
         self.table: DeviceBlockTable | None = None
         self.windows: WindowDeviceTables | None = None  # the sliding groups' tables (None: one group)
@@ -216,9 +219,12 @@ class DecodeGraphs:
         """Upload [ids | rows], the length corrections and the block delta in one copy, then scatter the
         corrections and the delta into the table (before the replay, whose kernels read them)."""
         assert self.table is not None
-        if self._copied is not None:
-            self._copied.synchronize()  # the pinned buffer is about to be overwritten
-        host = self.host.numpy()
+        turn, self._turn = self._turn, 1 - self._turn
+        copied = self._copies[turn]
+        if copied is not None:
+            copied.synchronize()  # the pinned buffer is about to be overwritten
+        pinned = self.hosts[turn]
+        host = pinned.numpy()
         self._rows_upload(decodes, key, host)
         index, blocks = self.table.delta(c.state for c in decodes)
         corrections = self._lens_corrections(decodes)
@@ -235,10 +241,10 @@ class DecodeGraphs:
         if w_inline:
             host[n : n + windows.shape[0]] = windows
             n += windows.shape[0]
-        self.buf[:n].copy_(self.host[:n], non_blocking=self.cuda)
+        self.buf[:n].copy_(pinned[:n], non_blocking=self.cuda)
         if self.cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copies[turn] = torch.cuda.Event()
+            self._copies[turn].record()
         if not inline:
             delta = self._overflow.send(np.concatenate([index, blocks]))
             self.table.apply(delta[:k], delta[k:])

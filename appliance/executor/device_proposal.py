@@ -11,7 +11,9 @@ device length. Only then does the host read the verdict, and the chain's drafts,
 there: one wait per step instead of one for the verdict and one for the drafts, and no host work between the
 verify graph and the chain. The read waits too: `launch_proposal` returns what `read_proposal` needs, and the
 speculator hands the step back in flight (speculative.py `Speculator.launch`), so with overlap the engine plans
-the next step while this one runs and the runner reads it just before it launches that step. Drafters fed the next token (EAGLE, EAGLE-3, MTP: catch-up shift 1, chain from the
+the next step while this one runs and the runner reads it just before it launches that step (or just after, where
+that step is launched ahead: verify_ahead.py, which is why the verdict's and the chain's copies to the host are
+queued with the step). Drafters fed the next token (EAGLE, EAGLE-3, MTP: catch-up shift 1, chain from the
 confirmed length); a standalone draft model, whose catch-up has one row more than the chunk, and every other step
 take the host path (speculative.py), whose tokens and drafts are the same.
 """

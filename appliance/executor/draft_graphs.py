@@ -57,21 +57,22 @@ class ChainGraphs:
         self.cuda = self.device.type == "cuda"
         top, n = graph_stride(sizes[-1]), spec.num_steps - 1
         self.buf = torch.zeros(3 * top, dtype=torch.int64, device=self.device)  # [rows | first positions | limits]
-        self.host = torch.zeros(self.buf.numel(), dtype=torch.int64, pin_memory=self.cuda)
+        # uploads and draft copies in two pinned buffers each, taking turns: a chain may launch before the previous
+        # one is read (verify_ahead.py), and a fill then waits for the copy two launches back only
+        self.hosts = [torch.zeros(self.buf.numel(), dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self._copies: list[torch.cuda.Event | None] = [None, None]
         self.tokens = torch.zeros(sizes[-1], dtype=torch.int64, device=self.device)
         self.hidden = (torch.zeros(sizes[-1], hidden_size, dtype=dtype, device=self.device)
                        if hidden_size is not None else None)
         self.seq_lens = torch.zeros(max(n, 1), sizes[-1], dtype=torch.int32, device=self.device)
         self.out = torch.zeros(sizes[-1], spec.num_steps, dtype=torch.int64, device=self.device)
-        # two pinned copies taking turns: a chain's drafts may be read after the next chain launched (verify_ahead.py)
         self.reads = [torch.zeros(sizes[-1], spec.num_steps, dtype=torch.int64, pin_memory=self.cuda)
                       for _ in range(2)]
         self._reads: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
+        self._turn, self._fill_turn = 0, 0  # the draft copies', the uploads'
         self._no_prefill = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.graphs: dict[GraphKey, Callable[[], None]] = {}
         self.pool = pool if pool is not None or not self.cuda else torch.cuda.graph_pool_handle()
-        self._copied: torch.cuda.Event | None = None
         self.last_key: GraphKey | None = None
 
     def _segments(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,19 +120,21 @@ class ChainGraphs:
               ) -> None:
         """Upload [rows | first positions | limits] (padding: row 0, limit 0); first_pos None: the first
         positions are the rows' device lengths, gathered on the device."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the pinned buffer is about to be overwritten
+        turn, self._fill_turn = self._fill_turn, 1 - self._fill_turn
+        if self._copies[turn] is not None:
+            self._copies[turn].synchronize()  # the pinned buffer is about to be overwritten
         s, n = graph_stride(key.batch), len(states)
-        v = self.host.numpy()[: 3 * s].reshape(3, s)
+        pinned = self.hosts[turn]
+        v = pinned.numpy()[: 3 * s].reshape(3, s)
         v[:] = 0
         v[0, :n] = [st.table_row for st in states]
         if first_pos is not None:
             v[1, :n] = first_pos
         v[2, :n] = limits
-        self.buf[: 3 * s].copy_(self.host[: 3 * s], non_blocking=self.cuda)
+        self.buf[: 3 * s].copy_(pinned[: 3 * s], non_blocking=self.cuda)
         if self.cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copies[turn] = torch.cuda.Event()
+            self._copies[turn].record()
         if first_pos is None:
             self.buf[s : s + n].copy_(self.table.lens.index_select(0, self.buf[:n]))
 

@@ -7,7 +7,8 @@ ids from that device tensor (`resolve_pending_ids`), so the runner can launch st
 and the only wait per step is for step N's ids when its result is collected. A speculative step decided and drafted
 on the device (device_proposal.py) is in flight too: its handle's `completion` reads its verdict and drafts, and
 the runner completes it before it launches the next step (which starts from where it ended), so the engine plans
-that step while this one runs.
+that step while this one runs; a next verification of the same requests is launched before that read
+(verify_ahead.py).
 """
 from __future__ import annotations
 

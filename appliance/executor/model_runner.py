@@ -265,7 +265,8 @@ class ModelRunner:
         """Start a step. When every sampled row samples on the device (inflight.py), its ids stay there until
         finish(), so the caller can plan and launch the next step meanwhile; any other step first finishes the
         steps in flight (its sampling reads the complete token history) and runs to completion here; so does a
-        speculative step, unless decided and drafted on the device (speculative.py `Speculator.launch`)."""
+        speculative step, unless decided and drafted on the device (speculative.py `Speculator.launch`), which a
+        verification of the same requests is launched ahead of (verify_ahead.py)."""
         if self.spec is not None:
             if (ahead := self.spec.launch_ahead(plan)) is not None:  # behind the step in flight, read afterwards
                 self._inflight.append(ahead)

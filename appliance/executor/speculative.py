@@ -26,7 +26,8 @@ With eagle_topk > 1 the drafts of a request are a tree (draft_tree.py): drafted 
 tree_verification.py (the walk down the tree, then the accepted path moved to consecutive slots and rows), eagerly.
 On a GPU steps 1 and 3 replay CUDA graphs: verification steps as decode rows (verify_graphs.py), the drafter's
 catch-up after them (catch_up_graphs.py) and the draft chain (draft_graphs.py); a step whose verifications are all
-decided on the device queues steps 2 and 3 before the host reads anything (device_proposal.py: one wait per step).
+decided on the device queues steps 2 and 3 before the host reads anything (device_proposal.py: one wait per step),
+and with overlap the next verification of the same requests is queued before that read (verify_ahead.py).
 """
 from __future__ import annotations
 
