@@ -18,7 +18,11 @@ from test_spec_device_proposal import record_steps, record_syncs
 
 from appliance import SamplingParams
 from appliance.executor import speculative
-from appliance.executor.device_verification import VerifyBatch, launch_verdict, launch_verdict_ahead
+from appliance.executor.device_verification import (
+    VerifyBatch,
+    launch_verdict,
+    launch_verdict_ahead,
+)
 from appliance.executor.input_batch import Stager
 
 one_thread, drafters, tiny_v3 = spec_fixtures.one_thread, spec_fixtures.drafters, spec_fixtures.tiny_v3
