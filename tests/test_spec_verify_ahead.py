@@ -136,3 +136,24 @@ def test_verdict_from_device_drafts_equals_the_host_built_one() -> None:
         assert torch.equal(got.counts, want.counts) and torch.equal(got.tokens, want.tokens)
         assert torch.equal(dev_lens, host_lens)
         assert want.counts.min() >= 1 and (want.counts > 1).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("acceptance", ACCEPTANCE)
+def test_gpu_outputs_equal_the_read_first_loop(tiny_model: Path, drafters: dict[str, Path],
+                                               monkeypatch: pytest.MonkeyPatch, acceptance: dict) -> None:
+    """Captured graphs, pinned copies read a step late: launching ahead gives the read-first loop's tokens (the
+    same graphs at the same shapes) and, with real acceptance, the target's own greedy tokens."""
+    kw = {**spec_kwargs("EAGLE3", drafters["eagle3"]), **acceptance, **OVERLAP}
+    params = _params(None)
+    want = [o.token_ids for o in generate(spec_fixtures.gpu_llm(tiny_model), params)]
+    with monkeypatch.context() as m:
+        m.setattr(speculative, "launches_ahead", lambda *_: False)
+        read_first = [o.token_ids for o in generate(spec_fixtures.gpu_llm(tiny_model, **kw), params)]
+    steps = record_steps(monkeypatch)
+    ahead = [o.token_ids for o in generate(spec_fixtures.gpu_llm(tiny_model, **kw), params)]
+    assert ahead == read_first
+    if not acceptance:
+        assert ahead == want
+    assert sum(p == ["ahead"] for p, _ in steps) >= 2

@@ -229,6 +229,9 @@ class Speculator(Scoring, Drafting):
             return None
         assert previous is not None
         self.drafting = True
+        copier = self.runner.host_copier  # the plan has no copies: the stream waits for earlier write-throughs
+        copier.submit(plan.host_copies, plan.host_writes)
+        copier.wait_all()
         with torch.inference_mode():
             proposal = launch_ahead(self, plan, previous)
         return self._in_flight(LaunchedStep(plan, [c for c, _ in proposal.verifications], {}, None, proposal,
