@@ -11,9 +11,9 @@ Sections:
 - batch1: the same engine, one request of 1024 in / 256 out alone: ms per output token.
 - capacity: KV blocks at the same gpu_memory_utilization, FP8 KV against the 16-bit KV (same FP8 weights).
 - gemv: Llama-3.1-8B's projections at one row: the Triton FP8 GEMV (the decode-batch path of scaled_linear;
-  `triton_gemv` its default, x quantized ahead; `triton_gemv_in_kernel` quantizing inside) against the activation
-  quantization + cuBLASLt scaled GEMM it replaces, and the 16-bit GEMV on the same weight in bf16 (twice the
-  bytes), microseconds each (--quick: the torch reference on tiny shapes).
+  `triton_gemv`, x quantized by act_quant.py's launch first) against the activation quantization + cuBLASLt
+  scaled GEMM it replaces, and the 16-bit GEMV on the same weight in bf16 (twice the bytes), microseconds each
+  (--quick: the torch reference on tiny shapes).
 - producers: the residual add + RMSNorm and SiLU-and-mul at one row writing e4m3 in their own launch (what an FP8
   linear with per-token scales reads at decode) against the 16-bit op and act_quant.py's launch, microseconds.
 - qwen3: Qwen3-0.6B shape, 256 requests of input and output lengths uniform in [100, 1024], FP8 KV against 16-bit
@@ -28,7 +28,6 @@ import json
 import random
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -138,14 +137,10 @@ def _gemv_paths(x: Any, wq: Any, scale: Any, quick: bool) -> dict[str, Any]:
         xq, xs = quant_act(x, None)
         return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
 
-    from appliance.kernels.triton.fp8_gemv import config_for
     from appliance.kernels.triton.gemv import gemv
 
-    n, k = wq.shape
-    in_kernel = replace(config_for(n, k), quantize="in_kernel")
     w16 = (wq.to(x.dtype) * scale[:, None].to(x.dtype)).contiguous()
     return {"triton_gemv": lambda: triton_fp8_gemv(x, wq, scale, None),
-            "triton_gemv_in_kernel": lambda: triton_fp8_gemv(x, wq, scale, None, config=in_kernel),
             "cublaslt": cublas, "bf16_weight_gemv": lambda: gemv(x, w16)}
 
 

@@ -6,10 +6,11 @@ At batch 1 torch._scaled_mm pays for a GEMM tiled for large M and a separate act
 decode step's linear layers only stream weight bytes, so this kernel does what gemv.py does for 16-bit weights
 (one program per BLOCK_N output rows, y^T = W x^T so the weight tile feeds the MMA as stored) on half the bytes.
 x is quantized per token (or with one static scale) by its producer (an RMSNorm or SiLU-and-mul that writes a
-QuantizedAct: kernels/fp8_act.py), else either ahead, by act_quant.py, or by the GEMV's programs as they go
-(Fp8GemvConfig.quantize: each program reads its rows of x for their amax, then quantizes each x tile with the
-same saturating cast as act_quant.py). fp8 operands go to tl.dot on the GPU (float32 accumulation); the
-interpreter upcasts.
+QuantizedAct: kernels/fp8_act.py), else by act_quant.py's one launch first; the GEMV's loop is then gemv.py's
+weight stream (both operands through the async-copy pipeline) on fp8 tiles. Quantizing x inside every program as
+it walks K instead (one launch, but the quantized x tile goes through registers into shared memory each step)
+streamed Llama-3.1-8B's weights at ~0.26 TB/s on an H100: 98 us for the 25 MB qkv weight against cuBLASLt's 28
+us. fp8 operands go to tl.dot on the GPU (float32 accumulation); the interpreter upcasts.
 """
 from __future__ import annotations
 
@@ -21,13 +22,12 @@ import triton.language as tl
 
 from appliance.kernels import tuned
 from appliance.kernels.capability import capability
-from appliance.kernels.fp8_gemm import FP8, FP8_MAX, QuantizedAct
+from appliance.kernels.fp8_gemm import FP8, QuantizedAct
 from appliance.kernels.reference.linear import GEMV_MAX_ROWS as MAX_M
 from appliance.kernels.registry import register
-from appliance.kernels.triton.act_quant import MIN_AMAX, dynamic_scale, quant_act
+from appliance.kernels.triton.act_quant import quant_act
 from appliance.kernels.triton.common import INTERPRET, pdl_kwargs
 from appliance.kernels.triton.gemv import weight_stream
-from appliance.kernels.triton.kv_fp8 import saturate
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,6 @@ class Fp8GemvConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
-    # where x is quantized: "ahead" by kernels/triton/act_quant.py's one launch, so the GEMV's loop is gemv.py's
-    # weight stream (both operands through the async-copy pipeline) on fp8 tiles; "in_kernel" by every program
-    # as it walks K (one launch, but the quantized x tile goes through registers into shared memory each step;
-    # this way streamed Llama-3.1-8B's weights at ~0.26 TB/s on an H100: `python -m benchmarks.fp8 --sections
-    # gemv`, 98 us for the 25 MB qkv weight against cuBLASLt's 28 us)
-    quantize: str = "ahead"
 
 
 def tuned_config(n: int, k: int, arch: str) -> Fp8GemvConfig | None:
@@ -71,44 +65,6 @@ def store_scaled(acc, ws_ptr, x_scale, bias_ptr, y_ptr, offs_m, offs_n, m_mask, 
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr, STATIC: tl.constexpr, BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                     GDC: tl.constexpr):
-    pid_n = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    if GDC:  # launched early: x is the kernel before's output
-        tl.extra.cuda.gdc_wait()
-    if STATIC:
-        x_scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(static_ptr).to(tl.float32)
-    else:  # each row's amax over the whole of K
-        amax = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                        mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
-        x_scale = dynamic_scale(amax, MIN_AMAX, FP8_MAX)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None],
-                    other=0.0)
-        xq = saturate(x, x_scale[None, :], FP8_MAX).to(w.dtype)
-        if UPCAST:
-            acc += tl.dot(w.to(tl.float32), xq.to(tl.float32))
-        else:
-            acc += tl.dot(w, xq)
-    store_scaled(acc, ws_ptr, x_scale, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym, BIAS)
-
-
-@triton.jit
 def _fp8_stream_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        UPCAST: tl.constexpr, GDC: tl.constexpr):
@@ -132,8 +88,7 @@ def fp8_gemv(x: torch.Tensor | QuantizedAct, weight: torch.Tensor, weight_scale:
              config: Fp8GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (16-bit, M <= 16) through an e4m3 weight [N, K] with per-row scales [N] -> [M, N] in x's dtype;
     the contract of kernels/fp8_gemm.scaled_linear. x may be a QuantizedAct (its producer quantized it): then
-    the weight stream runs on it as it is, whatever the config's `quantize`. `config` overrides the tiles
-    (tuning)."""
+    the weight stream runs on it as it is. `config` overrides the tiles (tuning)."""
     values = x.xq if isinstance(x, QuantizedAct) else x
     m, k = values.shape if values.dim() == 2 else (0, -1)
     if values.dim() != 2 or m > MAX_M or weight.dtype != FP8 or weight.shape[1] != k or weight.stride(-1) != 1:
@@ -142,8 +97,6 @@ def fp8_gemv(x: torch.Tensor | QuantizedAct, weight: torch.Tensor, weight_scale:
     n = weight.shape[0]
     measured = tuned_config(n, k, tuned.arch_name(capability(values))) if values.is_cuda else None
     cfg = config or measured or config_for(n, k)
-    if cfg.quantize not in ("ahead", "in_kernel"):
-        raise ValueError(f"fp8_gemv: quantize {cfg.quantize!r} is not one of 'ahead', 'in_kernel'")
     y = torch.empty(m, n, dtype=x.dtype, device=values.device)
     scale = weight_scale.float().contiguous()
     if not (m and n):
@@ -151,18 +104,10 @@ def fp8_gemv(x: torch.Tensor | QuantizedAct, weight: torch.Tensor, weight_scale:
     grid = (triton.cdiv(n, cfg.block_n),)
     tiles = {"BLOCK_M": 16, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "UPCAST": INTERPRET,
              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if isinstance(x, QuantizedAct) or cfg.quantize == "ahead":
-        xq, xs = (x.xq, x.scale) if isinstance(x, QuantizedAct) else quant_act(_k_contiguous(x), input_scale)
-        _fp8_stream_kernel[grid](xq, xs, weight, scale, bias if bias is not None else scale, y, m, n, k,
-                                 xq.stride(0), weight.stride(0), y.stride(0), BIAS=bias is not None, **tiles,
-                                 **pdl_kwargs(xq))
-        return y
-    x = _k_contiguous(x)
-    _fp8_gemv_kernel[grid](
-        x, weight, scale, input_scale if input_scale is not None else scale,
-        bias if bias is not None else scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX, STATIC=input_scale is not None, BIAS=bias is not None,
-        **tiles, **pdl_kwargs(x))
+    xq, xs = (x.xq, x.scale) if isinstance(x, QuantizedAct) else quant_act(_k_contiguous(x), input_scale)
+    _fp8_stream_kernel[grid](xq, xs, weight, scale, bias if bias is not None else scale, y, m, n, k,
+                             xq.stride(0), weight.stride(0), y.stride(0), BIAS=bias is not None, **tiles,
+                             **pdl_kwargs(xq))
     return y
 
 
