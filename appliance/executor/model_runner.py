@@ -31,12 +31,12 @@ from appliance.executor import (
     kv_calibration,
     logits_processors,
     memory_profile,
+    runner_caches,
     speculative,
     state_cache,
     step_sampling,
     swap_cost,
     warmup,
-    window_groups,
 )
 from appliance.executor.batch_sampler import BatchSampler, gpu_sample_op
 from appliance.executor.cuda_graph import (
@@ -48,7 +48,6 @@ from appliance.executor.cuda_graph import (
     rows_view,
     width_bucket,
 )
-from appliance.executor.host_copy import HostCopier
 from appliance.executor.inflight import StepHandle
 from appliance.executor.input_batch import (
     Chunk,
@@ -57,9 +56,7 @@ from appliance.executor.input_batch import (
     build_inputs,
     table_width,
 )
-from appliance.executor.kv_scales import setup as kv_scale_setup
 from appliance.executor.memory_check import check_weight_memory
-from appliance.executor.memory_profile import count_blocks
 from appliance.executor.model_loader import (
     build_model,
     load_hf_config,
@@ -68,7 +65,6 @@ from appliance.executor.model_loader import (
 )
 from appliance.executor.piecewise import PiecewiseGraphs, piecewise_max_tokens
 from appliance.executor.request_table import (
-    DeviceBlockTable,
     LiveRequests,
     RequestState,
 )
@@ -81,15 +77,11 @@ from appliance.executor.runner_setup import (
 )
 from appliance.executor.sampler import Sampler
 from appliance.executor.startup import STARTUP
-from appliance.executor.state_cache import make_state_cache
-from appliance.executor.window_table import WindowDeviceTables
-from appliance.kernels.reference.kv_quant import is_fp8
 from appliance.layers.parallel_state import get_tp_size
 from appliance.models.registry import model_class
 
 if TYPE_CHECKING:
     from appliance.config.schema import ApplianceConfig
-    from appliance.executor.kv_scales import CheckpointKVScales
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +101,7 @@ class ModelRunner:
                 weakref.finalize(self, kv_cache.free_storage, list(module.parameters()))  # (buffers: shared tables)
         layers = self.model.attention_layers() + speculative.draft_attention_layers(config, self.model,
                                                                                     self.draft_model)
-        self._build_caches(config, layers, kv_scales)
+        runner_caches.build_caches(self, config, layers, kv_scales)
         self._build_step_state(config)
         self._prepare_serving(config, layers)
 
@@ -135,48 +127,6 @@ class ModelRunner:
         check_weight_memory(config, self.hf_config, self.dtype, self.device, self.backend,
                             self.model_dir)  # fail before allocating
         self._mem_baseline = memory_profile.allocated_by_others(self.device)
-
-    def _build_caches(self, config: ApplianceConfig, layers: list[torch.nn.Module],
-                      kv_scales: CheckpointKVScales) -> None:
-        """The KV cache (its size from the memory profile), the device block tables, the state cache of hybrid
-        models and the host and disk tiers, bound to their layers. The profile measures the step with the tables
-        and state cache already allocated, so the KV budget leaves room for them."""
-        kv_dtype = kv_cache.kv_cache_dtype(config.precision.kv_cache_dtype, self.dtype)
-        high = kv_cache.high_precision_layers(config.precision.kv_cache_high_precision_layers,
-                                              len(self.model.attention_layers()))
-        self.kv_spec = kv_cache.KVCacheSpec.of(layers, self.block_size, kv_dtype, high, self.dtype)
-        if is_fp8(kv_dtype):  # before the profile binds a cache
-            self.kv_scale_source = kv_scale_setup(config, self.model, layers, kv_scales)
-        elif kv_scales.scales:
-            log.info("the checkpoint ships fp8 KV cache scales; a %s cache does not use them (they apply with "
-                     "precision.kv_cache_dtype = fp8)", kv_dtype)
-        self.max_blocks = -(-self.max_model_len // self.block_size)
-        # one row per request the scheduler may run at once (prefilling ones included; speculative decoding adds
-        # rows to no request)
-        self.block_table = DeviceBlockTable(config.scheduler.max_num_seqs, self.max_blocks, self.device,
-                                            "torch" if self.backend == "torch" else None)
-        # hybrid models: per-request recurrent states beside the KV cache, one slot per table row (state_cache.py)
-        self.state_cache = make_state_cache(self, config.scheduler.max_num_seqs)
-        # sliding layers in pools of their own where the run allows (window_groups.py), tables on the device too
-        sliding = window_groups.sliding_groups(self)
-        self.window_table = WindowDeviceTables(len(sliding), self.block_table) if sliding else None
-        with STARTUP.phase("profiling memory"):
-            self.kv_layout = window_groups.split(count_blocks(self), self.kv_spec, sliding, self.max_model_len,
-                                                 self.step_tokens.largest_chunk)
-            self.num_blocks = self.kv_layout.num_blocks
-        with STARTUP.phase("allocating the KV cache"):
-            self.kv_caches = kv_cache.allocate(self.kv_spec, self.num_blocks, self.device,
-                                               self.kv_layout.layer_blocks(self.kv_spec.num_layers),
-                                               self.kv_layout.positions(self.kv_spec.num_layers))
-        weakref.finalize(self, kv_cache.release, self.kv_caches)  # the memory goes with the runner
-        for layer, (k, v) in zip(layers, self.kv_caches):
-            layer.bind_kv_cache(k, v)
-        self.kv_layout.bind_groups(layers)
-        # the host tier (cache.host_cache) and the disk tier behind it, and their copies (host_copy.py)
-        self.host_copier = HostCopier.build(config.cache, self.kv_spec, self.num_blocks, self.kv_caches, self.device)
-        self.host_copier.bind_layers(layers)
-        self.host_kv, self.num_host_blocks = self.host_copier.host_caches, self.host_copier.num_host_slots
-        self.num_disk_blocks = self.host_copier.num_disk_slots
 
     def _build_step_state(self, config: ApplianceConfig) -> None:
         """Samplers, the live requests, the upload stagers, the steps in flight and the graphs."""
